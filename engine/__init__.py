@@ -1,0 +1,1 @@
+"""specdec inference engine: model, paged KV cache, scheduler, runner, sampler, loop, CLI."""

@@ -1,0 +1,94 @@
+"""Attention over a paged KV cache: the metadata both backends read, and the torch reference.
+
+Layout (per layer): k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+A step holds B sequences with a variable number of new (query) tokens each, flattened to T tokens.
+Sequence i's new tokens are q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]; its KV length after this step is
+seq_lens[i], so its j-th new token sits at position seq_lens[i] - q_len_i + j and attends to
+positions 0..that position (causal). New K/V are written to the cache first (slot_mapping, -1 = no
+write, used by padding rows), then attention reads everything from the pages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor   # [T] int64: block * block_size + offset, or -1
+    cu_seqlens_q: torch.Tensor   # [B+1] int32
+    seq_lens: torch.Tensor       # [B] int32, KV length after this step
+    block_tables: torch.Tensor   # [B, max_blocks] int32
+    max_query_len: int           # host-known upper bound of the per-sequence query length
+    max_seq_len: int             # host-known upper bound of seq_lens
+
+
+def store_kv_torch(k, v, k_cache, v_cache, slot_mapping):
+    """Write new keys/values into their cache slots; rows with slot -1 write nothing."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid].to(v_cache.dtype))
+
+
+def paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """Reference: gathers each sequence's pages and runs dense causal attention in float32."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    cu = meta.cu_seqlens_q.tolist()
+    lens = meta.seq_lens.tolist()
+    for i, kv_len in enumerate(lens):
+        q_start, q_end = cu[i], cu[i + 1]
+        if q_end == q_start:
+            continue
+        n_blocks = (kv_len + block_size - 1) // block_size
+        blocks = meta.block_tables[i, :n_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[q_start:q_end].float()
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        q_pos = torch.arange(kv_len - (q_end - q_start), kv_len, device=q.device)
+        k_pos = torch.arange(kv_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+class TorchAttention:
+    """Runs anywhere; the correctness reference for every other backend."""
+    name = "torch"
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+class TritonAttention:
+    """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    name = "triton"
+
+    def __init__(self):
+        from engine import triton_attention
+        self._k = triton_attention
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
+        return self._k.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
+                                       meta.block_tables, scale, meta.max_query_len)
+
+
+def make_backend(name: str):
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}")

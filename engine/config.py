@@ -1,0 +1,53 @@
+"""The engine's one configuration object."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = field(default_factory=lambda: os.environ.get("SPECDEC_MODEL", "default"))
+    device: str = "auto"               # "auto" -> cuda if available else cpu
+    dtype: str = "auto"                # "auto" -> bfloat16 on cuda, float32 on cpu
+    attention_backend: str = "auto"    # "torch" | "triton" | "auto" (triton on cuda)
+    block_size: int = 16               # tokens per KV page
+    num_kv_blocks: int = 0             # 0 -> size from kv_cache_memory_fraction / max_model_len
+    kv_cache_memory_fraction: float = 0.5
+    max_num_seqs: int = 64             # rows in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    max_model_len: int = 0             # 0 -> the model's context length
+    depth: int = 1                     # 1 = blocking loop, 2 = pipelined (later issue)
+    enforce_eager: bool = True         # CUDA graphs arrive with the pipelined issue
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.depth not in (1, 2):
+            raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    def backend_name(self) -> str:
+        if self.attention_backend == "auto":
+            return "triton" if self.torch_device().type == "cuda" else "torch"
+        return self.attention_backend

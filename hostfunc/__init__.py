@@ -1,0 +1,1 @@
+"""Capturable CUDA host callbacks (see csrc/hostfunc.cpp)."""

@@ -1,0 +1,28 @@
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+# The hostfunc extension needs only the Python and pybind11 headers: the CUDA driver entry points are
+# resolved at run time (dlopen libcuda), so it builds on machines with no CUDA toolkit or GPU.
+ext_modules = [
+    Pybind11Extension("hostfunc._C", ["hostfunc/csrc/hostfunc.cpp"], cxx_std=17, libraries=["dl"]),
+]
+
+setup(
+    name="specdec",
+    version="0.1.0",
+    description="Low-latency LLM inference for JSON-schema-constrained tool calls",
+    packages=["engine", "specdec", "hostfunc"],
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar>=0.1.21",
+        "numpy", "tqdm", "pybind11>=2.12",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "accelerate", "jsonschema", "triton>=3.2"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["specdec=engine.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+    zip_safe=False,
+)

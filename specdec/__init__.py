@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, verification, acceptance statistics (later issues)."""
