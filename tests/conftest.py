@@ -1,0 +1,53 @@
+import os
+
+import pytest
+import torch
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime.",
+    "Give me a JSON object describing a cat with name and age fields.",
+    "hi",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The default model in float32 with the torch reference attention, on the CPU."""
+    from engine.llm_engine import LLMEngine
+    return LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8)
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(engine):
+    return [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def hf_model(engine):
+    """Hugging Face transformers' Llama on the very weights the engine loaded."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(engine.source.path), dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids, new_tokens):
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                         eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def assert_no_leak(engine):
+    assert engine.blocks.num_free == engine.blocks.num_blocks, "KV pages leaked"
+    assert not engine.scheduler.running and not engine.scheduler.waiting
