@@ -24,6 +24,38 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
+def _max_op(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_op(a, b):
+    return a + b
+
+
+def _interpreted(fn) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+# tl.max/tl.sum/tl.zeros/tl.cdiv are @jit functions of triton.language, compiled or interpreted as
+# TRITON_INTERPRET was when triton was first imported; ours follow it as it is when this module is
+# (re)loaded. If the two disagree (interpreter enabled after triton's import), the interpreter cannot
+# call the compiled stdlib reductions: use local combiners instead (correct, but slow to interpret).
+# Apart from these two reductions, the kernels use only builtins.
+_LOCAL_REDUCE = tl.constexpr(_interpreted(_max_op) and not _interpreted(tl.max))
+
+
+@triton.jit
+def _max(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, _max_op) if _LOCAL_REDUCE else tl.max(x, AXIS)
+
+
+@triton.jit
+def _sum(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, _add_op) if _LOCAL_REDUCE else tl.sum(x, AXIS)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      num_kv_heads, stride_slot, stride_ch,
                      HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
@@ -57,12 +89,12 @@ def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, sta
         v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     else:
         v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, _max(s, 1))
     # A row may have seen no key yet (split ranges): keep exp2 away from -inf - -inf.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + _sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
@@ -98,15 +130,15 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
 
     # This block needs keys [0, kv_end); this split takes [lo, hi) of them, TILE_N-aligned.
     kv_end = tl.maximum(ctx + tl.minimum(q_lo + BLOCK_Q, q_len), 0)
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
+    chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
     lo = split * chunk
     hi = tl.minimum(kv_end, lo + chunk)
     # Keys below ctx + q_lo + 1 are visible to every row of the block: those tiles skip the mask.
     full_hi = lo + tl.maximum(tl.minimum(hi, ctx + q_lo + 1) - lo, 0) // TILE_N * TILE_N
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_PAD), tl.float32)
+    l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
+    acc = tl.full((BLOCK_M, HEAD_PAD), 0.0, tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
     kv_off_head = kv_head * stride_kvh
     for start in range(lo, full_hi, TILE_N):
@@ -140,10 +172,10 @@ def _combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads
     row = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_PAD)
     m = tl.load(part_m + row)
-    m_max = tl.max(m, 0)
+    m_max = _max(m, 0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    l_tot = tl.sum(w * tl.load(part_l + row), 0)
-    acc = tl.sum(tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :]) * w[:, None], 0)
+    l_tot = _sum(w * tl.load(part_l + row), 0)
+    acc = _sum(tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :]) * w[:, None], 0)
     o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -151,7 +183,7 @@ def _combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads
 
 def interpreted() -> bool:
     """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(_paged_attn_kernel).__name__ == "InterpretedFunction"
+    return _interpreted(_paged_attn_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -261,6 +293,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     past cu_seqlens_q[-1] are left as they are). num_splits: KV splits (power of two), default by grid size.
     """
     _check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
+    if isinstance(max_query_len, torch.Tensor) or isinstance(scale, torch.Tensor):
+        raise ValueError("max_query_len and scale must be host numbers (a tensor would need a sync)")
     max_query_len = operator.index(max_query_len)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

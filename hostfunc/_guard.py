@@ -22,6 +22,10 @@ from ._errors import HostfuncError
 
 _TORCH_CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.cuda.__file__)), "")
 _ALLOWED_FILES = frozenset({os.path.join(_TORCH_CUDA_DIR, "nvtx.py")})  # NVTX ranges are not CUDA calls
+# Module bodies (lazy imports) and cached queries torch itself makes on CPU paths; whatever they call is not
+# checked. Inside a callback CUDA is already initialised, so _lazy_init returns at once.
+_ALLOWED_QUERIES = frozenset({"<module>", "_is_compiled", "is_available", "is_initialized", "_lazy_init",
+                              "device_count"})
 _CUDA_BASES = tuple(
     cls for cls in (getattr(torch._C, "_CudaStreamBase", None), getattr(torch._C, "_CudaEventBase", None))
     if isinstance(cls, type)
@@ -54,6 +58,7 @@ class _Guard:
     def __init__(self, devices):
         self.devices = frozenset(devices)
         self.violation = None
+        self.allowed_frame = None  # the outermost running _ALLOWED_QUERIES frame, if any
 
     def fail(self, what):
         message = f"CUDA call inside a host callback: {what}"
@@ -62,12 +67,22 @@ class _Guard:
         raise HostfuncError(message)
 
     def profile(self, frame, event, arg):
-        if event == "call":
-            path = frame.f_code.co_filename
-            if path.startswith(_TORCH_CUDA_DIR) and path not in _ALLOWED_FILES:
-                self.fail(f"torch.cuda ({frame.f_code.co_name} in {os.path.basename(path)})")
+        if self.allowed_frame is not None:
+            if event == "return" and frame is self.allowed_frame:
+                self.allowed_frame = None
+        elif event == "call":
+            self._check_call(frame)
         elif event == "c_call" and _is_cuda_builtin(arg):
             self.fail(getattr(arg, "__qualname__", repr(arg)))
+
+    def _check_call(self, frame):
+        path = frame.f_code.co_filename
+        if not path.startswith(_TORCH_CUDA_DIR) or path in _ALLOWED_FILES:
+            return
+        if frame.f_code.co_name in _ALLOWED_QUERIES:
+            self.allowed_frame = frame
+            return
+        self.fail(f"torch.cuda ({frame.f_code.co_name} in {os.path.basename(path)})")
 
 
 class _NoCudaMode(TorchDispatchMode):
@@ -80,6 +95,13 @@ class _NoCudaMode(TorchDispatchMode):
         if _touches(self.guard.devices, (args, kwargs)):
             self.guard.fail(f"{func} on a {'/'.join(sorted(self.guard.devices))} tensor or device")
         return func(*args, **kwargs)
+
+
+def warm_up():
+    """Run the dispatch mode once unguarded: its first use imports torch._dynamo, which must not happen
+    (slowly, and calling torch.cuda queries) inside the first guarded callback."""
+    with _NoCudaMode(_Guard(())):
+        torch.zeros(1).add_(1)
 
 
 def run_guarded(fn, args, kwargs, devices=("cuda",)):

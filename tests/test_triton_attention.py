@@ -1,8 +1,11 @@
 """engine.triton_attention against the torch reference (engine.attention).
 
-Without CUDA the kernels run in the Triton CPU interpreter. The flag is read when @triton.jit decorates,
-i.e. when engine.triton_attention is first imported (not when triton is), so it is set here before that
-import, and the module is reloaded if something imported it earlier without the flag.
+Without CUDA the kernels run in the Triton CPU interpreter. TRITON_INTERPRET is read when @triton.jit
+decorates: for our kernels when engine.triton_attention is first imported, for triton.language's own
+helpers (tl.max, tl.sum) when triton is. So it is set here before those imports, and our module is
+reloaded if something imported it earlier without the flag. If triton itself was imported first, the
+module falls back to local reductions: still correct, but the interpreter runs ~8x slower (~60 s here).
+Setting TRITON_INTERPRET=1 in the environment (or a conftest) when there is no GPU avoids that.
 """
 import importlib
 import os
@@ -33,24 +36,23 @@ gpu = pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (kernels compiled, no
 def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim=64, block_size=16, dtype=torch.float32,
                device=DEV, pad_rows=3, seed=0):
     """Random step: pages shuffled across sequences, cache slots past each sequence's end left NaN."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
     num_blocks = len(seq_lens) * max_blocks + 3
-    block_tables = torch.randperm(num_blocks, generator=g)[:len(seq_lens) * max_blocks]
+    block_tables = torch.randperm(num_blocks, generator=g, device=device)[:len(seq_lens) * max_blocks]
     block_tables = block_tables.reshape(len(seq_lens), max_blocks).to(torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     for i, n in enumerate(seq_lens):
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=device)
         slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
-        k, v = torch.randn(2, n, num_kv_heads, head_dim, generator=g)
+        k, v = torch.randn(2, n, num_kv_heads, head_dim, generator=g, device=device)
         store_kv_torch(k, v, k_cache, v_cache, slots)
-    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    q = torch.randn(int(cu[-1]) + pad_rows, num_heads, head_dim, generator=g).to(dtype)
-    meta = AttentionMetadata(None, cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                             block_tables.to(device), max(q_lens), max(seq_lens))
-    return q.to(device), k_cache.to(device), v_cache.to(device), meta
+    cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu[-1]) + pad_rows, num_heads, head_dim, generator=g, device=device).to(dtype)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, AttentionMetadata(None, cu, seq_lens_t, block_tables, max(q_lens), max(seq_lens))
 
 
 def rel_err(out, ref):
@@ -141,6 +143,8 @@ def test_invalid_inputs_raise_value_error():
     for match, tensors in cases.items():
         with pytest.raises(ValueError, match=match):
             ta.paged_attention(*tensors, *args)
+    with pytest.raises(ValueError, match="host numbers"):
+        ta.paged_attention(q, k_cache, v_cache, *args[:-1], torch.tensor(1))
     with pytest.raises(ValueError, match="slot_mapping"):
         ta.store_kv(q[:, :2], q[:, :2], k_cache, v_cache, torch.zeros(q.shape[0], device=DEV))
 

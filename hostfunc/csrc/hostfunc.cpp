@@ -8,7 +8,6 @@
 #include <pybind11/pybind11.h>
 
 #include <atomic>
-#include <cstdio>
 #include <mutex>
 #include <string>
 #include <unordered_set>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "driver.h"
+#include "errors.h"
 
 namespace py = pybind11;
 
@@ -33,48 +33,10 @@ struct Entry {
 std::mutex g_mu;  // guards g_live
 std::unordered_set<Entry*> g_live;
 
-constexpr size_t kMaxErrors = 256;
-std::mutex g_err_mu;  // guards g_errors and g_dropped
-std::vector<std::string> g_errors;
-size_t g_dropped = 0;
-
 std::atomic<bool> g_debug{false};
 std::atomic<bool> g_shutdown{false};
 PyObject* g_debug_runner = nullptr;  // strong reference; set and read with the GIL held
 thread_local int t_in_callback = 0;
-
-std::string hex(const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%zx", reinterpret_cast<size_t>(p));
-  return buf;
-}
-
-void record_error(std::string msg) {
-  std::lock_guard<std::mutex> lock(g_err_mu);
-  if (g_errors.size() < kMaxErrors) g_errors.push_back(std::move(msg));
-  else ++g_dropped;
-}
-
-std::string describe(PyObject* fn) {
-  try {
-    return py::repr(py::handle(fn)).cast<std::string>();
-  } catch (...) {  // error_already_set has fetched (cleared) the Python error
-    return "<callback>";
-  }
-}
-
-// Records the pending Python exception (and clears it). GIL held.
-void record_exception(PyObject* fn) {
-  py::error_already_set err;
-  std::string msg = "exception in host callback " + describe(fn) + ":\n";
-  try {
-    py::object lines = py::module_::import("traceback").attr("format_exception")(err.type(), err.value(), err.trace());
-    msg += py::str("").attr("join")(lines).cast<std::string>();
-  } catch (...) {
-    msg += err.what();
-  }
-  record_error(std::move(msg));
-}
 
 Entry* pack(py::object fn, py::tuple args, py::object kwargs, bool captured) {
   PyObject* kw = kwargs.is_none() || py::len(kwargs) == 0 ? nullptr : kwargs.release().ptr();
@@ -143,9 +105,17 @@ void run_entry(Entry* e) {
   if (!captured && unregister_entry(e)) destroy(e);
 }
 
+// True once this (driver) thread holds one extra, never released PyGILState count. That keeps its Python
+// thread state alive between callbacks: creating and deleting one per callback costs several microseconds.
+thread_local bool t_state_pinned = false;
+
 void trampoline(void* data) {
   if (!interpreter_alive()) return;  // leak the entry: a dying interpreter's objects must not be touched
   PyGILState_STATE state = PyGILState_Ensure();
+  if (state == PyGILState_UNLOCKED && !t_state_pinned) {
+    PyGILState_Ensure();
+    t_state_pinned = true;
+  }
   run_entry(static_cast<Entry*>(data));
   PyGILState_Release(state);
 }
@@ -240,33 +210,18 @@ py::dict handle_info(uintptr_t handle) {
 }
 
 py::dict stats() {
-  size_t live = 0, captured = 0, errors = 0;
+  size_t live = 0, captured = 0;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     live = g_live.size();
     for (Entry* e : g_live) captured += e->captured;
   }
-  {
-    std::lock_guard<std::mutex> lock(g_err_mu);
-    errors = g_errors.size() + g_dropped;
-  }
   py::dict out;
   out["live"] = live;
   out["captured"] = captured;
   out["pending_eager"] = live - captured;
-  out["errors"] = errors;
+  out["errors"] = error_count();
   return out;
-}
-
-py::tuple take_errors() {
-  std::vector<std::string> errors;
-  size_t dropped;
-  {
-    std::lock_guard<std::mutex> lock(g_err_mu);
-    errors.swap(g_errors);
-    dropped = std::exchange(g_dropped, 0);
-  }
-  return py::make_tuple(py::cast(errors), dropped);
 }
 
 std::string driver_error() { return driver().error; }

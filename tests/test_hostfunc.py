@@ -1,0 +1,374 @@
+"""CPU tests of hostfunc: API validation, packing/lifetime, error recording and the debug guard.
+
+The trampoline body runs synchronously through the ``_C._pack_for_test`` / ``_C._invoke_for_test`` hooks,
+so the refcount logic is covered without a GPU (tests/test_hostfunc_gpu.py drives the real driver path).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import hostfunc
+from hostfunc import HostfuncError, _C, _guard
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    _C.take_errors()
+    yield
+    hostfunc.set_debug(False)
+    hostfunc.free_all_hostfunc_user_data()
+    _C.take_errors()
+    assert hostfunc.live_handles() == 0
+
+
+def pack(fn, *args, captured=False, **kwargs):
+    return _C._pack_for_test(fn, args, kwargs, captured)
+
+
+def fake_launch(stream, fn, args, kwargs):
+    """Stands in for _C.launch on CPU: a launch on a capturing stream."""
+    return _C._pack_for_test(fn, args, kwargs, True), True
+
+
+def test_import_and_public_api():
+    assert set(hostfunc.__all__) <= set(dir(hostfunc))
+    assert issubclass(HostfuncError, RuntimeError)
+    assert hostfunc.stats() == {"live": 0, "captured": 0, "pending_eager": 0, "errors": 0}
+
+
+@pytest.mark.parametrize("stream", ["0", 1.5, True, object(), [0]])
+def test_bad_stream_type(stream):
+    with pytest.raises(TypeError, match="stream must be"):
+        hostfunc.launch_hostfunc(stream, print)
+
+
+def test_negative_stream_handle():
+    with pytest.raises(ValueError, match=">= 0"):
+        hostfunc.launch_hostfunc(-1, print)
+
+
+@pytest.mark.parametrize("fn", [None, 42, "print"])
+def test_non_callable(fn):
+    with pytest.raises(TypeError, match="callable"):
+        hostfunc.launch_hostfunc(0, fn)
+    with pytest.raises(TypeError, match="callable"):
+        hostfunc.hostfunc(fn)
+
+
+def test_bad_handles():
+    with pytest.raises(TypeError):
+        hostfunc.free_hostfunc_user_data("0x1")
+    with pytest.raises(KeyError):
+        hostfunc.free_hostfunc_user_data(0)
+    with pytest.raises(KeyError, match="unknown or already freed"):
+        hostfunc.free_hostfunc_user_data(0x1234560)
+    with pytest.raises(KeyError):
+        _C._invoke_for_test(0x1234560)
+
+
+def test_double_free_and_eager_free():
+    handle = pack(print, captured=True)
+    hostfunc.free_hostfunc_user_data(handle)
+    with pytest.raises(KeyError, match="already freed"):
+        hostfunc.free_hostfunc_user_data(handle)
+    eager = pack(print)
+    with pytest.raises(ValueError, match="eager launch"):
+        hostfunc.free_hostfunc_user_data(eager)
+    hostfunc.free_all_hostfunc_user_data()
+    assert hostfunc.stats()["pending_eager"] == 1  # free_all leaves pending eager launches alone
+    _C._invoke_for_test(eager)
+
+
+def test_synchronize_bad_target():
+    with pytest.raises(TypeError, match="cannot synchronize"):
+        hostfunc.synchronize(3)
+
+
+def test_captured_args_and_kwargs_survive_every_replay():
+    calls = []
+    handle = pack(lambda *a, **k: calls.append((a, k)), [1], "two", captured=True, key={"k": 3})
+    info = _C.handle_info(handle)
+    assert info["captured"] and info["capture_id"] == 0
+    for _ in range(3):
+        _C._invoke_for_test(handle)
+    assert calls == [(([1], "two"), {"key": {"k": 3}})] * 3
+    assert hostfunc.stats()["captured"] == 1
+    hostfunc.free_hostfunc_user_data(handle)
+    assert hostfunc.live_handles() == 0
+
+
+def test_eager_data_released_after_the_call():
+    calls = []
+    handle = pack(calls.append, "x")
+    assert hostfunc.stats()["pending_eager"] == 1
+    _C._invoke_for_test(handle)
+    assert calls == ["x"] and hostfunc.live_handles() == 0
+    with pytest.raises(KeyError):
+        _C._invoke_for_test(handle)
+
+
+def test_refcounts_flat_over_many_cycles():
+    arg, kwarg, calls = object(), object(), [0]
+
+    def callback(a, *, k):
+        calls[0] += 1
+
+    def cycles(n):
+        for _ in range(n):
+            _C._invoke_for_test(_C._pack_for_test(callback, (arg,), {"k": kwarg}, False))
+
+    cycles(1000)
+    before = (sys.getrefcount(arg), sys.getrefcount(kwarg), sys.getrefcount(callback))
+    start = time.perf_counter()
+    cycles(1_000_000)
+    assert time.perf_counter() - start < 20
+    assert (sys.getrefcount(arg), sys.getrefcount(kwarg), sys.getrefcount(callback)) == before
+    assert calls[0] == 1_001_000 and hostfunc.live_handles() == 0
+
+    handles = [_C._pack_for_test(callback, (arg,), {"k": kwarg}, True) for _ in range(1000)]
+    for handle in handles:
+        _C._invoke_for_test(handle)
+    assert hostfunc.free_all_hostfunc_user_data() == 1000
+    assert (sys.getrefcount(arg), sys.getrefcount(kwarg), sys.getrefcount(callback)) == before
+
+
+def test_concurrent_pack_invoke_free():
+    def worker():
+        for _ in range(20_000):
+            handle = pack(len, (), captured=True)
+            _C._invoke_for_test(handle)
+            hostfunc.free_hostfunc_user_data(handle)
+            _C._invoke_for_test(pack(len, ()))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert hostfunc.live_handles() == 0
+
+
+def test_exception_recorded_with_traceback_then_cleared():
+    def boom(tag):
+        raise ValueError(f"boom-{tag}")
+
+    after = []
+    _C._invoke_for_test(pack(boom, "a"))
+    _C._invoke_for_test(pack(after.append, 1))  # the next callback still runs
+    _C._invoke_for_test(pack(boom, "b"))
+    assert after == [1] and hostfunc.stats()["errors"] == 2
+    with pytest.raises(HostfuncError, match="boom-a") as info:
+        hostfunc.check_errors()
+    message = str(info.value)
+    assert "Traceback" in message and "ValueError" in message and "in boom" in message
+    assert "1 more" in message and len(info.value.errors) == 2 and "boom-b" in info.value.errors[1]
+    hostfunc.check_errors()  # cleared
+    assert hostfunc.live_handles() == 0
+
+
+def test_error_list_is_bounded():
+    handle = pack(int, "not a number", captured=True)
+    for _ in range(_C.MAX_ERRORS + 10):
+        _C._invoke_for_test(handle)
+    with pytest.raises(HostfuncError) as info:
+        hostfunc.check_errors()
+    assert len(info.value.errors) == _C.MAX_ERRORS and info.value.dropped == 10
+
+
+def test_launch_inside_callback_is_rejected():
+    _C._invoke_for_test(pack(hostfunc.launch_hostfunc, 0, print))
+    with pytest.raises(HostfuncError, match="launch_hostfunc inside a host callback"):
+        hostfunc.check_errors()
+    assert not _C.in_callback()
+    flags = []
+    _C._invoke_for_test(pack(lambda: flags.append(_C.in_callback())))
+    assert flags == [True]
+
+
+def test_scope_collects_captured_handles(monkeypatch):
+    monkeypatch.setattr(_C, "launch", fake_launch)
+    calls = []
+    with hostfunc.capture_scope() as outer:
+        first = hostfunc.launch_hostfunc(0, calls.append, 1)
+        with hostfunc.HostfuncScope() as inner:
+            second = hostfunc.launch_hostfunc(0, calls.append, 2)
+        third = hostfunc.launch_hostfunc(0, calls.append, 3)
+    outside = hostfunc.launch_hostfunc(0, calls.append, 4)
+    assert outer.handles == [first, third] and inner.handles == [second]
+    for handle in (first, second, third, outside):
+        _C._invoke_for_test(handle)
+    assert calls == [1, 2, 3, 4]
+    assert inner.free() == 1 and outer.free() == 2 and outer.free() == 0
+    assert hostfunc.live_handles() == 1
+    hostfunc.free_hostfunc_user_data(outside)
+
+
+def test_decorator_launches_on_current_stream(monkeypatch):
+    seen = []
+    monkeypatch.setattr(hostfunc, "_stream_handle", lambda stream: seen.append(stream) or 0)
+    monkeypatch.setattr(_C, "launch", fake_launch)
+
+    @hostfunc.hostfunc
+    def increment(x, step=1):
+        x += step
+
+    handle = increment(torch.zeros(1), step=2)
+    assert seen == [None] and increment.__name__ == "increment"
+    hostfunc.free_hostfunc_user_data(handle)
+
+
+def test_debug_guard_rejects_torch_cuda_calls():
+    hostfunc.set_debug(True)
+    assert hostfunc.is_debug()
+    _C._invoke_for_test(pack(torch.cuda.synchronize))
+    _C._invoke_for_test(pack(torch.cuda.current_stream))
+    _C._invoke_for_test(pack(torch.cuda.Event))
+    with pytest.raises(HostfuncError) as info:
+        hostfunc.check_errors()
+    assert len(info.value.errors) == 3
+    assert all("CUDA call inside a host callback" in message for message in info.value.errors)
+
+
+def test_debug_guard_reports_swallowed_violation():
+    def sneaky():
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+
+    hostfunc.set_debug(True)
+    _C._invoke_for_test(pack(sneaky))
+    with pytest.raises(HostfuncError, match="caught the error"):
+        hostfunc.check_errors()
+
+
+def test_debug_guard_rejects_tensor_ops_on_guarded_devices():
+    _guard.warm_up()
+    with pytest.raises(HostfuncError, match="CUDA call inside a host callback: aten.add"):
+        _guard.run_guarded(lambda x: x + 1, (torch.empty(3, device="meta"),), None, devices=("meta",))
+    with pytest.raises(HostfuncError, match="aten.ones"):
+        _guard.run_guarded(torch.ones, (2,), {"device": "meta"}, devices=("meta",))
+
+
+def test_debug_guard_lets_cpu_work_through():
+    mask = torch.zeros(32, 1536, dtype=torch.int32)
+    hostfunc.set_debug(True)
+    handle = pack(lambda m: m.fill_(-1), mask, captured=True)
+    _C._invoke_for_test(handle)
+    hostfunc.check_errors()
+    assert bool((mask == -1).all())
+    assert _guard.run_guarded(torch.cuda.is_available, (), None) == torch.cuda.is_available()
+    hostfunc.set_debug(False)
+    _C._invoke_for_test(pack(torch.cuda.current_stream))
+    errors, _ = _C.take_errors()
+    assert all("CUDA call inside a host callback" not in message for message in errors)
+
+
+def test_debug_from_environment():
+    code = "import hostfunc; assert hostfunc.is_debug()"
+    env = dict(os.environ, HOSTFUNC_DEBUG="1")
+    env_run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert env_run.returncode == 0, env_run.stderr
+
+
+def test_exit_with_live_data_is_clean():
+    code = ("import hostfunc; from hostfunc import _C\n"
+            "h = _C._pack_for_test(print, ('x',), None, True)\n"
+            "e = _C._pack_for_test(print, ('eager',), None, False)\n"
+            "_C.shutdown(); _C._invoke_for_test(h); _C._invoke_for_test(e)\n"
+            "assert hostfunc.live_handles() == 2\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout == "", run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_launch_without_gpu_raises_clearly():
+    assert not hostfunc.is_available()
+    with pytest.raises(RuntimeError, match="cannot launch a host callback: .*(libcuda|cuInit)"):
+        hostfunc.launch_hostfunc(0, print)
+    with pytest.raises(RuntimeError, match="hostfunc"):
+        hostfunc.launch_hostfunc(None, print)
+    with pytest.raises(RuntimeError, match="hostfunc"):
+        hostfunc.hostfunc(print)("x")
+    assert hostfunc.live_handles() == 0
+
+
+def _fake_driver_scenario():
+    """Runs in a subprocess whose libcuda.so.1 is hostfunc/testing/fake_libcuda.c."""
+    import ctypes
+    fake = ctypes.CDLL("libcuda.so.1")
+    assert hostfunc.is_available(), _C.driver_error()
+    calls, arg = [], object()
+    before = sys.getrefcount(arg)
+    for i in range(5000):  # the fake queue holds 8: launches block in the driver, which must not hold the GIL
+        hostfunc.launch_hostfunc(7, lambda i, a: calls.append(i), i, arg)
+    fake.fake_sync()
+    assert calls == list(range(5000)) and hostfunc.live_handles() == 0 and sys.getrefcount(arg) == before
+
+    fake.fake_begin_capture(ctypes.c_void_p(7))
+    with hostfunc.capture_scope() as scope:
+        captured = hostfunc.launch_hostfunc(7, calls.append, "graph")
+        hostfunc.launch_hostfunc(8, calls.append, "eager")  # another stream is not capturing
+        hostfunc.launch_hostfunc(7, lambda: 1 / 0)
+    fake.fake_end_capture()
+    fake.fake_sync()
+    assert len(scope.handles) == 2 and _C.handle_info(captured) == {"captured": True, "capture_id": 1}
+    del calls[:]
+    fake.fake_replay(1000)
+    fake.fake_sync()
+    assert calls == ["graph"] * 1000
+    try:
+        hostfunc.check_errors()
+        raise AssertionError("callback error not reported")
+    except HostfuncError as exc:
+        assert "ZeroDivisionError" in str(exc) and len(exc.errors) + exc.dropped == 1000
+    assert scope.free() == 2 and hostfunc.live_handles() == 0
+
+    fake.fake_replay(1)  # the graph's data is gone: the trampoline must notice, not crash
+    fake.fake_sync()
+    try:
+        hostfunc.check_errors()
+        raise AssertionError("replay after free not reported")
+    except HostfuncError as exc:
+        assert "was freed but its graph was replayed" in str(exc)
+    try:
+        hostfunc.launch_hostfunc(0xBAD, print)
+        raise AssertionError("driver error not raised")
+    except RuntimeError as exc:
+        assert "cuLaunchHostFunc failed: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900)" in str(exc)
+    assert hostfunc.live_handles() == 0
+
+    counts = [0, 0]
+
+    def bump(slot):
+        counts[slot] += 1
+
+    threads = [threading.Thread(target=lambda s=s: [hostfunc.launch_hostfunc(9, bump, s) for _ in range(3000)])
+               for s in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    fake.fake_sync()
+    assert counts == [3000, 3000] and hostfunc.live_handles() == 0
+    print("fake driver scenario ok")
+
+
+def test_launch_path_with_fake_driver(tmp_path):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the fake libcuda")
+    source = os.path.join(os.path.dirname(hostfunc.__file__), "testing", "fake_libcuda.c")
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"), source, "-lpthread"],
+                   check=True, timeout=120)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            "import test_hostfunc; test_hostfunc._fake_driver_scenario()")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "fake driver scenario ok" in run.stdout, run.stdout + run.stderr
