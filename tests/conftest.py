@@ -1,7 +1,12 @@
 import os
 
-import pytest
 import torch
+
+# Triton kernels run on the CPU through its interpreter; the flag must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -1,0 +1,28 @@
+# `make run`: set up and generate with the default model.  `make test`: set up and run the test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= Write a JSON object describing a tool call that gets the weather in Paris.
+
+.PHONY: run test setup bench clean
+
+$(BIN)/activate:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@# torch first: CPU machines take the local 2.13 CPU wheel; GPU machines keep the torch they have
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q torch
+	$(BIN)/pip install -q -e ".[test]"
+
+setup: $(BIN)/activate
+
+run: setup
+	$(BIN)/specdec generate --prompt "$(PROMPT)" --max-tokens 128
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+bench: setup
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

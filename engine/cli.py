@@ -1,0 +1,98 @@
+"""`specdec generate` and `specdec chat`: stream tokens as they come, report tokens/s at the end."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from engine.config import EngineConfig
+from engine.sequence import SamplingParams
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="'default', 'dummy:<shape>', a .gguf file or an HF directory "
+                                                 "(default: $SPECDEC_MODEL or the bundled SmolLM2-135M)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def _engine(args):
+    from engine.llm_engine import LLMEngine
+    cfg = EngineConfig(**({"model": args.model} if args.model else {}), device=args.device, dtype=args.dtype,
+                       attention_backend=args.attention_backend, max_num_seqs=8)
+    return LLMEngine(cfg)
+
+
+def _params(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def _stream(engine, prompt_ids, params, out=sys.stdout) -> str:
+    start, n, text = time.perf_counter(), 0, ""
+    for new_ids, delta in engine.stream(prompt_ids, params):
+        n += len(new_ids)
+        text += delta
+        out.write(delta)
+        out.flush()
+    secs = time.perf_counter() - start
+    print(f"\n[{n} tokens in {secs:.2f} s, {n / max(secs, 1e-9):.1f} tokens/s]", file=sys.stderr)
+    return text
+
+
+def cmd_generate(args) -> int:
+    engine = _engine(args)
+    ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat_template \
+        else engine.encode(args.prompt)
+    _stream(engine, ids, _params(args))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _engine(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("specdec chat: type a message, /exit or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        reply = _stream(engine, engine.apply_chat_template(messages), _params(args))
+        messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt, streaming")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--raw", dest="chat_template", action="store_false",
+                     help="feed the prompt as plain text instead of through the chat template")
+    _common(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    chat.add_argument("--system", default=None)
+    _common(chat)
+    chat.set_defaults(func=cmd_chat)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The console script, run as a user would: a real subprocess on the default model."""
+import subprocess
+import sys
+
+
+def _run(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_streams_and_reports_speed():
+    r = _run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "tokens/s" in r.stderr
+
+
+def test_chat_answers_then_exits():
+    r = _run("chat", "--max-tokens", "12", "--device", "cpu", stdin="What is the capital of France?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "tokens/s" in r.stderr
+
+
+def test_bad_arguments_give_clear_errors():
+    r = _run("generate", "--prompt", "hi", "--max-tokens", "0", "--device", "cpu")
+    assert r.returncode == 2 and "max_tokens" in r.stderr
+    r = _run("generate", "--prompt", "hi", "--model", "/no/such/dir", "--device", "cpu")
+    assert r.returncode == 2 and "does not exist" in r.stderr
