@@ -22,7 +22,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     max_model_len: int = 0             # 0 -> the model's context length
     depth: int = 1                     # 1 = blocking loop, 2 = pipelined (later issue)
-    enforce_eager: bool = True         # CUDA graphs arrive with the pipelined issue
+    enforce_eager: bool = False        # True: no CUDA graphs (decode steps are captured on CUDA + Triton)
     seed: int = 0
 
     def __post_init__(self):

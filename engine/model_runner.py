@@ -34,6 +34,10 @@ class ModelRunner:
         self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device)
                       for i in range(2)]
         self.events = [self._new_events() for _ in self.slots]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes: list[int] = []
+        if self.cuda and not config.enforce_eager and self.backend.name == "triton":
+            self.capture_decode_graphs()
 
     # ---- setup -------------------------------------------------------------------------------
     def _kv_shape(self, cfg):
@@ -88,6 +92,26 @@ class ModelRunner:
         h["cu_seqlens_q"][0] = 0
         slot.num_tokens, slot.num_seqs, slot.num_sample = t, len(rows), s
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
+        slot.graph_bs = self._graph_size(slot)
+        if slot.graph_bs:
+            self._pad_rows(slot, len(rows), slot.graph_bs)
+
+    def _graph_size(self, slot: DecodeSlot) -> int:
+        """Padded batch size of a captured graph for a pure decode step, 0 if it runs eagerly."""
+        if slot.max_query_len != 1 or slot.num_sample != slot.num_seqs:
+            return 0
+        return next((bs for bs in self.graph_sizes if bs >= slot.num_seqs), 0)
+
+    @staticmethod
+    def _pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
+        """Padding rows: one query token over an empty sequence, writing no KV (slot -1)."""
+        h = slot.np
+        h["input_ids"][start:end] = 0
+        h["positions"][start:end] = 0
+        h["slot_mapping"][start:end] = -1
+        h["seq_lens"][start:end] = 0
+        h["logits_indices"][start:end] = range(start, end)
+        h["cu_seqlens_q"][start + 1:end + 1] = range(start + 1, end + 1)
 
     @staticmethod
     def _fill_sampling(h, s, token_index, seq):
@@ -106,12 +130,20 @@ class ModelRunner:
         with stream_ctx, torch.inference_mode():
             if self.cuda:
                 ev["start"].record()
-            slot.upload()
-            hidden = self._forward(slot)
+            if slot.graph_bs:
+                slot.upload(padded=slot.graph_bs)
+                graph, logits = self.graphs[(slot.index, slot.graph_bs)]
+                graph.replay()
+                logits = logits[:slot.num_sample]
+            else:
+                slot.upload()
+                hidden = self._forward(slot)
+                if slot.num_sample:
+                    logits = self.model.compute_logits(hidden[slot.dev["logits_indices"][:slot.num_sample]])
             if self.cuda:
                 ev["forward_done"].record()
             if slot.num_sample:
-                self._sample(slot, hidden, all_greedy)
+                self._sample(slot, logits, all_greedy)
             if self.cuda:
                 ev["sampled_ready"].record()
         if self.cuda:
@@ -122,16 +154,41 @@ class ModelRunner:
         else:
             slot.download_sampled()
 
-    def _forward(self, slot: DecodeSlot):
-        d, T, B = slot.dev, slot.num_tokens, slot.num_seqs
+    def _forward(self, slot: DecodeSlot, num_tokens=None, num_seqs=None, max_query_len=None, max_seq_len=None):
+        d = slot.dev
+        T, B = num_tokens or slot.num_tokens, num_seqs or slot.num_seqs
         meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], cu_seqlens_q=d["cu_seqlens_q"][:B + 1],
                                  seq_lens=d["seq_lens"][:B], block_tables=d["block_tables"][:B],
-                                 max_query_len=slot.max_query_len, max_seq_len=slot.max_seq_len)
+                                 max_query_len=max_query_len or slot.max_query_len,
+                                 max_seq_len=max_seq_len or slot.max_seq_len)
         return self.model(d["input_ids"][:T], d["positions"][:T], meta, self.kv_caches, self.backend)
 
-    def _sample(self, slot: DecodeSlot, hidden, all_greedy: bool) -> None:
+    def capture_decode_graphs(self) -> None:
+        """One graph per (slot, padded batch size), all in one memory pool (they never run concurrently)."""
+        limit = self.config.max_num_seqs
+        self.graph_sizes = sorted({bs for bs in [1, 2, 4, 8, *range(16, limit + 1, 8), limit] if bs <= limit})
+        pool = None
+        with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+            for slot in self.slots:
+                self._pad_rows(slot, 0, limit)
+                slot.np["cu_seqlens_q"][0] = 0
+                slot.num_tokens = slot.num_seqs = limit
+                slot.upload()
+                for bs in reversed(self.graph_sizes):
+                    self._decode_logits(slot, bs)                    # warm-up: Triton compiles here
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
+                        logits = self._decode_logits(slot, bs)
+                    pool = graph.pool()
+                    self.graphs[(slot.index, bs)] = (graph, logits)
+        self.compute_stream.synchronize()
+
+    def _decode_logits(self, slot: DecodeSlot, bs: int):
+        hidden = self._forward(slot, bs, bs, max_query_len=1, max_seq_len=self.max_model_len)
+        return self.model.compute_logits(hidden)
+
+    def _sample(self, slot: DecodeSlot, logits, all_greedy: bool) -> None:
         d, n = slot.dev, slot.num_sample
-        logits = self.model.compute_logits(hidden[d["logits_indices"][:n]])
         slot.sampled[:n] = sample(logits, d["temperature"][:n], d["top_k"][:n], d["top_p"][:n],
                                   d["seeds"][:n], d["steps"][:n], all_greedy=all_greedy)
 

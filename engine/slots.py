@@ -36,18 +36,20 @@ class DecodeSlot:
         self.np = {name: t.numpy() for name, t in self.host.items()}   # fast element writes
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0
+        self.graph_bs = 0                                               # padded size if a graph runs it
         self.rows = []                                                  # ScheduledRows of this step
 
-    def upload(self, stream=None) -> None:
-        """Copy the used prefix of every field host -> device (no-op on the CPU)."""
+    def upload(self, stream=None, padded: int = 0) -> None:
+        """Copy the used prefix of every field host -> device (no-op on the CPU); `padded` rows for graphs."""
         if self.device.type != "cuda":
             return
-        used = {"tokens": self.num_tokens, "seqs": self.num_seqs, "seqs+1": self.num_seqs + 1}
+        tokens, seqs = max(self.num_tokens, padded), max(self.num_seqs, padded)
+        used = {"tokens": tokens, "seqs": seqs, "seqs+1": seqs + 1}
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, (_, key) in _INT_FIELDS.items():
                 n = used[key]
                 self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
-            n = self.num_seqs
+            n = seqs
             self.dev["block_tables"][:n].copy_(self.host["block_tables"][:n], non_blocking=True)
 
     def download_sampled(self) -> None:

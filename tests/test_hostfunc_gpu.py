@@ -148,10 +148,12 @@ def test_fork_join_across_two_streams_in_one_capture():
     host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
     dev = torch.zeros(1, dtype=torch.int64, device="cuda")
     acc = torch.zeros(1, dtype=torch.int64, device="cuda")
+    fork, join = torch.cuda.Event(), torch.cuda.Event()
+    fork.record(main)  # creates both CUDA events before the capture
+    join.record(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with hostfunc.capture_scope() as scope, torch.cuda.graph(graph, stream=main):
-        fork, join = torch.cuda.Event(), torch.cuda.Event()
         fork.record(main)
         side.wait_event(fork)
         hostfunc.launch_hostfunc(side, lambda: host.add_(1))

@@ -1,0 +1,77 @@
+"""The real launch path against fake_libcuda.c; run by tests/test_hostfunc.py as
+
+    LD_LIBRARY_PATH=<dir holding the built fake libcuda.so.1> python hostfunc/testing/fake_driver_scenario.py
+
+Covers: GIL released while the driver blocks (the fake queue holds 8 callbacks), eager data freed by the
+trampoline, capture detection and capture ids, replays, error recording, replay after free, driver errors,
+and two launching threads.
+"""
+import ctypes
+import sys
+import threading
+
+import hostfunc
+from hostfunc import HostfuncError, _C
+
+
+def main():
+    fake = ctypes.CDLL("libcuda.so.1")
+    assert hostfunc.is_available(), _C.driver_error()
+    calls, arg = [], object()
+    before = sys.getrefcount(arg)
+    for i in range(5000):  # the fake queue holds 8: launches block in the driver, which must not hold the GIL
+        hostfunc.launch_hostfunc(7, lambda i, a: calls.append(i), i, arg)
+    fake.fake_sync()
+    assert calls == list(range(5000)) and hostfunc.live_handles() == 0 and sys.getrefcount(arg) == before
+
+    fake.fake_begin_capture(ctypes.c_void_p(7))
+    with hostfunc.capture_scope() as scope:
+        captured = hostfunc.launch_hostfunc(7, calls.append, "graph")
+        hostfunc.launch_hostfunc(8, calls.append, "eager")  # another stream is not capturing
+        hostfunc.launch_hostfunc(7, lambda: 1 / 0)
+    fake.fake_end_capture()
+    fake.fake_sync()
+    assert len(scope.handles) == 2 and _C.handle_info(captured) == {"captured": True, "capture_id": 1}
+    del calls[:]
+    fake.fake_replay(1000)
+    fake.fake_sync()
+    assert calls == ["graph"] * 1000
+    try:
+        hostfunc.check_errors()
+        raise AssertionError("callback error not reported")
+    except HostfuncError as exc:
+        assert "ZeroDivisionError" in str(exc) and len(exc.errors) + exc.dropped == 1000
+    assert scope.free() == 2 and hostfunc.live_handles() == 0
+
+    fake.fake_replay(1)  # the graph's data is gone: the trampoline must notice, not crash
+    fake.fake_sync()
+    try:
+        hostfunc.check_errors()
+        raise AssertionError("replay after free not reported")
+    except HostfuncError as exc:
+        assert "was freed but its graph was replayed" in str(exc)
+    try:
+        hostfunc.launch_hostfunc(0xBAD, print)
+        raise AssertionError("driver error not raised")
+    except RuntimeError as exc:
+        assert "cuLaunchHostFunc failed: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900)" in str(exc)
+    assert hostfunc.live_handles() == 0
+
+    counts = [0, 0]
+
+    def bump(slot):
+        counts[slot] += 1
+
+    threads = [threading.Thread(target=lambda s=s: [hostfunc.launch_hostfunc(9, bump, s) for _ in range(3000)])
+               for s in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    fake.fake_sync()
+    assert counts == [3000, 3000] and hostfunc.live_handles() == 0
+    print("fake driver scenario ok")
+
+
+if __name__ == "__main__":
+    main()
