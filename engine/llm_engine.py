@@ -5,9 +5,13 @@ kept as counters (`self.timings`) that benchmarks read.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -28,6 +32,23 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class InflightStep:
+    index: int          # step number (alternates the slots, indexes the timing events)
+    slot: object        # DecodeSlot
+    rows: list          # ScheduledRows
+
+
+@contextlib.contextmanager
+def _sync_debug_mode(mode: str):
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = config or EngineConfig(**overrides)
@@ -46,6 +67,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self._seqs: dict[int, Sequence] = {}
+        self._inflight: deque[InflightStep] = deque()
+        self._step_index = 0
+        self._last_committed: int | None = None
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.source.config.get("eos_token_id")
@@ -71,7 +95,8 @@ class LLMEngine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter())
+        seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(),
+                       max_len=min(len(ids) + params.max_tokens, self.max_model_len))
         self._next_id += 1
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -97,45 +122,78 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._inflight)
 
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One blocking step: plan -> launch -> wait -> commit."""
+        """Launch the next step, then commit the oldest in-flight one once `depth` steps are in flight.
+
+        depth=1: plan -> launch -> wait -> commit (blocking). depth=2: the forward of step t+1 is on the
+        device while step t is committed; its inputs that depend on step t's tokens are carried over on the
+        device. With nothing new to launch, the in-flight steps drain."""
+        t0 = time.perf_counter()
+        launched = self._plan_and_launch()
+        outputs = []
+        while self._inflight and (len(self._inflight) >= self.config.depth or not launched):
+            outputs += self._wait_and_commit(self._inflight.popleft())
+        self.timings.wall += time.perf_counter() - t0
+        return outputs
+
+    def _plan_and_launch(self) -> bool:
         t0 = time.perf_counter()
         rows = self.scheduler.schedule()
         if not rows:
-            return []
-        slot = self.runner.slots[0]
-        self.runner.prepare(slot, rows, self.config.block_size)
+            return False
+        slot = self.runner.slots[self._step_index % 2]
+        self.runner.prepare(slot, rows)
+        for row in rows:
+            seq = row.seq
+            seq.inflight_refs += 1
+            seq.num_computed_tokens = row.start + row.num_tokens
+            if row.sample:
+                seq.num_pending += 1
+                seq.pending_src = row.sample_idx
         all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
-        for r in rows:
-            r.seq.inflight_refs += 1
         t1 = time.perf_counter()
-        self.runner.launch(slot, all_greedy)
-        t2 = time.perf_counter()
-        tokens = self.runner.wait(slot)
-        t3 = time.perf_counter()
-        outputs = self._commit(rows, tokens)
-        t4 = time.perf_counter()
-        fwd, smp = self.runner.gpu_times_ms(slot)
-        self.timings.add(plan=t1 - t0, launch=t2 - t1, wait=t3 - t2, commit=t4 - t3, forward_gpu=fwd / 1e3,
-                         sample_gpu=smp / 1e3, tokens=len(tokens), rows=len(rows))
+        with self._sync_guard():
+            self.runner.launch(slot, self._step_index, all_greedy)
+        self._inflight.append(InflightStep(self._step_index, slot, rows))
+        self._step_index += 1
+        self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1)
+        return True
+
+    def _sync_guard(self):
+        """debug_sync: any device->host synchronisation while enqueuing a step raises (CUDA only)."""
+        if not (self.config.debug_sync and self.runner.cuda):
+            return contextlib.nullcontext()
+        return _sync_debug_mode("error")
+
+    def _wait_and_commit(self, step: InflightStep) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        tokens = self.runner.wait(step.slot)
+        t1 = time.perf_counter()
+        outputs = self._commit(step.rows, tokens)
+        fwd, smp, idle = self.runner.gpu_times_ms(step.index, self._last_committed)
+        self._last_committed = step.index
+        self.timings.add_step(wait=t1 - t0, commit=time.perf_counter() - t1, forward_gpu=fwd / 1e3,
+                              sample_gpu=smp / 1e3, gpu_idle=idle / 1e3, tokens=len(tokens), rows=len(step.rows))
         return outputs
 
     def _commit(self, rows, tokens: list[int]) -> list[RequestOutput]:
-        outputs, it = [], iter(tokens)
+        outputs = []
         now = time.perf_counter()
         for row in rows:
             seq = row.seq
             seq.inflight_refs -= 1
-            token = next(it) if row.sample else None
+            if row.sample:
+                seq.num_pending -= 1
             if seq.finalized:                     # zombie: rode along, commits nothing
+                self.timings.zombie_rows += 1
                 self.scheduler.release_if_idle(seq)
                 continue
-            seq.num_computed_tokens = row.start + row.num_tokens
-            if token is None:
+            if not row.sample:
                 continue
+            token = tokens[row.sample_idx]
             seq.output_token_ids.append(token)
             seq.first_token_time = seq.first_token_time or now
             reason = self._stop_reason(seq, token)
@@ -151,7 +209,7 @@ class LLMEngine:
             return "stop"
         if p.stop and self._hit_stop_string(seq):
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_tokens >= seq.max_len:      # max_tokens, or the context is full
             return "length"
         return None
 
@@ -194,3 +252,5 @@ class LLMEngine:
             yield outs[0].new_token_ids, text[len(shown):]
             shown = text
         self._seqs.pop(seq_id, None)
+        while self._inflight and not self.scheduler.has_work():   # its zombie step, if any
+            self.step()

@@ -1,7 +1,9 @@
 """Runs one step: fills a DecodeSlot from scheduled rows, launches forward + sampling, brings tokens back.
 
-Streams: all forwards and sampling go on `compute_stream`; the sampled tokens come back on `copy_stream`
-anchored to the `sampled_ready` event of that step. Nothing runs on the default stream.
+Streams (CUDA): the slot's inputs go up on `copy_in_stream` (event `inputs_ready`); forward and sampling
+run on `compute_stream`; the sampled tokens come back on `copy_out_stream`, anchored to the step's
+`sampled_ready` event, and `copy_done` tells the host they landed. Nothing runs on the default stream.
+On the CPU the same calls run synchronously.
 """
 from __future__ import annotations
 
@@ -11,10 +13,18 @@ import torch
 
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig
+from engine.graphs import DecodeGraphs, pad_rows
 from engine.loader import ModelSource
 from engine.sampler import sample
 from engine.slots import DecodeSlot
 from engine.weights import build_model
+
+_EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most
+
+
+def gather_carry(ids: torch.Tensor, carry_src: torch.Tensor, prev_sampled: torch.Tensor) -> torch.Tensor:
+    """ids[t] = prev_sampled[carry_src[t]] where carry_src[t] >= 0 (tokens the host has not seen yet)."""
+    return torch.where(carry_src >= 0, prev_sampled[carry_src.clamp(min=0)], ids)
 
 
 class ModelRunner:
@@ -28,16 +38,18 @@ class ModelRunner:
         self.backend = make_backend(config.backend_name())
         self.num_blocks = self._num_kv_blocks(source.config)
         self.kv_caches = self._allocate_kv(source.config)
-        self.compute_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
+        self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
         max_blocks = -(-max_model_len // config.block_size)
         self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device)
                       for i in range(2)]
-        self.events = [self._new_events() for _ in self.slots]
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_sizes: list[int] = []
+        self.slot_events = [self._events(("inputs_ready", "copy_done"), timing=False) for _ in self.slots]
+        self.step_events = [self._events(("start", "forward_done", "sampled_ready"), timing=True)
+                            for _ in range(_EVENT_RING)]
+        self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
-            self.capture_decode_graphs()
+            self.graphs = DecodeGraphs(self)
+            self.graphs.capture()
 
     # ---- setup -------------------------------------------------------------------------------
     def _kv_shape(self, cfg):
@@ -61,57 +73,51 @@ class ModelRunner:
                  torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device))
                 for _ in range(layers)]
 
-    def _new_events(self):
+    def _events(self, names, timing: bool):
         if not self.cuda:
             return None
-        return {k: torch.cuda.Event(enable_timing=True) for k in ("start", "forward_done", "sampled_ready")} | {
-            "copy_done": torch.cuda.Event()}
+        return {k: torch.cuda.Event(enable_timing=timing) for k in names}
 
-    # ---- one step ----------------------------------------------------------------------------
-    def prepare(self, slot: DecodeSlot, rows, block_size: int) -> None:
-        """Fill the slot's host buffers for these rows (CPU only)."""
-        h = slot.np
-        t = s = 0
-        max_q = max_len = 0
+    # ---- plan (host only) --------------------------------------------------------------------
+    def prepare(self, slot: DecodeSlot, rows) -> None:
+        """Fill the slot's host buffers for these rows. A row may end at the sequence's pending token
+        (sampled by the in-flight step, unknown to the host): its id is carried over on the device."""
+        h, bs = slot.np, self.config.block_size
+        t = s = max_q = max_len = 0
+        carries = []
         for i, row in enumerate(rows):
-            seq, n = row.seq, row.num_tokens
-            end = row.start + n
-            h["input_ids"][t:t + n] = seq.tokens(row.start, end)
-            h["positions"][t:t + n] = range(row.start, end)
+            seq, n, start = row.seq, row.num_tokens, row.start
+            end = start + n
+            known = min(end, seq.num_tokens)
             bt = seq.block_table
-            h["slot_mapping"][t:t + n] = [bt[p // block_size] * block_size + p % block_size
-                                          for p in range(row.start, end)]
+            if n == 1:
+                h["positions"][t] = start
+                h["slot_mapping"][t] = bt[start // bs] * bs + start % bs
+            else:
+                h["positions"][t:t + n] = range(start, end)
+                h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
+            h["input_ids"][t:t + known - start] = seq.tokens(start, known)
+            if end > known:
+                h["input_ids"][t + n - 1] = 0
+                carries.append((t + n - 1, seq.pending_src))
             h["block_tables"][i, :len(bt)] = bt
             h["seq_lens"][i] = end
             t += n
             h["cu_seqlens_q"][i + 1] = t
             max_q, max_len = max(max_q, n), max(max_len, end)
             if row.sample:
+                row.sample_idx = s
                 self._fill_sampling(h, s, t - 1, seq)
                 s += 1
         h["cu_seqlens_q"][0] = 0
-        slot.num_tokens, slot.num_seqs, slot.num_sample = t, len(rows), s
+        h["carry_src"][:t] = -1
+        for idx, src in carries:
+            h["carry_src"][idx] = src
+        slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, len(carries)
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
-        slot.graph_bs = self._graph_size(slot)
+        slot.graph_bs = self.graphs.size_for(slot) if self.graphs else 0
         if slot.graph_bs:
-            self._pad_rows(slot, len(rows), slot.graph_bs)
-
-    def _graph_size(self, slot: DecodeSlot) -> int:
-        """Padded batch size of a captured graph for a pure decode step, 0 if it runs eagerly."""
-        if slot.max_query_len != 1 or slot.num_sample != slot.num_seqs:
-            return 0
-        return next((bs for bs in self.graph_sizes if bs >= slot.num_seqs), 0)
-
-    @staticmethod
-    def _pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
-        """Padding rows: one query token over an empty sequence, writing no KV (slot -1)."""
-        h = slot.np
-        h["input_ids"][start:end] = 0
-        h["positions"][start:end] = 0
-        h["slot_mapping"][start:end] = -1
-        h["seq_lens"][start:end] = 0
-        h["logits_indices"][start:end] = range(start, end)
-        h["cu_seqlens_q"][start + 1:end + 1] = range(start + 1, end + 1)
+            pad_rows(slot, len(rows), slot.graph_bs)
 
     @staticmethod
     def _fill_sampling(h, s, token_index, seq):
@@ -121,86 +127,77 @@ class ModelRunner:
         h["top_k"][s] = p.top_k
         h["top_p"][s] = p.top_p
         h["seeds"][s] = seq.seed
-        h["steps"][s] = len(seq.output_token_ids)
+        h["steps"][s] = len(seq.output_token_ids) + seq.num_pending
 
-    def launch(self, slot: DecodeSlot, all_greedy: bool) -> None:
+    # ---- launch (enqueue only) ---------------------------------------------------------------
+    def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool) -> None:
         """Enqueue upload, forward, sampling and the token copy; returns without waiting (on CUDA)."""
-        ev = self.events[slot.index]
-        stream_ctx = torch.cuda.stream(self.compute_stream) if self.cuda else contextlib.nullcontext()
-        with stream_ctx, torch.inference_mode():
-            if self.cuda:
-                ev["start"].record()
-            if slot.graph_bs:
+        prev = self.slots[1 - slot.index]
+        ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
+        if self.cuda:
+            with torch.cuda.stream(self.copy_in_stream):
                 slot.upload(padded=slot.graph_bs)
-                graph, logits = self.graphs[(slot.index, slot.graph_bs)]
-                graph.replay()
-                logits = logits[:slot.num_sample]
-            else:
-                slot.upload()
-                hidden = self._forward(slot)
-                if slot.num_sample:
-                    logits = self.model.compute_logits(hidden[slot.dev["logits_indices"][:slot.num_sample]])
+                ev["inputs_ready"].record()
+            self.compute_stream.wait_event(ev["inputs_ready"])
+        compute = torch.cuda.stream(self.compute_stream) if self.cuda else contextlib.nullcontext()
+        with compute, torch.inference_mode():
             if self.cuda:
-                ev["forward_done"].record()
+                te["start"].record()
+            logits = self.graphs.replay(slot) if slot.graph_bs else self._eager_logits(slot, prev)
+            if self.cuda:
+                te["forward_done"].record()
             if slot.num_sample:
                 self._sample(slot, logits, all_greedy)
             if self.cuda:
-                ev["sampled_ready"].record()
+                te["sampled_ready"].record()
         if self.cuda:
-            self.copy_stream.wait_event(ev["sampled_ready"])
-            with torch.cuda.stream(self.copy_stream):
+            self.copy_out_stream.wait_event(te["sampled_ready"])
+            with torch.cuda.stream(self.copy_out_stream):
                 slot.download_sampled()
                 ev["copy_done"].record()
         else:
             slot.download_sampled()
 
-    def _forward(self, slot: DecodeSlot, num_tokens=None, num_seqs=None, max_query_len=None, max_seq_len=None):
-        d = slot.dev
-        T, B = num_tokens or slot.num_tokens, num_seqs or slot.num_seqs
-        meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], cu_seqlens_q=d["cu_seqlens_q"][:B + 1],
-                                 seq_lens=d["seq_lens"][:B], block_tables=d["block_tables"][:B],
-                                 max_query_len=max_query_len or slot.max_query_len,
-                                 max_seq_len=max_seq_len or slot.max_seq_len)
-        return self.model(d["input_ids"][:T], d["positions"][:T], meta, self.kv_caches, self.backend)
+    def _eager_logits(self, slot: DecodeSlot, prev: DecodeSlot):
+        d, n = slot.dev, slot.num_sample
+        ids = d["input_ids"][:slot.num_tokens]
+        if slot.num_carry:
+            ids = gather_carry(ids, d["carry_src"][:slot.num_tokens], prev.sampled)
+        hidden = self._forward(slot, ids, slot.num_seqs, slot.max_query_len)
+        return self.model.compute_logits(hidden[d["logits_indices"][:n]]) if n else None
 
-    def capture_decode_graphs(self) -> None:
-        """One graph per (slot, padded batch size), all in one memory pool (they never run concurrently)."""
-        limit = self.config.max_num_seqs
-        self.graph_sizes = sorted({bs for bs in [1, 2, 4, 8, *range(16, limit + 1, 8), limit] if bs <= limit})
-        pool = None
-        with torch.cuda.stream(self.compute_stream), torch.inference_mode():
-            for slot in self.slots:
-                self._pad_rows(slot, 0, limit)
-                slot.np["cu_seqlens_q"][0] = 0
-                slot.num_tokens = slot.num_seqs = limit
-                slot.upload()
-                for bs in reversed(self.graph_sizes):
-                    self._decode_logits(slot, bs)                    # warm-up: Triton compiles here
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
-                        logits = self._decode_logits(slot, bs)
-                    pool = graph.pool()
-                    self.graphs[(slot.index, bs)] = (graph, logits)
-        self.compute_stream.synchronize()
+    def decode_logits(self, slot: DecodeSlot, bs: int):
+        """What a decode graph holds: carry-over, then the forward and logits of `bs` one-token rows."""
+        d, prev = slot.dev, self.slots[1 - slot.index]
+        ids = gather_carry(d["input_ids"][:bs], d["carry_src"][:bs], prev.sampled)
+        return self.model.compute_logits(self._forward(slot, ids, bs, 1))
 
-    def _decode_logits(self, slot: DecodeSlot, bs: int):
-        hidden = self._forward(slot, bs, bs, max_query_len=1, max_seq_len=self.max_model_len)
-        return self.model.compute_logits(hidden)
+    def _forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int):
+        d, T = slot.dev, ids.shape[0]
+        meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
+                                 seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs],
+                                 max_query_len=max_query_len, max_seq_len=slot.max_seq_len)
+        return self.model(ids, d["positions"][:T], meta, self.kv_caches, self.backend)
 
     def _sample(self, slot: DecodeSlot, logits, all_greedy: bool) -> None:
         d, n = slot.dev, slot.num_sample
         slot.sampled[:n] = sample(logits, d["temperature"][:n], d["top_k"][:n], d["top_p"][:n],
                                   d["seeds"][:n], d["steps"][:n], all_greedy=all_greedy)
 
+    # ---- results -----------------------------------------------------------------------------
     def wait(self, slot: DecodeSlot) -> list[int]:
-        """Block until this slot's tokens are on the host (event sync releases the GIL)."""
+        """Block until this slot's tokens are on the host (an event sync: it releases the GIL)."""
         if self.cuda:
-            self.events[slot.index]["copy_done"].synchronize()
+            self.slot_events[slot.index]["copy_done"].synchronize()
         return slot.sampled_host[:slot.num_sample].tolist()
 
-    def gpu_times_ms(self, slot: DecodeSlot) -> tuple[float, float]:
-        """(forward, sampling) device time of the slot's last step; valid after wait()."""
+    def gpu_times_ms(self, step_index: int, prev_index: int | None) -> tuple[float, float, float]:
+        """(forward, sampling, idle before it) device times of a step whose tokens were waited for.
+        Idle: from the end of step `prev_index` on the compute stream to this step's start."""
         if not self.cuda:
-            return 0.0, 0.0
-        ev = self.events[slot.index]
-        return ev["start"].elapsed_time(ev["forward_done"]), ev["forward_done"].elapsed_time(ev["sampled_ready"])
+            return 0.0, 0.0, 0.0
+        te = self.step_events[step_index % _EVENT_RING]
+        idle = 0.0
+        if prev_index is not None and step_index - prev_index < _EVENT_RING:
+            idle = max(0.0, self.step_events[prev_index % _EVENT_RING]["sampled_ready"].elapsed_time(te["start"]))
+        return te["start"].elapsed_time(te["forward_done"]), te["forward_done"].elapsed_time(te["sampled_ready"]), idle

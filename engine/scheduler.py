@@ -4,6 +4,13 @@ Every step is one mixed batch under a token budget: running sequences first (dec
 token, a partially prefilled prompt takes the next chunk), then waiting sequences in arrival order.
 When a running sequence needs a page and none is free, the most recently admitted other sequence is
 preempted: its pages are freed and it is re-queued to recompute prompt + outputs later.
+
+With the pipelined loop a sequence may have one token sampled on the device but not yet committed
+(`num_pending`); the scheduler plans with `num_scheduled_tokens`, which counts it, and the runner feeds
+that token to the next step straight from device memory (carry-over). A sequence whose last token is
+already in flight (`capped`) is not scheduled again: it ends at that token's commit.
+Preemption frees pages at once even if a launched step still writes them: every KV writer runs on the
+one compute stream, so the new owner's writes are ordered after the old owner's.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ class ScheduledRow:
     start: int          # first position computed in this step
     num_tokens: int     # new tokens computed in this step
     sample: bool        # this row ends at the sequence's last token, so it yields a new token
+    sample_idx: int = -1  # its row in the step's sampled tokens (set by the runner)
 
 
 class Scheduler:
@@ -47,8 +55,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0:
+            n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
+            if n <= 0 or seq.capped:
                 i += 1
                 continue
             if not self._reserve(seq, n, victims_after=i):
@@ -70,13 +78,16 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, rows, budget) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.capped:                      # preempted with its last token in flight: ends at commit
+                continue
+            n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
             if not self.blocks.can_allocate(need):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.block_table += self.blocks.allocate(need)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -86,7 +97,7 @@ class Scheduler:
     @staticmethod
     def _row(seq, n) -> ScheduledRow:
         start = seq.num_computed_tokens
-        return ScheduledRow(seq, start, n, sample=start + n == seq.num_tokens)
+        return ScheduledRow(seq, start, n, sample=start + n == seq.num_scheduled_tokens)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

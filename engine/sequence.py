@@ -51,20 +51,43 @@ class Sequence:
     num_computed_tokens: int = 0                # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    max_len: int = 0                            # prompt + max_tokens, capped by the context
     finalized: bool = False                     # stop seen and result emitted
-    inflight_refs: int = 0                      # in-flight steps that still hold this row
+    inflight_refs: int = 0                      # in-flight steps that still hold this row (0..2)
+    num_pending: int = 0                        # sampled on the device, not yet committed (0 or 1)
+    pending_src: int = -1                       # its row in the in-flight step's `sampled` buffer
     text: str = ""                              # detokenized output (maintained by the engine)
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    def __post_init__(self):
+        if self.max_len <= 0:
+            self.max_len = len(self.prompt_token_ids) + self.params.max_tokens
+
     @property
     def num_tokens(self) -> int:
+        """Tokens the host knows (prompt + committed outputs)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the device knows: the host's plus the one still in flight."""
+        return self.num_tokens + self.num_pending
+
+    @property
+    def capped(self) -> bool:
+        """Its last token is already sampled (max_tokens or the context reached): schedule it no more."""
+        return self.num_scheduled_tokens >= self.max_len
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]

@@ -3,23 +3,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+_PER_STEP = ("plan", "launch", "wait", "commit", "forward_gpu", "sample_gpu", "gpu_idle")
+
 
 @dataclass
 class StepTimings:
-    steps: int = 0
-    tokens: int = 0
+    steps: int = 0             # committed steps
+    tokens: int = 0            # tokens sampled (zombie rows included)
     rows: int = 0
+    zombie_rows: int = 0       # rows of finalized sequences that rode along in a step (pipelined)
     plan: float = 0.0          # CPU: schedule + fill host buffers
     launch: float = 0.0        # CPU: enqueue upload, forward, sampling, copy
-    wait: float = 0.0          # CPU blocked on the step's tokens
+    wait: float = 0.0          # CPU blocked on a step's tokens
     commit: float = 0.0        # CPU: append tokens, stop checks, free pages
     forward_gpu: float = 0.0   # device time of the forward (CUDA events; 0 on CPU)
     sample_gpu: float = 0.0    # device time of sampling
+    gpu_idle: float = 0.0      # compute stream idle between the end of a step and the start of the next
+    wall: float = 0.0          # time spent inside LLMEngine.step()
 
     def add(self, **kw) -> None:
-        self.steps += 1
         for k, v in kw.items():
             setattr(self, k, getattr(self, k) + v)
+
+    def add_step(self, **kw) -> None:
+        self.steps += 1
+        self.add(**kw)
 
     def reset(self) -> None:
         for f in fields(self):
@@ -27,5 +35,6 @@ class StepTimings:
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        keys = ("plan", "launch", "wait", "commit", "forward_gpu", "sample_gpu")
-        return {k: 1e3 * getattr(self, k) / n for k in keys}
+        out = {k: 1e3 * getattr(self, k) / n for k in _PER_STEP}
+        out["period"] = 1e3 * self.wall / n
+        return out

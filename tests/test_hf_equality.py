@@ -49,9 +49,9 @@ def test_prefill_logits_match_hf(engine, hf_model, chat_prompts):
     seq = Sequence(10_000, prompt, GREEDY, seed=0, block_table=engine.blocks.allocate(
         engine.blocks.blocks_needed(len(prompt), 0)))
     slot = runner.slots[0]
-    runner.prepare(slot, [ScheduledRow(seq, 0, len(prompt), True)], engine.config.block_size)
+    runner.prepare(slot, [ScheduledRow(seq, 0, len(prompt), True)])
     with torch.inference_mode():
-        hidden = runner._forward(slot)
+        hidden = runner._forward(slot, slot.dev["input_ids"][:len(prompt)], 1, len(prompt))
         logits = runner.model.compute_logits(hidden[-1:])[0]
     engine.blocks.free(seq.block_table)
     rel = (logits - ref).norm() / ref.norm()

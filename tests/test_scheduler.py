@@ -71,3 +71,19 @@ def test_block_manager_errors():
         bm.free(got[:1])
     with pytest.raises(ValueError):
         BlockManager(0, 4)
+
+
+def test_pending_token_is_scheduled_and_capped_sequence_is_not():
+    """Pipelined planning: a token sampled on the device but not committed counts as the next input."""
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    a = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=2), seed=0)
+    b = Sequence(1, [1, 2, 3, 4], SamplingParams(max_tokens=5), seed=0)
+    sched.add(a); sched.add(b)
+    for r in sched.schedule():                  # prefill launched: each now has one token in flight
+        r.seq.num_computed_tokens, r.seq.num_pending = r.start + r.num_tokens, 1
+    rows = sched.schedule()
+    assert [(r.seq.seq_id, r.start, r.num_tokens, r.sample) for r in rows] == [(0, 3, 1, True), (1, 4, 1, True)]
+    for r in rows:
+        r.seq.num_computed_tokens, r.seq.num_pending = r.start + 1, 2
+    assert a.capped and not b.capped             # a's second (last) token is in flight
+    assert [r.seq.seq_id for r in sched.schedule()] == [1]

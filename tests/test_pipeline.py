@@ -1,0 +1,119 @@
+"""The pipelined loop (depth=2) gives exactly the tokens of the blocking loop (depth=1).
+
+The workload mixes every way a request can end (EOS, stop string, stop token, max_tokens), requests that
+arrive while others run, a seeded sampled request, and a KV pool small enough to force preemption. On the
+CPU each launch runs synchronously, but the host still plans step t+1 before it has seen step t's tokens:
+carry-over, pending tokens, zombies and deferred page release all run for real.
+"""
+import pytest
+import torch
+
+from conftest import assert_no_leak
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams
+
+EXTRA_PROMPTS = ["Name a color.", "Count from one to ten in words.", "What does a tool call look like in JSON?"]
+
+
+def _workload(prompts, stop_word, stop_token):
+    """(arrival step, prompt ids, params) for each request."""
+    greedy = dict(temperature=0.0)
+    return [
+        (0, prompts[0], SamplingParams(max_tokens=32, **greedy)),                        # EOS
+        (0, prompts[1], SamplingParams(max_tokens=7, **greedy)),                         # length
+        (0, prompts[2], SamplingParams(max_tokens=24, stop=[stop_word], **greedy)),      # stop string
+        (3, prompts[3], SamplingParams(max_tokens=16, stop_token_ids=[stop_token], **greedy)),
+        (3, prompts[4], SamplingParams(max_tokens=1, **greedy)),                         # ends at prefill
+        (5, prompts[5], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)),
+        (9, prompts[6], SamplingParams(max_tokens=16, ignore_eos=True, **greedy)),
+        (12, prompts[7], SamplingParams(max_tokens=12, **greedy)),
+    ]
+
+
+def _run(depth, workload, **cfg):
+    eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", depth=depth, **cfg)
+    refs_seen = []
+    launch = eng.runner.launch
+
+    def probe(slot, step_index, all_greedy):       # the moment refs peak: t+1 launched, t not committed
+        refs_seen.extend(r.seq.inflight_refs for r in slot.rows)
+        return launch(slot, step_index, all_greedy)
+
+    eng.runner.launch = probe
+    ids, step = {}, 0
+    pending = sorted(workload, key=lambda w: w[0])
+    while pending or eng.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, params = pending.pop(0)
+            ids[eng.add_request(prompt, params)] = len(ids)
+        eng.step()
+        step += 1
+        assert all(0 <= s.inflight_refs <= 2 for s in eng._seqs.values())
+    seqs = [eng._seqs.pop(i) for i in sorted(ids, key=ids.get)]
+    assert min(refs_seen) >= 1 and max(refs_seen) <= depth
+    return eng, seqs
+
+
+@pytest.fixture(scope="module")
+def workload(engine, chat_prompts):
+    prompts = chat_prompts + [engine.apply_chat_template([{"role": "user", "content": p}]) for p in EXTRA_PROMPTS]
+    free = engine.generate([prompts[2]], SamplingParams(max_tokens=24, temperature=0))[0]
+    stop_word = free.text.split()[2]
+    probe = engine.generate([prompts[3]], SamplingParams(max_tokens=16, temperature=0))[0]
+    return _workload(prompts, stop_word, probe.output_token_ids[5])
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(num_kv_blocks=6, max_num_batched_tokens=64)],
+                         ids=["roomy", "preempting"])
+def test_pipelined_equals_blocking(workload, cfg):
+    blocking, ref = _run(1, workload, **cfg)
+    pipelined, got = _run(2, workload, **cfg)
+    assert [s.output_token_ids for s in got] == [s.output_token_ids for s in ref]
+    assert [s.finish_reason for s in got] == [s.finish_reason for s in ref]
+    assert [s.text for s in got] == [s.text for s in ref]
+    reasons = [s.finish_reason for s in ref]
+    assert reasons.count("stop") >= 3 and reasons.count("length") >= 3, reasons
+    assert pipelined.timings.zombie_rows > 0, "EOS/stop requests should have ridden along one extra step"
+    assert blocking.timings.zombie_rows == 0
+    if "num_kv_blocks" in cfg:
+        preemptions = (blocking.scheduler.num_preemptions, pipelined.scheduler.num_preemptions)
+        assert min(preemptions) > 0, preemptions
+    for eng in (blocking, pipelined):
+        assert_no_leak(eng)
+        assert not eng._inflight
+
+
+def test_length_capped_requests_make_no_zombie_rows(chat_prompts):
+    """A request whose last token is in flight is not scheduled again: max_tokens costs no extra row."""
+    eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", depth=2)
+    seqs = eng.generate(chat_prompts[:3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert all(len(s.output_token_ids) == 6 for s in seqs)
+    assert eng.timings.zombie_rows == 0 and eng.timings.tokens == 18
+    assert_no_leak(eng)
+
+
+def test_abort_while_in_flight_frees_pages_after_the_step(chat_prompts):
+    eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", depth=2)
+    a = eng.add_request(chat_prompts[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    b = eng.add_request(chat_prompts[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    seq = eng._seqs[a]
+    assert seq.inflight_refs == 1 and seq.block_table
+    eng.abort(a)
+    assert seq.finalized and seq.block_table, "pages stay while a launched step still holds the row"
+    eng.step()
+    assert seq.inflight_refs == 0 and not seq.block_table
+    while eng.has_unfinished():
+        eng.step()
+    assert len(eng._seqs[b].output_token_ids) == 8
+    eng._seqs.clear()
+    assert_no_leak(eng)
+
+
+def test_carry_over_gathers_only_marked_rows():
+    from engine.model_runner import gather_carry
+    ids = torch.tensor([5, 0, 7, 0])
+    prev = torch.tensor([11, 12, 13])
+    src = torch.tensor([-1, 2, -1, 0])
+    assert gather_carry(ids, src, prev).tolist() == [5, 13, 7, 11]
