@@ -62,6 +62,7 @@ def paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
 class TorchAttention:
     """Runs anywhere; the correctness reference for every other backend."""
     name = "torch"
+    fused = False      # the model takes its reference path (torch ops)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
@@ -73,10 +74,12 @@ class TorchAttention:
 class TritonAttention:
     """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     name = "triton"
+    fused = True       # the model takes its fused path (engine.triton_ops)
 
     def __init__(self):
-        from engine import triton_attention
+        from engine import triton_attention, triton_ops
         self._k = triton_attention
+        self.ops = triton_ops
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)

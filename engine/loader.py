@@ -31,7 +31,10 @@ _LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
 _LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
                  max_position_embeddings=131072, tie_word_embeddings=False, eos_token_id=128009)
-DUMMY_SHAPES = {"smollm2-135m": _SMOLLM2_135M, "llama-1b": _LLAMA_1B, "llama-8b": _LLAMA_8B}
+_TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=512, rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
+             eos_token_id=0)  # for tests: small enough for the Triton CPU interpreter
+DUMMY_SHAPES = {"smollm2-135m": _SMOLLM2_135M, "llama-1b": _LLAMA_1B, "llama-8b": _LLAMA_8B, "tiny": _TINY}
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,11 @@
 
 Tokens of all sequences in a step are flattened to [T, hidden]; attention metadata says where each
 sequence's new tokens and pages are. QKV and gate/up projections are fused into one matmul each.
+
+Two paths with the same math: the reference path (torch ops, the `torch` attention backend; equals
+Hugging Face transformers op for op) and the fused path (`backend.fused`: Triton kernels for residual
+add + RMSNorm, RoPE + KV store and SiLU * up, so a decode layer is ~10 kernels). The fused kernels compute
+in fp32 and round once, so in bf16 the two paths differ by rounding only (engine/triton_ops.py).
 """
 from __future__ import annotations
 
@@ -84,6 +89,18 @@ class Attention(nn.Module):
         out = backend.attend(q.contiguous(), k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def forward_fused(self, x, positions, rope_cache, meta: AttentionMetadata, kv_cache, backend):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        k_cache, v_cache = kv_cache
+        q = backend.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
+        out = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.view(-1, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: dict):
@@ -95,6 +112,9 @@ class MLP(nn.Module):
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x, ops):
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -108,6 +128,18 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, meta, kv_cache, backend):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, h, residual, positions, rope_cache, meta, kv_cache, backend):
+        """h: the previous layer's output, not yet added to `residual` (None at the first layer)."""
+        ops, norm = backend.ops, self.input_layernorm
+        if residual is None:
+            h, residual = ops.rms_norm(h, norm.weight, norm.eps), h
+        else:
+            h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
+        h = self.self_attn.forward_fused(h, positions, rope_cache, meta, kv_cache, backend)
+        norm = self.post_attention_layernorm
+        h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
+        return self.mlp.forward_fused(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,12 +162,22 @@ class LlamaForCausalLM(nn.Module):
         self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, backend):
+        if backend.fused:
+            return self._forward_fused(input_ids, positions, meta, kv_caches, backend)
         x = self.embed_tokens(input_ids)
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv, backend)
         return self.norm(x)
+
+    def _forward_fused(self, input_ids, positions, meta, kv_caches, backend):
+        h, residual = self.embed_tokens(input_ids), None
+        rope_cache = (self.cos_cache, self.sin_cache)
+        for layer, kv in zip(self.layers, kv_caches):
+            h, residual = layer.forward_fused(h, residual, positions, rope_cache, meta, kv, backend)
+        h, _ = backend.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
+        return h
 
     def compute_logits(self, hidden):
         weight = self.embed_tokens.weight if self.tied else self.lm_head.weight

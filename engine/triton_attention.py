@@ -76,13 +76,13 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
 @triton.jit
 def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi, kv_off_head,
                stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr):
+               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     offs_n = start + tl.arange(0, TILE_N)
     n_ok = offs_n < hi
     page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_n, mask=n_ok, other=0).to(tl.int64)
     kv_off = page * stride_blk + (offs_n % BLOCK_SIZE) * stride_pos + kv_off_head
     k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
-    s = tl.dot(q, k) * qk_scale  # log2 domain
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # log2 domain
     if MASKED:
         s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
         # Slots past the sequence end may hold NaN garbage, and 0 * NaN = NaN: zero them.
@@ -95,7 +95,7 @@ def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, sta
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + _sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
 
@@ -105,7 +105,7 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
                        stride_blk, stride_pos, stride_kvh,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                       TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     q_block = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
     seq = tl.program_id(1)
@@ -144,11 +144,11 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     for start in range(lo, full_hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
                                    kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-                                   BLOCK_SIZE, TILE_N, False)
+                                   BLOCK_SIZE, TILE_N, False, PRECISION)
     for start in range(full_hi, hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
                                    kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-                                   BLOCK_SIZE, TILE_N, True)
+                                   BLOCK_SIZE, TILE_N, True, PRECISION)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows with no visible key (bad metadata) give 0, not NaN
@@ -322,7 +322,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         float(scale) * _LOG2E, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps)
+        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32: exact products, for equality tests
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),

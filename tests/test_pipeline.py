@@ -31,7 +31,7 @@ def _workload(prompts, stop_word, stop_token):
 
 
 def _run(depth, workload, **cfg):
-    eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", depth=depth, **cfg)
+    eng = LLMEngine(**(dict(device="cpu", dtype="float32", attention_backend="torch", depth=depth) | cfg))
     refs_seen = []
     launch = eng.runner.launch
 
@@ -63,8 +63,13 @@ def workload(engine, chat_prompts):
     return _workload(prompts, stop_word, probe.output_token_ids[5])
 
 
-@pytest.mark.parametrize("cfg", [dict(), dict(num_kv_blocks=6, max_num_batched_tokens=64)],
-                         ids=["roomy", "preempting"])
+ROOMY, PREEMPTING = dict(), dict(num_kv_blocks=6, max_num_batched_tokens=64)
+GPU_BF16_GRAPHS = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=1024)
+
+
+@pytest.mark.parametrize("cfg", [ROOMY, PREEMPTING, pytest.param(
+    GPU_BF16_GRAPHS, marks=pytest.mark.gpu), pytest.param(GPU_BF16_GRAPHS | PREEMPTING, marks=pytest.mark.gpu)],
+    ids=["roomy", "preempting", "gpu-bf16-graphs", "gpu-bf16-graphs-preempting"])
 def test_pipelined_equals_blocking(workload, cfg):
     blocking, ref = _run(1, workload, **cfg)
     pipelined, got = _run(2, workload, **cfg)
