@@ -6,6 +6,7 @@ kept as counters (`self.timings`) that benchmarks read.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from collections import deque
@@ -70,6 +71,7 @@ class LLMEngine:
         self._inflight: deque[InflightStep] = deque()
         self._step_index = 0
         self._last_committed: int | None = None
+        self._last_commit_time = time.perf_counter()
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.source.config.get("eos_token_id")
@@ -120,6 +122,19 @@ class LLMEngine:
         seq = self._seqs.get(seq_id)
         if seq is not None and not seq.finalized:
             self.scheduler.finish(seq, "abort")
+
+    def take(self, seq_id: int) -> Sequence:
+        """Hand over a finished request's Sequence and forget it."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or not seq.finalized:
+            raise KeyError(f"no finished request {seq_id}")
+        return self._seqs.pop(seq_id)
+
+    def set_depth(self, depth: int) -> None:
+        """Switch between the blocking (1) and pipelined (2) loop; in-flight steps drain first."""
+        while self._inflight:
+            self.step()
+        self.config = dataclasses.replace(self.config, depth=depth)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._inflight)
@@ -175,8 +190,11 @@ class LLMEngine:
         outputs = self._commit(step.rows, tokens)
         fwd, smp, idle = self.runner.gpu_times_ms(step.index, self._last_committed)
         self._last_committed = step.index
-        self.timings.add_step(wait=t1 - t0, commit=time.perf_counter() - t1, forward_gpu=fwd / 1e3,
-                              sample_gpu=smp / 1e3, gpu_idle=idle / 1e3, tokens=len(tokens), rows=len(step.rows))
+        t2 = time.perf_counter()
+        self.timings.add_step(wait=t1 - t0, commit=t2 - t1, forward_gpu=fwd / 1e3, sample_gpu=smp / 1e3,
+                              gpu_idle=idle / 1e3, tokens=len(tokens), rows=len(step.rows),
+                              extra=dict(period=t2 - self._last_commit_time, decode=step.slot.max_query_len == 1))
+        self._last_commit_time = t2
         return outputs
 
     def _commit(self, rows, tokens: list[int]) -> list[RequestOutput]:
@@ -236,7 +254,7 @@ class LLMEngine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         while self.has_unfinished():
             self.step()
-        return [self._seqs.pop(i) for i in ids]
+        return [self.take(i) for i in ids]
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Yield (new_token_ids, text_delta) for one request as tokens arrive."""

@@ -1,7 +1,7 @@
 """Per-step timing counters of the decode loop (seconds), read by benchmarks."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 _PER_STEP = ("plan", "launch", "wait", "commit", "forward_gpu", "sample_gpu", "gpu_idle")
 
@@ -20,18 +20,24 @@ class StepTimings:
     sample_gpu: float = 0.0    # device time of sampling
     gpu_idle: float = 0.0      # compute stream idle between the end of a step and the start of the next
     wall: float = 0.0          # time spent inside LLMEngine.step()
+    trace: list | None = field(default=None, repr=False)  # set to [] to keep one dict per committed step
 
     def add(self, **kw) -> None:
         for k, v in kw.items():
             setattr(self, k, getattr(self, k) + v)
 
-    def add_step(self, **kw) -> None:
+    def add_step(self, extra: dict | None = None, **kw) -> None:
+        """Count one committed step; `extra` (e.g. its period) goes only into the trace."""
         self.steps += 1
         self.add(**kw)
+        if self.trace is not None:
+            self.trace.append(kw | (extra or {}))
 
-    def reset(self) -> None:
+    def reset(self, trace: bool = False) -> None:
         for f in fields(self):
-            setattr(self, f.name, type(getattr(self, f.name))())
+            if f.name != "trace":
+                setattr(self, f.name, type(getattr(self, f.name))())
+        self.trace = [] if trace else None
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)
