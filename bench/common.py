@@ -1,0 +1,190 @@
+"""Shared helpers for the benchmarks: result records, JSON/markdown/PNG output, progress, workloads.
+
+Every benchmark builds records with `record(...)` (one schema for all of them), writes them with
+`write_results`, prints `markdown_table` last and may `plot` a PNG beside the JSON.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:            # `python bench/x.py` from anywhere finds `engine`
+    sys.path.insert(0, str(REPO))
+
+QUESTIONS = (
+    "What is the capital of France, and why did it become the capital?",
+    "Explain how a hash map works to a new programmer.",
+    "Write a short poem about autumn leaves.",
+    "What are the main differences between TCP and UDP?",
+    "Give me three tips for improving my sleep.",
+    "How does photosynthesis turn light into chemical energy?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "What is the difference between a list and a tuple in Python?",
+    "Plan a one-day sightseeing trip in Rome.",
+    "Why is the sky blue?",
+    "Describe how to make a simple tomato pasta sauce.",
+    "What causes inflation, and how do central banks respond to it?",
+    "Explain recursion with a small example.",
+    "What should I pack for a week-long hiking trip?",
+    "How do vaccines train the immune system?",
+    "Compare electric cars and petrol cars for a daily commute.",
+)
+
+
+# ---- records ---------------------------------------------------------------------------------------
+def device_name() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except Exception:                      # noqa: BLE001 - a record must never fail on this
+        pass
+    return "cpu"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def command_line() -> str:
+    return " ".join([sys.executable, *sys.argv])
+
+
+def record(bench, mode, model, dtype, streams, new_tokens, tok_s, ms_per_step, **extra) -> dict:
+    """One result row; `extra` holds bench-specific fields (breakdowns, error strings, ...)."""
+    rec = dict(bench=bench, mode=mode, model=model, dtype=dtype, streams=streams, new_tokens=new_tokens,
+               tok_s=tok_s, ms_per_step=ms_per_step)
+    rec.update(extra)
+    rec.update(device=device_name(), git_commit=git_commit(), command=command_line(),
+               timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    return rec
+
+
+def write_results(records: list[dict], path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=2, default=str) + "\n")
+    print(f"wrote {len(records)} records to {path}")
+    return path
+
+
+# ---- output ----------------------------------------------------------------------------------------
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3f}"
+    if isinstance(v, int):
+        return f"{v:,}" if abs(v) >= 10000 else str(v)
+    s = str(v).replace("|", "\\|").replace("\n", " ")
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def markdown_table(records: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
+    for r in records:
+        lines.append("| " + " | ".join(_cell(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], x: str, y: str, group: str, path, title: str) -> Path | None:
+    """Line plot of y vs x, one line per value of `group`; records without a numeric y are skipped."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"note: matplotlib is not installed; skipping the plot {path}")
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    groups: dict[str, list[tuple]] = {}
+    for r in records:
+        if isinstance(r.get(y), (int, float)) and r.get(x) is not None:
+            groups.setdefault(str(r.get(group)), []).append((r[x], r[y]))
+    for name, pts in sorted(groups.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if groups:
+        ax.legend()
+    if x == "streams":
+        ax.set_xscale("log", base=2)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote plot {path}")
+    return path
+
+
+def progress(items, desc: str):
+    """Iterate with a progress bar (tqdm on stderr; a plain line per item without tqdm)."""
+    items = list(items)
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    except ImportError:
+        def gen():
+            for i, it in enumerate(items):
+                print(f"{desc}: {i + 1}/{len(items)} {it}", file=sys.stderr, flush=True)
+                yield it
+        return gen()
+
+
+def note(msg: str) -> None:
+    """A status line that does not break a tqdm bar."""
+    try:
+        from tqdm import tqdm
+        tqdm.write(msg, file=sys.stderr)
+    except ImportError:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# ---- workloads -------------------------------------------------------------------------------------
+def _chat_ids(obj, messages) -> list[int]:
+    if hasattr(obj, "runner"):                          # an LLMEngine: its own template wrapper
+        return obj.apply_chat_template(messages)
+    out = obj.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def _has_template(obj) -> bool:
+    tok = getattr(obj, "tokenizer", obj) if hasattr(obj, "runner") else obj
+    return tok is not None and bool(getattr(tok, "chat_template", None))
+
+
+def random_prompts(vocab: int, n: int, length: int = 32, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def chat_prompts(tokenizer_or_engine, n: int) -> list[list[int]]:
+    """n distinct chat prompts (token ids): the questions cycled, each with an index suffix.
+
+    Takes an LLMEngine or a tokenizer with a chat template. Without one (dummy models) it returns
+    random token ids of about a chat prompt's length (seeded: the same every run)."""
+    if not _has_template(tokenizer_or_engine):
+        vocab = 49152
+        if hasattr(tokenizer_or_engine, "runner"):
+            vocab = int(tokenizer_or_engine.runner.vocab)
+        return random_prompts(vocab, n)
+    return [_chat_ids(tokenizer_or_engine, [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}])
+            for i in range(n)]
