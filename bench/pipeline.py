@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 
@@ -32,7 +33,8 @@ BENCH = "pipeline"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["default", "dummy:llama-1b", "dummy:llama-8b"])
+    p.add_argument("--models", nargs="+", default=[os.environ.get("SPECDEC_MODEL", "default"), "dummy:llama-1b",
+                                                   "dummy:llama-8b"])
     p.add_argument("--streams", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
