@@ -71,6 +71,7 @@ def steady(trace, streams: int) -> dict:
 def run_one(eng, name, workload, streams, depth, prompts, new_tokens) -> dict:
     eng.set_depth(depth)
     ignore_eos = workload == "fixed"
+    closed_loop(eng, prompts[:streams], streams, SamplingParams(max_tokens=3, temperature=0.0))  # JIT warm-up
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=ignore_eos)
     wall, done = closed_loop(eng, prompts, streams, params)
     t = eng.timings

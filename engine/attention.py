@@ -86,7 +86,7 @@ class TritonAttention:
 
     def attend(self, q, k_cache, v_cache, meta, scale):
         return self._k.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                       meta.block_tables, scale, meta.max_query_len)
+                                       meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
 def make_backend(name: str):

@@ -3,10 +3,10 @@
 Tokens of all sequences in a step are flattened to [T, hidden]; attention metadata says where each
 sequence's new tokens and pages are. QKV and gate/up projections are fused into one matmul each.
 
-Two paths with the same math: the reference path (torch ops, the `torch` attention backend; equals
-Hugging Face transformers op for op) and the fused path (`backend.fused`: Triton kernels for residual
-add + RMSNorm, RoPE + KV store and SiLU * up, so a decode layer is ~10 kernels). The fused kernels compute
-in fp32 and round once, so in bf16 the two paths differ by rounding only (engine/triton_ops.py).
+Two paths with the same math: the reference path (torch ops, the `torch` attention backend; in float32
+it equals Hugging Face transformers) and the fused path (`backend.fused`: Triton kernels for residual
+add + RMSNorm, RoPE + KV store and SiLU * up, so a decode layer is ~10 kernels). Both compute RoPE and
+SiLU * up in float32 and round once, so in bf16 they differ only in summation order (engine/triton_ops.py).
 """
 from __future__ import annotations
 
@@ -53,10 +53,12 @@ def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 def apply_rope(x, cos, sin):
-    """x: [T, H, D]; cos/sin: [T, D]. HF's rotate_half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
+    """x: [T, H, D]; cos/sin: [T, D] float32. HF's rotate_half convention, computed in float32 and rounded
+    once (as the fused kernel does; in float32 this is exactly HF's math)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -111,7 +113,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))  # fp32, rounded once
 
     def forward_fused(self, x, ops):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -165,8 +167,7 @@ class LlamaForCausalLM(nn.Module):
         if backend.fused:
             return self._forward_fused(input_ids, positions, meta, kv_caches, backend)
         x = self.embed_tokens(input_ids)
-        cos = self.cos_cache[positions].to(x.dtype)
-        sin = self.sin_cache[positions].to(x.dtype)
+        cos, sin = self.cos_cache[positions], self.sin_cache[positions]
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv, backend)
         return self.norm(x)

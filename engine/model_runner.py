@@ -90,17 +90,18 @@ class ModelRunner:
             end = start + n
             known = min(end, seq.num_tokens)
             bt = seq.block_table
-            if n == 1:
+            if n == 1:                                      # decode rows: scalar writes only
                 h["positions"][t] = start
                 h["slot_mapping"][t] = bt[start // bs] * bs + start % bs
+                h["input_ids"][t] = seq.token_at(start) if known > start else 0
             else:
                 h["positions"][t:t + n] = range(start, end)
                 h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
-            h["input_ids"][t:t + known - start] = seq.tokens(start, known)
+                h["input_ids"][t:t + known - start] = seq.tokens(start, known)
+                h["input_ids"][t + n - 1] = 0 if end > known else h["input_ids"][t + n - 1]
             if end > known:
-                h["input_ids"][t + n - 1] = 0
                 carries.append((t + n - 1, seq.pending_src))
-            h["block_tables"][i, :len(bt)] = bt
+            self._write_block_table(slot, i, seq)
             h["seq_lens"][i] = end
             t += n
             h["cu_seqlens_q"][i + 1] = t
@@ -115,9 +116,19 @@ class ModelRunner:
             h["carry_src"][idx] = src
         slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, len(carries)
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
-        slot.graph_bs = self.graphs.size_for(slot) if self.graphs else 0
+        slot.graph_bs, slot.graph_ctx = self.graphs.size_for(slot) if self.graphs else (0, 0)
         if slot.graph_bs:
             pad_rows(slot, len(rows), slot.graph_bs)
+
+    @staticmethod
+    def _write_block_table(slot: DecodeSlot, i: int, seq) -> None:
+        """Row i of the slot's block tables: only the pages it lacks if it last held this very table. Tables
+        grow in place; preemption and release replace the list, so identity says the old pages are valid."""
+        bt, (held, have) = seq.block_table, slot.bt_rows[i]
+        start = have if held is bt and have <= len(bt) else 0
+        if start < len(bt):
+            slot.np["block_tables"][i, start:len(bt)] = bt[start:]
+        slot.bt_rows[i] = (bt, len(bt))
 
     @staticmethod
     def _fill_sampling(h, s, token_index, seq):
@@ -163,20 +174,21 @@ class ModelRunner:
         ids = d["input_ids"][:slot.num_tokens]
         if slot.num_carry:
             ids = gather_carry(ids, d["carry_src"][:slot.num_tokens], prev.sampled)
-        hidden = self._forward(slot, ids, slot.num_seqs, slot.max_query_len)
+        hidden = self._forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
         return self.model.compute_logits(hidden[d["logits_indices"][:n]]) if n else None
 
-    def decode_logits(self, slot: DecodeSlot, bs: int):
-        """What a decode graph holds: carry-over, then the forward and logits of `bs` one-token rows."""
+    def decode_logits(self, slot: DecodeSlot, bs: int, ctx: int):
+        """What a decode graph holds: carry-over, then the forward and logits of `bs` one-token rows whose
+        contexts are at most `ctx` long."""
         d, prev = slot.dev, self.slots[1 - slot.index]
         ids = gather_carry(d["input_ids"][:bs], d["carry_src"][:bs], prev.sampled)
-        return self.model.compute_logits(self._forward(slot, ids, bs, 1))
+        return self.model.compute_logits(self._forward(slot, ids, bs, 1, ctx))
 
-    def _forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int):
+    def _forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int):
         d, T = slot.dev, ids.shape[0]
         meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
                                  seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs],
-                                 max_query_len=max_query_len, max_seq_len=slot.max_seq_len)
+                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
         return self.model(ids, d["positions"][:T], meta, self.kv_caches, self.backend)
 
     def _sample(self, slot: DecodeSlot, logits, all_greedy: bool) -> None:

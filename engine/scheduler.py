@@ -55,8 +55,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
-            if n <= 0 or seq.capped:
+            scheduled = seq.num_scheduled_tokens
+            n = min(scheduled - seq.num_computed_tokens, budget)
+            if n <= 0 or scheduled >= seq.max_len:          # nothing new, or capped
                 i += 1
                 continue
             if not self._reserve(seq, n, victims_after=i):
@@ -68,6 +69,8 @@ class Scheduler:
 
     def _reserve(self, seq, n, victims_after) -> bool:
         need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
+        if need == 0:
+            return True
         while not self.blocks.can_allocate(need):
             if len(self.running) - 1 > victims_after:
                 self.preempt(self.running[-1])

@@ -10,6 +10,8 @@ take it from (-1: the host's id stands), and the device fills it in before the f
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 _FIELDS = {  # name -> (dtype, shape key)
@@ -22,39 +24,48 @@ _FIELDS = {  # name -> (dtype, shape key)
 }
 
 
+def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    n = math.prod(shape) * dtype.itemsize
+    return buf[offset:offset + n].view(dtype).view(shape)
+
+
 class DecodeSlot:
     def __init__(self, index: int, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.index = index
         self.device = device
         pin = device.type == "cuda"
         sizes = {"tokens": (max_tokens,), "seqs": (max_seqs,), "seqs+1": (max_seqs + 1,)}
-        self.host, self.dev = {}, {}
+        # One pinned buffer, one device buffer, every field a typed view at the same offset in both: a step's
+        # inputs go up in a single copy. Block tables come last so the copy can stop after the used rows.
+        layout, offset = [], 0
         for name, (dtype, key) in _FIELDS.items():
-            self.host[name] = torch.zeros(sizes[key], dtype=dtype, pin_memory=pin)
+            layout.append((name, dtype, sizes[key], offset))
+            offset += -(-math.prod(sizes[key]) * dtype.itemsize // 8) * 8
+        self._bt_offset, self._bt_row = offset, max_blocks * 4
+        layout.append(("block_tables", torch.int32, (max_seqs, max_blocks), offset))
+        self._host_buf = torch.zeros(offset + max_seqs * self._bt_row, dtype=torch.uint8, pin_memory=pin)
+        self._dev_buf = self._host_buf.to(device) if pin else self._host_buf
+        self.host = {n: _view(self._host_buf, o, dt, sh) for n, dt, sh, o in layout}
+        self.dev = {n: _view(self._dev_buf, o, dt, sh) for n, dt, sh, o in layout}
         self.host["carry_src"].fill_(-1)
-        self.host["block_tables"] = torch.zeros((max_seqs, max_blocks), dtype=torch.int32, pin_memory=pin)
-        for name, t in self.host.items():
-            self.dev[name] = t.to(device) if pin else t
+        self.dev["carry_src"].fill_(-1)
         self.sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.sampled_host = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
         self.np = {name: t.numpy() for name, t in self.host.items()}   # fast element writes
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0
         self.num_carry = 0                                              # tokens taken from the previous step
-        self.graph_bs = 0                                               # padded size if a graph runs it
+        self.graph_bs = self.graph_ctx = 0                              # which graph runs it (0: eager)
         self.rows = []                                                  # ScheduledRows of this step
+        self.bt_rows = [(None, 0)] * max_seqs                          # (block table, pages) each row holds
 
     def upload(self, padded: int = 0) -> None:
-        """Copy the used prefix of every field host -> device on the current stream (no-op on the CPU);
+        """Copy the step's inputs host -> device on the current stream in one copy (no-op on the CPU);
         `padded` rows for graphs. The host side must stay untouched until the copy ran."""
         if self.device.type != "cuda":
             return
-        tokens, seqs = max(self.num_tokens, padded), max(self.num_seqs, padded)
-        used = {"tokens": tokens, "seqs": seqs, "seqs+1": seqs + 1}
-        for name, (_, key) in _FIELDS.items():
-            n = used[key]
-            self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
-        self.dev["block_tables"][:seqs].copy_(self.host["block_tables"][:seqs], non_blocking=True)
+        end = self._bt_offset + max(self.num_seqs, padded) * self._bt_row
+        self._dev_buf[:end].copy_(self._host_buf[:end], non_blocking=True)
 
     def download_sampled(self) -> None:
         n = self.num_sample

@@ -254,14 +254,15 @@ def _tile_config(group: int, max_query_len: int, block_size: int):
 
 
 def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
-    """Split KV only when the grid leaves SMs idle; at most one split per 2 tiles of cache capacity."""
+    """Split KV only when the grid leaves SMs idle and each split gets >= 512 keys: below that the merge
+    kernel costs more than the parallelism gains (short decode contexts run unsplit, no second launch)."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms // 2:
         return 1
     want = triton.cdiv(sms, programs)
-    cap = max(1, triton.cdiv(max_kv, tile_n) // 2)
+    cap = max(1, max_kv // max(512, 2 * tile_n))
     return max(1, min(32, 1 << (min(want, cap).bit_length() - 1)))
 
 
@@ -286,11 +287,13 @@ def _check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len,
-                    *, out=None, num_splits=None):
+                    *, out=None, num_splits=None, max_seq_len=None):
     """Causal attention of q [T, num_heads, head_dim] over the paged cache; returns out [T, num_heads, head_dim].
 
     max_query_len: host int >= every sequence's query length. out: optional buffer to write into (rows
-    past cu_seqlens_q[-1] are left as they are). num_splits: KV splits (power of two), default by grid size.
+    past cu_seqlens_q[-1] are left as they are). num_splits: KV splits (power of two), default by grid size
+    and max_seq_len (a host bound on seq_lens; default: the block tables' capacity). Any split count is
+    correct for any seq_lens: the bound only sizes the parallelism.
     """
     _check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     if isinstance(max_query_len, torch.Tensor) or isinstance(scale, torch.Tensor):
@@ -307,8 +310,9 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     block_m, block_q, tile_n, num_warps = _tile_config(group, max_query_len, block_size)
     q_blocks = triton.cdiv(max_query_len, block_q)
     if num_splits is None:
-        num_splits = _auto_splits(q.device, q_blocks * num_seqs * num_kv_heads,
-                                  block_tables.shape[1] * block_size, tile_n)
+        capacity = block_tables.shape[1] * block_size
+        max_kv = capacity if max_seq_len is None else min(operator.index(max_seq_len), capacity)
+        num_splits = _auto_splits(q.device, q_blocks * num_seqs * num_kv_heads, max_kv, tile_n)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     head_pad = max(16, _pow2(head_dim))

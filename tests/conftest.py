@@ -56,3 +56,20 @@ def hf_greedy(model, prompt_ids, new_tokens):
 def assert_no_leak(engine):
     assert engine.blocks.num_free == engine.blocks.num_blocks, "KV pages leaked"
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def prefill_logits(engine, ids):
+    """Logits of the last position after a one-shot prefill of `ids` (float32, on the host)."""
+    from engine.scheduler import ScheduledRow
+    from engine.sequence import SamplingParams, Sequence
+    seq = Sequence(10**6, list(ids), SamplingParams(max_tokens=1), seed=0,
+                   block_table=engine.blocks.allocate(engine.blocks.blocks_needed(len(ids), 0)))
+    runner, slot = engine.runner, engine.runner.slots[0]
+    try:
+        runner.prepare(slot, [ScheduledRow(seq, 0, len(ids), True)])
+        slot.upload()
+        with torch.inference_mode():
+            hidden = runner._forward(slot, slot.dev["input_ids"][:len(ids)], 1, len(ids), len(ids))
+            return runner.model.compute_logits(hidden[-1:])[0].float().cpu()
+    finally:
+        engine.blocks.free(seq.block_table)

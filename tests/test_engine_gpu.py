@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import CHAT_PROMPTS, assert_no_leak
+from conftest import CHAT_PROMPTS, assert_no_leak, prefill_logits
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 
@@ -60,12 +60,17 @@ def test_fp32_single_requests_equal_batched(prompts, fp32_reference):
 
 
 def test_bf16_triton_matches_torch_reference_first_32(prompts):
-    ref, _ = _generate(prompts, dtype="bfloat16", attention_backend="torch", enforce_eager=True)
+    ref, ref_eng = _generate(prompts, dtype="bfloat16", attention_backend="torch", enforce_eager=True)
     got, _ = _generate(prompts, dtype="bfloat16", attention_backend="triton", depth=2)
-    diverged = [(i, next(j for j, (a, b) in enumerate(zip(r, g)) if a != b)) for i, (r, g) in enumerate(zip(ref, got))
-                if r != g]
-    print(f"bf16 triton+graphs+pipelined vs torch reference: divergence (prompt, first index) = {diverged}")
-    assert [r[:32] for r in ref] == [g[:32] for g in got], diverged
+    report = []
+    for i, (r, g) in enumerate(zip(ref, got)):
+        j = next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), None)
+        if j is not None:            # how close was the call? the reference's logits of both candidates
+            logits = prefill_logits(ref_eng, prompts[i] + r[:j])
+            report.append(dict(prompt=i, index=j, ref=r[j], got=g[j], gap=round(float(logits[r[j]] - logits[g[j]]), 4),
+                               ref_logit=round(float(logits[r[j]]), 3)))
+    print(f"bf16 triton+graphs+pipelined vs torch reference, divergences: {report}")
+    assert [r[:32] for r in ref] == [g[:32] for g in got], report
 
 
 def test_bf16_pipelined_graphs_equal_blocking_graphs(prompts):

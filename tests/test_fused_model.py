@@ -6,7 +6,7 @@ run through the fused path; on CUDA the same test compiles the kernels and adds 
 import pytest
 import torch
 
-from conftest import assert_no_leak
+from conftest import assert_no_leak, prefill_logits
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 
@@ -36,20 +36,8 @@ def test_fused_path_matches_reference(reference, depth):
 
 def test_fused_logits_close_to_reference():
     """Beyond argmax: the prefill logits of both paths agree to float32 rounding."""
-    logits = {}
-    for backend in ("torch", "triton"):
-        eng = LLMEngine(model="dummy:tiny", device=DEVICE, dtype="float32", attention_backend=backend,
-                        max_model_len=256)
-        from engine.scheduler import ScheduledRow
-        from engine.sequence import Sequence
-        prompt = PROMPTS[2]
-        seq = Sequence(0, prompt, SamplingParams(max_tokens=1), seed=0,
-                       block_table=eng.blocks.allocate(eng.blocks.blocks_needed(len(prompt), 0)))
-        slot = eng.runner.slots[0]
-        eng.runner.prepare(slot, [ScheduledRow(seq, 0, len(prompt), True)])
-        slot.upload()
-        with torch.inference_mode():
-            hidden = eng.runner._forward(slot, slot.dev["input_ids"][:len(prompt)], 1, len(prompt))
-            logits[backend] = eng.runner.model.compute_logits(hidden).cpu()
+    logits = {backend: prefill_logits(LLMEngine(model="dummy:tiny", device=DEVICE, dtype="float32",
+                                                attention_backend=backend, max_model_len=256), PROMPTS[2])
+              for backend in ("torch", "triton")}
     ref, got = logits["torch"], logits["triton"]
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5

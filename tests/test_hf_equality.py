@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import assert_no_leak, hf_greedy
+from conftest import assert_no_leak, hf_greedy, prefill_logits
 from engine.sequence import SamplingParams
 
 NEW = 64
@@ -43,17 +43,7 @@ def test_prefill_logits_match_hf(engine, hf_model, chat_prompts):
     prompt = chat_prompts[2]
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-    runner = engine.runner
-    from engine.scheduler import ScheduledRow
-    from engine.sequence import Sequence
-    seq = Sequence(10_000, prompt, GREEDY, seed=0, block_table=engine.blocks.allocate(
-        engine.blocks.blocks_needed(len(prompt), 0)))
-    slot = runner.slots[0]
-    runner.prepare(slot, [ScheduledRow(seq, 0, len(prompt), True)])
-    with torch.inference_mode():
-        hidden = runner._forward(slot, slot.dev["input_ids"][:len(prompt)], 1, len(prompt))
-        logits = runner.model.compute_logits(hidden[-1:])[0]
-    engine.blocks.free(seq.block_table)
+    logits = prefill_logits(engine, prompt)
     rel = (logits - ref).norm() / ref.norm()
     assert rel < 1e-4, rel
 
