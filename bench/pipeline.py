@@ -128,10 +128,11 @@ def main(argv=None):
     records = []
     for spec in args.models:
         records += bench_model(spec, args)
+    write_results(records, args.out)
     if args.peers:
         from peers_hf import run_peers
-        records += run_peers(args.streams, args.new_tokens, None)
-    write_results(records, args.out)
+        records += run_peers(args.streams, args.new_tokens, model_spec=args.models[0])
+        write_results(records, args.out)
     plot([r for r in records if r.get("workload") in ("fixed", None)], "streams", "tok_s", "mode",
          args.out.replace(".json", ".png"), "output tok/s, fixed 128 new tokens")
     fixed = [r for r in records if r.get("workload") == "fixed" and r["mode"] == "pipelined"]

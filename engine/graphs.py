@@ -1,8 +1,8 @@
 """CUDA graphs of the decode step: one per (slot, padded batch size), all in one memory pool.
 
 A graph holds carry-over + forward + logits for `bs` rows of one query token each, captured for a bound
-on the context (`ctx`): short contexts get attention without split-KV (one kernel, no merge), long ones
-the split that fills the GPU. Graphs of both slots
+on the context (`ctx`): the attention's KV split is sized for that bound, so short contexts do not launch
+the many mostly idle programs (and merge inputs) that the longest context needs. Graphs of both slots
 share one pool: they never run concurrently (one compute stream), and a step's logits are consumed by
 its sampling before the next graph replays. Padding rows (from the real batch up to `bs`) write no KV
 (slot -1) and attend to nothing (seq_len 0); their logits are ignored.

@@ -1,9 +1,10 @@
 """GPU: the fast paths (Triton kernels, decode CUDA graphs, the pipelined loop) against the simple path.
 
 The model is $SPECDEC_MODEL (the default model when unset; `dummy:<shape>` works too, with random prompt ids).
-float32: every path must give the same greedy tokens. bf16: the Triton path is compared with the torch
-reference on the first 32 tokens (rounding in a different order may flip a near-tie later).
+float32: every path must give the same greedy tokens. bf16: the Triton path may part from the torch reference
+only at a near-tie of two logits (rounding in a different order flips it), never early.
 """
+import math
 import os
 
 import pytest
@@ -59,7 +60,7 @@ def test_fp32_single_requests_equal_batched(prompts, fp32_reference):
     assert_no_leak(eng)
 
 
-def test_bf16_triton_matches_torch_reference_first_32(prompts):
+def test_bf16_triton_parts_from_torch_reference_only_at_near_ties(prompts):
     ref, ref_eng = _generate(prompts, dtype="bfloat16", attention_backend="torch", enforce_eager=True)
     got, _ = _generate(prompts, dtype="bfloat16", attention_backend="triton", depth=2)
     report = []
@@ -70,7 +71,12 @@ def test_bf16_triton_matches_torch_reference_first_32(prompts):
             report.append(dict(prompt=i, index=j, ref=r[j], got=g[j], gap=round(float(logits[r[j]] - logits[g[j]]), 4),
                                ref_logit=round(float(logits[r[j]]), 3)))
     print(f"bf16 triton+graphs+pipelined vs torch reference, divergences: {report}")
-    assert [r[:32] for r in ref] == [g[:32] for g in got], report
+    # Measured: 3 of 5 prompts part before token 32 (at 17, 19, 28), each where the reference's two candidate
+    # logits are within 2 bf16 ulps (logits are rounded to bf16 by the lm_head matmul). What must hold: no
+    # early divergence, and every divergence a near-tie; a real bug parts early or on a clear winner.
+    for d in report:
+        ulp = 2.0 ** (math.floor(math.log2(abs(d["ref_logit"]))) - 7)
+        assert d["index"] >= 8 and abs(d["gap"]) <= 2 * ulp, d
 
 
 def test_bf16_pipelined_graphs_equal_blocking_graphs(prompts):
