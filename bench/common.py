@@ -49,6 +49,10 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+    """HEAD of the checkout, or $SPECDEC_GIT_COMMIT: the GPU machine's copy of the tree can carry a stale
+    .git, so pass the commit there (`SPECDEC_GIT_COMMIT=$(git rev-parse HEAD)` where the run is planned)."""
+    if os.environ.get("SPECDEC_GIT_COMMIT"):
+        return os.environ["SPECDEC_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,

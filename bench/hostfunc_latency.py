@@ -18,6 +18,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import git_commit  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
@@ -29,14 +32,6 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results", "hostfunc_latency.json"))
     parser.add_argument("--child", choices=["ctypes", "cuda-python-graph"], help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-def git_commit():
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def capture(body, stream, keep_alive):

@@ -20,12 +20,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--depth", type=int, default=2, choices=[1, 2],
+                   help="1: blocking loop; 2: pipelined (the next step launches before this one commits)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def _engine(args):
     from engine.llm_engine import LLMEngine
     cfg = EngineConfig(**({"model": args.model} if args.model else {}), device=args.device, dtype=args.dtype,
-                       attention_backend=args.attention_backend, max_num_seqs=8)
+                       attention_backend=args.attention_backend, max_num_seqs=8, depth=args.depth,
+                       enforce_eager=args.enforce_eager)
     return LLMEngine(cfg)
 
 

@@ -78,13 +78,18 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.layer_idx = layer_idx
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache, backend):
+    def _qkv(self, x):
+        """[T, heads, head_dim] views of one fused projection (q/k normed for Qwen3)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache, backend):
+        q, k, v = self._qkv(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -92,12 +97,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def forward_fused(self, x, positions, rope_cache, meta: AttentionMetadata, kv_cache, backend):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._qkv(x)
         k_cache, v_cache = kv_cache
         q = backend.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
