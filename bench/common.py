@@ -103,10 +103,11 @@ def markdown_table(records: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict], x: str, y: str, group: str, path, title: str) -> Path | None:
+def plot(records: list[dict], x: str, y: str, group: str, path, title: str, logy: bool = False) -> Path | None:
     """Line plot of y vs x, one line per value of `group`; records without a numeric y are skipped."""
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -128,6 +129,9 @@ def plot(records: list[dict], x: str, y: str, group: str, path, title: str) -> P
         ax.legend()
     if x == "streams":
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    if logy:
+        ax.set_yscale("log")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -123,6 +123,14 @@ def cost_model(records) -> list[dict]:
     return rows
 
 
+def plot_throughput(records, path) -> None:
+    """tok/s vs streams, one line per (model, mode), fixed workload and peers."""
+    rows = [dict(r, series=f"{r['model'].split('.')[0]} {r['mode']}") for r in records
+            if r.get("workload") in ("fixed", None)]
+    plot(rows, "streams", "tok_s", "series", path, "output tok/s, fixed new tokens (H100 run)" if rows and
+         "H100" in str(rows[0].get("device")) else "output tok/s, fixed new tokens", logy=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     records = []
@@ -133,8 +141,7 @@ def main(argv=None):
         from peers_hf import run_peers
         records += run_peers(args.streams, args.new_tokens, model_spec=args.models[0])
         write_results(records, args.out)
-    plot([r for r in records if r.get("workload") in ("fixed", None)], "streams", "tok_s", "mode",
-         args.out.replace(".json", ".png"), "output tok/s, fixed 128 new tokens")
+    plot_throughput(records, args.out.replace(".json", ".png"))
     fixed = [r for r in records if r.get("workload") == "fixed" and r["mode"] == "pipelined"]
     print("\n## Pipelined, per step (steady-state medians, ms)\n")
     print(markdown_table(fixed, ["model", "streams", "forward_ms", "sample_ms", "period_ms", "idle_ms", "idle_frac"]))
