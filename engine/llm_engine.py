@@ -20,6 +20,7 @@ from engine.loader import load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, Status
+from engine.slots import DecodeSlot
 from engine.timings import StepTimings
 
 
@@ -36,8 +37,7 @@ class RequestOutput:
 @dataclass
 class InflightStep:
     index: int          # step number (alternates the slots, indexes the timing events)
-    slot: object        # DecodeSlot
-    rows: list          # ScheduledRows
+    slot: DecodeSlot    # holds the step's rows until its commit (a slot is prepared again only after it)
 
 
 @contextlib.contextmanager
@@ -172,7 +172,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         with self._sync_guard():
             self.runner.launch(slot, self._step_index, all_greedy)
-        self._inflight.append(InflightStep(self._step_index, slot, rows))
+        self._inflight.append(InflightStep(self._step_index, slot))
         self._step_index += 1
         self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1)
         return True
@@ -187,12 +187,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens = self.runner.wait(step.slot)
         t1 = time.perf_counter()
-        outputs = self._commit(step.rows, tokens)
+        outputs = self._commit(step.slot.rows, tokens)
         fwd, smp, idle = self.runner.gpu_times_ms(step.index, self._last_committed)
         self._last_committed = step.index
         t2 = time.perf_counter()
         self.timings.add_step(wait=t1 - t0, commit=t2 - t1, forward_gpu=fwd / 1e3, sample_gpu=smp / 1e3,
-                              gpu_idle=idle / 1e3, tokens=len(tokens), rows=len(step.rows),
+                              gpu_idle=idle / 1e3, tokens=len(tokens), rows=len(step.slot.rows),
                               extra=dict(period=t2 - self._last_commit_time, decode=step.slot.max_query_len == 1))
         self._last_commit_time = t2
         return outputs

@@ -93,13 +93,14 @@ class ModelRunner:
             if n == 1:                                      # decode rows: scalar writes only
                 h["positions"][t] = start
                 h["slot_mapping"][t] = bt[start // bs] * bs + start % bs
-                h["input_ids"][t] = seq.token_at(start) if known > start else 0
+                if known > start:
+                    h["input_ids"][t] = seq.token_at(start)
             else:
                 h["positions"][t:t + n] = range(start, end)
                 h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
                 h["input_ids"][t:t + known - start] = seq.tokens(start, known)
-                h["input_ids"][t + n - 1] = 0 if end > known else h["input_ids"][t + n - 1]
-            if end > known:
+            if end > known:                                 # the pending token: a placeholder until carried
+                h["input_ids"][t + n - 1] = 0
                 carries.append((t + n - 1, seq.pending_src))
             self._write_block_table(slot, i, seq)
             h["seq_lens"][i] = end
