@@ -61,11 +61,15 @@ def closed_loop(eng: LLMEngine, prompts, streams: int, params: SamplingParams):
 
 
 def steady(trace, streams: int) -> dict:
-    """Medians over decode steps with every stream busy (prefill, ramp-up and ramp-down excluded)."""
+    """Medians over decode steps with every stream busy (prefill, ramp-up and ramp-down excluded), and over
+    the steps that carried a prefill chunk (a request joining: its cost to the running batch)."""
     rows = [s for s in trace if s["decode"] and s["rows"] >= streams] or [s for s in trace if s["decode"]] or trace
-    med = lambda k: 1e3 * statistics.median(s[k] for s in rows)  # noqa: E731
+    med = lambda k, r=rows: 1e3 * statistics.median(s[k] for s in r) if r else float("nan")  # noqa: E731
+    mixed = [s for s in trace if not s["decode"]]
     return dict(period_ms=med("period"), forward_ms=med("forward_gpu"), sample_ms=med("sample_gpu"),
-                idle_ms=med("gpu_idle"), steady_steps=len(rows))
+                idle_ms=med("gpu_idle"), steady_steps=len(rows), mixed_steps=len(mixed),
+                mixed_period_ms=med("period", mixed), mixed_forward_ms=med("forward_gpu", mixed),
+                mixed_idle_ms=med("gpu_idle", mixed))
 
 
 def run_one(eng, name, workload, streams, depth, prompts, new_tokens) -> dict:
@@ -82,6 +86,7 @@ def run_one(eng, name, workload, streams, depth, prompts, new_tokens) -> dict:
                   requests=len(done), L=out_tokens / max(len(done), 1), steps=t.steps, rows=t.rows,
                   stop_frac=sum(s.finish_reason == "stop" for s in done) / max(len(done), 1),
                   zombie_rows=t.zombie_rows, idle_frac=st["idle_ms"] / st["period_ms"],
+                  idle_frac_run=t.gpu_idle / max(t.wall, 1e-9),
                   **st, **{f"cpu_{k}_ms": v for k, v in t.per_step_ms().items()
                            if k in ("plan", "launch", "wait", "commit")})
 
@@ -148,6 +153,10 @@ def main(argv=None):
     print("\n## Blocking vs pipelined (EOS on)\n")
     print(markdown_table(cost_model(records), ["model", "streams", "blocking_ms", "pipelined_ms", "L", "z",
                                                "predicted", "observed", "zombie_rows"]))
+    print("\n## Requests joining a running batch (EOS on): steps that carry a prefill chunk, medians\n")
+    eos = [r for r in records if r.get("workload") == "eos"]
+    print(markdown_table(eos, ["model", "mode", "streams", "mixed_steps", "mixed_forward_ms", "mixed_period_ms",
+                               "period_ms", "idle_frac_run"]))
     print("\n## Throughput (fixed new tokens, EOS ignored)\n")
     print(markdown_table([r for r in records if r.get("workload") in ("fixed", None)],
                          ["model", "mode", "streams", "tok_s", "ms_per_step", "period_ms", "idle_frac", "error"]))

@@ -1,11 +1,19 @@
-"""CUDA graphs of the decode step: one per (slot, padded batch size), all in one memory pool.
+"""CUDA graphs of whole steps: decode steps by (padded batch size, context bound), and steps with prefill
+chunks ("mixed") by padded token count. All graphs of both slots share one memory pool: they never run
+concurrently (one compute stream), and a step's logits are consumed by its sampling before the next
+graph replays.
 
-A graph holds carry-over + forward + logits for `bs` rows of one query token each, captured for a bound
-on the context (`ctx`): the attention's KV split is sized for that bound, so short contexts do not launch
-the many mostly idle programs (and merge inputs) that the longest context needs. Graphs of both slots
-share one pool: they never run concurrently (one compute stream), and a step's logits are consumed by
-its sampling before the next graph replays. Padding rows (from the real batch up to `bs`) write no KV
-(slot -1) and attend to nothing (seq_len 0); their logits are ignored.
+Decode graph ("decode", bs, ctx): carry-over + forward + logits of `bs` rows of one query token each,
+captured for a bound on the context (`ctx`): the attention's KV split is sized for that bound, so short
+contexts do not launch the many mostly idle programs (and merge inputs) that the longest context needs.
+Padding rows write no KV (slot -1) and attend to nothing (seq_len 0); their logits are ignored.
+
+Mixed graph ("mixed", T, B): any step of at most T tokens in at most B = min(T, max_num_seqs) sequences,
+with any query lengths (prefill chunks next to decode rows). The attention grid is sized for one sequence
+holding all T tokens; its programs past a sequence's query length exit at once. Padding tokens belong to
+no sequence and write no KV; padding sequences have no query tokens; padding logits rows read token 0.
+Without these, a step with a prefill chunk is enqueued op by op (several ms of host time for a small
+model) while the GPU, a decode step ahead at most, runs dry.
 """
 from __future__ import annotations
 
@@ -13,13 +21,21 @@ import torch
 
 from engine.slots import DecodeSlot
 
+SHORT_CONTEXT = 512
+
 
 def graph_batch_sizes(limit: int) -> list[int]:
     return sorted({bs for bs in [1, 2, 4, 8, *range(16, limit + 1, 8), limit] if bs <= limit})
 
 
+def graph_token_sizes(limit: int) -> list[int]:
+    """Powers of two from 16 to 1024, then steps of 512, and the limit itself."""
+    sizes = [16 << i for i in range(7)] + list(range(1536, limit + 1, 512)) + [limit]
+    return sorted({t for t in sizes if t <= limit})
+
+
 def pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
-    """Rows [start, end): one query token over an empty sequence, writing no KV, carrying nothing."""
+    """Decode rows [start, end): one query token over an empty sequence, writing no KV, carrying nothing."""
     h = slot.np
     h["input_ids"][start:end] = 0
     h["positions"][start:end] = 0
@@ -30,44 +46,78 @@ def pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
     h["cu_seqlens_q"][start + 1:end + 1] = range(start + 1, end + 1)
 
 
-SHORT_CONTEXT = 512
+def pad_mixed(slot: DecodeSlot, tokens: int, seqs: int) -> None:
+    """Pad a step to `tokens` tokens in `seqs` sequences (see the module docstring)."""
+    h, t, b = slot.np, slot.num_tokens, slot.num_seqs
+    h["input_ids"][t:tokens] = 0
+    h["positions"][t:tokens] = 0
+    h["slot_mapping"][t:tokens] = -1
+    h["carry_src"][t:tokens] = -1
+    h["seq_lens"][b:seqs] = 0
+    h["cu_seqlens_q"][b + 1:seqs + 1] = t
+    h["logits_indices"][slot.num_sample:seqs] = 0
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, runner):
         self.runner = runner
-        self.sizes = graph_batch_sizes(runner.config.max_num_seqs)
+        self.max_seqs = runner.config.max_num_seqs
+        self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, runner.max_model_len), runner.max_model_len})
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.token_sizes = graph_token_sizes(runner.config.max_num_batched_tokens)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def size_for(self, slot: DecodeSlot) -> tuple[int, int]:
-        """(padded batch size, context bound) of the graph that runs this step; (0, 0): run it eagerly."""
-        if slot.max_query_len != 1 or slot.num_sample != slot.num_seqs:
-            return 0, 0
-        bs = next((b for b in self.sizes if b >= slot.num_seqs), 0)
-        return (bs, next(c for c in self.contexts if c >= slot.max_seq_len)) if bs else (0, 0)
+    def key_for(self, slot: DecodeSlot) -> tuple | None:
+        """The graph that runs this step (see the module docstring); None: run it eagerly."""
+        if slot.max_query_len == 1 and slot.num_sample == slot.num_seqs:
+            bs = next((b for b in self.sizes if b >= slot.num_seqs), 0)
+            if bs:
+                return "decode", bs, next(c for c in self.contexts if c >= slot.max_seq_len)
+        t = next((t for t in self.token_sizes if t >= slot.num_tokens), 0)
+        return ("mixed", t, min(t, self.max_seqs)) if t else None
+
+    @staticmethod
+    def pad(slot: DecodeSlot, key: tuple) -> None:
+        if key[0] == "decode":
+            pad_rows(slot, slot.num_seqs, key[1])
+        else:
+            pad_mixed(slot, key[1], key[2])
+
+    @staticmethod
+    def padded_seqs(key: tuple | None) -> int:
+        """Rows of per-sequence inputs (block tables) the graph reads."""
+        return 0 if key is None else key[1] if key[0] == "decode" else key[2]
+
+    def keys(self) -> list[tuple]:
+        """Every graph, largest first: later captures reuse the pool blocks of earlier ones."""
+        mixed = [("mixed", t, min(t, self.max_seqs)) for t in reversed(self.token_sizes)]
+        return mixed + [("decode", bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
 
     def capture(self) -> None:
         r = self.runner
-        limit = self.sizes[-1]
         pool = None
         with torch.cuda.stream(r.compute_stream), torch.inference_mode():
             for slot in r.slots:
-                pad_rows(slot, 0, limit)
-                slot.np["cu_seqlens_q"][0] = 0
-                slot.num_tokens = slot.num_seqs = limit
-                slot.upload()
-                for bs in reversed(self.sizes):       # largest first: later graphs reuse its pool blocks
-                    for ctx in self.contexts:
-                        r.decode_logits(slot, bs, ctx)    # warm-up: Triton compiles here
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, stream=r.compute_stream):
-                            logits = r.decode_logits(slot, bs, ctx)
-                        pool = graph.pool()
-                        self.graphs[(slot.index, bs, ctx)] = (graph, logits)
+                for key in self.keys():
+                    _set_empty_step(slot, key)
+                    r.graph_logits(slot, key)          # warm-up: Triton compiles here
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=r.compute_stream):
+                        logits = r.graph_logits(slot, key)
+                    pool = graph.pool()
+                    self.graphs[(slot.index, key)] = (graph, logits)
         r.compute_stream.synchronize()
 
     def replay(self, slot: DecodeSlot) -> torch.Tensor:
-        graph, logits = self.graphs[(slot.index, slot.graph_bs, slot.graph_ctx)]
+        graph, logits = self.graphs[(slot.index, slot.graph_key)]
         graph.replay()
         return logits[:slot.num_sample]
+
+
+def _set_empty_step(slot: DecodeSlot, key: tuple) -> None:
+    """Inputs for capture: every row padding (no KV written, nothing attended), uploaded now."""
+    slot.num_tokens = slot.num_seqs = slot.num_sample = 0
+    slot.np["cu_seqlens_q"][0] = 0
+    StepGraphs.pad(slot, key)
+    slot.num_seqs = StepGraphs.padded_seqs(key)
+    slot.upload()

@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig
-from engine.graphs import DecodeGraphs, pad_rows
+from engine.graphs import StepGraphs
 from engine.loader import ModelSource
 from engine.sampler import sample
 from engine.slots import DecodeSlot
@@ -48,7 +48,7 @@ class ModelRunner:
                             for _ in range(_EVENT_RING)]
         self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
-            self.graphs = DecodeGraphs(self)
+            self.graphs = StepGraphs(self)
             self.graphs.capture()
 
     # ---- setup -------------------------------------------------------------------------------
@@ -117,9 +117,9 @@ class ModelRunner:
             h["carry_src"][idx] = src
         slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, len(carries)
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
-        slot.graph_bs, slot.graph_ctx = self.graphs.size_for(slot) if self.graphs else (0, 0)
-        if slot.graph_bs:
-            pad_rows(slot, len(rows), slot.graph_bs)
+        slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
+        if slot.graph_key:
+            self.graphs.pad(slot, slot.graph_key)
 
     @staticmethod
     def _write_block_table(slot: DecodeSlot, i: int, seq) -> None:
@@ -148,14 +148,14 @@ class ModelRunner:
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
         if self.cuda:
             with torch.cuda.stream(self.copy_in_stream):
-                slot.upload(padded=slot.graph_bs)
+                slot.upload(padded=StepGraphs.padded_seqs(slot.graph_key))
                 ev["inputs_ready"].record()
             self.compute_stream.wait_event(ev["inputs_ready"])
         compute = torch.cuda.stream(self.compute_stream) if self.cuda else contextlib.nullcontext()
         with compute, torch.inference_mode():
             if self.cuda:
                 te["start"].record()
-            logits = self.graphs.replay(slot) if slot.graph_bs else self._eager_logits(slot, prev)
+            logits = self.graphs.replay(slot) if slot.graph_key else self._eager_logits(slot, prev)
             if self.cuda:
                 te["forward_done"].record()
             if slot.num_sample:
@@ -178,12 +178,16 @@ class ModelRunner:
         hidden = self._forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
         return self.model.compute_logits(hidden[d["logits_indices"][:n]]) if n else None
 
-    def decode_logits(self, slot: DecodeSlot, bs: int, ctx: int):
-        """What a decode graph holds: carry-over, then the forward and logits of `bs` one-token rows whose
-        contexts are at most `ctx` long."""
+    def graph_logits(self, slot: DecodeSlot, key: tuple):
+        """What a graph holds (engine/graphs.py): carry-over, then the forward and the logits of a step
+        padded to `key`: ("decode", rows, context bound) or ("mixed", tokens, sequences)."""
+        kind, size, bound = key
         d, prev = slot.dev, self.slots[1 - slot.index]
-        ids = gather_carry(d["input_ids"][:bs], d["carry_src"][:bs], prev.sampled)
-        return self.model.compute_logits(self._forward(slot, ids, bs, 1, ctx))
+        ids = gather_carry(d["input_ids"][:size], d["carry_src"][:size], prev.sampled)
+        if kind == "decode":
+            return self.model.compute_logits(self._forward(slot, ids, size, 1, bound))
+        hidden = self._forward(slot, ids, bound, size, self.max_model_len)
+        return self.model.compute_logits(hidden[d["logits_indices"][:bound]])
 
     def _forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int):
         d, T = slot.dev, ids.shape[0]

@@ -55,7 +55,7 @@ class DecodeSlot:
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0
         self.num_carry = 0                                              # tokens taken from the previous step
-        self.graph_bs = self.graph_ctx = 0                              # which graph runs it (0: eager)
+        self.graph_key = None                                           # which graph runs it (None: eager)
         self.rows = []                                                  # ScheduledRows of this step
         self.bt_rows = [(None, 0)] * max_seqs                          # (block table, pages) each row holds
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak
+from engine.graphs import StepGraphs
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 
@@ -30,8 +31,21 @@ def _workload(prompts, stop_word, stop_token):
     ]
 
 
-def _run(depth, workload, **cfg):
+class EagerGraphs(StepGraphs):
+    """The graphs' padded step layouts, run eagerly: what a replay computes, on any device."""
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.seen = set()
+
+    def replay(self, slot):
+        self.seen.add(slot.graph_key)
+        return self.runner.graph_logits(slot, slot.graph_key)[:slot.num_sample]
+
+
+def _run(depth, workload, graph_layout=False, **cfg):
     eng = LLMEngine(**(dict(device="cpu", dtype="float32", attention_backend="torch", depth=depth) | cfg))
+    if graph_layout:
+        eng.runner.graphs = EagerGraphs(eng.runner)
     refs_seen = []
     launch = eng.runner.launch
 
@@ -86,6 +100,18 @@ def test_pipelined_equals_blocking(workload, cfg):
     for eng in (blocking, pipelined):
         assert_no_leak(eng)
         assert not eng._inflight
+
+
+@pytest.mark.parametrize("cfg", [ROOMY, PREEMPTING], ids=["roomy", "preempting"])
+def test_graph_padding_changes_no_token(workload, cfg):
+    """Every step padded to its graph's shape (decode rows, mixed token/sequence buckets) gives the tokens of
+    the unpadded blocking loop: padding writes no KV and no real row reads a padding one."""
+    _, ref = _run(1, workload, **cfg)
+    eng, got = _run(2, workload, graph_layout=True, **cfg)
+    assert [s.output_token_ids for s in got] == [s.output_token_ids for s in ref]
+    kinds = {key[0] for key in eng.runner.graphs.seen}
+    assert kinds == {"decode", "mixed"}, kinds
+    assert_no_leak(eng)
 
 
 def test_length_capped_requests_make_no_zombie_rows(chat_prompts):
