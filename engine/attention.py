@@ -76,10 +76,11 @@ class TritonAttention:
     name = "triton"
     fused = True       # the model takes its fused path (engine.triton_ops)
 
-    def __init__(self):
-        from engine import triton_attention, triton_ops
+    def __init__(self, gemv_fusion: bool = True):
+        from engine import triton_attention, triton_gemv, triton_ops
         self._k = triton_attention
         self.ops = triton_ops
+        self.gemv = triton_gemv if gemv_fusion else None   # small-batch matmuls with fused prologues
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -89,9 +90,9 @@ class TritonAttention:
                                        meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
-def make_backend(name: str):
+def make_backend(name: str, gemv_fusion: bool = True):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention()
+        return TritonAttention(gemv_fusion)
     raise ValueError(f"unknown attention backend {name!r}")

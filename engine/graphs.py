@@ -17,6 +17,8 @@ model) while the GPU, a decode step ahead at most, runs dry.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from engine.slots import DecodeSlot
@@ -66,6 +68,7 @@ class StepGraphs:
         self.contexts = sorted({min(SHORT_CONTEXT, runner.max_model_len), runner.max_model_len})
         self.token_sizes = graph_token_sizes(runner.config.max_num_batched_tokens)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = Counter()                 # by kind ("decode", "mixed"); host thread only
 
     def key_for(self, slot: DecodeSlot) -> tuple | None:
         """The graph that runs this step (see the module docstring); None: run it eagerly."""
@@ -111,6 +114,7 @@ class StepGraphs:
     def replay(self, slot: DecodeSlot) -> torch.Tensor:
         graph, logits = self.graphs[(slot.index, slot.graph_key)]
         graph.replay()
+        self.replays[slot.graph_key[0]] += 1
         return logits[:slot.num_sample]
 
 

@@ -5,7 +5,8 @@ sequence's new tokens and pages are. QKV and gate/up projections are fused into 
 
 Two paths with the same math: the reference path (torch ops, the `torch` attention backend; in float32
 it equals Hugging Face transformers) and the fused path (`backend.fused`: Triton kernels for residual
-add + RMSNorm, RoPE + KV store and SiLU * up, so a decode layer is ~10 kernels). Both compute RoPE and
+add + RMSNorm, RoPE + KV store and SiLU * up; for up to 16 tokens, engine/triton_gemv.py folds each norm and
+SiLU * up into the next matmul, so a decode layer is 7 kernels). Both compute RoPE and
 SiLU * up in float32 and round once, so in bf16 they differ only in summation order (engine/triton_ops.py).
 """
 from __future__ import annotations
@@ -78,9 +79,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.layer_idx = layer_idx
 
-    def _qkv(self, x):
-        """[T, heads, head_dim] views of one fused projection (q/k normed for Qwen3)."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def _qkv(self, qkv):
+        """[T, heads, head_dim] views of the fused projection's output (q/k normed for Qwen3)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -89,19 +90,20 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache, backend):
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(self.qkv_proj(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q.contiguous(), k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
-    def forward_fused(self, x, positions, rope_cache, meta: AttentionMetadata, kv_cache, backend):
-        q, k, v = self._qkv(x)
+    def forward_fused(self, qkv, positions, rope_cache, meta: AttentionMetadata, kv_cache, backend, small):
+        """From the fused QKV projection's output to o_proj's."""
+        q, k, v = self._qkv(qkv)
         k_cache, v_cache = kv_cache
         q = backend.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
-        out = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.view(-1, self.q_size))
+        out = backend.attend(q, k_cache, v_cache, meta, self.scale).view(-1, self.q_size)
+        return backend.gemv.linear(out, self.o_proj.weight) if small else self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -115,8 +117,10 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))  # fp32, rounded once
 
-    def forward_fused(self, x, ops):
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def down_fused(self, gate_up, backend, small):
+        if small:
+            return backend.gemv.silu_mul_linear(gate_up, self.down_proj.weight)
+        return self.down_proj(backend.ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -132,16 +136,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, h, residual, positions, rope_cache, meta, kv_cache, backend):
-        """h: the previous layer's output, not yet added to `residual` (None at the first layer)."""
-        ops, norm = backend.ops, self.input_layernorm
-        if residual is None:
-            h, residual = ops.rms_norm(h, norm.weight, norm.eps), h
-        else:
-            h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
-        h = self.self_attn.forward_fused(h, positions, rope_cache, meta, kv_cache, backend)
-        norm = self.post_attention_layernorm
-        h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
-        return self.mlp.forward_fused(h, ops), residual
+        """h: the previous layer's output, not yet added to `residual` (None at the first layer).
+        Up to gemv.MAX_ROWS tokens (decode), each norm and SiLU * up runs inside the next matmul."""
+        small = backend.gemv is not None and h.shape[0] <= backend.gemv.MAX_ROWS
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend, small)
+        h = attn.forward_fused(qkv, positions, rope_cache, meta, kv_cache, backend, small)
+        gate_up, residual = _norm_proj(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, backend, small)
+        return mlp.down_fused(gate_up, backend, small), residual
+
+
+def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend, small: bool):
+    """proj(rms_norm(h + residual)) and the new residual (h itself when there is none yet)."""
+    if small:
+        return backend.gemv.norm_linear(h, norm.weight, norm.eps, proj.weight, proj.bias, residual)
+    if residual is None:
+        h, residual = backend.ops.rms_norm(h, norm.weight, norm.eps), h
+    else:
+        h, residual = backend.ops.rms_norm(h, norm.weight, norm.eps, residual)
+    return proj(h), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -35,7 +35,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = build_model(source, self.dtype, self.device, max_model_len)
         self.vocab = source.config["vocab_size"]
-        self.backend = make_backend(config.backend_name())
+        self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
         self.num_blocks = self._num_kv_blocks(source.config)
         self.kv_caches = self._allocate_kv(source.config)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)

@@ -51,6 +51,8 @@ def test_fp32_fast_paths_equal_reference(prompts, fp32_reference, depth, eager):
     got, eng = _generate(prompts, dtype="float32", attention_backend="triton", depth=depth, enforce_eager=eager)
     assert got == fp32_reference
     assert (eng.runner.graphs is None) == eager
+    if not eager:                    # prefill steps and decode steps both replayed graphs
+        assert eng.runner.graphs.replays["mixed"] > 0 and eng.runner.graphs.replays["decode"] > 0
 
 
 def test_fp32_single_requests_equal_batched(prompts, fp32_reference):
