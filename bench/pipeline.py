@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto", help="cpu works for a smoke run (e.g. --models dummy:tiny)")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-gemv-fusion", action="store_true", help="cuBLAS + separate norm/SiLU kernels at small batch")
+    p.add_argument("--gemv-fusion", action="store_true", help="Triton GEMVs with fused norm/SiLU at small batch")
     p.add_argument("--peers", action="store_true", help="also run transformers' peers (bench/peers_hf.py)")
     p.add_argument("--out", default="bench/results/pipeline.json")
     return p.parse_args(argv)
@@ -96,7 +96,7 @@ def run_one(eng, name, workload, streams, depth, prompts, new_tokens) -> dict:
 def bench_model(spec, args) -> list[dict]:
     eng = LLMEngine(model=spec, dtype=args.dtype, device=args.device, max_num_seqs=max(args.streams), max_model_len=1024,
                     num_kv_blocks=max(args.streams) * 16 * 2, enforce_eager=args.enforce_eager,
-                    gemv_fusion=not args.no_gemv_fusion)
+                    gemv_fusion=args.gemv_fusion)
     name = eng.source.name
     note(f"{name}: graphs {'off' if eng.runner.graphs is None else eng.runner.graphs.sizes}")
     eng.generate(chat_prompts(eng, 2), SamplingParams(max_tokens=8, temperature=0.0))  # JIT warm-up

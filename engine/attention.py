@@ -76,7 +76,7 @@ class TritonAttention:
     name = "triton"
     fused = True       # the model takes its fused path (engine.triton_ops)
 
-    def __init__(self, gemv_fusion: bool = True):
+    def __init__(self, gemv_fusion: bool = False):
         from engine import triton_attention, triton_gemv, triton_ops
         self._k = triton_attention
         self.ops = triton_ops
@@ -90,7 +90,7 @@ class TritonAttention:
                                        meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
-def make_backend(name: str, gemv_fusion: bool = True):
+def make_backend(name: str, gemv_fusion: bool = False):
     if name == "torch":
         return TorchAttention()
     if name == "triton":

@@ -5,8 +5,9 @@ sequence's new tokens and pages are. QKV and gate/up projections are fused into 
 
 Two paths with the same math: the reference path (torch ops, the `torch` attention backend; in float32
 it equals Hugging Face transformers) and the fused path (`backend.fused`: Triton kernels for residual
-add + RMSNorm, RoPE + KV store and SiLU * up; for up to 16 tokens, engine/triton_gemv.py folds each norm and
-SiLU * up into the next matmul, so a decode layer is 7 kernels). Both compute RoPE and
+add + RMSNorm, RoPE + KV store and SiLU * up, so a decode layer is ~10 kernels; with
+`EngineConfig.gemv_fusion`, engine/triton_gemv.py folds each norm and SiLU * up into the next matmul for up to
+16 tokens: 7 kernels, but slower on an H100, see bench/results/gemv_fusion.md). Both compute RoPE and
 SiLU * up in float32 and round once, so in bf16 they differ only in summation order (engine/triton_ops.py).
 """
 from __future__ import annotations
@@ -137,7 +138,7 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, h, residual, positions, rope_cache, meta, kv_cache, backend):
         """h: the previous layer's output, not yet added to `residual` (None at the first layer).
-        Up to gemv.MAX_ROWS tokens (decode), each norm and SiLU * up runs inside the next matmul."""
+        With gemv fusion and up to gemv.MAX_ROWS tokens, each norm and SiLU * up runs inside the next matmul."""
         small = backend.gemv is not None and h.shape[0] <= backend.gemv.MAX_ROWS
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend, small)

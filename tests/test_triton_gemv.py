@@ -25,10 +25,11 @@ if not HAS_CUDA and not gv.interpreted():
 
 DEV = "cpu" if gv.interpreted() else "cuda"
 EPS = 1e-5
-# (rtol, atol as a fraction of the output's largest magnitude). fp32: summation order only. bf16/fp16: the
+# (rtol, atol as a fraction of the output's largest magnitude). fp32: summation order only (K up to 8192 on
+# the GPU: measured 1.6e-6 of the scale at K=8192). bf16/fp16: the
 # output rounding, plus on the CPU the interpreter's truncating bf16 cast (triton_ops' tests say more) of
 # the prologue's roundings, each a ulp of one input that the sum spreads over the output: ~2 ulps.
-ULP = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2 * 2 ** -7, 2 * 2 ** -8),
+ULP = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 * 2 ** -7, 2 * 2 ** -8),
        torch.float16: (2 * 2 ** -10, 2 * 2 ** -11)}
 # The new residual is one fp32 add rounded once, as torch's: bit-exact except for the interpreter's bf16 cast.
 EXACT_RES = {torch.float32: True, torch.float16: True, torch.bfloat16: DEV == "cuda"}
