@@ -320,3 +320,37 @@ def test_no_deadlock_with_another_thread_using_cuda():
     hostfunc.synchronize()
     assert counts == [20_000, 5_000] and iterations[0] > 0
     scope.free()
+
+
+class _Cycle:
+    """Garbage only the cyclic collector frees; its finalizer says on which thread that happened."""
+    finalized_on: list = []
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        _Cycle.finalized_on.append(threading.get_ident())
+
+
+def test_no_garbage_collection_inside_callbacks():
+    """A collection on the driver's callback thread could finalize objects owning CUDA resources (a graph, an
+    event), whose CUDA calls are not permitted there: the process aborted (seen in the full GPU suite)."""
+    stream, inside = torch.cuda.Stream(), []
+
+    def make_garbage():
+        inside.append((threading.get_ident(), gc.isenabled()))
+        for _ in range(3 * gc.get_threshold()[0]):   # enough allocations to trigger a collection
+            _Cycle()
+
+    gc.collect()
+    _Cycle.finalized_on.clear()
+    for _ in range(10):
+        hostfunc.launch_hostfunc(stream, make_garbage)
+    hostfunc.synchronize(stream)
+    callback_threads = {ident for ident, _ in inside}
+    assert len(inside) == 10 and not any(enabled for _, enabled in inside)
+    assert gc.isenabled()
+    assert not callback_threads & set(_Cycle.finalized_on)
+    gc.collect()
+    assert len(_Cycle.finalized_on) >= 10 * 3 * gc.get_threshold()[0]

@@ -75,6 +75,21 @@ PyObject* call(PyObject* fn, PyObject* args, PyObject* kwargs) {
   return PyObject_Call(fn, args, kwargs);
 }
 
+// Python's cyclic GC runs in whichever thread allocates past its threshold. In a callback it may finalize
+// objects owning CUDA resources (a CUDAGraph, an Event, a Stream); CUDA calls are not permitted on the
+// driver's callback thread, the destructor fails and the process aborts. So the collector is off while any
+// callback runs: a count, since callbacks of other streams interleave when the GIL switches. GIL held.
+int g_gc_holds = 0;
+bool g_gc_was_enabled = false;
+
+void gc_hold() {
+  if (g_gc_holds++ == 0) g_gc_was_enabled = PyGC_Disable() == 1;
+}
+
+void gc_release() {
+  if (--g_gc_holds == 0 && g_gc_was_enabled) PyGC_Enable();
+}
+
 // The trampoline body; GIL held.
 void run_entry(Entry* e) {
   bool captured;
@@ -95,7 +110,9 @@ void run_entry(Entry* e) {
   Py_INCREF(args);
   Py_XINCREF(kwargs);
   ++t_in_callback;
+  gc_hold();
   PyObject* result = call(fn, args, kwargs);
+  gc_release();
   --t_in_callback;
   if (!result) record_exception(fn);
   Py_XDECREF(result);
