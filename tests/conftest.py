@@ -1,3 +1,4 @@
+import gc
 import os
 
 import torch
@@ -24,6 +25,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """GPU engines size their KV cache from the free memory, and an engine is a reference cycle (runner <->
+    graphs): collect each test's engines before the next test, or the suite runs out of memory."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")
