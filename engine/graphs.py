@@ -36,13 +36,18 @@ def graph_token_sizes(limit: int) -> list[int]:
     return sorted({t for t in sizes if t <= limit})
 
 
-def pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
-    """Decode rows [start, end): one query token over an empty sequence, writing no KV, carrying nothing."""
-    h = slot.np
+def _pad_tokens(h, start: int, end: int) -> None:
+    """Tokens [start, end): id 0 at position 0, writing no KV, carrying nothing."""
     h["input_ids"][start:end] = 0
     h["positions"][start:end] = 0
     h["slot_mapping"][start:end] = -1
     h["carry_src"][start:end] = -1
+
+
+def pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
+    """Decode rows [start, end): one padding token over an empty sequence each."""
+    h = slot.np
+    _pad_tokens(h, start, end)
     h["seq_lens"][start:end] = 0
     h["logits_indices"][start:end] = range(start, end)
     h["cu_seqlens_q"][start + 1:end + 1] = range(start + 1, end + 1)
@@ -51,10 +56,7 @@ def pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
 def pad_mixed(slot: DecodeSlot, tokens: int, seqs: int) -> None:
     """Pad a step to `tokens` tokens in `seqs` sequences (see the module docstring)."""
     h, t, b = slot.np, slot.num_tokens, slot.num_seqs
-    h["input_ids"][t:tokens] = 0
-    h["positions"][t:tokens] = 0
-    h["slot_mapping"][t:tokens] = -1
-    h["carry_src"][t:tokens] = -1
+    _pad_tokens(h, t, tokens)
     h["seq_lens"][b:seqs] = 0
     h["cu_seqlens_q"][b + 1:seqs + 1] = t
     h["logits_indices"][slot.num_sample:seqs] = 0
