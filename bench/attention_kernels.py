@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -24,6 +23,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import triton_attention as ta  # noqa: E402
 from engine.attention import AttentionMetadata, paged_attention_torch  # noqa: E402
+from common import command_line, git_commit  # noqa: E402  (bench/: the script's own folder)
 
 SHAPES = {"smollm": (9, 3, 64), "llama8b": (32, 8, 128)}
 BLOCK_SIZE = 16
@@ -73,14 +73,6 @@ def cases():
         yield "prefill", model, 1, 1024
 
 
-def git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(with_ref):
     device = torch.cuda.get_device_name()
     records, rows = [], []
@@ -122,7 +114,7 @@ def main():
     torch.manual_seed(0)
     device, records, rows = run(not opts.no_ref)
     print(markdown(device, rows))
-    meta = {"commit": git_commit(), "command": " ".join([sys.executable] + sys.argv),
+    meta = {"commit": git_commit(), "command": command_line(),
             "triton": triton.__version__, "torch": torch.__version__}
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     with open(opts.out, "w") as f:
