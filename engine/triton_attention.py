@@ -19,40 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.triton_common import is_interpreted, reduce_max, reduce_sum
+
 _LOG2E = 1.4426950408889634
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-@triton.jit
-def _max_op(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_op(a, b):
-    return a + b
-
-
-def _interpreted(fn) -> bool:
-    return type(fn).__name__ == "InterpretedFunction"
-
-
-# tl.max/tl.sum/tl.zeros/tl.cdiv are @jit functions of triton.language, compiled or interpreted as
-# TRITON_INTERPRET was when triton was first imported; ours follow it as it is when this module is
-# (re)loaded. If the two disagree (interpreter enabled after triton's import), the interpreter cannot
-# call the compiled stdlib reductions: use local combiners instead (correct, but slow to interpret).
-# Apart from these two reductions, the kernels use only builtins.
-_LOCAL_REDUCE = tl.constexpr(_interpreted(_max_op) and not _interpreted(tl.max))
-
-
-@triton.jit
-def _max(x, AXIS: tl.constexpr):
-    return tl.reduce(x, AXIS, _max_op) if _LOCAL_REDUCE else tl.max(x, AXIS)
-
-
-@triton.jit
-def _sum(x, AXIS: tl.constexpr):
-    return tl.reduce(x, AXIS, _add_op) if _LOCAL_REDUCE else tl.sum(x, AXIS)
 
 
 @triton.jit
@@ -89,12 +59,12 @@ def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, sta
         v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     else:
         v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    m_new = tl.maximum(m_i, _max(s, 1))
+    m_new = tl.maximum(m_i, reduce_max(s, 1))
     # A row may have seen no key yet (split ranges): keep exp2 away from -inf - -inf.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + _sum(p, 1)
+    l_i = l_i * alpha + reduce_sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -172,10 +142,10 @@ def _combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads
     row = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_PAD)
     m = tl.load(part_m + row)
-    m_max = _max(m, 0)
+    m_max = reduce_max(m, 0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    l_tot = _sum(w * tl.load(part_l + row), 0)
-    acc = _sum(tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :]) * w[:, None], 0)
+    l_tot = reduce_sum(w * tl.load(part_l + row), 0)
+    acc = reduce_sum(tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :]) * w[:, None], 0)
     o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -183,7 +153,7 @@ def _combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads
 
 def interpreted() -> bool:
     """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return _interpreted(_paged_attn_kernel)
+    return is_interpreted(_paged_attn_kernel)
 
 
 def _pow2(n: int) -> int:

@@ -30,29 +30,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.triton_common import is_interpreted, reduce_sum
 from engine.triton_ops import _FLOAT_DTYPES, _check_same, _check_tensor, rms_norm_ref, silu_mul_ref
 
 MAX_ROWS = 16  # rows per call; the kernels pad M to this for tl.dot (M > 16: use the *_ref / cuBLAS path)
 _BLOCK_M = 16
-
-
-@triton.jit
-def _add_op(a, b):
-    return a + b
-
-
-def _interpreted(fn) -> bool:
-    return type(fn).__name__ == "InterpretedFunction"
-
-
-# As in engine.triton_ops (see there): if TRITON_INTERPRET was set after triton's import, reduce with a local
-# combiner, since the interpreter cannot call the compiled tl.sum. Everything else in the kernels is a builtin.
-_LOCAL_REDUCE = tl.constexpr(_interpreted(_add_op) and not _interpreted(tl.sum))
-
-
-@triton.jit
-def _sum(x, AXIS: tl.constexpr):
-    return tl.reduce(x, AXIS, _add_op) if _LOCAL_REDUCE else tl.sum(x, AXIS)
 
 
 @triton.jit
@@ -74,7 +56,7 @@ def _rstd(x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, eps, HAS_RESIDU
         ok = m_ok[:, None] & (offs_k[None, :] < K)
         hf = _load_h(x_ptr, res_ptr, stride_x, stride_res, offs_m, offs_k, ok, HAS_RESIDUAL).to(tl.float32)
         sq += hf * hf
-    return tl.rsqrt(_sum(sq, 1) / K + eps)
+    return tl.rsqrt(reduce_sum(sq, 1) / K + eps)
 
 
 @triton.jit
@@ -126,7 +108,7 @@ def _gemv_kernel(x_ptr, nw_ptr, res_ptr, w_ptr, b_ptr, out_ptr, new_res_ptr, str
 
 def interpreted() -> bool:
     """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return _interpreted(_gemv_kernel)
+    return is_interpreted(_gemv_kernel)
 
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:

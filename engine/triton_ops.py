@@ -17,30 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.triton_common import is_interpreted, reduce_sum
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_ROW = 65536  # rms_norm keeps a whole row in registers; efficient up to ~8192
-
-
-@triton.jit
-def _add_op(a, b):
-    return a + b
-
-
-def _interpreted(fn) -> bool:
-    return type(fn).__name__ == "InterpretedFunction"
-
-
-# Same guard as engine.triton_attention (see there): if TRITON_INTERPRET was set after triton's import,
-# the interpreter cannot call triton.language's compiled tl.sum, so reduce with a local combiner. Defined
-# here rather than imported so that reloading this module alone re-evaluates it. Everything else in the
-# kernels is a builtin (tl.exp, tl.rsqrt, tl.where, ...), never a @jit helper of triton.language.
-_LOCAL_REDUCE = tl.constexpr(_interpreted(_add_op) and not _interpreted(tl.sum))
-
-
-@triton.jit
-def _sum(x, AXIS: tl.constexpr):
-    return tl.reduce(x, AXIS, _add_op) if _LOCAL_REDUCE else tl.sum(x, AXIS)
 
 
 @triton.jit
@@ -56,7 +37,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, new_res_ptr, stride_x, stri
         tl.store(new_res_ptr + row * stride_new_res + cols, h, mask=ok)
     # The norm reads the residual as rounded to the dtype, exactly as the unfused x = x + f(x); norm(x).
     hf = h.to(tl.float32)
-    inv = tl.rsqrt(_sum(hf * hf, 0) / n_cols + eps)
+    inv = tl.rsqrt(reduce_sum(hf * hf, 0) / n_cols + eps)
     normed = (hf * inv).to(x_ptr.dtype.element_ty)  # rounded before the weight multiply, like RMSNorm
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     # bf16/fp16 products are exact in fp32, so this rounds like torch's same-dtype multiply.
@@ -119,7 +100,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.co
 
 def interpreted() -> bool:
     """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return _interpreted(_rms_norm_kernel)
+    return is_interpreted(_rms_norm_kernel)
 
 
 def _pow2(n: int) -> int:

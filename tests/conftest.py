@@ -1,4 +1,5 @@
 import gc
+import importlib
 import os
 
 import torch
@@ -16,6 +17,23 @@ CHAT_PROMPTS = [
     "Give me a JSON object describing a cat with name and age fields.",
     "hi",
 ]
+
+
+def triton_module(name: str):
+    """engine.<name>, with its kernels built for the Triton interpreter when there is no CUDA.
+
+    TRITON_INTERPRET (set above when there is no GPU) is read when @triton.jit decorates: for our kernels
+    when their module is first imported. If something imported it earlier without the flag, it is reloaded,
+    after engine.triton_common whose reductions the kernels call. Skips the calling test module if the
+    interpreter cannot be enabled (TRITON_INTERPRET=0 set, or triton.knobs.runtime.interpret forced off)."""
+    pytest.importorskip("triton")
+    module = importlib.import_module(f"engine.{name}")
+    if not torch.cuda.is_available() and not module.interpreted():
+        importlib.reload(importlib.import_module("engine.triton_common"))
+        module = importlib.reload(module)
+    if not torch.cuda.is_available() and not module.interpreted():
+        pytest.skip("no CUDA and the Triton interpreter could not be enabled", allow_module_level=True)
+    return module
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,30 +1,14 @@
 """engine.triton_attention against the torch reference (engine.attention).
 
-Without CUDA the kernels run in the Triton CPU interpreter. TRITON_INTERPRET is read when @triton.jit
-decorates: for our kernels when engine.triton_attention is first imported, for triton.language's own
-helpers (tl.max, tl.sum) when triton is. So it is set here before those imports, and our module is
-reloaded if something imported it earlier without the flag. If triton itself was imported first, the
-module falls back to local reductions: still correct, but the interpreter runs ~8x slower (~60 s here).
-Setting TRITON_INTERPRET=1 in the environment (or a conftest) when there is no GPU avoids that.
+Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
 """
-import importlib
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-from engine import triton_attention as ta  # noqa: E402
-from engine.attention import AttentionMetadata, paged_attention_torch, store_kv_torch  # noqa: E402
+from conftest import triton_module
+from engine.attention import AttentionMetadata, paged_attention_torch, store_kv_torch
 
-if not HAS_CUDA and not ta.interpreted():
-    ta = importlib.reload(ta)
-if not HAS_CUDA and not ta.interpreted():
-    pytest.skip("no CUDA and the Triton interpreter could not be enabled (TRITON_INTERPRET=0 set, or "
-                "triton.knobs.runtime.interpret forced off?)", allow_module_level=True)
+ta = triton_module("triton_attention")
 
 DEV = "cpu" if ta.interpreted() else "cuda"
 # Interpreter: float32 numpy matmuls, so only summation-order rounding (~1e-7); 1e-4 leaves headroom

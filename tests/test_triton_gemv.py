@@ -1,27 +1,16 @@
 """engine.triton_gemv (small-M GEMV with a fused RMSNorm / SiLU*up prologue) against its torch references.
 
-Without CUDA the kernels run in the Triton CPU interpreter (see tests/test_triton_attention.py's header for
-why TRITON_INTERPRET is set before the imports and the module is reloaded if imported earlier without it).
+Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
 The CPU tests also force small blocks so that the K loop, the N grid and their masked tails all run.
 """
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-from engine import triton_gemv as gv  # noqa: E402
-from engine.triton_ops import rms_norm_ref, silu_mul_ref  # noqa: E402
+from conftest import triton_module
+from engine.triton_ops import rms_norm_ref, silu_mul_ref
 
-if not HAS_CUDA and not gv.interpreted():
-    gv = importlib.reload(gv)
-if not HAS_CUDA and not gv.interpreted():
-    pytest.skip("no CUDA and the Triton interpreter could not be enabled", allow_module_level=True)
+gv = triton_module("triton_gemv")
 
 DEV = "cpu" if gv.interpreted() else "cuda"
 EPS = 1e-5

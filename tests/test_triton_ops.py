@@ -1,27 +1,16 @@
 """engine.triton_ops against its torch references and the unfused engine.model math.
 
-Without CUDA the kernels run in the Triton CPU interpreter (see tests/test_triton_attention.py's header for
-why TRITON_INTERPRET is set before the imports and the module is reloaded if imported earlier without it).
+Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
 """
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-from engine import triton_ops as ops  # noqa: E402
-from engine.attention import store_kv_torch  # noqa: E402
-from engine.model import RMSNorm, apply_rope  # noqa: E402
+from conftest import triton_module
+from engine.attention import store_kv_torch
+from engine.model import RMSNorm, apply_rope
 
-if not HAS_CUDA and not ops.interpreted():
-    ops = importlib.reload(ops)
-if not HAS_CUDA and not ops.interpreted():
-    pytest.skip("no CUDA and the Triton interpreter could not be enabled", allow_module_level=True)
+ops = triton_module("triton_ops")
 
 DEV = "cpu" if ops.interpreted() else "cuda"
 FP32_TOL = dict(rtol=1e-6, atol=1e-6)
