@@ -63,12 +63,11 @@ def pad_mixed(slot: DecodeSlot, tokens: int, seqs: int) -> None:
 
 
 class StepGraphs:
-    def __init__(self, runner):
-        self.runner = runner
-        self.max_seqs = runner.config.max_num_seqs
+    def __init__(self, config, max_model_len: int):
+        self.max_seqs = config.max_num_seqs
         self.sizes = graph_batch_sizes(self.max_seqs)
-        self.contexts = sorted({min(SHORT_CONTEXT, runner.max_model_len), runner.max_model_len})
-        self.token_sizes = graph_token_sizes(runner.config.max_num_batched_tokens)
+        self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
+        self.token_sizes = graph_token_sizes(config.max_num_batched_tokens)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = Counter()                 # by kind ("decode", "mixed"); host thread only
 
@@ -98,8 +97,9 @@ class StepGraphs:
         mixed = [("mixed", t, min(t, self.max_seqs)) for t in reversed(self.token_sizes)]
         return mixed + [("decode", bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
 
-    def capture(self) -> None:
-        r = self.runner
+    def capture(self, r) -> None:
+        """Capture every graph of ModelRunner `r` (passed, not kept: no runner <-> graphs cycle, so a dropped
+        engine frees its GPU memory at once)."""
         pool = None
         with torch.cuda.stream(r.compute_stream), torch.inference_mode():
             for slot in r.slots:

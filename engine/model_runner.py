@@ -48,8 +48,8 @@ class ModelRunner:
                             for _ in range(_EVENT_RING)]
         self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
-            self.graphs = StepGraphs(self)
-            self.graphs.capture()
+            self.graphs = StepGraphs(config, max_model_len)
+            self.graphs.capture(self)
 
     # ---- setup -------------------------------------------------------------------------------
     def _kv_shape(self, cfg):

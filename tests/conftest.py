@@ -47,8 +47,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _release_gpu_memory():
-    """GPU engines size their KV cache from the free memory, and an engine is a reference cycle (runner <->
-    graphs): collect each test's engines before the next test, or the suite runs out of memory."""
+    """GPU engines size their KV cache from the free memory, and tests leave engines in reference cycles
+    (patched bound methods, helper classes): collect them before the next test, or the suite runs out of
+    memory."""
     yield
     if torch.cuda.is_available():
         gc.collect()

@@ -4,8 +4,10 @@ The model is $SPECDEC_MODEL (the default model when unset; `dummy:<shape>` works
 float32: every path must give the same greedy tokens. bf16: the Triton path may part from the torch reference
 only at a near-tie of two logits (rounding in a different order flips it), never early.
 """
+import gc
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -100,3 +102,18 @@ def test_no_device_to_host_sync_while_enqueuing_a_step(prompts):
             from engine.llm_engine import _sync_debug_mode
             with _sync_debug_mode("error"):
                 torch.ones(1, device="cuda").item()
+
+
+def test_dropped_engine_frees_its_gpu_memory_without_a_collection():
+    """No reference cycle holds an engine (with its CUDA graphs): its KV cache goes back when it is dropped."""
+    eng = _engine(dtype="bfloat16", attention_backend="triton")
+    assert eng.runner.graphs is not None
+    eng.generate([[1, 2, 3]], GREEDY)
+    gc.collect()
+    gc.disable()
+    try:
+        runner = weakref.ref(eng.runner)
+        del eng
+        assert runner() is None, "the engine sits in a reference cycle"
+    finally:
+        gc.enable()

@@ -33,6 +33,10 @@ def _workload(prompts, stop_word, stop_token):
 
 class EagerGraphs(StepGraphs):
     """The graphs' padded step layouts, run eagerly: what a replay computes, on any device."""
+    def __init__(self, runner):
+        super().__init__(runner.config, runner.max_model_len)
+        self.runner = runner
+
     def replay(self, slot):
         self.replays[slot.graph_key[0]] += 1
         return self.runner.graph_logits(slot, slot.graph_key)[:slot.num_sample]
