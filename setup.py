@@ -1,5 +1,5 @@
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # The hostfunc extension needs only the Python and pybind11 headers: the CUDA driver entry points are
 # resolved at run time (dlopen libcuda), so it builds on machines with no CUDA toolkit or GPU.
@@ -11,7 +11,7 @@ setup(
     name="specdec",
     version="0.1.0",
     description="Low-latency LLM inference for JSON-schema-constrained tool calls",
-    packages=["engine", "specdec", "hostfunc"],
+    packages=find_packages(include=["engine*", "specdec*", "hostfunc*"]),
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar>=0.1.21",

@@ -1,11 +1,11 @@
-"""Per-call GPU time of engine.triton_gemv's fused small-M GEMVs vs the unfused kernels + cuBLAS, in CUDA graphs.
+"""Per-call GPU time of engine.kernels.gemv's fused small-M GEMVs vs the unfused kernels + cuBLAS, in CUDA graphs.
 
     python bench/gemv_kernels.py                     # H100: SmolLM2-135M and Llama-3.2-1B shapes, M 1/4/16, bf16
     python bench/gemv_kernels.py --sweep             # also time a grid of gemv_config choices (for tuning)
     python bench/gemv_kernels.py --device cpu        # interpreter smoke test: tiny shape, correctness only
 
 Ops per decoder layer: norm_qkv (rms_norm(x, residual) + qkv GEMM), norm_gate_up (the same before
-gate_up), silu_down (silu_mul + down GEMM), o_proj (plain GEMM, triton_gemv.linear vs F.linear).
+gate_up), silu_down (silu_mul + down GEMM), o_proj (plain GEMM, gemv.linear vs F.linear).
 Each impl is captured as back-to-back calls in one torch.cuda.CUDAGraph, replayed `--replays` times;
 us = median replay time / calls (cuda events). The calls cycle over enough weight copies (~256 MB in all,
 so `calls` = max(--calls, copies)) that the weights come from HBM as in a real decode step, not from the
@@ -64,8 +64,8 @@ def make_impls(op, M, K, N, copies, dev, dtype):
     import torch
     import torch.nn.functional as F
 
-    from engine import triton_gemv as gv
-    from engine import triton_ops as ops
+    from engine.kernels import gemv as gv
+    from engine.kernels import fused_ops as ops
     g = torch.Generator(device=dev).manual_seed(M * 7919 + N)
     rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(dtype)  # noqa: E731
     ws = [rnd(N, K) / math.sqrt(K) for _ in range(copies)]
@@ -122,7 +122,7 @@ def time_eager(fn, calls, replays):
 
 def sweep(fused, calls, replays):
     """Best fused time over SWEEP configs (the entry points look gemv_config up at each call)."""
-    from engine import triton_gemv as gv
+    from engine.kernels import gemv as gv
     default, best = gv.gemv_config, (float("inf"), None)
     try:
         for cfg in SWEEP:
@@ -142,7 +142,7 @@ def run(args):
     import torch
 
     from bench.common import note, record
-    from engine import triton_gemv as gv
+    from engine.kernels import gemv as gv
     dev, dtype = args.device, torch.bfloat16
     models, timer = (MODELS, time_graph) if dev == "cuda" else (TINY, time_eager)
     records = []

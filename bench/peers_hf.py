@@ -51,7 +51,7 @@ class Skipped(Exception):
 
 # ---- model and workload ----------------------------------------------------------------------------
 def checkpoint_dir(model_spec=None):
-    from engine.loader import resolve_model
+    from engine.models.loader import resolve_model
     src = resolve_model(model_spec)
     if src.path is None:
         raise ValueError(f"{src.name} has no checkpoint directory (dummy weights): transformers needs one")
@@ -215,7 +215,7 @@ def run_peers(streams_list=(1, 8, 32), new_tokens=128, modes=MODES, dtype="bfloa
               model_spec=None, attn="sdpa", **opts) -> list[dict]:
     """Run the HF peers; one record per (mode, streams). Never raises for a failing mode."""
     import transformers
-    from engine.loader import load_tokenizer
+    from engine.models.loader import load_tokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     src = checkpoint_dir(model_spec)
     tok = load_tokenizer(src)
@@ -251,7 +251,7 @@ def run_peers(streams_list=(1, 8, 32), new_tokens=128, modes=MODES, dtype="bfloa
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model spec resolved by engine.loader (default model)")
+    p.add_argument("--model", default=None, help="model spec resolved by engine.models.loader (default model)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=128)

@@ -74,13 +74,13 @@ class TorchAttention:
 class TritonAttention:
     """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     name = "triton"
-    fused = True       # the model takes its fused path (engine.triton_ops)
+    fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
     def __init__(self, gemv_fusion: bool = False):
-        from engine import triton_attention, triton_gemv, triton_ops
-        self._k = triton_attention
-        self.ops = triton_ops
-        self.gemv = triton_gemv if gemv_fusion else None   # small-batch matmuls with fused prologues
+        from engine.kernels import fused_ops, gemv, paged_attention
+        self._k = paged_attention
+        self.ops = fused_ops
+        self.gemv = gemv if gemv_fusion else None   # small-batch matmuls with fused prologues
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -97,21 +97,22 @@ class StepGraphs:
         mixed = [("mixed", t, min(t, self.max_seqs)) for t in reversed(self.token_sizes)]
         return mixed + [("decode", bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
 
-    def capture(self, r) -> None:
-        """Capture every graph of ModelRunner `r` (passed, not kept: no runner <-> graphs cycle, so a dropped
-        engine frees its GPU memory at once)."""
+    def capture(self, program, slots, compute_stream) -> None:
+        """Capture every graph of a StepProgram over both slots (the runner is not kept: no runner <-> graphs
+        cycle, so a dropped engine frees its GPU memory at once)."""
         pool = None
-        with torch.cuda.stream(r.compute_stream), torch.inference_mode():
-            for slot in r.slots:
+        with torch.cuda.stream(compute_stream), torch.inference_mode():
+            for slot in slots:
+                prev = slots[1 - slot.index]
                 for key in self.keys():
                     _set_empty_step(slot, key)
-                    r.graph_logits(slot, key)          # warm-up: Triton compiles here
+                    program.graph_logits(slot, prev, key)          # warm-up: Triton compiles here
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=r.compute_stream):
-                        logits = r.graph_logits(slot, key)
+                    with torch.cuda.graph(graph, pool=pool, stream=compute_stream):
+                        logits = program.graph_logits(slot, prev, key)
                     pool = graph.pool()
                     self.graphs[(slot.index, key)] = (graph, logits)
-        r.compute_stream.synchronize()
+        compute_stream.synchronize()
 
     def replay(self, slot: DecodeSlot) -> torch.Tensor:
         graph, logits = self.graphs[(slot.index, slot.graph_key)]

@@ -11,20 +11,23 @@ import contextlib
 
 import torch
 
-from engine.attention import AttentionMetadata, make_backend
+from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.graphs import StepGraphs
-from engine.loader import ModelSource
-from engine.sampler import sample
+from engine.models.loader import ModelSource
+from engine.models.weights import build_model
 from engine.slots import DecodeSlot
-from engine.weights import build_model
+from engine.step import StepProgram
 
 _EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most
 
 
-def gather_carry(ids: torch.Tensor, carry_src: torch.Tensor, prev_sampled: torch.Tensor) -> torch.Tensor:
-    """ids[t] = prev_sampled[carry_src[t]] where carry_src[t] >= 0 (tokens the host has not seen yet)."""
-    return torch.where(carry_src >= 0, prev_sampled[carry_src.clamp(min=0)], ids)
+class RowError(Exception):
+    """Preparing row `index` of a step failed: the engine fails that row's request alone."""
+
+    def __init__(self, index: int, cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.index = index
 
 
 class ModelRunner:
@@ -38,6 +41,7 @@ class ModelRunner:
         self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
         self.num_blocks = self._num_kv_blocks(source.config)
         self.kv_caches = self._allocate_kv(source.config)
+        self.program = StepProgram(self.model, self.kv_caches, self.backend, max_model_len)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
         max_blocks = -(-max_model_len // config.block_size)
@@ -49,7 +53,7 @@ class ModelRunner:
         self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = StepGraphs(config, max_model_len)
-            self.graphs.capture(self)
+            self.graphs.capture(self.program, self.slots, self.compute_stream)
 
     # ---- setup -------------------------------------------------------------------------------
     def _kv_shape(self, cfg):
@@ -81,36 +85,17 @@ class ModelRunner:
     # ---- plan (host only) --------------------------------------------------------------------
     def prepare(self, slot: DecodeSlot, rows) -> None:
         """Fill the slot's host buffers for these rows. A row may end at the sequence's pending token
-        (sampled by the in-flight step, unknown to the host): its id is carried over on the device."""
-        h, bs = slot.np, self.config.block_size
+        (sampled by the in-flight step, unknown to the host): its id is carried over on the device.
+        Raises RowError naming the row whose inputs could not be written."""
+        h = slot.np
         t = s = max_q = max_len = 0
         carries = []
         for i, row in enumerate(rows):
-            seq, n, start = row.seq, row.num_tokens, row.start
-            end = start + n
-            known = min(end, seq.num_tokens)
-            bt = seq.block_table
-            if n == 1:                                      # decode rows: scalar writes only
-                h["positions"][t] = start
-                h["slot_mapping"][t] = bt[start // bs] * bs + start % bs
-                if known > start:
-                    h["input_ids"][t] = seq.token_at(start)
-            else:
-                h["positions"][t:t + n] = range(start, end)
-                h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
-                h["input_ids"][t:t + known - start] = seq.tokens(start, known)
-            if end > known:                                 # the pending token: a placeholder until carried
-                h["input_ids"][t + n - 1] = 0
-                carries.append((t + n - 1, seq.pending_src))
-            self._write_block_table(slot, i, seq)
-            h["seq_lens"][i] = end
-            t += n
-            h["cu_seqlens_q"][i + 1] = t
-            max_q, max_len = max(max_q, n), max(max_len, end)
-            if row.sample:
-                row.sample_idx = s
-                self._fill_sampling(h, s, t - 1, seq)
-                s += 1
+            try:
+                t, s = self._prepare_row(slot, i, row, t, s, carries)
+            except Exception as exc:
+                raise RowError(i, exc) from exc
+            max_q, max_len = max(max_q, row.num_tokens), max(max_len, row.start + row.num_tokens)
         h["cu_seqlens_q"][0] = 0
         h["carry_src"][:t] = -1
         for idx, src in carries:
@@ -120,6 +105,35 @@ class ModelRunner:
         slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
         if slot.graph_key:
             self.graphs.pad(slot, slot.graph_key)
+
+    def _prepare_row(self, slot: DecodeSlot, i: int, row, t: int, s: int, carries: list) -> tuple[int, int]:
+        """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
+        h, bs = slot.np, self.config.block_size
+        seq, n, start = row.seq, row.num_tokens, row.start
+        end = start + n
+        known = min(end, seq.num_tokens)
+        bt = seq.block_table
+        if n == 1:                                      # decode rows: scalar writes only
+            h["positions"][t] = start
+            h["slot_mapping"][t] = bt[start // bs] * bs + start % bs
+            if known > start:
+                h["input_ids"][t] = seq.token_at(start)
+        else:
+            h["positions"][t:t + n] = range(start, end)
+            h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
+            h["input_ids"][t:t + known - start] = seq.tokens(start, known)
+        if end > known:                                 # the pending token: a placeholder until carried
+            h["input_ids"][t + n - 1] = 0
+            carries.append((t + n - 1, seq.pending_src))
+        self._write_block_table(slot, i, seq)
+        h["seq_lens"][i] = end
+        t += n
+        h["cu_seqlens_q"][i + 1] = t
+        if row.sample:
+            row.sample_idx = s
+            self._fill_sampling(h, s, t - 1, seq)
+            s += 1
+        return t, s
 
     @staticmethod
     def _write_block_table(slot: DecodeSlot, i: int, seq) -> None:
@@ -155,11 +169,11 @@ class ModelRunner:
         with compute, torch.inference_mode():
             if self.cuda:
                 te["start"].record()
-            logits = self.graphs.replay(slot) if slot.graph_key else self._eager_logits(slot, prev)
+            logits = self.graphs.replay(slot) if slot.graph_key else self.program.logits(slot, prev)
             if self.cuda:
                 te["forward_done"].record()
             if slot.num_sample:
-                self._sample(slot, logits, all_greedy)
+                self.program.sample(slot, logits, all_greedy)
             if self.cuda:
                 te["sampled_ready"].record()
         if self.cuda:
@@ -169,37 +183,6 @@ class ModelRunner:
                 ev["copy_done"].record()
         else:
             slot.download_sampled()
-
-    def _eager_logits(self, slot: DecodeSlot, prev: DecodeSlot):
-        d, n = slot.dev, slot.num_sample
-        ids = d["input_ids"][:slot.num_tokens]
-        if slot.num_carry:
-            ids = gather_carry(ids, d["carry_src"][:slot.num_tokens], prev.sampled)
-        hidden = self._forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
-        return self.model.compute_logits(hidden[d["logits_indices"][:n]]) if n else None
-
-    def graph_logits(self, slot: DecodeSlot, key: tuple):
-        """What a graph holds (engine/graphs.py): carry-over, then the forward and the logits of a step
-        padded to `key`: ("decode", rows, context bound) or ("mixed", tokens, sequences)."""
-        kind, size, bound = key
-        d, prev = slot.dev, self.slots[1 - slot.index]
-        ids = gather_carry(d["input_ids"][:size], d["carry_src"][:size], prev.sampled)
-        if kind == "decode":
-            return self.model.compute_logits(self._forward(slot, ids, size, 1, bound))
-        hidden = self._forward(slot, ids, bound, size, self.max_model_len)
-        return self.model.compute_logits(hidden[d["logits_indices"][:bound]])
-
-    def _forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int):
-        d, T = slot.dev, ids.shape[0]
-        meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
-                                 seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs],
-                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
-        return self.model(ids, d["positions"][:T], meta, self.kv_caches, self.backend)
-
-    def _sample(self, slot: DecodeSlot, logits, all_greedy: bool) -> None:
-        d, n = slot.dev, slot.num_sample
-        slot.sampled[:n] = sample(logits, d["temperature"][:n], d["top_k"][:n], d["top_p"][:n],
-                                  d["seeds"][:n], d["steps"][:n], all_greedy=all_greedy)
 
     # ---- results -----------------------------------------------------------------------------
     def wait(self, slot: DecodeSlot) -> list[int]:

@@ -20,16 +20,16 @@ CHAT_PROMPTS = [
 
 
 def triton_module(name: str):
-    """engine.<name>, with its kernels built for the Triton interpreter when there is no CUDA.
+    """engine.kernels.<name>, with its kernels built for the Triton interpreter when there is no CUDA.
 
     TRITON_INTERPRET (set above when there is no GPU) is read when @triton.jit decorates: for our kernels
     when their module is first imported. If something imported it earlier without the flag, it is reloaded,
-    after engine.triton_common whose reductions the kernels call. Skips the calling test module if the
+    after engine.kernels.common whose reductions the kernels call. Skips the calling test module if the
     interpreter cannot be enabled (TRITON_INTERPRET=0 set, or triton.knobs.runtime.interpret forced off)."""
     pytest.importorskip("triton")
-    module = importlib.import_module(f"engine.{name}")
+    module = importlib.import_module(f"engine.kernels.{name}")
     if not torch.cuda.is_available() and not module.interpreted():
-        importlib.reload(importlib.import_module("engine.triton_common"))
+        importlib.reload(importlib.import_module("engine.kernels.common"))
         module = importlib.reload(module)
     if not torch.cuda.is_available() and not module.interpreted():
         pytest.skip("no CUDA and the Triton interpreter could not be enabled", allow_module_level=True)
@@ -99,7 +99,7 @@ def prefill_logits(engine, ids):
         runner.prepare(slot, [ScheduledRow(seq, 0, len(ids), True)])
         slot.upload()
         with torch.inference_mode():
-            hidden = runner._forward(slot, slot.dev["input_ids"][:len(ids)], 1, len(ids), len(ids))
+            hidden = runner.program.forward(slot, slot.dev["input_ids"][:len(ids)], 1, len(ids), len(ids))
             return runner.model.compute_logits(hidden[-1:])[0].float().cpu()
     finally:
         engine.blocks.free(seq.block_table)

@@ -53,7 +53,7 @@ def test_converted_weights_equal_transformers_gguf_loader(engine):
     """Our GGUF conversion (dequantize + q/k un-permute) equals transformers' own GGUF loader."""
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
-    from engine.loader import DEFAULT_GGUF, _fetch_default_gguf
+    from engine.models.loader import DEFAULT_GGUF, _fetch_default_gguf
     if engine.source.name != "SmolLM2-135M-Instruct":
         pytest.skip("only for the default model")
     gguf = _fetch_default_gguf()

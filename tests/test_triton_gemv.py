@@ -1,4 +1,4 @@
-"""engine.triton_gemv (small-M GEMV with a fused RMSNorm / SiLU*up prologue) against its torch references.
+"""engine.kernels.gemv (small-M GEMV with a fused RMSNorm / SiLU*up prologue) against its torch references.
 
 Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
 The CPU tests also force small blocks so that the K loop, the N grid and their masked tails all run.
@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from conftest import triton_module
-from engine.triton_ops import rms_norm_ref, silu_mul_ref
+from engine.kernels.fused_ops import rms_norm_ref, silu_mul_ref
 
-gv = triton_module("triton_gemv")
+gv = triton_module("gemv")
 
 DEV = "cpu" if gv.interpreted() else "cuda"
 EPS = 1e-5
 # (rtol, atol as a fraction of the output's largest magnitude). fp32: summation order only (K up to 8192 on
 # the GPU: measured 1.6e-6 of the scale at K=8192). bf16/fp16: the
-# output rounding, plus on the CPU the interpreter's truncating bf16 cast (triton_ops' tests say more) of
+# output rounding, plus on the CPU the interpreter's truncating bf16 cast (fused_ops. tests say more) of
 # the prologue's roundings, each a ulp of one input that the sum spreads over the output: ~2 ulps.
 ULP = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 * 2 ** -7, 2 * 2 ** -8),
        torch.float16: (2 * 2 ** -10, 2 * 2 ** -11)}

@@ -1,4 +1,4 @@
-"""engine.triton_ops against its torch references and the unfused engine.model math.
+"""engine.kernels.fused_ops against its torch references and the unfused engine.models.llama math.
 
 Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
 """
@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from conftest import triton_module
 from engine.attention import store_kv_torch
-from engine.model import RMSNorm, apply_rope
+from engine.models.llama import RMSNorm, apply_rope
 
-ops = triton_module("triton_ops")
+ops = triton_module("fused_ops")
 
 DEV = "cpu" if ops.interpreted() else "cuda"
 FP32_TOL = dict(rtol=1e-6, atol=1e-6)
@@ -66,7 +66,7 @@ def rope_all(fn, case):
 
 
 def unfused_rope(case):
-    """engine.model's path: cos/sin rows cast to the dtype, apply_rope, store_kv_torch."""
+    """engine.models.llama's path: cos/sin rows cast to the dtype, apply_rope, store_kv_torch."""
     q, k, v, pos, cos_c, sin_c, kc, vc, slots = case
     kc, vc = kc.clone(), vc.clone()
     cos, sin = cos_c[pos].to(q.dtype), sin_c[pos].to(q.dtype)

@@ -1,8 +1,8 @@
 """Small-M GEMV kernels for the decode step, with the op before the matmul fused into its prologue.
 
     norm_linear(x, norm_weight, eps, weight, bias=None, residual=None) -> (out, new_residual)
-        = F.linear(rms_norm(x [+ residual]), weight, bias), rounding as engine.triton_ops.rms_norm_ref
-    silu_mul_linear(gate_up, weight) -> F.linear(silu(gate) * up, weight)   (as triton_ops.silu_mul_ref)
+        = F.linear(rms_norm(x [+ residual]), weight, bias), rounding as engine.kernels.fused_ops.rms_norm_ref
+    silu_mul_linear(gate_up, weight) -> F.linear(silu(gate) * up, weight)   (as fused_ops.silu_mul_ref)
     linear(x, weight, bias=None)     -> F.linear(x, weight, bias)
 
 x has M <= MAX_ROWS rows; weight is nn.Linear's contiguous [N, K]. One program owns BLOCK_N output
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.triton_common import is_interpreted, reduce_sum
-from engine.triton_ops import _FLOAT_DTYPES, _check_same, _check_tensor, rms_norm_ref, silu_mul_ref
+from engine.kernels.common import is_interpreted, reduce_sum
+from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor, rms_norm_ref, silu_mul_ref
 
 MAX_ROWS = 16  # rows per call; the kernels pad M to this for tl.dot (M > 16: use the *_ref / cuBLAS path)
 _BLOCK_M = 16

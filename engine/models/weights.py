@@ -6,8 +6,8 @@ import glob
 import torch
 from safetensors import safe_open
 
-from engine.loader import ModelSource
-from engine.model import LlamaForCausalLM
+from engine.models.loader import ModelSource
+from engine.models.llama import LlamaForCausalLM
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_common import is_interpreted, reduce_max, reduce_sum
+from engine.kernels.common import is_interpreted, reduce_max, reduce_sum
 
 _LOG2E = 1.4426950408889634
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -4,7 +4,7 @@ Each replaces a chain of small torch kernels with one launch. Grids and constexp
 never on device data, so every entry point can be captured in a CUDA graph. Each has a pure-torch twin
 (`*_ref`) with the same semantics, for devices without Triton and as the test oracle.
 
-Rounding: rms_norm rounds exactly where engine.model.RMSNorm does, so it agrees with it up to the order of
+Rounding: rms_norm rounds exactly where engine.models.llama.RMSNorm does, so it agrees with it up to the order of
 the fp32 sum. rope_store_kv and silu_mul compute in fp32 and round once to the output dtype; the unfused
 bf16/fp16 path rounds after every op (and RoPE multiplies by cos/sin already rounded to the dtype), so the
 two differ by rounding only (a few ulps of the dtype); in fp32 they agree to ~1e-7.
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.triton_common import is_interpreted, reduce_sum
+from engine.kernels.common import is_interpreted, reduce_sum
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -134,7 +134,7 @@ def _check_same(name, x, ref_name, ref, shape=True, dtype=True):
 
 
 def rms_norm(x, weight, eps, residual=None):
-    """RMSNorm of x [T, H] with weight [H] (same dtype as x), as engine.model.RMSNorm.
+    """RMSNorm of x [T, H] with weight [H] (same dtype as x), as engine.models.llama.RMSNorm.
 
     out = weight * (h.float() * rsqrt(mean(h.float()^2) + eps)).to(dtype), the product in x.dtype, where
     h = x, or with residual [T, H]: h = (x.float() + residual.float()).to(dtype), returned as
@@ -204,7 +204,7 @@ def _check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot
 
 
 def rope_store_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping):
-    """RoPE (HF rotate_half, engine.model.apply_rope) on q [T, Hq, D] and k [T, Hkv, D]; cache rotated k and v.
+    """RoPE (HF rotate_half, engine.models.llama.apply_rope) on q [T, Hq, D] and k [T, Hkv, D]; cache rotated k and v.
 
     cos/sin are rows `positions` of the float32 [max_pos, D] caches; the rotation runs in fp32 and is
     rounded once (q to q.dtype, k to k_cache.dtype). Rotated k and v go to flat cache slot slot_mapping[t]

@@ -6,9 +6,9 @@ sequence's new tokens and pages are. QKV and gate/up projections are fused into 
 Two paths with the same math: the reference path (torch ops, the `torch` attention backend; in float32
 it equals Hugging Face transformers) and the fused path (`backend.fused`: Triton kernels for residual
 add + RMSNorm, RoPE + KV store and SiLU * up, so a decode layer is ~10 kernels; with
-`EngineConfig.gemv_fusion`, engine/triton_gemv.py folds each norm and SiLU * up into the next matmul for up to
+`EngineConfig.gemv_fusion`, engine/kernels/gemv.py folds each norm and SiLU * up into the next matmul for up to
 16 tokens: 7 kernels, but slower on an H100, see bench/results/gemv_fusion.md). Both compute RoPE and
-SiLU * up in float32 and round once, so in bf16 they differ only in summation order (engine/triton_ops.py).
+SiLU * up in float32 and round once, so in bf16 they differ only in summation order (engine/kernels/fused_ops.py).
 """
 from __future__ import annotations
 

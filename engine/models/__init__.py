@@ -1,0 +1,1 @@
+"""Model code and loading: the Llama-family forward, weights, GGUF conversion, model sources."""

@@ -1,0 +1,63 @@
+"""The device work of one step, in order: carry-over, forward, logits, sampling.
+
+Eager steps and CUDA graph captures (engine/graphs.py) run these same methods, so a graph holds exactly
+what an eager step computes. Guided decoding adds its mask between `logits` and `sample`; speculative
+decoding adds drafts and verification around `forward`: each extends `StepProgram` rather than the runner.
+Everything here is enqueue-only tensor code (no host sync), so it can be captured.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.sampler import sample
+from engine.slots import DecodeSlot
+
+
+def gather_carry(ids: torch.Tensor, carry_src: torch.Tensor, prev_sampled: torch.Tensor) -> torch.Tensor:
+    """ids[t] = prev_sampled[carry_src[t]] where carry_src[t] >= 0 (tokens the host has not seen yet).
+    A carried NO_TOKEN (-1, a failed row) becomes token 0: its request is failed at commit, but the
+    embedding lookup of the step it rides in must stay in range."""
+    carried = prev_sampled[carry_src.clamp(min=0)].clamp(min=0)
+    return torch.where(carry_src >= 0, carried, ids)
+
+
+class StepProgram:
+    def __init__(self, model, kv_caches, backend, max_model_len: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.max_model_len = max_model_len
+
+    def input_ids(self, slot: DecodeSlot, prev: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
+        ids = slot.dev["input_ids"][:size]
+        return gather_carry(ids, slot.dev["carry_src"][:size], prev.sampled) if carry else ids
+
+    def forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int):
+        d, T = slot.dev, ids.shape[0]
+        meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
+                                 seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs],
+                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
+        return self.model(ids, d["positions"][:T], meta, self.kv_caches, self.backend)
+
+    def logits(self, slot: DecodeSlot, prev: DecodeSlot):
+        """An eager step at its exact size: logits of the rows that sample (None if none do)."""
+        n = slot.num_sample
+        ids = self.input_ids(slot, prev, slot.num_tokens, carry=slot.num_carry > 0)
+        hidden = self.forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
+        return self.model.compute_logits(hidden[slot.dev["logits_indices"][:n]]) if n else None
+
+    def graph_logits(self, slot: DecodeSlot, prev: DecodeSlot, key: tuple):
+        """What a graph holds: carry-over, then the forward and the logits of a step padded to `key`:
+        ("decode", rows, context bound) or ("mixed", tokens, sequences)."""
+        kind, size, bound = key
+        ids = self.input_ids(slot, prev, size)
+        if kind == "decode":
+            return self.model.compute_logits(self.forward(slot, ids, size, 1, bound))
+        hidden = self.forward(slot, ids, bound, size, self.max_model_len)
+        return self.model.compute_logits(hidden[slot.dev["logits_indices"][:bound]])
+
+    def sample(self, slot: DecodeSlot, logits, all_greedy: bool) -> None:
+        d, n = slot.dev, slot.num_sample
+        slot.sampled[:n] = sample(logits, d["temperature"][:n], d["top_k"][:n], d["top_p"][:n],
+                                  d["seeds"][:n], d["steps"][:n], all_greedy=all_greedy)
