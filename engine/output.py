@@ -1,0 +1,247 @@
+"""The engine's one output path: commit sampled tokens, detect stops, detokenize incrementally, stream text.
+
+A commit costs O(new tokens), not O(output length): each token is decoded in a window of a few tokens
+(IncrementalDetokenizer) and stop strings are searched only in the new text plus the few chars before it that
+could start one. Streamed text holds back what may still turn into a stop string, so a stop string (or a
+prefix of one that ends up cut) is never released.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+REPLACEMENT = "\ufffd"      # what decode yields for bytes that are not (yet) a whole UTF-8 character
+MAX_PENDING = 16            # tokens a window may hold undecodable before it is forced on (bounds the cost)
+PROMPT_CONTEXT = 4          # prompt tokens decoded before the first output token (leading-space rules)
+_TRIM = 256                 # drop window ids this far behind its start
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    new_token_ids: tuple[int, ...]              # tokens this commit appended (a copy)
+    new_text: str                               # text released by this commit; a stop string is never released
+    finished: bool
+    finish_reason: str | None = None            # "stop" | "length" | "abort" | "error"
+    error: str | None = None                    # message when finish_reason == "error"
+    token_ids: tuple[int, ...] | None = None    # whole output, only on the final output
+    text: str | None = None                     # whole output text, only on the final output
+
+
+def _decoder(tokenizer, skip_special_tokens: bool):
+    """tokenizer.decode, or the Rust decode it wraps (a quarter of the call overhead) where the two agree: a
+    fast tokenizer that does not clean up tokenization spaces."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    ids.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    return frozenset(ids)
+
+
+class IncrementalDetokenizer:
+    """Text of a token stream, O(1) tokens decoded per token.
+
+    The window ids[prefix:] is decoded; ids[prefix:read] is context whose text was already returned (it keeps
+    SentencePiece leading spaces and byte-level merges right), ids[read:] is pending. A trailing run of U+FFFD
+    may be a character whose bytes are still arriving, so it is held until a later token completes it (or
+    flush). Concatenating every add() plus flush() equals tokenizer.decode(tokens) for the same
+    skip_special_tokens, except when MAX_PENDING tokens in a row end inside broken UTF-8: the window is then
+    forced on and the replacement chars at that point are taken as final.
+
+    With prompt_ids, its last tokens are decoded as context: the text is then what the tokens add to the
+    prompt's text (for SentencePiece: the first token keeps its leading space)."""
+
+    def __init__(self, tokenizer, prompt_ids=(), skip_special_tokens: bool = False):
+        if tokenizer is None:
+            raise ValueError("IncrementalDetokenizer needs a tokenizer")
+        self._decode = _decoder(tokenizer, skip_special_tokens)
+        self._skip = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+        # special tokens never enter the window: decoded first in it, they would shift the leading-space rules
+        self._ids = [int(t) for t in list(prompt_ids)[-PROMPT_CONTEXT:] if t not in self._skip]
+        self._prefix, self._read = 0, len(self._ids)
+        self._prefix_len: int | None = None     # len(decode(ids[prefix:read])), decoded when first needed
+        self._sent = 0          # chars of the pending tokens' text already returned
+        self._tail = ""         # their text not returned yet (held replacement chars)
+
+    def add(self, token_id: int) -> str:
+        if token_id in self._skip:
+            return ""
+        ids = self._ids
+        ids.append(token_id)
+        if self._prefix_len is None:        # once per window: pending tokens do not decode the context again
+            self._prefix_len = len(self._decode(ids[self._prefix:self._read])) if self._read > self._prefix else 0
+        text = self._decode(ids[self._prefix:])
+        start = self._prefix_len + self._sent
+        stable = len(text.rstrip(REPLACEMENT))
+        if stable == len(text) or len(ids) - self._read >= MAX_PENDING:
+            self._prefix, self._read, self._prefix_len = self._read, len(ids), None
+            self._sent, self._tail = 0, ""
+            self._trim()
+            return text[start:]
+        self._sent = max(self._sent, stable - self._prefix_len)
+        self._tail = text[self._prefix_len + self._sent:]
+        return text[start:stable]
+
+    def flush(self) -> str:
+        """Text held back at the end (an incomplete character, decoded as-is); the window starts afresh."""
+        tail = self._tail
+        self._prefix = self._read = len(self._ids)
+        self._prefix_len, self._sent, self._tail = 0, 0, ""
+        return tail
+
+    def _trim(self) -> None:
+        if self._prefix >= _TRIM:
+            del self._ids[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _stop_prefixes(stops: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The stop strings' proper prefixes by their last char, longest first (held-back tails are among them)."""
+    by_last: dict[str, set[str]] = {}
+    for s in stops:
+        for k in range(1, len(s)):
+            by_last.setdefault(s[k - 1], set()).add(s[:k])
+    return {c: tuple(sorted(p, key=len, reverse=True)) for c, p in by_last.items()}
+
+
+def _held_chars(text: str, prefixes: dict[str, tuple[str, ...]]) -> int:
+    """Length of the longest tail of `text` that a stop string starts with (it may still become one)."""
+    for p in prefixes.get(text[-1:], ()):
+        if text.endswith(p):
+            return len(p)
+    return 0
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int:
+    """Where the earliest stop string in text[start:] begins, or -1."""
+    first = -1
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (first < 0 or i < first):
+            first = i
+    return first
+
+
+class OutputState:
+    """Per-request output state (seq.out)."""
+    __slots__ = ("detok", "stops", "max_stop", "prefixes", "sent", "num_new", "reason", "cut")
+
+    def __init__(self, detok: IncrementalDetokenizer | None, stops: tuple[str, ...]):
+        self.detok = detok
+        self.stops = stops if detok is not None else ()     # without a tokenizer there is no text to stop on
+        self.max_stop = max(map(len, self.stops), default=0)
+        self.prefixes = _stop_prefixes(self.stops)
+        self.sent = 0               # chars of seq.text released in outputs
+        self.num_new = 0            # tokens the last commit appended
+        self.reason: str | None = None
+        self.cut = False            # seq.text was cut at a stop string: later text is dropped
+
+    @property
+    def finished(self) -> bool:
+        return self.reason is not None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_ids: frozenset[int]):
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+
+    def start(self, seq) -> None:
+        """Create seq.out when the request is added. Its text is tokenizer.decode(output ids): the prompt is no
+        context (the engine's final text has always been the outputs' decode alone)."""
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        seq.out = OutputState(detok, tuple(seq.params.stop))
+
+    def _state(self, seq) -> OutputState:
+        if getattr(seq, "out", None) is None:
+            self.start(seq)
+        return seq.out
+
+    def commit(self, seq, tokens) -> str | None:
+        """Append `tokens` (one, or several for speculative decoding) to seq.output_token_ids in order, up to
+        the first that ends the request. Returns the finish reason or None. Does not call the scheduler."""
+        st = self._state(seq)
+        if st.finished:
+            raise RuntimeError(f"request {seq.seq_id} already finished ({st.reason}); nothing more can be committed")
+        before = len(seq.output_token_ids)
+        reason = None
+        for token in ([tokens] if isinstance(tokens, int) else tokens):
+            reason = self._commit_one(seq, st, int(token))
+            if reason:
+                break
+        st.num_new = len(seq.output_token_ids) - before
+        return self._finalize(seq, st, reason) if reason else None
+
+    def _commit_one(self, seq, st: OutputState, token: int) -> str | None:
+        seq.output_token_ids.append(token)
+        p = seq.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"               # kept in the token ids, never in the text
+        if st.detok is not None and self._extend(seq, st, st.detok.add(token)):
+            return "stop"
+        if seq.num_tokens >= seq.max_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _extend(seq, st: OutputState, piece: str) -> bool:
+        """Append `piece` to seq.text; True (and the text cut before it) when it completes a stop string."""
+        if not piece:
+            return False
+        text = seq.text
+        seq.text = ""           # drop the attribute's reference so CPython grows `text` in place, not copies it
+        start = max(0, len(text) - st.max_stop + 1)     # an earlier stop would have been found earlier
+        text += piece
+        cut = _find_stop(text, st.stops, start) if st.stops else -1
+        seq.text = text if cut < 0 else text[:cut]
+        st.cut = cut >= 0
+        return st.cut
+
+    def _finalize(self, seq, st: OutputState, reason: str) -> str:
+        """End the request: the detokenizer's held tail joins the text (unless a stop string cut it)."""
+        if st.detok is not None and not st.cut and self._extend(seq, st, st.detok.flush()):
+            reason = "stop" if reason == "length" else reason
+        st.reason = reason
+        return reason
+
+    def output(self, seq, num_new: int | None = None, finished: bool = False, reason: str | None = None,
+               error: str | None = None) -> RequestOutput:
+        """This commit's output: the last num_new tokens (default: what the last commit appended) and the text
+        newly safe to stream. While unfinished it holds back a tail that may still become a stop string (and
+        the detokenizer holds an incomplete character); the final output releases everything up to the cut
+        and carries token_ids and text."""
+        st = self._state(seq)
+        ids = seq.output_token_ids
+        num_new = st.num_new if num_new is None else num_new
+        if not 0 <= num_new <= len(ids):
+            raise ValueError(f"num_new={num_new} but request {seq.seq_id} has {len(ids)} output tokens")
+        if st.finished and not finished:
+            raise ValueError(f"request {seq.seq_id} finished ({st.reason}): its output must be final")
+        if finished and not st.finished:
+            if reason is None:
+                raise ValueError("a final output needs a finish reason")
+            self._finalize(seq, st, reason)
+        text = seq.text
+        end = len(text) if finished else max(st.sent, len(text) - _held_chars(text, st.prefixes))
+        new_text, st.sent = text[st.sent:end], end
+        new_ids = tuple(ids[len(ids) - num_new:])
+        if not finished:
+            return RequestOutput(seq.seq_id, new_ids, new_text, False)
+        return RequestOutput(seq.seq_id, new_ids, new_text, True, st.reason, error, tuple(ids), text)
+
+    def fail(self, seq, reason: str, error: str | None = None) -> RequestOutput:
+        """Final output of an aborted or failed request (no new tokens)."""
+        if reason not in ("abort", "error"):
+            raise ValueError(f"fail() is for 'abort' or 'error', got {reason!r}")
+        st = self._state(seq)
+        if not st.finished:
+            self._finalize(seq, st, reason)
+        st.reason = reason          # the caller's verdict stands even over a stop it raced with
+        return self.output(seq, 0, True, error=error)
