@@ -1,17 +1,24 @@
 """Capturable CUDA host callbacks: Python functions that a CUDA graph can capture and replay.
 
 ``launch_hostfunc(stream, fn, *args, **kwargs)`` enqueues ``fn(*args, **kwargs)`` on a CUDA stream through
-``cuLaunchHostFunc`` and a C trampoline (``csrc/hostfunc.cpp``). The packed ``(fn, args, kwargs)`` live in
-a heap struct whose address is the returned integer handle:
+``cuLaunchHostFunc`` and a C trampoline (``csrc/hostfunc.cpp``). The packed ``(fn, args, kwargs)`` are
+registered under a fresh id from a counter that is never reused; the id is the returned integer handle and
+the driver's user data, so a graph replayed after its data was freed runs nothing and records an error:
 
-* eager launch (stream not capturing): the trampoline releases the data right after the callback ran;
-  the handle is only informative and must not be freed by hand;
+* eager launch (stream not capturing): the data is released once the callback ran (through the graveyard,
+  below); the handle is only informative and must not be freed by hand;
 * captured launch (``cuStreamIsCapturing`` says the stream is capturing): the data belongs to the graph
   and stays alive for every replay until ``free_hostfunc_user_data(handle)``, ``HostfuncScope.free()``
   or ``free_all_hostfunc_user_data()``. Free it only after the last replay has finished.
 
-Errors raised by callbacks never crash the process: the trampoline records them (with traceback) and
-``check_errors()`` / ``synchronize()`` raise ``HostfuncError`` on the calling thread.
+Errors raised by callbacks never crash the process: the trampoline records them (with traceback) as
+``(owner, message)``, where the owner is the int tag of the innermost ``HostfuncScope(owner=N)`` active on
+the launching thread (0: none); ``check_errors(owner)`` / ``synchronize()`` raise ``HostfuncError`` on the
+calling thread, ``take_errors(owner)`` returns them.
+
+The driver's callback thread never drops the last reference to a Python object (its destructor might call
+CUDA there): what a callback leaves behind waits in a graveyard that ordinary threads release in
+``launch_hostfunc``, the frees, ``take_errors``/``check_errors``, ``stats`` and ``collect()``.
 
 Rules (breaking them deadlocks or corrupts the stream; see docs/hostfunc.md):
 
@@ -36,9 +43,9 @@ from . import _C, _guard
 from ._errors import HostfuncError
 
 __all__ = [
-    "HostfuncError", "HostfuncScope", "capture_scope", "check_errors", "free_all_hostfunc_user_data",
+    "HostfuncError", "HostfuncScope", "capture_scope", "check_errors", "collect", "free_all_hostfunc_user_data",
     "free_hostfunc_user_data", "hostfunc", "is_available", "is_debug", "launch_hostfunc", "live_handles",
-    "set_debug", "stats", "synchronize",
+    "set_debug", "stats", "synchronize", "take_errors",
 ]
 
 _scopes = threading.local()  # per-thread stack of active HostfuncScope objects; callbacks never touch it
@@ -68,18 +75,37 @@ def _active_scopes():
     return stack
 
 
+def _check_owner(owner):
+    if isinstance(owner, bool) or not isinstance(owner, int):
+        raise TypeError(f"hostfunc: owner must be an int, not {type(owner).__name__}")
+    if not 0 <= owner < 2**64:
+        raise ValueError(f"hostfunc: owner must be in [0, 2**64), got {owner}")
+    return owner
+
+
+def _current_owner(stack):
+    for scope in reversed(stack):
+        if scope.owner is not None:
+            return scope.owner
+    return 0
+
+
+def _not_in_callback(what):
+    if _C.in_callback():
+        raise HostfuncError(f"{what} inside a host callback: callbacks must not call CUDA or release CUDA objects")
+
+
 def launch_hostfunc(stream, fn, *args, **kwargs):
     """Enqueue ``fn(*args, **kwargs)`` on ``stream`` (torch.cuda.Stream, raw int handle, or None for the
-    current stream). Returns the integer handle of the packed data (see the module docstring)."""
+    current stream). Returns the integer handle (id) of the packed data (see the module docstring). The launch
+    carries the owner of the innermost active ``HostfuncScope`` that has one."""
     if not callable(fn):
         raise TypeError(f"hostfunc: fn must be callable, not {type(fn).__name__}")
-    if _C.in_callback():
-        raise HostfuncError("launch_hostfunc inside a host callback: callbacks must not call CUDA")
-    handle, captured = _C.launch(_stream_handle(stream), fn, args, kwargs)
-    if captured:
-        stack = _active_scopes()
-        if stack:
-            stack[-1].handles.append(handle)
+    _not_in_callback("launch_hostfunc")
+    stack = _active_scopes()
+    handle, captured = _C.launch(_stream_handle(stream), fn, args, kwargs, _current_owner(stack))
+    if captured and stack:
+        stack[-1].handles.append(handle)
     return handle
 
 
@@ -101,13 +127,21 @@ def free_hostfunc_user_data(handle):
         raise TypeError(f"hostfunc: handle must be an int, not {type(handle).__name__}")
     if handle <= 0:
         raise KeyError(f"unknown hostfunc handle {handle}")
+    _not_in_callback("free_hostfunc_user_data")
     _C.free(handle)
 
 
 def free_all_hostfunc_user_data():
     """Free the data of every captured launch (all graphs); returns how many were freed. Pending eager
     launches are left to their trampolines."""
+    _not_in_callback("free_all_hostfunc_user_data")
     return _C.free_all()
+
+
+def collect():
+    """Release the references callbacks left in the graveyard (their destructors run on this thread);
+    returns how many objects were released. Inside a callback it releases nothing and returns 0."""
+    return _C.collect()
 
 
 class HostfuncScope:
@@ -119,9 +153,14 @@ class HostfuncScope:
         scope.free()  # once g will not be replayed again
 
     Scopes nest; a handle goes to the innermost one. ``free()`` frees what is left and returns the count.
+
+    ``owner`` (an int >= 0; 0 means none) tags every launch, eager or captured, made on this thread while the
+    scope is active, so that its errors can be checked per owner (``check_errors(owner)``). The innermost
+    scope whose owner is not None wins; ``owner=None`` (the default) inherits the enclosing one.
     """
 
-    def __init__(self):
+    def __init__(self, owner=None):
+        self.owner = None if owner is None else _check_owner(owner)
         self.handles = []
 
     def __enter__(self):
@@ -143,18 +182,40 @@ class HostfuncScope:
         return freed
 
 
-def capture_scope():
-    """Shorthand for ``HostfuncScope()``."""
-    return HostfuncScope()
+def capture_scope(owner=None):
+    """Shorthand for ``HostfuncScope(owner)``."""
+    return HostfuncScope(owner)
 
 
-def check_errors():
-    """Raise ``HostfuncError`` with the first error recorded by callbacks since the last check (and clear)."""
-    errors, dropped = _C.take_errors()
-    if errors:
-        more = len(errors) - 1 + dropped
-        message = errors[0] + (f"\n({more} more callback error(s), see .errors)" if more else "")
-        raise HostfuncError(message, errors, dropped)
+def _owner_filter(owner):
+    return None if owner is None else _check_owner(owner)
+
+
+def check_errors(owner=None):
+    """Raise ``HostfuncError`` with the first error recorded by callbacks of ``owner`` (None: any owner)
+    since the last check, clearing those errors only. ``.errors`` and ``.owners`` list them all, ``.dropped``
+    counts the ones the bounded log had to drop."""
+    records, dropped = _C.take_errors(_owner_filter(owner))
+    dropped = sum(count for _, count in dropped)
+    if records or dropped:
+        owners = [who for who, _ in records]
+        errors = [message for _, message in records]
+        if errors:
+            more = len(errors) - 1 + dropped
+            message = errors[0] + (f"\n({more} more callback error(s), see .errors)" if more else "")
+        else:
+            message = f"{dropped} host callback error(s) were dropped: the error log keeps {_C.MAX_ERRORS}"
+        raise HostfuncError(message, errors, dropped, owners)
+
+
+def take_errors(owner=None):
+    """Return and clear the errors recorded by callbacks of ``owner`` (None: all owners) as a list of
+    ``(owner, message)``, oldest first, without raising. Errors the bounded log dropped appear as one note
+    per owner at the end (owner 0 for drops it could not attribute)."""
+    records, dropped = _C.take_errors(_owner_filter(owner))
+    notes = [(who or 0, f"{count} more host callback error(s) dropped: the error log keeps {_C.MAX_ERRORS}")
+             for who, count in dropped]
+    return [tuple(record) for record in records] + notes
 
 
 def synchronize(target=None):
@@ -194,10 +255,16 @@ def live_handles():
 
 
 def stats():
-    """Dict with ``live``, ``captured``, ``pending_eager`` and ``errors`` counts."""
+    """Release the graveyard, then return a dict of counts: ``live`` (= ``captured`` + ``pending_eager``),
+    ``errors`` (recorded and dropped) and ``graveyard`` (objects still waiting to be released)."""
     return _C.stats()
+
+
+def _at_exit():
+    _C.shutdown()  # later callbacks become no-ops instead of touching a finalising interpreter
+    _C.collect()  # the interpreter is still whole while atexit handlers run
 
 
 _C.set_debug_runner(_guard.run_guarded)
 set_debug(os.environ.get("HOSTFUNC_DEBUG", "0") not in ("", "0"))
-atexit.register(_C.shutdown)  # later callbacks become no-ops instead of touching a finalising interpreter
+atexit.register(_at_exit)

@@ -2,11 +2,13 @@
 
 
 class HostfuncError(RuntimeError):  # noqa: N818 (the issue names it so)
-    """A host callback failed (see ``.errors`` for every recorded message), or broke the no-CUDA rule."""
+    """A host callback failed (see ``.errors`` for every recorded message, ``.owners`` for the owner tag of
+    each, 0 for none), or broke the no-CUDA rule."""
 
-    def __init__(self, message, errors=None, dropped=0):
+    def __init__(self, message, errors=None, dropped=0, owners=None):
         super().__init__(message)
         self.errors = list(errors) if errors is not None else [message]
+        self.owners = list(owners) if owners is not None else [0] * len(self.errors)
         self.dropped = dropped
 
 

@@ -1,7 +1,9 @@
-"""CPU tests of hostfunc: API validation, packing/lifetime, error recording and the debug guard.
+"""CPU tests of hostfunc: API validation, packing/lifetime, ids, owners, the graveyard, error recording and
+the debug guard.
 
-The trampoline body runs synchronously through the ``_C._pack_for_test`` / ``_C._invoke_for_test`` hooks,
-so the refcount logic is covered without a GPU (tests/test_hostfunc_gpu.py drives the real driver path).
+The trampoline runs synchronously through the ``_C._pack_for_test`` / ``_C._invoke_for_test`` hooks (the
+latter without the GIL, like the driver's thread), so the refcount logic is covered without a GPU
+(tests/test_hostfunc_gpu.py drives the real driver path).
 """
 import os
 import shutil
@@ -27,19 +29,45 @@ def clean_state():
     assert hostfunc.live_handles() == 0
 
 
-def pack(fn, *args, captured=False, **kwargs):
-    return _C._pack_for_test(fn, args, kwargs, captured)
+def pack(fn, *args, captured=False, owner=0, **kwargs):
+    return _C._pack_for_test(fn, args, kwargs, captured, owner)
 
 
-def fake_launch(stream, fn, args, kwargs):
+def fake_launch(stream, fn, args, kwargs, owner=0):
     """Stands in for _C.launch on CPU: a launch on a capturing stream."""
-    return _C._pack_for_test(fn, args, kwargs, True), True
+    return _C._pack_for_test(fn, args, kwargs, True, owner), True
+
+
+def in_thread(fn, *args):
+    """Run fn(*args) on a new thread, like the driver's callback thread; returns that thread's ident."""
+    failures, ident = [], []
+
+    def body():
+        ident.append(threading.get_ident())
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            failures.append(exc)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and not failures, failures
+    return ident[0]
+
+
+class Tracked:
+    """Records on which thread it was destroyed."""
+    died_on = []
+
+    def __del__(self):
+        Tracked.died_on.append(threading.get_ident())
 
 
 def test_import_and_public_api():
     assert set(hostfunc.__all__) <= set(dir(hostfunc))
     assert issubclass(HostfuncError, RuntimeError)
-    assert hostfunc.stats() == {"live": 0, "captured": 0, "pending_eager": 0, "errors": 0}
+    assert hostfunc.stats() == {"live": 0, "captured": 0, "pending_eager": 0, "errors": 0, "graveyard": 0}
 
 
 @pytest.mark.parametrize("stream", ["0", 1.5, True, object(), [0]])
@@ -93,8 +121,7 @@ def test_synchronize_bad_target():
 def test_captured_args_and_kwargs_survive_every_replay():
     calls = []
     handle = pack(lambda *a, **k: calls.append((a, k)), [1], "two", captured=True, key={"k": 3})
-    info = _C.handle_info(handle)
-    assert info["captured"] and info["capture_id"] == 0
+    assert _C.handle_info(handle) == {"captured": True, "capture_id": 0, "owner": 0}
     for _ in range(3):
         _C._invoke_for_test(handle)
     assert calls == [(([1], "two"), {"key": {"k": 3}})] * 3
@@ -124,10 +151,13 @@ def test_refcounts_flat_over_many_cycles():
             _C._invoke_for_test(_C._pack_for_test(callback, (arg,), {"k": kwarg}, False))
 
     cycles(1000)
+    hostfunc.collect()
     before = (sys.getrefcount(arg), sys.getrefcount(kwarg), sys.getrefcount(callback))
     start = time.perf_counter()
     cycles(1_000_000)
     assert time.perf_counter() - start < 20
+    assert _C.graveyard_size() <= 2  # each pack released what the previous callback left
+    hostfunc.collect()
     assert (sys.getrefcount(arg), sys.getrefcount(kwarg), sys.getrefcount(callback)) == before
     assert calls[0] == 1_001_000 and hostfunc.live_handles() == 0
 
@@ -139,19 +169,141 @@ def test_refcounts_flat_over_many_cycles():
 
 
 def test_concurrent_pack_invoke_free():
-    def worker():
-        for _ in range(20_000):
-            handle = pack(len, (), captured=True)
-            _C._invoke_for_test(handle)
-            hostfunc.free_hostfunc_user_data(handle)
-            _C._invoke_for_test(pack(len, ()))
+    """_invoke_for_test releases the GIL (the trampoline takes it, like on the driver's thread), so the four
+    threads interleave in the registry, the trampoline and the graveyard."""
+    failures, calls = [], []
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
+    def worker(owner):
+        try:
+            for _ in range(20_000):
+                handle = pack(len, (), captured=True, owner=owner)
+                _C._invoke_for_test(handle)
+                hostfunc.free_hostfunc_user_data(handle)
+                _C._invoke_for_test(pack(len, ()))
+                _C._invoke_for_test(handle, check=False)  # stale: records an error of owner 0
+            _C._invoke_for_test(pack(calls.append, owner))
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(owner,)) for owner in range(1, 5)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
-    assert hostfunc.live_handles() == 0
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a worker deadlocked"
+    assert not failures, failures
+    assert sorted(calls) == [1, 2, 3, 4] and hostfunc.live_handles() == 0
+    errors = hostfunc.take_errors()
+    assert len(errors) == _C.MAX_ERRORS + 1 and all(owner == 0 for owner, _ in errors)  # + the dropped note
+    assert errors[-1][1].startswith(f"{80_000 - _C.MAX_ERRORS} more host callback error(s) dropped")
+
+
+def test_freed_id_is_never_reused_and_a_stale_replay_runs_nothing():
+    calls = []
+    stale = pack(calls.append, "old", captured=True)
+    hostfunc.free_hostfunc_user_data(stale)
+    fresh = [pack(calls.append, "new", captured=True) for _ in range(2000)]  # malloc reuses freed blocks
+    assert stale not in fresh and all(handle > stale for handle in fresh)
+    _C._invoke_for_test(stale, check=False)
+    assert calls == []
+    assert hostfunc.stats()["errors"] == 1
+    with pytest.raises(HostfuncError, match=f"handle {stale}\\) was freed but its graph was replayed") as info:
+        hostfunc.check_errors()
+    assert info.value.owners == [0]
+    _C._invoke_for_test(fresh[0])
+    assert calls == ["new"]
+    with pytest.raises(KeyError, match="already freed"):
+        _C._invoke_for_test(stale)
+
+
+def test_errors_are_recorded_and_taken_per_owner(monkeypatch):
+    monkeypatch.setattr(_C, "launch", fake_launch)
+
+    def boom(tag):
+        raise ValueError(f"boom-{tag}")
+
+    with hostfunc.capture_scope(owner=7):
+        a1 = hostfunc.launch_hostfunc(0, boom, "a1")
+        with hostfunc.HostfuncScope(), hostfunc.HostfuncScope(owner=9):  # the innermost owner wins
+            b1 = hostfunc.launch_hostfunc(0, boom, "b1")
+        with hostfunc.HostfuncScope():  # no owner: inherits 7
+            a2 = hostfunc.launch_hostfunc(0, boom, "a2")
+    plain = hostfunc.launch_hostfunc(0, boom, "none")
+    assert [_C.handle_info(h)["owner"] for h in (a1, b1, a2, plain)] == [7, 9, 7, 0]
+    for handle in (a1, b1, a2, plain):
+        _C._invoke_for_test(handle)
+    with pytest.raises(HostfuncError, match="boom-a1") as info:
+        hostfunc.check_errors(owner=7)
+    assert info.value.owners == [7, 7] and "boom-a2" in info.value.errors[1]
+    assert not any("boom-b1" in message for message in info.value.errors)
+    hostfunc.check_errors(owner=7)  # a's are cleared, b's are left
+    assert hostfunc.stats()["errors"] == 2
+    taken = hostfunc.take_errors(owner=9)
+    assert [owner for owner, _ in taken] == [9] and "boom-b1" in taken[0][1]
+    assert hostfunc.take_errors(owner=9) == []
+    with pytest.raises(HostfuncError, match="boom-none") as info:
+        hostfunc.check_errors()
+    assert info.value.owners == [0]
+    assert hostfunc.take_errors() == []
+    with pytest.raises(ValueError, match="owner"):
+        hostfunc.HostfuncScope(owner=-1)
+    with pytest.raises(TypeError, match="owner"):
+        hostfunc.check_errors(owner=True)
+
+
+def test_a_noisy_owner_cannot_hide_the_errors_of_another():
+    noisy = pack(int, "x", captured=True, owner=1)
+    for _ in range(_C.MAX_ERRORS + 10):
+        _C._invoke_for_test(noisy)
+    _C._invoke_for_test(pack(int, "y", owner=2))
+    with pytest.raises(HostfuncError, match="'y'") as info:
+        hostfunc.check_errors(owner=2)
+    assert info.value.owners == [2] and info.value.dropped == 0
+    with pytest.raises(HostfuncError) as info:
+        hostfunc.check_errors(owner=1)
+    assert len(info.value.errors) == _C.MAX_ERRORS - 1 and info.value.dropped == 11
+
+
+def test_callback_thread_never_drops_a_last_reference():
+    """What a callback leaves behind (its args, its result, its exception's frames) is released on an ordinary
+    thread: on the driver's thread the destructor of a CUDA object would call CUDA."""
+    def make_result():
+        return Tracked()
+
+    def raise_with_local():
+        local = Tracked()  # noqa: F841 (kept alive by the traceback's frame)
+        raise RuntimeError("with a local")
+
+    Tracked.died_on.clear()
+    args_handle = pack(lambda obj: None, Tracked())
+    result_handle = pack(make_result)
+    error_handle = pack(raise_with_local)
+    callback_thread = in_thread(lambda: [_C._invoke_for_test(h) for h in (args_handle, result_handle, error_handle)])
+    assert Tracked.died_on == [] and _C.graveyard_size() >= 3
+    assert hostfunc.live_handles() == 0  # stats() released the graveyard, on this thread
+    assert Tracked.died_on == [threading.get_ident()] * 3 and callback_thread not in Tracked.died_on
+    assert hostfunc.stats()["graveyard"] == 0
+    with pytest.raises(HostfuncError, match="with a local"):
+        hostfunc.check_errors()
+
+
+def test_collect_releases_the_graveyard_and_frees_refuse_inside_callbacks():
+    Tracked.died_on.clear()
+    in_thread(_C._invoke_for_test, pack(lambda obj: None, Tracked()))
+    assert Tracked.died_on == []
+    assert hostfunc.collect() >= 1 and Tracked.died_on == [threading.get_ident()]
+    assert hostfunc.collect() == 0
+
+    captured = pack(print, captured=True)
+    inside = []
+    _C._invoke_for_test(pack(lambda: inside.append(hostfunc.collect())))
+    for call in (lambda: hostfunc.free_hostfunc_user_data(captured), hostfunc.free_all_hostfunc_user_data,
+                 lambda: _C.free(captured), _C.free_all):
+        _C._invoke_for_test(pack(call))
+    assert inside == [0] and hostfunc.live_handles() == 1
+    errors = [message for _, message in hostfunc.take_errors()]
+    assert len(errors) == 4 and all("inside a host callback" in message for message in errors)
+    hostfunc.free_hostfunc_user_data(captured)
 
 
 def test_exception_recorded_with_traceback_then_cleared():
@@ -266,8 +418,8 @@ def test_debug_guard_lets_cpu_work_through():
     assert _guard.run_guarded(torch.cuda.is_available, (), None) == torch.cuda.is_available()
     hostfunc.set_debug(False)
     _C._invoke_for_test(pack(torch.cuda.current_stream))
-    errors, _ = _C.take_errors()
-    assert all("CUDA call inside a host callback" not in message for message in errors)
+    errors = hostfunc.take_errors()
+    assert all("CUDA call inside a host callback" not in message for _, message in errors)
 
 
 def test_debug_from_environment():

@@ -5,6 +5,7 @@ Run: pytest -q -m gpu tests/test_hostfunc_gpu.py
 import gc
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -354,3 +355,61 @@ def test_no_garbage_collection_inside_callbacks():
     assert not callback_threads & set(_Cycle.finalized_on)
     gc.collect()
     assert len(_Cycle.finalized_on) >= 10 * 3 * gc.get_threshold()[0]
+
+
+@pytest.mark.timeout(60)
+def test_stale_replay_after_free_runs_nothing_even_with_newer_launches():
+    """Handles are never-reused ids, so a replay of freed data finds nothing, even where a newer launch's data
+    got the freed address: it records an error and runs no callback."""
+    stream, calls = torch.cuda.Stream(), []
+    old_graph, new_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with hostfunc.capture_scope() as old, torch.cuda.graph(old_graph, stream=stream):
+        hostfunc.launch_hostfunc(None, calls.append, "old")
+    old_graph.replay()
+    hostfunc.synchronize()
+    assert calls == ["old"] and old.free() == 1
+    with hostfunc.capture_scope() as new, torch.cuda.graph(new_graph, stream=stream):
+        for _ in range(100):
+            hostfunc.launch_hostfunc(None, calls.append, "new")
+    del calls[:]
+    old_graph.replay()  # the bug being guarded against: freed data replayed
+    with pytest.raises(HostfuncError, match="was freed but its graph was replayed"):
+        hostfunc.synchronize()
+    assert calls == []
+    new_graph.replay()
+    hostfunc.synchronize()
+    assert calls == ["new"] * 100 and new.free() == 100
+
+
+class _Holder:
+    """Holds the only reference to a CUDA object and records on which thread it (so the object) died. Not a
+    weakref: torch's Event does not clear its weakrefs when it dies, and the dangling weakref crashes later."""
+
+    def __init__(self, obj, died_on):
+        self.obj, self.died_on = obj, died_on
+
+    def __del__(self):
+        self.died_on.append(threading.get_ident())
+
+
+@pytest.mark.timeout(60)
+def test_cuda_objects_left_by_a_callback_are_released_on_a_python_thread():
+    """The args of an eager callback hold the last references to a CUDA tensor and event: their destructors
+    must not run on the driver's thread (CUDA calls are not permitted there) but at collect()."""
+    stream = torch.cuda.Stream()
+    event = torch.cuda.Event()
+    event.record(stream)  # creates the CUDA event
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    died_on, ran_on, gate = [], [], threading.Event()
+    holders = (_Holder(torch.ones(1 << 20, device="cuda"), died_on), _Holder(event, died_on))
+    del event
+    hostfunc.launch_hostfunc(stream, gate.wait)  # holds the stream: the next launch returns before it runs
+    hostfunc.launch_hostfunc(stream, lambda *held: ran_on.append(threading.get_ident()), *holders)
+    del holders
+    gate.set()
+    stream.synchronize()
+    assert len(ran_on) == 1 and died_on == [] and torch.cuda.memory_allocated() > allocated
+    assert hostfunc.collect() >= 1
+    assert died_on == [threading.get_ident()] * 2 and torch.cuda.memory_allocated() == allocated
+    hostfunc.synchronize()

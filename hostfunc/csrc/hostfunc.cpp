@@ -1,64 +1,33 @@
 // hostfunc._C: a C trampoline for cuLaunchHostFunc whose Python payload survives CUDA graph replays.
 //
-// Each launch packs (fn, args, kwargs) into a heap Entry; its address is the handle and the user data given
-// to the driver. A registry of live entries (guarded by g_mu) detects unknown and double frees.
-// Ownership: an eager entry (stream not capturing) belongs to the trampoline, which frees it right after the
-// call; a captured entry belongs to the graph and lives until free()/free_all(). Python references are only
-// touched with the GIL held. Lock order: GIL before g_mu, never the reverse.
+// Each launch packs (fn, args, kwargs) under a fresh id (registry.h); the id is the handle and the driver's
+// user data. Ownership: an eager entry (stream not capturing) belongs to the trampoline, which takes it out
+// of the registry when it runs; a captured entry belongs to the graph and lives until free()/free_all().
+// Python references are only touched with the GIL held, and the callback thread never drops a last one
+// (graveyard.h). Lock order: the GIL before any of g_mu, g_err_mu, g_grave_mu; none is held with another.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <atomic>
-#include <mutex>
+#include <optional>
+#include <stdexcept>
 #include <string>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "driver.h"
 #include "errors.h"
+#include "graveyard.h"
+#include "registry.h"
 
 namespace py = pybind11;
 
 namespace hostfunc {
 namespace {
 
-struct Entry {
-  PyObject* fn;      // strong references
-  PyObject* args;    // a tuple
-  PyObject* kwargs;  // a dict, or nullptr for none
-  bool captured;
-  uint64_t capture_id;
-};
-
-std::mutex g_mu;  // guards g_live
-std::unordered_set<Entry*> g_live;
-
 std::atomic<bool> g_debug{false};
 std::atomic<bool> g_shutdown{false};
 PyObject* g_debug_runner = nullptr;  // strong reference; set and read with the GIL held
-thread_local int t_in_callback = 0;
-
-Entry* pack(py::object fn, py::tuple args, py::object kwargs, bool captured) {
-  PyObject* kw = kwargs.is_none() || py::len(kwargs) == 0 ? nullptr : kwargs.release().ptr();
-  return new Entry{fn.release().ptr(), args.release().ptr(), kw, captured, 0};
-}
-
-void destroy(Entry* e) {  // GIL held; e no longer in g_live
-  Py_DECREF(e->fn);
-  Py_DECREF(e->args);
-  Py_XDECREF(e->kwargs);
-  delete e;
-}
-
-void register_entry(Entry* e) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  g_live.insert(e);
-}
-
-bool unregister_entry(Entry* e) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return g_live.erase(e) == 1;
-}
 
 bool interpreter_alive() {
   if (g_shutdown.load(std::memory_order_acquire) || !Py_IsInitialized()) return false;
@@ -67,6 +36,12 @@ bool interpreter_alive() {
 #else
   return !_Py_IsFinalizing();
 #endif
+}
+
+void not_in_callback(const char* what) {
+  if (t_in_callback > 0)
+    throw std::runtime_error(std::string("hostfunc: ") + what + " inside a host callback: it would release "
+                             "Python objects (maybe CUDA ones) on the driver's callback thread");
 }
 
 PyObject* call(PyObject* fn, PyObject* args, PyObject* kwargs) {
@@ -91,35 +66,42 @@ void gc_release() {
 }
 
 // The trampoline body; GIL held.
-void run_entry(Entry* e) {
-  bool captured;
+void run_entry(uint64_t id) {
+  Entry* e = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (!g_live.count(e)) {
-      record_error("host callback data " + hex(e) + " was freed but its graph was replayed; free graph data "
-                   "only once the graph will not be replayed again (and after synchronising)");
-      return;
+    if (auto it = g_live.find(id); it != g_live.end()) {
+      e = it->second;
+      if (!e->captured) g_live.erase(it);  // an eager entry runs once: from here on it is ours, not live
     }
-    captured = e->captured;
   }
-  // Own references: while the callback runs the GIL may switch to a thread that frees a captured entry.
+  if (!e) {
+    record_error(0, "host callback data (handle " + std::to_string(id) + ") was freed but its graph was "
+                 "replayed; free graph data only once the graph will not be replayed again (and after "
+                 "synchronising)");
+    return;
+  }
   PyObject* fn = e->fn;
   PyObject* args = e->args;
   PyObject* kwargs = e->kwargs;
-  Py_INCREF(fn);
-  Py_INCREF(args);
-  Py_XINCREF(kwargs);
+  const uint64_t owner = e->owner;
+  if (e->captured) {  // own references: while the callback runs the GIL may switch to a thread that frees e
+    Py_INCREF(fn);
+    Py_INCREF(args);
+    Py_XINCREF(kwargs);
+  } else {
+    delete e;  // its references are now ours
+  }
+  gc_hold();  // also over the error recording and releases below, which allocate
   ++t_in_callback;
-  gc_hold();
   PyObject* result = call(fn, args, kwargs);
-  gc_release();
   --t_in_callback;
-  if (!result) record_exception(fn);
-  Py_XDECREF(result);
-  Py_DECREF(fn);
-  Py_DECREF(args);
-  Py_XDECREF(kwargs);
-  if (!captured && unregister_entry(e)) destroy(e);
+  if (!result) record_exception(fn, owner);
+  release_later(result);
+  release_later(kwargs);
+  release_later(args);
+  release_later(fn);
+  gc_release();
 }
 
 // True once this (driver) thread holds one extra, never released PyGILState count. That keeps its Python
@@ -133,7 +115,7 @@ void trampoline(void* data) {
     PyGILState_Ensure();
     t_state_pinned = true;
   }
-  run_entry(static_cast<Entry*>(data));
+  run_entry(id_of(data));
   PyGILState_Release(state);
 }
 
@@ -146,9 +128,9 @@ void ensure_context(const Driver& d, CUstream s) {
   if (d.stream_get_ctx(s, &ctx) == kCudaSuccess && ctx) d.ctx_set_current(ctx);
 }
 
-// Registers e and hands it to the driver. Runs without the GIL: the driver may block here until earlier
-// callbacks on the stream ran, and those need the GIL.
-// *captured is set before the launch: afterwards an eager e may already be freed by the trampoline.
+// Registers e and hands its id to the driver. Runs without the GIL: the driver may block here until earlier
+// callbacks on the stream ran, and those need the GIL. *captured is set before the launch: afterwards an
+// eager e may already have been run and deleted by the trampoline.
 std::string enqueue(const Driver& d, CUstream s, Entry* e, bool* captured) {
   ensure_context(d, s);
   int status = kCaptureStatusNone;
@@ -157,22 +139,26 @@ std::string enqueue(const Driver& d, CUstream s, Entry* e, bool* captured) {
   e->captured = status != kCaptureStatusNone;
   if (e->captured && d.get_capture_info) {
     int ignored = 0;
-    uint64_t id = 0;
-    if (d.get_capture_info(s, &ignored, &id, nullptr, nullptr, nullptr) == kCudaSuccess) e->capture_id = id;
+    uint64_t capture = 0;
+    if (d.get_capture_info(s, &ignored, &capture, nullptr, nullptr, nullptr) == kCudaSuccess)
+      e->capture_id = capture;
   }
   *captured = e->captured;
+  const uint64_t id = e->id;
   register_entry(e);
-  if (CUresult rc = d.launch_host_func(s, &trampoline, e); rc != kCudaSuccess) {
-    unregister_entry(e);
+  if (CUresult rc = d.launch_host_func(s, &trampoline, user_data(id)); rc != kCudaSuccess) {
+    unregister_entry(id);
     return "cuLaunchHostFunc failed: " + d.describe(rc);
   }
   return "";
 }
 
-py::tuple launch(uintptr_t stream, py::object fn, py::tuple args, py::object kwargs) {
+py::tuple launch(uintptr_t stream, py::object fn, py::tuple args, py::object kwargs, uint64_t owner) {
+  drain_graveyard();
   const Driver& d = driver();
   if (!d.error.empty()) throw std::runtime_error("hostfunc: cannot launch a host callback: " + d.error);
-  Entry* e = pack(std::move(fn), std::move(args), std::move(kwargs), false);
+  Entry* e = pack(std::move(fn), std::move(args), std::move(kwargs), owner);
+  const uint64_t id = e->id;
   std::string error;
   bool captured = false;
   {
@@ -183,61 +169,62 @@ py::tuple launch(uintptr_t stream, py::object fn, py::tuple args, py::object kwa
     destroy(e);
     throw std::runtime_error("hostfunc: " + error);
   }
-  return py::make_tuple(reinterpret_cast<uintptr_t>(e), captured);
+  return py::make_tuple(id, captured);
 }
 
-Entry* live_entry(uintptr_t handle) {  // caller holds g_mu
-  Entry* e = reinterpret_cast<Entry*>(handle);
-  if (!g_live.count(e)) throw py::key_error("unknown or already freed hostfunc handle " + hex(e));
-  return e;
-}
-
-void free_handle(uintptr_t handle) {
+void free_handle(uint64_t id) {
+  not_in_callback("freeing host callback data");
+  drain_graveyard();
   Entry* e;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    e = live_entry(handle);
+    e = live_entry(id);
     if (!e->captured)
-      throw py::value_error("hostfunc handle " + hex(e) + " is an eager launch: its trampoline frees it after the "
-                            "callback runs, so it must not be freed by hand");
-    g_live.erase(e);
+      throw py::value_error("hostfunc handle " + std::to_string(id) + " is an eager launch: its trampoline "
+                            "releases it after the callback runs, so it must not be freed by hand");
+    g_live.erase(id);
   }
   destroy(e);
 }
 
 size_t free_all() {
+  not_in_callback("freeing host callback data");
+  drain_graveyard();
   std::vector<Entry*> doomed;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    for (Entry* e : g_live)
+    for (const auto& [id, e] : g_live)
       if (e->captured) doomed.push_back(e);
-    for (Entry* e : doomed) g_live.erase(e);
+    for (Entry* e : doomed) g_live.erase(e->id);
   }
   for (Entry* e : doomed) destroy(e);
   return doomed.size();
 }
 
-py::dict handle_info(uintptr_t handle) {
+py::dict handle_info(uint64_t id) {
   std::lock_guard<std::mutex> lock(g_mu);
-  Entry* e = live_entry(handle);
+  Entry* e = live_entry(id);
   py::dict info;
   info["captured"] = e->captured;
   info["capture_id"] = e->capture_id;
+  info["owner"] = e->owner;
   return info;
 }
 
 py::dict stats() {
+  drain_graveyard();
   size_t live = 0, captured = 0;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     live = g_live.size();
-    for (Entry* e : g_live) captured += e->captured;
+    for (const auto& [id, e] : g_live) captured += e->captured;
   }
   py::dict out;
   out["live"] = live;
   out["captured"] = captured;
   out["pending_eager"] = live - captured;
   out["errors"] = error_count();
+  out["graveyard"] = graveyard_size();
   return out;
 }
 
@@ -249,18 +236,21 @@ void set_debug_runner(py::object runner) {
 }
 
 // Test hooks: the packing and trampoline paths without a GPU.
-uintptr_t pack_for_test(py::object fn, py::tuple args, py::object kwargs, bool captured) {
-  Entry* e = pack(std::move(fn), std::move(args), std::move(kwargs), captured);
+uint64_t pack_for_test(py::object fn, py::tuple args, py::object kwargs, bool captured, uint64_t owner) {
+  drain_graveyard();  // like launch()
+  Entry* e = pack(std::move(fn), std::move(args), std::move(kwargs), owner);
+  e->captured = captured;
   register_entry(e);
-  return reinterpret_cast<uintptr_t>(e);
+  return e->id;
 }
 
-void invoke_for_test(uintptr_t handle) {
-  {
+// Called without the GIL, like the driver calls the trampoline.
+void invoke_for_test(uint64_t id, bool check) {
+  if (check) {
     std::lock_guard<std::mutex> lock(g_mu);
-    live_entry(handle);
+    live_entry(id);
   }
-  trampoline(reinterpret_cast<void*>(handle));
+  trampoline(user_data(id));
 }
 
 }  // namespace
@@ -270,12 +260,19 @@ PYBIND11_MODULE(_C, m) {
   using namespace hostfunc;
   m.doc() = "specdec hostfunc: capturable CUDA host callbacks (see hostfunc/__init__.py)";
   m.def("launch", &launch, py::arg("stream"), py::arg("fn"), py::arg("args"), py::arg("kwargs"),
+        py::arg("owner") = 0,
         "Pack (fn, args, kwargs) and cuLaunchHostFunc it on a raw stream handle; returns (handle, captured).");
   m.def("free", &free_handle, py::arg("handle"), "Free the data of a captured launch.");
   m.def("free_all", &free_all, "Free the data of every captured launch; returns how many.");
   m.def("handle_info", &handle_info, py::arg("handle"));
-  m.def("stats", &stats);
-  m.def("take_errors", &take_errors, "Return (messages, dropped) of callback errors and clear them.");
+  m.def("stats", &stats, "Release the graveyard, then count live entries, errors and what is still buried.");
+  m.def("take_errors", [](std::optional<uint64_t> owner) {
+          drain_graveyard();
+          return take_errors(owner);
+        }, py::arg("owner") = py::none(),
+        "Return (records, dropped) of callback errors of owner (None: all) and clear them.");
+  m.def("collect", &drain_graveyard, "Release what callbacks left in the graveyard; returns how many objects.");
+  m.def("graveyard_size", &graveyard_size, "Objects waiting in the graveyard (releases nothing).");
   m.def("driver_error", &driver_error, "Why host callbacks cannot be launched here ('' when they can).");
   m.def("in_callback", [] { return t_in_callback > 0; }, "True on a thread running a host callback.");
   m.def("set_debug", [](bool on) { g_debug.store(on); });
@@ -283,7 +280,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_debug_runner", &set_debug_runner, py::arg("runner"));
   m.def("shutdown", [] { g_shutdown.store(true, std::memory_order_release); },
         "Make later callbacks no-ops (called at interpreter exit).");
-  m.def("_pack_for_test", &pack_for_test, py::arg("fn"), py::arg("args"), py::arg("kwargs"), py::arg("captured"));
-  m.def("_invoke_for_test", &invoke_for_test, py::arg("handle"), "Run the trampoline body synchronously.");
+  m.def("_pack_for_test", &pack_for_test, py::arg("fn"), py::arg("args"), py::arg("kwargs"), py::arg("captured"),
+        py::arg("owner") = 0);
+  m.def("_invoke_for_test", &invoke_for_test, py::arg("handle"), py::arg("check") = true,
+        py::call_guard<py::gil_scoped_release>(),
+        "Run the trampoline synchronously on this thread, without the GIL (the trampoline takes it). "
+        "check=False skips the KeyError for an unknown handle, like a stale graph replay.");
   m.attr("MAX_ERRORS") = kMaxErrors;
 }

@@ -3,8 +3,8 @@
     LD_LIBRARY_PATH=<dir holding the built fake libcuda.so.1> python hostfunc/testing/fake_driver_scenario.py
 
 Covers: GIL released while the driver blocks (the fake queue holds 8 callbacks), eager data freed by the
-trampoline, capture detection and capture ids, replays, error recording, replay after free, driver errors,
-and two launching threads.
+trampoline, capture detection and capture ids, replays, error recording by owner, replay after free (even
+once newer launches exist), nothing released on the driver's thread, driver errors, and two launching threads.
 """
 import ctypes
 import sys
@@ -25,31 +25,48 @@ def main():
     assert calls == list(range(5000)) and hostfunc.live_handles() == 0 and sys.getrefcount(arg) == before
 
     fake.fake_begin_capture(ctypes.c_void_p(7))
-    with hostfunc.capture_scope() as scope:
+    with hostfunc.capture_scope(owner=3) as scope:
         captured = hostfunc.launch_hostfunc(7, calls.append, "graph")
         hostfunc.launch_hostfunc(8, calls.append, "eager")  # another stream is not capturing
         hostfunc.launch_hostfunc(7, lambda: 1 / 0)
     fake.fake_end_capture()
     fake.fake_sync()
-    assert len(scope.handles) == 2 and _C.handle_info(captured) == {"captured": True, "capture_id": 1}
+    assert len(scope.handles) == 2 and _C.handle_info(captured) == {"captured": True, "capture_id": 1, "owner": 3}
     del calls[:]
     fake.fake_replay(1000)
     fake.fake_sync()
     assert calls == ["graph"] * 1000
+    hostfunc.check_errors(owner=4)  # nothing of another owner
     try:
-        hostfunc.check_errors()
+        hostfunc.check_errors(owner=3)
         raise AssertionError("callback error not reported")
     except HostfuncError as exc:
-        assert "ZeroDivisionError" in str(exc) and len(exc.errors) + exc.dropped == 1000
+        assert "ZeroDivisionError" in str(exc) and len(exc.errors) + exc.dropped == 1000 and set(exc.owners) == {3}
     assert scope.free() == 2 and hostfunc.live_handles() == 0
 
-    fake.fake_replay(1)  # the graph's data is gone: the trampoline must notice, not crash
+    newer = [_C._pack_for_test(calls.append, ("new",), None, True) for _ in range(100)]  # maybe at freed addresses
+    del calls[:]
+    fake.fake_replay(1)  # the graph's data is gone: the trampoline must notice, not crash nor run newer data
     fake.fake_sync()
+    assert calls == [], calls
     try:
         hostfunc.check_errors()
         raise AssertionError("replay after free not reported")
     except HostfuncError as exc:
-        assert "was freed but its graph was replayed" in str(exc)
+        assert "was freed but its graph was replayed" in str(exc) and len(exc.errors) == 2
+    assert hostfunc.free_all_hostfunc_user_data() == len(newer)
+
+    class Tracked:
+        def __del__(self):
+            died_on.append(threading.get_ident())
+
+    died_on, ran_on, gate = [], [], threading.Event()
+    hostfunc.launch_hostfunc(7, gate.wait)  # so that the next launch returns before its callback runs
+    hostfunc.launch_hostfunc(7, lambda obj: ran_on.append(threading.get_ident()), Tracked())
+    gate.set()
+    fake.fake_sync()
+    assert len(ran_on) == 1 and died_on == [] and _C.graveyard_size() >= 1  # at least the args tuple
+    assert hostfunc.collect() >= 1 and died_on == [threading.get_ident()] != ran_on
     try:
         hostfunc.launch_hostfunc(0xBAD, print)
         raise AssertionError("driver error not raised")
