@@ -53,11 +53,11 @@ def closed_loop(eng: LLMEngine, prompts, streams: int, params: SamplingParams):
     t0 = time.perf_counter()
     while queue or eng.has_unfinished():
         while queue and len(active) < streams:
-            active.add(eng.add_request(queue.pop(0), params))
+            active.add(eng.add_request(queue.pop(0), params, retain=True))
         for out in eng.step():
             if out.finished:
-                active.discard(out.seq_id)
-                done.append(eng.take(out.seq_id))
+                active.discard(out.request_id)
+                done.append(eng.take(out.request_id))
     return time.perf_counter() - t0, done
 
 

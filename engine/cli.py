@@ -40,11 +40,13 @@ def _params(args) -> SamplingParams:
 
 def _stream(engine, prompt_ids, params, out=sys.stdout) -> str:
     start, n, text = time.perf_counter(), 0, ""
-    for new_ids, delta in engine.stream(prompt_ids, params):
-        n += len(new_ids)
-        text += delta
-        out.write(delta)
+    for output in engine.stream(prompt_ids, params):
+        n += len(output.new_token_ids)
+        text += output.new_text
+        out.write(output.new_text)
         out.flush()
+        if output.finish_reason == "error":
+            print(f"\n[error: {output.error}]", file=sys.stderr)
     secs = time.perf_counter() - start
     print(f"\n[{n} tokens in {secs:.2f} s, {n / max(secs, 1e-9):.1f} tokens/s]", file=sys.stderr)
     return text

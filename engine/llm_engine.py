@@ -1,7 +1,12 @@
-"""The engine: requests in, tokens out, through scheduler -> model runner -> commit.
+"""The engine: requests in, outputs out, through scheduler -> model runner -> commit -> output processor.
 
-`depth=1` is the blocking loop: plan, launch, wait, commit, one step at a time. Per-step timings are
-kept as counters (`self.timings`) that benchmarks read.
+`depth=1` is the blocking loop: plan, launch, wait, commit, one step at a time; `depth=2` launches step t+1
+before committing step t (docs/pipeline.md). Per-step timings are kept as counters (`self.timings`).
+
+A bad request never stalls the others: its parameters are validated when it is added, and an exception
+while a step is planned, launched or committed ends only the request it belongs to (every request of the
+step when it cannot be told apart) with finish_reason "error" and a message; its pages are freed and the
+loop goes on. Finished requests are forgotten unless added with `retain=True` (then `take()` hands them over).
 """
 from __future__ import annotations
 
@@ -10,28 +15,24 @@ import dataclasses
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.loader import load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, RowError
+from engine.models.loader import load_tokenizer, resolve_model
+from engine.output import OutputProcessor, RequestOutput
+from engine.request_handle import RequestHandle
+from engine.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, Status
+from engine.sequence import SamplingParams, Sequence
 from engine.slots import DecodeSlot
 from engine.timings import StepTimings
+from engine.validation import check_request, prompt_ids
 
-
-@dataclass
-class RequestOutput:
-    seq_id: int
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+__all__ = ["LLMEngine", "RequestOutput", "RequestHandle"]
 
 
 @dataclass
@@ -40,14 +41,8 @@ class InflightStep:
     slot: DecodeSlot    # holds the step's rows until its commit (a slot is prepared again only after it)
 
 
-@contextlib.contextmanager
-def _sync_debug_mode(mode: str):
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(old)
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class LLMEngine:
@@ -64,10 +59,14 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
+        self.output = OutputProcessor(self.tokenizer, self.eos_ids)
         self.timings = StepTimings()
         self._rng = random.Random(config.seed)
         self._next_id = 0
-        self._seqs: dict[int, Sequence] = {}
+        self._seqs: dict[int, Sequence] = {}          # live requests (not finished)
+        self._finished: dict[int, Sequence] = {}      # finished requests added with retain=True
+        self._listeners: dict[int, deque] = {}        # request id -> its handle's output queue
+        self._outbox: list[RequestOutput] = []        # outputs made between steps (aborts), sent by the next
         self._inflight: deque[InflightStep] = deque()
         self._step_index = 0
         self._last_committed: int | None = None
@@ -92,43 +91,55 @@ class LLMEngine:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        params = params or SamplingParams()
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(ids, params)
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    retain: bool = False) -> int:
+        """Queue a request; returns its id. Raises ValueError naming the problem for bad input."""
+        params = SamplingParams() if params is None else params
+        ids = prompt_ids(prompt, self.encode)
+        check_request(ids, params, self.runner.vocab, self.max_model_len, self.blocks,
+                      has_tokenizer=self.tokenizer is not None)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(),
+        seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(), retain=retain,
                        max_len=min(len(ids) + params.max_tokens, self.max_model_len))
         self._next_id += 1
+        self.output.start(seq)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
 
-    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} "
-                             f"and at least one must be left to generate")
-        bad = [t for t in ids if not 0 <= t < self.runner.vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.runner.vocab}): {bad[:5]}")
-        worst = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.blocks.blocks_needed(worst, 0) > self.blocks.num_blocks:
-            raise ValueError(f"request needs up to {worst} tokens of KV, more than the whole cache holds "
-                             f"({self.blocks.num_blocks * self.blocks.block_size})")
+    def open(self, prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Add a request and return a handle that receives its outputs, and only its outputs."""
+        request_id = self.add_request(prompt, params)
+        queue = self._listeners[request_id] = deque()
+        return RequestHandle(self, request_id, queue)
 
-    def abort(self, seq_id: int) -> None:
-        seq = self._seqs.get(seq_id)
-        if seq is not None and not seq.finalized:
-            self.scheduler.finish(seq, "abort")
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Yield the request's RequestOutputs as they come (driving the loop); closing the generator early
+        aborts the request. Other requests' outputs are not lost: they go to their own handles."""
+        handle = self.open(prompt, params)
+        try:
+            yield from handle
+        finally:
+            handle.close()
 
-    def take(self, seq_id: int) -> Sequence:
-        """Hand over a finished request's Sequence and forget it."""
-        seq = self._seqs.get(seq_id)
-        if seq is None or not seq.finalized:
-            raise KeyError(f"no finished request {seq_id}")
-        return self._seqs.pop(seq_id)
+    def abort(self, request_id: int) -> bool:
+        """End a live request now (finish_reason "abort"); its final output comes with the next step.
+        Pages go back once no launched step holds its row. False: no such live request."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        self._outbox.append(self._final_output(seq, "abort"))
+        return True
+
+    def take(self, request_id: int) -> Sequence:
+        """Hand over a finished request added with retain=True, and forget it."""
+        if request_id not in self._finished:
+            raise KeyError(f"no finished retained request {request_id}")
+        return self._finished.pop(request_id)
+
+    def num_live_requests(self) -> int:
+        return len(self._seqs)
 
     def set_depth(self, depth: int) -> None:
         """Switch between the blocking (1) and pipelined (2) loop; in-flight steps drain first."""
@@ -137,30 +148,55 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, depth=depth)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._inflight)
+        return self.scheduler.has_work() or bool(self._inflight) or bool(self._outbox)
 
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then commit the oldest in-flight one once `depth` steps are in flight.
-
-        depth=1: plan -> launch -> wait -> commit (blocking). depth=2: the forward of step t+1 is on the
-        device while step t is committed; its inputs that depend on step t's tokens are carried over on the
-        device. With nothing new to launch, the in-flight steps drain."""
+        With nothing new to launch, the in-flight steps drain. Returns every output made (all requests)."""
         t0 = time.perf_counter()
-        launched = self._plan_and_launch()
-        outputs = []
+        outputs, self._outbox = self._outbox, []
+        launched = self._plan_and_launch(outputs)
         while self._inflight and (len(self._inflight) >= self.config.depth or not launched):
             outputs += self._wait_and_commit(self._inflight.popleft())
+        self._deliver(outputs)
         self.timings.wall += time.perf_counter() - t0
         return outputs
 
-    def _plan_and_launch(self) -> bool:
-        t0 = time.perf_counter()
-        rows = self.scheduler.schedule()
-        if not rows:
-            return False
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._listeners.get(out.request_id)
+            if queue is not None:
+                queue.append(out)
+                if out.finished:
+                    del self._listeners[out.request_id]
+
+    def _plan(self, outputs) -> tuple[list, DecodeSlot] | None:
+        """Schedule and fill the next slot. A row whose inputs cannot be written fails its request and the
+        step is planned again without it; a scheduler failure cannot be pinned on one request, so it fails
+        every request the scheduler holds (and frees their pages)."""
         slot = self.runner.slots[self._step_index % 2]
-        self.runner.prepare(slot, rows)
+        while True:
+            try:
+                rows = self.scheduler.schedule()
+            except Exception as exc:
+                doomed = list(self.scheduler.running) + list(self.scheduler.waiting)
+                outputs += [self._fail(s, f"scheduling failed: {_describe(exc)}") for s in doomed]
+                return None
+            if not rows:
+                return None
+            try:
+                self.runner.prepare(slot, rows)
+                return rows, slot
+            except RowError as err:
+                outputs.append(self._fail(rows[err.index].seq, f"could not prepare its step inputs: {err}"))
+
+    def _plan_and_launch(self, outputs) -> bool:
+        t0 = time.perf_counter()
+        planned = self._plan(outputs)
+        if planned is None:
+            return False
+        rows, slot = planned
         for row in rows:
             seq = row.seq
             seq.inflight_refs += 1
@@ -170,12 +206,31 @@ class LLMEngine:
                 seq.pending_src = row.sample_idx
         all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
         t1 = time.perf_counter()
-        with self._sync_guard():
-            self.runner.launch(slot, self._step_index, all_greedy)
+        try:
+            with self._sync_guard():
+                self.runner.launch(slot, self._step_index, all_greedy)
+        except Exception as exc:
+            outputs += self._unlaunch(rows, f"launching its step failed: {_describe(exc)}")
+            return False
         self._inflight.append(InflightStep(self._step_index, slot))
         self._step_index += 1
         self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1)
         return True
+
+    def _unlaunch(self, rows, message: str) -> list[RequestOutput]:
+        """A launch raised: which row caused it is unknown, so the step's requests fail. Nothing of the step
+        will be committed, so its rows stop holding their sequences (pages can go back)."""
+        outputs = []
+        for row in rows:
+            seq = row.seq
+            seq.inflight_refs -= 1
+            if row.sample:
+                seq.num_pending -= 1
+            if seq.finalized:
+                self.scheduler.release_if_idle(seq)
+            else:
+                outputs.append(self._fail(seq, message))
+        return outputs
 
     def _sync_guard(self):
         """debug_sync: any device->host synchronisation while enqueuing a step raises (CUDA only)."""
@@ -211,64 +266,67 @@ class LLMEngine:
                 continue
             if not row.sample:
                 continue
-            token = tokens[row.sample_idx]
-            seq.output_token_ids.append(token)
-            seq.first_token_time = seq.first_token_time or now
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self._finish(seq, reason, now)
-            outputs.append(RequestOutput(seq.seq_id, [token], seq.finalized, seq.finish_reason,
-                                         seq.text, seq.output_token_ids))
+            try:
+                outputs.append(self._commit_tokens(seq, tokens[row.sample_idx:row.sample_idx + 1], now))
+            except Exception as exc:
+                outputs.append(self._fail(seq, f"committing its tokens failed: {_describe(exc)}"))
         return outputs
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if p.stop and self._hit_stop_string(seq):
-            return "stop"
-        if seq.num_tokens >= seq.max_len:      # max_tokens, or the context is full
-            return "length"
-        return None
+    def _commit_tokens(self, seq: Sequence, new: list[int], now: float) -> RequestOutput:
+        """Append a step's tokens for one request (several with speculation); it may stop inside them."""
+        if NO_TOKEN in new:
+            return self._fail(seq, "no token was allowed here (the request's token mask was empty)")
+        before = len(seq.output_token_ids)
+        reason = self.output.commit(seq, new)
+        seq.first_token_time = seq.first_token_time or now
+        if reason:
+            self._finish(seq, reason, now)
+        return self.output.output(seq, len(seq.output_token_ids) - before, seq.finalized, reason)
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_token_ids)
-        hits = [text.find(s) for s in seq.params.stop if s in text]
-        if hits:
-            seq.text = text[:min(hits)]
-        return bool(hits)
-
-    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
-        if not seq.text and self.tokenizer is not None:
-            ids = seq.output_token_ids
-            if reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in seq.params.stop_token_ids):
-                ids = ids[:-1]
-            seq.text = self.tokenizer.decode(ids)
-        seq.finish_time = now
+    def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        seq.finish_time = now or time.perf_counter()
         self.scheduler.finish(seq, reason)
+        self._seqs.pop(seq.seq_id, None)
+        if seq.retain:
+            self._finished[seq.seq_id] = seq
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        seq.error = message
+        if not seq.finalized:
+            self._finish(seq, "error")
+        return self._final_output(seq, "error", message)
+
+    def _final_output(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        try:
+            return self.output.fail(seq, reason, error)
+        except Exception:                     # the request's output state is what broke: report it bare
+            return RequestOutput(seq.seq_id, (), "", True, reason, error, tuple(seq.output_token_ids), seq.text)
 
     # ---- convenience -----------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
         """Run prompts (strings or token id lists) to completion; returns the finished Sequences in order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                ids.append(self.add_request(prompt, sp, retain=True))
+        except ValueError:
+            for i in ids:                         # all or nothing: the ones already added go again
+                self.abort(i)
+                self.take(i)
+            raise
         while self.has_unfinished():
             self.step()
         return [self.take(i) for i in ids]
 
-    def stream(self, prompt, params: SamplingParams | None = None):
-        """Yield (new_token_ids, text_delta) for one request as tokens arrive."""
-        seq_id = self.add_request(prompt, params)
-        seq, shown = self._seqs[seq_id], ""
-        while not seq.finalized:
-            outs = [o for o in self.step() if o.seq_id == seq_id]
-            if not outs:
-                continue
-            text = seq.text if seq.finalized else self.tokenizer.decode(seq.output_token_ids)
-            if not seq.finalized and text.endswith("\ufffd"):
-                continue                          # wait for the rest of a multi-byte character
-            yield outs[0].new_token_ids, text[len(shown):]
-            shown = text
-        self._seqs.pop(seq_id, None)
-        while self._inflight and not self.scheduler.has_work():   # its zombie step, if any
-            self.step()
+
+@contextlib.contextmanager
+def _sync_debug_mode(mode: str):
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)

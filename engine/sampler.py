@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 _M32 = 0xFFFFFFFF
+NO_TOKEN = -1   # sampled for a row whose bitmask allowed nothing; the carry-over reads it as token 0
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -28,12 +29,16 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """bitmask: int32 [N, ceil(V/32)] in xgrammar's layout (bit j of word w allows token 32w+j)."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """bitmask: int32 [N, ceil(V/32)] in xgrammar's layout (bit j of word w allows token 32w+j).
+    Returns which rows allow some token. A row that allows none is left unmasked (no all -inf row, so no
+    NaN from softmax); `sample` turns its token into NO_TOKEN so the engine fails that request alone."""
     vocab = logits.shape[-1]
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
-    logits.masked_fill_(~allowed, float("-inf"))
+    satisfiable = allowed.any(dim=-1)
+    logits.masked_fill_(~allowed & satisfiable[:, None], float("-inf"))
+    return satisfiable
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -53,15 +58,15 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_greedy=False):
-    """logits [N, V] float32 -> tokens [N] int64. Rows with temperature 0 are greedy."""
-    if bitmask is not None:
-        apply_bitmask(logits, bitmask)
-    greedy = logits.argmax(dim=-1)
-    if all_greedy:
-        return greedy
-    scaled = logits / temperature.clamp(min=1e-6)[:, None]
-    scaled = filter_top_k_top_p(scaled, top_k, top_p)
-    probs = scaled.softmax(dim=-1)
-    exp_noise = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
-    sampled = (probs / exp_noise).argmax(dim=-1)       # exponential race == Gumbel-max
-    return torch.where(temperature > 0, sampled, greedy)
+    """logits [N, V] float32 -> tokens [N] int64. Rows with temperature 0 are greedy; a row whose bitmask
+    allows no token gets NO_TOKEN."""
+    satisfiable = apply_bitmask(logits, bitmask) if bitmask is not None else None
+    tokens = logits.argmax(dim=-1)
+    if not all_greedy:
+        scaled = logits / temperature.clamp(min=1e-6)[:, None]
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        exp_noise = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
+        sampled = (probs / exp_noise).argmax(dim=-1)       # exponential race == Gumbel-max
+        tokens = torch.where(temperature > 0, sampled, tokens)
+    return tokens if satisfiable is None else torch.where(satisfiable, tokens, NO_TOKEN)

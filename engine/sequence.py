@@ -2,11 +2,40 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+MAX_TOKENS_LIMIT = 2 ** 31 - 1      # counters that reach the device are int64; keep far from overflow
+
+
+def _integer(name: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return int(value)
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _sequence_of(name: str, value, kind: type) -> tuple:
+    items = (value,) if isinstance(value, kind) else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+        raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {value!r}")
+    return tuple(items)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Validated on construction: a bad field raises ValueError naming it (never later, inside a step)."""
     max_tokens: int = 128
     temperature: float = 1.0          # 0 = greedy
     top_k: int = 0                    # 0 = off
@@ -17,20 +46,22 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT))
+        if _real("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        object.__setattr__(self, "top_k", _integer("top_k", self.top_k, 0, MAX_TOKENS_LIMIT))
+        if not 0.0 < _real("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _integer("seed", self.seed, INT64_MIN, INT64_MAX))
+        stop = _sequence_of("stop", self.stop, str)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}")
+        object.__setattr__(self, "stop", stop)
+        ids = _sequence_of("stop_token_ids", self.stop_token_ids, numbers.Integral)
+        object.__setattr__(self, "stop_token_ids", tuple(_integer("a stop token id", t, 0, INT64_MAX) for t in ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
 
 class Status(enum.Enum):
@@ -56,7 +87,10 @@ class Sequence:
     inflight_refs: int = 0                      # in-flight steps that still hold this row (0..2)
     num_pending: int = 0                        # sampled on the device, not yet committed (0 or 1)
     pending_src: int = -1                       # its row in the in-flight step's `sampled` buffer
-    text: str = ""                              # detokenized output (maintained by the engine)
+    text: str = ""                              # detokenized output, cut at a stop string (engine/output.py)
+    out: object = None                          # output state: incremental detokenizer, streamed text
+    error: str | None = None                    # why the request failed (finish_reason "error")
+    retain: bool = False                        # keep it after it finishes, until LLMEngine.take()
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None

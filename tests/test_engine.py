@@ -51,7 +51,7 @@ def test_stops_eos_stop_string_stop_token_and_length(engine, chat_prompts):
 
 
 def test_bad_input_is_rejected_and_others_unaffected(engine, chat_prompts, reference):
-    good = engine.add_request(chat_prompts[0], GREEDY)
+    good = engine.add_request(chat_prompts[0], GREEDY, retain=True)
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("", GREEDY)
     with pytest.raises(ValueError, match="empty"):
@@ -64,7 +64,7 @@ def test_bad_input_is_rejected_and_others_unaffected(engine, chat_prompts, refer
         engine.add_request(chat_prompts[0], SamplingParams(max_tokens=0))
     while engine.has_unfinished():
         engine.step()
-    assert engine._seqs.pop(good).output_token_ids == reference[0]
+    assert engine.take(good).output_token_ids == reference[0]
     assert_no_leak(engine)
 
 
@@ -72,10 +72,11 @@ def test_abort_frees_pages(engine, chat_prompts):
     a = engine.add_request(chat_prompts[0], GREEDY)
     engine.add_request(chat_prompts[1], SamplingParams(max_tokens=4, temperature=0))
     engine.step()
-    engine.abort(a)
+    assert engine.abort(a)
+    assert a not in engine._seqs, "an aborted request is forgotten"
     while engine.has_unfinished():
         engine.step()
-    engine._seqs.clear()
+    assert engine.num_live_requests() == 0 and not engine._finished
     assert_no_leak(engine)
 
 

@@ -39,7 +39,8 @@ class EagerGraphs(StepGraphs):
 
     def replay(self, slot):
         self.replays[slot.graph_key[0]] += 1
-        return self.runner.graph_logits(slot, slot.graph_key)[:slot.num_sample]
+        prev = self.runner.slots[1 - slot.index]
+        return self.runner.program.graph_logits(slot, prev, slot.graph_key)[:slot.num_sample]
 
 
 def _run(depth, workload, graph_layout=False, **cfg):
@@ -59,11 +60,11 @@ def _run(depth, workload, graph_layout=False, **cfg):
     while pending or eng.has_unfinished():
         while pending and pending[0][0] <= step:
             _, prompt, params = pending.pop(0)
-            ids[eng.add_request(prompt, params)] = len(ids)
+            ids[eng.add_request(prompt, params, retain=True)] = len(ids)
         eng.step()
         step += 1
         assert all(0 <= s.inflight_refs <= 2 for s in eng._seqs.values())
-    seqs = [eng._seqs.pop(i) for i in sorted(ids, key=ids.get)]
+    seqs = [eng.take(i) for i in sorted(ids, key=ids.get)]
     assert min(refs_seen) >= 1 and max(refs_seen) <= depth
     return eng, seqs
 
@@ -125,25 +126,28 @@ def test_length_capped_requests_make_no_zombie_rows(chat_prompts):
 def test_abort_while_in_flight_frees_pages_after_the_step(chat_prompts):
     eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", depth=2)
     a = eng.add_request(chat_prompts[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    b = eng.add_request(chat_prompts[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    b = eng.add_request(chat_prompts[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), retain=True)
     for _ in range(3):
         eng.step()
     seq = eng._seqs[a]
     assert seq.inflight_refs == 1 and seq.block_table
     eng.abort(a)
     assert seq.finalized and seq.block_table, "pages stay while a launched step still holds the row"
+    assert a not in eng._seqs and a not in eng._finished, "an aborted request is forgotten at once"
     eng.step()
     assert seq.inflight_refs == 0 and not seq.block_table
     while eng.has_unfinished():
         eng.step()
-    assert len(eng._seqs[b].output_token_ids) == 8
-    eng._seqs.clear()
+    assert len(eng.take(b).output_token_ids) == 8
+    assert not eng._seqs and not eng._finished
     assert_no_leak(eng)
 
 
 def test_carry_over_gathers_only_marked_rows():
-    from engine.model_runner import gather_carry
+    from engine.step import gather_carry
     ids = torch.tensor([5, 0, 7, 0])
     prev = torch.tensor([11, 12, 13])
     src = torch.tensor([-1, 2, -1, 0])
     assert gather_carry(ids, src, prev).tolist() == [5, 13, 7, 11]
+    failed = torch.tensor([11, -1, 13])               # NO_TOKEN: its request fails; the next step reads 0
+    assert gather_carry(ids, src.new_tensor([-1, 1, -1, 0]), failed).tolist() == [5, 0, 7, 11]

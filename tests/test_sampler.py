@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.sampler import apply_bitmask, filter_top_k_top_p, sample, uniform_noise
+from engine.sampler import NO_TOKEN, apply_bitmask, filter_top_k_top_p, sample, uniform_noise
 from engine.sequence import SamplingParams
 
 
@@ -81,6 +81,22 @@ def test_bitmask_blocks_tokens():
     mask[0, 1] = 1 << 5                                     # allow token 37 only
     apply_bitmask(logits, mask)
     assert torch.isfinite(logits).sum() == 1 and logits.argmax().item() == 37
+
+
+@pytest.mark.parametrize("all_greedy", [True, False])
+def test_a_row_whose_mask_allows_nothing_gets_no_token_and_spares_the_others(all_greedy):
+    """Before, such a row was all -inf: argmax gave token 0 silently (and softmax NaN when sampling)."""
+    vocab = 70
+    logits = torch.randn(3, vocab)
+    mask = torch.zeros(3, 3, dtype=torch.int32)
+    mask[0, 1] = 1 << 5                                     # row 0: token 37 only
+    mask[2] = -1                                            # row 2: everything; row 1: nothing
+    temp = torch.tensor([0.0, 0.8, 0.8])
+    out = sample(logits.clone(), temp, *_args(3)[1:], bitmask=mask, all_greedy=all_greedy)
+    assert out[0].item() == 37 and out[1].item() == NO_TOKEN and 0 <= out[2].item() < vocab
+    masked = logits.clone()
+    assert apply_bitmask(masked, mask).tolist() == [True, False, True]
+    assert torch.isfinite(masked[1]).all(), "an unsatisfiable row is left unmasked: no NaN downstream"
 
 
 def test_bad_sampling_params():

@@ -1,0 +1,43 @@
+"""Request checks that need the engine (vocabulary, context, KV pool): run by `add_request`, so bad input
+raises a ValueError naming the problem there, never later inside a step. `SamplingParams` checks its own
+fields (types and ranges that fit the step buffers) when it is built."""
+from __future__ import annotations
+
+import numbers
+
+from engine.block_manager import BlockManager
+from engine.sequence import SamplingParams
+
+
+def prompt_ids(prompt, encode) -> list[int]:
+    """A prompt as token ids: strings go through `encode`, id lists must hold integers."""
+    if isinstance(prompt, str):
+        return encode(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("prompt token ids must be integers")
+    return [int(t) for t in prompt]
+
+
+def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks: BlockManager, *,
+                  has_tokenizer: bool) -> None:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if not ids:
+        raise ValueError("prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the context is {max_model_len} "
+                         f"and at least one must be left to generate")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
+    if params.stop and not has_tokenizer:
+        raise ValueError("this model has no tokenizer: stop strings cannot be matched")
+    worst = min(len(ids) + params.max_tokens, max_model_len)
+    if blocks.blocks_needed(worst, 0) > blocks.num_blocks:
+        raise ValueError(f"request needs up to {worst} tokens of KV, more than the whole cache holds "
+                         f"({blocks.num_blocks * blocks.block_size})")
