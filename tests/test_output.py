@@ -12,9 +12,9 @@ except ImportError:                                  # before the move to engine
     from engine.loader import load_tokenizer, resolve_model
 
 MULTIBYTE = "héllo 世界 🎉 naïve café — 日本語のテキスト 👩‍👩‍👧 Ωμέγα, привет! ½ ∑ done."
-# Sampled from SmolLM2-135M-Instruct (torch.manual_seed(0), temperature 1, three rows, 64 new tokens) for the
-# chat prompt "Write one sentence in Chinese, one in Russian and one with emoji." (up to the EOS); kept here so the test needs
-# no model run (it takes minutes on a loaded CPU).
+# Sampled from SmolLM2-135M-Instruct (torch.manual_seed(0), temperature 1, three rows, 64 new tokens, each kept up
+# to its EOS) for the chat prompt "Write one sentence in Chinese, one in Russian and one with emoji."; recorded
+# here so the test needs no model run (that takes minutes on a loaded CPU).
 MODEL_OUTPUTS = [
     [504, 768, 2232, 8545, 281, 511, 4575, 736, 325, 511, 338, 3275, 314, 4048, 30, 2],
     [155, 235, 16885, 24674, 6511, 30940, 8355, 7872, 17868, 16885, 28, 38106, 6511, 13760, 40610, 6643,
