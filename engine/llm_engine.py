@@ -92,8 +92,10 @@ class LLMEngine:
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    retain: bool = False) -> int:
-        """Queue a request; returns its id. Raises ValueError naming the problem for bad input."""
+                    retain: bool = False, stream: bool = False) -> int:
+        """Queue a request; returns its id. Raises ValueError naming the problem for bad input.
+        stream=True: each output carries the text it adds (incremental detokenization); otherwise a request
+        without stop strings decodes its text once, at the end (its final output carries all of it)."""
         params = SamplingParams() if params is None else params
         ids = prompt_ids(prompt, self.encode)
         check_request(ids, params, self.runner.vocab, self.max_model_len, self.blocks,
@@ -102,14 +104,14 @@ class LLMEngine:
         seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(), retain=retain,
                        max_len=min(len(ids) + params.max_tokens, self.max_model_len))
         self._next_id += 1
-        self.output.start(seq)
+        self.output.start(seq, stream=stream)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
 
     def open(self, prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Add a request and return a handle that receives its outputs, and only its outputs."""
-        request_id = self.add_request(prompt, params)
+        request_id = self.add_request(prompt, params, stream=True)
         queue = self._listeners[request_id] = deque()
         return RequestHandle(self, request_id, queue)
 

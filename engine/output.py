@@ -8,7 +8,7 @@ prefix of one that ends up cut) is never released.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 REPLACEMENT = "\ufffd"      # what decode yields for bytes that are not (yet) a whole UTF-8 character
 MAX_PENDING = 16            # tokens a window may hold undecodable before it is forced on (bounds the cost)
@@ -16,8 +16,8 @@ PROMPT_CONTEXT = 4          # prompt tokens decoded before the first output toke
 _TRIM = 256                 # drop window ids this far behind its start
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
+    """Immutable, and cheap to build: one is made per request per step."""
     request_id: int
     new_token_ids: tuple[int, ...]              # tokens this commit appended (a copy)
     new_text: str                               # text released by this commit; a stop string is never released
@@ -130,11 +130,14 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int:
 
 
 class OutputState:
-    """Per-request output state (seq.out)."""
-    __slots__ = ("detok", "stops", "max_stop", "prefixes", "sent", "num_new", "reason", "cut")
+    """Per-request output state (seq.out). Lazy (no stop strings, text not streamed): no per-token decode;
+    the text is decoded once when the request ends, and the final output releases all of it."""
+    __slots__ = ("detok", "stops", "max_stop", "prefixes", "sent", "num_new", "reason", "cut", "lazy", "token_stop")
 
-    def __init__(self, detok: IncrementalDetokenizer | None, stops: tuple[str, ...]):
+    def __init__(self, detok: IncrementalDetokenizer | None, stops: tuple[str, ...], lazy: bool = False):
         self.detok = detok
+        self.lazy = lazy and not stops and detok is not None
+        self.token_stop = False     # the last token ended the request by itself (EOS, stop id): not text
         self.stops = stops if detok is not None else ()     # without a tokenizer there is no text to stop on
         self.max_stop = max(map(len, self.stops), default=0)
         self.prefixes = _stop_prefixes(self.stops)
@@ -153,16 +156,19 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(t) for t in eos_ids)
 
-    def start(self, seq) -> None:
+    def start(self, seq, stream: bool = True) -> None:
         """Create seq.out when the request is added. Its text is tokenizer.decode(output ids): the prompt is no
-        context (the engine's final text has always been the outputs' decode alone)."""
+        context (the engine's final text has always been the outputs' decode alone). stream=False: nobody
+        reads text before the end, so a request without stop strings decodes nothing per token."""
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        seq.out = OutputState(detok, tuple(seq.params.stop))
+        seq.out = OutputState(detok, tuple(seq.params.stop), lazy=not stream)
 
     def _state(self, seq) -> OutputState:
-        if getattr(seq, "out", None) is None:
+        st = getattr(seq, "out", None)
+        if st is None:
             self.start(seq)
-        return seq.out
+            st = seq.out
+        return st
 
     def commit(self, seq, tokens) -> str | None:
         """Append `tokens` (one, or several for speculative decoding) to seq.output_token_ids in order, up to
@@ -183,8 +189,9 @@ class OutputProcessor:
         seq.output_token_ids.append(token)
         p = seq.params
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            st.token_stop = True
             return "stop"               # kept in the token ids, never in the text
-        if st.detok is not None and self._extend(seq, st, st.detok.add(token)):
+        if st.detok is not None and not st.lazy and self._extend(seq, st, st.detok.add(token)):
             return "stop"
         if seq.num_tokens >= seq.max_len:
             return "length"
@@ -206,7 +213,10 @@ class OutputProcessor:
 
     def _finalize(self, seq, st: OutputState, reason: str) -> str:
         """End the request: the detokenizer's held tail joins the text (unless a stop string cut it)."""
-        if st.detok is not None and not st.cut and self._extend(seq, st, st.detok.flush()):
+        if st.lazy:
+            ids = seq.output_token_ids
+            seq.text = self.tokenizer.decode(ids[:len(ids) - st.token_stop])
+        elif st.detok is not None and not st.cut and self._extend(seq, st, st.detok.flush()):
             reason = "stop" if reason == "length" else reason
         st.reason = reason
         return reason
@@ -220,6 +230,8 @@ class OutputProcessor:
         st = self._state(seq)
         ids = seq.output_token_ids
         num_new = st.num_new if num_new is None else num_new
+        if st.lazy and not finished and not st.finished and 0 <= num_new <= len(ids):   # the hot path
+            return RequestOutput(seq.seq_id, tuple(ids[len(ids) - num_new:]), "", False)
         if not 0 <= num_new <= len(ids):
             raise ValueError(f"num_new={num_new} but request {seq.seq_id} has {len(ids)} output tokens")
         if st.finished and not finished:

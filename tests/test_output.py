@@ -254,3 +254,31 @@ def test_abort_releases_held_text_and_rejects_more_commits(tok):
         proc.commit(seq, [5])
     with pytest.raises(ValueError):
         proc.fail(new_seq(SamplingParams()), "length")
+
+
+@pytest.mark.parametrize("tail,max_tokens", [([2], 64), ([], 6), ([], 15)])   # EOS, length, length at the end
+def test_lazy_requests_decode_once_and_end_with_the_streamed_text(tok, tail, max_tokens):
+    """stream=False (nobody reads text before the end, no stop strings): the same final output as a streamed
+    request, with no per-token decode: one decode at the end, and the whole text released then."""
+    ids = MODEL_OUTPUTS[0][:-1][:20] + tail
+    proc = OutputProcessor(tok, frozenset({2}))
+    streamed = run(proc, new_seq(SamplingParams(max_tokens=max_tokens)), ids)
+    lazy_seq = new_seq(SamplingParams(max_tokens=max_tokens))
+    proc.start(lazy_seq, stream=False)
+    calls = []
+    decode = tok.decode
+    tok.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+    try:
+        lazy = []
+        for t in ids:
+            reason = proc.commit(lazy_seq, [t])
+            lazy.append(proc.output(lazy_seq, 1, reason is not None, reason))
+            assert reason is not None or not calls, "a lazy request decoded before its end"
+            if reason:
+                break
+    finally:
+        del tok.decode
+    assert len(calls) == 1 and all(o.new_text == "" for o in lazy[:-1])
+    assert (lazy[-1].finish_reason, lazy[-1].text, lazy[-1].token_ids) == \
+        (streamed[-1].finish_reason, streamed[-1].text, streamed[-1].token_ids)
+    assert lazy[-1].new_text == lazy[-1].text == "".join(o.new_text for o in streamed)
