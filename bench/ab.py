@@ -64,9 +64,20 @@ def main(argv=None):
                               after_over_before=ratio, before_runs=tok["before"], after_runs=tok["after"],
                               before_tree=str(trees["before"]), rounds=args.rounds))
     write_results(records, args.out)
-    print(markdown_table(records, ["streams", "before_tok_s", "tok_s", "after_over_before", "before_runs",
-                                   "after_runs"]))
+    print(write_markdown(records, str(args.out).rsplit(".", 1)[0] + ".md"))
     return records
+
+
+COLUMNS = ["streams", "before_tok_s", "tok_s", "after_over_before", "before_runs", "after_runs"]
+
+
+def write_markdown(records: list[dict], path) -> str:
+    r = records[0]
+    text = (f"Command: `{r['command']}` on {r['device']}, after = commit {r['git_commit']}, before = "
+            f"{r['before_tree']}; {r['model']} {r['dtype']}, {r['new_tokens']} new tokens, pipelined, EOS "
+            f"ignored; median of {r['rounds']} rounds (tok_s = after).\n\n" + markdown_table(records, COLUMNS))
+    Path(path).write_text(text + "\n")
+    return text
 
 
 if __name__ == "__main__":
