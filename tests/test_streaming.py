@@ -104,3 +104,32 @@ def test_retained_requests_are_kept_until_taken(engine, chat_prompts):
     with pytest.raises(KeyError):
         engine.take(dropped)
     assert_no_leak(engine)
+
+
+def test_many_streams_with_early_closes_lose_nothing(engine, chat_prompts, finals):
+    """16 streams over 8 rows (so some queue), advanced in a random order; three are closed part-way."""
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    n, closers = 16, {3: 2, 7: 5, 12: 1}                   # stream index -> close after this many outputs
+    streams = [engine.stream(chat_prompts[i % 5], params) for i in range(n)]
+    got, live, order = [[] for _ in range(n)], list(range(n)), random.Random(1)
+    while live:
+        i = order.choice(live)
+        if len(got[i]) == closers.get(i, -1):
+            streams[i].close()
+            live.remove(i)
+            continue
+        out = next(streams[i], None)
+        if out is None:
+            live.remove(i)
+            continue
+        got[i].append(out)
+    for i in range(n):
+        if i in closers:
+            assert len(got[i]) == closers[i] and not got[i][-1].finished
+            continue
+        ref = finals[i % 5]
+        assert [t for o in got[i] for t in o.new_token_ids] == ref.output_token_ids
+        assert "".join(o.new_text for o in got[i]) == ref.text and got[i][-1].finish_reason == ref.finish_reason
+    _drain(engine)
+    assert engine.num_live_requests() == 0 and not engine._listeners
+    assert_no_leak(engine)
