@@ -25,6 +25,7 @@ class EngineConfig:
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
     gemv_fusion: bool = False          # Triton: fold norms and SiLU * up into the matmuls of steps <= 16 tokens
                                        # (measured slower than cuBLAS + separate kernels on an H100: off)
+    guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
     debug_sync: bool = False           # raise on any device->host sync while a step is enqueued (CUDA)
     seed: int = 0
 

@@ -3,7 +3,7 @@ chunks ("mixed") by padded token count. All graphs of both slots share one memor
 concurrently (one compute stream), and a step's logits are consumed by its sampling before the next
 graph replays.
 
-Decode graph ("decode", bs, ctx): carry-over + forward + logits of `bs` rows of one query token each,
+Decode graph ("decode", bs, ctx): carry-over + forward + logits + sampling of `bs` rows of one query token each,
 captured for a bound on the context (`ctx`): the attention's KV split is sized for that bound, so short
 contexts do not launch the many mostly idle programs (and merge inputs) that the longest context needs.
 Padding rows write no KV (slot -1) and attend to nothing (seq_len 0); their logits are ignored.
@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 
+import hostfunc
 from engine.slots import DecodeSlot
 
 SHORT_CONTEXT = 512
@@ -34,6 +35,15 @@ def graph_token_sizes(limit: int) -> list[int]:
     """Powers of two from 16 to 1024, then steps of 512, and the limit itself."""
     sizes = [16 << i for i in range(7)] + list(range(1536, limit + 1, 512)) + [limit]
     return sorted({t for t in sizes if t <= limit})
+
+
+def _pad_sampling(h, start: int, end: int) -> None:
+    """Sampling rows [start, end) of padding: greedy, so the in-graph sampler reads valid parameters."""
+    h["temperature"][start:end] = 0.0
+    h["top_k"][start:end] = 0
+    h["top_p"][start:end] = 1.0
+    h["seeds"][start:end] = 0
+    h["steps"][start:end] = 0
 
 
 def _pad_tokens(h, start: int, end: int) -> None:
@@ -51,6 +61,7 @@ def pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
     h["seq_lens"][start:end] = 0
     h["logits_indices"][start:end] = range(start, end)
     h["cu_seqlens_q"][start + 1:end + 1] = range(start + 1, end + 1)
+    _pad_sampling(h, start, end)
 
 
 def pad_mixed(slot: DecodeSlot, tokens: int, seqs: int) -> None:
@@ -60,16 +71,22 @@ def pad_mixed(slot: DecodeSlot, tokens: int, seqs: int) -> None:
     h["seq_lens"][b:seqs] = 0
     h["cu_seqlens_q"][b + 1:seqs + 1] = t
     h["logits_indices"][slot.num_sample:seqs] = 0
+    _pad_sampling(h, slot.num_sample, seqs)
 
 
 class StepGraphs:
-    def __init__(self, config, max_model_len: int):
+    """Graphs by (slot, key, variant); variant = (guided, greedy), see engine/step.py. Guided variants hold the
+    grammar branch with its host callback node; their hostfunc handles are freed by `close()`."""
+
+    def __init__(self, config, max_model_len: int, guided: bool):
         self.max_seqs = config.max_num_seqs
         self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
         self.token_sizes = graph_token_sizes(config.max_num_batched_tokens)
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.replays = Counter()                 # by kind ("decode", "mixed"); host thread only
+        self.variants = [(g, greedy) for g in ((False, True) if guided else (False,)) for greedy in (True, False)]
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.replays = Counter()                 # by kind ("decode", "mixed", "guided"); host thread only
+        self.callbacks = hostfunc.HostfuncScope()  # handles of the captured grammar callbacks
 
     def key_for(self, slot: DecodeSlot) -> tuple | None:
         """The graph that runs this step (see the module docstring); None: run it eagerly."""
@@ -98,27 +115,36 @@ class StepGraphs:
         return mixed + [("decode", bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
 
     def capture(self, program, slots, compute_stream) -> None:
-        """Capture every graph of a StepProgram over both slots (the runner is not kept: no runner <-> graphs
-        cycle, so a dropped engine frees its GPU memory at once)."""
+        """Capture every graph of a StepProgram over both slots and variants (the runner is not kept: no
+        runner <-> graphs cycle, so a dropped engine frees its GPU memory at once). Warm-up runs of guided
+        variants run their callback on an empty snapshot queue: it reuses the last snapshot, harmlessly."""
         pool = None
         with torch.cuda.stream(compute_stream), torch.inference_mode():
             for slot in slots:
                 prev = slots[1 - slot.index]
                 for key in self.keys():
-                    _set_empty_step(slot, key)
-                    program.graph_logits(slot, prev, key)          # warm-up: Triton compiles here
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=compute_stream):
-                        logits = program.graph_logits(slot, prev, key)
-                    pool = graph.pool()
-                    self.graphs[(slot.index, key)] = (graph, logits)
+                    for variant in self.variants:
+                        _set_empty_step(slot, key)
+                        program.step(slot, prev, variant, key)          # warm-up: Triton compiles here
+                        graph = torch.cuda.CUDAGraph()
+                        with self.callbacks, torch.cuda.graph(graph, pool=pool, stream=compute_stream):
+                            program.step(slot, prev, variant, key)
+                        pool = graph.pool()
+                        self.graphs[(slot.index, key, variant)] = graph
         compute_stream.synchronize()
 
-    def replay(self, slot: DecodeSlot) -> torch.Tensor:
-        graph, logits = self.graphs[(slot.index, slot.graph_key)]
-        graph.replay()
+    def replay(self, slot: DecodeSlot, variant: tuple) -> None:
+        self.graphs[(slot.index, slot.graph_key, variant)].replay()
         self.replays[slot.graph_key[0]] += 1
-        return logits[:slot.num_sample]
+        self.replays["guided"] += variant[0]
+
+    def close(self) -> None:
+        """Free the captured callbacks once no graph runs any more (synchronize first)."""
+        self.graphs.clear()
+        try:
+            self.callbacks.free()
+        except Exception:           # noqa: BLE001 - interpreter teardown: the registry may be gone already
+            pass
 
 
 def _set_empty_step(slot: DecodeSlot, key: tuple) -> None:

@@ -21,6 +21,8 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.guided.masks import Snapshot, build_snapshot
+from engine.guided.tracker import GuidedTracker
 from engine.model_runner import ModelRunner, RowError
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
@@ -39,6 +41,8 @@ __all__ = ["LLMEngine", "RequestOutput", "RequestHandle"]
 class InflightStep:
     index: int          # step number (alternates the slots, indexes the timing events)
     slot: DecodeSlot    # holds the step's rows until its commit (a slot is prepared again only after it)
+    snapshot: Snapshot | None   # its guided rows, as its grammar callback saw them
+    launched: float     # perf_counter when it was enqueued
 
 
 def _describe(exc: BaseException) -> str:
@@ -60,6 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)
+        self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config.guided, self.runner.cuda)
         self.timings = StepTimings()
         self._rng = random.Random(config.seed)
         self._next_id = 0
@@ -70,7 +75,7 @@ class LLMEngine:
         self._inflight: deque[InflightStep] = deque()
         self._step_index = 0
         self._last_committed: int | None = None
-        self._last_commit_time = time.perf_counter()
+        self._last_commit_time = self._tokens_landed = time.perf_counter()
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.source.config.get("eos_token_id")
@@ -103,6 +108,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(), retain=retain,
                        max_len=min(len(ids) + params.max_tokens, self.max_model_len))
+        if params.guide is not None:
+            self.guided.start(seq)
         self._next_id += 1
         self.output.start(seq, stream=stream)
         self._seqs[seq.seq_id] = seq
@@ -158,9 +165,12 @@ class LLMEngine:
         With nothing new to launch, the in-flight steps drain. Returns every output made (all requests)."""
         t0 = time.perf_counter()
         outputs, self._outbox = self._outbox, []
+        outputs += [self._fail(seq, message) for seq, message in self.guided.poll()]
         launched = self._plan_and_launch(outputs)
         while self._inflight and (len(self._inflight) >= self.config.depth or not launched):
             outputs += self._wait_and_commit(self._inflight.popleft())
+        if not launched and not self._inflight and not outputs:
+            self.guided.wait_for_compile(timeout=0.05)      # only compiling grammars hold the requests back
         self._deliver(outputs)
         self.timings.wall += time.perf_counter() - t0
         return outputs
@@ -199,6 +209,7 @@ class LLMEngine:
         if planned is None:
             return False
         rows, slot = planned
+        snapshot = build_snapshot(slot.index, rows)         # before the rows count this step's tokens
         for row in rows:
             seq = row.seq
             seq.inflight_refs += 1
@@ -210,11 +221,11 @@ class LLMEngine:
         t1 = time.perf_counter()
         try:
             with self._sync_guard():
-                self.runner.launch(slot, self._step_index, all_greedy)
+                self.runner.launch(slot, self._step_index, all_greedy, snapshot)
         except Exception as exc:
             outputs += self._unlaunch(rows, f"launching its step failed: {_describe(exc)}")
             return False
-        self._inflight.append(InflightStep(self._step_index, slot))
+        self._inflight.append(InflightStep(self._step_index, slot, snapshot, t1))
         self._step_index += 1
         self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1)
         return True
@@ -244,17 +255,19 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens = self.runner.wait(step.slot)
         t1 = time.perf_counter()
-        outputs = self._commit(step.slot.rows, tokens)
-        fwd, smp, idle = self.runner.gpu_times_ms(step.index, self._last_committed)
-        self._last_committed = step.index
+        outputs = self._commit(step.slot.rows, tokens, self.guided.step_failure(step.snapshot))
+        fwd, mask, smp, idle = self.runner.gpu_times_ms(step.slot, step.index, self._last_committed)
+        cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
+        self._last_committed, self._tokens_landed = step.index, t1
         t2 = time.perf_counter()
-        self.timings.add_step(wait=t1 - t0, commit=t2 - t1, forward_gpu=fwd / 1e3, sample_gpu=smp / 1e3,
-                              gpu_idle=idle / 1e3, tokens=len(tokens), rows=len(step.slot.rows),
+        self.timings.add_step(wait=t1 - t0, commit=t2 - t1, forward_gpu=fwd / 1e3, mask_wait_gpu=mask / 1e3,
+                              sample_gpu=smp / 1e3, gpu_idle=idle / 1e3, callback=cb, callback_delay=delay,
+                              guided_steps=step.snapshot is not None, tokens=len(tokens), rows=len(step.slot.rows),
                               extra=dict(period=t2 - self._last_commit_time, decode=step.slot.max_query_len == 1))
         self._last_commit_time = t2
         return outputs
 
-    def _commit(self, rows, tokens: list[int]) -> list[RequestOutput]:
+    def _commit(self, rows, tokens: list[int], guided_failure: str | None = None) -> list[RequestOutput]:
         outputs = []
         now = time.perf_counter()
         for row in rows:
@@ -267,6 +280,10 @@ class LLMEngine:
                 self.scheduler.release_if_idle(seq)
                 continue
             if not row.sample:
+                continue
+            guided_error = seq.guided and (seq.guided.error or guided_failure)
+            if guided_error:
+                outputs.append(self._fail(seq, guided_error))
                 continue
             try:
                 outputs.append(self._commit_tokens(seq, tokens[row.sample_idx:row.sample_idx + 1], now))

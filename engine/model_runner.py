@@ -14,6 +14,7 @@ import torch
 from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.graphs import StepGraphs
+from engine.guided.masks import GrammarMasks
 from engine.models.loader import ModelSource
 from engine.models.weights import build_model
 from engine.slots import DecodeSlot
@@ -41,18 +42,21 @@ class ModelRunner:
         self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
         self.num_blocks = self._num_kv_blocks(source.config)
         self.kv_caches = self._allocate_kv(source.config)
-        self.program = StepProgram(self.model, self.kv_caches, self.backend, max_model_len)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
+        self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device) if config.guided else None
+        self.program = StepProgram(self.model, self.kv_caches, self.backend, max_model_len,
+                                   self.compute_stream, self.masks)
         max_blocks = -(-max_model_len // config.block_size)
         self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device)
                       for i in range(2)]
         self.slot_events = [self._events(("inputs_ready", "copy_done"), timing=False) for _ in self.slots]
-        self.step_events = [self._events(("start", "forward_done", "sampled_ready"), timing=True)
-                            for _ in range(_EVENT_RING)]
+        self.step_events = [self._events(("start", "sampled_ready"), timing=True) for _ in range(_EVENT_RING)]
+        for slot in self.slots:         # recorded inside the step (graphs too): read at the slot's commit
+            slot.marks = self._events(("forward_done", "mask_waited"), timing=True, external=True)
         self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
-            self.graphs = StepGraphs(config, max_model_len)
+            self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None)
             self.graphs.capture(self.program, self.slots, self.compute_stream)
 
     # ---- setup -------------------------------------------------------------------------------
@@ -77,10 +81,17 @@ class ModelRunner:
                  torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device))
                 for _ in range(layers)]
 
-    def _events(self, names, timing: bool):
+    def _events(self, names, timing: bool, external: bool = False):
         if not self.cuda:
             return None
-        return {k: torch.cuda.Event(enable_timing=timing) for k in names}
+        # external: recorded as event nodes inside a captured graph, so their times stay readable per replay
+        return {k: torch.cuda.Event(enable_timing=timing, external=external) for k in names}
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self.graphs.close()
 
     # ---- plan (host only) --------------------------------------------------------------------
     def prepare(self, slot: DecodeSlot, rows) -> None:
@@ -156,9 +167,11 @@ class ModelRunner:
         h["steps"][s] = len(seq.output_token_ids) + seq.num_pending
 
     # ---- launch (enqueue only) ---------------------------------------------------------------
-    def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool) -> None:
-        """Enqueue upload, forward, sampling and the token copy; returns without waiting (on CUDA)."""
+    def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None) -> None:
+        """Enqueue upload, forward, (grammar branch), sampling and the token copy; returns without waiting
+        (on CUDA). `snapshot`: the step's guided rows (engine/guided/masks.py), None if it has none."""
         prev = self.slots[1 - slot.index]
+        variant = (snapshot is not None, all_greedy)
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
         if self.cuda:
             with torch.cuda.stream(self.copy_in_stream):
@@ -169,11 +182,17 @@ class ModelRunner:
         with compute, torch.inference_mode():
             if self.cuda:
                 te["start"].record()
-            logits = self.graphs.replay(slot) if slot.graph_key else self.program.logits(slot, prev)
-            if self.cuda:
-                te["forward_done"].record()
-            if slot.num_sample:
-                self.program.sample(slot, logits, all_greedy)
+            if snapshot is not None:
+                self.masks.push(snapshot)
+            try:
+                if slot.graph_key:
+                    self.graphs.replay(slot, variant)
+                else:
+                    self.program.step(slot, prev, variant)
+            except BaseException:
+                if snapshot is not None:
+                    self.masks.unpush(snapshot)
+                raise
             if self.cuda:
                 te["sampled_ready"].record()
         if self.cuda:
@@ -191,13 +210,15 @@ class ModelRunner:
             self.slot_events[slot.index]["copy_done"].synchronize()
         return slot.sampled_host[:slot.num_sample].tolist()
 
-    def gpu_times_ms(self, step_index: int, prev_index: int | None) -> tuple[float, float, float]:
-        """(forward, sampling, idle before it) device times of a step whose tokens were waited for.
+    def gpu_times_ms(self, slot: DecodeSlot, step_index: int, prev_index: int | None) -> tuple:
+        """(forward, mask wait, sampling, idle before it) device times of a step whose tokens were waited
+        for. Mask wait: the compute stream waiting for `mask_ready` after the forward (0 when unguided).
         Idle: from the end of step `prev_index` on the compute stream to this step's start."""
         if not self.cuda:
-            return 0.0, 0.0, 0.0
-        te = self.step_events[step_index % _EVENT_RING]
+            return 0.0, 0.0, 0.0, 0.0
+        te, marks = self.step_events[step_index % _EVENT_RING], slot.marks
         idle = 0.0
         if prev_index is not None and step_index - prev_index < _EVENT_RING:
             idle = max(0.0, self.step_events[prev_index % _EVENT_RING]["sampled_ready"].elapsed_time(te["start"]))
-        return te["start"].elapsed_time(te["forward_done"]), te["forward_done"].elapsed_time(te["sampled_ready"]), idle
+        return (te["start"].elapsed_time(marks["forward_done"]), marks["forward_done"].elapsed_time(marks["mask_waited"]),
+                marks["mask_waited"].elapsed_time(te["sampled_ready"]), idle)

@@ -8,7 +8,8 @@ preempted: its pages are freed and it is re-queued to recompute prompt + outputs
 With the pipelined loop a sequence may have one token sampled on the device but not yet committed
 (`num_pending`); the scheduler plans with `num_scheduled_tokens`, which counts it, and the runner feeds
 that token to the next step straight from device memory (carry-over). A sequence whose last token is
-already in flight (`capped`) is not scheduled again: it ends at that token's commit.
+already in flight (`capped`) is not scheduled again: it ends at that token's commit. A guided request
+whose grammar is still compiling prefills all but its last prompt token (`schedule_target`).
 Preemption frees pages at once even if a launched step still writes them: every KV writer runs on the
 one compute stream, so the new owner's writes are ordered after the old owner's.
 """
@@ -55,9 +56,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            scheduled = seq.num_scheduled_tokens
-            n = min(scheduled - seq.num_computed_tokens, budget)
-            if n <= 0 or scheduled >= seq.max_len:          # nothing new, or capped
+            n = min(seq.schedule_target - seq.num_computed_tokens, budget)
+            if n <= 0 or seq.num_scheduled_tokens >= seq.max_len:     # nothing new, or capped
                 i += 1
                 continue
             if not self._reserve(seq, n, victims_after=i):
@@ -86,7 +86,9 @@ class Scheduler:
                 break
             if seq.capped:                      # preempted with its last token in flight: ends at commit
                 continue
-            n = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.schedule_target - seq.num_computed_tokens, budget)
+            if n <= 0:                          # only its sampling token is left, and its grammar is not ready
+                continue
             need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
             if not self.blocks.can_allocate(need):
                 break

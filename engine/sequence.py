@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from engine.guided.spec import GUIDE_FIELDS, Guide, make_guide
+
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_TOKENS_LIMIT = 2 ** 31 - 1      # counters that reach the device are int64; keep far from overflow
 
@@ -44,6 +46,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # stop strings (excluded from the output text)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Guided decoding, at most one (engine/guided/spec.py): the output matches it and ends when it completes.
+    json_schema: dict | str | None = None
+    json_object: bool = False         # any JSON object
+    regex: str | None = None
+    ebnf: str | None = None           # xgrammar EBNF (GBNF-like) grammar, root rule "root"
+    choice: tuple[str, ...] | None = None
+    structural_tag: dict | str | None = None   # xgrammar structural tag: free text with constrained regions
+    any_whitespace: bool = False      # JSON guides: free whitespace between tokens (default: compact)
 
     def __post_init__(self):
         object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT))
@@ -62,6 +72,18 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(_integer("a stop token id", t, 0, INT64_MAX) for t in ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        guide = make_guide({k: getattr(self, k) for k in GUIDE_FIELDS}, self.any_whitespace)
+        if guide is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a guide: a guided request ends when its grammar does")
+        if guide is not None and guide.kind in ("json_schema", "structural_tag"):
+            object.__setattr__(self, guide.kind, guide.source)     # hashable, like every other field
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        object.__setattr__(self, "_guide", guide)
+
+    @property
+    def guide(self) -> Guide | None:
+        return self._guide
 
 
 class Status(enum.Enum):
@@ -90,6 +112,7 @@ class Sequence:
     text: str = ""                              # detokenized output, cut at a stop string (engine/output.py)
     out: object = None                          # output state: incremental detokenizer, streamed text
     error: str | None = None                    # why the request failed (finish_reason "error")
+    guided: object = None                       # GuidedRequest (engine/guided/compiler.py) of a guided request
     retain: bool = False                        # keep it after it finishes, until LLMEngine.take()
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -108,6 +131,13 @@ class Sequence:
     def num_scheduled_tokens(self) -> int:
         """Tokens the device knows: the host's plus the one still in flight."""
         return self.num_tokens + self.num_pending
+
+    @property
+    def schedule_target(self) -> int:
+        """Tokens it may compute now: all it knows, less the last one while its grammar is not ready (that
+        token's step would sample, and a guided request samples nothing before its grammar compiled)."""
+        blocked = self.guided is not None and not self.guided.ready
+        return self.num_scheduled_tokens - blocked
 
     @property
     def capped(self) -> bool:

@@ -58,6 +58,7 @@ class DecodeSlot:
         self.graph_key = None                                           # which graph runs it (None: eager)
         self.rows = []                                                  # ScheduledRows of this step
         self.bt_rows = [(None, 0)] * max_seqs                          # (block table, pages) each row holds
+        self.marks = None                                               # timing events recorded inside the step
 
     def upload(self, padded: int = 0) -> None:
         """Copy the step's inputs host -> device on the current stream in one copy (no-op on the CPU);

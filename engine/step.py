@@ -1,8 +1,9 @@
-"""The device work of one step, in order: carry-over, forward, logits, sampling.
+"""The device work of one step, in order: carry-over, forward, logits, (grammar mask), sampling.
 
 Eager steps and CUDA graph captures (engine/graphs.py) run these same methods, so a graph holds exactly
-what an eager step computes. Guided decoding adds its mask between `logits` and `sample`; speculative
-decoding adds drafts and verification around `forward`: each extends `StepProgram` rather than the runner.
+what an eager step computes, sampling included. A step's variant is (guided, greedy): guided steps fork the
+grammar branch (engine/guided/masks.py) at their start and wait for its `mask_ready` only before sampling;
+greedy steps (every sampling row at temperature 0) skip the random-sampling kernels.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
 from __future__ import annotations
@@ -23,11 +24,13 @@ def gather_carry(ids: torch.Tensor, carry_src: torch.Tensor, prev_sampled: torch
 
 
 class StepProgram:
-    def __init__(self, model, kv_caches, backend, max_model_len: int):
+    def __init__(self, model, kv_caches, backend, max_model_len: int, compute_stream=None, masks=None):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
         self.max_model_len = max_model_len
+        self.compute_stream = compute_stream
+        self.masks = masks                      # GrammarMasks (None: no guided steps)
 
     def input_ids(self, slot: DecodeSlot, prev: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
         ids = slot.dev["input_ids"][:size]
@@ -48,7 +51,7 @@ class StepProgram:
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:n]]) if n else None
 
     def graph_logits(self, slot: DecodeSlot, prev: DecodeSlot, key: tuple):
-        """What a graph holds: carry-over, then the forward and the logits of a step padded to `key`:
+        """Carry-over, then the forward and the logits of a step padded to `key`:
         ("decode", rows, context bound) or ("mixed", tokens, sequences)."""
         kind, size, bound = key
         ids = self.input_ids(slot, prev, size)
@@ -57,7 +60,25 @@ class StepProgram:
         hidden = self.forward(slot, ids, bound, size, self.max_model_len)
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:bound]])
 
-    def sample(self, slot: DecodeSlot, logits, all_greedy: bool) -> None:
-        d, n = slot.dev, slot.num_sample
-        slot.sampled[:n] = sample(logits, d["temperature"][:n], d["top_k"][:n], d["top_p"][:n],
-                                  d["seeds"][:n], d["steps"][:n], all_greedy=all_greedy)
+    def step(self, slot: DecodeSlot, prev: DecodeSlot, variant: tuple, key: tuple | None = None) -> None:
+        """The whole step into `slot.sampled`: at its exact size (key None, eager) or padded to a graph key."""
+        guided, greedy = variant
+        rows = slot.num_sample if key is None else key[1] if key[0] == "decode" else key[2]
+        if guided and self.masks.cuda:
+            self.masks.branch(slot, prev, rows, self.compute_stream)
+        logits = self.logits(slot, prev) if key is None else self.graph_logits(slot, prev, key)
+        _mark(slot, "forward_done")
+        mask = self.masks.join(slot, prev, rows, self.compute_stream) if guided else None
+        _mark(slot, "mask_waited")
+        if rows:
+            self.sample(slot, logits, rows, greedy, mask)
+
+    def sample(self, slot: DecodeSlot, logits, rows: int, greedy: bool, mask=None) -> None:
+        d = slot.dev
+        slot.sampled[:rows] = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows],
+                                     d["seeds"][:rows], d["steps"][:rows], bitmask=mask, all_greedy=greedy)
+
+
+def _mark(slot: DecodeSlot, name: str) -> None:
+    if slot.marks is not None:
+        slot.marks[name].record()

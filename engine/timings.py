@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-_PER_STEP = ("plan", "launch", "wait", "commit", "forward_gpu", "sample_gpu", "gpu_idle")
+_PER_STEP = ("plan", "launch", "wait", "commit", "forward_gpu", "mask_wait_gpu", "sample_gpu", "gpu_idle",
+             "callback", "callback_delay")
 
 
 @dataclass
@@ -17,7 +18,11 @@ class StepTimings:
     wait: float = 0.0          # CPU blocked on a step's tokens
     commit: float = 0.0        # CPU: append tokens, stop checks, free pages
     forward_gpu: float = 0.0   # device time of the forward (CUDA events; 0 on CPU)
+    mask_wait_gpu: float = 0.0  # compute stream waiting for the grammar mask after the forward
     sample_gpu: float = 0.0    # device time of sampling
+    guided_steps: int = 0      # committed steps with guided rows (a grammar callback each)
+    callback: float = 0.0      # host time inside grammar callbacks
+    callback_delay: float = 0.0  # from the previous step's tokens landing on the host to the callback's start
     gpu_idle: float = 0.0      # compute stream idle between the end of a step and the start of the next
     wall: float = 0.0          # time spent inside LLMEngine.step()
     trace: list | None = field(default=None, repr=False)  # set to [] to keep one dict per committed step

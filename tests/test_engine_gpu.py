@@ -98,16 +98,16 @@ def test_no_device_to_host_sync_while_enqueuing_a_step(prompts):
     seqs = eng.generate(prompts[:4], [mixed[i % 2] for i in range(4)])
     assert all(s.output_token_ids and s.finish_reason != "error" for s in seqs), [s.error for s in seqs]
     assert_no_leak(eng)
-    sample = eng.runner.program.sample
+    replay = eng.runner.graphs.replay
 
-    def syncing_sample(slot, logits, all_greedy):      # what a careless change to sampling would do
-        sample(slot, logits, all_greedy)
+    def syncing_replay(slot, variant):                 # what a careless change to the step would do
+        replay(slot, variant)
         slot.sampled[:slot.num_sample].max().item()
 
-    eng.runner.program.sample = syncing_sample
+    eng.runner.graphs.replay = syncing_replay
     [bad] = eng.generate(prompts[:1], mixed[0])
     assert bad.finish_reason == "error" and "synchroniz" in bad.error, bad.error
-    del eng.runner.program.sample
+    del eng.runner.graphs.replay
     [good] = eng.generate(prompts[:1], mixed[0])
     assert good.output_token_ids == seqs[0].output_token_ids
     assert_no_leak(eng)

@@ -100,11 +100,11 @@ def test_an_exception_at_launch_fails_that_steps_requests_and_the_loop_goes_on(e
                                                                                monkeypatch):
     launch, calls = engine.runner.launch, []
 
-    def flaky(slot, step_index, all_greedy):
+    def flaky(slot, step_index, all_greedy, snapshot=None):
         calls.append(step_index)
         if len(calls) == 3:
             raise RuntimeError("injected launch failure")
-        return launch(slot, step_index, all_greedy)
+        return launch(slot, step_index, all_greedy, snapshot)
 
     monkeypatch.setattr(engine.runner, "launch", flaky)
     ids, finals = _run(engine, [(chat_prompts[0], GREEDY), (chat_prompts[1], GREEDY)])
@@ -139,8 +139,8 @@ def test_a_row_whose_mask_allowed_nothing_fails_alone(engine, chat_prompts, alon
     the carry-over feeds the next step a valid id meanwhile."""
     sample, victim = engine.runner.program.sample, {}
 
-    def poisoned(slot, logits, all_greedy):
-        sample(slot, logits, all_greedy)
+    def poisoned(slot, logits, rows, greedy, mask=None):
+        sample(slot, logits, rows, greedy, mask)
         for row in slot.rows:
             seq = row.seq                        # tokens before this one: committed + in flight (this row's too)
             if row.sample and seq.seq_id == victim.get("id") and len(seq.output_token_ids) + seq.num_pending > 3:

@@ -1,0 +1,73 @@
+"""The engine's side of guided decoding: requests whose grammar compiles, the step snapshots, and the
+failures a step's commit must report (engine/llm_engine.py calls it; the callbacks never do)."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import hostfunc
+from engine.guided.compiler import GrammarService
+from engine.guided.masks import Snapshot
+
+
+class GuidedTracker:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, enabled: bool, cuda: bool):
+        self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids)
+        self.service: GrammarService | None = None      # built on the first guided request (~0.3 s)
+        self.enabled, self.cuda, self.has_tokenizer = enabled, cuda, tokenizer is not None
+        self.compiling: list = []                       # sequences whose grammar is not ready yet
+
+    def start(self, seq) -> None:
+        """At add_request: start compiling (raises ValueError if guided decoding cannot run here)."""
+        if not self.enabled:
+            raise ValueError("this engine was built with guided=False: guides are not available")
+        if not self.has_tokenizer:
+            raise ValueError("guided decoding needs the model's tokenizer, and this model has none")
+        if self.service is None:
+            self.service = self._make()
+        seq.guided = self.service.submit(seq.params.guide)
+        self.compiling.append(seq)
+
+    def poll(self) -> list[tuple]:
+        """Loop thread, before planning: (seq, message) for each grammar that failed to compile."""
+        failed, still = [], []
+        for seq in self.compiling:
+            if seq.finalized:
+                continue
+            message = seq.guided.poll()
+            if message is not None:
+                failed.append((seq, message))
+            elif not seq.guided.ready:
+                still.append(seq)
+        self.compiling = still
+        return failed
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Nothing can run until a grammar is ready: sleep on the compiles instead of spinning."""
+        futures = [seq.guided.future for seq in self.compiling]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def step_failure(self, snapshot: Snapshot | None) -> str | None:
+        """At a step's commit: a failure of its callback as a whole (every guided row of it fails)."""
+        if snapshot is None:
+            return None
+        if snapshot.failure:
+            return f"the grammar callback failed: {snapshot.failure}"
+        if self.cuda:
+            errors = hostfunc.take_errors()
+            if errors:
+                return f"the grammar callback failed: {errors[0][1]}"
+        return None
+
+    @staticmethod
+    def callback_times(snapshot: Snapshot | None, tokens_landed: float) -> tuple[float, float]:
+        """(time inside the callback, delay from `tokens_landed` to its start), seconds."""
+        if snapshot is None or snapshot.times is None:
+            return 0.0, 0.0
+        start, end = snapshot.times
+        return end - start, max(0.0, start - tokens_landed)
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
+
