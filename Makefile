@@ -2,7 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= Write a JSON object describing a tool call that gets the weather in Paris.
+PROMPT ?= Call the get_weather tool for Paris. Reply with the tool call as JSON.
+SCHEMA ?= docs/examples/get_weather.schema.json
 
 .PHONY: run test setup bench clean
 
@@ -16,7 +17,7 @@ $(BIN)/activate:
 setup: $(BIN)/activate
 
 run: setup
-	$(BIN)/specdec generate --prompt "$(PROMPT)" --max-tokens 128
+	$(BIN)/specdec generate --prompt "$(PROMPT)" --json-schema $(SCHEMA) --max-tokens 128
 
 test: setup
 	$(BIN)/python -m pytest -q -ra

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.sequence import SamplingParams
@@ -23,6 +24,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=2, choices=[1, 2],
                    help="1: blocking loop; 2: pipelined (the next step launches before this one commits)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g = p.add_argument_group("guided decoding (at most one guide)")
+    g.add_argument("--json-schema", default=None, metavar="FILE|JSON", help="output matches this JSON schema")
+    g.add_argument("--json", action="store_true", help="output is a JSON object")
+    g.add_argument("--regex", default=None, help="output matches this regular expression")
+    g.add_argument("--grammar", default=None, metavar="FILE", help="output matches this xgrammar EBNF grammar")
+    g.add_argument("--choice", nargs="+", default=None, help="output is exactly one of these strings")
+    g.add_argument("--any-whitespace", action="store_true", help="JSON guides: allow free whitespace")
 
 
 def _engine(args):
@@ -33,9 +41,22 @@ def _engine(args):
     return LLMEngine(cfg)
 
 
+def _read(value: str | None, what: str) -> str | None:
+    """A file's text if `value` names a file, else `value` itself (inline JSON)."""
+    if value is None or value.lstrip().startswith("{"):
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} file {value!r}: {exc.strerror}") from exc
+
+
 def _params(args) -> SamplingParams:
+    grammar = _read(args.grammar, "grammar") if args.grammar else None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+                          top_k=args.top_k, seed=args.seed, json_schema=_read(args.json_schema, "JSON schema"),
+                          json_object=args.json, regex=args.regex, ebnf=grammar, choice=args.choice,
+                          any_whitespace=args.any_whitespace)
 
 
 def _stream(engine, prompt_ids, params, out=sys.stdout) -> str:
@@ -56,7 +77,8 @@ def cmd_generate(args) -> int:
     engine = _engine(args)
     ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat_template \
         else engine.encode(args.prompt)
-    _stream(engine, ids, _params(args))
+    params = _params(args)
+    _stream(engine, ids, params)
     return 0
 
 

@@ -26,6 +26,8 @@ class EngineConfig:
     gemv_fusion: bool = False          # Triton: fold norms and SiLU * up into the matmuls of steps <= 16 tokens
                                        # (measured slower than cuBLAS + separate kernels on an H100: off)
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
+    switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): the grammar
+                                       # callback waits up to this for the GIL (the default 5 ms > a step)
     debug_sync: bool = False           # raise on any device->host sync while a step is enqueued (CUDA)
     seed: int = 0
 

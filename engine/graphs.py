@@ -118,14 +118,16 @@ class StepGraphs:
         """Capture every graph of a StepProgram over both slots and variants (the runner is not kept: no
         runner <-> graphs cycle, so a dropped engine frees its GPU memory at once). Warm-up runs of guided
         variants run their callback on an empty snapshot queue: it reuses the last snapshot, harmlessly."""
-        pool = None
+        pool, warm = None, set()
         with torch.cuda.stream(compute_stream), torch.inference_mode():
             for slot in slots:
                 prev = slots[1 - slot.index]
                 for key in self.keys():
                     for variant in self.variants:
                         _set_empty_step(slot, key)
-                        program.step(slot, prev, variant, key)          # warm-up: Triton compiles here
+                        if key not in warm or variant not in warm:  # each shape and each variant once
+                            program.step(slot, prev, variant, key)      # warm-up: Triton compiles here
+                            warm.update((key, variant))
                         graph = torch.cuda.CUDAGraph()
                         with self.callbacks, torch.cuda.graph(graph, pool=pool, stream=compute_stream):
                             program.step(slot, prev, variant, key)
@@ -138,8 +140,12 @@ class StepGraphs:
         self.replays[slot.graph_key[0]] += 1
         self.replays["guided"] += variant[0]
 
+    def __del__(self):
+        self.close()
+
     def close(self) -> None:
-        """Free the captured callbacks once no graph runs any more (synchronize first)."""
+        """Free the captured callbacks once no graph runs any more (synchronize first). A replay of a freed
+        callback runs nothing and is recorded as a hostfunc error."""
         self.graphs.clear()
         try:
             self.callbacks.free()

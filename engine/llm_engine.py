@@ -10,17 +10,16 @@ loop goes on. Finished requests are forgotten unless added with `retain=True` (t
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.frontend import EngineFrontend
 from engine.guided.masks import Snapshot, build_snapshot
 from engine.guided.tracker import GuidedTracker
 from engine.model_runner import ModelRunner, RowError
@@ -49,7 +48,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class LLMEngine:
+class LLMEngine(EngineFrontend):
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = config or EngineConfig(**overrides)
         if config.max_num_batched_tokens < config.max_num_seqs:
@@ -76,6 +75,13 @@ class LLMEngine:
         self._step_index = 0
         self._last_committed: int | None = None
         self._last_commit_time = self._tokens_landed = time.perf_counter()
+        if self.runner.cuda and config.guided and config.switch_interval > 0:
+            sys.setswitchinterval(config.switch_interval)     # process-wide: see EngineConfig.switch_interval
+
+    def close(self) -> None:
+        """Free what outlives a dropped engine: captured grammar callbacks, the compile threads."""
+        self.runner.close()
+        self.guided.close()
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.source.config.get("eos_token_id")
@@ -85,17 +91,6 @@ class LLMEngine:
         return frozenset(ids)
 
     # ---- requests ------------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.source.name} has no tokenizer: pass prompt token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.source.name} has no chat template")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     retain: bool = False, stream: bool = False) -> int:
         """Queue a request; returns its id. Raises ValueError naming the problem for bad input.
@@ -115,21 +110,6 @@ class LLMEngine:
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
-
-    def open(self, prompt, params: SamplingParams | None = None) -> RequestHandle:
-        """Add a request and return a handle that receives its outputs, and only its outputs."""
-        request_id = self.add_request(prompt, params, stream=True)
-        queue = self._listeners[request_id] = deque()
-        return RequestHandle(self, request_id, queue)
-
-    def stream(self, prompt, params: SamplingParams | None = None):
-        """Yield the request's RequestOutputs as they come (driving the loop); closing the generator early
-        aborts the request. Other requests' outputs are not lost: they go to their own handles."""
-        handle = self.open(prompt, params)
-        try:
-            yield from handle
-        finally:
-            handle.close()
 
     def abort(self, request_id: int) -> bool:
         """End a live request now (finish_reason "abort"); its final output comes with the next step.
@@ -220,7 +200,7 @@ class LLMEngine:
         all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
         t1 = time.perf_counter()
         try:
-            with self._sync_guard():
+            with self.runner.sync_guard():
                 self.runner.launch(slot, self._step_index, all_greedy, snapshot)
         except Exception as exc:
             outputs += self._unlaunch(rows, f"launching its step failed: {_describe(exc)}")
@@ -244,12 +224,6 @@ class LLMEngine:
             else:
                 outputs.append(self._fail(seq, message))
         return outputs
-
-    def _sync_guard(self):
-        """debug_sync: any device->host synchronisation while enqueuing a step raises (CUDA only)."""
-        if not (self.config.debug_sync and self.runner.cuda):
-            return contextlib.nullcontext()
-        return _sync_debug_mode("error")
 
     def _wait_and_commit(self, step: InflightStep) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -320,32 +294,3 @@ class LLMEngine:
             return self.output.fail(seq, reason, error)
         except Exception:                     # the request's output state is what broke: report it bare
             return RequestOutput(seq.seq_id, (), "", True, reason, error, tuple(seq.output_token_ids), seq.text)
-
-    # ---- convenience -----------------------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
-        """Run prompts (strings or token id lists) to completion; returns the finished Sequences in order."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
-        ids = []
-        try:
-            for prompt, sp in zip(prompts, params_list):
-                ids.append(self.add_request(prompt, sp, retain=True))
-        except ValueError:
-            for i in ids:                         # all or nothing: the ones already added go again
-                self.abort(i)
-                self.take(i)
-            raise
-        while self.has_unfinished():
-            self.step()
-        return [self.take(i) for i in ids]
-
-
-@contextlib.contextmanager
-def _sync_debug_mode(mode: str):
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(old)

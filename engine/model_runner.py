@@ -203,6 +203,12 @@ class ModelRunner:
         else:
             slot.download_sampled()
 
+    def sync_guard(self):
+        """debug_sync: any device->host synchronisation while enqueuing a step raises (CUDA only)."""
+        if not (self.config.debug_sync and self.cuda):
+            return contextlib.nullcontext()
+        return _sync_debug_mode("error")
+
     # ---- results -----------------------------------------------------------------------------
     def wait(self, slot: DecodeSlot) -> list[int]:
         """Block until this slot's tokens are on the host (an event sync: it releases the GIL)."""
@@ -222,3 +228,13 @@ class ModelRunner:
             idle = max(0.0, self.step_events[prev_index % _EVENT_RING]["sampled_ready"].elapsed_time(te["start"]))
         return (te["start"].elapsed_time(marks["forward_done"]), marks["forward_done"].elapsed_time(marks["mask_waited"]),
                 marks["mask_waited"].elapsed_time(te["sampled_ready"]), idle)
+
+
+@contextlib.contextmanager
+def _sync_debug_mode(mode: str):
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
