@@ -26,6 +26,8 @@ class EngineConfig:
     gemv_fusion: bool = False          # Triton: fold norms and SiLU * up into the matmuls of steps <= 16 tokens
                                        # (measured slower than cuBLAS + separate kernels on an H100: off)
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
+    grammar_threads: int = 1           # threads filling a step's masks (xgrammar's batch fill); more threads
+                                       # cost more than they saved for <= 32 rows of JSON schemas (CPU measure)
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): the grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
     debug_sync: bool = False           # raise on any device->host sync while a step is enqueued (CUDA)
@@ -36,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.grammar_threads < 1:
+            raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
         if self.depth not in (1, 2):
             raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
         if self.attention_backend not in ("auto", "torch", "triton"):

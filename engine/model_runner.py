@@ -44,7 +44,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(source.config)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
-        self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device) if config.guided else None
+        self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, config.grammar_threads) \
+            if config.guided else None
         self.program = StepProgram(self.model, self.kv_caches, self.backend, max_model_len,
                                    self.compute_stream, self.masks)
         max_blocks = -(-max_model_len // config.block_size)

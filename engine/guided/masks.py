@@ -86,7 +86,7 @@ def _advance(g, tokens) -> str | None:
 
 
 class GrammarMasks:
-    def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 4):
+    def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 1):
         self.cuda = device.type == "cuda"
         words = -(-vocab_size // 32)
         self.host = [torch.full((max_seqs, words), -1, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2)]
