@@ -1,0 +1,268 @@
+"""Guided decoding: schema loading, output validation, the quality run and the transformers + xgrammar peer.
+`bench/guided.py` drives these (`--only quality`, `--only peer`); see its docstring for the command lines.
+
+Schemas: a directory or a glob of .json files, each either MaskBench's `{description, meta, schema, tests}`
+or a bare JSON schema (raw/Glaiveai2K, raw/Github_easy), in natural order (JME_2 before JME_10). Prompt:
+"Produce a JSON object that matches this schema: <schema JSON>" through the model's chat template.
+
+Quality, per dataset: all its requests are added at once to one engine (continuous batching, max_num_seqs
+--quality-seqs, greedy, compact JSON, --max-tokens). Of the schemas tried (prompts too long for the context
+are skipped and counted as `too_long`):
+  compiled_frac  share whose guide was accepted: not refused by SamplingParams/add_request (`rejected`) and
+                 not ended "error" with "invalid json_schema ..." (`compile_failed`);
+  finished_frac  of the compiled, share that ended "stop" (grammar complete) rather than "length";
+  valid_frac     of the finished whose schema `jsonschema` can use, share whose text parses and validates
+                 (formats as annotations); valid_fmt_frac: the same with jsonschema's format checker.
+                 Schemas jsonschema itself rejects (SchemaError, unresolvable $ref, a pattern Python's `re`
+                 cannot compile, ...) are counted as `schema_errors`, not as invalid outputs;
+  runtime_errors requests that failed later (a token the grammar rejected, an empty mask, ...).
+Peer: transformers `generate` (greedy, batch 1) with xgrammar's `contrib.hf.LogitsProcessor`, grammars
+compiled by our engine's own GrammarService (same tokenizer info), weights from `engine.source.path`; ours
+runs the same requests one at a time (batch 1). tok/s = output tokens / summed wall of the requests
+(prefill included), after one untimed request each.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import time
+from collections import Counter
+from pathlib import Path
+
+try:                                      # imported as bench.guided_quality, or from a script in bench/
+    from bench.common import REPO, note, progress, record
+except ImportError:
+    from common import REPO, note, progress, record
+
+PROMPT = "Produce a JSON object that matches this schema: {}"
+DATASETS = {"JME": "maskbench/JME_*.json", "BFCL": "maskbench/BFCL_*.json", "Glaive": "raw/Glaiveai2K",
+            "Github_easy": "raw/Github_easy"}
+
+
+# ---- engine, schemas, prompts ------------------------------------------------------------------------
+def build_engine(args, max_num_seqs: int):
+    from engine.llm_engine import LLMEngine
+    kw = dict(dtype=args.dtype, depth=args.depth, max_num_seqs=max_num_seqs, enforce_eager=args.enforce_eager)
+    if args.model:
+        kw["model"] = args.model
+    if args.device != "auto":
+        kw["device"] = args.device
+    return LLMEngine(**kw)
+
+
+def close_engine(eng) -> None:
+    """Free what outlives a dropped engine (captured grammar callbacks, compile threads); never raises."""
+    try:
+        if eng is not None and hasattr(eng, "close"):
+            eng.close()
+    except Exception as e:                # noqa: BLE001
+        note(f"closing the engine failed: {type(e).__name__}: {e}")
+
+
+def free_engine() -> None:
+    import gc
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def resolve(spec: str, root: str | None = None) -> str:
+    """A path or glob, tried under `root` (itself resolved), as given, and relative to the repository."""
+    for base in ([resolve(root)] if root else []) + [os.getcwd(), str(REPO)]:
+        cand = os.path.join(base, spec)
+        if os.path.exists(cand) or glob.glob(cand):
+            return cand
+    return spec
+
+
+def dataset_spec(item: str, root: str) -> tuple[str, str]:
+    """'NAME' (a known dataset under --data) or 'NAME=PATH' -> (name, path or glob)."""
+    name, _, path = item.partition("=")
+    if not path and name not in DATASETS:
+        raise SystemExit(f"unknown dataset {name!r}: give NAME=PATH or one of {', '.join(DATASETS)}")
+    return name, resolve(path or DATASETS[name], root)
+
+
+def _natural(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def load_schemas(spec: str, limit: int | None = None) -> list[tuple[str, object]]:
+    files = glob.glob(os.path.join(spec, "*.json")) if os.path.isdir(spec) else glob.glob(spec)
+    files.sort(key=lambda f: _natural(os.path.basename(f)))
+    if not files:
+        raise FileNotFoundError(f"no schema files at {spec}")
+    out = []
+    for f in files[:limit]:
+        try:
+            d = json.loads(Path(f).read_text())
+        except ValueError:
+            d = None                      # unreadable: SamplingParams refuses it (counted as rejected)
+        if isinstance(d, dict) and "schema" in d and ("tests" in d or "meta" in d):
+            d = d["schema"]               # MaskBench wrapper
+        out.append((Path(f).stem, d))
+    return out
+
+
+def schema_prompt(eng, schema) -> list[int]:
+    return eng.apply_chat_template([{"role": "user", "content": PROMPT.format(json.dumps(schema))}])
+
+
+def guided_params(schema, max_tokens: int):
+    from engine.sequence import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, json_schema=schema)
+
+
+# ---- validation ---------------------------------------------------------------------------------------
+def check_output(schema, text: str) -> tuple[str, bool | None]:
+    """(status, format-valid): status valid | invalid | unparsable | schema_error | unchecked."""
+    try:
+        import jsonschema
+    except ImportError:
+        return "unchecked", None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return "unparsable", False
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+        ok = next(cls(schema).iter_errors(value), None) is None
+        fmt = ok and next(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value), None) is None
+    except Exception:                     # noqa: BLE001 - SchemaError, Unresolvable, re.error: the schema's fault
+        return "schema_error", None
+    return ("valid" if ok else "invalid"), fmt
+
+
+def _frac(a: int, b: int):
+    return a / b if b else None
+
+
+def summarize(items, rejected: int = 0) -> dict:
+    """items: (schema, finish_reason, error, text, n_tokens) per request; `rejected`: refused before running."""
+    c, fmt, examples = Counter(), 0, {}
+    for schema, reason, error, text, _ in items:
+        if reason == "error":
+            kind = "compile_failed" if (error or "").startswith("invalid json_schema") else "runtime_errors"
+            c[kind] += 1
+            examples.setdefault(kind, error)
+            continue
+        c[reason] += 1
+        if reason == "stop":
+            status, f = check_output(schema, text)
+            c[status] += 1
+            fmt += bool(f)
+            if status in ("invalid", "unparsable"):
+                examples.setdefault(status, text[:200])
+    n = len(items) + rejected
+    compiled = len(items) - c["compile_failed"]
+    checked = c["stop"] - c["schema_error"] - c["unchecked"]
+    return dict(compiled_frac=_frac(compiled, n), finished_frac=_frac(c["stop"], compiled),
+                valid_frac=_frac(c["valid"], checked), valid_fmt_frac=_frac(fmt, checked),
+                valid_of_all=_frac(c["valid"], n), compile_failed=c["compile_failed"], finished=c["stop"],
+                length=c["length"], invalid=c["invalid"], unparsable=c["unparsable"],
+                schema_errors=c["schema_error"], unchecked=c["unchecked"], runtime_errors=c["runtime_errors"],
+                mean_len=_frac(sum(i[4] for i in items), len(items)), examples=examples or None)
+
+
+# ---- quality ------------------------------------------------------------------------------------------
+def run_quality(eng, name: str, schemas, args) -> dict:
+    ids, rejected, too_long = {}, 0, 0
+    for stem, schema in schemas:
+        try:
+            params = guided_params(schema, args.max_tokens)
+            prompt = schema_prompt(eng, schema)
+            if len(prompt) + args.max_tokens > eng.max_model_len:
+                too_long += 1
+                continue
+            ids[eng.add_request(prompt, params, retain=True)] = schema
+        except (ValueError, TypeError):   # not a JSON object schema, or the request was refused
+            rejected += 1
+    eng.timings.reset()
+    t0 = time.perf_counter()
+    bar = iter(progress(range(len(ids)), f"quality {name}"))
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                next(bar, None)
+    wall = time.perf_counter() - t0
+    for _ in bar:
+        pass
+    seqs = {rid: eng.take(rid) for rid in ids}
+    items = [(ids[r], s.finish_reason, s.error, s.text.strip(), len(s.output_token_ids)) for r, s in seqs.items()]
+    stats = summarize(items, rejected)
+    tokens = sum(i[4] for i in items)
+    ms = eng.timings.per_step_ms()
+    note(f"quality {name}: {len(schemas)} schemas, compiled {stats['compiled_frac']}, finished "
+         f"{stats['finished_frac']}, valid {stats['valid_frac']} ({wall:.1f} s)")
+    return record("guided", "guided", eng.source.name, str(eng.runner.dtype).replace("torch.", ""),
+                  eng.config.max_num_seqs, args.max_tokens, tokens / wall, ms["period"], part="quality",
+                  dataset=name, schemas=len(schemas), rejected=rejected, too_long=too_long, wall_s=wall,
+                  steps=eng.timings.steps, period_ms=ms["period"], callback_ms=ms["callback"],
+                  mask_wait_ms=ms["mask_wait_gpu"], gpu_idle_ms=ms["gpu_idle"], **stats)
+
+
+# ---- peer: transformers generate + xgrammar logits processor, batch 1 ------------------------------------
+def run_peer(eng, schemas, args) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from xgrammar.contrib.hf import LogitsProcessor
+    from engine.guided.compiler import GrammarService
+    eng.generate([schema_prompt(eng, {"type": "object"})], guided_params({"type": "object"}, 8))  # builds
+    service = eng.guided.service or GrammarService(eng.tokenizer, eng.runner.vocab, eng.eos_ids)  # its service
+    work = []
+    for stem, schema in schemas:
+        try:
+            params = guided_params(schema, args.max_tokens)
+            work.append((schema, schema_prompt(eng, schema), params, service.compile_now(params.guide)))
+        except Exception as e:            # noqa: BLE001 - neither side can run it: leave it out of both
+            note(f"peer: {stem} left out: {type(e).__name__}: {e}")
+    device, dtype = eng.runner.device, eng.runner.dtype
+    model = AutoModelForCausalLM.from_pretrained(str(eng.source.path), dtype=dtype).to(device).eval()
+    eos = sorted(eng.eos_ids)
+    gcfg = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def ours(prompt, params):
+        [seq] = eng.generate([prompt], params)
+        return seq.finish_reason, seq.error, seq.text.strip(), list(seq.output_token_ids)
+
+    def hf(prompt, grammar):
+        ids = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg,
+                                 logits_processor=[LogitsProcessor(grammar)])
+        new = out[0, ids.shape[1]:].tolist()
+        stop = bool(new) and new[-1] in eng.eos_ids
+        text = eng.tokenizer.decode(new[:-1] if stop else new, skip_special_tokens=True)
+        return ("stop" if stop else "length"), None, text.strip(), new
+
+    runners = {"guided": lambda w: ours(w[1], w[2]), "peer-hf": lambda w: hf(w[1], w[3])}
+    results = {}
+    for mode, fn in runners.items():
+        fn(work[0])                                       # untimed: warm-up (JIT, allocator, grammar cache)
+        items, wall = [], 0.0
+        for w in progress(work, f"peer {mode}"):
+            sync()
+            t0 = time.perf_counter()
+            reason, error, text, toks = fn(w)
+            sync()
+            wall += time.perf_counter() - t0
+            items.append((w[0], reason, error, text, len(toks)))
+        results[mode] = (items, wall)
+    model = None
+    free_engine()
+    records = []
+    for mode, (items, wall) in results.items():
+        tokens = sum(i[4] for i in items)
+        same = sum(a[3] == b[3] for a, b in zip(results["guided"][0], results["peer-hf"][0]))
+        rec = record("guided", mode, eng.source.name, str(dtype).replace("torch.", ""), 1, args.max_tokens,
+                     tokens / wall, 1e3 * wall / max(tokens, 1), part="peer", dataset=args.peer_dataset,
+                     schemas=len(work), wall_s=wall, same_text_frac=_frac(same, len(work)),
+                     **summarize(items))
+        note(f"peer {mode}: {rec['tok_s']:,.1f} tok/s, valid {rec['valid_frac']}, finished {rec['finished_frac']}")
+        records.append(rec)
+    return records
