@@ -23,10 +23,9 @@ the prefill of their replacements are part of the load. Each round runs --warm-s
 - free round: the same prompts without a guide, `ignore_eos=True`, and request k's max_tokens = the length
   of request k's output in the latest guided round (guides cannot be combined with ignore_eos, and the
   mirror gives both modes the same schedule: the same requests join and leave at the same steps).
-A guided request's first token comes one step later than a free one's (its grammar counts as ready only
-at the first step after its compile future is done, a cache hit included), and a row that ends on EOS rides
-one more step as a zombie (depth 2), so a guided round finishes slightly fewer requests per window: period
-is per step and unaffected, tok_s includes both. One untimed guided + free round first (JIT, grammar cache,
+A row that ends on EOS rides one more step as a zombie (depth 2), so a guided round finishes slightly fewer
+requests per window: period is per step and unaffected, tok_s includes it. (A cached grammar is ready at
+add_request, which waits up to 2 ms for its compile, so a guided request samples in its first step too.) One untimed guided + free round first (JIT, grammar cache,
 the lengths), then --rounds rounds alternating the order (G F, F G, ...); each number is the median over
 rounds. Fields (ms per committed step, means over the window unless `steady_`): period_ms =
 `per_step_ms()["period"]` (host time inside step() per step); steady_period_ms = median step-to-step period

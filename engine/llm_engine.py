@@ -75,6 +75,7 @@ class LLMEngine(EngineFrontend):
         self._step_index = 0
         self._last_committed: int | None = None
         self._last_commit_time = self._tokens_landed = time.perf_counter()
+        self._restart = False                           # the loop drained: period counts from the next launch
         if self.runner.cuda and config.guided and config.switch_interval > 0:
             sys.setswitchinterval(config.switch_interval)     # process-wide: see EngineConfig.switch_interval
 
@@ -149,8 +150,11 @@ class LLMEngine(EngineFrontend):
         launched = self._plan_and_launch(outputs)
         while self._inflight and (len(self._inflight) >= self.config.depth or not launched):
             outputs += self._wait_and_commit(self._inflight.popleft())
-        if not launched and not self._inflight and not outputs:
-            self.guided.wait_for_compile(timeout=0.05)      # only compiling grammars hold the requests back
+        if not launched and not self._inflight:
+            self._last_committed = None             # drained: the next step's idle and period start afresh
+            self._restart = True
+            if not outputs:
+                self.guided.wait_for_compile(timeout=0.05)  # only compiling grammars hold the requests back
         self._deliver(outputs)
         self.timings.wall += time.perf_counter() - t0
         return outputs
@@ -206,6 +210,8 @@ class LLMEngine(EngineFrontend):
             outputs += self._unlaunch(rows, f"launching its step failed: {_describe(exc)}")
             return False
         self._inflight.append(InflightStep(self._step_index, slot, snapshot, t1))
+        if self._restart:
+            self._last_commit_time, self._restart = t0, False
         self._step_index += 1
         self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1)
         return True

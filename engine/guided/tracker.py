@@ -8,6 +8,8 @@ import hostfunc
 from engine.guided.compiler import GrammarService
 from engine.guided.masks import Snapshot
 
+CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before leaving it to the pool
+
 
 class GuidedTracker:
     def __init__(self, tokenizer, vocab_size: int, eos_ids, enabled: bool, cuda: bool):
@@ -25,6 +27,10 @@ class GuidedTracker:
         if self.service is None:
             self.service = self._make()
         seq.guided = self.service.submit(seq.params.guide)
+        # A cached grammar compiles in ~0.1 ms: waiting that long lets the request sample in its first step
+        # (a later poll would find it ready one step late); an uncached one goes on in the background.
+        concurrent.futures.wait([seq.guided.future], timeout=CACHED_COMPILE_WAIT)
+        seq.guided.poll()
         self.compiling.append(seq)
 
     def poll(self) -> list[tuple]:
