@@ -52,11 +52,11 @@ from pathlib import Path
 
 try:                                      # imported as bench.guided, or run as a script
     from bench.common import markdown_table, note, plot, progress, record, write_results
-    from bench.guided_quality import (DATASETS, build_engine, close_engine, dataset_spec, free_engine,
+    from bench.guided_quality import (DATASETS, build_engine, close_engine, dataset_spec, engine_overrides, free_engine,
                                       guided_params, load_schemas, resolve, run_peer, run_quality, schema_prompt)
 except ImportError:
     from common import markdown_table, note, plot, progress, record, write_results
-    from guided_quality import (DATASETS, build_engine, close_engine, dataset_spec, free_engine, guided_params,
+    from guided_quality import (DATASETS, build_engine, close_engine, dataset_spec, engine_overrides, free_engine, guided_params,
                                 load_schemas, resolve, run_peer, run_quality, schema_prompt)
 
 PARTS = ("speed", "quality", "peer")
@@ -83,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--quality-seqs", type=int, default=64, help="quality: max_num_seqs")
     p.add_argument("--peer-dataset", default="JME")
     p.add_argument("--peer-limit", type=int, default=20)
+    p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="EngineConfig overrides, e.g. grammar_threads=4 switch_interval=5e-5")
     p.add_argument("--out", default="bench/results/guided.json")
     return p.parse_args(argv)
 
@@ -206,7 +208,8 @@ def run_speed(args) -> list[dict]:
                 records.append(record("guided", mode, eng.source.name, str(eng.runner.dtype).replace("torch.", ""),
                                       streams, args.max_tokens, a.pop("tok_s"), a["period_ms"], part="speed",
                                       depth=args.depth, graphs=eng.runner.graphs is not None, rounds=args.rounds,
-                                      schemas=len(work), dataset=args.schemas, **a))
+                                      schemas=len(work), dataset=args.schemas,
+                                      engine_config=engine_overrides(args), **a))
             note(f"streams={streams}: period guided {g['period_ms']:.3f} / free {f['period_ms']:.3f} ms = "
                  f"{g['guided_over_free'] or float('nan'):.3f}x, idle {100 * g['idle_frac']:.2f}% "
                  f"({time.perf_counter() - t0:.0f} s)")

@@ -49,7 +49,19 @@ def build_engine(args, max_num_seqs: int):
         kw["model"] = args.model
     if args.device != "auto":
         kw["device"] = args.device
-    return LLMEngine(**kw)
+    return LLMEngine(**(kw | engine_overrides(args)))
+
+
+def engine_overrides(args) -> dict:
+    """--engine KEY=VALUE ... -> EngineConfig fields (values parsed as JSON when they parse)."""
+    out = {}
+    for item in getattr(args, "engine", None) or []:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def close_engine(eng) -> None:
