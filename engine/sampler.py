@@ -25,8 +25,14 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     """[N, vocab] uniforms in (0, 1), a pure function of (seed, step, token id)."""
     row = _mix32(_mix32(seeds & _M32) ^ (steps & _M32))
     tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _mix32(_mix32(row[:, None] ^ tok[None, :]) + 0x9E3779B9 & _M32)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(_mix32(_mix32(row[:, None] ^ tok[None, :]) + 0x9E3779B9 & _M32))
+
+
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 strictly inside (0, 1). Only 23 bits: with 24, (2**24 - 1) + 0.5 rounds to
+    2**24 in float32, a uniform of exactly 1, an exponential of 0, and 0 / 0 = NaN in the race below, which
+    argmax picks: a token outside the mask or top-p won about once per 300 rows sampled."""
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.sampler import NO_TOKEN, apply_bitmask, filter_top_k_top_p, sample, uniform_noise
+from engine.sampler import NO_TOKEN, apply_bitmask, filter_top_k_top_p, sample, uniform_noise, unit_interval
 from engine.sequence import SamplingParams
 
 
@@ -17,6 +17,26 @@ def test_noise_is_uniform_and_deterministic():
     assert abs(u.mean().item() - 0.5) < 0.01
     assert torch.equal(u, uniform_noise(torch.tensor([1, 2]), torch.tensor([0, 0]), 50000))
     assert not torch.equal(u[0], u[1])
+
+
+def test_noise_never_reaches_zero_or_one():
+    u = unit_interval(torch.tensor([0, 1, 511, 512, 2**32 - 512, 2**32 - 1], dtype=torch.int64))
+    assert (u > 0).all() and (u < 1).all() and torch.isfinite(-torch.log(u)).all() and (-torch.log(u) > 0).all()
+
+
+def test_masked_tokens_never_sampled_over_many_draws():
+    # A uniform of exactly 1 made 0 / 0 = NaN in the exponential race: a masked token won ~1 row in 300.
+    n, vocab = 256, 50000
+    allowed = torch.tensor([3, 77, 4000, 31111, 49999])
+    mask = torch.zeros(n, (vocab + 31) // 32, dtype=torch.int32)
+    for t in allowed.tolist():
+        mask[:, t // 32] |= 1 << (t % 32)
+    for step in range(8):
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(step)) * 4
+        temp, k, p, _, steps = _args(n, temp=0.8, step=step)
+        seeds = torch.arange(n, dtype=torch.int64) * 7919 + step
+        toks = sample(logits, temp, k, p, seeds, steps, bitmask=mask)
+        assert torch.isin(toks, allowed).all(), toks[~torch.isin(toks, allowed)]
 
 
 def test_seed_reproducible_and_batch_independent():
