@@ -148,15 +148,15 @@ class GrammarMasks:
         snap.times = (start, time.perf_counter())
 
     def _fill(self, snap: Snapshot, accept: bool) -> None:
-        mask, prev = self.host_np[snap.slot], self.tokens_np[snap.prev]
+        mask = self.host_np[snap.slot]
         if len(snap.unguided):
             mask[snap.unguided] = -1
+        if accept:
+            self._accept(snap, self.tokens_np[snap.prev])
         matchers, rows = [], []
         for r in snap.rows:
             g = r.request
             try:
-                if accept and g.error is None:
-                    g.error = _advance(g, r.feed + ((prev[r.pending_src],) if r.pending_src >= 0 else ()))
                 if g.error is None and not g.matcher.is_terminated():
                     matchers.append(g.matcher)
                     rows.append(r.row)
@@ -166,6 +166,41 @@ class GrammarMasks:
             mask[r.row] = -1                # failed or ended: its token is not committed; keep the row samplable
         if matchers:
             self._fill_rows(snap, matchers, rows)
+
+    def _accept(self, snap: Snapshot, prev: np.ndarray) -> None:
+        """Each row's host-known tokens one by one (rare), then every row's previous sampled token in one
+        batched call: the callback holds the GIL for one C++ call, not one per row."""
+        requests, tokens = [], []
+        for r in snap.rows:
+            g = r.request
+            if g.error is not None:
+                continue
+            try:
+                if r.feed:
+                    g.error = _advance(g, r.feed)
+                if g.error is None and r.pending_src >= 0:
+                    tok = int(prev[r.pending_src])
+                    if tok < 0 or type(g.matcher) is not xgr.GrammarMatcher:    # a wrapper: its own accept_token
+                        g.error = _advance(g, (tok,))
+                    else:
+                        requests.append(g)
+                        tokens.append(tok)
+            except Exception as exc:        # noqa: BLE001 - this request alone fails
+                g.error = f"guided decoding failed: {type(exc).__name__}: {exc}"
+        if not requests:
+            return
+        try:
+            accepted = self.batch.batch_accept_token([g.matcher for g in requests], tokens)
+        except Exception:                   # noqa: BLE001 - find the row(s) that fail, one by one
+            for g, tok in zip(requests, tokens):
+                try:
+                    g.error = _advance(g, (tok,))
+                except Exception as exc:    # noqa: BLE001
+                    g.error = f"guided decoding failed: {type(exc).__name__}: {exc}"
+            return
+        for g, tok, ok in zip(requests, tokens, accepted):
+            if not ok and not g.matcher.is_terminated():    # a terminated matcher ignores what follows its end
+                g.error = f"the grammar rejected token {tok}"
 
     def _fill_rows(self, snap: Snapshot, matchers, rows) -> None:
         try:
