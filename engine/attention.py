@@ -77,8 +77,9 @@ class TritonAttention:
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
     def __init__(self, gemv_fusion: bool = False):
-        from engine.kernels import fused_ops, gemv, paged_attention
+        from engine.kernels import bitmask, fused_ops, gemv, paged_attention
         self._k = paged_attention
+        self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
         self.gemv = gemv if gemv_fusion else None   # small-batch matmuls with fused prologues
 

@@ -63,10 +63,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_greedy=False):
+def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_greedy=False, masker=apply_bitmask):
     """logits [N, V] float32 -> tokens [N] int64. Rows with temperature 0 are greedy; a row whose bitmask
-    allows no token gets NO_TOKEN."""
-    satisfiable = apply_bitmask(logits, bitmask) if bitmask is not None else None
+    allows no token gets NO_TOKEN. `masker`: apply_bitmask or a kernel with its semantics
+    (engine/kernels/bitmask.py)."""
+    satisfiable = masker(logits, bitmask) if bitmask is not None else None
     tokens = logits.argmax(dim=-1)
     if not all_greedy:
         scaled = logits / temperature.clamp(min=1e-6)[:, None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.sampler import sample
+from engine.sampler import apply_bitmask, sample
 from engine.slots import DecodeSlot
 
 
@@ -31,6 +31,7 @@ class StepProgram:
         self.max_model_len = max_model_len
         self.compute_stream = compute_stream
         self.masks = masks                      # GrammarMasks (None: no guided steps)
+        self.masker = getattr(backend, "apply_bitmask", apply_bitmask)
 
     def input_ids(self, slot: DecodeSlot, prev: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
         ids = slot.dev["input_ids"][:size]
@@ -76,7 +77,8 @@ class StepProgram:
     def sample(self, slot: DecodeSlot, logits, rows: int, greedy: bool, mask=None) -> None:
         d = slot.dev
         slot.sampled[:rows] = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows],
-                                     d["seeds"][:rows], d["steps"][:rows], bitmask=mask, all_greedy=greedy)
+                                     d["seeds"][:rows], d["steps"][:rows], bitmask=mask, all_greedy=greedy,
+                                     masker=self.masker)
 
 
 def _mark(slot: DecodeSlot, name: str) -> None:

@@ -123,8 +123,7 @@ def test_grammar_that_does_not_compile_fails_its_request_alone(engine, chat_prom
 
 
 def test_grammar_that_allows_nothing_fails_without_nan(engine, chat_prompts, monkeypatch):
-    import engine.sampler as sampler
-    apply = sampler.apply_bitmask
+    apply = engine.runner.program.masker
     rows = []
 
     def checked(logits, bitmask):
@@ -133,7 +132,7 @@ def test_grammar_that_allows_nothing_fails_without_nan(engine, chat_prompts, mon
         rows.append(int((~ok).sum()))
         return ok
 
-    monkeypatch.setattr(sampler, "apply_bitmask", checked)
+    monkeypatch.setattr(engine.runner.program, "masker", checked)
     empty, dead_end = r"root ::= [^\x00-\U0010FFFF]", r'root ::= "a" [^\x00-\U0010FFFF]'
     requests = [(chat_prompts[1], SamplingParams(max_tokens=8, temperature=0, ebnf=empty)),
                 (chat_prompts[2], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ebnf=empty)),
