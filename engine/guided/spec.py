@@ -2,13 +2,16 @@
 
 `Guide.key` is a hashable description (kind, canonical source text, whitespace option): the compiler's
 cache key, and what a future compile is run from. Checks here are the ones that need no tokenizer (types,
-JSON syntax, exactly one guide); what only the grammar compiler can tell (an unsupported schema feature,
+JSON syntax, exactly one guide, schema keywords the grammar would ignore: engine/guided/schema_check.py);
+what only the grammar compiler can tell (an unsupported schema feature,
 a bad regex) fails the request when it compiles (engine/guided/compiler.py).
 """
 from __future__ import annotations
 
 import json
 from typing import NamedTuple
+
+from engine.guided.schema_check import unenforced_keywords
 
 GUIDE_FIELDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 
@@ -53,7 +56,12 @@ def _choice(value) -> str:
 
 def _source(kind: str, value) -> str:
     if kind == "json_schema":
-        return _json_text(kind, value, dict)
+        text = _json_text(kind, value, dict)
+        unenforced = unenforced_keywords(json.loads(text))
+        if unenforced:
+            raise ValueError("json_schema uses what guided decoding cannot enforce, so an output could violate it: "
+                             + "; ".join(unenforced[:3]) + (f" (and {len(unenforced) - 3} more)" if len(unenforced) > 3 else ""))
+        return text
     if kind == "structural_tag":
         return _json_text(kind, value, dict)
     if kind == "json_object":

@@ -1,0 +1,117 @@
+"""JSON Schema keywords the grammar compiler accepts but does not enforce, found before a request is taken.
+
+xgrammar compiles a schema with `not`, `if`/`then`/`else`, `dependentSchemas`, `uniqueItems`, `contains`,
+`allOf` of several parts or an overlapping `oneOf`, but its grammar ignores them (or, for `oneOf`, falls back
+to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
+valid output, so such a schema is refused with the keyword and where it is (tests/test_guided.py checks
+each keyword here against the compiler: if xgrammar starts enforcing one, that test says so).
+"""
+from __future__ import annotations
+
+import json
+
+# keyword -> why it is refused (each one measured: xgrammar 0.2 accepts an instance that violates it)
+UNENFORCED = {
+    "not": "`not` is ignored",
+    "if": "`if`/`then`/`else` are ignored",
+    "dependentSchemas": "`dependentSchemas` is ignored",
+    "dependentRequired": "`dependentRequired` is ignored",
+    "dependencies": "`dependencies` is ignored",
+    "contains": "`contains` is ignored",
+}
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required")     # values, not schemas: not walked
+
+
+def unenforced_keywords(schema) -> list[str]:
+    """Where `schema` (a dict) uses what the grammar cannot enforce, as 'path: reason' strings."""
+    found: list[str] = []
+    _walk(schema, "#", schema, found)
+    return found
+
+
+def _walk(node, path: str, root, found: list) -> None:
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _walk(item, f"{path}/{i}", root, found)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        where = f"{path}/{key}"
+        if key in UNENFORCED:
+            found.append(f"{where}: {UNENFORCED[key]}")
+        elif key == "uniqueItems" and value is True:
+            found.append(f"{where}: `uniqueItems` is ignored")
+        elif key == "allOf" and isinstance(value, list) and len(value) > 1:
+            found.append(f"{where}: `allOf` of {len(value)} schemas is not intersected")
+        elif key == "oneOf" and isinstance(value, list) and not _disjoint(value, root):
+            found.append(f"{where}: `oneOf` branches that may overlap are treated as `anyOf`")
+        if key in _DATA:
+            continue
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                _walk(sub, f"{where}/{name}", root, found)
+        else:
+            _walk(value, where, root, found)
+
+
+def _resolve(branch, root):
+    """A local `$ref` ('#/...') to what it names; anything else as it is."""
+    ref = branch.get("$ref") if isinstance(branch, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return branch
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else branch
+
+
+def _disjoint(branches: list, root) -> bool:
+    """True when no JSON value can match two branches, by a check simple enough to trust: distinct single
+    types (integer and number overlap), distinct constants, or objects told apart by a required property
+    with distinct constant values (a tagged union)."""
+    resolved = [_resolve(b, root) for b in branches]
+    if len(resolved) < 2:
+        return True
+    if not all(isinstance(b, dict) for b in resolved):
+        return False
+    return _by_type(resolved) or _by_constants(resolved) or _by_tag(resolved)
+
+
+def _by_type(branches) -> bool:
+    types = [b.get("type") for b in branches]
+    if not all(isinstance(t, str) for t in types):
+        return False
+    kinds = ["number" if t == "integer" else t for t in types]
+    return len(set(kinds)) == len(kinds)
+
+
+def _constants(branch) -> set | None:
+    if "const" in branch:
+        return {json.dumps(branch["const"], sort_keys=True)}
+    if isinstance(branch.get("enum"), list):
+        return {json.dumps(v, sort_keys=True) for v in branch["enum"]}
+    return None
+
+
+def _pairwise_disjoint(sets) -> bool:
+    seen: set = set()
+    for s in sets:
+        if s is None or seen & s:
+            return False
+        seen |= s
+    return True
+
+
+def _by_constants(branches) -> bool:
+    return _pairwise_disjoint([_constants(b) for b in branches])
+
+
+def _by_tag(branches) -> bool:
+    required = [set(b.get("required") or ()) for b in branches]
+    for tag in set.intersection(*required):
+        values = [_constants(b.get("properties", {}).get(tag) or {}) for b in branches]
+        if _pairwise_disjoint(values):
+            return True
+    return False

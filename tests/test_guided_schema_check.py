@@ -1,0 +1,63 @@
+"""Schemas the grammar cannot enforce are refused when SamplingParams is built (engine/guided/schema_check.py),
+and each refused keyword is one the compiler really ignores (an instance violating it passes the grammar)."""
+import json
+
+import pytest
+import xgrammar as xgr
+
+from engine.guided.compiler import tokenizer_info
+from engine.guided.schema_check import unenforced_keywords
+from engine.sequence import SamplingParams
+
+INT = {"type": "integer"}
+OBJ_AB = {"type": "object", "properties": {"a": INT, "b": INT}}
+# keyword -> (schema using it, an instance that violates it)
+REFUSED = {
+    "not": ({"type": "integer", "not": {"const": 3}}, "3"),
+    "if": ({**OBJ_AB, "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, '{"a": 1}'),
+    "dependentSchemas": ({**OBJ_AB, "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
+    "dependentRequired": ({**OBJ_AB, "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    "dependencies": ({**OBJ_AB, "dependencies": {"a": ["b"]}}, '{"a": 1}'),
+    "contains": ({"type": "array", "items": INT, "contains": {"const": 5}}, "[1]"),
+    "uniqueItems": ({"type": "array", "items": INT, "uniqueItems": True}, "[1, 1]"),
+    "allOf": ({"allOf": [{**OBJ_AB, "required": ["a"]}, {**OBJ_AB, "required": ["b"]}]}, '{"a": 1}'),
+    "oneOf": ({"oneOf": [INT, {"type": "number"}]}, "1"),
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(engine):
+    return xgr.GrammarCompiler(tokenizer_info(engine.tokenizer, engine.runner.vocab, engine.eos_ids))
+
+
+@pytest.mark.parametrize("keyword", list(REFUSED))
+def test_refused_keyword_is_named_and_really_unenforced(compiler, keyword):
+    schema, violating = REFUSED[keyword]
+    with pytest.raises(ValueError, match=f"cannot enforce.*{keyword}"):
+        SamplingParams(json_schema=schema)
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False),
+                                 terminate_without_stop_token=True)
+    assert matcher.accept_string(violating) and matcher.is_completed(), (
+        f"xgrammar now enforces {keyword!r}: take it out of engine/guided/schema_check.py")
+
+
+@pytest.mark.parametrize("schema", [
+    {"oneOf": [INT, {"type": "string"}, {"type": "null"}]},                          # distinct types
+    {"oneOf": [{"const": "a"}, {"enum": ["b", "c"]}]},                                # distinct constants
+    {"$defs": {"cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]}},
+     "oneOf": [{"$ref": "#/$defs/cat"},                                               # a tagged union
+               {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]}]},
+    {"allOf": [OBJ_AB]}, {"type": "array", "uniqueItems": False},
+    {"type": "object", "properties": {"not": INT, "if": INT}, "required": ["not"]},   # property names, not keywords
+    {"enum": [{"not": 1}], "default": {"allOf": [1, 2]}},                             # values, not schemas
+])
+def test_enforceable_schemas_pass(schema):
+    assert unenforced_keywords(schema) == []
+    SamplingParams(json_schema=schema)
+
+
+def test_message_lists_where_and_counts_the_rest():
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer", "not": {"const": i}} for i in range(5)}}
+    with pytest.raises(ValueError) as err:
+        SamplingParams(json_schema=schema)
+    assert "#/properties/p0/not" in str(err.value) and "(and 2 more)" in str(err.value)
