@@ -131,22 +131,30 @@ def guided_params(schema, max_tokens: int):
 # ---- validation ---------------------------------------------------------------------------------------
 def check_output(schema, text: str) -> tuple[str, bool | None]:
     """(status, format-valid): status valid | invalid | unparsable | schema_error | unchecked."""
+    status, fmt, _ = explain_output(schema, text)
+    return status, fmt
+
+
+def explain_output(schema, text: str) -> tuple[str, bool | None, str | None]:
+    """check_output plus the first validation error's message (invalid outputs only)."""
     try:
         import jsonschema
     except ImportError:
-        return "unchecked", None
+        return "unchecked", None, None
     try:
         value = json.loads(text)
     except ValueError:
-        return "unparsable", False
+        return "unparsable", False, None
     try:
         cls = jsonschema.validators.validator_for(schema)
         cls.check_schema(schema)
-        ok = next(cls(schema).iter_errors(value), None) is None
-        fmt = ok and next(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value), None) is None
+        error = next(cls(schema).iter_errors(value), None)
+        fmt = error is None and next(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value), None) is None
     except Exception:                     # noqa: BLE001 - SchemaError, Unresolvable, re.error: the schema's fault
-        return "schema_error", None
-    return ("valid" if ok else "invalid"), fmt
+        return "schema_error", None, None
+    if error is None:
+        return "valid", fmt, None
+    return "invalid", fmt, f"{error.validator} at {'/'.join(map(str, error.absolute_path)) or '(root)'}: {error.message[:120]}"
 
 
 def _frac(a: int, b: int):
@@ -154,9 +162,10 @@ def _frac(a: int, b: int):
 
 
 def summarize(items, rejected: int = 0) -> dict:
-    """items: (schema, finish_reason, error, text, n_tokens) per request; `rejected`: refused before running."""
-    c, fmt, examples = Counter(), 0, {}
-    for schema, reason, error, text, _ in items:
+    """items: (schema, finish_reason, error, text, n_tokens[, name]) per request; `rejected`: refused before
+    running. `invalid_cases`: (name, first validation error) of every finished output that fails its schema."""
+    c, fmt, examples, invalid_cases = Counter(), 0, {}, []
+    for schema, reason, error, text, _, *name in items:
         if reason == "error":
             kind = "compile_failed" if (error or "").startswith("invalid json_schema") else "runtime_errors"
             c[kind] += 1
@@ -164,9 +173,11 @@ def summarize(items, rejected: int = 0) -> dict:
             continue
         c[reason] += 1
         if reason == "stop":
-            status, f = check_output(schema, text)
+            status, f, why = explain_output(schema, text)
             c[status] += 1
             fmt += bool(f)
+            if why:
+                invalid_cases.append([name[0] if name else None, why])
             if status in ("invalid", "unparsable"):
                 examples.setdefault(status, text[:200])
     n = len(items) + rejected
@@ -177,7 +188,8 @@ def summarize(items, rejected: int = 0) -> dict:
                 valid_of_all=_frac(c["valid"], n), compile_failed=c["compile_failed"], finished=c["stop"],
                 length=c["length"], invalid=c["invalid"], unparsable=c["unparsable"],
                 schema_errors=c["schema_error"], unchecked=c["unchecked"], runtime_errors=c["runtime_errors"],
-                mean_len=_frac(sum(i[4] for i in items), len(items)), examples=examples or None)
+                mean_len=_frac(sum(i[4] for i in items), len(items)), examples=examples or None,
+                invalid_cases=invalid_cases or None)
 
 
 # ---- quality ------------------------------------------------------------------------------------------
@@ -190,7 +202,7 @@ def run_quality(eng, name: str, schemas, args) -> dict:
             if len(prompt) + args.max_tokens > eng.max_model_len:
                 too_long += 1
                 continue
-            ids[eng.add_request(prompt, params, retain=True)] = schema
+            ids[eng.add_request(prompt, params, retain=True)] = (schema, stem)
         except (ValueError, TypeError):   # not a JSON object schema, or the request was refused
             rejected += 1
     eng.timings.reset()
@@ -204,7 +216,8 @@ def run_quality(eng, name: str, schemas, args) -> dict:
     for _ in bar:
         pass
     seqs = {rid: eng.take(rid) for rid in ids}
-    items = [(ids[r], s.finish_reason, s.error, s.text.strip(), len(s.output_token_ids)) for r, s in seqs.items()]
+    items = [(ids[r][0], s.finish_reason, s.error, s.text.strip(), len(s.output_token_ids), ids[r][1])
+             for r, s in seqs.items()]
     stats = summarize(items, rejected)
     tokens = sum(i[4] for i in items)
     ms = eng.timings.per_step_ms()

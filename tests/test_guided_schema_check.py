@@ -22,6 +22,7 @@ REFUSED = {
     "uniqueItems": ({"type": "array", "items": INT, "uniqueItems": True}, "[1, 1]"),
     "allOf": ({"allOf": [{**OBJ_AB, "required": ["a"]}, {**OBJ_AB, "required": ["b"]}]}, '{"a": 1}'),
     "oneOf": ({"oneOf": [INT, {"type": "number"}]}, "1"),
+    "required": ({**OBJ_AB, "required": ["a", "c"], "additionalProperties": True}, '{"a": 1}'),
 }
 
 

@@ -1,7 +1,8 @@
 """JSON Schema keywords the grammar compiler accepts but does not enforce, found before a request is taken.
 
 xgrammar compiles a schema with `not`, `if`/`then`/`else`, `dependentSchemas`, `uniqueItems`, `contains`,
-`allOf` of several parts or an overlapping `oneOf`, but its grammar ignores them (or, for `oneOf`, falls back
+`allOf` of several parts, an overlapping `oneOf` or a `required` name missing from `properties`, but its
+grammar ignores them (or, for `oneOf`, falls back
 to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
 valid output, so such a schema is refused with the keyword and where it is (tests/test_guided.py checks
 each keyword here against the compiler: if xgrammar starts enforcing one, that test says so).
@@ -47,6 +48,12 @@ def _walk(node, path: str, root, found: list) -> None:
             found.append(f"{where}: `allOf` of {len(value)} schemas is not intersected")
         elif key == "oneOf" and isinstance(value, list) and not _disjoint(value, root):
             found.append(f"{where}: `oneOf` branches that may overlap are treated as `anyOf`")
+        elif key == "required" and isinstance(value, list):
+            declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            missing = [n for n in value if isinstance(n, str) and n not in declared]
+            if missing:
+                found.append(f"{where}: required {', '.join(map(repr, missing[:3]))} not in `properties` "
+                             "cannot be required")
         if key in _DATA:
             continue
         if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
