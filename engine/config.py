@@ -30,6 +30,9 @@ class EngineConfig:
                                        # cost more than they saved for <= 32 rows of JSON schemas (CPU measure)
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): the grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
+    grammar_yield_ms: float = 2.0      # CUDA: once a step's tokens land, the loop thread waits (GIL released) up
+                                       # to this long for the next step's grammar callback to finish before it
+                                       # commits and plans: the callback then runs without GIL contention (0: off)
     debug_sync: bool = False           # raise on any device->host sync while a step is enqueued (CUDA)
     seed: int = 0
 
@@ -38,6 +41,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0 <= self.grammar_yield_ms <= 1000:
+            raise ValueError(f"grammar_yield_ms must be in [0, 1000], got {self.grammar_yield_ms}")
         if self.grammar_threads < 1:
             raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
         if self.depth not in (1, 2):

@@ -21,6 +21,7 @@ its row unmasked; a failure of the callback as a whole is kept in `snapshot.fail
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import deque
@@ -41,13 +42,14 @@ class GuidedRow(NamedTuple):
 
 
 class Snapshot:
-    __slots__ = ("slot", "prev", "rows", "unguided", "consumed", "failure", "times")
+    __slots__ = ("slot", "prev", "rows", "unguided", "consumed", "failure", "times", "done")
 
     def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray):
         self.slot, self.prev, self.rows, self.unguided = slot, prev, rows, unguided
         self.consumed = False       # its tokens were accepted (a reuse only refills the masks)
         self.failure = None         # message, if the callback failed as a whole
         self.times = None           # (start, end) perf_counter seconds of its callback
+        self.done = threading.Event()   # set when its callback has run (the loop thread may wait on it)
 
 
 EMPTY = Snapshot(0, 1, (), np.zeros(0, dtype=np.int64))
@@ -146,6 +148,7 @@ class GrammarMasks:
             snap.failure = f"{type(exc).__name__}: {exc}"
         snap.consumed = True
         snap.times = (start, time.perf_counter())
+        snap.done.set()
 
     def _fill(self, snap: Snapshot, accept: bool) -> None:
         mask = self.host_np[snap.slot]
