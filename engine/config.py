@@ -30,9 +30,10 @@ class EngineConfig:
                                        # cost more than they saved for <= 32 rows of JSON schemas (CPU measure)
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): the grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
-    grammar_yield_ms: float = 2.0      # CUDA: once a step's tokens land, the loop thread waits (GIL released) up
+    grammar_yield_ms: float = 0.0      # CUDA: once a step's tokens land, the loop thread waits (GIL released) up
                                        # to this long for the next step's grammar callback to finish before it
-                                       # commits and plans: the callback then runs without GIL contention (0: off)
+                                       # commits and plans, so the callback runs without GIL contention. Off until
+                                       # measured (bench/guided.py --engine grammar_yield_ms=2)
     debug_sync: bool = False           # raise on any device->host sync while a step is enqueued (CUDA)
     seed: int = 0
 
