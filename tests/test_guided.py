@@ -205,9 +205,11 @@ def test_empty_queue_reuses_the_last_snapshot_without_accepting_again(engine):
     [a] = engine.tokenizer.encode("a", add_special_tokens=False)
     snap = Snapshot(0, 1, (GuidedRow(2, g, (a,), -1),), np.array([0, 1]))
     masks.push(snap)
+    assert not snap.done.is_set()
     masks.run()
     first = masks.host[0].clone()
     assert not masks.queue and masks.last is snap and snap.consumed and g.error is None
+    assert snap.done.is_set(), "the loop thread's grammar_yield waits on it"
     assert (first[:2] == -1).all() and allowed(g.matcher, vocab) == {a}
     masks.host[0].zero_()
     masks.run()                                        # nothing queued: the same snapshot, masks only
