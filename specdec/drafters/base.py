@@ -1,0 +1,66 @@
+"""The drafter interface: what every speculative-decoding drafting method takes and returns.
+
+A drafter guesses the next K tokens of each running request; the target model then verifies them in one
+forward. Drafting runs inside the step's CUDA graph, so `propose` must be enqueue-only tensor code: no host
+sync (.item(), .tolist(), .nonzero(), boolean-mask indexing, Python branching on tensor values) and output
+shapes that depend only on input shapes and the drafter's configuration. A new method is one file: subclass
+`Drafter`, set `name` and `num_speculative_tokens`, implement `propose`.
+
+Inputs travel in a `DraftContext`. It holds what every method can use (the token history); methods that
+need more (an EAGLE-style head: the target's hidden states at the newly verified tokens and their positions;
+a draft model: its own KV cache and attention metadata) extend it with a subclass that adds those fields,
+rather than each new method changing `propose`'s signature. This mirrors vLLM, whose n-gram proposer reads
+token ids alone while its EAGLE proposer also takes target hidden states and attention metadata, and
+SGLang, whose EAGLE worker carries them in a draft-input object next to the batch.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass
+class DraftContext:
+    """One step's drafting inputs for N rows (one per request), on the engine's device.
+
+    history: [N, L] integer token ids. Row r holds request r's prompt followed by its output tokens so far;
+        the last valid one, history[r, lengths[r] - 1], is the newest token (sampled by the target at this
+        step), and the drafts guess positions lengths[r], lengths[r] + 1, ... Positions >= lengths[r] are
+        padding with any value; drafters must not read meaning into them.
+    lengths: [N] int64, valid tokens per row, 0 <= lengths[r] <= L. Not checked against L: that would sync.
+    """
+    history: torch.Tensor
+    lengths: torch.Tensor
+
+
+class Proposal(NamedTuple):
+    """A drafter's output for N rows and K = num_speculative_tokens. Unpacks as a tuple.
+
+    draft_tokens: [N, K] int64. Row r's drafts are draft_tokens[r, :num_drafts[r]]; the positions after
+        them hold a valid token id (the drafter documents which) so they can be fed to the target's forward
+        unmasked, but verification must treat them as rejected.
+    num_drafts: [N] int64 in [0, K]; 0 means the drafter has no guess for that row.
+    draft_probs: [N, K, V] float, the distribution q each draft was sampled from, for rejection sampling
+        against the target's p; None for a deterministic drafter (q is one-hot at the draft token).
+    """
+    draft_tokens: torch.Tensor
+    num_drafts: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+
+class Drafter(abc.ABC):
+    """A drafting method. Subclasses set `name` (class attribute, e.g. "ngram") and
+    `num_speculative_tokens` (K, fixed at construction: graph shapes are sized from it)."""
+
+    name: str
+    num_speculative_tokens: int
+
+    @abc.abstractmethod
+    def propose(self, ctx: DraftContext) -> Proposal:
+        """Draft up to K tokens per row of `ctx`; fixed-shape, no host sync (see the module docstring)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, k={self.num_speculative_tokens})"
