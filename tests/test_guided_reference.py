@@ -13,11 +13,11 @@ import torch
 import xgrammar as xgr
 
 from conftest import assert_no_leak
-from engine.graphs import StepGraphs
 from engine.guided.compiler import compile_guide
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from test_guided import CPU, allowed, drive, staggered
+from test_pipeline import EagerGraphs
 
 DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[1] / "../shared/data"))
 BENCH = DATA / "jsonschemabench" / "maskbench"
@@ -173,18 +173,6 @@ def test_blocking_loop_gives_the_pipelined_tokens(engine, chat_prompts, pipeline
     assert_no_leak(engine)
 
 
-class EagerGraphs(StepGraphs):
-    """The graphs' padded step layouts (guided variants included), run eagerly on the CPU."""
-    def __init__(self, runner):
-        super().__init__(runner.config, runner.max_model_len, guided=True)
-        self.runner = runner
-
-    def replay(self, slot, variant):
-        self.replays[slot.graph_key[0]] += 1
-        self.replays["guided"] += variant[0]
-        self.runner.program.step(slot, self.runner.slots[1 - slot.index], variant, slot.graph_key)
-
-
 @pytest.fixture(scope="module")
 def small():
     """Four rows, a 64-token step budget and a KV pool of 8 pages: the staggered workload must preempt."""
@@ -205,7 +193,7 @@ def test_preemption_feeds_no_token_twice(small, chat_prompts, pipelined):
 def test_graph_padded_layout_gives_the_eager_tokens(small, chat_prompts, pipelined):
     """Every step padded to its graph's shape, guided variants included: padding rows read stale mask rows and
     sample garbage, and no real row may notice (preemption included)."""
-    small.runner.graphs = graphs = EagerGraphs(small.runner)
+    small.runner.graphs = graphs = EagerGraphs(small.runner, guided=True)
     try:
         seqs = drive(small, staggered(chat_prompts))
     finally:

@@ -32,9 +32,10 @@ def _workload(prompts, stop_word, stop_token):
 
 
 class EagerGraphs(StepGraphs):
-    """The graphs' padded step layouts, run eagerly: what a replay computes, on any device."""
-    def __init__(self, runner):
-        super().__init__(runner.config, runner.max_model_len, guided=False)
+    """The graphs' padded step layouts (guided variants too if `guided`), run eagerly: what a replay
+    computes, on any device."""
+    def __init__(self, runner, guided: bool = False):
+        super().__init__(runner.config, runner.max_model_len, guided=guided)
         self.runner = runner
 
     def replay(self, slot, variant):
