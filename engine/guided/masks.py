@@ -75,15 +75,23 @@ def build_snapshot(slot_index: int, rows) -> Snapshot | None:
     return Snapshot(slot_index, 1 - slot_index, tuple(guided), np.asarray(unguided, dtype=np.int64))
 
 
+def _failed(exc: Exception) -> str:
+    return f"guided decoding failed: {type(exc).__name__}: {exc}"
+
+
 def _advance(g, tokens) -> str | None:
-    for tok in tokens:
-        tok = int(tok)
-        if tok < 0:
-            return "no token was allowed here (the request's token mask was empty)"
-        if g.matcher.is_terminated():
-            return None                                 # ended with its stop token: nothing more to accept
-        if not g.matcher.accept_token(tok):
-            return f"the grammar rejected token {tok}"
+    """Feed `tokens` to the request's matcher one by one: the request's error message, or None."""
+    try:
+        for tok in tokens:
+            tok = int(tok)
+            if tok < 0:
+                return "no token was allowed here (the request's token mask was empty)"
+            if g.matcher.is_terminated():
+                return None                             # ended with its stop token: nothing more to accept
+            if not g.matcher.accept_token(tok):
+                return f"the grammar rejected token {tok}"
+    except Exception as exc:                # noqa: BLE001 - this request alone fails
+        return _failed(exc)
     return None
 
 
@@ -165,7 +173,7 @@ class GrammarMasks:
                     rows.append(r.row)
                     continue
             except Exception as exc:        # noqa: BLE001 - this request alone fails
-                g.error = f"guided decoding failed: {type(exc).__name__}: {exc}"
+                g.error = _failed(exc)
             mask[r.row] = -1                # failed or ended: its token is not committed; keep the row samplable
         if matchers:
             self._fill_rows(snap, matchers, rows)
@@ -178,28 +186,22 @@ class GrammarMasks:
             g = r.request
             if g.error is not None:
                 continue
-            try:
-                if r.feed:
-                    g.error = _advance(g, r.feed)
-                if g.error is None and r.pending_src >= 0:
-                    tok = int(prev[r.pending_src])
-                    if tok < 0 or type(g.matcher) is not xgr.GrammarMatcher:    # a wrapper: its own accept_token
-                        g.error = _advance(g, (tok,))
-                    else:
-                        requests.append(g)
-                        tokens.append(tok)
-            except Exception as exc:        # noqa: BLE001 - this request alone fails
-                g.error = f"guided decoding failed: {type(exc).__name__}: {exc}"
+            if r.feed:
+                g.error = _advance(g, r.feed)
+            if g.error is None and r.pending_src >= 0:
+                tok = int(prev[r.pending_src])
+                if tok < 0 or type(g.matcher) is not xgr.GrammarMatcher:    # a wrapper: its own accept_token
+                    g.error = _advance(g, (tok,))
+                else:
+                    requests.append(g)
+                    tokens.append(tok)
         if not requests:
             return
         try:
             accepted = self.batch.batch_accept_token([g.matcher for g in requests], tokens)
         except Exception:                   # noqa: BLE001 - find the row(s) that fail, one by one
             for g, tok in zip(requests, tokens):
-                try:
-                    g.error = _advance(g, (tok,))
-                except Exception as exc:    # noqa: BLE001
-                    g.error = f"guided decoding failed: {type(exc).__name__}: {exc}"
+                g.error = _advance(g, (tok,))
             return
         for g, tok, ok in zip(requests, tokens, accepted):
             if not ok and not g.matcher.is_terminated():    # a terminated matcher ignores what follows its end
@@ -217,7 +219,7 @@ class GrammarMasks:
                 try:
                     r.request.matcher.fill_next_token_bitmask(self.host[snap.slot], r.row)
                 except Exception as exc:    # noqa: BLE001
-                    r.request.error = f"guided decoding failed: {type(exc).__name__}: {exc}"
+                    r.request.error = _failed(exc)
                     mask[r.row] = -1
 
 
