@@ -60,4 +60,4 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     if n:
         _apply_bitmask_kernel[(n,)](logits, bitmask, satisfiable, logits.stride(0), bitmask.stride(0), vocab,
                                     -(-vocab // 32), WORDS_BLOCK=_WORDS_BLOCK, TOKENS_BLOCK=_TOKENS_BLOCK)
-    return satisfiable.bool()
+    return satisfiable.view(torch.bool)            # the kernel stores 0 / 1: a view, not a conversion kernel
