@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+SPECULATIVE = ("none", "ngram")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,6 +35,12 @@ class EngineConfig:
                                        # to this long for the next step's grammar callback to finish before it
                                        # commits and plans, so the callback runs without GIL contention. Off until
                                        # measured (bench/guided.py --engine grammar_yield_ms=2)
+    speculative: str = "none"          # drafter: "none" | "ngram" (specdec/drafters); drafts verified in the step
+    num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
+    spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than
+                                       # they gain once the forward is no longer launch-bound)
+    ngram_min_n: int = 1
+    ngram_max_n: int = 3
     debug_sync: bool = False           # raise on any device->host sync while a step is enqueued (CUDA)
     seed: int = 0
 
@@ -48,10 +55,23 @@ class EngineConfig:
             raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
         if self.depth not in (1, 2):
             raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"unknown speculative {self.speculative!r}; choose from {SPECULATIVE}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.spec_max_batch < 1:
+            raise ValueError(f"spec_max_batch must be >= 1, got {self.spec_max_batch}")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ValueError(f"need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+
+    @property
+    def spec_k(self) -> int:
+        """Draft slots per speculating row (0: speculation off)."""
+        return 0 if self.speculative == "none" else self.num_speculative_tokens
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -44,6 +44,10 @@ def _pad_sampling(h, start: int, end: int) -> None:
     h["top_p"][start:end] = 1.0
     h["seeds"][start:end] = 0
     h["steps"][start:end] = 0
+    if "smp_row" in h:                  # speculation: no state row (its writes go to the dummy row)
+        h["smp_row"][start:end] = -1
+        h["smp_shift"][start:end] = 0
+        h["num_drafts"][start:end] = 0
 
 
 def _pad_tokens(h, start: int, end: int) -> None:
@@ -52,13 +56,23 @@ def _pad_tokens(h, start: int, end: int) -> None:
     h["positions"][start:end] = 0
     h["slot_mapping"][start:end] = -1
     h["carry_src"][start:end] = -1
+    if "tok_row" in h:
+        h["tok_row"][start:end] = -1
+        h["tok_seq"][start:end] = 0
+        h["shift"][start:end] = 0
+
+
+def _pad_seqs(h, start: int, end: int) -> None:
+    h["seq_lens"][start:end] = 0
+    if "seq_shift" in h:
+        h["seq_shift"][start:end] = -1
 
 
 def pad_rows(slot: DecodeSlot, start: int, end: int) -> None:
     """Decode rows [start, end): one padding token over an empty sequence each."""
     h = slot.np
     _pad_tokens(h, start, end)
-    h["seq_lens"][start:end] = 0
+    _pad_seqs(h, start, end)
     h["logits_indices"][start:end] = range(start, end)
     h["cu_seqlens_q"][start + 1:end + 1] = range(start + 1, end + 1)
     _pad_sampling(h, start, end)
@@ -68,18 +82,33 @@ def pad_mixed(slot: DecodeSlot, tokens: int, seqs: int) -> None:
     """Pad a step to `tokens` tokens in `seqs` sequences (see the module docstring)."""
     h, t, b = slot.np, slot.num_tokens, slot.num_seqs
     _pad_tokens(h, t, tokens)
-    h["seq_lens"][b:seqs] = 0
+    _pad_seqs(h, b, seqs)
     h["cu_seqlens_q"][b + 1:seqs + 1] = t
     h["logits_indices"][slot.num_sample:seqs] = 0
     _pad_sampling(h, slot.num_sample, seqs)
+
+
+def pad_spec(slot: DecodeSlot, start: int, end: int, k: int) -> None:
+    """Spec rows [start, end): 1 + k padding tokens each over a sequence of 1 + k positions (nothing written,
+    finite values read: a query with nothing to attend would be 0 / 0)."""
+    h, w = slot.np, k + 1
+    _pad_tokens(h, start * w, end * w)
+    _pad_seqs(h, start, end)
+    h["positions"][start * w:end * w] = list(range(w)) * (end - start)
+    h["seq_lens"][start:end] = w
+    h["logits_indices"][start:end] = range(start * w, end * w, w)
+    h["cu_seqlens_q"][start + 1:end + 1] = range((start + 1) * w, (end + 1) * w, w)
+    _pad_sampling(h, start, end)
 
 
 class StepGraphs:
     """Graphs by (slot, key, variant); variant = (guided, greedy), see engine/step.py. Guided variants hold the
     grammar branch with its host callback node; their hostfunc handles are freed by `close()`."""
 
-    def __init__(self, config, max_model_len: int, guided: bool):
+    def __init__(self, config, max_model_len: int, guided: bool, spec_rows: int = 0):
         self.max_seqs = config.max_num_seqs
+        self.spec_k = config.spec_k
+        self.spec_sizes = graph_batch_sizes(spec_rows) if spec_rows else []
         self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
         self.token_sizes = graph_token_sizes(config.max_num_batched_tokens)
@@ -90,6 +119,10 @@ class StepGraphs:
 
     def key_for(self, slot: DecodeSlot) -> tuple | None:
         """The graph that runs this step (see the module docstring); None: run it eagerly."""
+        if slot.spec_k:
+            bs = next((b for b in self.spec_sizes if b >= slot.num_seqs), 0)
+            ok = bs and slot.spec_k == self.spec_k
+            return ("spec", bs, next(c for c in self.contexts if c >= slot.max_seq_len)) if ok else None
         if slot.max_query_len == 1 and slot.num_sample == slot.num_seqs:
             bs = next((b for b in self.sizes if b >= slot.num_seqs), 0)
             if bs:
@@ -97,22 +130,24 @@ class StepGraphs:
         t = next((t for t in self.token_sizes if t >= slot.num_tokens), 0)
         return ("mixed", t, min(t, self.max_seqs)) if t else None
 
-    @staticmethod
-    def pad(slot: DecodeSlot, key: tuple) -> None:
+    def pad(self, slot: DecodeSlot, key: tuple) -> None:
         if key[0] == "decode":
             pad_rows(slot, slot.num_seqs, key[1])
+        elif key[0] == "spec":
+            pad_spec(slot, slot.num_seqs, key[1], self.spec_k)
         else:
             pad_mixed(slot, key[1], key[2])
 
     @staticmethod
     def padded_seqs(key: tuple | None) -> int:
         """Rows of per-sequence inputs (block tables) the graph reads."""
-        return 0 if key is None else key[1] if key[0] == "decode" else key[2]
+        return 0 if key is None else key[2] if key[0] == "mixed" else key[1]
 
     def keys(self) -> list[tuple]:
         """Every graph, largest first: later captures reuse the pool blocks of earlier ones."""
         mixed = [("mixed", t, min(t, self.max_seqs)) for t in reversed(self.token_sizes)]
-        return mixed + [("decode", bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
+        spec = [("spec", bs, ctx) for bs in reversed(self.spec_sizes) for ctx in self.contexts]
+        return mixed + spec + [("decode", bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
 
     def capture(self, program, slots, compute_stream) -> None:
         """Capture every graph of a StepProgram over both slots and variants (the runner is not kept: no
@@ -124,7 +159,9 @@ class StepGraphs:
                 prev = slots[1 - slot.index]
                 for key in self.keys():
                     for variant in self.variants:
-                        _set_empty_step(slot, key)
+                        if key[0] == "spec" and variant[0]:
+                            continue                        # guided rows never speculate (yet)
+                        self._set_empty_step(slot, key)
                         if key not in warm or variant not in warm:  # each shape and each variant once
                             program.step(slot, prev, variant, key)      # warm-up: Triton compiles here
                             warm.update((key, variant))
@@ -152,11 +189,10 @@ class StepGraphs:
         except Exception:           # noqa: BLE001 - interpreter teardown: the registry may be gone already
             pass
 
-
-def _set_empty_step(slot: DecodeSlot, key: tuple) -> None:
-    """Inputs for capture: every row padding (no KV written, nothing attended), uploaded now."""
-    slot.num_tokens = slot.num_seqs = slot.num_sample = 0
-    slot.np["cu_seqlens_q"][0] = 0
-    StepGraphs.pad(slot, key)
-    slot.num_seqs = StepGraphs.padded_seqs(key)
-    slot.upload()
+    def _set_empty_step(self, slot: DecodeSlot, key: tuple) -> None:
+        """Inputs for capture: every row padding (no KV written, nothing attended), uploaded now."""
+        slot.num_tokens = slot.num_seqs = slot.num_sample = 0
+        slot.np["cu_seqlens_q"][0] = 0
+        self.pad(slot, key)
+        slot.num_seqs = StepGraphs.padded_seqs(key)
+        slot.upload()

@@ -32,6 +32,8 @@ from engine.sequence import SamplingParams, Sequence
 from engine.slots import DecodeSlot
 from engine.timings import StepTimings
 from engine.validation import check_request, prompt_ids
+from specdec.plan import SpecPolicy, commit_row
+from specdec.state import RowPool
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestHandle"]
 
@@ -60,7 +62,10 @@ class LLMEngine(EngineFrontend):
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         self.runner = ModelRunner(config, self.source, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.spec_k = config.spec_k
+        spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len,
+                          RowPool(self.runner.spec_state.num_rows)) if self.spec_k else None
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec)
         self.eos_ids = self._eos_ids()
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)
         self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config.guided, self.runner.cuda)
@@ -100,7 +105,7 @@ class LLMEngine(EngineFrontend):
         params = SamplingParams() if params is None else params
         ids = prompt_ids(prompt, self.encode)
         check_request(ids, params, self.runner.vocab, self.max_model_len, self.blocks,
-                      has_tokenizer=self.tokenizer is not None)
+                      has_tokenizer=self.tokenizer is not None, spec_k=self.spec_k)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(), retain=retain,
                        max_len=min(len(ids) + params.max_tokens, self.max_model_len))
@@ -199,7 +204,7 @@ class LLMEngine(EngineFrontend):
             seq.inflight_refs += 1
             seq.num_computed_tokens = row.start + row.num_tokens
             if row.sample:
-                seq.num_pending += 1
+                seq.num_pending += 1 + row.spec_k
                 seq.pending_src = row.sample_idx
         all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
         t1 = time.perf_counter()
@@ -224,7 +229,7 @@ class LLMEngine(EngineFrontend):
             seq = row.seq
             seq.inflight_refs -= 1
             if row.sample:
-                seq.num_pending -= 1
+                seq.num_pending -= 1 + row.spec_k
             if seq.finalized:
                 self.scheduler.release_if_idle(seq)
             else:
@@ -263,7 +268,7 @@ class LLMEngine(EngineFrontend):
             seq = row.seq
             seq.inflight_refs -= 1
             if row.sample:
-                seq.num_pending -= 1
+                seq.num_pending -= 1 + row.spec_k
             if seq.finalized:                     # zombie: rode along, commits nothing
                 self.timings.zombie_rows += 1
                 self.scheduler.release_if_idle(seq)
@@ -275,7 +280,11 @@ class LLMEngine(EngineFrontend):
                 outputs.append(self._fail(seq, guided_error))
                 continue
             try:
-                outputs.append(self._commit_tokens(seq, tokens[row.sample_idx:row.sample_idx + 1], now))
+                new = commit_row(seq, row, tokens[row.sample_idx], self.spec_k) if self.spec_k \
+                    else tokens[row.sample_idx:row.sample_idx + 1]
+                if row.spec_k:
+                    self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
+                outputs.append(self._commit_tokens(seq, new, now))
             except Exception as exc:
                 outputs.append(self._fail(seq, f"committing its tokens failed: {_describe(exc)}"))
         return outputs
@@ -289,7 +298,8 @@ class LLMEngine(EngineFrontend):
         seq.first_token_time = seq.first_token_time or now
         if reason:
             self._finish(seq, reason, now)
-        return self.output.output(seq, len(seq.output_token_ids) - before, seq.finalized, reason)
+        out = self.output.output(seq, len(seq.output_token_ids) - before, seq.finalized, reason)
+        return out._replace(spec=seq.spec.as_dict()) if reason and seq.spec is not None else out
 
     def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         seq.finish_time = now or time.perf_counter()

@@ -19,6 +19,10 @@ from engine.models.loader import ModelSource
 from engine.models.weights import build_model
 from engine.slots import DecodeSlot
 from engine.step import StepProgram
+from specdec import plan as spec_plan
+from specdec.drafters import make_drafter
+from specdec.program import SpecStepProgram
+from specdec.state import SpecState
 
 _EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most
 
@@ -46,18 +50,27 @@ class ModelRunner:
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
         self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, config.grammar_threads) \
             if config.guided else None
-        self.program = StepProgram(self.model, self.kv_caches, self.backend, max_model_len,
-                                   self.compute_stream, self.masks)
+        self.spec_k = config.spec_k
+        self.spec_rows = spec_rows_limit(config)
+        self.spec_state = None
+        args = (self.model, self.kv_caches, self.backend, max_model_len, self.compute_stream, self.masks)
+        if self.spec_k:
+            # rows for every sequence that may hold pages: running ones, and finished ones in in-flight steps
+            self.spec_state = SpecState(3 * config.max_num_seqs, max_model_len, self.spec_k, self.device)
+            self.program = SpecStepProgram(*args, state=self.spec_state, drafter=make_drafter(config),
+                                           block_size=config.block_size, draft_max_rows=self.spec_rows)
+        else:
+            self.program = StepProgram(*args)
         max_blocks = -(-max_model_len // config.block_size)
-        self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device)
-                      for i in range(2)]
+        self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device,
+                                 self.spec_k) for i in range(2)]
         self.slot_events = [self._events(("inputs_ready", "copy_done"), timing=False) for _ in self.slots]
         self.step_events = [self._events(("start", "sampled_ready"), timing=True) for _ in range(_EVENT_RING)]
         for slot in self.slots:         # recorded inside the step (graphs too): read at the slot's commit
             slot.marks = self._events(("forward_done", "mask_waited"), timing=True, external=True)
         self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
-            self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None)
+            self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None, spec_rows=self.spec_rows)
             self.graphs.capture(self.program, self.slots, self.compute_stream)
 
     # ---- setup -------------------------------------------------------------------------------
@@ -109,10 +122,12 @@ class ModelRunner:
                 raise RowError(i, exc) from exc
             max_q, max_len = max(max_q, row.num_tokens), max(max_len, row.start + row.num_tokens)
         h["cu_seqlens_q"][0] = 0
-        h["carry_src"][:t] = -1
-        for idx, src in carries:
-            h["carry_src"][idx] = src
+        if not self.spec_k:                             # (a speculating engine's rows write their own)
+            h["carry_src"][:t] = -1
+            for idx, src in carries:
+                h["carry_src"][idx] = src
         slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, len(carries)
+        slot.spec_k = rows[0].spec_k if rows else 0
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
         slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
         if slot.graph_key:
@@ -120,6 +135,8 @@ class ModelRunner:
 
     def _prepare_row(self, slot: DecodeSlot, i: int, row, t: int, s: int, carries: list) -> tuple[int, int]:
         """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
+        if self.spec_k:
+            return self._prepare_spec_row(slot, i, row, t, s)
         h, bs = slot.np, self.config.block_size
         seq, n, start = row.seq, row.num_tokens, row.start
         end = start + n
@@ -146,6 +163,20 @@ class ModelRunner:
             self._fill_sampling(h, s, t - 1, seq)
             s += 1
         return t, s
+
+    def _prepare_spec_row(self, slot: DecodeSlot, i: int, row, t: int, s: int) -> tuple[int, int]:
+        if row.seq.spec_row < 0:
+            raise RuntimeError("a speculating engine's sequence has no speculation state row")
+        spec_plan.fill_row(slot, i, row, t, self.config.block_size)
+        self._write_block_table(slot, i, row.seq)
+        slot.np["seq_lens"][i] = row.start + row.num_tokens
+        slot.np["cu_seqlens_q"][i + 1] = t + row.num_tokens
+        if row.sample:
+            row.sample_idx = s
+            self._fill_sampling(slot.np, s, t + row.num_tokens - 1, row.seq)
+            spec_plan.fill_sampling_row(slot, s, row, t)
+            s += 1
+        return t + row.num_tokens, s
 
     @staticmethod
     def _write_block_table(slot: DecodeSlot, i: int, seq) -> None:
@@ -211,11 +242,13 @@ class ModelRunner:
         return _sync_debug_mode("error")
 
     # ---- results -----------------------------------------------------------------------------
-    def wait(self, slot: DecodeSlot) -> list[int]:
-        """Block until this slot's tokens are on the host (an event sync: it releases the GIL)."""
+    def wait(self, slot: DecodeSlot) -> list:
+        """Block until this slot's tokens are on the host (an event sync: it releases the GIL). One token per
+        sampling row; with speculation one list per row: emitted tokens (PAD after), then drafts verified."""
         if self.cuda:
             self.slot_events[slot.index]["copy_done"].synchronize()
-        return slot.sampled_host[:slot.num_sample].tolist()
+        out = slot.spec_out_host if self.spec_k else slot.sampled_host
+        return out[:slot.num_sample].tolist()
 
     def gpu_times_ms(self, slot: DecodeSlot, step_index: int, prev_index: int | None) -> tuple:
         """(forward, mask wait, sampling, idle before it) device times of a step whose tokens were waited
@@ -229,6 +262,12 @@ class ModelRunner:
             idle = max(0.0, self.step_events[prev_index % _EVENT_RING]["sampled_ready"].elapsed_time(te["start"]))
         return (te["start"].elapsed_time(marks["forward_done"]), marks["forward_done"].elapsed_time(marks["mask_waited"]),
                 marks["mask_waited"].elapsed_time(te["sampled_ready"]), idle)
+
+
+def spec_rows_limit(config: EngineConfig) -> int:
+    """Most rows a spec step may hold (graph sizes too): the policy's, the batch's and the token budget's."""
+    k = config.spec_k
+    return min(config.spec_max_batch, config.max_num_seqs, config.max_num_batched_tokens // (k + 1)) if k else 0
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ class RequestOutput(NamedTuple):
     error: str | None = None                    # message when finish_reason == "error"
     token_ids: tuple[int, ...] | None = None    # whole output, only on the final output
     text: str | None = None                     # whole output text, only on the final output
+    spec: dict | None = None                    # speculation statistics (specdec/state.py), final output only
 
 
 def _decoder(tokenizer, skip_special_tokens: bool):

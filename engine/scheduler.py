@@ -29,11 +29,15 @@ class ScheduledRow:
     num_tokens: int     # new tokens computed in this step
     sample: bool        # this row ends at the sequence's last token, so it yields a new token
     sample_idx: int = -1  # its row in the step's sampled tokens (set by the runner)
+    spec_k: int = 0     # speculation: the step's draft slots (num_tokens = 1 + spec_k), 0 in a plain step
+    num_drafts: int = 0  # drafts this row may accept (<= spec_k)
+    epoch: int = 0      # seq.num_preemptions at launch: a commit rolls back only a sequence not preempted since
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, spec=None):
         self.blocks = block_manager
+        self.spec = spec            # SpecPolicy (specdec/plan.py) when the engine speculates
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -48,11 +52,14 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
-        budget = self._schedule_running(rows, self.max_num_batched_tokens)
-        self._admit_waiting(rows, budget)
+        budget = self.max_num_batched_tokens
+        k = self.spec.step_k(self.running, self._could_admit(budget), budget) if self.spec else 0
+        budget = self._schedule_running(rows, budget, k)
+        if not k:
+            self._admit_waiting(rows, budget)
         return rows
 
-    def _schedule_running(self, rows, budget) -> int:
+    def _schedule_running(self, rows, budget, k: int = 0) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -60,12 +67,23 @@ class Scheduler:
             if n <= 0 or seq.num_scheduled_tokens >= seq.max_len:     # nothing new, or capped
                 i += 1
                 continue
+            n = n + k                           # a spec step: the last token and k drafts
             if not self._reserve(seq, n, victims_after=i):
                 continue                        # seq itself was preempted; running[i] is the next one
-            rows.append(self._row(seq, n))
+            rows.append(self._row(seq, n, k))
             budget -= n
             i += 1
         return budget
+
+    def _could_admit(self, budget: int) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        for seq in self.waiting:
+            n = min(seq.schedule_target - seq.num_computed_tokens, budget)
+            if seq.capped or seq.num_pending or n <= 0:
+                continue
+            return self.blocks.can_allocate(self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table)))
+        return False
 
     def _reserve(self, seq, n, victims_after) -> bool:
         need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
@@ -86,11 +104,13 @@ class Scheduler:
                 break
             if seq.capped:                      # preempted with its last token in flight: ends at commit
                 continue
+            if self.spec and seq.num_pending:   # how many of its in-flight drafts pass is known at commit only
+                continue
             n = min(seq.schedule_target - seq.num_computed_tokens, budget)
             if n <= 0:                          # only its sampling token is left, and its grammar is not ready
                 continue
             need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
-            if not self.blocks.can_allocate(need):
+            if not self.blocks.can_allocate(need) or (self.spec and not self.spec.pool.take(seq)):
                 break
             self.waiting.remove(seq)
             seq.block_table += self.blocks.allocate(need)
@@ -99,15 +119,20 @@ class Scheduler:
             rows.append(self._row(seq, n))
             budget -= n
 
-    @staticmethod
-    def _row(seq, n) -> ScheduledRow:
+    def _row(self, seq, n, k: int = 0) -> ScheduledRow:
         start = seq.num_computed_tokens
-        return ScheduledRow(seq, start, n, sample=start + n == seq.num_scheduled_tokens)
+        row = ScheduledRow(seq, start, n, sample=start + n - k == seq.num_scheduled_tokens, spec_k=k,
+                           epoch=seq.num_preemptions)
+        if k:
+            row.num_drafts = self.spec.row_drafts(seq, k)
+        return row
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.block_table = []
+        if self.spec:
+            self.spec.pool.give_back(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -129,3 +154,5 @@ class Scheduler:
         if seq.finalized and seq.inflight_refs == 0 and seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
+        if seq.finalized and seq.inflight_refs == 0 and self.spec:
+            self.spec.pool.give_back(seq)

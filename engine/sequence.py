@@ -54,6 +54,7 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None
     structural_tag: dict | str | None = None   # xgrammar structural tag: free text with constrained regions
     any_whitespace: bool = False      # JSON guides: free whitespace between tokens (default: compact)
+    num_speculative_tokens: int | None = None   # drafts per step: None = the engine's K, 0 = no speculation
 
     def __post_init__(self):
         object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT))
@@ -72,6 +73,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(_integer("a stop token id", t, 0, INT64_MAX) for t in ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.num_speculative_tokens is not None:
+            object.__setattr__(self, "num_speculative_tokens",
+                               _integer("num_speculative_tokens", self.num_speculative_tokens, 0, 16))
         guide = make_guide({k: getattr(self, k) for k in GUIDE_FIELDS}, self.any_whitespace)
         if guide is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a guide: a guided request ends when its grammar does")
@@ -107,7 +111,8 @@ class Sequence:
     max_len: int = 0                            # prompt + max_tokens, capped by the context
     finalized: bool = False                     # stop seen and result emitted
     inflight_refs: int = 0                      # in-flight steps that still hold this row (0..2)
-    num_pending: int = 0                        # sampled on the device, not yet committed (0 or 1)
+    num_pending: int = 0                        # sampled on the device, not yet committed (0 or 1; with
+                                                # speculation up to 1 + K, counted as if every draft passed)
     pending_src: int = -1                       # its row in the in-flight step's `sampled` buffer
     text: str = ""                              # detokenized output, cut at a stop string (engine/output.py)
     out: object = None                          # output state: incremental detokenizer, streamed text
@@ -115,6 +120,8 @@ class Sequence:
     guided: object = None                       # GuidedRequest (engine/guided/compiler.py) of a guided request
     retain: bool = False                        # keep it after it finishes, until LLMEngine.take()
     num_preemptions: int = 0
+    spec_row: int = -1                          # its row of the device-side speculation state (specdec/state.py)
+    spec: object = None                         # SpecStats of a request that speculated
     first_token_time: float | None = None
     finish_time: float | None = None
 

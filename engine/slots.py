@@ -22,6 +22,14 @@ _FIELDS = {  # name -> (dtype, shape key)
     "top_k": (torch.int64, "seqs"), "top_p": (torch.float32, "seqs"), "seeds": (torch.int64, "seqs"),
     "steps": (torch.int64, "seqs"),
 }
+# With speculation (specdec/): which SpecState row each token / sequence / sampling row belongs to (-1:
+# padding), whether the host planned it as if the sequence's in-flight drafts were all accepted (shift: the
+# device corrects it), each token's row in the step (for its block table), and each sampling row's draft cap.
+_SPEC_FIELDS = {
+    "tok_row": (torch.int64, "tokens"), "tok_seq": (torch.int64, "tokens"), "shift": (torch.int64, "tokens"),
+    "seq_shift": (torch.int64, "seqs"), "smp_row": (torch.int64, "seqs"), "smp_shift": (torch.int64, "seqs"),
+    "num_drafts": (torch.int64, "seqs"),
+}
 
 
 def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -30,7 +38,8 @@ def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Te
 
 
 class DecodeSlot:
-    def __init__(self, index: int, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+    def __init__(self, index: int, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
+                 spec_k: int = 0):
         self.index = index
         self.device = device
         pin = device.type == "cuda"
@@ -38,7 +47,7 @@ class DecodeSlot:
         # One pinned buffer, one device buffer, every field a typed view at the same offset in both: a step's
         # inputs go up in a single copy. Block tables come last so the copy can stop after the used rows.
         layout, offset = [], 0
-        for name, (dtype, key) in _FIELDS.items():
+        for name, (dtype, key) in (_FIELDS | (_SPEC_FIELDS if spec_k else {})).items():
             layout.append((name, dtype, sizes[key], offset))
             offset += -(-math.prod(sizes[key]) * dtype.itemsize // 8) * 8
         self._bt_offset, self._bt_row = offset, max_blocks * 4
@@ -52,6 +61,11 @@ class DecodeSlot:
         self.sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.sampled_host = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
         self.np = {name: t.numpy() for name, t in self.host.items()}   # fast element writes
+        # speculation: each sampling row's emitted tokens (PAD after them), then the drafts it verified
+        self.spec_k = 0                                                 # drafts verified per row this step
+        self.spec_out = torch.zeros(max_seqs, spec_k + 2, dtype=torch.int64, device=device) if spec_k else None
+        self.spec_out_host = torch.zeros(max_seqs, spec_k + 2, dtype=torch.int64, pin_memory=pin) if spec_k \
+            else None
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0
         self.num_carry = 0                                              # tokens taken from the previous step
@@ -70,7 +84,8 @@ class DecodeSlot:
 
     def download_sampled(self) -> None:
         n = self.num_sample
+        src, dst = (self.spec_out, self.spec_out_host) if self.spec_out is not None else (self.sampled, self.sampled_host)
         if self.device.type == "cuda":
-            self.sampled_host[:n].copy_(self.sampled[:n], non_blocking=True)
+            dst[:n].copy_(src[:n], non_blocking=True)
         else:
-            self.sampled_host[:n] = self.sampled[:n]
+            dst[:n] = src[:n]

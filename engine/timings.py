@@ -26,6 +26,9 @@ class StepTimings:
     callback_delay: float = 0.0  # from the previous step's tokens landing on the host to the callback's start
     gpu_idle: float = 0.0      # compute stream idle between the end of a step and the start of the next
     wall: float = 0.0          # time spent inside LLMEngine.step()
+    spec_rows: int = 0         # speculation: rows that verified drafts (one per request per spec step)
+    spec_proposed: int = 0     # drafts those rows verified
+    spec_accepted: int = 0     # drafts accepted
     trace: list | None = field(default=None, repr=False)  # set to [] to keep one dict per committed step
 
     def add(self, **kw) -> None:
@@ -44,6 +47,11 @@ class StepTimings:
             if f.name != "trace":
                 setattr(self, f.name, type(getattr(self, f.name))())
         self.trace = [] if trace else None
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verifying row-step, the target's own token included (0: nothing speculated)."""
+        return (self.spec_accepted + self.spec_rows) / self.spec_rows if self.spec_rows else 0.0
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)

@@ -21,7 +21,7 @@ def prompt_ids(prompt, encode) -> list[int]:
 
 
 def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks: BlockManager, *,
-                  has_tokenizer: bool) -> None:
+                  has_tokenizer: bool, spec_k: int = 0) -> None:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if not ids:
@@ -35,6 +35,10 @@ def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks
     bad = [t for t in params.stop_token_ids if t >= vocab]
     if bad:
         raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
+    want = params.num_speculative_tokens
+    if want and want > spec_k:
+        raise ValueError(f"num_speculative_tokens={want} but this engine drafts at most {spec_k} "
+                         f"(EngineConfig speculative / num_speculative_tokens)")
     if params.stop and not has_tokenizer:
         raise ValueError("this model has no tokenizer: stop strings cannot be matched")
     worst = min(len(ids) + params.max_tokens, max_model_len)

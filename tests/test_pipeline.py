@@ -35,7 +35,7 @@ class EagerGraphs(StepGraphs):
     """The graphs' padded step layouts (guided variants too if `guided`), run eagerly: what a replay
     computes, on any device."""
     def __init__(self, runner, guided: bool = False):
-        super().__init__(runner.config, runner.max_model_len, guided=guided)
+        super().__init__(runner.config, runner.max_model_len, guided=guided, spec_rows=runner.spec_rows)
         self.runner = runner
 
     def replay(self, slot, variant):

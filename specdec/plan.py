@@ -1,0 +1,97 @@
+"""Host side of speculation: which steps speculate and how far (SpecPolicy), and a row's step inputs
+(fill_row), laid out for specdec/program.py.
+
+A step speculates (every row gets 1 + K query tokens: its last token, then K drafts) only when all its
+rows are decode rows of unguided requests, no waiting request could be admitted instead, there are at most
+`max_rows` of them, and the K drafts fit the context. Otherwise it is a plain step (K = 0), which still
+records histories and drafts, so the next step can speculate. Each row caps the drafts it may accept
+(`num_drafts`): the request's own K, and what keeps max_tokens exact even if every draft passes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.state import RowPool, SpecStats
+
+
+@dataclass
+class SpecPolicy:
+    k: int                  # the engine's K (graph shapes)
+    max_rows: int           # steps with more rows do not speculate
+    max_model_len: int
+    pool: RowPool           # SpecState rows, handed out with pages
+
+    def request_k(self, seq) -> int:
+        if seq.guided is not None:
+            return 0            # guided + speculative in one step: issue 12
+        want = seq.params.num_speculative_tokens
+        return self.k if want is None else min(want, self.k)
+
+    def row_drafts(self, seq, k: int) -> int:
+        """Drafts this row may accept: emitting all of them plus the bonus token stays within max_len even if
+        the host's optimistic count of the in-flight tokens is right."""
+        return max(0, min(k, self.request_k(seq), seq.max_len - 1 - seq.num_scheduled_tokens))
+
+    def step_k(self, running, could_admit: bool, budget: int) -> int:
+        """K for the next step (0: a plain step). could_admit: a waiting request could join now (it would,
+        in a plain step with its prompt chunk)."""
+        rows = [s for s in running if s.num_scheduled_tokens < s.max_len and s.schedule_target > s.num_computed_tokens]
+        k = self.k
+        if could_admit or not rows or len(rows) > self.max_rows or len(rows) * (k + 1) > budget:
+            return 0
+        for s in rows:
+            if s.schedule_target - s.num_computed_tokens != 1 or s.guided is not None:
+                return 0
+            if s.num_computed_tokens + k >= self.max_model_len:
+                return 0
+        return k if any(self.row_drafts(s, k) for s in rows) else 0
+
+
+def fill_row(slot, i: int, row, t: int, block_size: int) -> None:
+    """Row i of a speculating engine's step, its tokens from t: positions and slot mapping as the host plans
+    them (as if the sequence's in-flight drafts all passed: `shift` marks that), host-known ids, and where
+    the device takes the others from (carry_src: 0 the last token, j the j-th draft)."""
+    h, seq, n, start, k = slot.np, row.seq, row.num_tokens, row.start, row.spec_k
+    end, bt, bs = start + n, seq.block_table, block_size
+    known = min(end, seq.num_tokens)
+    pending = int(seq.num_pending > 0)
+    h["positions"][t:t + n] = range(start, end)
+    h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
+    h["carry_src"][t:t + n] = -1
+    if known > start:
+        h["input_ids"][t:t + known - start] = seq.tokens(start, known)
+    if k:                                           # [last token, K drafts]
+        h["carry_src"][t + 1:t + n] = range(1, k + 1)
+        h["input_ids"][t + 1:t + n] = 0
+    if pending:                                     # the last token is still on the device
+        last = t if k else t + n - 1
+        h["input_ids"][last] = 0
+        h["carry_src"][last] = 0
+    h["tok_row"][t:t + n] = seq.spec_row
+    h["tok_seq"][t:t + n] = i
+    h["shift"][t:t + n] = pending
+    h["seq_shift"][i] = seq.spec_row if pending else -1
+
+
+def fill_sampling_row(slot, s: int, row, t: int) -> None:
+    """Sampling row s of a speculating engine's step whose row starts at token t."""
+    h, seq = slot.np, row.seq
+    h["smp_row"][s] = seq.spec_row
+    h["smp_shift"][s] = int(seq.num_pending > 0)
+    h["num_drafts"][s] = row.num_drafts
+    h["logits_indices"][s] = t if row.spec_k else t + row.num_tokens - 1
+
+
+def commit_row(seq, row, entry: list[int], k: int) -> list[int]:
+    """A sampling row's result as the host reads it (`entry`: k + 1 emitted tokens, PAD after them, then
+    the drafts verified) -> the tokens to append. Rolls back the optimistic count of computed tokens by the
+    rejected drafts (unless the sequence was preempted since: it recomputes from 0) and counts statistics."""
+    tokens = [entry[0]] + [t for t in entry[1:k + 1] if t >= 0]
+    if row.spec_k:
+        accepted = len(tokens) - 1
+        if row.epoch == seq.num_preemptions and not seq.finalized:
+            seq.num_computed_tokens -= row.spec_k - accepted
+        if seq.spec is None:
+            seq.spec = SpecStats()
+        seq.spec.add(entry[k + 1], accepted)
+    return tokens

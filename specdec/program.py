@@ -1,0 +1,132 @@
+"""The step program with speculation: engine/step.py's order, plus on-device correction, verification and
+drafting.
+
+Every step of a speculating engine (spec steps and plain ones) runs:
+1. correct: the host planned each sequence with an uncommitted step as if all its drafts were accepted;
+   positions, slot mapping, seq_lens and sampling indices move back by that step's rejected count
+   (SpecState.rejected). Carried inputs come from SpecState (last token, drafts), and the step's inputs are
+   recorded in the sequences' token histories.
+2. forward + logits: a spec step ("spec" graph key, or eager with slot.spec_k = K) has 1 + K query tokens in
+   every row (the last token, then K drafts) and scores all of them.
+3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
+   to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`.
+4. draft: the drafter guesses the next K tokens of each sampling row into SpecState.drafts, if the step
+   has few enough rows that its sequences may speculate next.
+All of it is enqueue-only tensor code with shapes fixed by the step's key, so it is captured with the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.sampler import sample
+from engine.step import StepProgram, _mark
+from specdec.drafters.base import DraftContext
+from specdec.verify import PAD, greedy_accept, rejection_sample
+
+
+class SpecStepProgram(StepProgram):
+    def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.state = state
+        self.drafter = drafter
+        self.block_size = block_size
+        self.draft_max_rows = draft_max_rows    # steps with more sampling rows skip drafting
+
+    def sizes(self, slot, key) -> tuple[int, int, int, int]:
+        """(tokens, sequences, sampling rows, K) of a step at its exact size (key None) or padded to a key."""
+        if key is None:
+            return slot.num_tokens, slot.num_seqs, slot.num_sample, slot.spec_k
+        kind, size, bound = key
+        if kind == "spec":
+            return size * (self.state.k + 1), size, size, self.state.k
+        return (size, size, size, 0) if kind == "decode" else (size, bound, bound, 0)
+
+    def step(self, slot, prev, variant: tuple, key: tuple | None = None) -> None:
+        guided, greedy = variant
+        T, B, S, K = self.sizes(slot, key)
+        if guided and self.masks.cuda:
+            self.masks.branch(slot, prev, S, self.compute_stream)
+        ids = self.correct(slot, T, B, S)
+        logits = self.spec_logits(slot, ids, key, T, B, S, K)
+        _mark(slot, "forward_done")
+        mask = self.masks.join(slot, prev, S, self.compute_stream) if guided else None
+        _mark(slot, "mask_waited")
+        if S:
+            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, mask)
+            self.finish(slot, tokens, accepted, drafted, S, K)
+
+    # ---- 1. correct ----------------------------------------------------------------------------
+    def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
+        d, st, bs = slot.dev, self.state, self.block_size
+        tok_rows = st.rows(d["tok_row"][:T])
+        pos = d["positions"][:T]
+        pos.sub_(torch.where(d["shift"][:T] > 0, st.rejected[tok_rows], 0))
+        page = d["block_tables"][d["tok_seq"][:T], pos // bs].long()
+        mapping = d["slot_mapping"][:T]
+        mapping.copy_(torch.where(mapping >= 0, page * bs + pos % bs, mapping))
+        seq_shift = d["seq_shift"][:B]
+        d["seq_lens"][:B].sub_(torch.where(seq_shift >= 0, st.rejected[seq_shift.clamp(min=0)], 0).int())
+        smp_rows = st.rows(d["smp_row"][:S])
+        d["steps"][:S].sub_(torch.where(d["smp_shift"][:S] > 0, st.rejected[smp_rows], 0))
+        # carry_src: -1 the host's id, 0 the sequence's last token, j >= 1 its draft j
+        carry = d["carry_src"][:T]
+        drafted = st.drafts[tok_rows, (carry - 1).clamp(0, st.drafts.shape[1] - 1)]
+        carried = torch.where(carry == 0, st.last_token[tok_rows], drafted)
+        ids = torch.where(carry >= 0, carried, d["input_ids"][:T])
+        st.history[tok_rows, pos.clamp(max=st.max_model_len)] = ids.int()
+        return ids
+
+    # ---- 2. forward + logits -------------------------------------------------------------------
+    def spec_logits(self, slot, ids, key, T: int, B: int, S: int, K: int):
+        d = slot.dev
+        if K:
+            bound = key[2] if key else slot.max_seq_len
+            return self.model.compute_logits(self.forward(slot, ids, B, K + 1, bound)[:T])
+        if key is None:
+            hidden = self.forward(slot, ids, B, slot.max_query_len, slot.max_seq_len)
+        elif key[0] == "decode":
+            return self.model.compute_logits(self.forward(slot, ids, B, 1, key[2]))
+        else:
+            hidden = self.forward(slot, ids, B, T, self.max_model_len)
+        return self.model.compute_logits(hidden[d["logits_indices"][:S]]) if S else None
+
+    # ---- 3. verify or sample -------------------------------------------------------------------
+    def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, mask):
+        """-> (tokens [S, K + 1] with PAD after the emitted ones, accepted [S], drafts verified [S])."""
+        d = slot.dev
+        params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
+        if not K:
+            tokens = sample(logits, *params, bitmask=mask, all_greedy=greedy, masker=self.masker)
+            zeros = torch.zeros_like(tokens)
+            return tokens[:, None], zeros, zeros
+        drafts = ids.view(S, K + 1)[:, 1:]
+        cap = d["num_drafts"][:S]
+        drafted = torch.minimum(cap, self.state.draft_count[self.state.rows(d["smp_row"][:S])])
+        logits = logits.view(S, K + 1, -1)
+        if greedy:
+            accepted, tokens = greedy_accept(drafts, logits, drafted)
+        else:
+            accepted, tokens = rejection_sample(drafts, None, logits, drafted, *params)
+        return tokens, accepted, drafted
+
+    # ---- 4. record and draft -------------------------------------------------------------------
+    def finish(self, slot, tokens, accepted, drafted, S: int, K: int) -> None:
+        d, st = slot.dev, self.state
+        rows = st.rows(d["smp_row"][:S])
+        first = d["positions"][d["logits_indices"][:S]]          # corrected position of the first scored token
+        j = torch.arange(K + 1, device=tokens.device)
+        cols = first[:, None] + 1 + j[None, :]
+        cols = torch.where((j[None, :] <= accepted[:, None]) & (cols < st.max_model_len), cols, st.max_model_len)
+        st.history[rows[:, None].expand(S, K + 1), cols] = tokens.clamp(min=0).int()
+        last = tokens.gather(1, accepted[:, None])[:, 0]
+        st.last_token[rows] = last.clamp(min=0)                 # a NO_TOKEN (failed row) carries as token 0
+        st.rejected[rows] = K - accepted
+        if S <= self.draft_max_rows:
+            proposal = self.drafter.propose(DraftContext(st.history[rows], first + 2 + accepted))
+            st.drafts[rows] = proposal.draft_tokens
+            st.draft_count[rows] = proposal.num_drafts
+        out = slot.spec_out
+        out[:S, :K + 1] = tokens
+        out[:S, K + 1:st.k + 1] = PAD
+        out[:S, st.k + 1] = drafted
+        slot.sampled[:S] = tokens[:, 0]

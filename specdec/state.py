@@ -1,0 +1,96 @@
+"""Device-side speculation state, one row per sequence holding KV pages, and per-request statistics.
+
+A step learns how many drafts were accepted only on the device, and the host plans the next step before it
+knows (the pipelined loop). So what the next step needs lives here, indexed by the sequence's `spec_row`,
+written by the step that produced it and read by the next step of the same sequence on the same compute
+stream:
+- `history[row, :]`: the sequence's tokens by position (what the n-gram drafter searches). A step scatters
+  its input tokens (prompt chunks included) and its emitted tokens into it.
+- `last_token[row]`: the last token emitted (the bonus token); the next step's first input is carried from it.
+- `rejected[row]`: drafts of the last step that were not accepted. The host planned the next step as if all
+  were; the device moves that step's positions, seq_lens, slot mapping and sampling index back by this much.
+- `drafts[row, :K]`, `draft_count[row]`: the drafter's guesses for the next step, made at the end of this
+  one (so an EAGLE head can use this step's hidden states).
+Row `dummy` (the last) absorbs the writes of graph padding rows. Rows are handed out by `RowPool` on the host
+with a sequence's pages and taken back with them: a new owner's writes are ordered after the old owner's on
+the one compute stream, and it reads nothing of a row it has not written first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SpecState:
+    def __init__(self, num_rows: int, max_model_len: int, k: int, device: torch.device):
+        self.num_rows, self.k, self.max_model_len = num_rows, k, max_model_len
+        self.dummy = num_rows                           # padding rows write here
+        rows = num_rows + 1
+        # column max_model_len is a dummy too: emitted-token writes past a row's count land there
+        self.history = torch.zeros(rows, max_model_len + 1, dtype=torch.int32, device=device)
+        self.last_token = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.rejected = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.drafts = torch.zeros(rows, max(k, 1), dtype=torch.int64, device=device)
+        self.draft_count = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def rows(self, host_rows: torch.Tensor) -> torch.Tensor:
+        """Host-written row indices (-1: padding) -> device rows (padding -> dummy)."""
+        return torch.where(host_rows >= 0, host_rows, self.dummy)
+
+
+class RowPool:
+    """Host-side free list of SpecState rows. A sequence takes one when it first gets pages and gives it back
+    when it gives its pages back (preemption, release)."""
+
+    def __init__(self, num_rows: int):
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, seq) -> bool:
+        if seq.spec_row >= 0:
+            return True
+        if not self._free:
+            return False
+        seq.spec_row = self._free.pop()
+        return True
+
+    def give_back(self, seq) -> None:
+        if seq.spec_row >= 0:
+            self._free.append(seq.spec_row)
+            seq.spec_row = -1
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request: steps that verified drafts, drafts proposed and accepted, and
+    acceptances by draft position (position i accepted => all before it were)."""
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    by_position: list[int] = field(default_factory=list)        # accepted at draft position i
+    proposed_by_position: list[int] = field(default_factory=list)
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        if len(self.by_position) < proposed:
+            grow = [0] * (proposed - len(self.by_position))
+            self.by_position += grow
+            self.proposed_by_position += grow
+        for i in range(proposed):
+            self.proposed_by_position[i] += 1
+            self.by_position[i] += i < accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verifying step, the target's own token included (seed 003's "acceptance length")."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(steps=self.steps, proposed=self.proposed, accepted=self.accepted,
+                    acceptance_length=round(self.acceptance_length, 4),
+                    rate_by_position=[round(a / p, 4) for a, p in zip(self.by_position, self.proposed_by_position)])

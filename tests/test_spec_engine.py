@@ -1,0 +1,151 @@
+"""Speculative decoding in the engine: greedy output with speculation equals output without, token for token.
+
+The workload is test_pipeline's (EOS, stop string, stop token, max_tokens, late arrivals, preemption) minus
+its sampled request, plus two prompts whose answers repeat themselves, so n-gram drafts get accepted and
+stops land inside accepted runs. Every run checks that KV pages and speculation rows all come back.
+"""
+import pytest
+
+from conftest import assert_no_leak
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams
+from test_pipeline import PREEMPTING, ROOMY, EagerGraphs, workload  # noqa: F401 (a fixture)
+
+CPU = dict(device="cpu", dtype="float32", attention_backend="torch")
+GPU_BF16_GRAPHS = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=1024)
+REPEATING = ["List the numbers from 1 to 30 separated by spaces.",
+             'Copy this JSON exactly: {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}']
+
+
+@pytest.fixture(scope="module")
+def spec_workload(engine, workload):
+    greedy = [w for w in workload if w[2].temperature == 0]
+    prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in REPEATING]
+    ref = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    stop_tok = ref[0].output_token_ids[10]                  # "3" of "3. 3", inside a repeating answer
+    return greedy + [(1, prompts[0], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_tok])),
+                     (2, prompts[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))]
+
+
+def run(workload, depth, graph_layout=False, cuts=None, **cfg):
+    eng = LLMEngine(**(CPU | dict(depth=depth) | cfg))
+    if graph_layout:
+        eng.runner.graphs = EagerGraphs(eng.runner)
+    if cuts is not None:                 # (tokens offered, tokens appended) of every multi-token commit
+        commit = eng.output.commit
+
+        def probe(seq, tokens):
+            before = len(seq.output_token_ids)
+            reason = commit(seq, tokens)
+            if len(tokens) > 1:
+                cuts.append((len(tokens), len(seq.output_token_ids) - before, reason))
+            return reason
+        eng.output.commit = probe
+    ids, step, pending = {}, 0, sorted(workload, key=lambda w: w[0])
+    while pending or eng.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, params = pending.pop(0)
+            ids[eng.add_request(prompt, params, retain=True)] = len(ids)
+        eng.step()
+        step += 1
+    seqs = [eng.take(i) for i in sorted(ids, key=ids.get)]
+    assert_no_leak(eng)
+    if eng.scheduler.spec:
+        assert len(eng.scheduler.spec.pool) == eng.runner.spec_state.num_rows, "speculation rows leaked"
+    return eng, seqs
+
+
+@pytest.fixture(scope="module")
+def reference(spec_workload):
+    return {name: run(spec_workload, 1, **cfg)[1] for name, cfg in (("roomy", ROOMY), ("preempting", PREEMPTING))}
+
+
+def _same(got, ref):
+    assert [s.output_token_ids for s in got] == [s.output_token_ids for s in ref]
+    assert [s.finish_reason for s in got] == [s.finish_reason for s in ref]
+    assert [s.text for s in got] == [s.text for s in ref]
+
+
+@pytest.mark.parametrize("k,depth,cfg", [(1, 2, "roomy"), (3, 1, "roomy"), (3, 2, "roomy"), (5, 2, "roomy"),
+                                         (3, 1, "preempting"), (3, 2, "preempting")])
+def test_greedy_speculation_equals_plain(spec_workload, reference, k, depth, cfg):
+    eng, got = run(spec_workload, depth, speculative="ngram", num_speculative_tokens=k,
+                   **(ROOMY if cfg == "roomy" else PREEMPTING))
+    _same(got, reference[cfg])
+    t = eng.timings
+    assert t.spec_rows > 0 and t.spec_accepted > 0, "nothing was speculated or accepted"
+    assert 1.0 < t.acceptance_length <= k + 1
+    if cfg == "preempting":
+        assert eng.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_stops_inside_accepted_runs(engine, depth):
+    """A stop token, a stop string, EOS and max_tokens landing inside a run of accepted drafts: the output ends
+    exactly where the plain engine's does (drafts after the stop are dropped)."""
+    prompt = engine.apply_chat_template([{"role": "user", "content": REPEATING[1]}])
+    ref = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert ref.finish_reason == "length" and '"Paris"' in ref.text
+    cases = [SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[ref.output_token_ids[14]]),
+             SamplingParams(max_tokens=40, temperature=0, stop=["Paris"]),
+             SamplingParams(max_tokens=17, temperature=0),
+             SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)]
+    workload = [(0, prompt, p) for p in cases]
+    _, plain = run(workload, depth)
+    cuts = []
+    eng, got = run(workload, depth, cuts=cuts, speculative="ngram", num_speculative_tokens=5)
+    _same(got, plain)
+    assert [s.finish_reason for s in got] == ["stop", "stop", "length", "length"]
+    assert any(appended < offered and reason == "stop" for offered, appended, reason in cuts), cuts
+    assert eng.timings.acceptance_length > 1.5
+
+
+def test_graph_padded_spec_steps_change_no_token(spec_workload, reference):
+    eng, got = run(spec_workload, 2, graph_layout=True, speculative="ngram", num_speculative_tokens=3)
+    _same(got, reference["roomy"])
+    assert eng.runner.graphs.replays["spec"] > 0 and eng.runner.graphs.replays["mixed"] > 0
+
+
+def test_statistics_and_per_request_k(engine, spec_workload):
+    prompt = spec_workload[-1][1]
+    eng = LLMEngine(**CPU, speculative="ngram", num_speculative_tokens=3)
+    on = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    off = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, num_speculative_tokens=0)
+    outs = {}
+    for params in (on, off):
+        rid = eng.add_request(prompt, params)
+        while eng.has_unfinished():
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+    a, b = outs[0], outs[1]
+    assert a.token_ids == b.token_ids
+    assert a.spec["steps"] > 0 and a.spec["accepted"] > 0 and a.spec["acceptance_length"] > 1
+    assert len(a.spec["rate_by_position"]) == 3 and all(0 <= r <= 1 for r in a.spec["rate_by_position"])
+    assert b.spec is None or b.spec["accepted"] == 0
+    with pytest.raises(ValueError, match="num_speculative_tokens=4"):
+        eng.add_request(prompt, SamplingParams(num_speculative_tokens=4))
+    with pytest.raises(ValueError, match="drafts at most 0"):
+        engine.add_request(prompt, SamplingParams(num_speculative_tokens=2))
+    assert_no_leak(eng)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(spec_workload):
+    """Rejection sampling draws from the request's seed alone: the same request alone or beside others
+    (admitted in the same step, so every step speculates alike) gives the same tokens."""
+    prompt, other = spec_workload[-1][1], spec_workload[-2][1]
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    eng = LLMEngine(**CPU, speculative="ngram", num_speculative_tokens=3)
+    alone = eng.generate([prompt], params)[0].output_token_ids
+    beside = eng.generate([other, prompt], [SamplingParams(max_tokens=24, temperature=0), params])[1]
+    assert beside.output_token_ids == alone
+    assert eng.timings.spec_rows > 0
+    assert_no_leak(eng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3])
+def test_gpu_graphs_speculation_equals_plain(spec_workload, k):
+    _, ref = run(spec_workload, 2, **GPU_BF16_GRAPHS)
+    eng, got = run(spec_workload, 2, speculative="ngram", num_speculative_tokens=k, **GPU_BF16_GRAPHS)
+    _same(got, ref)
+    assert eng.runner.graphs.replays["spec"] > 0, "no spec step ran in a graph"
+    assert eng.timings.spec_accepted > 0
