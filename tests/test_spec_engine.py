@@ -145,7 +145,8 @@ def test_seeded_sampling_is_reproducible_across_batches(spec_workload):
 @pytest.mark.parametrize("k", [1, 3])
 def test_gpu_graphs_speculation_equals_plain(spec_workload, k):
     _, ref = run(spec_workload, 2, **GPU_BF16_GRAPHS)
-    eng, got = run(spec_workload, 2, speculative="ngram", num_speculative_tokens=k, **GPU_BF16_GRAPHS)
+    eng, got = run(spec_workload, 2, speculative="ngram", num_speculative_tokens=k, debug_sync=True,
+                   **GPU_BF16_GRAPHS)
     _same(got, ref)
     assert eng.runner.graphs.replays["spec"] > 0, "no spec step ran in a graph"
     assert eng.timings.spec_accepted > 0
