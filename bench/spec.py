@@ -8,7 +8,7 @@
 Acceptance: one engine per (drafter, K) with every step speculating (spec_max_batch = batch), greedy, the
 prompts of each dataset run to EOS or --max-tokens; acceptance length = tokens per verifying row-step, the
 target's own token included (seed 003's Table 1 metric: K = 3 gives at most 4).
-Speed: per stream count, the same prompts through the engine without speculation ("none") and with each
+Speed: per stream count (max_num_seqs = streams, a queue of max(4 x streams, --min-prompts) prompts), the same prompts through the engine without speculation ("none") and with each
 drafter / K, alternating over --rounds; greedy, so every mode emits the same tokens. tok_s = output tokens
 / wall; speedup = tok_s over "none" of the same round set. The engine's batch-level policy (EngineConfig
 spec_max_batch, or --engine spec_max_batch=N) decides when a step speculates.
@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=16, help="speed: prompts per stream count, at least")
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--engine", nargs="*", default=[], help="EngineConfig overrides KEY=VALUE")
@@ -144,7 +145,8 @@ def run_speed(args) -> list[dict]:
         for streams in args.streams:
             engines = {m: build(args, streams, *m) for m in modes}
             try:
-                name, prompts = load_prompts(engines[modes[0]], item, args.data, streams)
+                # enough requests that the batch stays full: streams at a time from a queue of 4 x streams
+                name, prompts = load_prompts(engines[modes[0]], item, args.data, max(4 * streams, args.min_prompts))
                 runs = {m: [] for m in modes}
                 for _ in range(args.rounds):
                     for m in modes:

@@ -31,14 +31,18 @@ class EngineConfig:
                                        # cost more than they saved for <= 32 rows of JSON schemas (CPU measure)
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): the grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
-    grammar_yield_ms: float = 0.0      # CUDA: once a step's tokens land, the loop thread waits (GIL released) up
+    grammar_yield_ms: float = 2.0      # CUDA: once a step's tokens land, the loop thread waits (GIL released) up
                                        # to this long for the next step's grammar callback to finish before it
-                                       # commits and plans, so the callback runs without GIL contention. Off until
-                                       # measured (bench/guided.py --engine grammar_yield_ms=2)
+                                       # commits and plans, so the callback runs without GIL contention ...
+    grammar_yield_min_rows: int = 16   # ... when that step has at least this many guided rows. Measured on an
+                                       # H100 (bench/results/guided.md): it shortens the mask wait at 32 rows and
+                                       # lengthens the period at 1 row, where the callback is short anyway
     speculative: str = "none"          # drafter: "none" | "ngram" (specdec/drafters); drafts verified in the step
     num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
     spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than
                                        # they gain once the forward is no longer launch-bound)
+    spec_min_acceptance: float = 1.3  # steps stop speculating while the recent acceptance length (tokens per
+                                       # verifying row) is below this; 1 spec step in 16 measures it again
     ngram_min_n: int = 1
     ngram_max_n: int = 3
     debug_sync: bool = False           # raise on any device->host sync while a step is enqueued (CUDA)
@@ -51,6 +55,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if not 0 <= self.grammar_yield_ms <= 1000:
             raise ValueError(f"grammar_yield_ms must be in [0, 1000], got {self.grammar_yield_ms}")
+        if self.grammar_yield_min_rows < 1:
+            raise ValueError(f"grammar_yield_min_rows must be >= 1, got {self.grammar_yield_min_rows}")
         if self.grammar_threads < 1:
             raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
         if self.depth not in (1, 2):

@@ -63,8 +63,8 @@ class LLMEngine(EngineFrontend):
         self.runner = ModelRunner(config, self.source, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.spec_k = config.spec_k
-        spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len,
-                          RowPool(self.runner.spec_state.num_rows)) if self.spec_k else None
+        spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, RowPool(self.runner.spec_state.num_rows),
+                          config.spec_min_acceptance) if self.spec_k else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec)
         self.eos_ids = self._eos_ids()
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)
@@ -242,7 +242,10 @@ class LLMEngine(EngineFrontend):
         t1 = time.perf_counter()
         self._yield_to_grammar()
         t_yield = time.perf_counter()
+        rows_before, accepted_before = self.timings.spec_rows, self.timings.spec_accepted
         outputs = self._commit(step.slot.rows, tokens, self.guided.step_failure(step.snapshot))
+        if step.slot.spec_k:
+            self.scheduler.spec.observe(self.timings.spec_accepted - accepted_before, self.timings.spec_rows - rows_before)
         fwd, mask, smp, idle = self.runner.gpu_times_ms(step.slot, step.index, self._last_committed)
         cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
         self._last_committed, self._tokens_landed = step.index, t1
@@ -258,7 +261,8 @@ class LLMEngine(EngineFrontend):
         """The step just landed freed the next step's grammar callback, which needs the GIL: wait for it
         (bounded, GIL released) rather than contend with it for the GIL through the commit and the planning."""
         nxt = self._inflight[0].snapshot if self._inflight else None
-        if nxt is not None and self.runner.cuda and self.config.grammar_yield_ms > 0:
+        if nxt is not None and self.runner.cuda and self.config.grammar_yield_ms > 0 \
+                and len(nxt.rows) >= self.config.grammar_yield_min_rows:
             nxt.done.wait(self.config.grammar_yield_ms / 1e3)
 
     def _commit(self, rows, tokens: list[int], guided_failure: str | None = None) -> list[RequestOutput]:

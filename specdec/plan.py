@@ -9,7 +9,7 @@ records histories and drafts, so the next step can speculate. Each row caps the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.state import RowPool, SpecStats
 
@@ -20,6 +20,26 @@ class SpecPolicy:
     max_rows: int           # steps with more rows do not speculate
     max_model_len: int
     pool: RowPool           # SpecState rows, handed out with pages
+    min_acceptance: float = 0.0     # speculate while the recent acceptance length is at least this
+    probe_every: int = 16           # below it: one spec step after this many plain ones, to measure again
+    ema: float = field(default=0.0, init=False)     # acceptance length of recent spec steps
+    _plain: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        self.ema = self.k + 1.0         # optimistic start: a few poor steps do not pause a fresh engine
+
+    def observe(self, accepted: int, rows: int) -> None:
+        """A committed spec step: `rows` rows accepted `accepted` drafts in all."""
+        if rows:
+            self.ema = 0.8 * self.ema + 0.2 * (1 + accepted / rows)
+
+    def _paused(self) -> bool:
+        """Drafts are accepted too rarely to pay for scoring them: plain steps, with a spec step now and then."""
+        if self.ema >= self.min_acceptance or self._plain >= self.probe_every:
+            self._plain = 0
+            return False
+        self._plain += 1
+        return True
 
     def request_k(self, seq) -> int:
         if seq.guided is not None:
@@ -44,7 +64,9 @@ class SpecPolicy:
                 return 0
             if s.num_computed_tokens + k >= self.max_model_len:
                 return 0
-        return k if any(self.row_drafts(s, k) for s in rows) else 0
+        if not any(self.row_drafts(s, k) for s in rows):
+            return 0
+        return 0 if self._paused() else k
 
 
 def fill_row(slot, i: int, row, t: int, block_size: int) -> None:
