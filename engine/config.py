@@ -31,12 +31,11 @@ class EngineConfig:
                                        # cost more than they saved for <= 32 rows of JSON schemas (CPU measure)
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): the grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
-    grammar_yield_ms: float = 2.0      # CUDA: once a step's tokens land, the loop thread waits (GIL released) up
+    grammar_yield_ms: float = 0.0      # CUDA: once a step's tokens land, the loop thread waits (GIL released) up
                                        # to this long for the next step's grammar callback to finish before it
-                                       # commits and plans, so the callback runs without GIL contention ...
-    grammar_yield_min_rows: int = 16   # ... when that step has at least this many guided rows. Measured on an
-                                       # H100 (bench/results/guided.md): it shortens the mask wait at 32 rows and
-                                       # lengthens the period at 1 row, where the callback is short anyway
+                                       # commits and plans, when that step has >= grammar_yield_min_rows guided
+    grammar_yield_min_rows: int = 16   # rows. Off: on an H100 it gained at 32 rows in one run and lost in the
+                                       # next (bench/results/guided.md), so no measured gain
     speculative: str = "none"          # drafter: "none" | "ngram" (specdec/drafters); drafts verified in the step
     num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
     spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than
