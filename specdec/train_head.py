@@ -1,0 +1,165 @@
+"""Train an EAGLE-3-style draft head for the engine's model by self-distillation.
+
+    python -m specdec.train_head --out runs/head                 # generate, train, export, default model
+    python -m specdec.train_head --out runs/head --stage generate --num-chat 60000 --time-limit 540
+    python -m specdec.train_head --out runs/head --stage train --steps 4000 --time-limit 540
+    python -m specdec.train_head --out runs/head --stage export --ship specdec/heads/smollm2-135m
+
+Stages (each resumes from what --out already holds, so a 10-minute device call can stop and go on):
+- generate: our engine answers chat prompts and schema prompts (engine/eagle/data.py) greedily, in chunks
+  of JSONL under OUT/data;
+- train: EAGLE-3 training-time test on those responses, the target frozen; checkpoints OUT/ckpt.pt;
+  a held-out slice (every 50th response) gives the offline acceptance length;
+- export: OUT/head.safetensors + head.json (config) + card.md (data, steps, time, loss, acceptance),
+  copied to --ship if given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.eagle import data as head_data
+from specdec.eagle.train import Target, evaluate, new_head, train
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m specdec.train_head", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--stage", choices=["all", "generate", "train", "export"], default="all")
+    p.add_argument("--model", default=None, help="engine model spec (default: the default model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--data", default=os.environ.get("SPECDEC_DATA", "../shared/data") + "/jsonschemabench",
+                   help="schema data root (Glaive, Github_easy prompts); '' for chat prompts only")
+    p.add_argument("--num-chat", type=int, default=4000)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--max-seqs", type=int, default=128, help="engine batch while generating")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--depth", type=int, default=3, help="unrolled draft steps (training-time test)")
+    p.add_argument("--max-len", type=int, default=768)
+    p.add_argument("--time-limit", type=float, default=None, help="seconds; stop cleanly (resumable) after")
+    p.add_argument("--ship", default=None, help="copy the exported head here")
+    return p.parse_args(argv)
+
+
+def run_generate(args) -> None:
+    from engine.llm_engine import LLMEngine
+    kw = dict(max_num_seqs=args.max_seqs) | ({"model": args.model} if args.model else {})
+    eng = LLMEngine(**kw, **({} if args.device == "auto" else {"device": args.device}))
+    items = head_data.prompt_items(args.data or None, args.num_chat)
+    t0 = time.monotonic()
+    n = -(-len(items) // args.chunk)
+    for c in range(n):
+        if args.time_limit and time.monotonic() - t0 > args.time_limit:
+            log("generate: time limit; run again to go on")
+            break
+        head_data.generate(eng, items[:(c + 1) * args.chunk], os.path.join(args.out, "data"), args.chunk,
+                           args.max_tokens, log)
+    eng.close()
+
+
+def load_target(args):
+    from transformers import AutoModelForCausalLM
+    from engine.models.loader import resolve_model
+    source = resolve_model(args.model or "default")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype).to(device)
+    return source, model, device, dtype
+
+
+def run_train(args) -> dict:
+    source, model, device, dtype = load_target(args)
+    head = new_head(source.config, torch.float32, device)
+    target = Target(model, head.cfg.feature_layers)
+    seqs = head_data.load_sequences(os.path.join(args.out, "data"), args.max_len)
+    if len(seqs) < 2:
+        raise SystemExit(f"no training data under {args.out}/data: run --stage generate first")
+    held_out, train_seqs = seqs[::50][:64], [s for i, s in enumerate(seqs) if i % 50]
+    log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
+    t0 = time.monotonic()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        summary = train(head, target, train_seqs, held_out, out_dir=args.out, steps=args.steps, batch=args.batch,
+                        lr=args.lr, depth=args.depth, time_limit_s=args.time_limit, log=log)
+    summary.update(train_s=round(time.monotonic() - t0, 1), sequences=len(train_seqs),
+                   tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out))
+    prev = Path(args.out) / "train_summary.json"
+    if prev.exists():                      # a resumed run adds its time to the earlier calls'
+        summary["train_s"] += json.loads(prev.read_text()).get("train_s", 0)
+    prev.write_text(json.dumps({k: v for k, v in summary.items() if k != "losses"}
+                               | {"last_losses": summary["losses"][-20:]}, indent=2))
+    log(f"train: {summary['step']} steps, done={summary['done']}, acceptance={summary.get('held_out_acceptance')}")
+    return summary
+
+
+def run_export(args) -> None:
+    from safetensors.torch import save_file
+    source, model, device, _ = load_target(args)
+    head = new_head(source.config, torch.float32, device)
+    state = torch.load(os.path.join(args.out, "ckpt.pt"), map_location=device)
+    head.load_state_dict(state["head"])
+    out = Path(args.out)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}, str(out / "head.safetensors"))
+    (out / "head.json").write_text(json.dumps(head.cfg.to_dict() | {"target": source.name}, indent=2))
+    summary = json.loads((out / "train_summary.json").read_text()) if (out / "train_summary.json").exists() else {}
+    seqs = head_data.load_sequences(str(out / "data"), args.max_len)
+    held_out = seqs[::50][:64]
+    acc = {k: evaluate(head, Target(model, head.cfg.feature_layers), held_out, k) for k in (1, 3, 5)}
+    (out / "card.md").write_text(card(source.name, summary, state, acc, args))
+    log(f"export: {out / 'head.safetensors'} ({(out / 'head.safetensors').stat().st_size / 1e6:.1f} MB), "
+        f"offline acceptance {acc}")
+    if args.ship:
+        os.makedirs(args.ship, exist_ok=True)
+        for name in ("head.safetensors", "head.json", "card.md"):
+            shutil.copy(out / name, Path(args.ship) / name)
+
+
+def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
+    losses = state.get("losses", [])
+    return f"""# EAGLE-3-style draft head for {target}
+
+- Data: self-distillation, the target's own greedy responses (<= {args.max_tokens} tokens) to {summary.get('sequences', '?')}
+  prompts ({summary.get('tokens', '?')} response tokens): chat prompts from task templates x topics and
+  Glaive / Github_easy schema prompts answered under their grammar (specdec/eagle/data.py). JSON Mode Eval and
+  BFCL are held out entirely (bench/spec.py measures on them).
+- Training: {state.get('step')} steps, batch {args.batch}, lr {args.lr}, training-time test depth {args.depth},
+  {summary.get('train_s', '?')} s. Loss first/last 20 steps: {_mean(losses[:20])} / {_mean(losses[-20:])}.
+- Offline acceptance length (greedy, every 50th response held out, K = 1 / 3 / 5): {acc}.
+- Command: `python -m specdec.train_head {' '.join(sys.argv[1:])}`
+"""
+
+
+def _mean(xs) -> str:
+    return f"{sum(xs) / len(xs):.3f}" if xs else "?"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.stage in ("all", "generate"):
+        run_generate(args)
+    if args.stage in ("all", "train"):
+        summary = run_train(args)
+        if not summary["done"]:
+            return
+    if args.stage in ("all", "export"):
+        run_export(args)
+
+
+if __name__ == "__main__":
+    main()
