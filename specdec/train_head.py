@@ -75,7 +75,7 @@ def run_generate(args) -> None:
 def load_target(args):
     from transformers import AutoModelForCausalLM
     from engine.models.loader import resolve_model
-    source = resolve_model(args.model or "default")
+    source = resolve_model(args.model or os.environ.get("SPECDEC_MODEL", "default"))
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

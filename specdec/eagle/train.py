@@ -107,7 +107,7 @@ def train(head: EagleHead, target: Target, seqs, held_out, *, out_dir: str, step
         opt.step()
         losses.append(round(loss.item(), 4))
         if (step + 1) % 20 == 0:
-            log(f"train: step {step + 1}/{steps} loss {sum(losses[-20:]) / 20:.3f}")
+            log(f"train: step {step + 1}/{steps} loss {sum(losses[-20:]) / 20:.3f} ({time.monotonic() - t0:.0f} s)")
         out_of_time = time_limit_s is not None and time.monotonic() - t0 > time_limit_s
         if (step + 1) % ckpt_every == 0 or out_of_time:
             save_checkpoint(ckpt, head, opt, step + 1, losses)
