@@ -93,9 +93,10 @@ def run_train(args) -> dict:
     held_out, train_seqs = seqs[::50][:64], [s for i, s in enumerate(seqs) if i % 50]
     log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
     t0 = time.monotonic()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        summary = train(head, target, train_seqs, held_out, out_dir=args.out, steps=args.steps, batch=args.batch,
-                        lr=args.lr, depth=args.depth, time_limit_s=args.time_limit, log=log)
+    # the head trains in float32 (the target runs in bfloat16 on CUDA): it is small, and bf16 rounding of its
+    # residual stream stalled the loss in a first run
+    summary = train(head, target, train_seqs, held_out, out_dir=args.out, steps=args.steps, batch=args.batch,
+                    lr=args.lr, depth=args.depth, time_limit_s=args.time_limit, log=log)
     summary.update(train_s=round(time.monotonic() - t0, 1), sequences=len(train_seqs),
                    tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out))
     prev = Path(args.out) / "train_summary.json"

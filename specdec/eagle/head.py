@@ -67,6 +67,7 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         h, i = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.input_norms = nn.Parameter(torch.ones(3, h))    # one RMSNorm per fused target layer
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.embed_norm = nn.Parameter(torch.ones(h))
         self.feature_norm = nn.Parameter(torch.ones(h))
@@ -77,8 +78,11 @@ class EagleHead(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """[..., 3H] target hidden states (low, middle, high, concatenated) -> [..., H]."""
-        return self.fc(features)
+        """[..., 3H] target hidden states (low, middle, high, concatenated) -> [..., H]. Each is RMS-normed
+        first: SmolLM2's hidden states carry outliers of ~25,000 next to a mean of ~9, which would swamp the
+        head's residual stream (and round away its updates in bfloat16)."""
+        parts = features.unflatten(-1, (3, -1))
+        return self.fc(rms_norm(parts, self.input_norms, self.cfg.rms_norm_eps).flatten(-2))
 
     def layer_inputs(self, feature: torch.Tensor, embeds: torch.Tensor):
         """Query / key / value of the decoder layer, [..., heads, head_dim] each, from feature and embedding."""

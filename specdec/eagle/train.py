@@ -27,8 +27,10 @@ class Target:
     def __init__(self, model, layers: tuple[int, int, int]):
         self.model = model.eval().requires_grad_(False)
         self.layers = layers
+        dtype = next(model.parameters()).dtype
         self.embed = model.get_input_embeddings()
-        self.final_norm = model.model.norm
+        # the head may run in another dtype than the target: cast into the target's pieces
+        self.final_norm = lambda x: model.model.norm(x.to(dtype))
         self.lm_head = model.get_output_embeddings()
 
     @torch.no_grad()
