@@ -98,7 +98,9 @@ def run_train(args) -> dict:
     summary = train(head, target, train_seqs, held_out, out_dir=args.out, steps=args.steps, batch=args.batch,
                     lr=args.lr, depth=args.depth, time_limit_s=args.time_limit, log=log)
     summary.update(train_s=round(time.monotonic() - t0, 1), sequences=len(train_seqs),
-                   tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out))
+                   tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out), batch=args.batch,
+                   lr=args.lr, depth=args.depth, max_len=args.max_len,
+                   command="python -m specdec.train_head " + " ".join(sys.argv[1:]))
     prev = Path(args.out) / "train_summary.json"
     if prev.exists():                      # a resumed run adds its time to the earlier calls'
         summary["train_s"] += json.loads(prev.read_text()).get("train_s", 0)
@@ -138,10 +140,12 @@ def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
   prompts ({summary.get('tokens', '?')} response tokens): chat prompts from task templates x topics and
   Glaive / Github_easy schema prompts answered under their grammar (specdec/eagle/data.py). JSON Mode Eval and
   BFCL are held out entirely (bench/spec.py measures on them).
-- Training: {state.get('step')} steps, batch {args.batch}, lr {args.lr}, training-time test depth {args.depth},
-  {summary.get('train_s', '?')} s. Loss first/last 20 steps: {_mean(losses[:20])} / {_mean(losses[-20:])}.
-- Offline acceptance length (greedy, every 50th response held out, K = 1 / 3 / 5): {acc}.
-- Command: `python -m specdec.train_head {' '.join(sys.argv[1:])}`
+- Training: {state.get('step')} steps, batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
+  depth {summary.get('depth')}, sequences cut to {summary.get('max_len')} tokens, {summary.get('train_s', '?')} s.
+  Loss (sum over the unrolled steps) first / last 20 steps: {_mean(losses[:20])} / {_mean(losses[-20:])}.
+- Offline acceptance length (greedy, every 50th response held out, K = 1 / 3 / 5):
+  {' / '.join(f"{v:.2f}" for v in acc.values())}.
+- Commands: `{summary.get('command', '?')}`, then `python -m specdec.train_head {' '.join(sys.argv[1:])}`
 """
 
 
