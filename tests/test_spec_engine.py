@@ -166,3 +166,23 @@ def test_policy_pauses_on_low_acceptance_and_probes():
     for _ in range(10):
         policy.observe(accepted=16, rows=8)       # 3 per row-step: the EMA climbs past 1.5
     assert not any(policy._paused() for _ in range(5))
+
+
+def test_abort_while_speculating_frees_everything(spec_workload):
+    """A request aborted with a spec step in flight leaves no KV page and no speculation row behind; the
+    other request finishes."""
+    prompt = spec_workload[-1][1]
+    eng = LLMEngine(**CPU, speculative="ngram", num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    a, b = eng.add_request(prompt, params), eng.add_request(prompt, params, retain=True)
+    while eng.timings.spec_rows < 2:
+        eng.step()
+    seq = eng._seqs[a]
+    assert seq.spec_row >= 0 and seq.num_pending > 1, "a spec step of the request is in flight"
+    eng.abort(a)
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.spec_row == -1 and not seq.block_table
+    assert len(eng.take(b).output_token_ids) == 24
+    assert_no_leak(eng)
+    assert len(eng.scheduler.spec.pool) == eng.runner.spec_state.num_rows
