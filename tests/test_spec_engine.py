@@ -132,11 +132,12 @@ def test_statistics_and_per_request_k(engine, spec_workload):
 
 def test_seeded_sampling_is_reproducible_across_batches(spec_workload):
     """Rejection sampling draws from the request's seed alone: the same request alone or beside others
-    (admitted in the same step, so every step speculates alike) gives the same tokens."""
+    (admitted in the same step, the acceptance pause off: every step speculates alike) gives the same tokens."""
     prompt, other = spec_workload[-1][1], spec_workload[-2][1]
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
-    eng = LLMEngine(**CPU, speculative="ngram", num_speculative_tokens=3)
-    alone = eng.generate([prompt], params)[0].output_token_ids
+    spec = dict(speculative="ngram", num_speculative_tokens=3, spec_min_acceptance=0.0)
+    alone = LLMEngine(**CPU, **spec).generate([prompt], params)[0].output_token_ids
+    eng = LLMEngine(**CPU, **spec)
     beside = eng.generate([other, prompt], [SamplingParams(max_tokens=24, temperature=0), params])[1]
     assert beside.output_token_ids == alone
     assert eng.timings.spec_rows > 0
