@@ -83,7 +83,8 @@ def test_reference_outputs_are_guided(cases, expected, engine):
     assert re.fullmatch(PHONE, text["regex"]) and re.fullmatch(r"(yes|no), because [a-z ]+\.", text["ebnf"]), text
     assert text["choice"] in cases["choice"][1].choice, text
     ended = [n for n, t in expected.items() if t[-1] in engine.eos_ids]
-    assert len(ended) >= 4, f"most references should end at EOS: {ended}"
+    # 8 references with the schema data (5 JME + 3), 3 without it (a clone without ../shared/data)
+    assert len(ended) >= min(4, len(expected)), f"most references should end at EOS: {ended}"
 
 
 @pytest.mark.parametrize("name", ["regex", "ebnf", "choice", pytest.param("JME_45", marks=needs_data)])
