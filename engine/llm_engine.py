@@ -242,10 +242,7 @@ class LLMEngine(EngineFrontend):
         t1 = time.perf_counter()
         self._yield_to_grammar()
         t_yield = time.perf_counter()
-        rows_before, accepted_before = self.timings.spec_rows, self.timings.spec_accepted
         outputs = self._commit(step.slot.rows, tokens, self.guided.step_failure(step.snapshot))
-        if step.slot.spec_k:
-            self.scheduler.spec.observe(self.timings.spec_accepted - accepted_before, self.timings.spec_rows - rows_before)
         fwd, mask, smp, idle = self.runner.gpu_times_ms(step.slot, step.index, self._last_committed)
         cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
         self._last_committed, self._tokens_landed = step.index, t1
@@ -268,6 +265,7 @@ class LLMEngine(EngineFrontend):
     def _commit(self, rows, tokens: list[int], guided_failure: str | None = None) -> list[RequestOutput]:
         outputs = []
         now = time.perf_counter()
+        spec_rows = spec_accepted = 0
         for row in rows:
             seq = row.seq
             seq.inflight_refs -= 1
@@ -287,10 +285,13 @@ class LLMEngine(EngineFrontend):
                 new = commit_row(seq, row, tokens[row.sample_idx], self.spec_k) if self.spec_k \
                     else tokens[row.sample_idx:row.sample_idx + 1]
                 if row.spec_k:
+                    spec_rows, spec_accepted = spec_rows + 1, spec_accepted + len(new) - 1
                     self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
                 outputs.append(self._commit_tokens(seq, new, now))
             except Exception as exc:
                 outputs.append(self._fail(seq, f"committing its tokens failed: {_describe(exc)}"))
+        if spec_rows:
+            self.scheduler.spec.observe(spec_accepted, spec_rows)
         return outputs
 
     def _commit_tokens(self, seq: Sequence, new: list[int], now: float) -> RequestOutput:

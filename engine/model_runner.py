@@ -135,10 +135,28 @@ class ModelRunner:
 
     def _prepare_row(self, slot: DecodeSlot, i: int, row, t: int, s: int, carries: list) -> tuple[int, int]:
         """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
+        seq, n = row.seq, row.num_tokens
         if self.spec_k:
-            return self._prepare_spec_row(slot, i, row, t, s)
-        h, bs = slot.np, self.config.block_size
-        seq, n, start = row.seq, row.num_tokens, row.start
+            if seq.spec_row < 0:
+                raise RuntimeError("a speculating engine's sequence has no speculation state row")
+            spec_plan.fill_row(slot, i, row, t, self.config.block_size)
+        else:
+            self._fill_tokens(slot.np, row, t, carries)
+        h = slot.np
+        self._write_block_table(slot, i, seq)
+        h["seq_lens"][i] = row.start + n
+        h["cu_seqlens_q"][i + 1] = t + n
+        if row.sample:
+            row.sample_idx = s
+            self._fill_sampling(h, s, t + n - 1, seq)
+            if self.spec_k:
+                spec_plan.fill_sampling_row(slot, s, row, t)
+            s += 1
+        return t + n, s
+
+    def _fill_tokens(self, h, row, t: int, carries: list) -> None:
+        """A row's ids, positions and slot mapping from token t; the pending token is carried over."""
+        bs, seq, n, start = self.config.block_size, row.seq, row.num_tokens, row.start
         end = start + n
         known = min(end, seq.num_tokens)
         bt = seq.block_table
@@ -154,29 +172,6 @@ class ModelRunner:
         if end > known:                                 # the pending token: a placeholder until carried
             h["input_ids"][t + n - 1] = 0
             carries.append((t + n - 1, seq.pending_src))
-        self._write_block_table(slot, i, seq)
-        h["seq_lens"][i] = end
-        t += n
-        h["cu_seqlens_q"][i + 1] = t
-        if row.sample:
-            row.sample_idx = s
-            self._fill_sampling(h, s, t - 1, seq)
-            s += 1
-        return t, s
-
-    def _prepare_spec_row(self, slot: DecodeSlot, i: int, row, t: int, s: int) -> tuple[int, int]:
-        if row.seq.spec_row < 0:
-            raise RuntimeError("a speculating engine's sequence has no speculation state row")
-        spec_plan.fill_row(slot, i, row, t, self.config.block_size)
-        self._write_block_table(slot, i, row.seq)
-        slot.np["seq_lens"][i] = row.start + row.num_tokens
-        slot.np["cu_seqlens_q"][i + 1] = t + row.num_tokens
-        if row.sample:
-            row.sample_idx = s
-            self._fill_sampling(slot.np, s, t + row.num_tokens - 1, row.seq)
-            spec_plan.fill_sampling_row(slot, s, row, t)
-            s += 1
-        return t + row.num_tokens, s
 
     @staticmethod
     def _write_block_table(slot: DecodeSlot, i: int, seq) -> None:

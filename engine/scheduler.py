@@ -76,14 +76,26 @@ class Scheduler:
         return budget
 
     def _could_admit(self, budget: int) -> bool:
+        """Whether _admit_waiting would admit a request now (the first it would try has the pages)."""
         if len(self.running) >= self.max_num_seqs:
             return False
         for seq in self.waiting:
-            n = min(seq.schedule_target - seq.num_computed_tokens, budget)
-            if seq.capped or seq.num_pending or n <= 0:
-                continue
-            return self.blocks.can_allocate(self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table)))
+            n = self._first_chunk(seq, budget)
+            if n:
+                return self.blocks.can_allocate(self._pages_for(seq, n))
         return False
+
+    def _first_chunk(self, seq, budget: int) -> int:
+        """Tokens a waiting sequence would compute if admitted now; 0: it must wait."""
+        if seq.capped:                          # preempted with its last token in flight: ends at commit
+            return 0
+        if self.spec and seq.num_pending:       # how many of its in-flight drafts pass is known at commit only
+            return 0
+        # <= 0: only its sampling token is left, and its grammar is not ready
+        return max(0, min(seq.schedule_target - seq.num_computed_tokens, budget))
+
+    def _pages_for(self, seq, n: int) -> int:
+        return self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
 
     def _reserve(self, seq, n, victims_after) -> bool:
         need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
@@ -102,14 +114,10 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq.capped:                      # preempted with its last token in flight: ends at commit
+            n = self._first_chunk(seq, budget)
+            if not n:
                 continue
-            if self.spec and seq.num_pending:   # how many of its in-flight drafts pass is known at commit only
-                continue
-            n = min(seq.schedule_target - seq.num_computed_tokens, budget)
-            if n <= 0:                          # only its sampling token is left, and its grammar is not ready
-                continue
-            need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
+            need = self._pages_for(seq, n)
             if not self.blocks.can_allocate(need) or (self.spec and not self.spec.pool.take(seq)):
                 break
             self.waiting.remove(seq)
@@ -151,8 +159,10 @@ class Scheduler:
         self.release_if_idle(seq)
 
     def release_if_idle(self, seq: Sequence) -> None:
-        if seq.finalized and seq.inflight_refs == 0 and seq.block_table:
+        if not seq.finalized or seq.inflight_refs:
+            return
+        if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
-        if seq.finalized and seq.inflight_refs == 0 and self.spec:
+        if self.spec:
             self.spec.pool.give_back(seq)

@@ -57,6 +57,14 @@ def _run(depth, workload, graph_layout=False, **cfg):
         return launch(slot, step_index, all_greedy, snapshot)
 
     eng.runner.launch = probe
+    seqs = drive(eng, workload)
+    assert min(refs_seen) >= 1 and max(refs_seen) <= depth
+    return eng, seqs
+
+
+def drive(eng, workload):
+    """Add each (arrival step, prompt, params) at its step and step the engine until every request ends;
+    returns the finished Sequences in workload order."""
     ids, step = {}, 0
     pending = sorted(workload, key=lambda w: w[0])
     while pending or eng.has_unfinished():
@@ -66,9 +74,7 @@ def _run(depth, workload, graph_layout=False, **cfg):
         eng.step()
         step += 1
         assert all(0 <= s.inflight_refs <= 2 for s in eng._seqs.values())
-    seqs = [eng.take(i) for i in sorted(ids, key=ids.get)]
-    assert min(refs_seen) >= 1 and max(refs_seen) <= depth
-    return eng, seqs
+    return [eng.take(i) for i in sorted(ids, key=ids.get)]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_no_leak
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from test_pipeline import PREEMPTING, ROOMY, EagerGraphs, workload  # noqa: F401 (a fixture)
+from test_pipeline import PREEMPTING, ROOMY, EagerGraphs, drive, workload  # noqa: F401 (a fixture)
 
 CPU = dict(device="cpu", dtype="float32", attention_backend="torch")
 # float32: in bfloat16 scoring 1 + K tokens at once rounds differently from scoring one, and a near-tie argmax
@@ -43,14 +43,7 @@ def run(workload, depth, graph_layout=False, cuts=None, **cfg):
                 cuts.append((len(tokens), len(seq.output_token_ids) - before, reason))
             return reason
         eng.output.commit = probe
-    ids, step, pending = {}, 0, sorted(workload, key=lambda w: w[0])
-    while pending or eng.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, prompt, params = pending.pop(0)
-            ids[eng.add_request(prompt, params, retain=True)] = len(ids)
-        eng.step()
-        step += 1
-    seqs = [eng.take(i) for i in sorted(ids, key=ids.get)]
+    seqs = drive(eng, workload)
     assert_no_leak(eng)
     if eng.scheduler.spec:
         assert len(eng.scheduler.spec.pool) == eng.runner.spec_state.num_rows, "speculation rows leaked"
