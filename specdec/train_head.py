@@ -6,7 +6,7 @@
     python -m specdec.train_head --out runs/head --stage export --ship specdec/heads/smollm2-135m
 
 Stages (each resumes from what --out already holds, so a 10-minute device call can stop and go on):
-- generate: our engine answers chat prompts and schema prompts (engine/eagle/data.py) greedily, in chunks
+- generate: our engine answers chat prompts and schema prompts (specdec/eagle/data.py) greedily, in chunks
   of JSONL under OUT/data;
 - train: EAGLE-3 training-time test on those responses, the target frozen; checkpoints OUT/ckpt.pt;
   a held-out slice (every 50th response) gives the offline acceptance length;
@@ -61,14 +61,8 @@ def run_generate(args) -> None:
     kw = dict(max_num_seqs=args.max_seqs) | ({"model": args.model} if args.model else {})
     eng = LLMEngine(**kw, **({} if args.device == "auto" else {"device": args.device}))
     items = head_data.prompt_items(args.data or None, args.num_chat)
-    t0 = time.monotonic()
-    n = -(-len(items) // args.chunk)
-    for c in range(n):
-        if args.time_limit and time.monotonic() - t0 > args.time_limit:
-            log("generate: time limit; run again to go on")
-            break
-        head_data.generate(eng, items[:(c + 1) * args.chunk], os.path.join(args.out, "data"), args.chunk,
-                           args.max_tokens, log)
+    deadline = time.monotonic() + args.time_limit if args.time_limit else None
+    head_data.generate(eng, items, os.path.join(args.out, "data"), args.chunk, args.max_tokens, log, deadline)
     eng.close()
 
 

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 TASKS = ("Explain {t} to a beginner.", "Write a short story about {t}.", "Give five tips about {t}.",
@@ -65,9 +66,10 @@ def prompt_items(data_root: str | None, num_chat: int, seed: int = 0) -> list[di
     return out
 
 
-def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_tokens: int = 256, log=print) -> int:
+def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_tokens: int = 256, log=print,
+             deadline: float | None = None) -> None:
     """Responses for `items`, in chunk files out_dir/chunk_NNNNN.jsonl of {"prompt", "output"} token ids.
-    Returns the number of chunk files present."""
+    Stops before a new chunk once time.monotonic() passes `deadline` (a later call goes on from there)."""
     from engine.sequence import SamplingParams
     os.makedirs(out_dir, exist_ok=True)
     n_chunks = -(-len(items) // chunk)
@@ -75,6 +77,9 @@ def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_toke
         path = Path(out_dir) / f"chunk_{c:05d}.jsonl"
         if path.exists():
             continue
+        if deadline is not None and time.monotonic() > deadline:
+            log("generate: time limit; run again to go on")
+            return
         prompts, params = [], []
         for item in items[c * chunk:(c + 1) * chunk]:
             text = item.get("text") or SCHEMA_PROMPT.format(json.dumps(item["schema"]))
@@ -93,7 +98,6 @@ def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_toke
                                for s in seqs))
         tmp.rename(path)                    # a chunk is there whole or not at all
         log(f"generate: chunk {c + 1}/{n_chunks}, {len(seqs)} responses")
-    return n_chunks
 
 
 def load_sequences(data_dir: str, max_len: int) -> list[tuple[list[int], int]]:
