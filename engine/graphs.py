@@ -60,12 +60,14 @@ def _pad_tokens(h, start: int, end: int) -> None:
         h["tok_row"][start:end] = -1
         h["tok_seq"][start:end] = 0
         h["shift"][start:end] = 0
+        h["next_ids"][start:end] = 0
 
 
 def _pad_seqs(h, start: int, end: int) -> None:
     h["seq_lens"][start:end] = 0
     if "seq_shift" in h:
         h["seq_shift"][start:end] = -1
+        h["kv_cap"][start:end] = 0
 
 
 def pad_rows(slot: DecodeSlot, start: int, end: int) -> None:

@@ -57,7 +57,8 @@ class ModelRunner:
         if self.spec_k:
             # rows for every sequence that may hold pages: running ones, and finished ones in in-flight steps
             self.spec_state = SpecState(3 * config.max_num_seqs, max_model_len, self.spec_k, self.device)
-            self.program = SpecStepProgram(*args, state=self.spec_state, drafter=make_drafter(config),
+            drafter = make_drafter(config, source, self.model, self.backend, self.num_blocks, max_model_len)
+            self.program = SpecStepProgram(*args, state=self.spec_state, drafter=drafter,
                                            block_size=config.block_size, draft_max_rows=self.spec_rows)
         else:
             self.program = StepProgram(*args)

@@ -95,10 +95,11 @@ class Scheduler:
         return max(0, min(seq.schedule_target - seq.num_computed_tokens, budget))
 
     def _pages_for(self, seq, n: int) -> int:
-        return self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
+        need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
+        return self.spec.pages_ahead(self.blocks, seq, n, need) if self.spec else need
 
     def _reserve(self, seq, n, victims_after) -> bool:
-        need = self.blocks.blocks_needed(seq.num_computed_tokens + n, len(seq.block_table))
+        need = self._pages_for(seq, n)
         if need == 0:
             return True
         while not self.blocks.can_allocate(need):

@@ -24,11 +24,13 @@ _FIELDS = {  # name -> (dtype, shape key)
 }
 # With speculation (specdec/): which SpecState row each token / sequence / sampling row belongs to (-1:
 # padding), whether the host planned it as if the sequence's in-flight drafts were all accepted (shift: the
-# device corrects it), each token's row in the step (for its block table), and each sampling row's draft cap.
+# device corrects it), each token's row in the step (for its block table), each sampling row's draft cap, the
+# token after each input (for a draft head: specdec/program.py next_tokens) and the tokens each sequence's
+# pages hold.
 _SPEC_FIELDS = {
     "tok_row": (torch.int64, "tokens"), "tok_seq": (torch.int64, "tokens"), "shift": (torch.int64, "tokens"),
     "seq_shift": (torch.int64, "seqs"), "smp_row": (torch.int64, "seqs"), "smp_shift": (torch.int64, "seqs"),
-    "num_drafts": (torch.int64, "seqs"),
+    "num_drafts": (torch.int64, "seqs"), "next_ids": (torch.int64, "tokens"), "kv_cap": (torch.int64, "seqs"),
 }
 
 

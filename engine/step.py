@@ -37,12 +37,16 @@ class StepProgram:
         ids = slot.dev["input_ids"][:size]
         return gather_carry(ids, slot.dev["carry_src"][:size], prev.sampled) if carry else ids
 
-    def forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int):
-        d, T = slot.dev, ids.shape[0]
-        meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
+    @staticmethod
+    def meta(slot: DecodeSlot, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int):
+        d = slot.dev
+        return AttentionMetadata(slot_mapping=d["slot_mapping"][:num_tokens], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
                                  seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs],
                                  max_query_len=max_query_len, max_seq_len=max_seq_len)
-        return self.model(ids, d["positions"][:T], meta, self.kv_caches, self.backend)
+
+    def forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int, aux_layers=()):
+        meta = self.meta(slot, ids.shape[0], num_seqs, max_query_len, max_seq_len)
+        return self.model(ids, slot.dev["positions"][:ids.shape[0]], meta, self.kv_caches, self.backend, aux_layers)
 
     def logits(self, slot: DecodeSlot, prev: DecodeSlot):
         """An eager step at its exact size: logits of the rows that sample (None if none do)."""

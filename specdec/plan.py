@@ -21,6 +21,7 @@ class SpecPolicy:
     max_model_len: int
     pool: RowPool           # SpecState rows, handed out with pages
     min_acceptance: float = 0.0     # speculate while the recent acceptance length is at least this
+    lookahead: int = 0              # tokens of pages to reserve past a row's inputs when free (head drafts)
     probe_every: int = 16           # below it: one spec step after this many plain ones, to measure again
     ema: float = field(default=0.0, init=False)     # acceptance length of recent spec steps
     _plain: int = field(default=0, init=False)
@@ -40,6 +41,15 @@ class SpecPolicy:
             return False
         self._plain += 1
         return True
+
+    def pages_ahead(self, blocks, seq, n: int, need: int) -> int:
+        """Pages for n more tokens of seq, plus `lookahead` tokens when the pages are free now (a head drafts
+        up to K - 1 positions past a row's last input; without the pages those drafts are poor, not wrong)."""
+        if not self.lookahead:
+            return need
+        more = blocks.blocks_needed(min(seq.num_computed_tokens + n + self.lookahead, self.max_model_len),
+                                    len(seq.block_table))
+        return more if more > need and blocks.can_allocate(more) else need
 
     def request_k(self, seq) -> int:
         if seq.guided is not None:
@@ -89,6 +99,11 @@ def fill_row(slot, i: int, row, t: int, block_size: int) -> None:
         last = t if k else t + n - 1
         h["input_ids"][last] = 0
         h["carry_src"][last] = 0
+    h["next_ids"][t:t + n] = -1                    # the next input of the step, unless known or emitted
+    m = min(end, seq.num_tokens - 1) - start        # inputs whose next token the host knows
+    if m > 0:
+        h["next_ids"][t:t + m] = seq.tokens(start + 1, start + 1 + m)
+    h["kv_cap"][i] = len(bt) * bs
     h["tok_row"][t:t + n] = seq.spec_row
     h["tok_seq"][t:t + n] = i
     h["shift"][t:t + n] = pending
@@ -102,6 +117,12 @@ def fill_sampling_row(slot, s: int, row, t: int) -> None:
     h["smp_shift"][s] = int(seq.num_pending > 0)
     h["num_drafts"][s] = row.num_drafts
     h["logits_indices"][s] = t if row.spec_k else t + row.num_tokens - 1
+    # the inputs whose next token this row emits: -2 - its column in the flattened [S, K + 1] verify output
+    k = row.spec_k
+    if k:
+        h["next_ids"][t:t + k + 1] = range(-2 - s * (k + 1), -3 - s * (k + 1) - k, -1)
+    else:
+        h["next_ids"][t + row.num_tokens - 1] = -2 - s
 
 
 def commit_row(seq, row, entry: list[int], k: int) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 
 from engine.sampler import sample
 from engine.step import StepProgram, _mark
-from specdec.drafters.base import DraftContext
+from specdec.drafters.base import DraftContext, FeatureContext
 from specdec.verify import PAD, greedy_accept, rejection_sample
 
 
@@ -31,6 +31,7 @@ class SpecStepProgram(StepProgram):
         self.drafter = drafter
         self.block_size = block_size
         self.draft_max_rows = draft_max_rows    # steps with more sampling rows skip drafting
+        self.aux_layers = () if drafter.uses_history else tuple(drafter.feature_layers)
 
     def sizes(self, slot, key) -> tuple[int, int, int, int]:
         """(tokens, sequences, sampling rows, K) of a step at its exact size (key None) or padded to a key."""
@@ -47,13 +48,18 @@ class SpecStepProgram(StepProgram):
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, S, self.compute_stream)
         ids = self.correct(slot, T, B, S)
-        logits = self.spec_logits(slot, ids, key, T, B, S, K)
+        meta = self.step_meta(slot, key, T, B, K)
+        out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
+        hidden, features = out if self.aux_layers else (out, None)
+        logits = self.spec_logits(slot, hidden, key, T, S, K)
         _mark(slot, "forward_done")
         mask = self.masks.join(slot, prev, S, self.compute_stream) if guided else None
         _mark(slot, "mask_waited")
+        tokens = accepted = None
         if S:
             tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, mask)
             self.finish(slot, tokens, accepted, drafted, S, K)
+        self.draft(slot, ids, features, meta, tokens, accepted, T, S, K)
 
     # ---- 1. correct ----------------------------------------------------------------------------
     def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
@@ -73,22 +79,25 @@ class SpecStepProgram(StepProgram):
         drafted = st.drafts[tok_rows, (carry - 1).clamp(0, st.drafts.shape[1] - 1)]
         carried = torch.where(carry == 0, st.last_token[tok_rows], drafted)
         ids = torch.where(carry >= 0, carried, d["input_ids"][:T])
-        st.history[tok_rows, pos.clamp(max=st.max_model_len)] = ids.int()
+        if self.drafter.uses_history:
+            st.history[tok_rows, pos.clamp(max=st.max_model_len)] = ids.int()
         return ids
 
     # ---- 2. forward + logits -------------------------------------------------------------------
-    def spec_logits(self, slot, ids, key, T: int, B: int, S: int, K: int):
-        d = slot.dev
+    def step_meta(self, slot, key, T: int, B: int, K: int):
+        """Attention metadata of the step at its exact size (key None) or padded to its graph key."""
         if K:
-            bound = key[2] if key else slot.max_seq_len
-            return self.model.compute_logits(self.forward(slot, ids, B, K + 1, bound)[:T])
+            return self.meta(slot, T, B, K + 1, key[2] if key else slot.max_seq_len)
         if key is None:
-            hidden = self.forward(slot, ids, B, slot.max_query_len, slot.max_seq_len)
-        elif key[0] == "decode":
-            return self.model.compute_logits(self.forward(slot, ids, B, 1, key[2]))
-        else:
-            hidden = self.forward(slot, ids, B, T, self.max_model_len)
-        return self.model.compute_logits(hidden[d["logits_indices"][:S]]) if S else None
+            return self.meta(slot, T, B, slot.max_query_len, slot.max_seq_len)
+        if key[0] == "decode":
+            return self.meta(slot, T, B, 1, key[2])
+        return self.meta(slot, T, B, T, self.max_model_len)
+
+    def spec_logits(self, slot, hidden, key, T: int, S: int, K: int):
+        if K or (key is not None and key[0] == "decode"):
+            return self.model.compute_logits(hidden[:T])
+        return self.model.compute_logits(hidden[slot.dev["logits_indices"][:S]]) if S else None
 
     # ---- 3. verify or sample -------------------------------------------------------------------
     def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, mask):
@@ -113,20 +122,50 @@ class SpecStepProgram(StepProgram):
     def finish(self, slot, tokens, accepted, drafted, S: int, K: int) -> None:
         d, st = slot.dev, self.state
         rows = st.rows(d["smp_row"][:S])
-        first = d["positions"][d["logits_indices"][:S]]          # corrected position of the first scored token
-        j = torch.arange(K + 1, device=tokens.device)
-        cols = first[:, None] + 1 + j[None, :]
-        cols = torch.where((j[None, :] <= accepted[:, None]) & (cols < st.max_model_len), cols, st.max_model_len)
-        st.history[rows[:, None].expand(S, K + 1), cols] = tokens.clamp(min=0).int()
+        if self.drafter.uses_history:
+            first = d["positions"][d["logits_indices"][:S]]      # corrected position of the first scored token
+            j = torch.arange(K + 1, device=tokens.device)
+            cols = first[:, None] + 1 + j[None, :]
+            cols = torch.where((j[None, :] <= accepted[:, None]) & (cols < st.max_model_len), cols, st.max_model_len)
+            st.history[rows[:, None].expand(S, K + 1), cols] = tokens.clamp(min=0).int()
         last = tokens.gather(1, accepted[:, None])[:, 0]
         st.last_token[rows] = last.clamp(min=0)                 # a NO_TOKEN (failed row) carries as token 0
         st.rejected[rows] = K - accepted
-        if S <= self.draft_max_rows:
-            proposal = self.drafter.propose(DraftContext(st.history[rows], first + 2 + accepted))
-            st.drafts[rows] = proposal.draft_tokens
-            st.draft_count[rows] = proposal.num_drafts
         out = slot.spec_out
         out[:S, :K + 1] = tokens
         out[:S, K + 1:st.k + 1] = PAD
         out[:S, st.k + 1] = drafted
         slot.sampled[:S] = tokens[:, 0]
+
+    def draft(self, slot, ids, features, meta, tokens, accepted, T: int, S: int, K: int) -> None:
+        """Drafts for the next step into SpecState, if the step has few enough sampling rows that its
+        sequences may speculate next; a drafter with state (the EAGLE head's KV) sees every step's tokens."""
+        d, st = slot.dev, self.state
+        rows = st.rows(d["smp_row"][:S])
+        drafting = 0 < S <= self.draft_max_rows
+        if self.drafter.uses_history:
+            if drafting:
+                first = d["positions"][d["logits_indices"][:S]]
+                ctx = DraftContext(st.history[rows], first + 2 + accepted)
+        else:
+            last = d["logits_indices"][:S] + (accepted if S else 0)    # each row's last verified input
+            ctx = FeatureContext(None, None, features=features, next_ids=self.next_tokens(slot, ids, tokens, T),
+                                 positions=d["positions"][:T], meta=meta, last=last, last_seq=d["tok_seq"][last],
+                                 last_valid=d["smp_row"][:S] >= 0, kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]])
+            if not drafting:
+                self.drafter.observe(ctx)
+        if drafting:
+            proposal = self.drafter.propose(ctx)
+            st.drafts[rows] = proposal.draft_tokens
+            st.draft_count[rows] = proposal.num_drafts
+
+    @staticmethod
+    def next_tokens(slot, ids, tokens, T: int):
+        """The token after each of the step's inputs (what a draft head embeds with its feature): the host's
+        id (next_ids >= 0), the next input of the step (-1: a token carried on the device), or emitted token
+        c of the flattened [S, K + 1] verify output (-2 - c)."""
+        src = slot.dev["next_ids"][:T]
+        shifted = torch.cat([ids[1:], ids[:1]])
+        flat = tokens.flatten() if tokens is not None else ids[:1]
+        emitted = flat[(-2 - src).clamp(0, flat.shape[0] - 1)]
+        return torch.where(src >= 0, src, torch.where(src == -1, shifted, emitted)).clamp(min=0)

@@ -61,10 +61,15 @@ def _same(got, ref):
     assert [s.text for s in got] == [s.text for s in ref]
 
 
-@pytest.mark.parametrize("k,depth,cfg", [(1, 2, "roomy"), (3, 1, "roomy"), (3, 2, "roomy"), (5, 2, "roomy"),
-                                         (3, 1, "preempting"), (3, 2, "preempting")])
-def test_greedy_speculation_equals_plain(spec_workload, reference, k, depth, cfg):
-    eng, got = run(spec_workload, depth, speculative="ngram", num_speculative_tokens=k,
+CASES = [(1, 2, "roomy"), (3, 1, "roomy"), (3, 2, "roomy"), (5, 2, "roomy"), (3, 1, "preempting"),
+         (3, 2, "preempting")]
+
+
+@pytest.mark.parametrize("drafter,k,depth,cfg", [(d, *c) for d in ("ngram", "eagle") for c in CASES])
+def test_greedy_speculation_equals_plain(spec_workload, reference, drafter, k, depth, cfg):
+    """Every drafter: n-gram, and the EAGLE head shipped for the default model (its KV pages come and go with
+    the target's: the leak check covers them)."""
+    eng, got = run(spec_workload, depth, speculative=drafter, num_speculative_tokens=k,
                    **(ROOMY if cfg == "roomy" else PREEMPTING))
     _same(got, reference[cfg])
     t = eng.timings
@@ -95,8 +100,9 @@ def test_stops_inside_accepted_runs(engine, depth):
     assert eng.timings.acceptance_length > 1.5
 
 
-def test_graph_padded_spec_steps_change_no_token(spec_workload, reference):
-    eng, got = run(spec_workload, 2, graph_layout=True, speculative="ngram", num_speculative_tokens=3)
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_graph_padded_spec_steps_change_no_token(spec_workload, reference, drafter):
+    eng, got = run(spec_workload, 2, graph_layout=True, speculative=drafter, num_speculative_tokens=3)
     _same(got, reference["roomy"])
     assert eng.runner.graphs.replays["spec"] > 0 and eng.runner.graphs.replays["mixed"] > 0
 
@@ -123,12 +129,13 @@ def test_statistics_and_per_request_k(engine, spec_workload):
     assert_no_leak(eng)
 
 
-def test_seeded_sampling_is_reproducible_across_batches(spec_workload):
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_seeded_sampling_is_reproducible_across_batches(spec_workload, drafter):
     """Rejection sampling draws from the request's seed alone: the same request alone or beside others
     (admitted in the same step, the acceptance pause off: every step speculates alike) gives the same tokens."""
     prompt, other = spec_workload[-1][1], spec_workload[-2][1]
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
-    spec = dict(speculative="ngram", num_speculative_tokens=3, spec_min_acceptance=0.0)
+    spec = dict(speculative=drafter, num_speculative_tokens=3, spec_min_acceptance=0.0)
     alone = LLMEngine(**CPU, **spec).generate([prompt], params)[0].output_token_ids
     eng = LLMEngine(**CPU, **spec)
     beside = eng.generate([other, prompt], [SamplingParams(max_tokens=24, temperature=0), params])[1]
@@ -138,10 +145,10 @@ def test_seeded_sampling_is_reproducible_across_batches(spec_workload):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [1, 3])
-def test_gpu_graphs_speculation_equals_plain(spec_workload, k):
+@pytest.mark.parametrize("drafter,k", [("ngram", 1), ("ngram", 3), ("eagle", 1), ("eagle", 3)])
+def test_gpu_graphs_speculation_equals_plain(spec_workload, drafter, k):
     _, ref = run(spec_workload, 2, **GPU_GRAPHS)
-    eng, got = run(spec_workload, 2, speculative="ngram", num_speculative_tokens=k, debug_sync=True,
+    eng, got = run(spec_workload, 2, speculative=drafter, num_speculative_tokens=k, debug_sync=True,
                    **GPU_GRAPHS)
     _same(got, ref)
     assert eng.runner.graphs.replays["spec"] > 0, "no spec step ran in a graph"

@@ -177,22 +177,32 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, backend):
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, backend, aux_layers=()):
+        """Final hidden states [T, hidden]; with aux_layers, also the outputs of those layers (the residual
+        stream after each, HF's hidden_states[i + 1]) concatenated to [T, len(aux_layers) * hidden], for a
+        draft head (specdec/eagle)."""
         if backend.fused:
-            return self._forward_fused(input_ids, positions, meta, kv_caches, backend)
-        x = self.embed_tokens(input_ids)
+            return self._forward_fused(input_ids, positions, meta, kv_caches, backend, aux_layers)
+        x, aux = self.embed_tokens(input_ids), []
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
-        for layer, kv in zip(self.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, meta, kv, backend)
-        return self.norm(x)
+            if i in aux_layers:
+                aux.append(x)
+        return (self.norm(x), torch.cat(aux, dim=-1)) if aux_layers else self.norm(x)
 
-    def _forward_fused(self, input_ids, positions, meta, kv_caches, backend):
-        h, residual = self.embed_tokens(input_ids), None
+    def _forward_fused(self, input_ids, positions, meta, kv_caches, backend, aux_layers=()):
+        h, residual, aux = self.embed_tokens(input_ids), None, []
         rope_cache = (self.cos_cache, self.sin_cache)
-        for layer, kv in zip(self.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             h, residual = layer.forward_fused(h, residual, positions, rope_cache, meta, kv, backend)
+            if i in aux_layers:
+                aux.append(h + residual)
         h, _ = backend.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
-        return h
+        return (h, torch.cat(aux, dim=-1)) if aux_layers else h
+
+    def final_norm(self, x, backend):
+        return backend.ops.rms_norm(x, self.norm.weight, self.norm.eps) if backend.fused else self.norm(x)
 
     def compute_logits(self, hidden):
         weight = self.embed_tokens.weight if self.tied else self.lm_head.weight

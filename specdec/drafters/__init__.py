@@ -1,12 +1,37 @@
 """Drafters for speculative decoding: the interface (base.py) and one file per method."""
-from specdec.drafters.base import DraftContext, Drafter, Proposal
+from specdec.drafters.base import DraftContext, Drafter, FeatureContext, Proposal
 from specdec.drafters.ngram import NgramDrafter, ngram_propose
 
-__all__ = ["DraftContext", "Drafter", "NgramDrafter", "Proposal", "make_drafter", "ngram_propose"]
+__all__ = ["DraftContext", "Drafter", "FeatureContext", "NgramDrafter", "Proposal", "make_drafter",
+           "ngram_propose", "default_head_dir"]
 
 
-def make_drafter(config) -> Drafter:
-    """The drafter an EngineConfig names (config.speculative)."""
+def make_drafter(config, source=None, model=None, backend=None, num_blocks: int = 0, max_model_len: int = 0) -> Drafter:
+    """The drafter an EngineConfig names (config.speculative). A head drafter also needs the target
+    (its ModelSource and loaded model), the attention backend and the KV page count it shares."""
     if config.speculative == "ngram":
         return NgramDrafter(config.num_speculative_tokens, config.ngram_min_n, config.ngram_max_n)
+    if config.speculative == "eagle":
+        from specdec.drafters.eagle import EagleDrafter
+        from specdec.eagle.paged import PagedHead, check_head, load_head, random_head
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        where = config.spec_head or default_head_dir(source)
+        head = random_head(source.config, dtype, device) if where == "random" else load_head(where, dtype, device)
+        check_head(head, source.config)
+        k = config.num_speculative_tokens
+        paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
+        return EagleDrafter(k, paged, config.block_size, max_model_len)
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
+
+
+def default_head_dir(source) -> str:
+    """The shipped head trained for this model (specdec/heads/*/head.json names its target)."""
+    import json
+    from specdec.eagle.paged import HEADS
+    def stem(name: str) -> str:            # "SmolLM2-135M-Instruct.Q4_1" (a converted GGUF) names the same model
+        return name.split(".")[0].lower()
+    for meta in sorted(HEADS.glob("*/head.json")):
+        if stem(json.loads(meta.read_text()).get("target", "")) == stem(source.name):
+            return str(meta.parent)
+    raise ValueError(f"no trained draft head ships for model {source.name!r}: pass spec_head=PATH (a directory "
+                     f"from `python -m specdec.train_head`) or spec_head='random' (an untrained head)")

@@ -9,7 +9,7 @@ shapes that depend only on input shapes and the drafter's configuration. A new m
 Inputs travel in a `DraftContext`. It holds what every method can use (the token history); methods that
 need more (an EAGLE-style head: the target's hidden states at the newly verified tokens and their positions;
 a draft model: its own KV cache and attention metadata) extend it with a subclass that adds those fields,
-rather than each new method changing `propose`'s signature. This mirrors vLLM, whose n-gram proposer reads
+rather than each new method changing `propose`'s signature (`FeatureContext` is the head's). This mirrors vLLM, whose n-gram proposer reads
 token ids alone while its EAGLE proposer also takes target hidden states and attention metadata, and
 SGLang, whose EAGLE worker carries them in a draft-input object next to the batch.
 """
@@ -36,6 +36,29 @@ class DraftContext:
     lengths: torch.Tensor
 
 
+@dataclass
+class FeatureContext(DraftContext):
+    """What a draft head reads from a step (history and lengths are None: it does not search tokens).
+
+    features: [T, F] the target's hidden states at the drafter's `feature_layers`, one row per input token.
+    next_ids: [T] int64, the token after each input (a prompt's next token, or what the step emitted).
+    positions: [T] int64 and meta (AttentionMetadata): the step's corrected positions, slot mapping, block
+        tables and sequence lengths; a drafter with its own paged KV cache writes it with them.
+    last: [S] int64, each sampling row's last verified input token (drafts continue after the token it
+        predicted); last_seq: [S] its sequence in meta; last_valid: [S] bool, False for padding rows.
+    kv_cap: [B] int64, tokens the pages of each sequence hold (a drafter writing past its input positions
+        must stay below it).
+    """
+    features: torch.Tensor = None
+    next_ids: torch.Tensor = None
+    positions: torch.Tensor = None
+    meta: object = None
+    last: torch.Tensor = None
+    last_seq: torch.Tensor = None
+    last_valid: torch.Tensor = None
+    kv_cap: torch.Tensor = None
+
+
 class Proposal(NamedTuple):
     """A drafter's output for N rows and K = num_speculative_tokens. Unpacks as a tuple.
 
@@ -57,10 +80,16 @@ class Drafter(abc.ABC):
 
     name: str
     num_speculative_tokens: int
+    uses_history = True     # False: gets a FeatureContext (and sets feature_layers, the target layers it reads)
+    feature_layers: tuple = ()
 
     @abc.abstractmethod
     def propose(self, ctx: DraftContext) -> Proposal:
         """Draft up to K tokens per row of `ctx`; fixed-shape, no host sync (see the module docstring)."""
+
+    def observe(self, ctx: DraftContext) -> None:
+        """A step that drafts nothing (too many rows) still shows the drafter its tokens: a drafter with state
+        of its own (a head's KV cache) updates it here. Stateless drafters need nothing."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, k={self.num_speculative_tokens})"

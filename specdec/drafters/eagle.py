@@ -1,0 +1,61 @@
+"""EAGLE-3-style drafting with a trained one-layer head (specdec/eagle/), inside the target's step graph.
+
+Every step, the head writes its KV for the step's tokens from the target's hidden states at its feature layers
+(`PagedHead.write_kv`). A row that drafts then runs K single-token layers from its last verified input t:
+step 0 queries at t, step i >= 1 at t + i, and each hidden state's argmax under the target's LM head is the
+next draft. Drafts are greedy, so verification takes them as one-hot proposals (draft_probs None), which
+keeps rejection sampling lossless.
+
+Draft step i writes its key at position t + i, which may lie past the step's inputs: the scheduler reserves
+K - 1 tokens of pages ahead when it can (`SpecPolicy.lookahead`), and a write that would land past a
+sequence's pages (`kv_cap`) or the context is dropped (that draft is then a poor guess, never a wrong output).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from specdec.drafters.base import Drafter, FeatureContext, Proposal
+from specdec.eagle.paged import PagedHead
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    uses_history = False
+
+    def __init__(self, k: int, head: PagedHead, block_size: int, max_model_len: int):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        self.num_speculative_tokens = k
+        self.head = head
+        self.feature_layers = tuple(head.cfg.feature_layers)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+
+    def observe(self, ctx: FeatureContext) -> None:
+        self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
+
+    def propose(self, ctx: FeatureContext) -> Proposal:
+        q, feature = self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
+        start = ctx.positions[ctx.last]
+        table = ctx.meta.block_tables[ctx.last_seq]
+        cap = ctx.kv_cap[ctx.last_seq].clamp(max=self.max_model_len)
+        cu = torch.arange(start.shape[0] + 1, dtype=torch.int32, device=start.device)
+        hidden = self.head.attend(q[ctx.last], self._meta(ctx, start, start, table, cap, cu), feature[ctx.last])
+        drafts = [self.head.greedy(hidden)]
+        for i in range(1, self.num_speculative_tokens):
+            pos = start + i
+            hidden = self.head.step(hidden, drafts[-1], pos, self._meta(ctx, start, pos, table, cap, cu))
+            drafts.append(self.head.greedy(hidden))
+        tokens = torch.stack(drafts, dim=1)
+        return Proposal(tokens, torch.full_like(tokens[:, 0], self.num_speculative_tokens), None)
+
+    def _meta(self, ctx: FeatureContext, start, pos, table, cap, cu) -> AttentionMetadata:
+        """One query per row at `pos`, writing its key there if the row's pages reach it; a row whose pages do
+        not attends to what they hold (up to its start, always written)."""
+        bs = self.block_size
+        ok = ctx.last_valid & (pos < cap)
+        page = table.gather(1, (pos // bs).clamp(max=table.shape[1] - 1)[:, None])[:, 0].long()
+        mapping = torch.where(ok, page * bs + pos % bs, -1)
+        seq_lens = torch.where(ok, pos + 1, start + 1).int()
+        return AttentionMetadata(mapping, cu, seq_lens, table, 1, ctx.meta.max_seq_len)

@@ -1,0 +1,118 @@
+"""The draft head as the engine runs it: one decoder layer over its own paged KV cache, inside the step.
+
+The head's cache has the target's page layout and is indexed by the same block tables and slot mapping, so a
+sequence's pages hold the target's KV of every layer and the head's of its one; they come and go together.
+
+Position t of the head's cache holds the key of "the head at t": the fused target feature at t and the
+embedding of token t + 1 (what `unrolled_logits` calls step 0). `write_kv` writes it for every token of a
+step (prompt chunks included) once the step's tokens are known. A draft from position t then runs single-token
+layers: step 0 queries at t and predicts token t + 2; draft step i >= 1 sits at position t + i, takes the
+previous hidden state as its feature and the previous draft's embedding, writes its key there, and predicts
+token t + 2 + i. Those draft keys are overwritten by `write_kv` of the next steps before anything reads
+them as step-0 keys: a step rewrites every position from its first input on, and a query reads only
+positions up to its own.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kernels import fused_ops
+from specdec.eagle.head import EagleHead, HeadConfig
+
+HEADS = Path(__file__).resolve().parent.parent / "heads"
+REF_OPS = SimpleNamespace(rms_norm=fused_ops.rms_norm_ref, rope_store_kv=fused_ops.rope_store_kv_ref,
+                          silu_mul=fused_ops.silu_mul_ref)
+
+
+def load_head(path: str | Path, dtype: torch.dtype, device: torch.device) -> EagleHead:
+    """A head directory (head.json + head.safetensors, as `specdec.train_head --stage export` writes it)."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    for name in ("head.json", "head.safetensors"):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"draft head directory {path} has no {name}")
+    raw = json.loads((path / "head.json").read_text())
+    fields = {k: raw[k] for k in HeadConfig.__dataclass_fields__}
+    fields["feature_layers"] = tuple(fields["feature_layers"])
+    head = EagleHead(HeadConfig(**fields))
+    head.load_state_dict(load_file(str(path / "head.safetensors")))
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def random_head(target_config: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> EagleHead:
+    """An untrained head (tests and benchmarks of the machinery: its drafts are rarely accepted)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = EagleHead(HeadConfig.for_target(target_config))
+        for p in (head.input_norms, head.embed_norm, head.feature_norm, head.post_norm):
+            p.data.fill_(1.0)
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def check_head(head: EagleHead, target_config: dict) -> None:
+    """A head drafts for a target only if its widths and feature layers fit it."""
+    c, h, n = head.cfg, target_config["hidden_size"], target_config["num_hidden_layers"]
+    if c.hidden_size != h:
+        raise ValueError(f"draft head hidden size {c.hidden_size} != the model's {h}")
+    if max(c.feature_layers) >= n:
+        raise ValueError(f"draft head reads layers {c.feature_layers}, the model has {n}")
+
+
+class PagedHead:
+    def __init__(self, head: EagleHead, target, backend, num_blocks: int, block_size: int, max_positions: int):
+        c = head.cfg
+        self.head, self.cfg, self.target, self.backend = head, c, target, backend
+        self.ops = backend.ops if backend.fused else REF_OPS
+        w = head.fc.weight
+        self.qkv_weight = torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight])
+        self.gate_up_weight = torch.cat([head.gate_proj.weight, head.up_proj.weight])
+        self.sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        freqs = torch.outer(torch.arange(max_positions).float(), inv).to(w.device)
+        self.cos, self.sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+        self.scale = c.head_dim ** -0.5
+
+    def _inputs(self, feature, next_ids):
+        """Normed [embedding of the next token, feature] -> fused q / k / v [N, heads, head_dim]."""
+        c, h = self.cfg, self.head
+        x = torch.cat([self.ops.rms_norm(self.target.embed_tokens(next_ids), h.embed_norm, c.rms_norm_eps),
+                       self.ops.rms_norm(feature, h.feature_norm, c.rms_norm_eps)], dim=-1)
+        q, k, v = torch.nn.functional.linear(x, self.qkv_weight).split(self.sizes, dim=-1)
+        return (q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
+                v.view(-1, c.num_kv_heads, c.head_dim))
+
+    def write_kv(self, features, next_ids, positions, slot_mapping):
+        """Step-0 keys of a step's tokens (features [T, 3H] from the target's forward) into the head's cache.
+        Returns (rotated queries [T, heads, head_dim], fused features [T, H]) for the rows that draft."""
+        feature = self.head.fuse(features.to(self.qkv_weight.dtype))
+        q, k, v = self._inputs(feature, next_ids)
+        return self._rope_store(q, k, v, positions, slot_mapping), feature
+
+    def _rope_store(self, q, k, v, positions, slot_mapping):
+        return self.ops.rope_store_kv(q, k, v, positions, self.cos, self.sin, self.k_cache, self.v_cache, slot_mapping)
+
+    def attend(self, q, meta: AttentionMetadata, residual):
+        """The layer's output [N, H] for queries q [N, heads, head_dim] (one per sequence of `meta`)."""
+        h = self.head
+        out = self.backend.attend(q.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
+        o = torch.nn.functional.linear(out.flatten(1), h.o_proj.weight)
+        x, hidden = self.ops.rms_norm(o, h.post_norm, self.cfg.rms_norm_eps, residual)
+        gate_up = torch.nn.functional.linear(x, self.gate_up_weight)
+        return hidden + torch.nn.functional.linear(self.ops.silu_mul(gate_up), h.down_proj.weight)
+
+    def step(self, hidden, token, positions, meta: AttentionMetadata):
+        """Draft step i >= 1: the previous hidden state and draft token at `positions` (one per sequence)."""
+        q, k, v = self._inputs(hidden, token)
+        return self.attend(self._rope_store(q, k, v, positions, meta.slot_mapping), meta, hidden)
+
+    def greedy(self, hidden):
+        """The target's final norm and LM head on the head's hidden states -> argmax tokens [N]."""
+        return self.target.compute_logits(self.target.final_norm(hidden, self.backend)).argmax(-1)
