@@ -80,7 +80,10 @@ def load_prompts(eng, item: str, root: str, limit: int) -> tuple[str, list[list[
 
 def build(args, streams: int, drafter: str, k: int, **extra):
     from engine.llm_engine import LLMEngine
-    kw = dict(dtype=args.dtype, depth=args.depth, max_num_seqs=streams, enforce_eager=args.enforce_eager)
+    # several engines live side by side (one per mode): KV pages for `streams` sequences of 2,048 tokens each,
+    # not a share of free memory (the third engine's share left too little for its graphs)
+    kw = dict(dtype=args.dtype, depth=args.depth, max_num_seqs=streams, enforce_eager=args.enforce_eager,
+              num_kv_blocks=max(streams, 8) * 2048 // 16, block_size=16)
     if drafter != "none":
         kw.update(speculative=drafter, num_speculative_tokens=k, spec_max_batch=streams)
     if args.model:

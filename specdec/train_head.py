@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--data", default=os.environ.get("SPECDEC_DATA", "../shared/data") + "/jsonschemabench",
                    help="schema data root (Glaive, Github_easy prompts); '' for chat prompts only")
     p.add_argument("--num-chat", type=int, default=4000)
+    p.add_argument("--schema-variants", type=int, default=4, help="phrasings each schema is asked in")
+    p.add_argument("--max-sequences", type=int, default=0, help="train on the first N sequences only (0: all)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--max-seqs", type=int, default=128, help="engine batch while generating")
@@ -60,7 +62,7 @@ def run_generate(args) -> None:
     from engine.llm_engine import LLMEngine
     kw = dict(max_num_seqs=args.max_seqs) | ({"model": args.model} if args.model else {})
     eng = LLMEngine(**kw, **({} if args.device == "auto" else {"device": args.device}))
-    items = head_data.prompt_items(args.data or None, args.num_chat)
+    items = head_data.prompt_items(args.data or None, args.num_chat, schema_variants=args.schema_variants)
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
     head_data.generate(eng, items, os.path.join(args.out, "data"), args.chunk, args.max_tokens, log, deadline)
     eng.close()
@@ -85,6 +87,8 @@ def run_train(args) -> dict:
     if len(seqs) < 2:
         raise SystemExit(f"no training data under {args.out}/data: run --stage generate first")
     held_out, train_seqs = seqs[::50][:64], [s for i, s in enumerate(seqs) if i % 50]
+    if args.max_sequences:                  # a data-size study: the same held-out set, less training data
+        train_seqs = train_seqs[:args.max_sequences]
     log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
     t0 = time.monotonic()
     # the head trains in float32 (the target runs in bfloat16 on CUDA): it is small, and bf16 rounding of its

@@ -20,16 +20,31 @@ TASKS = ("Explain {t} to a beginner.", "Write a short story about {t}.", "Give f
          "Write a haiku about {t}.", "Compare {t} with a related idea.", "Describe a typical day involving {t}.",
          "List the pros and cons of {t}.", "Write a product description for something related to {t}.",
          "Answer as a JSON object with keys summary and keywords: what is {t}?",
-         "Write Python code that models {t} with a small class.", "Write an email asking a colleague about {t}.")
+         "Write Python code that models {t} with a small class.", "Write an email asking a colleague about {t}.",
+         "Give a step-by-step guide to getting started with {t}.", "Write three quiz questions about {t}.",
+         "Explain {t} in one paragraph, then give an example.", "What should I know before investing time in {t}?",
+         "Write a tweet about {t}.", "Draft a meeting agenda about {t}.", "Define five key terms related to {t}.",
+         "Write a JSON list of three facts about {t}.", "Describe {t} to a ten-year-old.",
+         "Write a short dialogue between two people discussing {t}.", "Suggest a weekend project involving {t}.")
 TOPICS = ("photosynthesis", "the stock market", "machine learning", "gardening", "the French revolution",
           "climate change", "black holes", "jazz music", "sourdough bread", "electric cars", "the immune system",
           "chess openings", "remote work", "volcanoes", "the internet", "marathon training", "coffee",
           "quantum computing", "bees", "public speaking", "databases", "the Roman empire", "sleep", "recycling",
           "video games", "oceans", "budgeting", "solar panels", "dinosaurs", "learning a language", "weather APIs",
           "booking flights", "calendar scheduling", "unit conversion", "recipes", "password security",
-          "shipping packages", "hotel reservations", "currency exchange", "sports scores", "music playlists")
+          "shipping packages", "hotel reservations", "currency exchange", "sports scores", "music playlists",
+          "git branches", "kubernetes", "REST APIs", "spreadsheets", "email marketing", "customer support",
+          "home insurance", "time zones", "invoices", "stock tickers", "movie recommendations", "restaurant orders",
+          "fitness tracking", "smart home devices", "translation", "news headlines", "job interviews", "mortgages",
+          "car maintenance", "birdwatching", "knitting", "photography", "podcasts", "board games", "mountains",
+          "rivers", "ancient Egypt", "the moon landing", "vaccines", "nutrition", "meditation", "cybersecurity",
+          "open source software", "cloud storage", "weather forecasts", "traffic", "electric grids", "batteries")
 SCHEMA_DIRS = ("raw/Glaiveai2K", "raw/Github_easy")
 SCHEMA_PROMPT = "Produce a JSON object that matches this schema:\n{}"
+# Phrasings of a schema request: one schema gives several distinct responses (more data per schema).
+SCHEMA_PROMPTS = (SCHEMA_PROMPT, "Return only JSON that validates against this JSON schema, with realistic values:\n{}",
+                  "You are calling a tool. Write its arguments as JSON following this schema:\n{}",
+                  "Create an example record about {topic} for this schema. Output JSON only.\n{}")
 
 
 def chat_texts(n: int, seed: int = 0) -> list[str]:
@@ -51,10 +66,17 @@ def schema_items(data_root: str) -> list[dict]:
     return items
 
 
-def prompt_items(data_root: str | None, num_chat: int, seed: int = 0) -> list[dict]:
-    """Work items: {"text"} chat prompts, then {"schema"} prompts, interleaved so any prefix mixes both."""
-    chat = [{"text": t} for t in chat_texts(num_chat, seed)]
-    schemas = schema_items(data_root) if data_root else []
+def prompt_items(data_root: str | None, num_chat: int, seed: int = 0, schema_variants: int = 1) -> list[dict]:
+    """Work items: {"text"} chat prompts and {"schema", "template"} prompts, interleaved so any prefix mixes
+    both. Chat prompts past the distinct task x topic pairs repeat a pair sampled (temperature 0.8, their own
+    seed) so they still add new responses; each schema is asked in `schema_variants` phrasings."""
+    unique = len(TASKS) * len(TOPICS)
+    chat = [{"text": t} | ({"temperature": 0.8, "seed": seed * 1_000_003 + i} if i >= unique else {})
+            for i, t in enumerate(chat_texts(num_chat, seed))]
+    rng = random.Random(seed)
+    schemas = [s | {"template": v, "topic": rng.choice(TOPICS)}
+               for v in range(min(schema_variants, len(SCHEMA_PROMPTS)))
+               for s in (schema_items(data_root) if data_root else [])]
     out, i, j = [], 0, 0
     while i < len(chat) or j < len(schemas):
         if i < len(chat):
@@ -82,14 +104,15 @@ def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_toke
             return
         prompts, params = [], []
         for item in items[c * chunk:(c + 1) * chunk]:
-            text = item.get("text") or SCHEMA_PROMPT.format(json.dumps(item["schema"]))
+            text = item.get("text") or SCHEMA_PROMPTS[item.get("template", 0)].replace(
+                "{topic}", item.get("topic", "")).format(json.dumps(item["schema"]))
             ids = engine.apply_chat_template([{"role": "user", "content": text}])
             if len(ids) + max_tokens > engine.max_model_len:
                 continue                    # a schema too long for the context
             prompts.append(ids)
             try:
-                params.append(SamplingParams(max_tokens=max_tokens, temperature=0,
-                                             json_schema=item.get("schema")))
+                params.append(SamplingParams(max_tokens=max_tokens, temperature=item.get("temperature", 0),
+                                             seed=item.get("seed"), json_schema=item.get("schema")))
             except ValueError:              # a schema the engine refuses: answer it unguided
                 params.append(SamplingParams(max_tokens=max_tokens, temperature=0))
         seqs = [s for s in engine.generate(prompts, params) if s.finish_reason != "error"]

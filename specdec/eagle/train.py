@@ -99,7 +99,9 @@ def train(head: EagleHead, target: Target, seqs, held_out, *, out_dir: str, step
     step = start
     for step in range(start, steps):
         rng.seed(seed * 1_000_003 + step)              # the batch of a step is the same after a resume
-        lr_now = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * (1 - step / steps))
+        # linear decay over the planned steps, or over the time limit if that comes first
+        done = max(step / steps, (time.monotonic() - t0) / time_limit_s if time_limit_s else 0.0)
+        lr_now = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * max(0.0, 1 - done))
         for g in opt.param_groups:
             g["lr"] = lr_now
         loss, _ = step_outputs(head, target, *make_batch(rng.sample(seqs, min(batch, len(seqs))), device), depth)
