@@ -38,24 +38,29 @@ class EagleDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         q, feature = self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
         start = ctx.positions[ctx.last]
+        pos, mapping, seq_lens = self._layout(ctx, start)
         table = ctx.meta.block_tables[ctx.last_seq]
-        cap = ctx.kv_cap[ctx.last_seq].clamp(max=self.max_model_len)
         cu = torch.arange(start.shape[0] + 1, dtype=torch.int32, device=start.device)
-        hidden = self.head.attend(q[ctx.last], self._meta(ctx, start, start, table, cap, cu), feature[ctx.last])
+
+        def meta(i):
+            return AttentionMetadata(mapping[i], cu, seq_lens[i], table, 1, ctx.meta.max_seq_len)
+        hidden = self.head.attend(q[ctx.last], meta(0), feature[ctx.last])
         drafts = [self.head.greedy(hidden)]
         for i in range(1, self.num_speculative_tokens):
-            pos = start + i
-            hidden = self.head.step(hidden, drafts[-1], pos, self._meta(ctx, start, pos, table, cap, cu))
+            hidden = self.head.step(hidden, drafts[-1], pos[i], meta(i))
             drafts.append(self.head.greedy(hidden))
         tokens = torch.stack(drafts, dim=1)
         return Proposal(tokens, torch.full_like(tokens[:, 0], self.num_speculative_tokens), None)
 
-    def _meta(self, ctx: FeatureContext, start, pos, table, cap, cu) -> AttentionMetadata:
-        """One query per row at `pos`, writing its key there if the row's pages reach it; a row whose pages do
-        not attends to what they hold (up to its start, always written)."""
-        bs = self.block_size
-        ok = ctx.last_valid & (pos < cap)
-        page = table.gather(1, (pos // bs).clamp(max=table.shape[1] - 1)[:, None])[:, 0].long()
+    def _layout(self, ctx: FeatureContext, start):
+        """Draft step i's query position, KV slot and sequence length per row, as [K, S] rows: step i sits at
+        start + i and writes its key there if the row's pages reach it; a row whose pages do not writes nothing
+        and attends to what they hold (up to its start, always written). Step 0 writes nothing (write_kv did)."""
+        bs, table = self.block_size, ctx.meta.block_tables[ctx.last_seq]
+        cap = ctx.kv_cap[ctx.last_seq].clamp(max=self.max_model_len)
+        pos = start[:, None] + torch.arange(self.num_speculative_tokens, device=start.device)[None, :]
+        ok = ctx.last_valid[:, None] & (pos < cap[:, None])
+        page = table.gather(1, (pos // bs).clamp(max=table.shape[1] - 1)).long()
         mapping = torch.where(ok, page * bs + pos % bs, -1)
-        seq_lens = torch.where(ok, pos + 1, start + 1).int()
-        return AttentionMetadata(mapping, cu, seq_lens, table, 1, ctx.meta.max_seq_len)
+        seq_lens = torch.where(ok, pos + 1, start[:, None] + 1).int()
+        return pos.t().contiguous(), mapping.t().contiguous(), seq_lens.t().contiguous()

@@ -8,7 +8,8 @@ with the head). Drafting K tokens feeds the head its own hidden state in place o
 from the second draft on; training unrolls the same thing (`unrolled_logits`, EAGLE-3's training-time test).
 
 This file holds the weights and the dense (training / offline evaluation) forward. The in-engine forward
-over paged KV reuses the same `layer_inputs`, `rope` and `mlp_out`.
+over paged KV (specdec/eagle/paged.py) computes the same layer with the norm weights folded into the matmuls;
+tests/test_spec_eagle.py checks that its drafts equal `unrolled_logits`'.
 """
 from __future__ import annotations
 
