@@ -24,11 +24,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=2, choices=[1, 2],
                    help="1: blocking loop; 2: pipelined (the next step launches before this one commits)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--speculative", default="none", choices=["none", "ngram", "eagle"],
-                   help="draft tokens and verify them in the step (ngram: prompt lookup)")
+    p.add_argument("--speculative", default="none", choices=["none", "ngram", "eagle", "draft_model"],
+                   help="draft tokens and verify them in the step (ngram: prompt lookup; eagle: the trained head)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per step")
     p.add_argument("--spec-head", default="", metavar="DIR",
                    help="eagle: draft head directory (default: the head shipped for the model; 'random')")
+    p.add_argument("--spec-draft-model", default="", metavar="MODEL",
+                   help="draft_model: a smaller model sharing the tokenizer (path, 'default', 'dummy:NAME')")
     g = p.add_argument_group("guided decoding (at most one guide)")
     g.add_argument("--json-schema", default=None, metavar="FILE|JSON", help="output matches this JSON schema")
     g.add_argument("--json", action="store_true", help="output is a JSON object")
@@ -43,7 +45,8 @@ def _engine(args):
     cfg = EngineConfig(**({"model": args.model} if args.model else {}), device=args.device, dtype=args.dtype,
                        attention_backend=args.attention_backend, max_num_seqs=8, depth=args.depth,
                        enforce_eager=args.enforce_eager, speculative=args.speculative,
-                       num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head)
+                       num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head,
+                       spec_draft_model=args.spec_draft_model)
     return LLMEngine(cfg)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SPECULATIVE = ("none", "ngram", "eagle")
+SPECULATIVE = ("none", "ngram", "eagle", "draft_model")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,8 +36,9 @@ class EngineConfig:
                                        # commits and plans, when that step has >= grammar_yield_min_rows guided
     grammar_yield_min_rows: int = 16   # rows. Off: on an H100 it gained at 32 rows in one run and lost in the
                                        # next (bench/results/guided.md), so no measured gain
-    speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" (specdec/drafters); verified in the step
+    speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (specdec/drafters)
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
+    spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
     num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
     spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than
                                        # they gain once the forward is no longer launch-bound)

@@ -64,7 +64,7 @@ class LLMEngine(EngineFrontend):
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, RowPool(self.runner.spec_state.num_rows),
-                          config.spec_min_acceptance, lookahead=self.spec_k - 1 if config.speculative == "eagle" else 0
+                          config.spec_min_acceptance, lookahead=self.runner.program.drafter.lookahead
                           ) if self.spec_k else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec)
         self.eos_ids = self._eos_ids()

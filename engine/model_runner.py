@@ -44,6 +44,7 @@ class ModelRunner:
         self.model = build_model(source, self.dtype, self.device, max_model_len)
         self.vocab = source.config["vocab_size"]
         self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
+        self.source = source
         self.num_blocks = self._num_kv_blocks(source.config)
         self.kv_caches = self._allocate_kv(source.config)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
@@ -84,6 +85,9 @@ class ModelRunner:
             return self.config.num_kv_blocks
         (bs, h, d), layers = self._kv_shape(cfg)
         bytes_per_block = 2 * layers * bs * h * d * torch.finfo(self.dtype).bits // 8
+        if self.config.speculative == "draft_model":        # its KV cache has as many pages as the target's
+            from specdec.drafters.draft_model import draft_source, kv_bytes_per_block
+            bytes_per_block += kv_bytes_per_block(draft_source(self.config, self.source), bs, self.dtype)
         if self.cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(1, int(free * self.config.kv_cache_memory_fraction) // bytes_per_block)

@@ -31,7 +31,7 @@ class SpecStepProgram(StepProgram):
         self.drafter = drafter
         self.block_size = block_size
         self.draft_max_rows = draft_max_rows    # steps with more sampling rows skip drafting
-        self.aux_layers = () if drafter.uses_history else tuple(drafter.feature_layers)
+        self.aux_layers = tuple(drafter.feature_layers)
 
     def sizes(self, slot, key) -> tuple[int, int, int, int]:
         """(tokens, sequences, sampling rows, K) of a step at its exact size (key None) or padded to a key."""
@@ -149,7 +149,7 @@ class SpecStepProgram(StepProgram):
                 ctx = DraftContext(st.history[rows], first + 2 + accepted)
         else:
             last = d["logits_indices"][:S] + (accepted if S else 0)    # each row's last verified input
-            ctx = FeatureContext(None, None, features=features, next_ids=self.next_tokens(slot, ids, tokens, T),
+            ctx = FeatureContext(None, None, input_ids=ids, features=features, next_ids=self.next_tokens(slot, ids, tokens, T),
                                  positions=d["positions"][:T], meta=meta, last=last, last_seq=d["tok_seq"][last],
                                  last_valid=d["smp_row"][:S] >= 0, kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]])
             if not drafting:

@@ -65,16 +65,33 @@ CASES = [(1, 2, "roomy"), (3, 1, "roomy"), (3, 2, "roomy"), (5, 2, "roomy"), (3,
          (3, 2, "preempting")]
 
 
-@pytest.mark.parametrize("drafter,k,depth,cfg", [(d, *c) for d in ("ngram", "eagle") for c in CASES])
+# draft_model drafts with the default model itself (so nearly every draft passes, and stops land inside long
+# accepted runs) or with a random two-layer model (nearly none pass)
+DRAFT_MODELS = {"draft_model": "default", "draft_model-random": "dummy:smollm2-tiny"}
+
+
+def drafter_cfg(drafter: str) -> dict:
+    if drafter in DRAFT_MODELS:
+        return dict(speculative="draft_model", spec_draft_model=DRAFT_MODELS[drafter])
+    return dict(speculative=drafter)
+
+
+@pytest.mark.parametrize("drafter,k,depth,cfg", [(d, *c) for d in ("ngram", "eagle") for c in CASES] + [
+    ("draft_model", 1, 2, "roomy"), ("draft_model", 3, 2, "roomy"), ("draft_model", 3, 1, "preempting"),
+    ("draft_model-random", 3, 2, "preempting")])
 def test_greedy_speculation_equals_plain(spec_workload, reference, drafter, k, depth, cfg):
-    """Every drafter: n-gram, and the EAGLE head shipped for the default model (its KV pages come and go with
-    the target's: the leak check covers them)."""
-    eng, got = run(spec_workload, depth, speculative=drafter, num_speculative_tokens=k,
+    """Every drafter: n-gram, the EAGLE head shipped for the default model, and a draft model (the KV pages of
+    a head or a draft model come and go with the target's: the leak check covers them)."""
+    eng, got = run(spec_workload, depth, num_speculative_tokens=k, **drafter_cfg(drafter),
                    **(ROOMY if cfg == "roomy" else PREEMPTING))
     _same(got, reference[cfg])
     t = eng.timings
-    assert t.spec_rows > 0 and t.spec_accepted > 0, "nothing was speculated or accepted"
-    assert 1.0 < t.acceptance_length <= k + 1
+    assert t.spec_rows > 0, "nothing was speculated"
+    if drafter == "draft_model-random":                 # random drafts: verification rejects (nearly) all
+        return
+    assert t.spec_accepted > 0 and 1.0 < t.acceptance_length <= k + 1
+    if drafter == "draft_model" and cfg == "roomy":    # the target drafting for itself, in float32
+        assert t.acceptance_length > k + 0.5
     if cfg == "preempting":
         assert eng.scheduler.num_preemptions > 0
 
@@ -100,9 +117,9 @@ def test_stops_inside_accepted_runs(engine, depth):
     assert eng.timings.acceptance_length > 1.5
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "draft_model"])
 def test_graph_padded_spec_steps_change_no_token(spec_workload, reference, drafter):
-    eng, got = run(spec_workload, 2, graph_layout=True, speculative=drafter, num_speculative_tokens=3)
+    eng, got = run(spec_workload, 2, graph_layout=True, num_speculative_tokens=3, **drafter_cfg(drafter))
     _same(got, reference["roomy"])
     assert eng.runner.graphs.replays["spec"] > 0 and eng.runner.graphs.replays["mixed"] > 0
 
@@ -145,10 +162,10 @@ def test_seeded_sampling_is_reproducible_across_batches(spec_workload, drafter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("drafter,k", [("ngram", 1), ("ngram", 3), ("eagle", 1), ("eagle", 3)])
+@pytest.mark.parametrize("drafter,k", [("ngram", 1), ("ngram", 3), ("eagle", 1), ("eagle", 3), ("draft_model", 3)])
 def test_gpu_graphs_speculation_equals_plain(spec_workload, drafter, k):
     _, ref = run(spec_workload, 2, **GPU_GRAPHS)
-    eng, got = run(spec_workload, 2, speculative=drafter, num_speculative_tokens=k, debug_sync=True,
+    eng, got = run(spec_workload, 2, num_speculative_tokens=k, debug_sync=True, **drafter_cfg(drafter),
                    **GPU_GRAPHS)
     _same(got, ref)
     assert eng.runner.graphs.replays["spec"] > 0, "no spec step ran in a graph"

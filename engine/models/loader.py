@@ -34,7 +34,10 @@ _LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
 _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=512, rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
              eos_token_id=0)  # for tests: small enough for the Triton CPU interpreter
-DUMMY_SHAPES = {"smollm2-135m": _SMOLLM2_135M, "llama-1b": _LLAMA_1B, "llama-8b": _LLAMA_8B, "tiny": _TINY}
+# a two-layer model with SmolLM2's vocabulary: a cheap draft model for the default model in tests and benchmarks
+_SMOLLM2_TINY = dict(_TINY, vocab_size=49152, tie_word_embeddings=True)
+DUMMY_SHAPES = {"smollm2-135m": _SMOLLM2_135M, "llama-1b": _LLAMA_1B, "llama-8b": _LLAMA_8B, "tiny": _TINY,
+                "smollm2-tiny": _SMOLLM2_TINY}
 
 
 @dataclass(frozen=True)

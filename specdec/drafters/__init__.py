@@ -21,6 +21,13 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         k = config.num_speculative_tokens
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
         return EagleDrafter(k, paged, config.block_size, max_model_len)
+    if config.speculative == "draft_model":
+        from engine.models.weights import build_model
+        from specdec.drafters.draft_model import DraftModelDrafter, draft_source
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        draft = build_model(draft_source(config, source), dtype, device, max_model_len + 1)
+        return DraftModelDrafter(config.num_speculative_tokens, draft, backend, num_blocks, config.block_size,
+                                 max_model_len)
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
 
 

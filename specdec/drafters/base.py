@@ -40,7 +40,9 @@ class DraftContext:
 class FeatureContext(DraftContext):
     """What a draft head reads from a step (history and lengths are None: it does not search tokens).
 
-    features: [T, F] the target's hidden states at the drafter's `feature_layers`, one row per input token.
+    input_ids: [T] int64, the step's input tokens (carried ones filled in).
+    features: [T, F] the target's hidden states at the drafter's `feature_layers`, one row per input token
+        (None for a drafter that reads none).
     next_ids: [T] int64, the token after each input (a prompt's next token, or what the step emitted).
     positions: [T] int64 and meta (AttentionMetadata): the step's corrected positions, slot mapping, block
         tables and sequence lengths; a drafter with its own paged KV cache writes it with them.
@@ -49,6 +51,7 @@ class FeatureContext(DraftContext):
     kv_cap: [B] int64, tokens the pages of each sequence hold (a drafter writing past its input positions
         must stay below it).
     """
+    input_ids: torch.Tensor = None
     features: torch.Tensor = None
     next_ids: torch.Tensor = None
     positions: torch.Tensor = None
@@ -82,6 +85,7 @@ class Drafter(abc.ABC):
     num_speculative_tokens: int
     uses_history = True     # False: gets a FeatureContext (and sets feature_layers, the target layers it reads)
     feature_layers: tuple = ()
+    lookahead = 0           # positions past a row's inputs it writes KV at (the scheduler reserves pages for them)
 
     @abc.abstractmethod
     def propose(self, ctx: DraftContext) -> Proposal:
@@ -93,3 +97,18 @@ class Drafter(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, k={self.num_speculative_tokens})"
+
+
+def draft_layout(ctx: FeatureContext, start, offset: int, k: int, block_size: int, max_model_len: int):
+    """Where a paged drafter's K single-token forwards sit, as [K, S] rows (row i: forward i of every sampling
+    row): position start + offset + i, the KV slot it writes, and the sequence length it attends to. A row whose
+    pages (kv_cap) or context do not reach the position writes nothing (slot -1) and attends to what its pages
+    hold up to `start` (always written); so do padding rows (last_valid False)."""
+    table = ctx.meta.block_tables[ctx.last_seq]
+    cap = ctx.kv_cap[ctx.last_seq].clamp(max=max_model_len)
+    pos = start[:, None] + offset + torch.arange(k, device=start.device)[None, :]
+    ok = ctx.last_valid[:, None] & (pos < cap[:, None])
+    page = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1)).long()
+    mapping = torch.where(ok, page * block_size + pos % block_size, -1)
+    seq_lens = torch.where(ok, pos + 1, start[:, None] + 1).int()
+    return pos.clamp(max=max_model_len).t().contiguous(), mapping.t().contiguous(), seq_lens.t().contiguous()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from specdec.drafters.base import Drafter, FeatureContext, Proposal
+from specdec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
 from specdec.eagle.paged import PagedHead
 
 
@@ -27,6 +27,7 @@ class EagleDrafter(Drafter):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         self.num_speculative_tokens = k
+        self.lookahead = k - 1                  # draft step i writes its key at t + i
         self.head = head
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.block_size = block_size
@@ -38,7 +39,8 @@ class EagleDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         q, feature = self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
         start = ctx.positions[ctx.last]
-        pos, mapping, seq_lens = self._layout(ctx, start)
+        pos, mapping, seq_lens = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size,
+                                              self.max_model_len)
         table = ctx.meta.block_tables[ctx.last_seq]
         cu = torch.arange(start.shape[0] + 1, dtype=torch.int32, device=start.device)
 
@@ -51,16 +53,3 @@ class EagleDrafter(Drafter):
             drafts.append(self.head.greedy(hidden))
         tokens = torch.stack(drafts, dim=1)
         return Proposal(tokens, torch.full_like(tokens[:, 0], self.num_speculative_tokens), None)
-
-    def _layout(self, ctx: FeatureContext, start):
-        """Draft step i's query position, KV slot and sequence length per row, as [K, S] rows: step i sits at
-        start + i and writes its key there if the row's pages reach it; a row whose pages do not writes nothing
-        and attends to what they hold (up to its start, always written). Step 0 writes nothing (write_kv did)."""
-        bs, table = self.block_size, ctx.meta.block_tables[ctx.last_seq]
-        cap = ctx.kv_cap[ctx.last_seq].clamp(max=self.max_model_len)
-        pos = start[:, None] + torch.arange(self.num_speculative_tokens, device=start.device)[None, :]
-        ok = ctx.last_valid[:, None] & (pos < cap[:, None])
-        page = table.gather(1, (pos // bs).clamp(max=table.shape[1] - 1)).long()
-        mapping = torch.where(ok, page * bs + pos % bs, -1)
-        seq_lens = torch.where(ok, pos + 1, start[:, None] + 1).int()
-        return pos.t().contiguous(), mapping.t().contiguous(), seq_lens.t().contiguous()
