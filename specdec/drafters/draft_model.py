@@ -23,7 +23,8 @@ def draft_source(config, target_source):
     from engine.models.loader import resolve_model
     if not config.spec_draft_model:
         raise ValueError("speculative='draft_model' needs spec_draft_model (a model path, 'default' or 'dummy:NAME')")
-    source = resolve_model(config.spec_draft_model)
+    # "default" is what the engine takes by default (SPECDEC_MODEL, else the default model)
+    source = resolve_model(None if config.spec_draft_model == "default" else config.spec_draft_model)
     if source.config["vocab_size"] != target_source.config["vocab_size"]:
         raise ValueError(f"draft model {source.name!r} has vocabulary {source.config['vocab_size']}, the target "
                          f"{target_source.config['vocab_size']}: they must share the tokenizer")
