@@ -92,6 +92,13 @@ def test_prompt_items_mix_chat_and_schemas(tmp_path):
     items = prompt_items(str(tmp_path), num_chat=3)
     assert [("text" in i) for i in items] == [True, False, True, True]
     assert len(set(chat_texts(500))) == 500
+    from specdec.eagle.data import TASKS, TOPICS
+    unique = len(TASKS) * len(TOPICS)
+    many = prompt_items(str(tmp_path), num_chat=unique + 2, schema_variants=3)
+    assert [i["template"] for i in many if "schema" in i] == [0, 1, 2], "each schema asked in 3 phrasings"
+    chat = [i for i in many if "text" in i]
+    assert all("temperature" not in i for i in chat[:unique]) and [i["temperature"] for i in chat[unique:]] == [0.8] * 2
+    assert chat[unique]["seed"] != chat[unique + 1]["seed"], "a repeated prompt is sampled with its own seed"
     data = tmp_path / "data"
     data.mkdir()
     (data / "chunk_00000.jsonl").write_text(json.dumps({"prompt": [1, 2], "output": [3, 4, 5]}) + "\n")
