@@ -21,6 +21,7 @@ from engine.slots import DecodeSlot
 from engine.step import StepProgram
 from specdec import plan as spec_plan
 from specdec.drafters import make_drafter
+from specdec.drafters.draft_model import draft_source, kv_bytes_per_block
 from specdec.program import SpecStepProgram
 from specdec.state import SpecState
 
@@ -44,7 +45,8 @@ class ModelRunner:
         self.model = build_model(source, self.dtype, self.device, max_model_len)
         self.vocab = source.config["vocab_size"]
         self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
-        self.source = source
+        # a draft model's source is resolved once (resolving the default model hashes its GGUF)
+        self.draft_source = draft_source(config, source) if config.speculative == "draft_model" else None
         self.num_blocks = self._num_kv_blocks(source.config)
         self.kv_caches = self._allocate_kv(source.config)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
@@ -58,7 +60,8 @@ class ModelRunner:
         if self.spec_k:
             # rows for every sequence that may hold pages: running ones, and finished ones in in-flight steps
             self.spec_state = SpecState(3 * config.max_num_seqs, max_model_len, self.spec_k, self.device)
-            drafter = make_drafter(config, source, self.model, self.backend, self.num_blocks, max_model_len)
+            drafter = make_drafter(config, source, self.model, self.backend, self.num_blocks, max_model_len,
+                                   self.draft_source)
             self.program = SpecStepProgram(*args, state=self.spec_state, drafter=drafter,
                                            block_size=config.block_size, draft_max_rows=self.spec_rows)
         else:
@@ -85,9 +88,8 @@ class ModelRunner:
             return self.config.num_kv_blocks
         (bs, h, d), layers = self._kv_shape(cfg)
         bytes_per_block = 2 * layers * bs * h * d * torch.finfo(self.dtype).bits // 8
-        if self.config.speculative == "draft_model":        # its KV cache has as many pages as the target's
-            from specdec.drafters.draft_model import draft_source, kv_bytes_per_block
-            bytes_per_block += kv_bytes_per_block(draft_source(self.config, self.source), bs, self.dtype)
+        if self.draft_source is not None:                   # its KV cache has as many pages as the target's
+            bytes_per_block += kv_bytes_per_block(self.draft_source, bs, self.dtype)
         if self.cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(1, int(free * self.config.kv_cache_memory_fraction) // bytes_per_block)

@@ -44,9 +44,9 @@ class StepProgram:
                                  seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs],
                                  max_query_len=max_query_len, max_seq_len=max_seq_len)
 
-    def forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int, aux_layers=()):
+    def forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int):
         meta = self.meta(slot, ids.shape[0], num_seqs, max_query_len, max_seq_len)
-        return self.model(ids, slot.dev["positions"][:ids.shape[0]], meta, self.kv_caches, self.backend, aux_layers)
+        return self.model(ids, slot.dev["positions"][:ids.shape[0]], meta, self.kv_caches, self.backend)
 
     def logits(self, slot: DecodeSlot, prev: DecodeSlot):
         """An eager step at its exact size: logits of the rows that sample (None if none do)."""

@@ -9,7 +9,8 @@ from engine.models.weights import _init_dummy
 from specdec.drafters.base import FeatureContext
 from specdec.drafters.eagle import EagleDrafter
 from specdec.eagle.head import unrolled_logits
-from specdec.eagle.paged import PagedHead, check_head, random_head
+from specdec.eagle.paged import PagedHead, check_head
+from specdec.eagle.train import new_head
 
 TINY = dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
@@ -23,7 +24,7 @@ def parts():
     _init_dummy(target, seed=0)
     target.init_rope(128, torch.device("cpu"))
     with torch.no_grad():                       # a head that drafts something other than one token everywhere
-        head = random_head(TINY, torch.float32, torch.device("cpu"), seed=3)
+        head = new_head(TINY, torch.float32, torch.device("cpu"), seed=3).requires_grad_(False)
         for p in head.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)

@@ -43,6 +43,13 @@ def rope_inv_freq(cfg: dict, head_dim: int) -> torch.Tensor:
     return inv
 
 
+def rope_tables(inv: torch.Tensor, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos / sin [max_positions, head_dim] for the rotate-half layout (apply_rope, rope_store_kv)."""
+    freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv.to(device))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
     factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_len = s["original_max_position_embeddings"]
@@ -171,11 +178,8 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope(self, max_positions: int, device) -> None:
         """Built after the weights land (the module may have been created on the meta device)."""
-        head_dim = self.layers[0].self_attn.head_dim
-        inv = rope_inv_freq(self.cfg, head_dim).to(device)
-        freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
+        self.cos_cache, self.sin_cache = rope_tables(rope_inv_freq(self.cfg, self.layers[0].self_attn.head_dim),
+                                                     max_positions, device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, backend, aux_layers=()):
         """Final hidden states [T, hidden]; with aux_layers, also the outputs of those layers (the residual

@@ -6,28 +6,30 @@ __all__ = ["DraftContext", "Drafter", "FeatureContext", "NgramDrafter", "Proposa
            "ngram_propose", "default_head_dir"]
 
 
-def make_drafter(config, source=None, model=None, backend=None, num_blocks: int = 0, max_model_len: int = 0) -> Drafter:
-    """The drafter an EngineConfig names (config.speculative). A head drafter also needs the target
-    (its ModelSource and loaded model), the attention backend and the KV page count it shares."""
+def make_drafter(config, source=None, model=None, backend=None, num_blocks: int = 0, max_model_len: int = 0,
+                 draft=None) -> Drafter:
+    """The drafter an EngineConfig names (config.speculative). A head or a draft model also needs the target
+    (its ModelSource and loaded model), the attention backend and the KV page count it shares; a draft model
+    its ModelSource (`draft`, from draft_model.draft_source)."""
     if config.speculative == "ngram":
         return NgramDrafter(config.num_speculative_tokens, config.ngram_min_n, config.ngram_max_n)
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if config.speculative == "eagle":
         from specdec.drafters.eagle import EagleDrafter
-        from specdec.eagle.paged import PagedHead, check_head, load_head, random_head
-        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        from specdec.eagle.paged import PagedHead, check_head, load_head
+        from specdec.eagle.train import new_head
         where = config.spec_head or default_head_dir(source)
-        head = random_head(source.config, dtype, device) if where == "random" else load_head(where, dtype, device)
+        head = new_head(source.config, dtype, device).requires_grad_(False) if where == "random" \
+            else load_head(where, dtype, device)
         check_head(head, source.config)
         k = config.num_speculative_tokens
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
         return EagleDrafter(k, paged, config.block_size, max_model_len)
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
-        from specdec.drafters.draft_model import DraftModelDrafter, draft_source
-        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-        draft = build_model(draft_source(config, source), dtype, device, max_model_len + 1)
-        return DraftModelDrafter(config.num_speculative_tokens, draft, backend, num_blocks, config.block_size,
-                                 max_model_len)
+        from specdec.drafters.draft_model import DraftModelDrafter
+        return DraftModelDrafter(config.num_speculative_tokens, build_model(draft, dtype, device, max_model_len + 1),
+                                 backend, num_blocks, config.block_size, max_model_len)
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
 
 

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.attention import AttentionMetadata
+
 
 @dataclass
 class DraftContext:
@@ -100,15 +102,18 @@ class Drafter(abc.ABC):
 
 
 def draft_layout(ctx: FeatureContext, start, offset: int, k: int, block_size: int, max_model_len: int):
-    """Where a paged drafter's K single-token forwards sit, as [K, S] rows (row i: forward i of every sampling
-    row): position start + offset + i, the KV slot it writes, and the sequence length it attends to. A row whose
-    pages (kv_cap) or context do not reach the position writes nothing (slot -1) and attends to what its pages
-    hold up to `start` (always written); so do padding rows (last_valid False)."""
+    """Where a paged drafter's K single-token forwards sit: (positions [K, S], [AttentionMetadata] * K), forward
+    i of every sampling row at position start + offset + i, writing its KV slot and attending to its sequence
+    up to there. A row whose pages (kv_cap) or context do not reach the position writes nothing (slot -1) and
+    attends to what its pages hold up to `start` (always written); so do padding rows (last_valid False)."""
     table = ctx.meta.block_tables[ctx.last_seq]
     cap = ctx.kv_cap[ctx.last_seq].clamp(max=max_model_len)
     pos = start[:, None] + offset + torch.arange(k, device=start.device)[None, :]
     ok = ctx.last_valid[:, None] & (pos < cap[:, None])
     page = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1)).long()
     mapping = torch.where(ok, page * block_size + pos % block_size, -1)
-    seq_lens = torch.where(ok, pos + 1, start[:, None] + 1).int()
-    return pos.clamp(max=max_model_len).t().contiguous(), mapping.t().contiguous(), seq_lens.t().contiguous()
+    seq_lens = torch.where(ok, pos + 1, start[:, None] + 1).int().t().contiguous()
+    mapping = mapping.t().contiguous()
+    cu = torch.arange(start.shape[0] + 1, dtype=torch.int32, device=start.device)
+    metas = [AttentionMetadata(mapping[i], cu, seq_lens[i], table, 1, ctx.meta.max_seq_len) for i in range(k)]
+    return pos.clamp(max=max_model_len).t().contiguous(), metas

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
 from specdec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
 
 
@@ -60,14 +59,10 @@ class DraftModelDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         self.observe(ctx)
         start = ctx.positions[ctx.last]
-        pos, mapping, seq_lens = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size,
-                                              self.max_model_len)
-        table = ctx.meta.block_tables[ctx.last_seq]
-        cu = torch.arange(start.shape[0] + 1, dtype=torch.int32, device=start.device)
+        pos, metas = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size, self.max_model_len)
         token, drafts = ctx.next_ids[ctx.last], []
         for j in range(self.num_speculative_tokens):
-            meta = AttentionMetadata(mapping[j], cu, seq_lens[j], table, 1, ctx.meta.max_seq_len)
-            hidden = self.model(token, pos[j], meta, self.kv_caches, self.backend)
+            hidden = self.model(token, pos[j], metas[j], self.kv_caches, self.backend)
             token = self.model.compute_logits(hidden).argmax(-1)
             drafts.append(token)
         tokens = torch.stack(drafts, dim=1)

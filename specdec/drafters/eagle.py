@@ -7,14 +7,13 @@ next draft. Drafts are greedy, so verification takes them as one-hot proposals (
 keeps rejection sampling lossless.
 
 Draft step i writes its key at position t + i, which may lie past the step's inputs: the scheduler reserves
-K - 1 tokens of pages ahead when it can (`SpecPolicy.lookahead`), and a write that would land past a
+K - 1 tokens of pages ahead when it can (`Drafter.lookahead`), and a write that would land past a
 sequence's pages (`kv_cap`) or the context is dropped (that draft is then a poor guess, never a wrong output).
 """
 from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
 from specdec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
 from specdec.eagle.paged import PagedHead
 
@@ -39,17 +38,11 @@ class EagleDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         q, feature = self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
         start = ctx.positions[ctx.last]
-        pos, mapping, seq_lens = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size,
-                                              self.max_model_len)
-        table = ctx.meta.block_tables[ctx.last_seq]
-        cu = torch.arange(start.shape[0] + 1, dtype=torch.int32, device=start.device)
-
-        def meta(i):
-            return AttentionMetadata(mapping[i], cu, seq_lens[i], table, 1, ctx.meta.max_seq_len)
-        hidden = self.head.attend(q[ctx.last], meta(0), feature[ctx.last])
+        pos, metas = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size, self.max_model_len)
+        hidden = self.head.attend(q[ctx.last], metas[0], feature[ctx.last])
         drafts = [self.head.greedy(hidden)]
         for i in range(1, self.num_speculative_tokens):
-            hidden = self.head.step(hidden, drafts[-1], pos[i], meta(i))
+            hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
             drafts.append(self.head.greedy(hidden))
         tokens = torch.stack(drafts, dim=1)
         return Proposal(tokens, torch.full_like(tokens[:, 0], self.num_speculative_tokens), None)

@@ -22,6 +22,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels import fused_ops
+from engine.models.llama import rope_inv_freq, rope_tables
 from specdec.eagle.head import EagleHead, HeadConfig
 
 HEADS = Path(__file__).resolve().parent.parent / "heads"
@@ -44,16 +45,6 @@ def load_head(path: str | Path, dtype: torch.dtype, device: torch.device) -> Eag
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def random_head(target_config: dict, dtype: torch.dtype, device: torch.device, seed: int = 0) -> EagleHead:
-    """An untrained head (tests and benchmarks of the machinery: its drafts are rarely accepted)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        head = EagleHead(HeadConfig.for_target(target_config))
-        for p in (head.input_norms, head.embed_norm, head.feature_norm, head.post_norm):
-            p.data.fill_(1.0)
-    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
 def check_head(head: EagleHead, target_config: dict) -> None:
     """A head drafts for a target only if its widths and feature layers fit it."""
     c, h, n = head.cfg, target_config["hidden_size"], target_config["num_hidden_layers"]
@@ -69,8 +60,8 @@ class PagedHead:
         self.head, self.cfg, self.target, self.backend = head, c, target, backend
         self.ops = backend.ops if backend.fused else REF_OPS
         w = head.fc.weight
-        # Each RMSNorm's weight is folded into the matmul after it (the norms then run with unit weights, all
-        # rows of one kind in one kernel): the head runs ~20 kernels per draft position, a fifth of its cost
+        # Each input RMSNorm's weight is folded into the matmul after it: the norms then run with unit weights,
+        # all pieces of one input in one kernel (fewer small kernels in every step)
         self.fc_weight = w * head.input_norms.flatten()[None, :]
         self.qkv_weight = torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]) \
             * torch.cat([head.embed_norm, head.feature_norm])[None, :]
@@ -80,9 +71,8 @@ class PagedHead:
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        freqs = torch.outer(torch.arange(max_positions).float(), inv).to(w.device)
-        self.cos, self.sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+        self.cos, self.sin = rope_tables(rope_inv_freq({"rope_theta": c.rope_theta}, c.head_dim), max_positions,
+                                         w.device)
         self.scale = c.head_dim ** -0.5
 
     def _unit_norm(self, x, parts: int):

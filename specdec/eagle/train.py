@@ -139,6 +139,10 @@ def evaluate(head: EagleHead, target: Target, seqs, depth: int, batch: int = 8) 
     return acceptance_length(torch.cat(counts)) if counts else 0.0
 
 
-def new_head(target_config: dict, dtype, device) -> EagleHead:
-    torch.manual_seed(0)
-    return EagleHead(HeadConfig.for_target(target_config)).to(device=device, dtype=dtype)
+def new_head(target_config: dict, dtype, device, seed: int = 0) -> EagleHead:
+    """An untrained head for the target, the same for the same seed (the global RNG is left as it was): the
+    start of training, and `spec_head="random"` (drafts rarely accepted: tests of the machinery)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = EagleHead(HeadConfig.for_target(target_config))
+    return head.to(device=device, dtype=dtype)
