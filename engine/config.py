@@ -39,6 +39,10 @@ class EngineConfig:
     speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (specdec/drafters)
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
+    guided_draft_masks: bool = True    # guided + speculative: each draft step of a head / draft model picks its
+                                       # token under the row's grammar (one host callback per draft step)
+    guided_forced_drafts: bool = True  # guided + speculative: where the grammar allows one continuing text, draft
+                                       # its tokens in place of the drafter's (engine/guided/draft_masks.py)
     num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
     spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than
                                        # they gain once the forward is no longer launch-bound)

@@ -161,8 +161,6 @@ class StepGraphs:
                 prev = slots[1 - slot.index]
                 for key in self.keys():
                     for variant in self.variants:
-                        if key[0] == "spec" and variant[0]:
-                            continue                        # guided rows never speculate (yet)
                         self._set_empty_step(slot, key)
                         if key not in warm or variant not in warm:  # each shape and each variant once
                             program.step(slot, prev, variant, key)      # warm-up: Triton compiles here

@@ -60,7 +60,8 @@ class LLMEngine(EngineFrontend):
         self.tokenizer = load_tokenizer(self.source)
         ctx = int(self.source.config.get("max_position_embeddings", 8192))
         self.max_model_len = min(config.max_model_len or ctx, ctx)
-        self.runner = ModelRunner(config, self.source, self.max_model_len)
+        encode = (lambda text: self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer else None
+        self.runner = ModelRunner(config, self.source, self.max_model_len, encode)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, RowPool(self.runner.spec_state.num_rows),
@@ -199,7 +200,8 @@ class LLMEngine(EngineFrontend):
         if planned is None:
             return False
         rows, slot = planned
-        snapshot = build_snapshot(slot.index, rows)         # before the rows count this step's tokens
+        # before the rows count this step's tokens
+        snapshot = build_snapshot(slot.index, rows, self._step_index, 1 + slot.spec_k)
         for row in rows:
             seq = row.seq
             seq.inflight_refs += 1

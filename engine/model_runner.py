@@ -14,9 +14,11 @@ import torch
 from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.graphs import StepGraphs
+from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks
 from engine.models.loader import ModelSource
 from engine.models.weights import build_model
+from engine.sampler import apply_bitmask
 from engine.slots import DecodeSlot
 from engine.step import StepProgram
 from specdec import plan as spec_plan
@@ -37,7 +39,7 @@ class RowError(Exception):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, encode=None):
         self.config = config
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.cuda = self.device.type == "cuda"
@@ -51,9 +53,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(source.config)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
-        self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, config.grammar_threads) \
-            if config.guided else None
         self.spec_k = config.spec_k
+        self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, config.grammar_threads,
+                                  self.spec_k) if config.guided else None
         self.spec_rows = spec_rows_limit(config)
         self.spec_state = None
         args = (self.model, self.kv_caches, self.backend, max_model_len, self.compute_stream, self.masks)
@@ -63,7 +65,8 @@ class ModelRunner:
             drafter = make_drafter(config, source, self.model, self.backend, self.num_blocks, max_model_len,
                                    self.draft_source)
             self.program = SpecStepProgram(*args, state=self.spec_state, drafter=drafter,
-                                           block_size=config.block_size, draft_max_rows=self.spec_rows)
+                                           block_size=config.block_size, draft_max_rows=self.spec_rows,
+                                           draft_masks=self._draft_masks(drafter, encode))
         else:
             self.program = StepProgram(*args)
         max_blocks = -(-max_model_len // config.block_size)
@@ -101,6 +104,15 @@ class ModelRunner:
         return [(torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device),
                  torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device))
                 for _ in range(layers)]
+
+    def _draft_masks(self, drafter, encode):
+        """Grammar masks / forced tokens for the draft steps of a drafter that picks tokens (not n-gram)."""
+        c = self.config
+        forced = c.guided_forced_drafts and encode is not None
+        if self.masks is None or drafter.uses_history or not (c.guided_draft_masks or forced):
+            return None
+        return DraftMasks(self.masks, self.spec_k, self.spec_rows, c.guided_draft_masks, forced, encode,
+                          getattr(self.backend, "apply_bitmask", apply_bitmask))
 
     def _events(self, names, timing: bool, external: bool = False):
         if not self.cuda:

@@ -73,7 +73,7 @@ class StepProgram:
             self.masks.branch(slot, prev, rows, self.compute_stream)
         logits = self.logits(slot, prev) if key is None else self.graph_logits(slot, prev, key)
         _mark(slot, "forward_done")
-        mask = self.masks.join(slot, prev, rows, self.compute_stream) if guided else None
+        mask = self.masks.join(slot, prev, rows, self.compute_stream)[0] if guided else None
         _mark(slot, "mask_waited")
         if rows:
             self.sample(slot, logits, rows, greedy, mask)

@@ -2,7 +2,7 @@
 (fill_row), laid out for specdec/program.py.
 
 A step speculates (every row gets 1 + K query tokens: its last token, then K drafts) only when all its
-rows are decode rows of unguided requests, no waiting request could be admitted instead, there are at most
+rows are decode rows (guided or not: a guided row's drafts are walked by its grammar), no waiting request could be admitted instead, there are at most
 `max_rows` of them, and the K drafts fit the context. Otherwise it is a plain step (K = 0), which still
 records histories and drafts, so the next step can speculate. Each row caps the drafts it may accept
 (`num_drafts`): the request's own K, and what keeps max_tokens exact even if every draft passes.
@@ -52,8 +52,6 @@ class SpecPolicy:
         return more if more > need and blocks.can_allocate(more) else need
 
     def request_k(self, seq) -> int:
-        if seq.guided is not None:
-            return 0            # guided + speculative in one step: issue 12
         want = seq.params.num_speculative_tokens
         return self.k if want is None else min(want, self.k)
 
@@ -70,7 +68,7 @@ class SpecPolicy:
         if could_admit or not rows or len(rows) > self.max_rows or len(rows) * (k + 1) > budget:
             return 0
         for s in rows:
-            if s.schedule_target - s.num_computed_tokens != 1 or s.guided is not None:
+            if s.schedule_target - s.num_computed_tokens != 1:
                 return 0
             if s.num_computed_tokens + k >= self.max_model_len:
                 return 0

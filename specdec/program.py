@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import sample
+from engine.sampler import NO_TOKEN, sample
 from engine.step import StepProgram, _mark
 from specdec.drafters.base import DraftContext, FeatureContext
 from specdec.verify import PAD, greedy_accept, rejection_sample
 
 
 class SpecStepProgram(StepProgram):
-    def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, **kwargs):
+    def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
         self.drafter = drafter
         self.block_size = block_size
@@ -45,21 +46,22 @@ class SpecStepProgram(StepProgram):
     def step(self, slot, prev, variant: tuple, key: tuple | None = None) -> None:
         guided, greedy = variant
         T, B, S, K = self.sizes(slot, key)
-        if guided and self.masks.cuda:
-            self.masks.branch(slot, prev, S, self.compute_stream)
         ids = self.correct(slot, T, B, S)
+        drafted = self.drafted(slot, ids, S, K, guided)
+        if guided and self.masks.cuda:
+            self.masks.branch(slot, prev, S, self.compute_stream, K + 1)
         meta = self.step_meta(slot, key, T, B, K)
         out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
         hidden, features = out if self.aux_layers else (out, None)
         logits = self.spec_logits(slot, hidden, key, T, S, K)
         _mark(slot, "forward_done")
-        mask = self.masks.join(slot, prev, S, self.compute_stream) if guided else None
+        grammar = self.masks.join(slot, prev, S, self.compute_stream, K + 1) if guided else None
         _mark(slot, "mask_waited")
         tokens = accepted = None
         if S:
-            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, mask)
+            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted)
             self.finish(slot, tokens, accepted, drafted, S, K)
-        self.draft(slot, ids, features, meta, tokens, accepted, T, S, K)
+        self.draft(slot, ids, features, meta, tokens, accepted, T, S, K, guided)
 
     # ---- 1. correct ----------------------------------------------------------------------------
     def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
@@ -100,22 +102,43 @@ class SpecStepProgram(StepProgram):
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:S]]) if S else None
 
     # ---- 3. verify or sample -------------------------------------------------------------------
-    def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, mask):
-        """-> (tokens [S, K + 1] with PAD after the emitted ones, accepted [S], drafts verified [S])."""
+    def drafted(self, slot, ids, S: int, K: int, guided: bool):
+        """Drafts each row verifies (the host's cap and what the drafter proposed); a guided step hands its
+        drafts and these counts to the grammar callback, which walks them before verification."""
+        if not (S and K):
+            return None
+        rows = self.state.rows(slot.dev["smp_row"][:S])
+        drafted = torch.minimum(slot.dev["num_drafts"][:S], self.state.draft_count[rows])
+        if guided:
+            out = self.masks.drafts_dev[slot.index]
+            out[:S, :K] = ids.view(S, K + 1)[:, 1:]
+            out[:S, K] = drafted
+        return drafted
+
+    def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, grammar, drafted):
+        """-> (tokens [S, K + 1] with PAD after the emitted ones, accepted [S], drafts verified [S]).
+        grammar: (masks [S * (K + 1)], drafts the grammar accepts [S]) of a guided step."""
         d = slot.dev
         params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
         if not K:
-            tokens = sample(logits, *params, bitmask=mask, all_greedy=greedy, masker=self.masker)
+            tokens = sample(logits, *params, bitmask=grammar and grammar[0], all_greedy=greedy, masker=self.masker)
             zeros = torch.zeros_like(tokens)
             return tokens[:, None], zeros, zeros
         drafts = ids.view(S, K + 1)[:, 1:]
-        cap = d["num_drafts"][:S]
-        drafted = torch.minimum(cap, self.state.draft_count[self.state.rows(d["smp_row"][:S])])
+        lead = None
+        if grammar is not None:
+            # masks in place; a position whose mask allows nothing (unmasked then) emits no token: the drafts
+            # stop before it, and at position 0 the row gets NO_TOKEN (its request fails alone)
+            lead = self.masker(logits, grammar[0]).view(S, K + 1).long().cumprod(dim=1).sum(dim=1)
+            drafted = torch.minimum(torch.minimum(drafted, grammar[1]), (lead - 1).clamp(min=0))
         logits = logits.view(S, K + 1, -1)
         if greedy:
             accepted, tokens = greedy_accept(drafts, logits, drafted)
         else:
             accepted, tokens = rejection_sample(drafts, None, logits, drafted, *params)
+        if lead is not None:
+            first = torch.arange(K + 1, device=tokens.device)[None, :] == 0
+            tokens = torch.where(first & (lead == 0)[:, None], NO_TOKEN, tokens)
         return tokens, accepted, drafted
 
     # ---- 4. record and draft -------------------------------------------------------------------
@@ -137,7 +160,7 @@ class SpecStepProgram(StepProgram):
         out[:S, st.k + 1] = drafted
         slot.sampled[:S] = tokens[:, 0]
 
-    def draft(self, slot, ids, features, meta, tokens, accepted, T: int, S: int, K: int) -> None:
+    def draft(self, slot, ids, features, meta, tokens, accepted, T: int, S: int, K: int, guided: bool) -> None:
         """Drafts for the next step into SpecState, if the step has few enough sampling rows that its
         sequences may speculate next; a drafter with state (the EAGLE head's KV) sees every step's tokens."""
         d, st = slot.dev, self.state
@@ -154,6 +177,9 @@ class SpecStepProgram(StepProgram):
                                  last_valid=d["smp_row"][:S] >= 0, kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]])
             if not drafting:
                 self.drafter.observe(ctx)
+            elif guided and self.draft_masks is not None:
+                ctx.guide = self.draft_masks
+                ctx.guide.begin(tokens, self.compute_stream)
         if drafting:
             proposal = self.drafter.propose(ctx)
             st.drafts[rows] = proposal.draft_tokens

@@ -203,7 +203,7 @@ def test_empty_queue_reuses_the_last_snapshot_without_accepting_again(engine):
     g = GuidedRequest(SamplingParams(regex="a{2}").guide, None)
     g.matcher = xgr.GrammarMatcher(svc.compile_now(g.guide))
     [a] = engine.tokenizer.encode("a", add_special_tokens=False)
-    snap = Snapshot(0, 1, (GuidedRow(2, g, (a,), -1),), np.array([0, 1]))
+    snap = Snapshot(0, 1, (GuidedRow(2, g, 0, (a,), -1, -1),), np.array([0, 1]))
     masks.push(snap)
     assert not snap.done.is_set()
     masks.run()

@@ -142,9 +142,9 @@ def test_pipelined_matchers_accept_exactly_the_committed_tokens(graphed, eager, 
         g, out = seq.guided, seq.output_token_ids
         if g is None:
             continue
-        assert seq.error is None and len(out) - 1 <= g.fed <= len(out)
+        assert seq.error is None and len(out) - 1 <= g.accepted <= len(out)
         fresh = xgr.GrammarMatcher(g.future.result())
-        for token in out[:g.fed]:
+        for token in out[:g.accepted]:
             assert fresh.is_terminated() or fresh.accept_token(token)
         assert fresh.is_terminated() == g.matcher.is_terminated()
         if not fresh.is_terminated():

@@ -151,14 +151,14 @@ def test_pipelined_matchers_accepted_exactly_the_committed_tokens(engine, pipeli
         g, out = seq.guided, seq.output_token_ids
         if g is None:
             continue
-        assert seq.error is None and len(out) - 1 <= g.fed <= len(out), (g.fed, len(out))
+        assert seq.error is None and len(out) - 1 <= g.accepted <= len(out), (g.accepted, len(out))
         fresh = xgr.GrammarMatcher(g.future.result())
-        for token in out[:g.fed]:
+        for token in out[:g.accepted]:
             assert fresh.is_terminated() or fresh.accept_token(token)
         assert (fresh.is_terminated(), fresh.is_completed()) == (g.matcher.is_terminated(), g.matcher.is_completed())
         if not fresh.is_terminated():
             assert allowed(fresh, engine.runner.vocab) == allowed(g.matcher, engine.runner.vocab)
-        fed_all += g.fed == len(out) and g.matcher.is_terminated()
+        fed_all += g.accepted == len(out) and g.matcher.is_terminated()
     assert fed_all >= 1, "a stopped request's zombie row should have fed its EOS"
     assert not engine.runner.masks.queue and engine.runner.masks.last.consumed
 

@@ -56,15 +56,19 @@ def compile_guide(compiler: xgr.GrammarCompiler, guide: Guide) -> xgr.CompiledGr
 
 class GuidedRequest:
     """One request's grammar: compile future, then its matcher. The matcher is touched only by mask
-    callbacks (one grammar stream, in order) once the request has sampled; `fed` is host bookkeeping of how
-    many output tokens the launched callbacks will have accepted, so recompute after preemption never feeds
-    a token twice. `error` is set by a callback and read at the commit of that step (which comes after it)."""
+    callbacks (one grammar stream, in order) once the request has sampled. So are `accepted` (output tokens
+    the matcher has accepted: a snapshot's host-known tokens are fed from there, so recompute after preemption
+    never feeds a token twice) and `through_step` (the last step whose device-sampled tokens it accepted: the
+    draft callbacks of a step and the next step's mask callback both may, the first to run does). The loop
+    thread only reads `accepted`, as a lower bound. `error` is set by a callback and read at the commit of
+    that step (which comes after it)."""
 
     def __init__(self, guide: Guide, future: Future):
         self.guide = guide
         self.future = future
         self.matcher: xgr.GrammarMatcher | None = None
-        self.fed = 0
+        self.accepted = 0
+        self.through_step = -1
         self.error: str | None = None
 
     @property

@@ -15,6 +15,12 @@ callback as a host node, so a replay pops the snapshot pushed for it. The CPU ru
 in the same order, before sampling. A popped-empty queue (warm-up, capture) reuses the last snapshot
 without accepting anything again, so such runs are harmless.
 
+With speculation the step's branch forks after its inputs are corrected (its drafts are known then): the
+callback accepts the previous step's emitted tokens (1 + accepted drafts), then walks each row's drafts,
+filling one mask per verified position, and rolls the walk back (engine/guided/matching.py). The drafts a
+walk accepts cap what verification may accept, so a draft the grammar rejects is cut before it is verified.
+The draft phase's own callbacks (engine/guided/draft_masks.py) run after it on the same stream.
+
 Failures stay with their request: a token the grammar rejects or an exception while advancing or filling
 a row sets that request's `error` (read at the commit of this step, after the callback ran) and leaves
 its row unmasked; a failure of the callback as a whole is kept in `snapshot.failure` for every guided row.
@@ -25,39 +31,34 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
 import hostfunc
-
-
-class GuidedRow(NamedTuple):
-    row: int                    # sampling row of the step (its bitmask row)
-    request: object             # GuidedRequest
-    feed: tuple                 # output tokens the host knows and the matcher has not accepted
-    pending_src: int            # row of the previous step's sampled tokens to accept after them (-1: none)
+from engine.guided.matching import ALL, GuidedRow, accept_rows, walk_drafts
 
 
 class Snapshot:
-    __slots__ = ("slot", "prev", "rows", "unguided", "consumed", "failure", "times", "done")
+    __slots__ = ("slot", "prev", "step", "width", "rows", "unguided", "consumed", "failure", "times", "done")
 
-    def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray):
+    def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray, step: int = 0, width: int = 1):
         self.slot, self.prev, self.rows, self.unguided = slot, prev, rows, unguided
+        self.step = step            # the step's index (which step's device tokens a row's matcher accepted)
+        self.width = width          # masks per sampling row: 1 + the drafts it verifies
         self.consumed = False       # its tokens were accepted (a reuse only refills the masks)
         self.failure = None         # message, if the callback failed as a whole
         self.times = None           # (start, end) perf_counter seconds of its callback
         self.done = threading.Event()   # set when its callback has run (the loop thread may wait on it)
 
 
-EMPTY = Snapshot(0, 1, (), np.zeros(0, dtype=np.int64))
+EMPTY = Snapshot(0, 1, (), np.zeros(0, dtype=np.int64), step=-1)
 
 
-def build_snapshot(slot_index: int, rows) -> Snapshot | None:
-    """Before the step's rows are marked in flight: `seq.num_pending` still counts the previous step's token.
-    Advances each guided request's `fed` by what this snapshot will accept. None: no guided row."""
+def build_snapshot(slot_index: int, rows, step: int = 0, width: int = 1) -> Snapshot | None:
+    """Before the step's rows are marked in flight: `seq.num_pending` still counts the previous step's
+    tokens, emitted by step `step - 1` (the one in flight). None: no guided row."""
     guided, unguided = [], []
     for row in rows:
         if not row.sample:
@@ -66,44 +67,34 @@ def build_snapshot(slot_index: int, rows) -> Snapshot | None:
         if g is None:
             unguided.append(row.sample_idx)
             continue
-        out = seq.output_token_ids
+        out, lo = seq.output_token_ids, g.accepted          # a lower bound of what it will have accepted
         pending = seq.pending_src if seq.num_pending else -1
-        guided.append(GuidedRow(row.sample_idx, g, tuple(out[g.fed:]), pending))
-        g.fed = len(out) + (pending >= 0)
+        guided.append(GuidedRow(row.sample_idx, g, lo, tuple(out[lo:]), pending, step - 1))
     if not guided:
         return None
-    return Snapshot(slot_index, 1 - slot_index, tuple(guided), np.asarray(unguided, dtype=np.int64))
-
-
-def _failed(exc: Exception) -> str:
-    return f"guided decoding failed: {type(exc).__name__}: {exc}"
-
-
-def _advance(g, tokens) -> str | None:
-    """Feed `tokens` to the request's matcher one by one: the request's error message, or None."""
-    try:
-        for tok in tokens:
-            tok = int(tok)
-            if tok < 0:
-                return "no token was allowed here (the request's token mask was empty)"
-            if g.matcher.is_terminated():
-                return None                             # ended with its stop token: nothing more to accept
-            if not g.matcher.accept_token(tok):
-                return f"the grammar rejected token {tok}"
-    except Exception as exc:                # noqa: BLE001 - this request alone fails
-        return _failed(exc)
-    return None
+    return Snapshot(slot_index, 1 - slot_index, tuple(guided), np.asarray(unguided, dtype=np.int64), step, width)
 
 
 class GrammarMasks:
-    def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 1):
+    """Mask buffers of both slots. With speculation (k > 0) a sampling row has 1 + k mask rows (one per
+    position it verifies), the previous step's tokens are its emitted ones ([rows, k + 2], PAD after them),
+    and the step hands the callback its drafts and draft counts (`drafts_dev`, [rows, k + 1]) and gets back
+    how many of them the grammar accepts (`caps_dev`)."""
+
+    def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 1, k: int = 0):
         self.cuda = device.type == "cuda"
-        words = -(-vocab_size // 32)
-        self.host = [torch.full((max_seqs, words), -1, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2)]
-        self.dev = [h.to(device) if self.cuda else h for h in self.host]
-        self.tokens_host = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
-        self.host_np = [h.numpy() for h in self.host]
-        self.tokens_np = [t.numpy() for t in self.tokens_host]
+        self.k, self.words = k, -(-vocab_size // 32)
+        pin = self.cuda
+
+        def pair(shape, dtype, fill=0):
+            return [torch.full(shape, fill, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self.host = pair((max_seqs * (k + 1), self.words), torch.int32, -1)
+        self.tokens_host = pair((max_seqs, k + 2 if k else 1), torch.int64)
+        self.drafts_host, self.caps_host = pair((max_seqs, k + 1), torch.int64), pair((max_seqs,), torch.int64)
+        self.dev, self.drafts_dev, self.caps_dev = ([h.to(device) if self.cuda else h for h in hs]
+                                                    for hs in (self.host, self.drafts_host, self.caps_host))
+        self.host_np, self.tokens_np, self.drafts_np, self.caps_np = ([h.numpy() for h in hs] for hs in (
+            self.host, self.tokens_host, self.drafts_host, self.caps_host))
         self.queue: deque[Snapshot] = deque()
         self.last = EMPTY
         self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
@@ -125,25 +116,35 @@ class GrammarMasks:
         except ValueError:
             pass
 
-    def branch(self, slot, prev, rows: int, compute_stream) -> None:
-        """Enqueue the grammar branch of a step (eager or under capture); CUDA only."""
+    @staticmethod
+    def _emitted(prev) -> torch.Tensor:
+        return prev.spec_out if prev.spec_out is not None else prev.sampled[:, None]
+
+    def branch(self, slot, prev, rows: int, compute_stream, width: int = 1) -> None:
+        """Enqueue the grammar branch of a step (eager or under capture); CUDA only. With drafts (width > 1)
+        the step has written `drafts_dev` before this, on the compute stream."""
         i = slot.index
         self.fork[i].record(compute_stream)
         self.grammar_stream.wait_event(self.fork[i])
         with torch.cuda.stream(self.grammar_stream):
-            self.tokens_host[prev.index].copy_(prev.sampled, non_blocking=True)
+            self.tokens_host[prev.index].copy_(self._emitted(prev), non_blocking=True)
+            if width > 1:
+                self.drafts_host[i][:rows].copy_(self.drafts_dev[i][:rows], non_blocking=True)
             hostfunc.launch_hostfunc(self.grammar_stream, self.callback)
-            self.dev[i][:rows].copy_(self.host[i][:rows], non_blocking=True)
+            self.dev[i][:rows * width].copy_(self.host[i][:rows * width], non_blocking=True)
+            if width > 1:
+                self.caps_dev[i][:rows].copy_(self.caps_host[i][:rows], non_blocking=True)
             self.mask_ready[i].record(self.grammar_stream)
 
-    def join(self, slot, prev, rows: int, compute_stream) -> torch.Tensor:
-        """Before sampling: the compute stream waits for the mask (CUDA); the CPU runs the callback here."""
+    def join(self, slot, prev, rows: int, compute_stream, width: int = 1):
+        """Before sampling: the compute stream waits for the masks (CUDA); the CPU runs the callback here.
+        -> (masks [rows * width, words], the drafts the grammar accepts per row [rows])."""
         if self.cuda:
             compute_stream.wait_event(self.mask_ready[slot.index])
         else:
-            self.tokens_host[prev.index].copy_(prev.sampled)
+            self.tokens_host[prev.index].copy_(self._emitted(prev))
             self.run()
-        return self.dev[slot.index][:rows]
+        return self.dev[slot.index][:rows * width], self.caps_dev[slot.index][:rows]
 
     # ---- callback (driver thread on CUDA) ------------------------------------------------------
     def run(self) -> None:
@@ -159,68 +160,16 @@ class GrammarMasks:
         snap.done.set()
 
     def _fill(self, snap: Snapshot, accept: bool) -> None:
-        mask = self.host_np[snap.slot]
+        """Accept what the rows' matchers still lack, then fill each row's masks along its drafts (one mask
+        when it has none); rows failed or ended keep all-allowed masks (their tokens are not committed)."""
+        w, mask, caps = snap.width, self.host_np[snap.slot], self.caps_np[snap.slot]
         if len(snap.unguided):
-            mask[snap.unguided] = -1
+            mask[(snap.unguided[:, None] * w + np.arange(w)[None, :]).ravel()] = ALL
+            caps[snap.unguided] = self.k
         if accept:
-            self._accept(snap, self.tokens_np[snap.prev])
-        matchers, rows = [], []
-        for r in snap.rows:
-            g = r.request
-            try:
-                if g.error is None and not g.matcher.is_terminated():
-                    matchers.append(g.matcher)
-                    rows.append(r.row)
-                    continue
-            except Exception as exc:        # noqa: BLE001 - this request alone fails
-                g.error = _failed(exc)
-            mask[r.row] = -1                # failed or ended: its token is not committed; keep the row samplable
-        if matchers:
-            self._fill_rows(snap, matchers, rows)
-
-    def _accept(self, snap: Snapshot, prev: np.ndarray) -> None:
-        """Each row's host-known tokens one by one (rare), then every row's previous sampled token in one
-        batched call: the callback holds the GIL for one C++ call, not one per row."""
-        requests, tokens = [], []
-        for r in snap.rows:
-            g = r.request
-            if g.error is not None:
-                continue
-            if r.feed:
-                g.error = _advance(g, r.feed)
-            if g.error is None and r.pending_src >= 0:
-                tok = int(prev[r.pending_src])
-                if tok < 0 or type(g.matcher) is not xgr.GrammarMatcher:    # a wrapper: its own accept_token
-                    g.error = _advance(g, (tok,))
-                else:
-                    requests.append(g)
-                    tokens.append(tok)
-        if not requests:
-            return
-        try:
-            accepted = self.batch.batch_accept_token([g.matcher for g in requests], tokens)
-        except Exception:                   # noqa: BLE001 - find the row(s) that fail, one by one
-            for g, tok in zip(requests, tokens):
-                g.error = _advance(g, (tok,))
-            return
-        for g, tok, ok in zip(requests, tokens, accepted):
-            if not ok and not g.matcher.is_terminated():    # a terminated matcher ignores what follows its end
-                g.error = f"the grammar rejected token {tok}"
-
-    def _fill_rows(self, snap: Snapshot, matchers, rows) -> None:
-        try:
-            self.batch.batch_fill_next_token_bitmask(matchers, self.host[snap.slot], rows)
-            return
-        except Exception:                   # noqa: BLE001 - find the row(s) that fail, one by one
-            pass
-        mask = self.host_np[snap.slot]
-        for r in snap.rows:
-            if r.row in rows:
-                try:
-                    r.request.matcher.fill_next_token_bitmask(self.host[snap.slot], r.row)
-                except Exception as exc:    # noqa: BLE001
-                    r.request.error = _failed(exc)
-                    mask[r.row] = -1
+            accept_rows(self.batch, snap.rows, self.tokens_np[snap.prev][:, :self.k + 1])
+        drafts = self.drafts_np[snap.slot]
+        walk_drafts(self.batch, self.host[snap.slot], snap.rows, w, drafts, drafts[:, self.k], caps)
 
 
 def _call(ref) -> None:

@@ -52,6 +52,9 @@ class FeatureContext(DraftContext):
         predicted); last_seq: [S] its sequence in meta; last_valid: [S] bool, False for padding rows.
     kv_cap: [B] int64, tokens the pages of each sequence hold (a drafter writing past its input positions
         must stay below it).
+    guide: DraftMasks (engine/guided/draft_masks.py) when the step has guided rows and draft masks or forced
+        drafts are on: draft j is then `guide.pick(j, logits)` (masked, maybe forced) instead of the argmax,
+        and `guide.num_drafts()` counts each row's drafts (a row stops where its grammar ends or fails).
     """
     input_ids: torch.Tensor = None
     features: torch.Tensor = None
@@ -62,6 +65,17 @@ class FeatureContext(DraftContext):
     last_seq: torch.Tensor = None
     last_valid: torch.Tensor = None
     kv_cap: torch.Tensor = None
+    guide: object = None
+
+    def pick(self, j: int, logits: torch.Tensor) -> torch.Tensor:
+        """Draft token j of every row from the drafter's logits [S, V] (under the grammar if guided)."""
+        return self.guide.pick(j, logits) if self.guide is not None else logits.argmax(-1)
+
+    def num_drafts(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Drafts per row of [S, K] picked tokens."""
+        if self.guide is not None:
+            return self.guide.num_drafts()
+        return torch.full_like(tokens[:, 0], tokens.shape[1])
 
 
 class Proposal(NamedTuple):

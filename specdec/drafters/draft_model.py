@@ -4,7 +4,8 @@ The draft model keeps its own paged KV cache with the target's page layout, inde
 and slot mapping, so its pages come and go with the sequence's. Every step it runs over the step's inputs
 at their (corrected) positions and writes its KV for them, as the target does. A row that drafts then runs K
 single-token forwards: the first from the token the step emitted after its last verified input t (at t + 1),
-each next one from the previous draft (forward j at position t + 1 + j); each argmax is the next draft. Drafts are greedy (draft_probs None), so rejection sampling stays lossless.
+each next one from the previous draft (forward j at position t + 1 + j); each argmax is the next draft
+(under the row's grammar in a guided step: FeatureContext.pick). Drafts are greedy (draft_probs None), so rejection sampling stays lossless.
 
 Keys written past the step's inputs (the draft forwards') are rewritten by the next steps before anything
 reads them as a verified token's: a step rewrites every position from its first input on. The scheduler
@@ -63,7 +64,7 @@ class DraftModelDrafter(Drafter):
         token, drafts = ctx.next_ids[ctx.last], []
         for j in range(self.num_speculative_tokens):
             hidden = self.model(token, pos[j], metas[j], self.kv_caches, self.backend)
-            token = self.model.compute_logits(hidden).argmax(-1)
+            token = ctx.pick(j, self.model.compute_logits(hidden))
             drafts.append(token)
         tokens = torch.stack(drafts, dim=1)
-        return Proposal(tokens, torch.full_like(tokens[:, 0], self.num_speculative_tokens), None)
+        return Proposal(tokens, ctx.num_drafts(tokens), None)

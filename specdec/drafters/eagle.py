@@ -3,7 +3,7 @@
 Every step, the head writes its KV for the step's tokens from the target's hidden states at its feature layers
 (`PagedHead.write_kv`). A row that drafts then runs K single-token layers from its last verified input t:
 step 0 queries at t, step i >= 1 at t + i, and each hidden state's argmax under the target's LM head is the
-next draft. Drafts are greedy, so verification takes them as one-hot proposals (draft_probs None), which
+next draft (under the row's grammar mask, or grammar-forced, in a guided step: FeatureContext.pick). Drafts are greedy, so verification takes them as one-hot proposals (draft_probs None), which
 keeps rejection sampling lossless.
 
 Draft step i writes its key at position t + i, which may lie past the step's inputs: the scheduler reserves
@@ -40,9 +40,9 @@ class EagleDrafter(Drafter):
         start = ctx.positions[ctx.last]
         pos, metas = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size, self.max_model_len)
         hidden = self.head.attend(q[ctx.last], metas[0], feature[ctx.last])
-        drafts = [self.head.greedy(hidden)]
+        drafts = [ctx.pick(0, self.head.logits(hidden))]
         for i in range(1, self.num_speculative_tokens):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
-            drafts.append(self.head.greedy(hidden))
+            drafts.append(ctx.pick(i, self.head.logits(hidden)))
         tokens = torch.stack(drafts, dim=1)
-        return Proposal(tokens, torch.full_like(tokens[:, 0], self.num_speculative_tokens), None)
+        return Proposal(tokens, ctx.num_drafts(tokens), None)

@@ -112,6 +112,6 @@ class PagedHead:
         q, k, v = self._inputs(hidden, token)
         return self.attend(self._rope_store(q, k, v, positions, meta.slot_mapping), meta, hidden)
 
-    def greedy(self, hidden):
-        """The target's final norm and LM head on the head's hidden states -> argmax tokens [N]."""
-        return self.target.compute_logits(self.target.final_norm(hidden, self.backend)).argmax(-1)
+    def logits(self, hidden):
+        """The target's final norm and LM head on the head's hidden states -> float logits [N, V]."""
+        return self.target.compute_logits(self.target.final_norm(hidden, self.backend))

@@ -1,0 +1,204 @@
+"""Grammar masks and grammar-forced tokens for a drafter's K draft steps (EAGLE head, draft model).
+
+A drafting step's draft phase runs after its verification. With draft masks on, draft step j's token is the
+drafter's argmax under its own mask, which a callback on the grammar stream fills; in stream order:
+
+    draft token j - 1 (for j = 0: the step's emitted tokens) -> pinned host  |  callback j: accept it, fill
+    mask j and the control row j  |  both -> device  |  record mask_ready[j]
+
+and the compute stream waits for mask_ready[j] before draft step j picks its token. That is one host round
+trip per draft step on the critical path (bench/spec.py measures what it costs and gains). Callback 0 accepts
+the step's emitted tokens for good (the next step's mask callback then skips them: `through_step`); the
+draft tokens every callback accepts are rolled back by the last one, so the next step's mask callback walks
+the drafts from the committed state.
+
+Control rows (`ctl`, [rows, K] per callback): column j is >= 0 for a grammar-forced draft j (the grammar
+allows one continuing text there, `find_jump_forward_string`; its canonical tokenization's first token is
+drafted in place of the drafter's, since the target must take that text), -1 for the drafter's own token,
+-2 to stop drafting that row (its grammar ended or failed, or allowed nothing). With draft masks off and
+forced drafts on, callback 0 alone writes every column from the jump-forward string (no mask per step).
+
+Callbacks read only the step's snapshot (`GrammarMasks.last`, set by the step's own mask callback, which ran
+before them on the same stream) and buffers the loop thread does not touch.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+import torch
+
+import hostfunc
+from engine.guided.matching import ALL, accept_rows, failed, fill, live
+
+FREE, STOP = -1, -2
+PAD = -1                # engine.sampler.NO_TOKEN / specdec.verify.PAD
+_ENCODE_CACHE = 4096
+
+
+class DraftMasks:
+    def __init__(self, masks, k: int, max_rows: int, draft_masks: bool, forced: bool, encode, masker):
+        self.masks, self.k = masks, k
+        self.draft_masks, self.forced = draft_masks, forced
+        self.calls = k if draft_masks else int(forced)          # callbacks per drafting step
+        self.encode, self.masker = encode, masker
+        words, pin, device = masks.words, masks.cuda, masks.dev[0].device
+        self.mask_host = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin) for _ in range(k)]
+        self.ctl_host = [torch.full((max_rows, k), FREE, dtype=torch.int64, pin_memory=pin) for _ in range(k)]
+        self.tokens_host = [torch.zeros(max_rows, k + 1, dtype=torch.int64, pin_memory=pin) for _ in range(k)]
+        self.mask_dev, self.ctl_dev = ([h.to(device) if pin else h for h in hs] for hs in (self.mask_host, self.ctl_host))
+        self.mask_np, self.ctl_np, self.tokens_np = ([h.numpy() for h in hs] for hs in (
+            self.mask_host, self.ctl_host, self.tokens_host))
+        self.walked: dict[int, tuple] = {}      # request id -> (matcher, draft tokens accepted), callback thread
+        self.going: list = []                   # rows still drafting (callback thread)
+        self.encoded: dict[str, list[int]] = {}
+        self.forced_drafts = 0                  # forced tokens drafted (callback thread writes, read after runs)
+        self.callback_s, self.callbacks_run = 0.0, 0    # host time inside the draft callbacks, and how many
+        self._pick = None                       # per drafting step, device tensors of the one being enqueued
+        if pin:
+            self.token_ready = [torch.cuda.Event() for _ in range(k)]
+            self.mask_ready = [torch.cuda.Event() for _ in range(k)]
+            ref = weakref.ref(self)
+            self.callbacks = [lambda j=j: _call(ref, j) for j in range(k)]
+
+    # ---- device side (enqueued by the drafter, inside the step) ---------------------------------
+    def begin(self, emitted: torch.Tensor, compute_stream) -> None:
+        """Start a drafting step; emitted: [S, K' + 1] the step's emitted tokens (PAD after them), K' = K in a
+        speculative step and 0 in a plain one."""
+        S = emitted.shape[0]
+        emitted = torch.nn.functional.pad(emitted, (0, self.k + 1 - emitted.shape[1]), value=PAD)
+        self._pick = dict(stream=compute_stream, source=emitted, S=S,
+                          stop=torch.zeros(S, dtype=torch.bool, device=emitted.device),
+                          count=torch.zeros(S, dtype=torch.int64, device=emitted.device))
+
+    def pick(self, j: int, logits: torch.Tensor) -> torch.Tensor:
+        """Draft token j [S] from the drafter's logits [S, V] (modified in place by the mask)."""
+        p, S = self._pick, self._pick["S"]
+        c = min(j, self.calls - 1)
+        if j < self.calls:
+            self._run(j, p["source"], S, p["stream"])
+        if self.draft_masks:
+            satisfiable = self.masker(logits, self.mask_dev[j][:S])
+        else:
+            satisfiable = torch.ones_like(p["stop"])
+        ctl = self.ctl_dev[c][:S, j]
+        token = torch.where(ctl >= 0, ctl, logits.argmax(-1))
+        p["stop"] = p["stop"] | (ctl == STOP) | ~satisfiable
+        p["count"] = p["count"] + (~p["stop"]).long()
+        p["source"] = token
+        return token
+
+    def num_drafts(self) -> torch.Tensor:
+        return self._pick["count"]
+
+    def _run(self, j: int, source: torch.Tensor, S: int, compute_stream) -> None:
+        src = source if source.dim() == 2 else source[:, None]
+        if not self.masks.cuda:
+            self.tokens_host[j][:S, :src.shape[1]] = src
+            self.run(j)
+            return
+        self.token_ready[j].record(compute_stream)
+        grammar = self.masks.grammar_stream
+        grammar.wait_event(self.token_ready[j])
+        with torch.cuda.stream(grammar):
+            self.tokens_host[j][:S, :src.shape[1]].copy_(src, non_blocking=True)
+            hostfunc.launch_hostfunc(grammar, self.callbacks[j])
+            if self.draft_masks:
+                self.mask_dev[j][:S].copy_(self.mask_host[j][:S], non_blocking=True)
+            self.ctl_dev[j][:S].copy_(self.ctl_host[j][:S], non_blocking=True)
+            self.mask_ready[j].record(grammar)
+        compute_stream.wait_event(self.mask_ready[j])
+
+    # ---- callbacks (driver thread on CUDA) ------------------------------------------------------
+    def run(self, j: int) -> None:
+        snap, start = self.masks.last, time.perf_counter()
+        try:
+            self._step(snap, j)
+        except Exception as exc:            # noqa: BLE001 - every guided row of the step fails with it
+            snap.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            if j == self.calls - 1:
+                self._roll_back()
+            self.callback_s += time.perf_counter() - start
+            self.callbacks_run += 1
+
+    def _step(self, snap, j: int) -> None:
+        ctl, mask, tokens = self.ctl_np[j], self.mask_np[j], self.tokens_np[j]
+        if len(snap.unguided):
+            ctl[snap.unguided] = FREE
+            mask[snap.unguided] = ALL
+        if j == 0:
+            self.walked = {}
+            accept_rows(self.masks.batch, snap.rows, tokens, step=snap.step)
+            self.going = [r for r in snap.rows if live(r.request)]
+        else:
+            self.going = self._accept_drafts(self.going, tokens[:, 0])
+        going = {id(r) for r in self.going}
+        for r in snap.rows:
+            if id(r) not in going:
+                ctl[r.row] = STOP
+                mask[r.row] = ALL
+        if self.draft_masks:
+            fill(self.masks.batch, self.mask_host[j], [r.request for r in self.going], [r.row for r in self.going])
+        for r in self.going:
+            ctl[r.row] = FREE
+            if self.forced and r.request.error is None:
+                try:
+                    self._force(r, j, ctl[r.row], mask[r.row])
+                except Exception as exc:    # noqa: BLE001 - this request alone fails
+                    r.request.error = failed(exc)
+
+    def _accept_drafts(self, rows, drafts: np.ndarray) -> list:
+        """Draft token j - 1 of each row still drafting (picked under its mask, so normally accepted)."""
+        if not rows:
+            return []
+        tokens = [int(drafts[r.row]) for r in rows]
+        try:
+            ok = self.masks.batch.batch_accept_token([r.request.matcher for r in rows], tokens)
+        except Exception:               # noqa: BLE001 - find the row(s) that fail, one by one
+            ok = [_accept_one(r.request, tok) for r, tok in zip(rows, tokens)]
+        going = []
+        for r, good in zip(rows, ok):
+            if good:
+                m, n = self.walked.get(id(r.request), (r.request.matcher, 0))
+                self.walked[id(r.request)] = (m, n + 1)
+                if not r.request.matcher.is_terminated():
+                    going.append(r)
+        return going
+
+    def _force(self, r, j: int, ctl_row: np.ndarray, mask_row: np.ndarray) -> None:
+        """Draft the jump-forward text's tokens (all but its last, which may merge with what follows it)."""
+        text = r.request.matcher.find_jump_forward_string()
+        if not text:
+            return
+        toks = self.encoded.get(text)
+        if toks is None:
+            if len(self.encoded) >= _ENCODE_CACHE:
+                self.encoded.clear()
+            toks = self.encoded[text] = self.encode(text)
+        n = min(len(toks) - 1, 1 if self.draft_masks else self.k - j)
+        if n <= 0 or (self.draft_masks and not (mask_row[toks[0] >> 5] >> (toks[0] & 31)) & 1):
+            return
+        ctl_row[j:j + n] = toks[:n]
+        self.forced_drafts += n
+
+    def _roll_back(self) -> None:
+        back = [(m, n) for m, n in self.walked.values() if n]
+        self.walked = {}
+        if back:
+            self.masks.batch.batch_rollback([m for m, _ in back], [n for _, n in back])
+
+
+def _accept_one(g, token: int) -> bool:
+    try:
+        return g.matcher.accept_token(token)
+    except Exception as exc:            # noqa: BLE001 - this request alone fails
+        g.error = failed(exc)
+        return False
+
+
+def _call(ref, j: int) -> None:
+    draft = ref()
+    if draft is not None:
+        draft.run(j)
