@@ -39,10 +39,13 @@ class EngineConfig:
     speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (specdec/drafters)
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
-    guided_draft_masks: bool = True    # guided + speculative: each draft step of a head / draft model picks its
-                                       # token under the row's grammar (one host callback per draft step)
-    guided_forced_drafts: bool = True  # guided + speculative: where the grammar allows one continuing text, draft
-                                       # its tokens in place of the drafter's (engine/guided/draft_masks.py)
+    guided_draft_masks: bool = False   # guided + speculative: each draft step of a head / draft model picks its
+                                       # token under the row's grammar (one host callback per draft step). Off:
+                                       # at batch 1 on an H100 it raised acceptance 3.54 -> 3.67 but cost ~0.5 ms
+                                       # a step (bench/results/spec_guided.md)
+    guided_forced_drafts: bool = False  # guided + speculative: where the grammar allows one continuing text, draft
+                                       # its tokens in place of the drafter's (engine/guided/draft_masks.py); off
+                                       # for the same reason (one callback per step for +0.07 acceptance)
     num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
     spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than
                                        # they gain once the forward is no longer launch-bound)

@@ -46,7 +46,10 @@ class DraftMasks:
         words, pin, device = masks.words, masks.cuda, masks.dev[0].device
         self.mask_host = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin) for _ in range(k)]
         self.ctl_host = [torch.full((max_rows, k), FREE, dtype=torch.int64, pin_memory=pin) for _ in range(k)]
-        self.tokens_host = [torch.zeros(max_rows, k + 1, dtype=torch.int64, pin_memory=pin) for _ in range(k)]
+        # callback 0 reads the step's emitted tokens [rows, K + 1], callback j the draft token j - 1 [rows, 1]
+        # (whole rows: a copy into a strided slice of pinned memory is not capturable)
+        self.tokens_host = [torch.zeros(max_rows, k + 1 if j == 0 else 1, dtype=torch.int64, pin_memory=pin)
+                            for j in range(k)]
         self.mask_dev, self.ctl_dev = ([h.to(device) if pin else h for h in hs] for hs in (self.mask_host, self.ctl_host))
         self.mask_np, self.ctl_np, self.tokens_np = ([h.numpy() for h in hs] for hs in (
             self.mask_host, self.ctl_host, self.tokens_host))
@@ -95,14 +98,14 @@ class DraftMasks:
     def _run(self, j: int, source: torch.Tensor, S: int, compute_stream) -> None:
         src = source if source.dim() == 2 else source[:, None]
         if not self.masks.cuda:
-            self.tokens_host[j][:S, :src.shape[1]] = src
+            self.tokens_host[j][:S] = src
             self.run(j)
             return
         self.token_ready[j].record(compute_stream)
         grammar = self.masks.grammar_stream
         grammar.wait_event(self.token_ready[j])
         with torch.cuda.stream(grammar):
-            self.tokens_host[j][:S, :src.shape[1]].copy_(src, non_blocking=True)
+            self.tokens_host[j][:S].copy_(src, non_blocking=True)
             hostfunc.launch_hostfunc(grammar, self.callbacks[j])
             if self.draft_masks:
                 self.mask_dev[j][:S].copy_(self.mask_host[j][:S], non_blocking=True)
