@@ -224,7 +224,7 @@ def test_gpu_32_guided_speculative_rows_finish_without_deadlock(engine):
     pipelined, bf16, replayed for hundreds of steps: every request finishes (no deadlock) and validates."""
     import threading
     prompts = [engine.apply_chat_template([{"role": "user", "content": ASK[i % 2] + f" Case {i}."}]) for i in range(32)]
-    params = [SamplingParams(max_tokens=96, temperature=0, json_schema=WEATHER if i % 2 == 0 else PEOPLE)
+    params = [SamplingParams(max_tokens=160, temperature=0, json_schema=WEATHER if i % 2 == 0 else PEOPLE)
               for i in range(32)]
     eng = LLMEngine(device="cuda", speculative="eagle", max_num_seqs=32, max_model_len=1024, guided_draft_masks=True,
                     guided_forced_drafts=True)
@@ -235,6 +235,6 @@ def test_gpu_32_guided_speculative_rows_finish_without_deadlock(engine):
     assert not worker.is_alive(), "32 guided speculative rows did not finish within 180 s"
     seqs = done["seqs"]
     check_valid([(0, p, sp) for p, sp in zip(prompts, params)], seqs)
-    assert eng.runner.graphs.replays["spec"] > 50 and eng.timings.spec_accepted > 0
+    assert eng.runner.graphs.replays["spec"] > 25 and eng.timings.spec_accepted > 0
     matchers_fed_exactly_the_committed_tokens(seqs, eng.runner.vocab)
     assert_no_leak(eng)
