@@ -38,6 +38,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar", default=None, metavar="FILE", help="output matches this xgrammar EBNF grammar")
     g.add_argument("--choice", nargs="+", default=None, help="output is exactly one of these strings")
     g.add_argument("--any-whitespace", action="store_true", help="JSON guides: allow free whitespace")
+    g.add_argument("--draft-masks", action="store_true",
+                   help="with --speculative eagle|draft_model: each draft step picks under the grammar's mask")
+    g.add_argument("--forced-drafts", action="store_true",
+                   help="with --speculative: draft the text the grammar forces in place of the drafter's tokens")
 
 
 def _engine(args):
@@ -46,7 +50,8 @@ def _engine(args):
                        attention_backend=args.attention_backend, max_num_seqs=8, depth=args.depth,
                        enforce_eager=args.enforce_eager, speculative=args.speculative,
                        num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head,
-                       spec_draft_model=args.spec_draft_model)
+                       spec_draft_model=args.spec_draft_model, guided_draft_masks=args.draft_masks,
+                       guided_forced_drafts=args.forced_drafts)
     return LLMEngine(cfg)
 
 

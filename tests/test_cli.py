@@ -26,3 +26,13 @@ def test_bad_arguments_give_clear_errors():
     assert r.returncode == 2 and "max_tokens" in r.stderr
     r = _run("generate", "--prompt", "hi", "--model", "/no/such/dir", "--device", "cpu")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_guided_speculative_generate_gives_a_valid_tool_call():
+    import json
+    r = _run("generate", "--prompt", "Call get_weather for Paris in celsius.", "--max-tokens", "48", "--device", "cpu",
+             "--speculative", "eagle", "--json-schema", "docs/examples/get_weather.schema.json", "--draft-masks",
+             "--forced-drafts")
+    assert r.returncode == 0, r.stderr
+    call = json.loads(r.stdout.strip())
+    assert call["name"] == "get_weather" and call["arguments"]["unit"] in ("celsius", "fahrenheit")

@@ -238,3 +238,22 @@ def test_gpu_32_guided_speculative_rows_finish_without_deadlock(engine):
     assert eng.runner.graphs.replays["spec"] > 25 and eng.timings.spec_accepted > 0
     matchers_fed_exactly_the_committed_tokens(seqs, eng.runner.vocab)
     assert_no_leak(eng)
+
+
+def test_eos_inside_accepted_drafts_ends_the_request(guided_workload, reference):
+    """The target drafting for itself under draft masks drafts the grammar's EOS and the target accepts it: the
+    request ends at the EOS, tokens after it in the same step are dropped, the output equals the reference."""
+    eng = LLMEngine(**CPU, **DRAFTERS["draft_model"])
+    commit, cuts = eng.output.commit, []
+
+    def probe(seq, tokens):
+        before = len(seq.output_token_ids)
+        reason = commit(seq, tokens)
+        cuts.append((tokens, len(seq.output_token_ids) - before, reason))
+        return reason
+    eng.output.commit = probe
+    got = drive(eng, guided_workload[:1])
+    assert got[0].output_token_ids == reference[0].output_token_ids and got[0].finish_reason == "stop"
+    eos = [(toks, n) for toks, n, reason in cuts if reason == "stop" and any(t in eng.eos_ids for t in toks)]
+    assert eos and eos[-1][0].index(next(t for t in eos[-1][0] if t in eng.eos_ids)) > 0, \
+        "EOS was not accepted inside a run of drafts"
