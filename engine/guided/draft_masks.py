@@ -7,7 +7,7 @@ drafter's argmax under its own mask, which a callback on the grammar stream fill
     mask j and the control row j  |  both -> device  |  record mask_ready[j]
 
 and the compute stream waits for mask_ready[j] before draft step j picks its token. That is one host round
-trip per draft step on the critical path (bench/spec.py measures what it costs and gains). Callback 0 accepts
+trip per draft step on the critical path (bench/spec_guided.py measures what it costs and gains). Callback 0 accepts
 the step's emitted tokens for good (the next step's mask callback then skips them: `through_step`); the
 draft tokens every callback accepts are rolled back by the last one, so the next step's mask callback walks
 the drafts from the committed state.
@@ -31,9 +31,9 @@ import torch
 
 import hostfunc
 from engine.guided.matching import ALL, accept_rows, failed, fill, live
+from engine.sampler import NO_TOKEN
 
 FREE, STOP = -1, -2
-PAD = -1                # engine.sampler.NO_TOKEN / specdec.verify.PAD
 _ENCODE_CACHE = 4096
 
 
@@ -57,7 +57,7 @@ class DraftMasks:
         self.going: list = []                   # rows still drafting (callback thread)
         self.encoded: dict[str, list[int]] = {}
         self.forced_drafts = 0                  # forced tokens drafted (callback thread writes, read after runs)
-        self.callback_s, self.callbacks_run = 0.0, 0    # host time inside the draft callbacks, and how many
+        self.callback_s = 0.0                   # host time inside the draft callbacks (callback thread writes)
         self._pick = None                       # per drafting step, device tensors of the one being enqueued
         if pin:
             self.token_ready = [torch.cuda.Event() for _ in range(k)]
@@ -70,7 +70,7 @@ class DraftMasks:
         """Start a drafting step; emitted: [S, K' + 1] the step's emitted tokens (PAD after them), K' = K in a
         speculative step and 0 in a plain one."""
         S = emitted.shape[0]
-        emitted = torch.nn.functional.pad(emitted, (0, self.k + 1 - emitted.shape[1]), value=PAD)
+        emitted = torch.nn.functional.pad(emitted, (0, self.k + 1 - emitted.shape[1]), value=NO_TOKEN)   # = PAD
         self._pick = dict(stream=compute_stream, source=emitted, S=S,
                           stop=torch.zeros(S, dtype=torch.bool, device=emitted.device),
                           count=torch.zeros(S, dtype=torch.int64, device=emitted.device))
@@ -124,7 +124,6 @@ class DraftMasks:
             if j == self.calls - 1:
                 self._roll_back()
             self.callback_s += time.perf_counter() - start
-            self.callbacks_run += 1
 
     def _step(self, snap, j: int) -> None:
         ctl, mask, tokens = self.ctl_np[j], self.mask_np[j], self.tokens_np[j]
