@@ -73,6 +73,13 @@ def close_engine(eng) -> None:
         note(f"closing the engine failed: {type(e).__name__}: {e}")
 
 
+def close_engines(engines) -> None:
+    """Close each engine, then give their memory back (several engines of one measurement)."""
+    for eng in engines:
+        close_engine(eng)
+    free_engine()
+
+
 def free_engine() -> None:
     import gc
     import torch
@@ -231,29 +238,17 @@ def run_quality(eng, name: str, schemas, args) -> dict:
 
 
 # ---- peer: transformers generate + xgrammar logits processor, batch 1 ------------------------------------
-def run_peer(eng, schemas, args) -> list[dict]:
+def hf_guided_generate(eng, max_tokens: int):
+    """The peer: transformers generate on the engine's weights, dtype and device, masked by xgrammar's HF
+    logits processor, greedy, stopping at the engine's EOS ids. -> (hf(prompt ids, compiled grammar) ->
+    (finish reason, None, text, new token ids), a device sync for timing it)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from xgrammar.contrib.hf import LogitsProcessor
-    from engine.guided.compiler import GrammarService
-    eng.generate([schema_prompt(eng, {"type": "object"})], guided_params({"type": "object"}, 8))  # builds
-    service = eng.guided.service or GrammarService(eng.tokenizer, eng.runner.vocab, eng.eos_ids)  # its service
-    work = []
-    for stem, schema in schemas:
-        try:
-            params = guided_params(schema, args.max_tokens)
-            work.append((schema, schema_prompt(eng, schema), params, service.compile_now(params.guide)))
-        except Exception as e:            # noqa: BLE001 - neither side can run it: leave it out of both
-            note(f"peer: {stem} left out: {type(e).__name__}: {e}")
-    device, dtype = eng.runner.device, eng.runner.dtype
-    model = AutoModelForCausalLM.from_pretrained(str(eng.source.path), dtype=dtype).to(device).eval()
+    device = eng.runner.device
+    model = AutoModelForCausalLM.from_pretrained(str(eng.source.path), dtype=eng.runner.dtype).to(device).eval()
     eos = sorted(eng.eos_ids)
-    gcfg = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def ours(prompt, params):
-        [seq] = eng.generate([prompt], params)
-        return seq.finish_reason, seq.error, seq.text.strip(), list(seq.output_token_ids)
+    gcfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
 
     def hf(prompt, grammar):
         ids = torch.tensor([prompt], device=device)
@@ -264,6 +259,26 @@ def run_peer(eng, schemas, args) -> list[dict]:
         stop = bool(new) and new[-1] in eng.eos_ids
         text = eng.tokenizer.decode(new[:-1] if stop else new, skip_special_tokens=True)
         return ("stop" if stop else "length"), None, text.strip(), new
+    return hf, (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
+
+
+def run_peer(eng, schemas, args) -> list[dict]:
+    from engine.guided.compiler import GrammarService
+    eng.generate([schema_prompt(eng, {"type": "object"})], guided_params({"type": "object"}, 8))  # builds
+    service = eng.guided.service or GrammarService(eng.tokenizer, eng.runner.vocab, eng.eos_ids)  # its service
+    work = []
+    for stem, schema in schemas:
+        try:
+            params = guided_params(schema, args.max_tokens)
+            work.append((schema, schema_prompt(eng, schema), params, service.compile_now(params.guide)))
+        except Exception as e:            # noqa: BLE001 - neither side can run it: leave it out of both
+            note(f"peer: {stem} left out: {type(e).__name__}: {e}")
+    dtype = eng.runner.dtype
+    hf, sync = hf_guided_generate(eng, args.max_tokens)
+
+    def ours(prompt, params):
+        [seq] = eng.generate([prompt], params)
+        return seq.finish_reason, seq.error, seq.text.strip(), list(seq.output_token_ids)
 
     runners = {"guided": lambda w: ours(w[1], w[2]), "peer-hf": lambda w: hf(w[1], w[3])}
     results = {}
@@ -278,7 +293,7 @@ def run_peer(eng, schemas, args) -> list[dict]:
             wall += time.perf_counter() - t0
             items.append((w[0], reason, error, text, len(toks)))
         results[mode] = (items, wall)
-    model = None
+    hf = None
     free_engine()
     records = []
     for mode, (items, wall) in results.items():

@@ -27,12 +27,11 @@ from pathlib import Path
 
 try:
     from bench.common import chat_prompts, markdown_table, note, plot, record, write_results
-    from bench.guided_quality import (DATASETS, close_engine, engine_overrides, free_engine, load_schemas,
-                                      resolve, schema_prompt)
+    from bench.guided_quality import (DATASETS, close_engines, engine_overrides, load_schemas, resolve,
+                                      schema_prompt)
 except ImportError:
     from common import chat_prompts, markdown_table, note, plot, record, write_results
-    from guided_quality import (DATASETS, close_engine, engine_overrides, free_engine, load_schemas, resolve,
-                                schema_prompt)
+    from guided_quality import DATASETS, close_engines, engine_overrides, load_schemas, resolve, schema_prompt
 
 ACC_COLUMNS = ["drafter", "k", "dataset", "prompts", "new_tokens", "acceptance_length", "rate_by_position",
                "tok_s"]
@@ -136,8 +135,7 @@ def run_acceptance(args) -> list[dict]:
                     records.append(rec)
                     note(f"acceptance {drafter} k={k} {name}: {rec['acceptance_length']}")
             finally:
-                close_engine(eng)
-                free_engine()
+                close_engines([eng])
     return records
 
 
@@ -166,9 +164,7 @@ def run_speed(args) -> list[dict]:
                     records.append(rec)
                     note(f"speed {name} streams={streams} {m}: {rec['tok_s']:.0f} tok/s x{rec['speedup']}")
             finally:
-                for eng in engines.values():
-                    close_engine(eng)
-                free_engine()
+                close_engines(engines.values())
     return records
 
 

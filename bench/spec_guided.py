@@ -15,9 +15,9 @@ without draft masks); ngram (cut by the grammar).
 - acceptance: one engine per mode, --batch rows, every step speculating (spec_min_acceptance 0), eager (the
   tokens are the graphs'); acceptance_length = tokens per verifying row-step (K + 1 at most);
   forced_per_step = forced drafts proposed per verifying row-step; valid_frac over outputs ending "stop".
-- latency: engines of every mode side by side (CUDA graphs, depth 2) and the peer, one request at a time,
-  the modes alternating per schema; ms_per_call = mean wall per request (its complete tool call),
-  speedup = tok_s over "none".
+- latency: engines of every mode side by side (CUDA graphs, depth 2), one request at a time, the modes
+  alternating per schema, then the peer on the same schemas; ms_per_call = mean wall per request (its
+  complete tool call), speedup = tok_s over "none".
 - streams: per stream count, 4 x streams requests through each mode (CUDA graphs); ms_per_step, idle_frac
   (compute stream idle between steps / wall), target callback and draft callback host ms per step.
 Records carry guided, draft_mask and forced_drafts booleans beside bench/spec.py's keys.
@@ -31,12 +31,12 @@ import time
 
 try:
     from bench.common import markdown_table, note, plot, record, write_results
-    from bench.guided_quality import (DATASETS, check_output, close_engine, free_engine, guided_params, load_schemas,
-                                      resolve, schema_prompt)
+    from bench.guided_quality import (DATASETS, check_output, close_engines, guided_params, hf_guided_generate,
+                                      load_schemas, resolve, schema_prompt)
 except ImportError:
     from common import markdown_table, note, plot, record, write_results
-    from guided_quality import (DATASETS, check_output, close_engine, free_engine, guided_params, load_schemas,
-                                resolve, schema_prompt)
+    from guided_quality import (DATASETS, check_output, close_engines, guided_params, hf_guided_generate,
+                                load_schemas, resolve, schema_prompt)
 
 MODES = {"none": {},
          "head": dict(speculative="eagle", guided_draft_masks=False, guided_forced_drafts=False),
@@ -137,8 +137,7 @@ def run_acceptance(args) -> list[dict]:
                 records.append(rec)
                 note(f"acceptance {mode} {dataset}: {rec['acceptance_length']} (forced/step {rec['forced_per_step']})")
         finally:
-            close_engine(eng)
-            free_engine()
+            close_engines([eng])
     return records
 
 
@@ -157,15 +156,11 @@ def run_latency(args) -> list[dict]:
                 [seq] = engines[m].generate([w[1]], [w[2]])
                 runs[m].append((time.perf_counter() - t0, seq))
         records = [latency_record(args, engines[m], m, work, runs[m]) for m in modes]
+        if not args.no_peer:
+            records.append(peer_latency(args, engines[modes[0]], work))
     finally:
-        for eng in engines.values():
-            close_engine(eng)
-        free_engine()
-    if not args.no_peer:
-        records.append(peer_latency(args, work))
-    base = next((r["tok_s"] for r in records if r["mode"] == "none"), None)
-    for r in records:
-        r["speedup"] = round(r["tok_s"] / base, 3) if base else None
+        close_engines(engines.values())
+    add_speedup(records)
     return records
 
 
@@ -178,46 +173,37 @@ def latency_record(args, eng, mode, work, runs) -> dict:
                   ms_per_call=round(1e3 * wall / len(runs), 2), **flags(mode), **draft_stats(eng), **outcome(work, seqs))
 
 
-def peer_latency(args, work) -> dict:
-    """transformers generate (same weights, dtype, device) masked by xgrammar's HF logits processor."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    from xgrammar.contrib.hf import LogitsProcessor
+def peer_latency(args, eng, work) -> dict:
+    """transformers generate + xgrammar (guided_quality.hf_guided_generate) on `eng`'s weights, each call
+    compiling its grammar as an engine's first request of a schema does."""
     from engine.guided.compiler import GrammarService
-    from engine.llm_engine import LLMEngine
-    eng = LLMEngine(dtype=args.dtype, max_num_seqs=1, enforce_eager=True, num_kv_blocks=64,
-                    **({"device": args.device} if args.device != "auto" else {}))
     service = GrammarService(eng.tokenizer, eng.runner.vocab, eng.eos_ids)
-    device, eos = eng.runner.device, sorted(eng.eos_ids)
-    model = AutoModelForCausalLM.from_pretrained(str(eng.source.path), dtype=eng.runner.dtype).to(device).eval()
-    gcfg = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    hf, sync = hf_guided_generate(eng, args.max_tokens)
 
     def call(w):
-        ids = torch.tensor([w[1]], device=device)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg,
-                                 logits_processor=[LogitsProcessor(service.compile_now(w[2].guide))])
-        return out[0, ids.shape[1]:].tolist()
+        return hf(w[1], service.compile_now(w[2].guide))
 
     call(work[0])
     wall, tokens, seqs = 0.0, 0, []
     for w in work:
         sync()
         t0 = time.perf_counter()
-        new = call(w)
+        reason, _, text, new = call(w)
         sync()
         wall += time.perf_counter() - t0
         tokens += len(new)
-        stop = bool(new) and new[-1] in eng.eos_ids
-        text = eng.tokenizer.decode(new[:-1] if stop else new, skip_special_tokens=True)
-        seqs.append(type("Out", (), dict(text=text, finish_reason="stop" if stop else "length", error=None)))
-    rec = record("spec_guided_latency", "peer-hf", eng.source.name, args.dtype, 1, tokens, tokens / wall,
-                 1e3 * wall / max(tokens, 1), calls=len(work), ms_per_call=round(1e3 * wall / len(work), 2),
-                 guided=True, drafter="none", draft_mask=False, forced_drafts=False, **outcome(work, seqs))
+        seqs.append(type("Out", (), dict(text=text, finish_reason=reason, error=None)))
     service.close()
-    close_engine(eng)
-    return rec
+    return record("spec_guided_latency", "peer-hf", eng.source.name, args.dtype, 1, tokens, tokens / wall,
+                  1e3 * wall / max(tokens, 1), calls=len(work), ms_per_call=round(1e3 * wall / len(work), 2),
+                  guided=True, drafter="none", draft_mask=False, forced_drafts=False, **outcome(work, seqs))
+
+
+def add_speedup(records: list[dict]) -> None:
+    """speedup = tok_s over the "none" record of the same list (None without one)."""
+    base = next((r["tok_s"] for r in records if r["mode"] == "none"), None)
+    for r in records:
+        r["speedup"] = round(r["tok_s"] / base, 3) if base else None
 
 
 def run_streams(args) -> list[dict]:
@@ -240,15 +226,12 @@ def run_streams(args) -> list[dict]:
                                   1e3 * t.wall / n, k=args.k, idle_frac=round(t.gpu_idle / max(t.wall, 1e-9), 4),
                                   callback_ms=round(1e3 * t.callback / n, 4), mask_wait_ms=round(1e3 * t.mask_wait_gpu / n, 4),
                                   **flags(m), **draft_stats(eng), **outcome(work, seqs))
-            base = found.get("none", {}).get("tok_s")
+            add_speedup(list(found.values()))
             for r in found.values():
-                r["speedup"] = round(r["tok_s"] / base, 3) if base else None
                 records.append(r)
                 note(f"streams={streams} {r['mode']}: {r['tok_s']:.0f} tok/s x{r['speedup']} idle {r['idle_frac']}")
         finally:
-            for eng in engines.values():
-                close_engine(eng)
-            free_engine()
+            close_engines(engines.values())
     return records
 
 
