@@ -14,11 +14,11 @@ setup(
     packages=find_packages(include=["engine*", "specdec*", "hostfunc*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar>=0.1.21",
-        "numpy", "tqdm", "pybind11>=2.12",
+        "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar>=0.2.8",
+        "numpy", "tqdm", "pybind11>=2.12", "fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "accelerate", "jsonschema", "triton>=3.2"],
+        "test": ["pytest>=8", "pytest-timeout", "accelerate", "jsonschema", "triton>=3.2", "openai>=1.40", "httpx"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["specdec=engine.cli:main"]},

@@ -10,14 +10,11 @@ from engine.config import EngineConfig
 from engine.sequence import SamplingParams
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="'default', 'dummy:<shape>', a .gguf file or an HF directory "
                                                  "(default: $SPECDEC_MODEL or the bundled SmolLM2-135M)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tokenizer", default="", help="take the tokenizer from this model spec instead (e.g. "
+                                                   "'default' for dummy weights of SmolLM2's shape)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -26,11 +23,24 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--speculative", default="none", choices=["none", "ngram", "eagle", "draft_model"],
                    help="draft tokens and verify them in the step (ngram: prompt lookup; eagle: the trained head)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="drafts per step")
+    p.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int, default=3, metavar="K",
+                   help="drafts per step")
     p.add_argument("--spec-head", default="", metavar="DIR",
                    help="eagle: draft head directory (default: the head shipped for the model; 'random')")
     p.add_argument("--spec-draft-model", default="", metavar="MODEL",
                    help="draft_model: a smaller model sharing the tokenizer (path, 'default', 'dummy:NAME')")
+    p.add_argument("--draft-masks", action="store_true",
+                   help="guided + --speculative eagle|draft_model: each draft step picks under the grammar's mask")
+    p.add_argument("--forced-drafts", action="store_true",
+                   help="guided + --speculative: draft the text the grammar forces in place of the drafter's tokens")
+
+
+def _request_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
     g = p.add_argument_group("guided decoding (at most one guide)")
     g.add_argument("--json-schema", default=None, metavar="FILE|JSON", help="output matches this JSON schema")
     g.add_argument("--json", action="store_true", help="output is a JSON object")
@@ -38,21 +48,20 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar", default=None, metavar="FILE", help="output matches this xgrammar EBNF grammar")
     g.add_argument("--choice", nargs="+", default=None, help="output is exactly one of these strings")
     g.add_argument("--any-whitespace", action="store_true", help="JSON guides: allow free whitespace")
-    g.add_argument("--draft-masks", action="store_true",
-                   help="with --speculative eagle|draft_model: each draft step picks under the grammar's mask")
-    g.add_argument("--forced-drafts", action="store_true",
-                   help="with --speculative: draft the text the grammar forces in place of the drafter's tokens")
+
+
+def engine_config(args, **extra) -> EngineConfig:
+    return EngineConfig(**({"model": args.model} if args.model else {}), tokenizer=args.tokenizer,
+                        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, depth=args.depth,
+                        enforce_eager=args.enforce_eager, speculative=args.speculative,
+                        num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head,
+                        spec_draft_model=args.spec_draft_model, guided_draft_masks=args.draft_masks,
+                        guided_forced_drafts=args.forced_drafts, **extra)
 
 
 def _engine(args):
     from engine.llm_engine import LLMEngine
-    cfg = EngineConfig(**({"model": args.model} if args.model else {}), device=args.device, dtype=args.dtype,
-                       attention_backend=args.attention_backend, max_num_seqs=8, depth=args.depth,
-                       enforce_eager=args.enforce_eager, speculative=args.speculative,
-                       num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head,
-                       spec_draft_model=args.spec_draft_model, guided_draft_masks=args.draft_masks,
-                       guided_forced_drafts=args.forced_drafts)
-    return LLMEngine(cfg)
+    return LLMEngine(engine_config(args, max_num_seqs=8))
 
 
 def _read(value: str | None, what: str) -> str | None:
@@ -122,12 +131,19 @@ def main(argv=None) -> int:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", dest="chat_template", action="store_false",
                      help="feed the prompt as plain text instead of through the chat template")
-    _common(gen)
+    _engine_options(gen)
+    _request_options(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
     chat.add_argument("--system", default=None)
-    _common(chat)
+    _engine_options(chat)
+    _request_options(chat)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
+    _engine_options(serve)
+    from engine.server.serve import add_server_options, cmd_serve
+    add_server_options(serve)
+    serve.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

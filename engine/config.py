@@ -13,6 +13,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = field(default_factory=lambda: os.environ.get("SPECDEC_MODEL", "default"))
+    tokenizer: str = ""                # "" -> the model's own; else a model spec whose tokenizer to use (e.g.
+                                       # "default" for dummy weights of SmolLM2's shape)
     device: str = "auto"               # "auto" -> cuda if available else cpu
     dtype: str = "auto"                # "auto" -> bfloat16 on cuda, float32 on cpu
     attention_backend: str = "auto"    # "torch" | "triton" | "auto" (triton on cuda)

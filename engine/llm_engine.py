@@ -57,11 +57,13 @@ class LLMEngine(EngineFrontend):
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (each decode row takes a token)")
         self.config = config
         self.source = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.source)
         ctx = int(self.source.config.get("max_position_embeddings", 8192))
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         encode = (lambda text: self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer else None
         self.runner = ModelRunner(config, self.source, self.max_model_len, encode)
+        if self.tokenizer is not None and len(self.tokenizer) > self.runner.vocab:
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's {self.runner.vocab}")
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, RowPool(self.runner.spec_state.num_rows),

@@ -3,11 +3,16 @@ failures a step's commit must report (engine/llm_engine.py calls it; the callbac
 from __future__ import annotations
 
 import concurrent.futures
+import re
+
+import torch
+import xgrammar as xgr
 
 import hostfunc
 from engine.guided.compiler import GrammarService
 from engine.guided.masks import Snapshot
 
+_XGR_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")      # xgrammar's "[time] file.cc:line: " before its message
 CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before leaving it to the pool
 
 
@@ -32,6 +37,26 @@ class GuidedTracker:
         concurrent.futures.wait([seq.guided.future], timeout=CACHED_COMPILE_WAIT)
         seq.guided.poll()
         self.compiling.append(seq)
+
+    def ensure_service(self) -> None:
+        """Build the compiler now (before another thread may call `check`)."""
+        if self.enabled and self.has_tokenizer and self.service is None:
+            self.service = self._make()
+
+    def check(self, guide) -> None:
+        """Compile `guide` on the calling thread and check its first mask allows a token; raises ValueError
+        naming the problem. xgrammar's compiler is thread-safe and caches, so the request's own compile then
+        costs a lookup. A grammar that dead-ends later is caught only when a step's mask allows nothing."""
+        if self.service is None:
+            raise ValueError("guided decoding is not available on this engine")
+        try:
+            compiled = self.service.compile_now(guide)
+        except Exception as exc:
+            raise ValueError(f"invalid {guide.kind}: {_XGR_PREFIX.sub('', str(exc)).strip()}") from exc
+        mask = xgr.allocate_token_bitmask(1, self.service.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        if not torch.any(mask != 0):
+            raise ValueError(f"{guide.kind} allows no output at all (unsatisfiable)")
 
     def poll(self) -> list[tuple]:
         """Loop thread, before planning: (seq, message) for each grammar that failed to compile."""

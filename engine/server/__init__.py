@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (docs/server.md): `specdec serve`."""

@@ -1,0 +1,200 @@
+"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and /metrics.
+
+Every bad request is answered before it reaches the engine (400 with an OpenAI-style error body): the body,
+its fields, the model name, tools, guides (compiled here, off the event loop), and the checks that need the
+engine (context length, KV size), which `AsyncEngine.submit` returns as ValueError.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from engine.server.async_engine import AsyncEngine, EngineDead, Overloaded
+from engine.server.chat import chat_prompt, normalize_messages
+from engine.server.generation import ChatFormat, CompletionFormat, Generation
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validation_error
+from engine.server.sampling import response_format_guide, sampling_params
+from engine.server.tools import plan_tools
+
+
+@dataclass
+class ServerState:
+    aengine: AsyncEngine
+    tokenizer: object            # the server's own instance (the engine thread decodes with another)
+    model_name: str
+    metrics: ServerMetrics
+    on_ready: object = None      # called once the engine thread runs (prints the "listening" line)
+
+    @property
+    def engine(self):
+        return self.aengine.engine
+
+
+async def _parse(request: Request, model):
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        state.aengine.start(asyncio.get_running_loop())
+        if state.on_ready:
+            state.on_ready()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, state.aengine.shutdown)
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    aengine, metrics = state.aengine, state.metrics
+
+    def error(endpoint: str, err: APIError) -> JSONResponse:
+        metrics.request(endpoint, err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def check_model(name: str) -> None:
+        if name != state.model_name:
+            raise APIError(f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def check_guide(params) -> None:
+        if params.guide is not None:
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(None, state.engine.guided.check, params.guide)
+            except ValueError as exc:
+                raise APIError(str(exc), param="response_format") from exc
+
+    async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools: bool, arrival: float):
+        await check_guide(params[0])
+        try:
+            sub = await aengine.submit(ids, params)
+        except ValueError as exc:
+            raise APIError(str(exc)) from exc
+        except Overloaded as exc:
+            raise APIError(str(exc), status=429, type="rate_limit_error", code="overloaded") from exc
+        except EngineDead as exc:
+            raise APIError(str(exc), status=503, type="server_error", code="engine_stopped") from exc
+        metrics.admitted(len(ids))
+        gen = Generation(fmt, sub, state.model_name, len(ids), tools, metrics, arrival)
+        metrics.request(endpoint, 200)
+        return await respond(request, gen, req)
+
+    async def respond(request: Request, gen: Generation, req):
+        if req.stream:
+            opts = req.stream_options or StreamOptions()
+            return StreamingResponse(stream(gen, opts), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        result = asyncio.ensure_future(gen.full())
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not result.done():
+                result.cancel()
+                aengine.abort(gen.sub)
+                gen.abandon()
+        return JSONResponse(result.result())
+
+    async def stream(gen: Generation, opts: StreamOptions):
+        try:
+            async for chunk in gen.sse(opts.include_usage, opts.continuous_usage_stats):
+                yield chunk
+        finally:
+            if gen.open:                       # the client went away: end its requests, free their pages
+                aengine.abort(gen.sub)
+                gen.abandon()
+
+    async def handle(endpoint: str, request: Request, build):
+        arrival = time.perf_counter()
+        try:
+            return await build(request, arrival)
+        except APIError as err:
+            return error(endpoint, err)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:                # a bug: the request fails, the server goes on
+            return error(endpoint, APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error"))
+
+    async def build_chat(request: Request, arrival: float):
+        req = await _parse(request, ChatCompletionRequest)
+        check_model(req.model)
+        messages = normalize_messages(req.messages)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        guide = response_format_guide(req.response_format)
+        if plan.guide and guide:
+            raise APIError("response_format cannot be combined with tool calls (tool_choice other than 'none')",
+                           param="response_format")
+        guide = {"structural_tag": plan.guide} if plan.guide else guide
+        ids = chat_prompt(state.tokenizer, messages, plan.tools)
+        params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
+                                 state.engine.max_model_len - len(ids), guide)
+        return await admit("chat", request, req, ids, params, ChatFormat(), plan.mode != "none", arrival)
+
+    async def build_completion(request: Request, arrival: float):
+        req = await _parse(request, CompletionRequest)
+        check_model(req.model)
+        ids = completion_prompt(state.tokenizer, req.prompt)
+        params = sampling_params(req, req.max_tokens, state.engine.max_model_len - len(ids), {})
+        return await admit("completions", request, req, ids, params, CompletionFormat(), False, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle("chat", request, build_chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle("completions", request, build_completion)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(aengine.started),
+                                            "owned_by": "specdec", "max_model_len": state.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if aengine.healthy():
+            return {"status": "ok"}
+        return JSONResponse({"status": "error", "error": aengine.error or "the engine thread is not running"}, 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def completion_prompt(tokenizer, prompt) -> list[int]:
+    """One prompt: text, or token ids (a model without a tokenizer takes only ids)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError("give one prompt per request (use n for several completions of it)", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer: give the prompt as token ids", param="prompt")
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return list(prompt)

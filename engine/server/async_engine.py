@@ -1,0 +1,186 @@
+"""The engine on its own thread; the HTTP event loop reaches it only through thread-safe queues.
+
+Invariants:
+- Only `engine_thread` touches the LLMEngine (add_request, abort, step) and `_routes`.
+- The event loop owns `live` and every `Submission`: the engine thread hands results back with
+  `call_soon_threadsafe`, one call per step for all of that step's outputs.
+- A request counts against capacity from `submit` until its final output reaches the event loop, so a
+  full server answers 429 at once instead of queueing without end.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.output import RequestOutput
+
+
+class Overloaded(Exception):
+    """The bounded queue is full (HTTP 429)."""
+
+
+class EngineDead(Exception):
+    """The engine thread has stopped (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class Submission:
+    """One HTTP request's choices: their outputs arrive, as (choice index, RequestOutput), on `outputs`."""
+    prompt_ids: list[int]
+    params: list                                   # one SamplingParams per choice
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    added: asyncio.Future | None = None            # -> request ids, or the ValueError add_request raised
+    request_ids: list[int] = field(default_factory=list)
+    open_choices: int = 0
+
+    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
+        """Everything that has arrived, waiting for at least one: a client slower than the engine gets its
+        tokens in fewer, larger chunks instead of falling behind."""
+        batch = [await self.outputs.get()]
+        while not self.outputs.empty():
+            batch.append(self.outputs.get_nowait())
+        return batch
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_queued: int = 256, idle_wait: float = 0.05):
+        self.engine = engine
+        self.capacity = engine.config.max_num_seqs + max_queued
+        self.live = 0                                  # requests admitted and not finished (event loop)
+        self.error: str | None = None                  # why the engine thread stopped
+        self.started = time.time()
+        self._idle_wait = idle_wait
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._routes: dict[int, tuple[Submission, int]] = {}   # request id -> (submission, choice)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine_thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+
+    # ---- event loop side ---------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.engine_thread.start()
+
+    def healthy(self) -> bool:
+        return self.error is None and self.engine_thread.is_alive()
+
+    async def submit(self, prompt_ids: list[int], params: list) -> Submission:
+        """Add one request per SamplingParams (all or none). Raises Overloaded, EngineDead, or the ValueError
+        that names what is wrong with the request."""
+        if not self.healthy():
+            raise EngineDead(f"the engine has stopped: {self.error or 'not running'}")
+        if self.live + len(params) > self.capacity:
+            raise Overloaded(f"the server is at capacity ({self.live} requests in progress, at most "
+                             f"{self.capacity}); retry later")
+        sub = Submission(prompt_ids, params, added=self._loop.create_future(), open_choices=len(params))
+        self.live += len(params)
+        self._send(("add", sub))
+        try:
+            sub.request_ids = await asyncio.shield(sub.added)
+        except asyncio.CancelledError:        # the client left before the engine took it: undo when it has
+            sub.added.add_done_callback(lambda _: self._added_late(sub))
+            raise
+        except BaseException:
+            self.live -= len(params)
+            raise
+        return sub
+
+    def _added_late(self, sub: Submission) -> None:
+        if sub.added.exception() is not None:
+            self.live -= len(sub.params)
+        else:
+            sub.request_ids = sub.added.result()
+            self.abort(sub)
+
+    def abort(self, sub: Submission) -> None:
+        """The client went away: end whatever of it still runs (its KV pages go back)."""
+        if sub.open_choices and sub.request_ids:
+            self._send(("abort", list(sub.request_ids)))
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _route(self, batch: list) -> None:
+        for sub, choice, out in batch:
+            if out.finished:
+                sub.open_choices -= 1
+                self.live -= 1
+            sub.outputs.put_nowait((choice, out))
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, result, exc) -> None:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._send(("stop", None))
+        self.engine_thread.join(timeout)
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._drain():
+                if self.engine.has_unfinished():
+                    self._publish(self.engine.step())
+                else:
+                    self._wake.wait(self._idle_wait)
+                    self._wake.clear()
+        except BaseException as exc:          # a bug, not a bad request (those fail alone inside step)
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._fail_all(self.error)
+            raise
+        finally:
+            for rid in list(self._routes):
+                self.engine.abort(rid)
+
+    def _drain(self) -> bool:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(arg)
+            else:
+                for rid in arg:
+                    self.engine.abort(rid)
+
+    def _add(self, sub: Submission) -> None:
+        ids, exc = [], None
+        try:
+            for choice, params in enumerate(sub.params):
+                ids.append(self.engine.add_request(sub.prompt_ids, params, stream=True))
+                self._routes[ids[-1]] = (sub, choice)
+        except Exception as err:              # all or none: undo the choices already added
+            exc = err if isinstance(err, ValueError) else ValueError(f"{type(err).__name__}: {err}")
+            for rid in ids:
+                self.engine.abort(rid)
+                self._routes.pop(rid, None)
+        self._loop.call_soon_threadsafe(self._resolve, sub.added, ids, exc)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:                 # an undone choice's abort, or a request nobody waits for
+                continue
+            batch.append((route[0], route[1], out))
+            if out.finished:
+                del self._routes[out.request_id]
+        if batch:
+            self._loop.call_soon_threadsafe(self._route, batch)
+
+    def _fail_all(self, message: str) -> None:
+        batch = [(sub, choice, RequestOutput(rid, (), "", True, "error", f"the engine stopped: {message}"))
+                 for rid, (sub, choice) in self._routes.items()]
+        self._routes.clear()
+        if batch:
+            self._loop.call_soon_threadsafe(self._route, batch)

@@ -1,0 +1,123 @@
+"""Chat messages -> prompt token ids, tools included.
+
+A chat template that mentions `tools` gets them as the `tools` argument (Qwen2/3, Llama 3.1, Mistral...).
+One that does not (SmolLM2's) gets the fallback: the tools, as JSON, in the system message with the call
+format `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (the Hermes / Qwen convention, which is
+also what constrained tool calls emit: engine/server/tools.py), earlier assistant tool calls written in
+that format and tool results sent as user turns inside <tool_response> tags.
+"""
+from __future__ import annotations
+
+import json
+
+from engine.server.protocol import APIError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+TOOLS_FALLBACK = """# Tools
+
+You can call functions to answer the user. Their signatures, as JSON, are inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To call a function, write a JSON object with its name and arguments between <tool_call></tool_call> tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <arguments-json-object>}}
+</tool_call>"""
+
+
+def _text(content, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+    parts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(f"{where}.content[{i}]: only text parts are supported, got {kind!r}",
+                           param=f"{where}.content")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def normalize_messages(messages: list) -> list[dict]:
+    """Checked copies: role, text content, assistant tool_calls, tool_call_id."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else None
+            raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": _text(m.get("content"), where)}
+        calls = m.get("tool_calls")
+        if calls:
+            if m["role"] != "assistant" or not isinstance(calls, list):
+                raise APIError(f"{where}.tool_calls must be a list, on an assistant message", param=f"{where}.tool_calls")
+            msg["tool_calls"] = [_past_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        elif msg["content"] is None:
+            raise APIError(f"{where}.content is missing", param=f"{where}.content")
+        if m["role"] == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+        out.append(msg)
+    return out
+
+
+def _past_call(call, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(f"{where}.function.name is missing", param=where)
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    return {"id": call.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def supports_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in (template if isinstance(template, str) else json.dumps(template))
+
+
+def _call_text(call: dict) -> str:
+    fn = call["function"]
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        args = fn["arguments"]
+    return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The conversation for a template that knows nothing of tools."""
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        elif m.get("tool_calls"):
+            text = "\n".join(_call_text(c) for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + text})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        listing = TOOLS_FALLBACK.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + listing}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out
+
+
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """Token ids of the conversation with the generation prompt, through the model's chat template."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template: use /v1/completions with a plain prompt")
+    native = supports_tools(tokenizer)
+    convo = messages if native else fallback_messages(messages, tools)
+    kwargs = {"tools": tools} if native and tools else {}
+    try:
+        text = tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as exc:              # the template's own checks (role order, ...) reject the conversation
+        raise APIError(f"the chat template rejected the messages: {type(exc).__name__}: {exc}",
+                       param="messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)

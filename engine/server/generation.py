@@ -1,0 +1,224 @@
+"""One HTTP request's choices as they run: per-choice state, and the bodies the client gets (a whole response,
+or SSE chunks). Chat and text completions differ only in their `Format`."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from engine.server.async_engine import Submission
+from engine.server.protocol import APIError
+from engine.server.tools import ToolCallParser, split_tool_calls
+
+_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def client_error(message: str) -> bool:
+    """Engine failures that the request caused (its grammar), as opposed to the server's own."""
+    return message.startswith("invalid ") or "no token was allowed" in message
+
+
+def failure(message: str) -> APIError:
+    if client_error(message):
+        return APIError(message)
+    return APIError(f"the request failed: {message}", status=500, type="server_error")
+
+
+@dataclass
+class ChoiceState:
+    parser: ToolCallParser | None
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    calls: int = 0
+    finish: str | None = None
+    error: str | None = None
+    spec: dict | None = None
+    last: float | None = None          # when its previous tokens arrived
+    seen: int = 0                      # tokens counted by then
+
+    def take(self, out) -> list[tuple[str, object]]:
+        """Fold in one RequestOutput; -> the content / tool-call events it releases."""
+        self.tokens += len(out.new_token_ids)
+        events = self.parser.feed(out.new_text) if self.parser else ([("content", out.new_text)] if out.new_text else [])
+        self.text.append(out.new_text)
+        if out.finished:
+            self.finish, self.error, self.spec = out.finish_reason, out.error, out.spec
+            events += self.parser.finish() if self.parser else []
+        self.calls += sum(kind == "call" for kind, _ in events)
+        return events
+
+    def finish_reason(self) -> str:
+        if self.calls:
+            return "tool_calls"
+        return "length" if self.finish == "length" else "stop"
+
+
+class Format:
+    """What differs between chat.completion and text_completion."""
+    object_full = object_chunk = ""
+    id_prefix = ""
+
+    def full_choice(self, index: int, st: ChoiceState, tools: bool) -> dict: ...
+    def deltas(self, events) -> list[dict]: ...
+    def opening(self) -> dict | None: ...
+    def closing(self, st: ChoiceState) -> dict: ...
+
+
+class ChatFormat(Format):
+    object_full, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def full_choice(self, index, st, tools):
+        text = "".join(st.text)
+        content, calls = split_tool_calls(text) if tools else (text, [])
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "logprobs": None,
+                "finish_reason": "tool_calls" if calls else st.finish_reason()}
+
+    def deltas(self, events):
+        out, calls = [], 0
+        for kind, item in events:
+            if kind == "call":
+                out.append({"tool_calls": [dict(item, index=calls)]})
+                calls += 1
+            elif out and "content" in out[-1]:
+                out[-1]["content"] += item
+            else:
+                out.append({"content": item})
+        return out
+
+    def opening(self):
+        return {"role": "assistant", "content": ""}
+
+    def chunk_choice(self, index, delta, finish=None):
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def closing(self, st):
+        return {}
+
+
+class CompletionFormat(Format):
+    object_full, object_chunk, id_prefix = "text_completion", "text_completion", "cmpl-"
+
+    def full_choice(self, index, st, tools):
+        return {"index": index, "text": "".join(st.text), "logprobs": None, "finish_reason": st.finish_reason()}
+
+    def deltas(self, events):
+        text = "".join(item for _, item in events)
+        return [text] if text else []
+
+    def opening(self):
+        return None
+
+    def chunk_choice(self, index, delta, finish=None):
+        return {"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish}
+
+    def closing(self, st):
+        return ""
+
+
+class Generation:
+    """Drives one Submission to the end, for a whole response or as SSE."""
+
+    def __init__(self, fmt: Format, sub: Submission, model: str, prompt_tokens: int, tools: bool, metrics,
+                 arrival: float):
+        self.fmt, self.sub, self.model, self.prompt_tokens, self.metrics = fmt, sub, model, prompt_tokens, metrics
+        self.tools, self.arrival = tools, arrival
+        self.id = fmt.id_prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.choices = [ChoiceState(ToolCallParser() if tools else None) for _ in sub.params]
+        self.open = len(self.choices)
+        self._calls_sent = [0] * len(self.choices)
+
+    async def _batches(self):
+        while self.open:
+            batch = await self.sub.next_batch()
+            now = time.perf_counter()
+            per_choice: dict[int, list] = {}
+            for index, out in batch:
+                st = self.choices[index]
+                per_choice.setdefault(index, []).extend(st.take(out))
+                self.open -= out.finished
+            for index in per_choice:
+                self._observe(self.choices[index], now)
+            yield per_choice
+
+    def _observe(self, st: ChoiceState, now: float) -> None:
+        if st.tokens and st.last is None:
+            self.metrics.first_token(now - self.arrival)
+            st.last, st.seen = now, st.tokens
+        elif st.last is not None and st.tokens > st.seen:
+            self.metrics.inter_token(now - st.last, st.tokens - st.seen)
+            st.last, st.seen = now, st.tokens
+
+    def usage(self) -> dict:
+        done = sum(st.tokens for st in self.choices)
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done}
+        specs = [st.spec for st in self.choices if st.spec]
+        if specs:
+            steps, accepted = sum(s["steps"] for s in specs), sum(s["accepted"] for s in specs)
+            usage["speculative"] = {"steps": steps, "proposed": sum(s["proposed"] for s in specs), "accepted": accepted,
+                                    "acceptance_length": round((steps + accepted) / steps, 4) if steps else 0.0}
+        return usage
+
+    def _finished(self) -> None:
+        self.metrics.finished(self)
+
+    def abandon(self) -> None:
+        """The client left: the open choices count as aborted (their requests are being aborted)."""
+        for st in self.choices:
+            st.finish = st.finish or "abort"
+        self.open = 0
+        self._finished()
+
+    async def full(self) -> dict:
+        async for _ in self._batches():
+            pass
+        self._finished()
+        errors = [st.error or "failed" for st in self.choices if st.finish == "error"]
+        if errors:
+            raise failure(errors[0])
+        return {"id": self.id, "object": self.fmt.object_full, "created": self.created, "model": self.model,
+                "choices": [self.fmt.full_choice(i, st, self.tools) for i, st in enumerate(self.choices)],
+                "usage": self.usage()}
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> str:
+        body = {"id": self.id, "object": self.fmt.object_chunk, "created": self.created, "model": self.model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {_DUMPS(body)}\n\n"
+
+    async def sse(self, include_usage: bool, continuous_usage: bool):
+        """SSE text chunks: deltas as they come (several tokens per chunk when the client lags), a finish
+        chunk per choice, then usage (include_usage), then [DONE]."""
+        opening = self.fmt.opening()
+        if opening is not None:
+            yield self._chunk([self.fmt.chunk_choice(i, opening) for i in range(len(self.choices))])
+        async for per_choice in self._batches():
+            parts, finished = [], []
+            for index, events in per_choice.items():
+                st = self.choices[index]
+                for delta in self.fmt.deltas(events):
+                    if isinstance(delta, dict) and "tool_calls" in delta:
+                        delta["tool_calls"][0]["index"] = self._calls_sent[index]
+                        self._calls_sent[index] += 1
+                    parts.append(self.fmt.chunk_choice(index, delta))
+                if st.finish is not None:
+                    finished.append(index)
+            usage = self.usage() if continuous_usage else None
+            for part in parts:
+                yield self._chunk([part], usage)
+            for index in finished:
+                st = self.choices[index]
+                if st.finish == "error":
+                    err = failure(st.error or "failed")
+                    yield f"data: {_DUMPS(err.body())}\n\n"
+                    continue
+                yield self._chunk([self.fmt.chunk_choice(index, self.fmt.closing(st), st.finish_reason())], usage)
+        self._finished()
+        if include_usage:
+            yield self._chunk([], self.usage())
+        yield "data: [DONE]\n\n"

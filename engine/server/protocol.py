@@ -1,0 +1,90 @@
+"""The OpenAI request bodies the server accepts, and its error type.
+
+Fields the engine cannot honour (logprobs, penalties, logit_bias, echo, suffix, best_of) are declared so that
+setting them gets a 400 naming the field instead of being silently ignored; unknown fields are ignored, as
+OpenAI clients send new ones over time. `ignore_eos` and `top_k` are extensions (as in vLLM).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP `status` and {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return APIError(f"{param}: {first['msg']}{more}" if param else first["msg"] + more, param=param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False      # vLLM's extension: usage so far on every chunk
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=16)
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    # not supported: accepted only at their "off" value
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    user: str | None = None
+
+    def unsupported(self) -> list[str]:
+        off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "top_logprobs": None}
+        bad = [k for k, v in off.items() if getattr(self, k) not in (v, {}) ]
+        if self.logprobs not in (None, False, 0):
+            bad.append("logprobs")
+        return bad
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[dict] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        return bad + [k for k in ("echo", "suffix") if getattr(self, k)] + \
+            (["best_of"] if self.best_of not in (None, self.n) else [])
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]

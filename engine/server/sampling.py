@@ -1,0 +1,46 @@
+"""OpenAI request fields -> one SamplingParams per choice (`n`), guides included."""
+from __future__ import annotations
+
+import dataclasses
+
+from engine.sequence import SamplingParams
+from engine.server.protocol import APIError
+
+
+def response_format_guide(fmt) -> dict:
+    """`response_format` -> SamplingParams guide fields ({} for plain text)."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError("response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format.json_schema.schema")
+        return {"json_schema": schema}
+    raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   param="response_format")
+
+
+def sampling_params(req, max_tokens: int | None, room: int, guide: dict) -> list[SamplingParams]:
+    """`room`: context left after the prompt (the default max_tokens: as OpenAI, up to the context)."""
+    bad = req.unsupported()
+    if bad:
+        raise APIError(f"{bad[0]} is not supported by this server", param=bad[0])
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        base = SamplingParams(max_tokens=max(max_tokens or room, 1), temperature=1.0 if req.temperature is None
+                              else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                              top_k=req.top_k or 0, seed=req.seed, stop=tuple(stop), ignore_eos=req.ignore_eos, **guide)
+    except ValueError as exc:
+        raise APIError(str(exc)) from exc
+    if req.n == 1:
+        return [base]
+    # distinct seeds per choice, still reproducible when the request gives one
+    return [dataclasses.replace(base, seed=None if req.seed is None else (req.seed + i) % 2 ** 63)
+            for i in range(req.n)]

@@ -1,0 +1,64 @@
+"""`specdec serve`: build the engine, then run the app under uvicorn on a socket bound here (port 0 picks a
+free port; the "listening" line names the real one once requests can be served)."""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed when ready)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="rows in one engine step")
+    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests that may wait beyond --max-num-seqs before the server answers 429")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_state(args):
+    from engine.cli import engine_config
+    from engine.llm_engine import LLMEngine
+    from engine.models.loader import load_tokenizer, resolve_model
+    from engine.server.app import ServerState
+    from engine.server.async_engine import AsyncEngine
+    from engine.server.metrics import ServerMetrics
+
+    config = engine_config(args, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    engine = LLMEngine(config)
+    engine.guided.ensure_service()          # before any handler thread may compile with it
+    tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else engine.source)
+    aengine = AsyncEngine(engine, max_queued=args.max_queued)
+    name = args.served_model_name or engine.source.name
+    return ServerState(aengine, tokenizer, name, ServerMetrics(aengine))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from engine.server.app import create_app
+    if args.max_queued < 0:
+        raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
+    state = build_state(args)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    state.on_ready = lambda: print(f"specdec serve: listening on http://{host}:{port} (model {state.model_name})",
+                                   flush=True)
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    if state.aengine.error:
+        print(f"specdec serve: the engine stopped: {state.aengine.error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,174 @@
+"""Tool calling: which tools the prompt shows, the structural tag that constrains the calls, and the parser
+that turns output text back into `tool_calls`.
+
+Every call is written `<tool_call>\\n{"name": "<tool>", "arguments": <object>}\\n</tool_call>`, and the grammar
+forces everything but the arguments, which follow the tool's `parameters` schema:
+- `required`: one or more calls (one with parallel_tool_calls=false) and nothing else;
+- a named function: exactly one call of it;
+- `auto`: free text, in which `<tool_call>` starts a constrained call (xgrammar's triggered tags);
+- `none`: the tools are left out of the prompt and nothing is constrained.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from engine.guided.schema_check import unenforced_keywords
+from engine.server.protocol import APIError
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_EMPTY_PARAMS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str                        # "none" | "auto" | "required" | "named"
+    tools: list[dict] | None         # what the prompt shows
+    guide: dict | None               # xgrammar structural tag, or None
+
+
+def _check_tool(i: int, tool) -> dict:
+    where = f"tools[{i}]"
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+    if not isinstance(fn, dict):
+        raise APIError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", param=where)
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise APIError(f"{where}.function.name must be 1-64 letters, digits, _ . or -, got {name!r}",
+                       param=f"{where}.function.name")
+    params = fn.get("parameters") or _EMPTY_PARAMS
+    if not isinstance(params, dict):
+        raise APIError(f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function.parameters")
+    unenforced = unenforced_keywords(params)
+    if unenforced:
+        raise APIError(f"{where}.function.parameters uses what guided decoding cannot enforce: "
+                       + "; ".join(unenforced[:3]), param=f"{where}.function.parameters")
+    out = {"name": name, "parameters": params}
+    if isinstance(fn.get("description"), str):
+        out["description"] = fn["description"]
+    return {"type": "function", "function": out}
+
+
+def _tag(tool: dict) -> dict:
+    fn = tool["function"]
+    return {"type": "tag", "begin": f'{CALL_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": fn["parameters"], "max_whitespace_cnt": 1},
+            "end": f"}}\n{CALL_CLOSE}"}
+
+
+def _named(choice, names: list[str]) -> str:
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if name not in names:
+        raise APIError(f"tool_choice names function {name!r}, which is not among the tools ({', '.join(names)})",
+                       param="tool_choice")
+    return name
+
+
+def plan_tools(tools, tool_choice, parallel: bool) -> ToolPlan:
+    if tools is not None and not isinstance(tools, list):
+        raise APIError("tools must be a list", param="tools")
+    checked = [_check_tool(i, t) for i, t in enumerate(tools or [])]
+    names = [t["function"]["name"] for t in checked]
+    if len(set(names)) != len(names):
+        raise APIError("tools have duplicate function names", param="tools")
+    choice = tool_choice if tool_choice is not None else ("auto" if checked else "none")
+    if choice == "none":
+        return ToolPlan("none", None, None)
+    if not checked:
+        raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    tags = [_tag(t) for t in checked]
+    if isinstance(choice, dict):
+        name = _named(choice, names)
+        return ToolPlan("named", checked, _structural(tags[names.index(name)]))
+    if choice == "required":
+        return ToolPlan("required", checked, _structural({"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                                                          "at_least_one": True, "stop_after_first": not parallel}))
+    if choice == "auto":
+        return ToolPlan("auto", checked, _structural({"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
+                                                      "at_least_one": False, "stop_after_first": not parallel}))
+    raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                   param="tool_choice")
+
+
+def _structural(fmt: dict) -> dict:
+    return {"type": "structural_tag", "format": fmt}
+
+
+def _new_call(name: str, arguments) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _parse_call(body: str) -> dict | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return _new_call(obj["name"], obj.get("arguments", {}))
+
+
+class ToolCallParser:
+    """Splits output text, as it streams, into content and whole tool calls. Text that may be the start of
+    `<tool_call>` is held back until it is known not to be."""
+
+    def __init__(self):
+        self._buf, self._in_call = "", False
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        """-> [("content", str) | ("call", tool call dict)] released by this text."""
+        self._buf += text
+        events = []
+        while True:
+            if self._in_call:
+                end = self._buf.find(CALL_CLOSE)
+                if end < 0:
+                    return events
+                call = _parse_call(self._buf[:end])
+                events.append(("call", call) if call else ("content", CALL_OPEN + self._buf[:end + len(CALL_CLOSE)]))
+                self._buf, self._in_call = self._buf[end + len(CALL_CLOSE):].lstrip("\n"), False
+                continue
+            start = self._buf.find(CALL_OPEN)
+            if start >= 0:
+                self._emit(events, self._buf[:start])
+                self._buf, self._in_call = self._buf[start + len(CALL_OPEN):], True
+                continue
+            keep = _partial_open(self._buf)
+            self._emit(events, self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return events
+
+    def finish(self) -> list[tuple[str, object]]:
+        """The rest, at the end of the output: an unfinished call is returned as content."""
+        rest = (CALL_OPEN if self._in_call else "") + self._buf
+        self._buf, self._in_call = "", False
+        return [("content", rest)] if rest else []
+
+    @staticmethod
+    def _emit(events: list, text: str) -> None:
+        if text:
+            events.append(("content", text))
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of CALL_OPEN."""
+    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """A whole output -> (content or None, tool calls). Blank text between calls is dropped."""
+    parser = ToolCallParser()
+    events = parser.feed(text) + parser.finish()
+    calls = [e for kind, e in events if kind == "call"]
+    content = "".join(e for kind, e in events if kind == "content")
+    if calls and not content.strip():
+        content = None
+    return content, calls

@@ -1,0 +1,78 @@
+"""`specdec serve` in a subprocess on a free port, for the server tests (a real uvicorn, reached over TCP)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_ARGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "torch")
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path, model: str):
+        self.url, self.proc, self.log, self.model = url, proc, log, model
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics, parsed by prometheus-client: {name{labels}: value}."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Metrics once nothing runs and no KV page is held (fails the test if that never happens)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["specdec_running_requests"] == 0 and m["specdec_kv_blocks_used"] == 0 \
+                    and m["specdec_server_requests_in_progress"] == 0:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server did not go idle: running {m['specdec_running_requests']}, "
+                                     f"KV pages used {m['specdec_kv_blocks_used']}")
+            time.sleep(0.1)
+
+
+def _read_ready(proc: subprocess.Popen, found: dict) -> None:
+    for line in proc.stdout:
+        if line.startswith("specdec serve: listening on "):
+            found["url"] = line.split()[4]
+            return
+
+
+@contextmanager
+def serve(*args: str, timeout: float = 300.0):
+    log = Path(tempfile.mkstemp(prefix="specdec-serve-", suffix=".log")[1])
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    found: dict = {}
+    reader = threading.Thread(target=_read_ready, args=(proc, found), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    try:
+        if "url" not in found:
+            raise RuntimeError(f"specdec serve did not start (exit code {proc.poll()}):\n{log.read_text()[-3000:]}")
+        model = httpx.get(f"{found['url']}/v1/models", timeout=10).json()["data"][0]["id"]
+        yield Server(found["url"], proc, log, model)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

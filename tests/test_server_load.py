@@ -1,0 +1,55 @@
+"""`specdec serve` under load, on a cheap dummy model with SmolLM2's tokenizer (CPU): many concurrent streams,
+the bounded queue."""
+import asyncio
+
+import openai
+import pytest
+
+from serving import CPU_ARGS, serve
+
+DUMMY = ("--model", "dummy:smollm2-tiny", "--tokenizer", "default", *CPU_ARGS)
+
+
+async def _stream(client, model, i, max_tokens=24):
+    chunks = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"Count to {i}"}], max_tokens=max_tokens, temperature=0.8,
+        seed=i, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text, usage, finish = "", None, None
+    async for c in chunks:
+        if c.choices:
+            text += c.choices[0].delta.content or ""
+            finish = c.choices[0].finish_reason or finish
+        usage = c.usage or usage
+    return text, usage, finish
+
+
+def test_fifty_concurrent_streaming_clients_all_finish():
+    async def run(url, model):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        return await asyncio.gather(*(_stream(client, model, i) for i in range(50)), return_exceptions=True)
+
+    with serve(*DUMMY, "--max-num-seqs", "16") as server:
+        results = asyncio.run(run(server.url, server.model))
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors[:3]
+        assert all(usage.completion_tokens == 24 and finish == "length" for _, usage, finish in results)
+        m = server.wait_idle()
+        assert m["specdec_requests_total{endpoint=chat,status=200}"] == 50
+        assert m["specdec_request_finish_total{reason=length}"] == 50
+
+
+def test_a_full_queue_answers_429_and_recovers():
+    async def run(url, model):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        # long enough that all six overlap: three get in, the others find the queue full
+        return await asyncio.gather(*(_stream(client, model, i, 400) for i in range(6)), return_exceptions=True)
+
+    with serve(*DUMMY, "--max-num-seqs", "2", "--max-queued", "1") as server:
+        results = asyncio.run(run(server.url, server.model))
+        limited = [r for r in results if isinstance(r, openai.RateLimitError)]
+        served = [r for r in results if not isinstance(r, BaseException)]
+        assert limited and len(served) >= 3 and len(limited) + len(served) == 6
+        assert limited[0].response.json()["error"]["code"] == "overloaded"
+        server.wait_idle()
+        again = asyncio.run(run(server.url, server.model))    # capacity comes back as requests finish
+        assert sum(not isinstance(r, BaseException) for r in again) >= 3
