@@ -5,7 +5,10 @@ BIN := $(VENV)/bin
 PROMPT ?= Call the get_weather tool for Paris. Reply with the tool call as JSON.
 SCHEMA ?= docs/examples/get_weather.schema.json
 
-.PHONY: run test setup bench clean
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: run test setup bench serve clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -21,6 +24,9 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
+
+serve: setup
+	$(BIN)/specdec serve --host $(HOST) --port $(PORT)
 
 bench: setup
 	$(BIN)/python bench/throughput.py

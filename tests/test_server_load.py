@@ -53,3 +53,21 @@ def test_a_full_queue_answers_429_and_recovers():
         server.wait_idle()
         again = asyncio.run(run(server.url, server.model))    # capacity comes back as requests finish
         assert sum(not isinstance(r, BaseException) for r in again) >= 3
+
+
+def test_speculative_server_reports_acceptance_and_keeps_greedy_tokens():
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import SamplingParams
+    prompt = [int(t) for t in (list(range(100, 140)) * 3)]       # repeats, so prompt lookup finds drafts
+    plain = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device="cpu", dtype="float32", attention_backend="torch")
+    [want] = plain.generate([prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+    plain.close()
+    with serve(*DUMMY, "--speculative", "ngram", "--num-draft-tokens", "3") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=48, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.text
+        spec = r.usage.model_extra["speculative"]
+        assert spec["steps"] > 0 and spec["acceptance_length"] >= 1.0
+        m = server.metrics()
+        assert m["specdec_spec_verify_rows_total"] >= spec["steps"] and m["specdec_spec_acceptance_length"] >= 1.0
