@@ -99,12 +99,12 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(str(exc), status=503, type="server_error", code="engine_stopped") from exc
         metrics.admitted(len(ids))
         gen = Generation(fmt, sub, state.model_name, len(ids), tools, metrics, arrival)
-        metrics.request(endpoint, 200)
-        return await respond(request, gen, req)
+        return await respond(endpoint, request, gen, req)
 
-    async def respond(request: Request, gen: Generation, req):
+    async def respond(endpoint: str, request: Request, gen: Generation, req):
         if req.stream:
             opts = req.stream_options or StreamOptions()
+            metrics.request(endpoint, 200)
             return StreamingResponse(stream(gen, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         result = asyncio.ensure_future(gen.full())
@@ -117,7 +117,12 @@ def create_app(state: ServerState) -> FastAPI:
                 result.cancel()
                 aengine.abort(gen.sub)
                 gen.abandon()
-        return JSONResponse(result.result())
+        if result.cancelled():                  # the client is gone: nobody reads this
+            metrics.request(endpoint, 499)
+            return Response(status_code=499)
+        body = result.result()                  # raises the APIError of a choice that failed
+        metrics.request(endpoint, 200)
+        return JSONResponse(body)
 
     async def stream(gen: Generation, opts: StreamOptions):
         try:

@@ -1,0 +1,414 @@
+"""OpenAI-compatible serving under load: `specdec serve` (ours) and `transformers serve` (the peer, continuous
+batching) on the same weights, in one run, each started as a subprocess and stopped after its runs.
+
+    python bench/serve.py                                      # both, 8/32/128 req/s + 1/8/32 streams
+    python bench/serve.py --only ours --speculative eagle --num-draft-tokens 3 --out-prefix bench/results/serve_eagle
+    python bench/serve.py --only peer --merge                  # add the peer to an existing serve.json
+    python bench/serve.py --requests 4 --peer-requests 2 --max-tokens 8 --json-max-tokens 32 --concurrency 1 2 \\
+        --rates 4 --client-procs 2 --out-prefix /tmp/serve_smoke                         # CPU smoke
+
+Load: --requests per run (the peer: --peer-requests, the first ones of the same list), half chat prompts
+(fixed length: max_tokens with ignore_eos, --no-fixed-length to let EOS end them) and half JSON-schema
+requests from --dataset (response_format json_schema, or a forced tool call with --json-mode tools; these end
+when the JSON completes, --json-max-tokens at most), shuffled with --seed. Per --rates value: Poisson
+arrivals at that many requests/s. Per --concurrency value: C closed-loop workers (next request when the
+previous ends; with --duration they cycle through their requests for that long). Requests go round-robin
+to --client-procs processes (serve_client.py), each an asyncio loop streaming raw SSE. A run stops sending
+and cancels what is in flight after --run-timeout s (ours) / --peer-timeout s (peer). Before the runs, up
+to --warmup distinct requests with 8 tokens (kernels, graphs, grammar compiles).
+
+Metrics (serve_client.summarize): out_tok_s = output tokens received (partial ones of cancelled requests
+included) / makespan (first send -> last chunk); TTFT = first content chunk - send; ITL = gaps between
+successive content chunks (vLLM's definition: a chunk that adds several tokens is one gap); itl_tok = each
+gap divided by the tokens its chunk adds, once per token (needs continuous usage, ours only); TPOT =
+(e2e - TTFT) / (tokens - 1); json_valid_frac = share of completed JSON requests whose text validates with
+jsonschema. Target (the issue): at 32 streams p50 ITL <= 1.5 ms and >= 10x the peer's out_tok_s.
+
+Peer (`python -m transformers.cli.transformers serve`, written against 5.17 and 5.23, the same flags): the
+model directory (resolve_model(--model).path) is the positional FORCE_MODEL and the request's `model`;
+--continuous-batching, --attn-implementation --peer-attn (CB runs it as paged|<attn>; bench/peers_hf.py
+found paged|eager faster than paged|sdpa without flash-attn), --dtype, --device, and a KV cache sized to the
+workload (--cb-num-blocks, --cb-max-batch-tokens 2048: its default of ~90% of free memory is pathologically
+slow, see peers_hf.cb_sizing). Flags missing from its --help are dropped (noted in `peer_flags_missing`).
+It needs fastapi, uvicorn, pydantic, openai and typer, runs offline (HF_HUB_OFFLINE=1), answers 422 to
+unknown fields (so no ignore_eos: fixed length is a generation_config with eos_token_id -1), ignores
+response_format / tool_choice / stream_options (so its JSON is unguided) and reports usage only at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+try:
+    from bench import serve_client as sc
+    from bench.common import REPO, markdown_table, note, record, write_results
+except ImportError:
+    import serve_client as sc
+    from common import REPO, markdown_table, note, record, write_results
+
+COLUMNS = ["mode", "load", "x", "ok", "errors", "out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+           "itl_p99_ms", "itl_tok_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "json_valid_frac", "chat_tokens_mean"]
+LISTENING = re.compile(r"specdec serve: listening on (http://\S+)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", choices=["ours", "peer", "both"], default="both")
+    p.add_argument("--model", default=os.environ.get("SPECDEC_MODEL") or "default")
+    p.add_argument("--speculative", choices=["none", "eagle", "ngram"], default="none")
+    p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="ours (default: the largest --concurrency)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json-max-tokens", type=int, default=512)
+    p.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--rates", type=float, nargs="*", default=[8, 32, 128])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--peer-requests", type=int, default=64)
+    p.add_argument("--duration", type=float, default=None, help="closed loop: seconds per run, not a count")
+    p.add_argument("--client-procs", type=int, default=4)
+    p.add_argument("--json-frac", type=float, default=0.5)
+    p.add_argument("--json-mode", choices=["response_format", "tools"], default="response_format")
+    p.add_argument("--dataset", default="JME", choices=list(sc.DATASETS))
+    p.add_argument("--data", default=os.environ.get("SPECDEC_DATA", "../shared/data") + "/jsonschemabench")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=64)
+    p.add_argument("--run-timeout", type=float, default=120.0)
+    p.add_argument("--peer-timeout", type=float, default=60.0, help="the peer's per-run time limit (s)")
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--peer-dtype", default=None, help="default: bfloat16 with CUDA, else float32")
+    p.add_argument("--peer-attn", default="eager")
+    p.add_argument("--peer-device", default="auto")
+    p.add_argument("--peer-args", default="", help="more `transformers serve` flags (one string)")
+    p.add_argument("--out-prefix", default="bench/results/serve")
+    p.add_argument("--merge", action="store_true", help="keep the other target's records of an existing JSON")
+    p.add_argument("--ours-args", default="", help="more `specdec serve` flags (one string)")
+    p.add_argument("--ours-cmd", default=None, help=argparse.SUPPRESS)   # replaces `python -m engine.cli serve`
+    return p.parse_args(argv)
+
+
+# ---- servers -----------------------------------------------------------------------------------------------
+def launch(cmd: list[str], log_path: Path, env: dict):
+    """Start `cmd`; a thread copies its stdout to the log and watches for our "listening" line."""
+    log = open(log_path, "w")
+    log.write(" ".join(map(shlex.quote, cmd)) + "\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    found, ready = {}, threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            m = LISTENING.search(line)
+            if m and not ready.is_set():
+                found["url"] = m.group(1).rstrip("/")
+                ready.set()
+        ready.set()
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, ready, found
+
+
+def log_tail(path: Path, n: int = 1500) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+def stop(proc, timeout: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def http_json(url: str, timeout: float = 10.0):
+    import httpx
+    r = httpx.get(url, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def help_text(cmd: list[str], env: dict) -> str:
+    out = subprocess.run(cmd + ["--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    return out.stdout + out.stderr
+
+
+def has_flag(text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) is not None
+
+
+def start_ours(args, requests, logdir: Path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    base = shlex.split(args.ours_cmd.format(python=sys.executable)) if args.ours_cmd else \
+        [sys.executable, "-m", "engine.cli", "serve"]
+    cmd = base + ["--model", args.model, "--host", "127.0.0.1", "--port", "0",
+                  "--max-num-seqs", str(args.max_num_seqs or max(args.concurrency or [32]))]
+    text = help_text(base, env)
+    if has_flag(text, "--max-queued"):          # more waiting than this is answered 429
+        cmd += ["--max-queued", str(max(256, len(requests)))]
+    if args.speculative != "none":
+        # the contract says --num-draft-tokens; engine.cli's other commands say --num-speculative-tokens
+        k_flag = "--num-draft-tokens" if has_flag(text, "--num-draft-tokens") else "--num-speculative-tokens"
+        cmd += ["--speculative", args.speculative, k_flag, str(args.num_draft_tokens)]
+    cmd += shlex.split(args.ours_args)
+    log = logdir / "ours.log"
+    proc, ready, found = launch(cmd, log, env)
+    ready.wait(args.start_timeout)
+    if "url" not in found:
+        stop(proc)
+        raise RuntimeError(f"no 'listening' line (exit {proc.poll()}); log tail: {log_tail(log)}")
+    model = http_json(found["url"] + "/v1/models")["data"][0]["id"]
+    return proc, found["url"], model, dict(server_cmd=" ".join(cmd), server_log=str(log))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peer_blocks(args, requests) -> int:
+    """KV blocks (256 tokens each) for every request that can be in flight at once, at its longest."""
+    longest = max(len(json.dumps(r["messages"])) for r in requests) // 3 + 64   # ~3 chars a token + template
+    per_request = -(-(longest + max(args.max_tokens, args.json_max_tokens)) // 256)
+    in_flight = max(max(args.concurrency or [1]), len(requests) if args.rates else 1)
+    return per_request * in_flight + 16
+
+
+def start_peer(args, requests, logdir: Path):
+    from engine.models.loader import resolve_model
+    path = resolve_model(args.model).path
+    if path is None:
+        raise RuntimeError(f"{args.model} has no checkpoint directory for transformers")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
+               NO_COLOR="1", TERM="dumb", COLUMNS="200", PYTHONUNBUFFERED="1")
+    base = [sys.executable, "-m", "transformers.cli.transformers", "serve"]
+    text, port = help_text(base, env), free_port()
+    if not has_flag(text, "--continuous-batching"):
+        raise RuntimeError(f"`transformers serve --help` lists no --continuous-batching: {text[-800:]}")
+    dtype = args.peer_dtype or ("bfloat16" if _cuda() else "float32")
+    flags = {"--continuous-batching": None, "--host": "127.0.0.1", "--port": str(port), "--dtype": dtype,
+             "--device": args.peer_device, "--attn-implementation": args.peer_attn, "--cb-block-size": "256",
+             "--cb-num-blocks": str(peer_blocks(args, requests)), "--cb-max-batch-tokens": "2048",
+             "--log-level": "warning"}
+    cmd, missing = list(base), [f for f in flags if not has_flag(text, f)]
+    for flag, value in flags.items():
+        cmd += [] if flag in missing else [flag] if value is None else [flag, value]
+    cmd += ["--force-model", str(path)] if has_flag(text, "--force-model") else [str(path)]
+    cmd += shlex.split(args.peer_args)
+    log = logdir / "peer.log"
+    proc, _, _ = launch(cmd, log, env)
+    url, t_end = f"http://127.0.0.1:{port}", time.monotonic() + args.start_timeout
+    while time.monotonic() < t_end and proc.poll() is None:
+        try:
+            http_json(url + "/health", 2.0)
+            return proc, url, str(path), dict(server_cmd=" ".join(cmd), server_log=str(log), peer_dtype=dtype,
+                                              peer_flags_missing=missing or None)
+        except Exception:                           # noqa: BLE001 - not up yet
+            time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"not healthy (exit {proc.poll()}); log tail: {log_tail(log)}")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# ---- runs --------------------------------------------------------------------------------------------------
+def split_jobs(requests, bodies, load: str, x: float, procs: int, seed: int) -> list[list]:
+    if load == "poisson":
+        rng, t, per = random.Random(seed), 0.0, [[] for _ in range(min(procs, len(requests)))]
+        for i, (req, body) in enumerate(zip(requests, bodies)):
+            t += rng.expovariate(x)
+            per[i % len(per)].append((req, body, t))
+        return per
+    workers = int(x)
+    per = [[] for _ in range(min(procs, workers, len(requests)))]
+    for i, (req, body) in enumerate(zip(requests, bodies)):
+        per[(i % workers) % len(per)].append((i % workers, req, body))
+    return per
+
+
+def run_clients(url: str, per_proc: list[list], cfg: dict) -> list[dict]:
+    ctx = mp.get_context("spawn")          # no inherited state (torch, threads) in the client processes
+    pipes, procs = [], []
+    for jobs in per_proc:
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=sc.client_main, args=(theirs, url, jobs, cfg), daemon=True)
+        p.start()
+        pipes.append(mine)
+        procs.append(p)
+    try:
+        for c in pipes:
+            c.recv()
+        t0 = time.monotonic() + 0.2
+        for c in pipes:
+            c.send(t0)
+        out = []
+        for c in pipes:
+            if not c.poll(cfg["timeout"] + (cfg["duration"] or 0) + 120):
+                raise RuntimeError("a client process sent no records")
+            res = c.recv()
+            if isinstance(res, str):
+                raise RuntimeError(res)
+            out += res
+        return out
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def run_load(url, model, requests, target, args, load: str, x: float, max_tokens=None, warm=False) -> dict:
+    opts = dict(target=target, max_tokens=args.max_tokens, json_max_tokens=args.json_max_tokens,
+                fixed_length=args.fixed_length, json_mode=args.json_mode)
+    bodies = [sc.request_body(r, model, opts, max_tokens) for r in requests]
+    timeout = args.run_timeout if target == "ours" else args.peer_timeout
+    cfg = dict(load=load, timeout=timeout, duration=args.duration if load == "closed" and not warm else None)
+    per_proc = split_jobs(requests, bodies, load, x, args.client_procs, args.seed + int(x))
+    recs = run_clients(url + "/v1/chat/completions", per_proc, cfg)
+    return dict(load=load, x=x, **sc.summarize(recs, {r["job"]: r for r in requests}))
+
+
+def warmup(url, model, requests, target, args) -> None:
+    distinct = list({json.dumps(r["messages"]): r for r in requests}.values())[:args.warmup]
+    if distinct:
+        res = run_load(url, model, distinct, target, args, "closed", min(32, len(distinct)), 8, True)
+        note(f"{target}: warm-up {res['ok']}/{res['requests']} ok" + (f" ({res['error_example']})" if res["errors"] else ""))
+        if not res["ok"]:
+            raise RuntimeError(f"every warm-up request failed: {res['error_example']}")
+
+
+def label(target: str, args) -> str:
+    if target == "peer":
+        return "transformers-serve"
+    return "specdec" + (f"+{args.speculative}(K={args.num_draft_tokens})" if args.speculative != "none" else "")
+
+
+def bench_target(target: str, args, requests, logdir: Path) -> list[dict]:
+    reqs = requests if target == "ours" else requests[:args.peer_requests]
+    head = dict(target=target, mode=label(target, args))
+    try:
+        proc, url, model, info = (start_ours if target == "ours" else start_peer)(args, reqs, logdir)
+    except Exception as e:                          # noqa: BLE001 - recorded; the other target still runs
+        note(f"{target}: did not start: {e}")
+        return [dict(head, error=f"did not start: {e}"[:3000])]
+    head.update(info, served_model=model)
+    rows = []
+    try:
+        warmup(url, model, reqs, target, args)
+        for load, xs in (("poisson", args.rates), ("closed", args.concurrency)):
+            for x in xs:
+                note(f"{head['mode']}: {load} {x} ({len(reqs)} requests)")
+                rows.append(dict(head, **run_load(url, model, reqs, target, args, load, x)))
+                print(markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    except Exception as e:                          # noqa: BLE001
+        note(f"{target}: failed: {e}")
+        rows.append(dict(head, error=f"{type(e).__name__}: {e}"[:3000]))
+    finally:
+        stop(proc)
+    return rows
+
+
+# ---- output ------------------------------------------------------------------------------------------------
+def to_record(row: dict, args) -> dict:
+    cfg = dict(max_tokens=args.max_tokens, json_max_tokens=args.json_max_tokens, fixed_length=args.fixed_length,
+               json_mode=args.json_mode, dataset=args.dataset, json_frac=args.json_frac, seed=args.seed,
+               client_procs=args.client_procs, duration=args.duration, speculative=args.speculative,
+               num_draft_tokens=args.num_draft_tokens)
+    streams = int(row["x"]) if row.get("load") == "closed" else None
+    extra = {k: v for k, v in row.items() if k != "mode"}
+    return record("serve", row["mode"], args.model, row.get("peer_dtype", "server default"), streams,
+                  row.get("output_tokens"), row.get("out_tok_s"), row.get("itl_p50_ms"), **extra, **cfg)
+
+
+def target_lines(records: list[dict]) -> list[str]:
+    def at32(target):
+        return next((r for r in records if r.get("target") == target and r.get("load") == "closed"
+                     and r.get("x") == 32 and r.get("ok")), None)
+    ours, peer = at32("ours"), at32("peer")
+    if not ours:
+        return ["Target: no successful run of ours at 32 streams."]
+    itl = ours["itl_p50_ms"]
+    out = [f"Target at 32 streams: p50 ITL {itl} ms per chunk, {ours['itl_tok_p50_ms']} ms per token "
+           f"(<= 1.5 ms: {'yes' if itl is not None and itl <= 1.5 else 'no'})"]
+    if peer and peer.get("out_tok_s"):
+        ratio = ours["out_tok_s"] / peer["out_tok_s"]
+        out.append(f"; {ours['out_tok_s']:.0f} tok/s = {ratio:.1f}x the peer's {peer['out_tok_s']:.0f} "
+                   f"(>= 10x: {'yes' if ratio >= 10 else 'no'})")
+    return ["".join(out) + "."]
+
+
+def plot_runs(records: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        note("matplotlib is not installed; no plot")
+        return
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for col, (load, xlabel) in enumerate((("closed", "concurrent streams"), ("poisson", "arrival rate (req/s)"))):
+        for row, (key, ylabel) in enumerate((("out_tok_s", "output tokens/s"), ("itl_p50_ms", "p50 ITL (ms)"))):
+            ax = axes[row][col]
+            for mode in sorted({r["mode"] for r in records}):
+                pts = sorted((r["x"], r[key]) for r in records if r["mode"] == mode and r.get("load") == load
+                             and isinstance(r.get(key), (int, float)))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+            ax.set(xlabel=xlabel, ylabel=ylabel, xscale="log", yscale="log")
+            ax.grid(True, alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
+    fig.suptitle("OpenAI-compatible serving under load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote plot {path}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    requests = sc.build_requests(args.requests, args.seed, args.json_frac, args.data, args.dataset)
+    logdir = Path(tempfile.mkdtemp(prefix="specdec-serve-bench-"))
+    note(f"server logs in {logdir}")
+    targets = ["ours", "peer"] if args.only == "both" else [args.only]
+    print(markdown_table([], COLUMNS), flush=True)
+    rows = [row for t in targets for row in bench_target(t, args, requests, logdir)]
+    records = [to_record(r, args) for r in rows]        # after the servers stopped: device_name() may init CUDA
+    out = Path(args.out_prefix + ".json")
+    if args.merge and out.exists():
+        records = [r for r in json.loads(out.read_text()) if r.get("target") not in targets] + records
+    write_results(records, out)
+    lines = [f"Command: `{records[-1]['command']}` on {records[-1]['device']}, commit {records[-1]['git_commit']}.",
+             "", markdown_table(records, COLUMNS), ""] + target_lines(records)
+    failed = [f"- {r['mode']}: {r['error']}" for r in records if r.get("error")]
+    text = "\n".join(lines + ([""] + failed if failed else []))
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    plot_runs(records, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
