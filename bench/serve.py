@@ -2,27 +2,18 @@
 batching) on the same weights, in one run, each started as a subprocess and stopped after its runs.
 
     python bench/serve.py                                      # both, 8/32/128 req/s + 1/8/32 streams
-    python bench/serve.py --only ours --speculative eagle --num-draft-tokens 3 --out-prefix bench/results/serve_eagle
-    python bench/serve.py --only peer --merge                  # add the peer to an existing serve.json
-    python bench/serve.py --requests 4 --peer-requests 2 --max-tokens 8 --json-max-tokens 32 --concurrency 1 2 \\
-        --rates 4 --client-procs 2 --out-prefix /tmp/serve_smoke                         # CPU smoke
+    python bench/serve.py --only ours --speculative eagle --num-draft-tokens 3 --merge
+    python bench/serve.py --only peer --merge                  # add (or redo) the peer in an existing serve.json
+    python bench/serve.py --requests 4 --peer-requests 2 --max-tokens 8 --json-max-tokens 64 --concurrency 1 2 \\
+        --rates 4 --client-procs 2 --warmup 2 --out-prefix /tmp/serve_smoke               # CPU smoke
 
-Load: --requests per run (the peer: --peer-requests, the first ones of the same list), half chat prompts
-(fixed length: max_tokens with ignore_eos, --no-fixed-length to let EOS end them) and half JSON-schema
-requests from --dataset (response_format json_schema, or a forced tool call with --json-mode tools; these end
-when the JSON completes, --json-max-tokens at most), shuffled with --seed. Per --rates value: Poisson
-arrivals at that many requests/s. Per --concurrency value: C closed-loop workers (next request when the
-previous ends; with --duration they cycle through their requests for that long). Requests go round-robin
-to --client-procs processes (serve_client.py), each an asyncio loop streaming raw SSE. A run stops sending
-and cancels what is in flight after --run-timeout s (ours) / --peer-timeout s (peer). Before the runs, up
-to --warmup distinct requests with 8 tokens (kernels, graphs, grammar compiles).
-
-Metrics (serve_client.summarize): out_tok_s = output tokens received (partial ones of cancelled requests
-included) / makespan (first send -> last chunk); TTFT = first content chunk - send; ITL = gaps between
-successive content chunks (vLLM's definition: a chunk that adds several tokens is one gap); itl_tok = each
-gap divided by the tokens its chunk adds, once per token (needs continuous usage, ours only); TPOT =
-(e2e - TTFT) / (tokens - 1); json_valid_frac = share of completed JSON requests whose text validates with
-jsonschema. Target (the issue): at 32 streams p50 ITL <= 1.5 ms and >= 10x the peer's out_tok_s.
+Load (serve_client.py, with the metrics): --requests per run (the peer: the first --peer-requests), half
+chat (fixed length: max_tokens + ignore_eos), half JSON-schema requests of --dataset (response_format, or
+forced tool calls with --json-mode tools; they end with the JSON), shuffled with --seed. Per --rates value,
+Poisson arrivals; per --concurrency value, C closed-loop workers (--duration: each cycles for that long).
+A run stops and cancels what is in flight after --run-timeout s (ours) / --peer-timeout s (the peer).
+Before the runs, up to --warmup distinct requests of 8 tokens (graphs, grammar compiles). Target (the
+issue): at 32 streams p50 ITL <= 1.5 ms and >= 10x the peer's out_tok_s; the .md's last lines say.
 
 Peer (`python -m transformers.cli.transformers serve`, written against 5.17 and 5.23, the same flags): the
 model directory (resolve_model(--model).path) is the positional FORCE_MODEL and the request's `model`;
@@ -30,17 +21,16 @@ model directory (resolve_model(--model).path) is the positional FORCE_MODEL and 
 found paged|eager faster than paged|sdpa without flash-attn), --dtype, --device, and a KV cache sized to the
 workload (--cb-num-blocks, --cb-max-batch-tokens 2048: its default of ~90% of free memory is pathologically
 slow, see peers_hf.cb_sizing). Flags missing from its --help are dropped (noted in `peer_flags_missing`).
-It needs fastapi, uvicorn, pydantic, openai and typer, runs offline (HF_HUB_OFFLINE=1), answers 422 to
-unknown fields (so no ignore_eos: fixed length is a generation_config with eos_token_id -1), ignores
-response_format / tool_choice / stream_options (so its JSON is unguided) and reports usage only at the end.
+It needs fastapi, uvicorn, pydantic, openai, typer and accelerate (for any device_map), runs offline
+(HF_HUB_OFFLINE=1), answers 422 to unknown fields (no ignore_eos: fixed length is a generation_config with
+eos_token_id -1), ignores response_format / tool_choice / stream_options (its JSON is unguided) and reports
+usage only at the end (no itl_tok).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import random
 import re
 import shlex
 import signal
@@ -91,11 +81,11 @@ def parse_args(argv=None):
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--peer-dtype", default=None, help="default: bfloat16 with CUDA, else float32")
     p.add_argument("--peer-attn", default="eager")
-    p.add_argument("--peer-device", default="auto")
-    p.add_argument("--peer-args", default="", help="more `transformers serve` flags (one string)")
+    p.add_argument("--peer-device", default=None, help="default: cuda:0 with a GPU, else cpu")
+    p.add_argument("--peer-args", default="", help="more `transformers serve` flags: --peer-args=\"--flag value\"")
     p.add_argument("--out-prefix", default="bench/results/serve")
-    p.add_argument("--merge", action="store_true", help="keep the other target's records of an existing JSON")
-    p.add_argument("--ours-args", default="", help="more `specdec serve` flags (one string)")
+    p.add_argument("--merge", action="store_true", help="keep an existing JSON's records of other modes")
+    p.add_argument("--ours-args", default="", help="more `specdec serve` flags: --ours-args=\"--flag value\"")
     p.add_argument("--ours-cmd", default=None, help=argparse.SUPPRESS)   # replaces `python -m engine.cli serve`
     return p.parse_args(argv)
 
@@ -163,7 +153,7 @@ def start_ours(args, requests, logdir: Path):
     if has_flag(text, "--max-queued"):          # more waiting than this is answered 429
         cmd += ["--max-queued", str(max(256, len(requests)))]
     if args.speculative != "none":
-        # the contract says --num-draft-tokens; engine.cli's other commands say --num-speculative-tokens
+        # --num-draft-tokens is an alias that older engine.cli builds lack
         k_flag = "--num-draft-tokens" if has_flag(text, "--num-draft-tokens") else "--num-speculative-tokens"
         cmd += ["--speculative", args.speculative, k_flag, str(args.num_draft_tokens)]
     cmd += shlex.split(args.ours_args)
@@ -175,12 +165,6 @@ def start_ours(args, requests, logdir: Path):
         raise RuntimeError(f"no 'listening' line (exit {proc.poll()}); log tail: {log_tail(log)}")
     model = http_json(found["url"] + "/v1/models")["data"][0]["id"]
     return proc, found["url"], model, dict(server_cmd=" ".join(cmd), server_log=str(log))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peer_blocks(args, requests) -> int:
@@ -199,12 +183,16 @@ def start_peer(args, requests, logdir: Path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                NO_COLOR="1", TERM="dumb", COLUMNS="200", PYTHONUNBUFFERED="1")
     base = [sys.executable, "-m", "transformers.cli.transformers", "serve"]
-    text, port = help_text(base, env), free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        text, port = help_text(base, env), s.getsockname()[1]
     if not has_flag(text, "--continuous-batching"):
         raise RuntimeError(f"`transformers serve --help` lists no --continuous-batching: {text[-800:]}")
-    dtype = args.peer_dtype or ("bfloat16" if _cuda() else "float32")
+    gpu = os.path.exists("/dev/nvidiactl")          # not torch.cuda: no CUDA context in this process
+    dtype = args.peer_dtype or ("bfloat16" if gpu else "float32")
+    device = args.peer_device or ("cuda:0" if gpu else "cpu")
     flags = {"--continuous-batching": None, "--host": "127.0.0.1", "--port": str(port), "--dtype": dtype,
-             "--device": args.peer_device, "--attn-implementation": args.peer_attn, "--cb-block-size": "256",
+             "--device": device, "--attn-implementation": args.peer_attn, "--cb-block-size": "256",
              "--cb-num-blocks": str(peer_blocks(args, requests)), "--cb-max-batch-tokens": "2048",
              "--log-level": "warning"}
     cmd, missing = list(base), [f for f in flags if not has_flag(text, f)]
@@ -226,68 +214,15 @@ def start_peer(args, requests, logdir: Path):
     raise RuntimeError(f"not healthy (exit {proc.poll()}); log tail: {log_tail(log)}")
 
 
-def _cuda() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
 # ---- runs --------------------------------------------------------------------------------------------------
-def split_jobs(requests, bodies, load: str, x: float, procs: int, seed: int) -> list[list]:
-    if load == "poisson":
-        rng, t, per = random.Random(seed), 0.0, [[] for _ in range(min(procs, len(requests)))]
-        for i, (req, body) in enumerate(zip(requests, bodies)):
-            t += rng.expovariate(x)
-            per[i % len(per)].append((req, body, t))
-        return per
-    workers = int(x)
-    per = [[] for _ in range(min(procs, workers, len(requests)))]
-    for i, (req, body) in enumerate(zip(requests, bodies)):
-        per[(i % workers) % len(per)].append((i % workers, req, body))
-    return per
-
-
-def run_clients(url: str, per_proc: list[list], cfg: dict) -> list[dict]:
-    ctx = mp.get_context("spawn")          # no inherited state (torch, threads) in the client processes
-    pipes, procs = [], []
-    for jobs in per_proc:
-        mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=sc.client_main, args=(theirs, url, jobs, cfg), daemon=True)
-        p.start()
-        pipes.append(mine)
-        procs.append(p)
-    try:
-        for c in pipes:
-            c.recv()
-        t0 = time.monotonic() + 0.2
-        for c in pipes:
-            c.send(t0)
-        out = []
-        for c in pipes:
-            if not c.poll(cfg["timeout"] + (cfg["duration"] or 0) + 120):
-                raise RuntimeError("a client process sent no records")
-            res = c.recv()
-            if isinstance(res, str):
-                raise RuntimeError(res)
-            out += res
-        return out
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-
-
 def run_load(url, model, requests, target, args, load: str, x: float, max_tokens=None, warm=False) -> dict:
     opts = dict(target=target, max_tokens=args.max_tokens, json_max_tokens=args.json_max_tokens,
                 fixed_length=args.fixed_length, json_mode=args.json_mode)
     bodies = [sc.request_body(r, model, opts, max_tokens) for r in requests]
     timeout = args.run_timeout if target == "ours" else args.peer_timeout
     cfg = dict(load=load, timeout=timeout, duration=args.duration if load == "closed" and not warm else None)
-    per_proc = split_jobs(requests, bodies, load, x, args.client_procs, args.seed + int(x))
-    recs = run_clients(url + "/v1/chat/completions", per_proc, cfg)
+    per_proc = sc.split_jobs(requests, bodies, load, x, args.client_procs, args.seed + int(x))
+    recs = sc.run_clients(url + "/v1/chat/completions", per_proc, cfg)
     return dict(load=load, x=x, **sc.summarize(recs, {r["job"]: r for r in requests}))
 
 
@@ -295,20 +230,15 @@ def warmup(url, model, requests, target, args) -> None:
     distinct = list({json.dumps(r["messages"]): r for r in requests}.values())[:args.warmup]
     if distinct:
         res = run_load(url, model, distinct, target, args, "closed", min(32, len(distinct)), 8, True)
-        note(f"{target}: warm-up {res['ok']}/{res['requests']} ok" + (f" ({res['error_example']})" if res["errors"] else ""))
+        note(f"{target}: warm-up {res['ok']}/{res['requests']} ok {res['error_example'] or ''}")
         if not res["ok"]:
             raise RuntimeError(f"every warm-up request failed: {res['error_example']}")
 
 
-def label(target: str, args) -> str:
-    if target == "peer":
-        return "transformers-serve"
-    return "specdec" + (f"+{args.speculative}(K={args.num_draft_tokens})" if args.speculative != "none" else "")
-
-
 def bench_target(target: str, args, requests, logdir: Path) -> list[dict]:
     reqs = requests if target == "ours" else requests[:args.peer_requests]
-    head = dict(target=target, mode=label(target, args))
+    spec = f"+{args.speculative}(K={args.num_draft_tokens})" if args.speculative != "none" else ""
+    head = dict(target=target, mode="transformers-serve" if target == "peer" else "specdec" + spec)
     try:
         proc, url, model, info = (start_ours if target == "ours" else start_peer)(args, reqs, logdir)
     except Exception as e:                          # noqa: BLE001 - recorded; the other target still runs
@@ -333,10 +263,9 @@ def bench_target(target: str, args, requests, logdir: Path) -> list[dict]:
 
 # ---- output ------------------------------------------------------------------------------------------------
 def to_record(row: dict, args) -> dict:
-    cfg = dict(max_tokens=args.max_tokens, json_max_tokens=args.json_max_tokens, fixed_length=args.fixed_length,
-               json_mode=args.json_mode, dataset=args.dataset, json_frac=args.json_frac, seed=args.seed,
-               client_procs=args.client_procs, duration=args.duration, speculative=args.speculative,
-               num_draft_tokens=args.num_draft_tokens)
+    cfg = {k: getattr(args, k) for k in ("max_tokens", "json_max_tokens", "fixed_length", "json_mode", "dataset",
+                                         "json_frac", "seed", "client_procs", "duration", "speculative",
+                                         "num_draft_tokens")}
     streams = int(row["x"]) if row.get("load") == "closed" else None
     extra = {k: v for k, v in row.items() if k != "mode"}
     return record("serve", row["mode"], args.model, row.get("peer_dtype", "server default"), streams,
@@ -344,25 +273,25 @@ def to_record(row: dict, args) -> dict:
 
 
 def target_lines(records: list[dict]) -> list[str]:
-    def at32(target):
-        return next((r for r in records if r.get("target") == target and r.get("load") == "closed"
-                     and r.get("x") == 32 and r.get("ok")), None)
-    ours, peer = at32("ours"), at32("peer")
-    if not ours:
-        return ["Target: no successful run of ours at 32 streams."]
-    itl = ours["itl_p50_ms"]
-    out = [f"Target at 32 streams: p50 ITL {itl} ms per chunk, {ours['itl_tok_p50_ms']} ms per token "
-           f"(<= 1.5 ms: {'yes' if itl is not None and itl <= 1.5 else 'no'})"]
-    if peer and peer.get("out_tok_s"):
-        ratio = ours["out_tok_s"] / peer["out_tok_s"]
-        out.append(f"; {ours['out_tok_s']:.0f} tok/s = {ratio:.1f}x the peer's {peer['out_tok_s']:.0f} "
-                   f"(>= 10x: {'yes' if ratio >= 10 else 'no'})")
-    return ["".join(out) + "."]
+    at32 = [r for r in records if r.get("load") == "closed" and r.get("x") == 32 and r.get("ok")]
+    peer = next((r for r in at32 if r["target"] == "peer"), None)
+    out = []
+    for ours in (r for r in at32 if r["target"] == "ours"):
+        itl = ours["itl_p50_ms"]
+        line = (f"Target at 32 streams, {ours['mode']}: p50 ITL {itl} ms per chunk, {ours['itl_tok_p50_ms']} ms per "
+                f"token (<= 1.5 ms: {'yes' if itl is not None and itl <= 1.5 else 'no'})")
+        if peer and peer.get("out_tok_s"):
+            ratio = ours["out_tok_s"] / peer["out_tok_s"]
+            line += (f"; {ours['out_tok_s']:.0f} tok/s = {ratio:.1f}x the peer's {peer['out_tok_s']:.0f} "
+                     f"(>= 10x: {'yes' if ratio >= 10 else 'no'})")
+        out.append(line + ".")
+    return out or ["Target: no successful run of ours at 32 streams."]
 
 
 def plot_runs(records: list[dict], path: Path) -> None:
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -378,6 +307,8 @@ def plot_runs(records: list[dict], path: Path) -> None:
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
             ax.set(xlabel=xlabel, ylabel=ylabel, xscale="log", yscale="log")
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.grid(True, alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend()
@@ -398,12 +329,13 @@ def main(argv=None):
     rows = [row for t in targets for row in bench_target(t, args, requests, logdir)]
     records = [to_record(r, args) for r in rows]        # after the servers stopped: device_name() may init CUDA
     out = Path(args.out_prefix + ".json")
-    if args.merge and out.exists():
-        records = [r for r in json.loads(out.read_text()) if r.get("target") not in targets] + records
+    if args.merge and out.exists():                     # replace this run's modes, keep the others
+        modes = {r["mode"] for r in records}
+        records = [r for r in json.loads(out.read_text()) if r.get("mode") not in modes] + records
     write_results(records, out)
     lines = [f"Command: `{records[-1]['command']}` on {records[-1]['device']}, commit {records[-1]['git_commit']}.",
              "", markdown_table(records, COLUMNS), ""] + target_lines(records)
-    failed = [f"- {r['mode']}: {r['error']}" for r in records if r.get("error")]
+    failed = [f"- {r['mode']}: {' '.join(r['error'].split())[:600]}" for r in records if r.get("error")]
     text = "\n".join(lines + ([""] + failed if failed else []))
     out.with_suffix(".md").write_text(text + "\n")
     print(text)

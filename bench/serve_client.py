@@ -8,11 +8,19 @@ record holds monotonic times (system-wide on Linux, so comparable across process
 sent, first content chunk, each content chunk with the tokens it adds (from continuous usage), end.
 A content chunk carries text or tool-call arguments; chunks that only announce the role, the finish or the
 usage are not content, and their tokens (if usage counts any) go to the next content chunk.
+
+Metrics (summarize): out_tok_s = output tokens received (partial ones of cancelled requests included) /
+makespan (first send -> last chunk); TTFT = first content chunk - send; ITL = gaps between successive
+content chunks (vLLM's definition: a chunk adding several tokens is one gap); itl_tok = each gap divided by
+the tokens its chunk adds, once per token (needs usage on every chunk: ours' continuous_usage_stats); TPOT =
+(e2e - TTFT) / (tokens - 1); json_valid_frac = share of the completed JSON requests whose text validates
+with jsonschema (json_stopped_frac: share that ended with the JSON complete rather than at max_tokens).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
 import random
 import time
 
@@ -186,6 +194,51 @@ def client_main(conn, url: str, jobs: list, cfg: dict) -> None:
         conn.send(f"client process failed: {type(e).__name__}: {e}")
 
 
+def split_jobs(requests, bodies, load: str, x: float, procs: int, seed: int) -> list[list]:
+    if load == "poisson":
+        rng, t, per = random.Random(seed), 0.0, [[] for _ in range(min(procs, len(requests)))]
+        for i, (req, body) in enumerate(zip(requests, bodies)):
+            t += rng.expovariate(x)
+            per[i % len(per)].append((req, body, t))
+        return per
+    workers = int(x)
+    per = [[] for _ in range(min(procs, workers, len(requests)))]
+    for i, (req, body) in enumerate(zip(requests, bodies)):
+        per[(i % workers) % len(per)].append((i % workers, req, body))
+    return per
+
+
+def run_clients(url: str, per_proc: list[list], cfg: dict) -> list[dict]:
+    ctx = mp.get_context("spawn")          # no inherited state (torch, threads) in the client processes
+    pipes, procs = [], []
+    for jobs in per_proc:
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=client_main, args=(theirs, url, jobs, cfg), daemon=True)
+        p.start()
+        pipes.append(mine)
+        procs.append(p)
+    try:
+        for c in pipes:
+            c.recv()
+        t0 = time.monotonic() + 0.2
+        for c in pipes:
+            c.send(t0)
+        out = []
+        for c in pipes:
+            if not c.poll(cfg["timeout"] + (cfg["duration"] or 0) + 120):
+                raise RuntimeError("a client process sent no records")
+            res = c.recv()
+            if isinstance(res, str):
+                raise RuntimeError(res)
+            out += res
+        return out
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
 # ---- metrics ----------------------------------------------------------------------------------------------
 def pct(values, q: float):
     """q-th percentile, linear interpolation (numpy's default); None for no values."""
@@ -210,6 +263,10 @@ def itl_per_token(chunks) -> list[float]:
     return out
 
 
+def _frac(a: int, b: int):
+    return round(a / b, 4) if b else None
+
+
 def summarize(recs: list[dict], requests: dict[int, dict]) -> dict:
     sent = [r for r in recs if r["sent"] is not None]
     ok = [r for r in sent if r["error"] is None and r["end"] is not None]
@@ -231,8 +288,9 @@ def summarize(recs: list[dict], requests: dict[int, dict]) -> dict:
                 ttft_p50_ms=_ms(ttft, 50), ttft_p99_ms=_ms(ttft, 99), itl_p50_ms=_ms(itl, 50),
                 itl_p99_ms=_ms(itl, 99), itl_tok_p50_ms=_ms(per_tok, 50), itl_tok_p99_ms=_ms(per_tok, 99),
                 tpot_p50_ms=_ms(tpot, 50), tpot_p99_ms=_ms(tpot, 99),
-                tokens_per_chunk=round(sum(r["tokens"] for r in ok) / max(sum(len(r["chunks"]) for r in ok), 1), 3),
-                chat_tokens_mean=round(sum(chat) / len(chat), 1) if chat else None,
-                json_requests=len(checks), json_stopped_frac=round(sum(r["finish"] in ("stop", "tool_calls")
-                                                                      for r in json_ok) / len(json_ok), 4) if json_ok else None,
-                json_valid_frac=round(checks.count("valid") / len(checks), 4) if checks else None)
+                # a client that keeps up sends on time: this stays well under a millisecond
+                send_lag_p99_ms=_ms([r["sent"] - r["arrival"] for r in sent], 99),
+                tokens_per_chunk=_frac(sum(r["tokens"] for r in ok), sum(len(r["chunks"]) for r in ok)),
+                chat_tokens_mean=round(sum(chat) / len(chat), 1) if chat else None, json_requests=len(checks),
+                json_stopped_frac=_frac(sum(r["finish"] in ("stop", "tool_calls") for r in json_ok), len(json_ok)),
+                json_valid_frac=None if "unchecked" in checks else _frac(checks.count("valid"), len(checks)))
