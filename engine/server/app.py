@@ -90,7 +90,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools: bool, arrival: float):
         await check_guide(params[0])
         try:
-            sub = await aengine.submit(ids, params)
+            sub = await aengine.submit(ids, params, stream=bool(req.stream))
         except ValueError as exc:
             raise APIError(str(exc)) from exc
         except Overloaded as exc:

@@ -15,6 +15,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
     p.add_argument("--max-queued", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs before the server answers 429")
+    p.add_argument("--stream-interval", type=int, default=0, metavar="N",
+                   help="tokens per streamed chunk (0: auto, one token until 8 streams are active, then more)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -30,7 +32,7 @@ def build_state(args):
     engine = LLMEngine(config)
     engine.guided.ensure_service()          # before any handler thread may compile with it
     tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else engine.source)
-    aengine = AsyncEngine(engine, max_queued=args.max_queued)
+    aengine = AsyncEngine(engine, max_queued=args.max_queued, stream_interval=args.stream_interval)
     name = args.served_model_name or engine.source.name
     return ServerState(aengine, tokenizer, name, ServerMetrics(aengine))
 
@@ -49,15 +51,18 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from engine.server.app import create_app
-    if args.max_queued < 0:
-        raise ValueError(f"--max-queued must be >= 0, got {args.max_queued}")
+    if args.max_queued < 0 or args.stream_interval < 0:
+        raise ValueError("--max-queued and --stream-interval must be >= 0")
     state = build_state(args)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     state.on_ready = lambda: print(f"specdec serve: listening on http://{host}:{port} (model {state.model_name})",
                                    flush=True)
     config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:                   # uvicorn re-raises the signal once it has shut down
+        pass
     if state.aengine.error:
         print(f"specdec serve: the engine stopped: {state.aengine.error}", file=sys.stderr)
         return 1
