@@ -50,7 +50,8 @@ except ImportError:
     from common import REPO, markdown_table, note, record, write_results
 
 COLUMNS = ["mode", "load", "x", "ok", "errors", "out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-           "itl_p99_ms", "itl_tok_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "json_valid_frac", "chat_tokens_mean"]
+           "itl_p99_ms", "itl_tok_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "json_valid_frac", "chat_tokens_mean",
+           "step_ms", "tokens_per_step", "gpu_idle_frac"]
 LISTENING = re.compile(r"specdec serve: listening on (http://\S+)")
 
 
@@ -251,7 +252,11 @@ def bench_target(target: str, args, requests, logdir: Path) -> list[dict]:
         for load, xs in (("poisson", args.rates), ("closed", args.concurrency)):
             for x in xs:
                 note(f"{head['mode']}: {load} {x} ({len(reqs)} requests)")
-                rows.append(dict(head, **run_load(url, model, reqs, target, args, load, x)))
+                before, t0 = engine_counters(url) if target == "ours" else None, time.perf_counter()
+                row = run_load(url, model, reqs, target, args, load, x)
+                if before is not None:
+                    row.update(engine_rates(before, engine_counters(url), time.perf_counter() - t0))
+                rows.append(dict(head, **row))
                 print(markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     except Exception as e:                          # noqa: BLE001
         note(f"{target}: failed: {e}")
@@ -259,6 +264,27 @@ def bench_target(target: str, args, requests, logdir: Path) -> list[dict]:
     finally:
         stop(proc)
     return rows
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """Our engine's step counters from /metrics (prometheus text, unlabelled samples)."""
+    import httpx
+    keep = ("specdec_steps_total", "specdec_gpu_idle_seconds_total", "specdec_generation_tokens_total")
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in keep:
+            out[name] = float(value)
+    return out
+
+
+def engine_rates(before: dict, after: dict, seconds: float) -> dict:
+    """Per run: engine steps per second, wall ms per step, tokens per step, compute-stream idle fraction."""
+    steps = after["specdec_steps_total"] - before["specdec_steps_total"]
+    idle = after["specdec_gpu_idle_seconds_total"] - before["specdec_gpu_idle_seconds_total"]
+    tokens = after["specdec_generation_tokens_total"] - before["specdec_generation_tokens_total"]
+    return dict(engine_steps=int(steps), step_ms=round(1e3 * seconds / steps, 3) if steps else None,
+                tokens_per_step=round(tokens / steps, 2) if steps else None, gpu_idle_frac=round(idle / seconds, 4))
 
 
 # ---- output ------------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=2, choices=[1, 2],
                    help="1: blocking loop; 2: pipelined (the next step launches before this one commits)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--switch-interval", type=float, default=2e-4, metavar="S",
+                   help="Python's GIL switch interval set on CUDA with guided decoding (0: leave it)")
     p.add_argument("--speculative", default="none", choices=["none", "ngram", "eagle", "draft_model"],
                    help="draft tokens and verify them in the step (ngram: prompt lookup; eagle: the trained head)")
     p.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int, default=3, metavar="K",
@@ -56,7 +58,7 @@ def engine_config(args, **extra) -> EngineConfig:
                         enforce_eager=args.enforce_eager, speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head,
                         spec_draft_model=args.spec_draft_model, guided_draft_masks=args.draft_masks,
-                        guided_forced_drafts=args.forced_drafts, **extra)
+                        guided_forced_drafts=args.forced_drafts, switch_interval=args.switch_interval, **extra)
 
 
 def _engine(args):
