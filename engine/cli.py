@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     _request_options(chat)
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
-    _engine_options(serve)
     from engine.server.serve import add_server_options, cmd_serve
+    _engine_options(serve)
     add_server_options(serve)
     serve.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
