@@ -3,7 +3,6 @@ the bounded queue."""
 import asyncio
 
 import openai
-import pytest
 
 from serving import CPU_ARGS, serve
 
