@@ -70,3 +70,41 @@ def test_speculative_server_reports_acceptance_and_keeps_greedy_tokens():
         assert spec["steps"] > 0 and spec["acceptance_length"] >= 1.0
         m = server.metrics()
         assert m["specdec_spec_verify_rows_total"] >= spec["steps"] and m["specdec_spec_acceptance_length"] >= 1.0
+
+
+def test_an_engine_thread_that_dies_fails_its_requests_and_answers_503():
+    """A bug inside step() (injected here) stops the engine thread: what was in flight ends with an error
+    output, later submissions raise EngineDead (HTTP 503), and the thread does not hang."""
+    import pytest
+
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import SamplingParams
+    from engine.server.async_engine import AsyncEngine, EngineDead
+
+    engine = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", attention_backend="torch")
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected bug")
+        return real_step()
+
+    engine.step = failing_step
+    aengine = AsyncEngine(engine)
+
+    async def run():
+        aengine.start(asyncio.get_running_loop())
+        sub = await aengine.submit([1, 2, 3], [SamplingParams(max_tokens=50, ignore_eos=True)])
+        outs = []
+        while not outs or not outs[-1][1].finished:
+            outs += await asyncio.wait_for(sub.next_batch(), 30)
+        with pytest.raises(EngineDead, match="injected bug"):
+            await aengine.submit([1, 2, 3], [SamplingParams(max_tokens=5)])
+        return outs[-1][1]
+
+    last = asyncio.run(run())
+    aengine.engine_thread.join(10)
+    assert last.finish_reason == "error" and "injected bug" in last.error
+    assert not aengine.engine_thread.is_alive() and not aengine.healthy() and aengine.live == 0
+    engine.close()

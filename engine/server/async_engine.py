@@ -13,6 +13,7 @@ import asyncio
 import queue
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from engine.output import RequestOutput
@@ -155,10 +156,10 @@ class AsyncEngine:
                 else:
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
-        except BaseException as exc:          # a bug, not a bad request (those fail alone inside step)
+        except Exception as exc:              # a bug, not a bad request (those fail alone inside step)
             self.error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
             self._fail_all(self.error)
-            raise
         finally:
             for rid in list(self._routes):
                 self.engine.abort(rid)
