@@ -57,7 +57,8 @@ class LLMEngine(EngineFrontend):
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (each decode row takes a token)")
         self.config = config
         self.source = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.source)
+        self.tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
+        self.tokenizer = load_tokenizer(self.tokenizer_source)
         ctx = int(self.source.config.get("max_position_embeddings", 8192))
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         encode = (lambda text: self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer else None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.server.async_engine import Submission
 from engine.server.protocol import APIError
-from engine.server.tools import ToolCallParser, split_tool_calls
+from engine.server.tools import ToolCallParser
 
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -28,9 +28,9 @@ def failure(message: str) -> APIError:
 @dataclass
 class ChoiceState:
     parser: ToolCallParser | None
-    text: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)      # the text outside tool calls (all of it without tools)
+    tool_calls: list[dict] = field(default_factory=list)
     tokens: int = 0
-    calls: int = 0
     finish: str | None = None
     error: str | None = None
     spec: dict | None = None
@@ -38,18 +38,25 @@ class ChoiceState:
     seen: int = 0                      # tokens counted by then
 
     def take(self, out) -> list[tuple[str, object]]:
-        """Fold in one RequestOutput; -> the content / tool-call events it releases."""
+        """Fold in one RequestOutput; -> the content / tool-call events it releases (a call carries its index
+        among the choice's calls, as a streamed delta does)."""
         self.tokens += len(out.new_token_ids)
         events = self.parser.feed(out.new_text) if self.parser else ([("content", out.new_text)] if out.new_text else [])
-        self.text.append(out.new_text)
         if out.finished:
             self.finish, self.error, self.spec = out.finish_reason, out.error, out.spec
             events += self.parser.finish() if self.parser else []
-        self.calls += sum(kind == "call" for kind, _ in events)
-        return events
+        released = []
+        for kind, item in events:
+            if kind == "call":
+                released.append((kind, dict(item, index=len(self.tool_calls))))
+                self.tool_calls.append(item)
+            else:
+                released.append((kind, item))
+                self.content.append(item)
+        return released
 
     def finish_reason(self) -> str:
-        if self.calls:
+        if self.tool_calls:
             return "tool_calls"
         return "length" if self.finish == "length" else "stop"
 
@@ -59,7 +66,7 @@ class Format:
     object_full = object_chunk = ""
     id_prefix = ""
 
-    def full_choice(self, index: int, st: ChoiceState, tools: bool) -> dict: ...
+    def full_choice(self, index: int, st: ChoiceState) -> dict: ...
     def deltas(self, events) -> list[dict]: ...
     def opening(self) -> dict | None: ...
     def closing(self, st: ChoiceState) -> dict: ...
@@ -68,21 +75,18 @@ class Format:
 class ChatFormat(Format):
     object_full, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
-    def full_choice(self, index, st, tools):
-        text = "".join(st.text)
-        content, calls = split_tool_calls(text) if tools else (text, [])
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        return {"index": index, "message": message, "logprobs": None,
-                "finish_reason": "tool_calls" if calls else st.finish_reason()}
+    def full_choice(self, index, st):
+        content = "".join(st.content)
+        message = {"role": "assistant", "content": None if st.tool_calls and not content.strip() else content}
+        if st.tool_calls:
+            message["tool_calls"] = st.tool_calls
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": st.finish_reason()}
 
     def deltas(self, events):
-        out, calls = [], 0
+        out = []
         for kind, item in events:
             if kind == "call":
-                out.append({"tool_calls": [dict(item, index=calls)]})
-                calls += 1
+                out.append({"tool_calls": [item]})
             elif out and "content" in out[-1]:
                 out[-1]["content"] += item
             else:
@@ -102,8 +106,8 @@ class ChatFormat(Format):
 class CompletionFormat(Format):
     object_full, object_chunk, id_prefix = "text_completion", "text_completion", "cmpl-"
 
-    def full_choice(self, index, st, tools):
-        return {"index": index, "text": "".join(st.text), "logprobs": None, "finish_reason": st.finish_reason()}
+    def full_choice(self, index, st):
+        return {"index": index, "text": "".join(st.content), "logprobs": None, "finish_reason": st.finish_reason()}
 
     def deltas(self, events):
         text = "".join(item for _, item in events)
@@ -125,12 +129,11 @@ class Generation:
     def __init__(self, fmt: Format, sub: Submission, model: str, prompt_tokens: int, tools: bool, metrics,
                  arrival: float):
         self.fmt, self.sub, self.model, self.prompt_tokens, self.metrics = fmt, sub, model, prompt_tokens, metrics
-        self.tools, self.arrival = tools, arrival
+        self.arrival = arrival
         self.id = fmt.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.choices = [ChoiceState(ToolCallParser() if tools else None) for _ in sub.params]
         self.open = len(self.choices)
-        self._calls_sent = [0] * len(self.choices)
 
     async def _batches(self):
         while self.open:
@@ -181,7 +184,7 @@ class Generation:
         if errors:
             raise failure(errors[0])
         return {"id": self.id, "object": self.fmt.object_full, "created": self.created, "model": self.model,
-                "choices": [self.fmt.full_choice(i, st, self.tools) for i, st in enumerate(self.choices)],
+                "choices": [self.fmt.full_choice(i, st) for i, st in enumerate(self.choices)],
                 "usage": self.usage()}
 
     def _chunk(self, choices: list, usage: dict | None = None) -> str:
@@ -202,9 +205,6 @@ class Generation:
             for index, events in per_choice.items():
                 st = self.choices[index]
                 for delta in self.fmt.deltas(events):
-                    if isinstance(delta, dict) and "tool_calls" in delta:
-                        delta["tool_calls"][0]["index"] = self._calls_sent[index]
-                        self._calls_sent[index] += 1
                     parts.append(self.fmt.chunk_choice(index, delta))
                 if st.finish is not None:
                     finished.append(index)

@@ -24,7 +24,7 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 def build_state(args):
     from engine.cli import engine_config
     from engine.llm_engine import LLMEngine
-    from engine.models.loader import load_tokenizer, resolve_model
+    from engine.models.loader import load_tokenizer
     from engine.server.app import ServerState
     from engine.server.async_engine import AsyncEngine
     from engine.server.metrics import ServerMetrics
@@ -32,7 +32,7 @@ def build_state(args):
     config = engine_config(args, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     engine = LLMEngine(config)
     engine.guided.ensure_service()          # before any handler thread may compile with it
-    tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else engine.source)
+    tokenizer = load_tokenizer(engine.tokenizer_source)
     aengine = AsyncEngine(engine, max_queued=args.max_queued, stream_interval=args.stream_interval)
     name = args.served_model_name or engine.source.name
     return ServerState(aengine, tokenizer, name, ServerMetrics(aengine))

@@ -162,13 +162,3 @@ def _partial_open(text: str) -> int:
             return n
     return 0
 
-
-def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """A whole output -> (content or None, tool calls). Blank text between calls is dropped."""
-    parser = ToolCallParser()
-    events = parser.feed(text) + parser.finish()
-    calls = [e for kind, e in events if kind == "call"]
-    content = "".join(e for kind, e in events if kind == "content")
-    if calls and not content.strip():
-        content = None
-    return content, calls
