@@ -55,6 +55,10 @@ class EngineConfig:
                                        # verifying row) is below this; 1 spec step in 16 measures it again
     ngram_min_n: int = 1
     ngram_max_n: int = 3
+    tensor_parallel_size: int = 1      # ranks one model is split over (engine/parallel/): one process and GPU each
+    tp_backend: str = "auto"           # the step's collectives: "auto" (NCCL on CUDA, gloo on the CPU), "nccl",
+                                       # "gloo" (on CUDA: every rank on one GPU, eager steps; for tests)
+    tp_timeout_s: float = 120.0        # a step (or a worker's start) taking longer ends the engine: a worker hung
     debug_sync: bool = False           # raise on any device->host sync while a step is enqueued (CUDA)
     seed: int = 0
 
@@ -81,6 +85,15 @@ class EngineConfig:
             raise ValueError(f"need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"unknown tp_backend {self.tp_backend!r}; choose from auto, nccl, gloo")
+        if not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
+        if self.tensor_parallel_size > 1 and self.tp_backend == "gloo" and self.device != "cpu" \
+                and not self.enforce_eager and torch.cuda.is_available():
+            raise ValueError("tp_backend='gloo' on CUDA cannot be captured in CUDA graphs: set enforce_eager=True")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
 

@@ -10,6 +10,7 @@ loop goes on. Finished requests are forgotten unless added with `retain=True` (t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import sys
@@ -25,6 +26,8 @@ from engine.guided.tracker import GuidedTracker
 from engine.model_runner import ModelRunner, RowError
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
+from engine.parallel.cluster import Cluster
+from engine.parallel.group import TensorParallelError
 from engine.request_handle import RequestHandle
 from engine.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
@@ -32,10 +35,11 @@ from engine.sequence import SamplingParams, Sequence
 from engine.slots import DecodeSlot
 from engine.timings import StepTimings
 from engine.validation import check_request, prompt_ids
+from specdec.drafters.draft_model import draft_source
 from specdec.plan import SpecPolicy, commit_row
 from specdec.state import RowPool
 
-__all__ = ["LLMEngine", "RequestOutput", "RequestHandle"]
+__all__ = ["LLMEngine", "RequestOutput", "RequestHandle", "TensorParallelError"]
 
 
 @dataclass
@@ -62,7 +66,7 @@ class LLMEngine(EngineFrontend):
         ctx = int(self.source.config.get("max_position_embeddings", 8192))
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         encode = (lambda text: self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer else None
-        self.runner = ModelRunner(config, self.source, self.max_model_len, encode)
+        self.runner, self.cluster = self._start_runner(encode)
         if self.tokenizer is not None and len(self.tokenizer) > self.runner.vocab:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's {self.runner.vocab}")
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
@@ -89,10 +93,33 @@ class LLMEngine(EngineFrontend):
         if self.runner.cuda and config.guided and config.switch_interval > 0:
             sys.setswitchinterval(config.switch_interval)     # process-wide: see EngineConfig.switch_interval
 
+    def _start_runner(self, encode) -> tuple[ModelRunner, Cluster | None]:
+        """This process's runner; with tensor_parallel_size > 1 also the worker processes of the other ranks."""
+        config = self.config
+        draft = draft_source(config, self.source) if config.speculative == "draft_model" else None
+        if config.tensor_parallel_size == 1:
+            return ModelRunner(config, self.source, self.max_model_len, encode, draft=draft), None
+        cluster = Cluster(config, self.source, draft, self.max_model_len, has_encode=encode is not None)
+        try:
+            with cluster.watch(timed=False):
+                runner = ModelRunner(config, self.source, self.max_model_len, encode, tp=cluster.group, draft=draft)
+        except BaseException:
+            cluster.close()
+            raise
+        return runner, cluster
+
+    def _tp_watch(self):
+        return self.cluster.watch() if self.cluster is not None else contextlib.nullcontext()
+
     def close(self) -> None:
-        """Free what outlives a dropped engine: captured grammar callbacks, the compile threads."""
-        self.runner.close()
-        self.guided.close()
+        """Free what outlives a dropped engine: captured grammar callbacks, the compile threads, the
+        tensor-parallel workers."""
+        try:
+            self.runner.close()
+            self.guided.close()
+        finally:
+            if self.cluster is not None:
+                self.cluster.close()
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.source.config.get("eos_token_id")
@@ -155,6 +182,8 @@ class LLMEngine(EngineFrontend):
         """Launch the next step, then commit the oldest in-flight one once `depth` steps are in flight.
         With nothing new to launch, the in-flight steps drain. Returns every output made (all requests)."""
         t0 = time.perf_counter()
+        if self.cluster is not None:
+            self.cluster.check()                # a lost worker ended the engine: say so on every call
         outputs, self._outbox = self._outbox, []
         outputs += [self._fail(seq, message) for seq, message in self.guided.poll()]
         launched = self._plan_and_launch(outputs)
@@ -215,8 +244,12 @@ class LLMEngine(EngineFrontend):
         all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
         t1 = time.perf_counter()
         try:
-            with self.runner.sync_guard():
+            with self.runner.sync_guard(), self._tp_watch():
+                if self.cluster is not None:    # the workers launch the same step on their shards
+                    self.cluster.channel.publish(slot, self._step_index, all_greedy, snapshot is not None)
                 self.runner.launch(slot, self._step_index, all_greedy, snapshot)
+        except TensorParallelError:
+            raise
         except Exception as exc:
             outputs += self._unlaunch(rows, f"launching its step failed: {_describe(exc)}")
             return False
@@ -244,7 +277,8 @@ class LLMEngine(EngineFrontend):
 
     def _wait_and_commit(self, step: InflightStep) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        tokens = self.runner.wait(step.slot)
+        with self._tp_watch():
+            tokens = self.runner.wait(step.slot)
         t1 = time.perf_counter()
         self._yield_to_grammar()
         t_yield = time.perf_counter()

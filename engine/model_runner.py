@@ -18,6 +18,7 @@ from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks
 from engine.models.loader import ModelSource
 from engine.models.weights import build_model
+from engine.parallel.group import SINGLE
 from engine.sampler import apply_bitmask
 from engine.slots import DecodeSlot
 from engine.step import StepProgram
@@ -39,23 +40,29 @@ class RowError(Exception):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, encode=None):
-        self.config = config
+    """One rank's runner. With tensor parallelism (`tp` a DistGroup) every rank builds the same runner over
+    its shard of the model and runs the same steps; rank 0's engine plans them and fills the grammar masks,
+    the other ranks receive both (engine/parallel/worker.py). `draft`: a draft model's ModelSource, resolved
+    once by rank 0."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, encode=None, tp=SINGLE,
+                 draft=None):
+        self.config, self.tp = config, tp
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         self.cuda = self.device.type == "cuda"
         self.max_model_len = max_model_len
-        self.model = build_model(source, self.dtype, self.device, max_model_len)
+        self.model = build_model(source, self.dtype, self.device, max_model_len, tp)
         self.vocab = source.config["vocab_size"]
         self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
         # a draft model's source is resolved once (resolving the default model hashes its GGUF)
-        self.draft_source = draft_source(config, source) if config.speculative == "draft_model" else None
-        self.num_blocks = self._num_kv_blocks(source.config)
+        self.draft_source = draft or (draft_source(config, source) if config.speculative == "draft_model" else None)
+        self.num_blocks = tp.agree_min(self._num_kv_blocks(source.config))    # block tables index every rank's
         self.kv_caches = self._allocate_kv(source.config)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
         self.spec_k = config.spec_k
         self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, config.grammar_threads,
-                                  self.spec_k) if config.guided else None
+                                  self.spec_k, tp) if config.guided else None
         self.spec_rows = spec_rows_limit(config)
         self.spec_state = None
         args = (self.model, self.kv_caches, self.backend, max_model_len, self.compute_stream, self.masks)
@@ -213,11 +220,14 @@ class ModelRunner:
         h["steps"][s] = len(seq.output_token_ids) + seq.num_pending
 
     # ---- launch (enqueue only) ---------------------------------------------------------------
-    def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None) -> None:
+    def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None, guided: bool | None = None,
+               download: bool = True) -> None:
         """Enqueue upload, forward, (grammar branch), sampling and the token copy; returns without waiting
-        (on CUDA). `snapshot`: the step's guided rows (engine/guided/masks.py), None if it has none."""
+        (on CUDA). `snapshot`: the step's guided rows (engine/guided/masks.py), None if it has none. A
+        tensor-parallel worker runs guided steps without a snapshot (`guided`: rank 0 fills the masks) and
+        reads no tokens back (`download` False)."""
         prev = self.slots[1 - slot.index]
-        variant = (snapshot is not None, all_greedy)
+        variant = (snapshot is not None if guided is None else guided, all_greedy)
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
         if self.cuda:
             with torch.cuda.stream(self.copy_in_stream):
@@ -241,6 +251,8 @@ class ModelRunner:
                 raise
             if self.cuda:
                 te["sampled_ready"].record()
+        if not download:
+            return
         if self.cuda:
             self.copy_out_stream.wait_event(te["sampled_ready"])
             with torch.cuda.stream(self.copy_out_stream):

@@ -81,8 +81,16 @@ class DecodeSlot:
         `padded` rows for graphs. The host side must stay untouched until the copy ran."""
         if self.device.type != "cuda":
             return
-        end = self._bt_offset + max(self.num_seqs, padded) * self._bt_row
+        end = self.input_bytes(padded)
         self._dev_buf[:end].copy_(self._host_buf[:end], non_blocking=True)
+
+    def input_bytes(self, padded: int = 0) -> int:
+        """Bytes of the host buffer the step reads: every field, then the used rows of the block tables."""
+        return self._bt_offset + max(self.num_seqs, padded) * self._bt_row
+
+    def inputs(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the host buffer (uint8): what a tensor-parallel step message carries."""
+        return self._host_buf[:nbytes]
 
     def download_sampled(self) -> None:
         n = self.num_sample

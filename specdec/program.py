@@ -181,9 +181,13 @@ class SpecStepProgram(StepProgram):
                 ctx.guide = self.draft_masks
                 ctx.guide.begin(tokens, self.compute_stream)
         if drafting:
-            proposal = self.drafter.propose(ctx)
-            st.drafts[rows] = proposal.draft_tokens
-            st.draft_count[rows] = proposal.num_drafts
+            tokens, count, _ = self.drafter.propose(ctx)
+            tp = self.model.tp
+            if tp.world > 1:        # decided once: rank 0's drafts are every rank's
+                packed = tp.broadcast(torch.cat([tokens, count[:, None]], dim=1))
+                tokens, count = packed[:, :-1], packed[:, -1]
+            st.drafts[rows] = tokens
+            st.draft_count[rows] = count
 
     @staticmethod
     def next_tokens(slot, ids, tokens, T: int):

@@ -96,6 +96,14 @@ class DraftMasks:
         return self._pick["count"]
 
     def _run(self, j: int, source: torch.Tensor, S: int, compute_stream) -> None:
+        tp = self.masks.tp
+        if tp.decides:
+            self._fill(j, source, S, compute_stream)
+        if self.draft_masks:                # rank 0's, for every rank (tensor parallelism)
+            tp.broadcast(self.mask_dev[j][:S])
+        tp.broadcast(self.ctl_dev[j][:S])
+
+    def _fill(self, j: int, source: torch.Tensor, S: int, compute_stream) -> None:
         src = source if source.dim() == 2 else source[:, None]
         if not self.masks.cuda:
             self.tokens_host[j][:S] = src

@@ -37,6 +37,7 @@ import torch
 import xgrammar as xgr
 
 import hostfunc
+from engine.parallel.group import SINGLE
 from engine.guided.matching import ALL, GuidedRow, accept_rows, walk_drafts
 
 
@@ -81,8 +82,9 @@ class GrammarMasks:
     and the step hands the callback its drafts and draft counts (`drafts_dev`, [rows, k + 1]) and gets back
     how many of them the grammar accepts (`caps_dev`)."""
 
-    def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 1, k: int = 0):
+    def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 1, k: int = 0, tp=SINGLE):
         self.cuda = device.type == "cuda"
+        self.tp = tp            # tensor parallelism: rank 0 fills the masks, `join` broadcasts them to the others
         self.k, self.words = k, -(-vocab_size // 32)
         pin = self.cuda
 
@@ -122,7 +124,9 @@ class GrammarMasks:
 
     def branch(self, slot, prev, rows: int, compute_stream, width: int = 1) -> None:
         """Enqueue the grammar branch of a step (eager or under capture); CUDA only. With drafts (width > 1)
-        the step has written `drafts_dev` before this, on the compute stream."""
+        the step has written `drafts_dev` before this, on the compute stream. Only rank 0 runs it."""
+        if not self.tp.decides:
+            return
         i = slot.index
         self.fork[i].record(compute_stream)
         self.grammar_stream.wait_event(self.fork[i])
@@ -138,13 +142,19 @@ class GrammarMasks:
 
     def join(self, slot, prev, rows: int, compute_stream, width: int = 1):
         """Before sampling: the compute stream waits for the masks (CUDA); the CPU runs the callback here.
-        -> (masks [rows * width, words], the drafts the grammar accepts per row [rows])."""
-        if self.cuda:
+        -> (masks [rows * width, words], the drafts the grammar accepts per row [rows]), rank 0's on every rank."""
+        if not self.tp.decides:
+            pass
+        elif self.cuda:
             compute_stream.wait_event(self.mask_ready[slot.index])
         else:
             self.tokens_host[prev.index].copy_(self._emitted(prev))
             self.run()
-        return self.dev[slot.index][:rows * width], self.caps_dev[slot.index][:rows]
+        masks, caps = self.dev[slot.index][:rows * width], self.caps_dev[slot.index][:rows]
+        self.tp.broadcast(masks)
+        if width > 1:
+            self.tp.broadcast(caps)
+        return masks, caps
 
     # ---- callback (driver thread on CUDA) ------------------------------------------------------
     def run(self) -> None:

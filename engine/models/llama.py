@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.parallel.group import SINGLE
+from engine.parallel.sharding import attention_heads, split, vocab_rows
 
 
 class RMSNorm(nn.Module):
@@ -71,11 +73,15 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: dict, layer_idx: int):
+    """This rank's heads (all of them with one rank): QKV by columns, o_proj by rows (its sum over ranks is
+    the layer's output, all-reduced by the caller)."""
+
+    def __init__(self, cfg: dict, layer_idx: int, tp=SINGLE):
         super().__init__()
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_heads
+        heads = cfg["num_attention_heads"]
+        (qa, qb), (ka, kb) = attention_heads(heads, cfg.get("num_key_value_heads", heads), tp.rank, tp.world)
+        self.num_heads, self.num_kv_heads = qb - qa, kb - ka
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(cfg.get("attention_bias", cfg["model_type"] == "qwen2"))
         self.qkv_proj = nn.Linear(cfg["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
@@ -115,9 +121,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, tp=SINGLE):
         super().__init__()
-        self.inter = cfg["intermediate_size"]
+        start, stop = split(cfg["intermediate_size"], tp.rank, tp.world)
+        self.inter = stop - start
         self.gate_up_proj = nn.Linear(cfg["hidden_size"], 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg["hidden_size"], bias=False)
 
@@ -132,16 +139,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, layer_idx: int):
+    def __init__(self, cfg: dict, layer_idx: int, tp=SINGLE):
         super().__init__()
+        self.tp = tp                    # attention and MLP outputs are partial sums over ranks: all-reduced
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, meta, kv_cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
     def forward_fused(self, h, residual, positions, rope_cache, meta, kv_cache, backend):
         """h: the previous layer's output, not yet added to `residual` (None at the first layer).
@@ -149,9 +157,9 @@ class DecoderLayer(nn.Module):
         small = backend.gemv is not None and h.shape[0] <= backend.gemv.MAX_ROWS
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend, small)
-        h = attn.forward_fused(qkv, positions, rope_cache, meta, kv_cache, backend, small)
+        h = self.tp.all_reduce(attn.forward_fused(qkv, positions, rope_cache, meta, kv_cache, backend, small))
         gate_up, residual = _norm_proj(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, backend, small)
-        return mlp.down_fused(gate_up, backend, small), residual
+        return self.tp.all_reduce(mlp.down_fused(gate_up, backend, small)), residual
 
 
 def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend, small: bool):
@@ -165,16 +173,35 @@ def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend, small: bool
     return proj(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: dict):
+class VocabEmbedding(nn.Module):
+    """The embedding of this rank's vocabulary rows; ids outside them embed to zeros, and the all-reduce
+    over ranks completes every row (one rank: a plain lookup)."""
+
+    def __init__(self, vocab: int, hidden: int, tp=SINGLE):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.tp = tp
+        self.start, self.stop, rows = vocab_rows(vocab, tp.rank, tp.world)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+
+    def forward(self, ids):
+        if self.tp.world == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (ids < self.stop)
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: dict, tp=SINGLE):
+        super().__init__()
+        self.cfg, self.tp, self.vocab = cfg, tp, cfg["vocab_size"]
+        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+            self.lm_head = nn.Linear(cfg["hidden_size"], self.embed_tokens.weight.shape[0], bias=False)
 
     def init_rope(self, max_positions: int, device) -> None:
         """Built after the weights land (the module may have been created on the meta device)."""
@@ -209,5 +236,11 @@ class LlamaForCausalLM(nn.Module):
         return backend.ops.rms_norm(x, self.norm.weight, self.norm.eps) if backend.fused else self.norm(x)
 
     def compute_logits(self, hidden):
+        """float32 logits [N, V]; with several ranks each computes its vocabulary rows and all gather them."""
         weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.tp.world > 1:
+            logits = self.tp.gather_vocab(logits)
+            if logits.shape[1] != self.vocab:                  # padding rows of the last rank
+                logits = logits[:, :self.vocab].contiguous()
+        return logits.float()

@@ -1,4 +1,8 @@
-"""Weights into the engine's model: Hugging Face safetensors (fusing QKV and gate/up) or random dummies."""
+"""Weights into the engine's model: Hugging Face safetensors (fusing QKV and gate/up) or random dummies.
+
+With tensor parallelism each rank reads only its part of every tensor (safetensors slices; a GGUF is read
+from the directory it was converted to) and no rank holds the whole model (engine/parallel/sharding.py).
+"""
 from __future__ import annotations
 
 import glob
@@ -8,46 +12,55 @@ from safetensors import safe_open
 
 from engine.models.loader import ModelSource
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.group import SINGLE
+from engine.parallel.sharding import ParamShard, param_shards
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> LlamaForCausalLM:
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
+                tp=SINGLE) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(source.config)
+        model = LlamaForCausalLM(source.config, tp)
     model = model.to_empty(device=device).to(dtype)
+    shards = param_shards(source.config, tp.rank, tp.world)
     if source.path is None:
-        _init_dummy(model, seed=0)
+        _init_dummy(model, shards, seed=0)
     else:
-        _load_safetensors(model, source)
+        _load_safetensors(model, source, shards)
     model.init_rope(max_positions, device)
     return model.eval().requires_grad_(False)
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+def _init_dummy(model: LlamaForCausalLM, shards: dict[str, ParamShard], seed: int) -> None:
+    """Random weights, the same model for any rank count: a cut weight is drawn whole (one at a time, in the
+    same order as unsharded) and this rank keeps its part."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         elif name.endswith(".bias"):
             p.data.zero_()
+        elif name in shards:
+            shard = shards[name]
+            full = torch.empty(shard.full_shape(p.shape), dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+            shard.take(full, p.data)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
 
 
 def _target(model_params: dict, hf_name: str):
-    """Map an HF tensor name to (engine parameter, fused kind or None, part index)."""
+    """Map an HF tensor name to (engine parameter name, part index, fused kind or None)."""
     parts = hf_name.removeprefix("model.").split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED:
         fused, idx = _FUSED[parts[-2]]
         parts[-2] = fused
-        return model_params.get(".".join(parts)), fused, idx
-    return model_params.get(".".join(parts)), None, 0
+        return ".".join(parts), idx, fused
+    return ".".join(parts), 0, None
 
 
-def _load_safetensors(model: LlamaForCausalLM, source: ModelSource) -> None:
+def _load_safetensors(model: LlamaForCausalLM, source: ModelSource, shards: dict[str, ParamShard]) -> None:
     params = dict(model.named_parameters())
     attn = model.layers[0].self_attn
     splits = {"qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
@@ -58,11 +71,15 @@ def _load_safetensors(model: LlamaForCausalLM, source: ModelSource) -> None:
             for hf_name in f.keys():
                 if "rotary_emb" in hf_name or (model.tied and hf_name == "lm_head.weight"):
                     continue
-                param, fused, idx = _target(params, hf_name)
+                name, idx, fused = _target(params, hf_name)
+                param = params.get(name)
                 if param is None:
                     raise ValueError(f"{source.path}: unexpected tensor {hf_name!r}")
-                sizes = splits[fused] if fused else [param.shape[0]]
-                _copy_into(param, f.get_tensor(hf_name), sizes, idx, hf_name)
+                if name in shards:
+                    _copy_part(param, f.get_slice(hf_name), shards[name], idx, hf_name)
+                else:
+                    sizes = splits[fused] if fused else [param.shape[0]]
+                    _copy_into(param, f.get_tensor(hf_name), sizes, idx, hf_name)
                 loaded.add(id(param))
     missing = [n for n, p in params.items() if id(p) not in loaded]
     if missing:
@@ -72,6 +89,24 @@ def _load_safetensors(model: LlamaForCausalLM, source: ModelSource) -> None:
 def _copy_into(param, tensor, sizes, idx, hf_name):
     start = sum(sizes[:idx])
     dst = param.data[start:start + sizes[idx]]
+    _check_shape(dst, tensor, hf_name)
+    dst.copy_(tensor)
+
+
+def _copy_part(param, tensor_slice, shard: ParamShard, idx: int, hf_name: str) -> None:
+    """Read only this rank's [start, stop) of part `idx` along the shard's dimension."""
+    size, start, stop = shard.parts[idx]
+    full = tuple(tensor_slice.get_shape())
+    if len(full) <= shard.dim or full[shard.dim] != size:
+        raise ValueError(f"tensor {hf_name!r} has shape {full}, expected {size} along dimension {shard.dim}")
+    tensor = tensor_slice[start:stop] if shard.dim == 0 else tensor_slice[:, start:stop]
+    dst = param.data.narrow(shard.dim, shard.offset(idx), stop - start)
+    if idx == 0 and shard.rows:                 # vocabulary padding rows stay zero
+        param.data.zero_()
+    _check_shape(dst, tensor, hf_name)
+    dst.copy_(tensor)
+
+
+def _check_shape(dst, tensor, hf_name):
     if dst.shape != tensor.shape:
         raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(tensor)
