@@ -28,6 +28,7 @@ from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
 from engine.parallel.cluster import Cluster
 from engine.parallel.group import TensorParallelError
+from engine.parallel.sharding import param_shards
 from engine.request_handle import RequestHandle
 from engine.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
@@ -99,6 +100,7 @@ class LLMEngine(EngineFrontend):
         draft = draft_source(config, self.source) if config.speculative == "draft_model" else None
         if config.tensor_parallel_size == 1:
             return ModelRunner(config, self.source, self.max_model_len, encode, draft=draft), None
+        param_shards(self.source.config, 0, config.tensor_parallel_size)     # a model that cannot be cut: say so now
         cluster = Cluster(config, self.source, draft, self.max_model_len, has_encode=encode is not None)
         try:
             with cluster.watch(timed=False):

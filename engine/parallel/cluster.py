@@ -71,7 +71,8 @@ class Cluster:
         except TensorParallelError:
             raise
         except Exception as exc:
-            self.fail(f"{type(exc).__name__}: {exc}")
+            # a collective fails when its peer dies: name the dead worker if that is what happened
+            self.fail(self._lost_worker(wait=1.0) or f"{type(exc).__name__}: {exc}")
             raise TensorParallelError(self.failure) from exc
         finally:
             self._inside_since = None
@@ -88,12 +89,23 @@ class Cluster:
             group.abort()
         self._kill()
 
+    def _lost_worker(self, wait: float = 0.0) -> str | None:
+        """What happened to the first worker that exited (within `wait` seconds), or None."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, p in enumerate(self.workers, 1):
+                if p.poll() is not None:
+                    return f"worker {rank} (pid {p.pid}) exited with code {p.returncode}{self._reported(rank)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def _watch(self) -> None:
         while not self._closing.wait(0.1) and self.failure is None:
-            for rank, p in enumerate(self.workers, 1):
-                if p.poll() is not None and not self._closing.is_set():
-                    self.fail(f"worker {rank} (pid {p.pid}) exited with code {p.returncode}{self._reported(rank)}")
-                    return
+            lost = self._lost_worker()
+            if lost and not self._closing.is_set():
+                self.fail(lost)
+                return
             since = self._inside_since
             if since is not None and time.monotonic() - since > self.timeout:
                 self.fail(f"a step did not finish within tp_timeout_s={self.timeout:g}s (a worker hung)")
