@@ -31,6 +31,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="eagle: draft head directory (default: the head shipped for the model; 'random')")
     p.add_argument("--spec-draft-model", default="", metavar="MODEL",
                    help="draft_model: a smaller model sharing the tokenizer (path, 'default', 'dummy:NAME')")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs (one process each; NCCL), or N processes on the CPU (gloo)")
+    p.add_argument("--tp-timeout", type=float, default=120.0, metavar="S",
+                   help="a tensor-parallel step taking longer than this ends the engine (a worker hung)")
     p.add_argument("--draft-masks", action="store_true",
                    help="guided + --speculative eagle|draft_model: each draft step picks under the grammar's mask")
     p.add_argument("--forced-drafts", action="store_true",
@@ -58,7 +62,8 @@ def engine_config(args, **extra) -> EngineConfig:
                         enforce_eager=args.enforce_eager, speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head,
                         spec_draft_model=args.spec_draft_model, guided_draft_masks=args.draft_masks,
-                        guided_forced_drafts=args.forced_drafts, switch_interval=args.switch_interval, **extra)
+                        guided_forced_drafts=args.forced_drafts, switch_interval=args.switch_interval,
+                        tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout, **extra)
 
 
 def _engine(args):
