@@ -33,10 +33,10 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
     return model.eval().requires_grad_(False)
 
 
-def _init_dummy(model: LlamaForCausalLM, shards: dict[str, ParamShard], seed: int) -> None:
+def _init_dummy(model: LlamaForCausalLM, shards: dict[str, ParamShard] | None = None, seed: int = 0) -> None:
     """Random weights, the same model for any rank count: a cut weight is drawn whole (one at a time, in the
     same order as unsharded) and this rank keeps its part."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    gen, shards = torch.Generator(device=next(model.parameters()).device).manual_seed(seed), shards or {}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
