@@ -36,3 +36,11 @@ def test_guided_speculative_generate_gives_a_valid_tool_call():
     assert r.returncode == 0, r.stderr
     call = json.loads(r.stdout.strip())
     assert call["name"] == "get_weather" and call["arguments"]["unit"] in ("celsius", "fahrenheit")
+
+
+def test_generate_over_two_tensor_parallel_ranks():
+    """-tp 2 on the CPU: a gloo worker process; the same answer, and no worker left behind."""
+    r = _run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--device", "cpu",
+             "--tensor-parallel-size", "2")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "tensor-parallel worker" in r.stderr
