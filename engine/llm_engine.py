@@ -23,12 +23,11 @@ from engine.config import EngineConfig
 from engine.frontend import EngineFrontend
 from engine.guided.masks import Snapshot, build_snapshot
 from engine.guided.tracker import GuidedTracker
-from engine.model_runner import ModelRunner, RowError
+from engine.model_runner import RowError
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
-from engine.parallel.cluster import Cluster
+from engine.parallel.cluster import start_runner
 from engine.parallel.group import TensorParallelError
-from engine.parallel.sharding import param_shards
 from engine.request_handle import RequestHandle
 from engine.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
@@ -36,7 +35,6 @@ from engine.sequence import SamplingParams, Sequence
 from engine.slots import DecodeSlot
 from engine.timings import StepTimings
 from engine.validation import check_request, prompt_ids
-from specdec.drafters.draft_model import draft_source
 from specdec.plan import SpecPolicy, commit_row
 from specdec.state import RowPool
 
@@ -67,7 +65,7 @@ class LLMEngine(EngineFrontend):
         ctx = int(self.source.config.get("max_position_embeddings", 8192))
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         encode = (lambda text: self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer else None
-        self.runner, self.cluster = self._start_runner(encode)
+        self.runner, self.cluster = start_runner(config, self.source, self.max_model_len, encode)
         if self.tokenizer is not None and len(self.tokenizer) > self.runner.vocab:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's {self.runner.vocab}")
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
@@ -93,22 +91,6 @@ class LLMEngine(EngineFrontend):
         self._restart = False                           # the loop drained: period counts from the next launch
         if self.runner.cuda and config.guided and config.switch_interval > 0:
             sys.setswitchinterval(config.switch_interval)     # process-wide: see EngineConfig.switch_interval
-
-    def _start_runner(self, encode) -> tuple[ModelRunner, Cluster | None]:
-        """This process's runner; with tensor_parallel_size > 1 also the worker processes of the other ranks."""
-        config = self.config
-        draft = draft_source(config, self.source) if config.speculative == "draft_model" else None
-        if config.tensor_parallel_size == 1:
-            return ModelRunner(config, self.source, self.max_model_len, encode, draft=draft), None
-        param_shards(self.source.config, 0, config.tensor_parallel_size)     # a model that cannot be cut: say so now
-        cluster = Cluster(config, self.source, draft, self.max_model_len, has_encode=encode is not None)
-        try:
-            with cluster.watch(timed=False):
-                runner = ModelRunner(config, self.source, self.max_model_len, encode, tp=cluster.group, draft=draft)
-        except BaseException:
-            cluster.close()
-            raise
-        return runner, cluster
 
     def _tp_watch(self):
         return self.cluster.watch() if self.cluster is not None else contextlib.nullcontext()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import CHAT_PROMPTS
-from engine import llm_engine
+from engine import model_runner
 from engine.llm_engine import LLMEngine
 from engine.parallel.group import DistGroup
 from engine.sequence import SamplingParams
@@ -77,8 +77,8 @@ def test_one_rank_nccl_group_inside_the_graphs(nccl_group, monkeypatch, speculat
     if speculative == "eagle" and MODEL != "default":
         extra["spec_head"] = "random"
     plain, graphs = _run(1, GUIDED, **extra)
-    real = llm_engine.ModelRunner
-    monkeypatch.setattr(llm_engine, "ModelRunner", lambda *a, **kw: real(*a, **{**kw, "tp": nccl_group}))
+    real = model_runner.ModelRunner
+    monkeypatch.setattr(model_runner, "ModelRunner", lambda *a, **kw: real(*a, **{**kw, "tp": nccl_group}))
     grouped, graphs2 = _run(1, GUIDED, **extra)
     assert graphs and graphs2 and grouped == plain
 

@@ -27,7 +27,26 @@ import torch.distributed as dist
 
 from engine.parallel.channel import StepChannel
 from engine.parallel.group import DistGroup, TensorParallelError
+from engine.parallel.sharding import param_shards
 from engine.parallel.worker import WorkerSpec, rank_config
+
+
+def start_runner(config, source, max_model_len: int, encode):
+    """(this process's ModelRunner, the Cluster of the other ranks or None with one rank)."""
+    from engine.model_runner import ModelRunner
+    from specdec.drafters.draft_model import draft_source
+    draft = draft_source(config, source) if config.speculative == "draft_model" else None
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, source, max_model_len, encode, draft=draft), None
+    param_shards(source.config, 0, config.tensor_parallel_size)     # a model that cannot be cut: say so now
+    cluster = Cluster(config, source, draft, max_model_len, has_encode=encode is not None)
+    try:
+        with cluster.watch(timed=False):
+            runner = ModelRunner(config, source, max_model_len, encode, tp=cluster.group, draft=draft)
+    except BaseException:
+        cluster.close()
+        raise
+    return runner, cluster
 
 
 class Cluster:
