@@ -108,3 +108,50 @@ def test_an_engine_thread_that_dies_fails_its_requests_and_answers_503():
     assert last.finish_reason == "error" and "injected bug" in last.error
     assert not aengine.engine_thread.is_alive() and not aengine.healthy() and aengine.live == 0
     engine.close()
+
+
+def test_tensor_parallel_server_equals_one_rank_and_stops_when_a_worker_dies():
+    """-tp 2: a gloo worker beside the server; the same greedy text as one rank. Killing the worker ends the
+    engine: /health and new requests answer 503, naming the lost worker."""
+    import os
+    import signal
+    import time
+
+    import httpx
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import SamplingParams
+    prompt = list(range(200, 240))
+    plain = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device="cpu", dtype="float32", attention_backend="torch")
+    [want] = plain.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    plain.close()
+    with serve(*DUMMY, "--tensor-parallel-size", "2") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=32, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.text
+        [worker] = _workers_of(server.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                client.completions.create(model=server.model, prompt=prompt, max_tokens=4, temperature=0)
+            except openai.APIStatusError as exc:
+                if exc.status_code == 503:
+                    break
+            time.sleep(0.2)
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and "worker 1" in health.json()["error"]
+
+
+def _workers_of(parent: int) -> list[int]:
+    from pathlib import Path
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"engine.parallel.worker" in cmd:
+            out.append(int(stat.parent.name))
+    return out
