@@ -6,7 +6,8 @@
 Per TP size, one engine (bf16, CUDA graphs, pipelined) runs N streams x new_tokens with EOS ignored, after a
 warm-up. Per-step numbers are medians over steady-state decode steps (every stream busy) on rank 0's compute
 stream: period (step to step), forward, and idle (the compute stream waiting for the host between steps;
-idle_frac = idle / period). step_vs_tp1 = this TP's period / TP = 1's at the same streams (target at 1 stream
+idle_frac = idle / period; cpu_launch_ms: rank 0's host time to send a step to the workers and enqueue its
+own). step_vs_tp1 = this TP's period / TP = 1's at the same streams (target at 1 stream
 and TP = 2: <= 0.6, with idle_frac < 2%). TP sizes the machine lacks GPUs for are skipped with a note.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 
 BENCH = "tp"
-COLUMNS = ["tp", "streams", "tok_s", "period_ms", "forward_ms", "idle_ms", "idle_frac", "step_vs_tp1", "graphs"]
+COLUMNS = ["tp", "streams", "tok_s", "period_ms", "forward_ms", "idle_ms", "idle_frac", "step_vs_tp1", "cpu_launch_ms",
+           "graphs"]
 
 
 def parse_args(argv=None):
@@ -53,7 +55,9 @@ def bench_tp(args, tp: int) -> list[dict]:
             tokens = sum(len(s.output_token_ids) for s in done)
             records.append(record(BENCH, f"tp{tp}", eng.source.name, args.dtype, n, args.new_tokens, tokens / wall,
                                   1e3 * wall / max(t.steps, 1), tp=tp, graphs=eng.runner.graphs is not None,
-                                  idle_frac=st["idle_ms"] / st["period_ms"], **st))
+                                  idle_frac=st["idle_ms"] / st["period_ms"], **st,
+                                  **{f"cpu_{k}_ms": v for k, v in t.per_step_ms().items()
+                                     if k in ("plan", "launch", "wait", "commit")}))
             note(f"tp {tp}, {n} streams: {tokens / wall:,.0f} tok/s, step {st['period_ms']:.3f} ms, "
                  f"idle {100 * records[-1]['idle_frac']:.2f}%")
         return records
