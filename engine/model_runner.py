@@ -24,7 +24,7 @@ from engine.slots import DecodeSlot
 from engine.step import StepProgram
 from specdec import plan as spec_plan
 from specdec.drafters import make_drafter
-from specdec.drafters.draft_model import draft_source, kv_bytes_per_block
+from specdec.drafters.draft_model import kv_bytes_per_block
 from specdec.program import SpecStepProgram
 from specdec.state import SpecState
 
@@ -42,8 +42,8 @@ class RowError(Exception):
 class ModelRunner:
     """One rank's runner. With tensor parallelism (`tp` a DistGroup) every rank builds the same runner over
     its shard of the model and runs the same steps; rank 0's engine plans them and fills the grammar masks,
-    the other ranks receive both (engine/parallel/worker.py). `draft`: a draft model's ModelSource, resolved
-    once by rank 0."""
+    the other ranks receive both (engine/parallel/worker.py). `draft`: the draft model's ModelSource with
+    speculative="draft_model" (engine/parallel/cluster.py start_runner resolves it, once for every rank)."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, encode=None, tp=SINGLE,
                  draft=None):
@@ -54,8 +54,7 @@ class ModelRunner:
         self.model = build_model(source, self.dtype, self.device, max_model_len, tp)
         self.vocab = source.config["vocab_size"]
         self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
-        # a draft model's source is resolved once (resolving the default model hashes its GGUF)
-        self.draft_source = draft or (draft_source(config, source) if config.speculative == "draft_model" else None)
+        self.draft_source = draft
         self.num_blocks = tp.agree_min(self._num_kv_blocks(source.config))    # block tables index every rank's
         self.kv_caches = self._allocate_kv(source.config)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)

@@ -143,11 +143,9 @@ class GrammarMasks:
     def join(self, slot, prev, rows: int, compute_stream, width: int = 1):
         """Before sampling: the compute stream waits for the masks (CUDA); the CPU runs the callback here.
         -> (masks [rows * width, words], the drafts the grammar accepts per row [rows]), rank 0's on every rank."""
-        if not self.tp.decides:
-            pass
-        elif self.cuda:
+        if self.tp.decides and self.cuda:
             compute_stream.wait_event(self.mask_ready[slot.index])
-        else:
+        elif self.tp.decides:
             self.tokens_host[prev.index].copy_(self._emitted(prev))
             self.run()
         masks, caps = self.dev[slot.index][:rows * width], self.caps_dev[slot.index][:rows]

@@ -50,7 +50,7 @@ def _init_dummy(model: LlamaForCausalLM, shards: dict[str, ParamShard] | None = 
             p.data.normal_(0.0, 0.02, generator=gen)
 
 
-def _target(model_params: dict, hf_name: str):
+def _target(hf_name: str):
     """Map an HF tensor name to (engine parameter name, part index, fused kind or None)."""
     parts = hf_name.removeprefix("model.").split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED:
@@ -71,7 +71,7 @@ def _load_safetensors(model: LlamaForCausalLM, source: ModelSource, shards: dict
             for hf_name in f.keys():
                 if "rotary_emb" in hf_name or (model.tied and hf_name == "lm_head.weight"):
                     continue
-                name, idx, fused = _target(params, hf_name)
+                name, idx, fused = _target(hf_name)
                 param = params.get(name)
                 if param is None:
                     raise ValueError(f"{source.path}: unexpected tensor {hf_name!r}")

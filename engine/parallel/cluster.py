@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import os
 import pickle
@@ -28,13 +29,14 @@ import torch.distributed as dist
 from engine.parallel.channel import StepChannel
 from engine.parallel.group import DistGroup, TensorParallelError
 from engine.parallel.sharding import param_shards
-from engine.parallel.worker import WorkerSpec, rank_config
+from engine.parallel.worker import WorkerSpec
 
 
 def start_runner(config, source, max_model_len: int, encode):
     """(this process's ModelRunner, the Cluster of the other ranks or None with one rank)."""
     from engine.model_runner import ModelRunner
     from specdec.drafters.draft_model import draft_source
+    # resolved once (resolving the default model hashes its GGUF), for every rank
     draft = draft_source(config, source) if config.speculative == "draft_model" else None
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, source, max_model_len, encode, draft=draft), None
@@ -59,8 +61,9 @@ class Cluster:
         self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout))
         print(f"specdec: starting {self.world - 1} tensor-parallel worker(s) ({backend})", file=sys.stderr)
-        self.workers = [_start(WorkerSpec(rank_config(config, devices[r]), source, draft, max_model_len, r, self.world,
-                                          self.store.port, backend, has_encode)) for r in range(1, self.world)]
+        self.workers = [_start(WorkerSpec(dataclasses.replace(config, device=devices[r]), source, draft, max_model_len,
+                                          r, self.world, self.store.port, backend, has_encode))
+                        for r in range(1, self.world)]
         atexit.register(_close_at_exit, weakref.ref(self))
         self._watchdog = threading.Thread(target=self._watch, name="specdec-tp-watchdog", daemon=True)
         self._watchdog.start()

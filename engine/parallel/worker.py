@@ -8,7 +8,6 @@ It exits when its parent does (no orphans), and reports an exception through the
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import pickle
@@ -91,10 +90,6 @@ def _exit_with_parent(parent: int) -> None:
             time.sleep(0.5)
         os._exit(3)
     threading.Thread(target=watch, name="specdec-tp-parent", daemon=True).start()
-
-
-def rank_config(config: EngineConfig, device: str) -> EngineConfig:
-    return dataclasses.replace(config, device=device)
 
 
 if __name__ == "__main__":
