@@ -156,7 +156,6 @@ def run_round(eng, work, mode: str, streams: int, args, lengths: dict) -> dict:
                steady_mask_wait_ms=med("mask_wait_gpu"), steady_callback_ms=med("callback"),
                steady_gpu_idle_ms=med("gpu_idle"), forward_ms=ms["forward_gpu"], sample_ms=ms["sample_gpu"],
                mask_wait_ms=ms["mask_wait_gpu"], callback_ms=ms["callback"], callback_delay_ms=ms["callback_delay"],
-               grammar_yield_ms=ms["grammar_yield"],
                callback_p99_ms=1e3 * (_quantile([s["callback"] for s in trace], 0.99) or 0.0),
                gpu_idle_ms=ms["gpu_idle"], idle_frac=ms["gpu_idle"] / ms["period"],
                **{f"{c}_ms": ms[c] for c in ("plan", "launch", "wait", "commit")},
@@ -268,7 +267,7 @@ def run_peer_all(args) -> list[dict]:
 # ---- output -----------------------------------------------------------------------------------------------
 SPEED_COLS = ["streams", "mode", "period_ms", "guided_over_free", "steady_period_ms", "steady_guided_over_free",
               "tok_s", "forward_ms", "mask_wait_ms", "callback_ms", "callback_p99_ms", "callback_delay_ms",
-              "grammar_yield_ms", "gpu_idle_ms", "idle_frac", "requests_done", "error"]
+              "gpu_idle_ms", "idle_frac", "requests_done", "error"]
 QUALITY_COLS = ["dataset", "schemas", "compiled_frac", "finished_frac", "valid_frac", "valid_fmt_frac",
                 "schema_errors", "runtime_errors", "too_long", "mean_len", "tok_s", "wall_s", "error"]
 PEER_COLS = ["mode", "dataset", "schemas", "tok_s", "ms_per_step", "finished_frac", "valid_frac", "same_text_frac",

@@ -29,15 +29,11 @@ class EngineConfig:
     gemv_fusion: bool = False          # Triton: fold norms and SiLU * up into the matmuls of steps <= 16 tokens
                                        # (measured slower than cuBLAS + separate kernels on an H100: off)
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
-    grammar_threads: int = 1           # threads filling a step's masks (xgrammar's batch fill); more threads
-                                       # cost more than they saved for <= 32 rows of JSON schemas (CPU measure)
-    switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): the grammar
+    grammar_node: str = "native"       # who fills the masks: "native" (the grammar node: C++ through tvm-ffi,
+                                       # no GIL) or "python" (xgrammar's Python API; the reference path)
+    grammar_threads: int = 1           # threads the grammar node fills a step's rows on (from 8 rows)
+    switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): a Python grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
-    grammar_yield_ms: float = 0.0      # CUDA: once a step's tokens land, the loop thread waits (GIL released) up
-                                       # to this long for the next step's grammar callback to finish before it
-                                       # commits and plans, when that step has >= grammar_yield_min_rows guided
-    grammar_yield_min_rows: int = 16   # rows. Off: on an H100 it gained at 32 rows in one run and lost in the
-                                       # next (bench/results/guided.md), so no measured gain
     speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (specdec/drafters)
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
@@ -67,10 +63,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if not 0 <= self.grammar_yield_ms <= 1000:
-            raise ValueError(f"grammar_yield_ms must be in [0, 1000], got {self.grammar_yield_ms}")
-        if self.grammar_yield_min_rows < 1:
-            raise ValueError(f"grammar_yield_min_rows must be >= 1, got {self.grammar_yield_min_rows}")
+        if self.grammar_node not in ("native", "python"):
+            raise ValueError(f"grammar_node must be 'native' or 'python', got {self.grammar_node!r}")
         if self.grammar_threads < 1:
             raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
         if self.depth not in (1, 2):

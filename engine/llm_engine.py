@@ -264,27 +264,17 @@ class LLMEngine(EngineFrontend):
         with self._tp_watch():
             tokens = self.runner.wait(step.slot)
         t1 = time.perf_counter()
-        self._yield_to_grammar()
-        t_yield = time.perf_counter()
         outputs = self._commit(step.slot.rows, tokens, self.guided.step_failure(step.snapshot))
         fwd, mask, smp, idle = self.runner.gpu_times_ms(step.slot, step.index, self._last_committed)
         cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
         self._last_committed, self._tokens_landed = step.index, t1
         t2 = time.perf_counter()
-        self.timings.add_step(wait=t1 - t0, grammar_yield=t_yield - t1, commit=t2 - t_yield, forward_gpu=fwd / 1e3,
+        self.timings.add_step(wait=t1 - t0, commit=t2 - t1, forward_gpu=fwd / 1e3,
                               mask_wait_gpu=mask / 1e3, sample_gpu=smp / 1e3, gpu_idle=idle / 1e3, callback=cb, callback_delay=delay,
                               guided_steps=step.snapshot is not None, tokens=len(tokens), rows=len(step.slot.rows),
                               extra=dict(period=t2 - self._last_commit_time, decode=step.slot.max_query_len == 1))
         self._last_commit_time = t2
         return outputs
-
-    def _yield_to_grammar(self) -> None:
-        """The step just landed freed the next step's grammar callback, which needs the GIL: wait for it
-        (bounded, GIL released) rather than contend with it for the GIL through the commit and the planning."""
-        nxt = self._inflight[0].snapshot if self._inflight else None
-        if nxt is not None and self.runner.cuda and self.config.grammar_yield_ms > 0 \
-                and len(nxt.rows) >= self.config.grammar_yield_min_rows:
-            nxt.done.wait(self.config.grammar_yield_ms / 1e3)
 
     def _commit(self, rows, tokens: list[int], guided_failure: str | None = None) -> list[RequestOutput]:
         outputs = []

@@ -61,7 +61,7 @@ class ModelRunner:
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
         self.spec_k = config.spec_k
         self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, config.grammar_threads,
-                                  self.spec_k, tp) if config.guided else None
+                                  self.spec_k, tp, python=config.grammar_node == "python") if config.guided else None
         self.spec_rows = spec_rows_limit(config)
         self.spec_state = None
         args = (self.model, self.kv_caches, self.backend, max_model_len, self.compute_stream, self.masks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 _PER_STEP = ("plan", "launch", "wait", "commit", "forward_gpu", "mask_wait_gpu", "sample_gpu", "gpu_idle",
-             "callback", "callback_delay", "grammar_yield")
+             "callback", "callback_delay")
 
 
 @dataclass
@@ -16,7 +16,6 @@ class StepTimings:
     plan: float = 0.0          # CPU: schedule + fill host buffers
     launch: float = 0.0        # CPU: enqueue upload, forward, sampling, copy
     wait: float = 0.0          # CPU blocked on a step's tokens
-    grammar_yield: float = 0.0  # CPU waiting (GIL released) for the next step's grammar callback to finish
     commit: float = 0.0        # CPU: append tokens, stop checks, free pages
     forward_gpu: float = 0.0   # device time of the forward (CUDA events; 0 on CPU)
     mask_wait_gpu: float = 0.0  # compute stream waiting for the grammar mask after the forward

@@ -44,8 +44,8 @@ from ._errors import HostfuncError
 
 __all__ = [
     "HostfuncError", "HostfuncScope", "capture_scope", "check_errors", "collect", "free_all_hostfunc_user_data",
-    "free_hostfunc_user_data", "hostfunc", "is_available", "is_debug", "launch_hostfunc", "live_handles",
-    "set_debug", "stats", "synchronize", "take_errors",
+    "free_hostfunc_user_data", "hostfunc", "is_available", "is_debug", "launch_hostfunc", "launch_native",
+    "live_handles", "set_debug", "standing_callback", "stats", "synchronize", "take_errors",
 ]
 
 _scopes = threading.local()  # per-thread stack of active HostfuncScope objects; callbacks never touch it
@@ -119,6 +119,25 @@ def hostfunc(fn):
         return launch_hostfunc(None, fn, *args, **kwargs)
 
     return launcher
+
+
+def launch_native(stream, fn_address, data_address):
+    """Enqueue a native host function ``void fn(void* data)`` on ``stream``: it runs on the driver's thread
+    with no Python and no GIL. The caller keeps ``data`` valid while any graph that captured the launch may
+    replay. Returns whether the stream was capturing."""
+    _not_in_callback("launch_native")
+    return _C.launch_native(_stream_handle(stream), fn_address, data_address)
+
+
+def standing_callback(fn, *args, **kwargs):
+    """Register ``fn(*args, **kwargs)`` for native code to run: ``(handle, trampoline)``; calling the C
+    function at address ``trampoline`` with ``handle`` as its argument takes the GIL and runs it, with the
+    callbacks' rules and error records. Free it with ``free_hostfunc_user_data(handle)`` once no native
+    code can call it any more."""
+    if not callable(fn):
+        raise TypeError(f"hostfunc: fn must be callable, not {type(fn).__name__}")
+    handle = _C.register_standing(fn, args, kwargs, _current_owner(_active_scopes()))
+    return handle, _C.trampoline_address()
 
 
 def free_hostfunc_user_data(handle):

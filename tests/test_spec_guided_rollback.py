@@ -8,6 +8,7 @@ import json
 import random
 
 import numpy as np
+import pytest
 import torch
 import xgrammar as xgr
 
@@ -70,12 +71,14 @@ def walk_reference(fresh, drafts, count, vocab):
     return cap, masks
 
 
-def test_rollback_is_exact_over_hundreds_of_steps(engine):
+@pytest.mark.parametrize("forced", [True, False], ids=["python-drafts", "native-drafts"])
+def test_rollback_is_exact_over_hundreds_of_steps(engine, forced):
+    """Forced drafts run the Python draft callbacks; without them the grammar node's draft nodes run."""
     vocab, rng = engine.runner.vocab, random.Random(0)
     compiled = service(engine).compile_now(SamplingParams(json_schema=ITEMS).guide)
     rows = [Row(engine, compiled, seed) for seed in (1, 2)]
     masks = GrammarMasks(vocab, 4, torch.device("cpu"), k=K)
-    draft = DraftMasks(masks, K, 4, True, True, lambda t: engine.tokenizer.encode(t, add_special_tokens=False),
+    draft = DraftMasks(masks, K, 4, True, forced, lambda t: engine.tokenizer.encode(t, add_special_tokens=False),
                        apply_bitmask)
     steps = drafted_steps = walked = 0
     for step in range(2000):

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
+from engine.guided import native
 from engine.guided.spec import Guide
 
 
@@ -55,21 +56,34 @@ def compile_guide(compiler: xgr.GrammarCompiler, guide: Guide) -> xgr.CompiledGr
 
 
 class GuidedRequest:
-    """One request's grammar: compile future, then its matcher. The matcher is touched only by mask
+    """One request's grammar: compile future, then its matcher. The matcher is touched only by the grammar
     callbacks (one grammar stream, in order) once the request has sampled. So are `accepted` (output tokens
     the matcher has accepted: a snapshot's host-known tokens are fed from there, so recompute after preemption
     never feeds a token twice) and `through_step` (the last step whose device-sampled tokens it accepted: the
     draft callbacks of a step and the next step's mask callback both may, the first to run does). The loop
     thread only reads `accepted`, as a lower bound. `error` is set by a callback and read at the commit of
-    that step (which comes after it)."""
+    that step (which comes after it). The three live in native memory (`state`), where the grammar node reads
+    and writes them without the GIL."""
 
     def __init__(self, guide: Guide, future: Future):
         self.guide = guide
         self.future = future
-        self.matcher: xgr.GrammarMatcher | None = None
-        self.accepted = 0
-        self.through_step = -1
-        self.error: str | None = None
+        self.state = native.RowState()
+        self.handle = 0             # the matcher's tvm-ffi handle (0: none, or not xgrammar's own matcher)
+        self._matcher: xgr.GrammarMatcher | None = None
+
+    @property
+    def matcher(self):
+        return self._matcher
+
+    @matcher.setter
+    def matcher(self, matcher) -> None:
+        self._matcher, self.handle = matcher, native.handle(matcher)
+
+    accepted = property(lambda self: self.state.accepted, lambda self, v: setattr(self.state, "accepted", v))
+    through_step = property(lambda self: self.state.through_step,
+                            lambda self, v: setattr(self.state, "through_step", v))
+    error = property(lambda self: self.state.error, lambda self, v: setattr(self.state, "error", v))
 
     @property
     def ready(self) -> bool:

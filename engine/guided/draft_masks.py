@@ -18,8 +18,10 @@ drafted in place of the drafter's, since the target must take that text), -1 for
 -2 to stop drafting that row (its grammar ended or failed, or allowed nothing). With draft masks off and
 forced drafts on, callback 0 alone writes every column from the jump-forward string (no mask per step).
 
-Callbacks read only the step's snapshot (`GrammarMasks.last`, set by the step's own mask callback, which ran
-before them on the same stream) and buffers the loop thread does not touch.
+Callbacks read only the step's snapshot (the one the step's own mask node ran, before them on the same
+stream) and buffers the loop thread does not touch. With draft masks on and forced drafts off, the draft
+callbacks are the grammar node's native draft nodes (engine/guided/csrc/node.cpp: no Python, no GIL);
+forced drafts need the tokenizer, so with them on every draft callback takes the Python path below.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 import hostfunc
+from engine.guided import native
 from engine.guided.matching import ALL, accept_rows, failed, fill, live
 from engine.sampler import NO_TOKEN
 
@@ -57,13 +60,23 @@ class DraftMasks:
         self.going: list = []                   # rows still drafting (callback thread)
         self.encoded: dict[str, list[int]] = {}
         self.forced_drafts = 0                  # forced tokens drafted (callback thread writes, read after runs)
-        self.callback_s = 0.0                   # host time inside the draft callbacks (callback thread writes)
+        self.python_s = 0.0                     # host time inside the Python draft callbacks (callback thread)
         self._pick = None                       # per drafting step, device tensors of the one being enqueued
+        self.native = draft_masks and not forced and not masks.python
+        ref = weakref.ref(self)
+        self.callbacks = [lambda j=j: _call(ref, j) for j in range(k)]
+        if self.native:
+            ptrs = lambda hs: [h.data_ptr() for h in hs]        # noqa: E731
+            masks.node.set_draft(ptrs(self.mask_host), ptrs(self.ctl_host), ptrs(self.tokens_host), max_rows, words)
+            masks.attach_draft_python([hostfunc.standing_callback(cb)[0] for cb in self.callbacks])
         if pin:
             self.token_ready = [torch.cuda.Event() for _ in range(k)]
             self.mask_ready = [torch.cuda.Event() for _ in range(k)]
-            ref = weakref.ref(self)
-            self.callbacks = [lambda j=j: _call(ref, j) for j in range(k)]
+
+    @property
+    def callback_s(self) -> float:
+        """Host time inside the draft callbacks, native and Python."""
+        return self.python_s + (self.masks.node.draft_seconds if self.native else 0.0)
 
     # ---- device side (enqueued by the drafter, inside the step) ---------------------------------
     def begin(self, emitted: torch.Tensor, compute_stream) -> None:
@@ -114,7 +127,10 @@ class DraftMasks:
         grammar.wait_event(self.token_ready[j])
         with torch.cuda.stream(grammar):
             self.tokens_host[j][:S].copy_(src, non_blocking=True)
-            hostfunc.launch_hostfunc(grammar, self.callbacks[j])
+            if self.native:
+                hostfunc.launch_native(grammar, native.DRAFT_NODE, self.masks.node.draft_address(j))
+            else:
+                hostfunc.launch_hostfunc(grammar, self.callbacks[j])
             if self.draft_masks:
                 self.mask_dev[j][:S].copy_(self.mask_host[j][:S], non_blocking=True)
             self.ctl_dev[j][:S].copy_(self.ctl_host[j][:S], non_blocking=True)
@@ -123,6 +139,13 @@ class DraftMasks:
 
     # ---- callbacks (driver thread on CUDA) ------------------------------------------------------
     def run(self, j: int) -> None:
+        """Draft callback j here (the CPU's path; tests)."""
+        if self.native:
+            self.masks.node.run_draft(j)
+        else:
+            self.run_python(j)
+
+    def run_python(self, j: int) -> None:
         snap, start = self.masks.last, time.perf_counter()
         try:
             self._step(snap, j)
@@ -131,7 +154,7 @@ class DraftMasks:
         finally:
             if j == self.calls - 1:
                 self._roll_back()
-            self.callback_s += time.perf_counter() - start
+            self.python_s += time.perf_counter() - start
 
     def _step(self, snap, j: int) -> None:
         ctl, mask, tokens = self.ctl_np[j], self.mask_np[j], self.tokens_np[j]
@@ -211,4 +234,4 @@ def _accept_one(g, token: int) -> bool:
 def _call(ref, j: int) -> None:
     draft = ref()
     if draft is not None:
-        draft.run(j)
+        draft.run_python(j)

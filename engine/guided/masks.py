@@ -1,8 +1,10 @@
-"""Token masks of guided rows, filled by one host callback per step on the grammar stream.
+"""Token masks of guided rows, filled by one host node per step on the grammar stream.
 
 Per step the loop thread pushes a `Snapshot` (which sampling rows are guided, their GuidedRequests, the
 host-known tokens each matcher still has to accept, and where the token sampled by the previous step
-lies); the step's callback pops it. The callback reads nothing else of the engine's mutable state.
+lies) to the grammar node (engine/guided/csrc/), as plain data: row indices, matcher handles, token counts.
+The node pops it when the step's graph replays it: native code calling xgrammar through tvm-ffi, with no
+Python and no GIL. It reads nothing else of the engine's mutable state.
 
 On CUDA the step's grammar branch is, in stream order on `grammar_stream` (forked from the compute stream
 at the step's start, so the previous step's tokens are final on the device):
@@ -11,8 +13,8 @@ at the step's start, so the previous step's tokens are final on the device):
     |  bitmask -> device  |  record `mask_ready`
 
 It runs beside the forward; only the sampling waits for `mask_ready`. A graph captures the branch with the
-callback as a host node, so a replay pops the snapshot pushed for it. The CPU runs the same callback inline,
-in the same order, before sampling. A popped-empty queue (warm-up, capture) reuses the last snapshot
+node as a host node, so a replay pops the snapshot pushed for it. The CPU runs the same node inline, in the
+same order, before sampling. A popped-empty queue (warm-up, capture) reuses the last snapshot
 without accepting anything again, so such runs are harmless.
 
 With speculation the step's branch forks after its inputs are corrected (its drafts are known then): the
@@ -24,34 +26,83 @@ The draft phase's own callbacks (engine/guided/draft_masks.py) run after it on t
 Failures stay with their request: a token the grammar rejects or an exception while advancing or filling
 a row sets that request's `error` (read at the commit of this step, after the callback ran) and leaves
 its row unmasked; a failure of the callback as a whole is kept in `snapshot.failure` for every guided row.
+
+The Python path (engine/guided/matching.py) does the same steps through xgrammar's Python API. A step runs
+it when one of its rows has a matcher that is not xgrammar's own (a wrapper, as failure tests use), or
+when the engine asks for it (`EngineConfig.grammar_node="python"`: the reference the native node is tested
+and measured against); the node then calls it through hostfunc's trampoline, which takes the GIL.
 """
 from __future__ import annotations
 
-import threading
-import time
+import itertools
 import weakref
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
 import hostfunc
-from engine.parallel.group import SINGLE
+from engine.guided import native
 from engine.guided.matching import ALL, GuidedRow, accept_rows, walk_drafts
+from engine.parallel.group import SINGLE
+
+MIN_PARALLEL_ROWS = 8       # fewer guided rows fill on one thread: waking workers costs more than they save
+_ids = itertools.count(1)   # snapshot ids (loop thread only; 0 is the node's empty first snapshot)
 
 
 class Snapshot:
-    __slots__ = ("slot", "prev", "step", "width", "rows", "unguided", "consumed", "failure", "times", "done")
+    """A step's guided rows. Bound to the grammar node's plain-data copy when pushed (`native`)."""
+    __slots__ = ("id", "slot", "prev", "step", "width", "rows", "unguided", "native", "done")
 
     def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray, step: int = 0, width: int = 1):
+        self.id = next(_ids) if rows else 0
         self.slot, self.prev, self.rows, self.unguided = slot, prev, rows, unguided
         self.step = step            # the step's index (which step's device tokens a row's matcher accepted)
         self.width = width          # masks per sampling row: 1 + the drafts it verifies
-        self.consumed = False       # its tokens were accepted (a reuse only refills the masks)
-        self.failure = None         # message, if the callback failed as a whole
-        self.times = None           # (start, end) perf_counter seconds of its callback
-        self.done = threading.Event()   # set when its callback has run (the loop thread may wait on it)
+        self.native = None
+        self.done = _Done(self)     # set when its callback has run
+
+    def bind(self, matchers, python: bool) -> None:
+        rows = self.rows
+        python = python or any(r.request.handle == 0 for r in rows)
+        self.native = native.NativeSnapshot(
+            matchers, self.id, self.slot, self.prev, self.step, self.width, python, [r.row for r in rows],
+            [r.request.state for r in rows], [r.request.handle for r in rows], [r.feed_start for r in rows],
+            [r.feed for r in rows], [r.pending_src for r in rows], [r.pending_step for r in rows],
+            self.unguided.tolist())
+
+    @property
+    def consumed(self) -> bool:
+        """Its tokens were accepted (a reuse only refills the masks)."""
+        return self.native is not None and self.native.consumed
+
+    @property
+    def failure(self) -> str | None:
+        """Message, if the callback failed as a whole."""
+        return self.native.failure if self.native is not None else None
+
+    @failure.setter
+    def failure(self, message: str | None) -> None:
+        self.native.failure = message
+
+    @property
+    def times(self):
+        """(start, end) perf_counter seconds of its callback, or None."""
+        return self.native.times if self.native is not None else None
+
+
+class _Done:
+    __slots__ = ("snap",)
+
+    def __init__(self, snap):
+        self.snap = snap
+
+    def is_set(self) -> bool:
+        return self.snap.native is not None and self.snap.native.is_done()
+
+    def wait(self, timeout: float) -> bool:
+        return self.snap.native is not None and self.snap.native.wait(timeout)
 
 
 EMPTY = Snapshot(0, 1, (), np.zeros(0, dtype=np.int64), step=-1)
@@ -80,12 +131,13 @@ class GrammarMasks:
     """Mask buffers of both slots. With speculation (k > 0) a sampling row has 1 + k mask rows (one per
     position it verifies), the previous step's tokens are its emitted ones ([rows, k + 2], PAD after them),
     and the step hands the callback its drafts and draft counts (`drafts_dev`, [rows, k + 1]) and gets back
-    how many of them the grammar accepts (`caps_dev`)."""
+    how many of them the grammar accepts (`caps_dev`). `python`: every step takes the Python path."""
 
-    def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 1, k: int = 0, tp=SINGLE):
+    def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 1, k: int = 0, tp=SINGLE,
+                 python: bool = False):
         self.cuda = device.type == "cuda"
         self.tp = tp            # tensor parallelism: rank 0 fills the masks, `join` broadcasts them to the others
-        self.k, self.words = k, -(-vocab_size // 32)
+        self.k, self.words, self.python = k, -(-vocab_size // 32), python
         pin = self.cuda
 
         def pair(shape, dtype, fill=0):
@@ -97,26 +149,54 @@ class GrammarMasks:
                                                     for hs in (self.host, self.drafts_host, self.caps_host))
         self.host_np, self.tokens_np, self.drafts_np, self.caps_np = ([h.numpy() for h in hs] for hs in (
             self.host, self.tokens_host, self.drafts_host, self.caps_host))
-        self.queue: deque[Snapshot] = deque()
-        self.last = EMPTY
-        self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=1)     # the Python path's
+        self.pending: OrderedDict[int, Snapshot] = OrderedDict()   # pushed, by id; pruned once the node passed them
+        self._last = EMPTY
+        self.matchers = native.matchers()
+        self.node = native.Node(self.matchers, threads, MIN_PARALLEL_ROWS)
+        ptrs = lambda hs: [h.data_ptr() for h in hs]        # noqa: E731
+        self.node.set_target(ptrs(self.host), max_seqs * (k + 1), self.words, ptrs(self.tokens_host),
+                             self.tokens_host[0].shape[1], ptrs(self.drafts_host), ptrs(self.caps_host), k)
+        ref = weakref.ref(self)         # standing entries and graphs keep the node, not the masks, alive
+        self.standing = [hostfunc.standing_callback(_run_python, ref)[0]]
+        self.node.set_python(hostfunc._C.trampoline_address(), self.standing[0], [])
+        weakref.finalize(self, _close, self.node, self.standing)
         if self.cuda:
             self.grammar_stream = torch.cuda.Stream(device)
             self.fork = [torch.cuda.Event() for _ in range(2)]
             self.mask_ready = [torch.cuda.Event() for _ in range(2)]
-            ref = weakref.ref(self)         # captured graphs keep the callback, not the masks, alive
-            self.callback = lambda: _call(ref)
+
+    def attach_draft_python(self, handles: list[int]) -> None:
+        """The Python path's draft callbacks (engine/guided/draft_masks.py), for steps that take it."""
+        self.standing += handles
+        self.node.set_python(hostfunc._C.trampoline_address(), self.standing[0], handles)
 
     # ---- loop thread -------------------------------------------------------------------------
     def push(self, snapshot: Snapshot) -> None:
-        self.queue.append(snapshot)
+        snapshot.bind(self.matchers, self.python)
+        last = self.node.last_id() or 0
+        while self.pending and next(iter(self.pending)) < last:
+            self.pending.popitem(last=False)
+        self.pending[snapshot.id] = snapshot
+        self.node.push(snapshot.native)
 
     def unpush(self, snapshot: Snapshot) -> None:
-        """The step's launch failed before its callback was enqueued: take its snapshot back."""
-        try:
-            self.queue.remove(snapshot)
-        except ValueError:
-            pass
+        """The step's launch failed before its node was enqueued: take its snapshot back."""
+        self.node.unpush(snapshot.id)
+        self.pending.pop(snapshot.id, None)
+
+    @property
+    def queue(self) -> int:
+        """Snapshots pushed and not yet taken by a node run."""
+        return self.node.queued()
+
+    @property
+    def last(self) -> Snapshot:
+        """The snapshot of the node's latest run (a Python draft callback's step)."""
+        snap = self.pending.get(self.node.last_id() or 0)
+        if snap is not None:
+            self._last = snap
+        return self._last
 
     @staticmethod
     def _emitted(prev) -> torch.Tensor:
@@ -134,14 +214,14 @@ class GrammarMasks:
             self.tokens_host[prev.index].copy_(self._emitted(prev), non_blocking=True)
             if width > 1:
                 self.drafts_host[i][:rows].copy_(self.drafts_dev[i][:rows], non_blocking=True)
-            hostfunc.launch_hostfunc(self.grammar_stream, self.callback)
+            hostfunc.launch_native(self.grammar_stream, native.TARGET_NODE, self.node.address)
             self.dev[i][:rows * width].copy_(self.host[i][:rows * width], non_blocking=True)
             if width > 1:
                 self.caps_dev[i][:rows].copy_(self.caps_host[i][:rows], non_blocking=True)
             self.mask_ready[i].record(self.grammar_stream)
 
     def join(self, slot, prev, rows: int, compute_stream, width: int = 1):
-        """Before sampling: the compute stream waits for the masks (CUDA); the CPU runs the callback here.
+        """Before sampling: the compute stream waits for the masks (CUDA); the CPU runs the node here.
         -> (masks [rows * width, words], the drafts the grammar accepts per row [rows]), rank 0's on every rank."""
         if self.tp.decides and self.cuda:
             compute_stream.wait_event(self.mask_ready[slot.index])
@@ -154,18 +234,17 @@ class GrammarMasks:
             self.tp.broadcast(caps)
         return masks, caps
 
-    # ---- callback (driver thread on CUDA) ------------------------------------------------------
     def run(self) -> None:
-        snap = self.queue.popleft() if self.queue else self.last
-        self.last = snap
-        start = time.perf_counter()
+        """Run the step's node here (the CPU's path; tests), GIL released."""
+        self.node.run()
+
+    # ---- the Python path (the node calls it with the GIL, on the driver thread on CUDA) ----------
+    def run_python(self) -> None:
+        snap = self.last
         try:
             self._fill(snap, accept=not snap.consumed)
         except Exception as exc:            # noqa: BLE001 - every guided row of the step fails with it
             snap.failure = f"{type(exc).__name__}: {exc}"
-        snap.consumed = True
-        snap.times = (start, time.perf_counter())
-        snap.done.set()
 
     def _fill(self, snap: Snapshot, accept: bool) -> None:
         """Accept what the rows' matchers still lack, then fill each row's masks along its drafts (one mask
@@ -180,7 +259,18 @@ class GrammarMasks:
         walk_drafts(self.batch, self.host[snap.slot], snap.rows, w, drafts, drafts[:, self.k], caps)
 
 
-def _call(ref) -> None:
+def _run_python(ref) -> None:
     masks = ref()
     if masks is not None:
-        masks.run()
+        masks.run_python()
+
+
+def _close(node, standing) -> None:
+    """The masks are going: the node stops (graphs that captured it then run nothing) and lets go of its
+    snapshots; the Python path's entries are freed."""
+    node.close()
+    for handle in standing:
+        try:
+            hostfunc.free_hostfunc_user_data(handle)
+        except (KeyError, hostfunc.HostfuncError):
+            pass

@@ -153,6 +153,39 @@ std::string enqueue(const Driver& d, CUstream s, Entry* e, bool* captured) {
   return "";
 }
 
+// Enqueues a native host function (no Python, no GIL on the driver's thread). Its data belongs to the caller,
+// who keeps it alive while any graph that captured it may replay.
+bool launch_native(uintptr_t stream, uintptr_t fn, uintptr_t data) {
+  if (!fn) throw py::value_error("hostfunc: launch_native needs a function address");
+  const Driver& d = driver();
+  if (!d.error.empty()) throw std::runtime_error("hostfunc: cannot launch a host callback: " + d.error);
+  CUstream s = reinterpret_cast<CUstream>(stream);
+  std::string error;
+  int status = kCaptureStatusNone;
+  {
+    py::gil_scoped_release no_gil;
+    ensure_context(d, s);
+    if (CUresult rc = d.stream_is_capturing(s, &status); rc != kCudaSuccess)
+      error = "cuStreamIsCapturing failed: " + d.describe(rc);
+    else if (CUresult rc2 = d.launch_host_func(s, reinterpret_cast<CUhostFn>(fn), reinterpret_cast<void*>(data));
+             rc2 != kCudaSuccess)
+      error = "cuLaunchHostFunc failed: " + d.describe(rc2);
+  }
+  if (!error.empty()) throw std::runtime_error("hostfunc: " + error);
+  return status != kCaptureStatusNone;
+}
+
+// A standing entry: (fn, args, kwargs) kept like a captured launch's until free(), run by native code that
+// calls trampoline(handle) (the address `trampoline_address` gives) on whatever thread it is on.
+uint64_t register_standing(py::object fn, py::tuple args, py::object kwargs, uint64_t owner) {
+  drain_graveyard();
+  Entry* e = pack(std::move(fn), std::move(args), std::move(kwargs), owner);
+  e->captured = true;
+  e->standing = true;
+  register_entry(e);
+  return e->id;
+}
+
 py::tuple launch(uintptr_t stream, py::object fn, py::tuple args, py::object kwargs, uint64_t owner) {
   drain_graveyard();
   const Driver& d = driver();
@@ -194,7 +227,7 @@ size_t free_all() {
   {
     std::lock_guard<std::mutex> lock(g_mu);
     for (const auto& [id, e] : g_live)
-      if (e->captured) doomed.push_back(e);
+      if (e->captured && !e->standing) doomed.push_back(e);
     for (Entry* e : doomed) g_live.erase(e->id);
   }
   for (Entry* e : doomed) destroy(e);
@@ -262,6 +295,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("launch", &launch, py::arg("stream"), py::arg("fn"), py::arg("args"), py::arg("kwargs"),
         py::arg("owner") = 0,
         "Pack (fn, args, kwargs) and cuLaunchHostFunc it on a raw stream handle; returns (handle, captured).");
+  m.def("launch_native", &launch_native, py::arg("stream"), py::arg("fn"), py::arg("data"),
+        "cuLaunchHostFunc a native function address with its data pointer; returns whether it was captured.");
+  m.def("register_standing", &register_standing, py::arg("fn"), py::arg("args"), py::arg("kwargs"),
+        py::arg("owner") = 0, "Pack (fn, args, kwargs) for native code to run through the trampoline; free() it.");
+  m.def("trampoline_address", [] { return reinterpret_cast<uintptr_t>(&trampoline); },
+        "Address of void trampoline(void* handle): takes the GIL and runs a registered entry.");
   m.def("free", &free_handle, py::arg("handle"), "Free the data of a captured launch.");
   m.def("free_all", &free_all, "Free the data of every captured launch; returns how many.");
   m.def("handle_info", &handle_info, py::arg("handle"));

@@ -27,6 +27,7 @@ struct Entry {
   uint64_t owner;    // 0: none
   bool captured;
   uint64_t capture_id;
+  bool standing = false;  // registered for native code (register_standing): free_all leaves it
 };
 
 inline std::mutex g_mu;  // guards g_live; the GIL before g_mu, never the reverse

@@ -1,0 +1,168 @@
+// engine.guided._native: the grammar node's Python surface (engine/guided/native.py wraps it).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "node.h"
+
+namespace py = pybind11;
+using namespace grammar_node;
+
+namespace {
+
+std::shared_ptr<const Matchers> make_matchers(const std::string& lib, uintptr_t accept, uintptr_t fill,
+                                              uintptr_t roll, uintptr_t terminated) {
+  auto m = std::make_shared<Matchers>();
+  m->api = load_ffi(lib);
+  if (!m->api.error.empty()) throw std::runtime_error("grammar node: " + m->api.error);
+  m->accept_token = reinterpret_cast<void*>(accept);
+  m->fill_next_token_bitmask = reinterpret_cast<void*>(fill);
+  m->rollback = reinterpret_cast<void*>(roll);
+  m->is_terminated = reinterpret_cast<void*>(terminated);
+  for (void* f : {m->accept_token, m->fill_next_token_bitmask, m->rollback, m->is_terminated}) {
+    if (!f) throw std::invalid_argument("grammar node: a matcher method handle is null");
+    m->api.object_inc_ref(f);  // held for the process: graphs may replay the node until it exits
+  }
+  return m;
+}
+
+std::shared_ptr<Snapshot> make_snapshot(std::shared_ptr<const Matchers> m, uint64_t id, int slot, int prev,
+                                        int64_t step, int width, bool python, const std::vector<int64_t>& rows,
+                                        const std::vector<std::shared_ptr<RowState>>& states,
+                                        const std::vector<uintptr_t>& matchers, const std::vector<int64_t>& feed_start,
+                                        const std::vector<std::vector<int64_t>>& feeds,
+                                        const std::vector<int64_t>& pending_src, const std::vector<int64_t>& pending_step,
+                                        std::vector<int64_t> unguided) {
+  size_t n = rows.size();
+  if (states.size() != n || matchers.size() != n || feed_start.size() != n || feeds.size() != n ||
+      pending_src.size() != n || pending_step.size() != n)
+    throw std::invalid_argument("grammar node: a snapshot's row fields differ in length");
+  if (slot < 0 || slot > 1 || prev < 0 || prev > 1 || width < 1)
+    throw std::invalid_argument("grammar node: bad slot, previous slot or width");
+  auto s = std::make_shared<Snapshot>(std::move(m), id, slot, prev, step, width, python);
+  s->rows.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (!states[i]) throw std::invalid_argument("grammar node: a row has no state");
+    s->add_row(rows[i], states[i], reinterpret_cast<void*>(matchers[i]), feed_start[i], feeds[i], pending_src[i],
+               pending_step[i]);
+  }
+  s->unguided = std::move(unguided);
+  return s;
+}
+
+Bitmask bitmask(uintptr_t data, int64_t rows, int64_t words) {
+  Bitmask b;
+  b.data = reinterpret_cast<int32_t*>(data);
+  b.shape[0] = rows;
+  b.shape[1] = words;
+  return b;
+}
+
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "The grammar node: guided rows' masks filled in native code on the driver's thread, no GIL";
+
+  py::class_<Matchers, std::shared_ptr<Matchers>>(m, "Matchers");
+  m.def("matchers", &make_matchers, py::arg("lib"), py::arg("accept_token"), py::arg("fill_next_token_bitmask"),
+        py::arg("rollback"), py::arg("is_terminated"),
+        "Bind libtvm_ffi and xgrammar's GrammarMatcher method handles (tvm-ffi Function objects).");
+
+  py::class_<RowState, std::shared_ptr<RowState>>(m, "RowState")
+      .def(py::init<>())
+      .def_property("accepted", [](const RowState& s) { return s.accepted.load(); },
+                    [](RowState& s, int64_t v) { s.accepted.store(v); })
+      .def_property("through_step", [](const RowState& s) { return s.through_step.load(); },
+                    [](RowState& s, int64_t v) { s.through_step.store(v); })
+      .def_property("error", &RowState::error, [](RowState& s, std::optional<std::string> e) {
+        if (e) s.set_error(*e);
+        else s.clear_error();
+      });
+
+  py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
+      .def(py::init(&make_snapshot), py::arg("matchers"), py::arg("id"), py::arg("slot"), py::arg("prev"),
+           py::arg("step"), py::arg("width"), py::arg("python"), py::arg("rows"), py::arg("states"),
+           py::arg("handles"), py::arg("feed_start"), py::arg("feeds"), py::arg("pending_src"),
+           py::arg("pending_step"), py::arg("unguided"))
+      .def_readonly("id", &Snapshot::id)
+      .def_property("consumed", [](const Snapshot& s) { return s.consumed.load(); },
+                    [](Snapshot& s, bool v) { s.consumed.store(v); })
+      .def_property("failure", &Snapshot::failure, &Snapshot::set_failure)
+      .def_property_readonly("times", &Snapshot::times)
+      .def("is_done", &Snapshot::is_done)
+      .def("wait", &Snapshot::wait, py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Node, std::unique_ptr<Node, py::nodelete>>(m, "Node")
+      // Never deleted: graphs that captured it hold its address. close() releases what it holds.
+      .def(py::init([](std::shared_ptr<const Matchers> matchers, int threads, int64_t min_parallel_rows) {
+             return new Node(std::move(matchers), threads, min_parallel_rows);
+           }), py::arg("matchers"), py::arg("threads") = 1, py::arg("min_parallel_rows") = 8)
+      .def("set_target", [](Node& n, std::vector<uintptr_t> masks, int64_t mask_rows, int64_t words,
+                            std::vector<uintptr_t> tokens, int64_t token_cols, std::vector<uintptr_t> drafts,
+                            std::vector<uintptr_t> caps, int64_t k) {
+             if (masks.size() != 2 || tokens.size() != 2 || drafts.size() != 2 || caps.size() != 2)
+               throw std::invalid_argument("grammar node: one buffer per slot (2)");
+             for (int i = 0; i < 2; ++i) {
+               n.target.mask[i] = bitmask(masks[i], mask_rows, words);
+               n.target.tokens[i] = ptr<int64_t>(tokens[i]);
+               n.target.drafts[i] = ptr<int64_t>(drafts[i]);
+               n.target.caps[i] = ptr<int64_t>(caps[i]);
+             }
+             n.target.token_cols = token_cols;
+             n.target.k = k;
+           })
+      .def("set_draft", [](Node& n, std::vector<uintptr_t> masks, std::vector<uintptr_t> ctl,
+                           std::vector<uintptr_t> tokens, int64_t rows, int64_t words) {
+             if (ctl.size() != masks.size() || tokens.size() != masks.size())
+               throw std::invalid_argument("grammar node: one mask, control and token buffer per draft step");
+             n.draft = DraftBuffers{};
+             for (size_t j = 0; j < masks.size(); ++j) {
+               n.draft.mask.push_back(bitmask(masks[j], rows, words));
+               n.draft.ctl.push_back(ptr<int64_t>(ctl[j]));
+               n.draft.tokens.push_back(ptr<int64_t>(tokens[j]));
+             }
+             n.draft.calls = static_cast<int64_t>(masks.size());
+             n.draft_calls.clear();
+             for (size_t j = 0; j < masks.size(); ++j) n.draft_calls.push_back(DraftCall{&n, static_cast<int>(j)});
+           })
+      .def("set_python", [](Node& n, uintptr_t trampoline, uint64_t target, std::vector<uint64_t> draft) {
+             n.trampoline = reinterpret_cast<Trampoline>(trampoline);
+             n.python_target = target;
+             n.python_draft = std::move(draft);
+           })
+      .def("push", &Node::push)
+      .def("unpush", &Node::unpush, py::arg("id"))
+      .def("queued", &Node::queued)
+      .def("last_id", [](Node& n) -> std::optional<uint64_t> {
+             auto s = n.last();
+             if (!s) return std::nullopt;
+             return s->id;
+           })
+      .def("run", &Node::run_target, py::call_guard<py::gil_scoped_release>(),
+           "Run the target node here (the CPU's inline path), GIL released.")
+      .def("run_draft", &Node::run_draft, py::arg("j"), py::call_guard<py::gil_scoped_release>())
+      .def("close", &Node::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("draft_seconds", &Node::draft_seconds)
+      .def_property_readonly("address", [](Node& n) { return reinterpret_cast<uintptr_t>(&n); })
+      .def("draft_address", [](Node& n, int j) {
+             if (j < 0 || j >= static_cast<int>(n.draft_calls.size())) throw py::index_error("no such draft step");
+             return reinterpret_cast<uintptr_t>(&n.draft_calls[j]);
+           });
+
+  m.def("_fill_row_for_test", [](std::shared_ptr<const Matchers> matchers, uintptr_t matcher, uintptr_t data,
+                                  int64_t rows, int64_t words, int64_t index) {
+          Bitmask b = bitmask(data, rows, words);
+          DLTensor t = b.tensor();
+          Call c = fill_mask(*matchers, reinterpret_cast<void*>(matcher), &t, index);
+          return py::make_tuple(c.ok, c.value, c.error);
+        }, "One fill_next_token_bitmask call as the node makes it: (ok, result, error text).");
+  m.attr("TARGET_NODE") = reinterpret_cast<uintptr_t>(&target_node);
+  m.attr("DRAFT_NODE") = reinterpret_cast<uintptr_t>(&draft_node);
+}

@@ -1,0 +1,38 @@
+"""The grammar node's binding to xgrammar (engine/guided/csrc/): the tvm-ffi method handles it calls.
+
+xgrammar 0.2.8's GrammarMatcher is an apache-tvm-ffi object; its type info lists its methods as tvm-ffi
+Function objects, callable through tvm-ffi's C API (`TVMFFIFunctionCall`) with no interpreter. The node gets
+their handles and libtvm_ffi's path once per process; both are immutable after that.
+"""
+from __future__ import annotations
+
+import functools
+
+import xgrammar as xgr
+from tvm_ffi import libinfo
+
+from engine.guided import _native
+
+TARGET_NODE, DRAFT_NODE = _native.TARGET_NODE, _native.DRAFT_NODE
+Node, RowState, NativeSnapshot = _native.Node, _native.RowState, _native.Snapshot
+_METHODS = ("accept_token", "fill_next_token_bitmask", "rollback", "is_terminated")
+
+
+@functools.lru_cache(maxsize=None)
+def matchers() -> _native.Matchers:
+    """The method handles of xgrammar's GrammarMatcher, bound once per process."""
+    info = xgr.base._core.GrammarMatcher.__tvm_ffi_type_info__
+    funcs = {m.name: m.func for m in info.methods if not m.is_static}
+    missing = [name for name in _METHODS if name not in funcs]
+    if missing:
+        raise RuntimeError(f"xgrammar {xgr.__version__}'s GrammarMatcher lacks {', '.join(missing)}: "
+                           f"the grammar node needs them")
+    return _native.matchers(libinfo.find_libtvm_ffi(), *(funcs[name].__chandle__() for name in _METHODS))
+
+
+def handle(matcher) -> int:
+    """The tvm-ffi object handle of xgrammar's own GrammarMatcher; 0 for anything else (a Python wrapper
+    runs its step on the Python path)."""
+    if type(matcher) is xgr.GrammarMatcher:
+        return matcher._handle.__chandle__()
+    return 0
