@@ -78,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=1000, help="speed: committed steps timed per round")
     p.add_argument("--warm-steps", type=int, default=48, help="speed: steps of a round before the window")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--python-node", action="store_true",
+                   help="speed: also run guided rounds on the Python grammar path (mode guided-python)")
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), help="quality: NAME or NAME=PATH")
     p.add_argument("--quality-limit", type=int, default=None, help="quality: first N schemas per dataset")
     p.add_argument("--quality-seqs", type=int, default=64, help="quality: max_num_seqs")
@@ -121,7 +123,7 @@ def run_round(eng, work, mode: str, streams: int, args, lengths: dict) -> dict:
     free = {}
 
     def params(k):
-        if mode == "guided":
+        if mode.startswith("guided"):
             return work[k % len(work)][2]
         n = lengths.get(k, args.max_tokens)
         return free.setdefault(n, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -139,7 +141,7 @@ def run_round(eng, work, mode: str, streams: int, args, lengths: dict) -> dict:
                 kk = active.pop(out.request_id)
                 done += timed
                 errors += out.finish_reason == "error"
-                if mode == "guided" and out.finish_reason == "stop":
+                if mode.startswith("guided") and out.finish_reason == "stop":
                     lengths[kk] = len(out.token_ids)
         if timed and t.steps >= args.steps:
             break
@@ -183,6 +185,16 @@ def _aggregate(rounds: list[dict]) -> dict:
     return out
 
 
+def _round(eng, work, mode: str, streams: int, args, lengths: dict) -> dict:
+    """One round; mode guided-python fills the masks on the Python path (xgrammar's Python API)."""
+    masks = eng.runner.masks
+    masks.python = mode == "guided-python"
+    try:
+        return run_round(eng, work, mode, streams, args, lengths)
+    finally:
+        masks.python = False
+
+
 def run_speed(args) -> list[dict]:
     records, work = [], None
     for streams in progress(args.streams, "speed (streams)"):
@@ -193,17 +205,22 @@ def run_speed(args) -> list[dict]:
                  f"{'off' if eng.runner.graphs is None else eng.runner.graphs.sizes}")
             work = work or speed_work(eng, args)
             lengths: dict[int, int] = {}
-            for mode in ("guided", "free"):                       # untimed: JIT, grammar cache, lengths
-                run_round(eng, work, mode, streams, args, lengths)
-            rounds = {"guided": [], "free": []}
+            modes = ("guided", "free") + (("guided-python",) if args.python_node else ())
+            for mode in modes:                                    # untimed: JIT, grammar cache, lengths
+                _round(eng, work, mode, streams, args, lengths)
+            rounds = {m: [] for m in modes}
             for r in range(args.rounds):
-                for mode in (("guided", "free") if r % 2 == 0 else ("free", "guided")):
-                    rounds[mode].append(run_round(eng, work, mode, streams, args, lengths))
+                for mode in (modes if r % 2 == 0 else modes[::-1]):
+                    rounds[mode].append(_round(eng, work, mode, streams, args, lengths))
             agg = {m: _aggregate(v) for m, v in rounds.items()}
-            g, f = agg["guided"], agg["free"]
-            ratio = lambda key: g[key] / f[key] if g[key] and f[key] else None  # noqa: E731
-            agg["guided"].update(guided_over_free=ratio("period_ms"), steady_guided_over_free=ratio(
-                "steady_period_ms"), tok_s_guided_over_free=ratio("tok_s"))
+            f = agg["free"]
+            for m in modes:
+                if m.startswith("guided"):
+                    g = agg[m]
+                    ratio = lambda key: g[key] / f[key] if g[key] and f[key] else None  # noqa: E731
+                    g.update(guided_over_free=ratio("period_ms"), steady_guided_over_free=ratio("steady_period_ms"),
+                             tok_s_guided_over_free=ratio("tok_s"), host_us_per_row=1e3 * g["callback_ms"] / streams)
+            g = agg["guided"]
             for mode, a in agg.items():
                 records.append(record("guided", mode, eng.source.name, str(eng.runner.dtype).replace("torch.", ""),
                                       streams, args.max_tokens, a.pop("tok_s"), a["period_ms"], part="speed",
@@ -266,7 +283,7 @@ def run_peer_all(args) -> list[dict]:
 
 # ---- output -----------------------------------------------------------------------------------------------
 SPEED_COLS = ["streams", "mode", "period_ms", "guided_over_free", "steady_period_ms", "steady_guided_over_free",
-              "tok_s", "forward_ms", "mask_wait_ms", "callback_ms", "callback_p99_ms", "callback_delay_ms",
+              "tok_s", "forward_ms", "mask_wait_ms", "callback_ms", "callback_p99_ms", "host_us_per_row", "callback_delay_ms",
               "gpu_idle_ms", "idle_frac", "requests_done", "error"]
 QUALITY_COLS = ["dataset", "schemas", "compiled_frac", "finished_frac", "valid_frac", "valid_fmt_frac",
                 "schema_errors", "runtime_errors", "too_long", "mean_len", "tok_s", "wall_s", "error"]
@@ -285,7 +302,7 @@ def write_markdown(records: list[dict], path) -> str:
                                "batching)"), ("peer", PEER_COLS, "Peer: transformers generate + xgrammar, batch 1")):
         rows = [x for x in records if x.get("part") == part]
         if rows:
-            rows = sorted(rows, key=lambda x: (x.get("streams") or 0, x.get("mode") != "guided"))
+            rows = sorted(rows, key=lambda x: (x.get("streams") or 0, x.get("mode") != "guided", x.get("mode")))
             parts.append(f"### {title}\n\n" + markdown_table(rows, [c for c in cols if any(c in x for x in rows)]))
     text = "\n\n".join(parts)
     Path(path).write_text(text + "\n")
