@@ -31,7 +31,8 @@ class EngineConfig:
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
     grammar_node: str = "native"       # who fills the masks: "native" (the grammar node: C++ through tvm-ffi,
                                        # no GIL) or "python" (xgrammar's Python API; the reference path)
-    grammar_threads: int = 1           # threads the grammar node fills a step's rows on (from 8 rows)
+    grammar_threads: int = 4           # threads the grammar node fills a step's rows on (from 8 rows); H100
+                                       # host, 128 JSON rows: 1.77 / 0.74 / 0.52 ms with 1 / 2 / 4 threads
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): a Python grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
     speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (specdec/drafters)

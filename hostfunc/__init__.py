@@ -269,13 +269,14 @@ def is_available():
 
 
 def live_handles():
-    """Number of packed callbacks alive: captured ones plus eager ones not yet run."""
+    """Number of launched callbacks alive: captured ones plus eager ones not yet run (standing entries,
+    which their owners free, are counted apart in ``stats()["standing"]``)."""
     return _C.stats()["live"]
 
 
 def stats():
     """Release the graveyard, then return a dict of counts: ``live`` (= ``captured`` + ``pending_eager``),
-    ``errors`` (recorded and dropped) and ``graveyard`` (objects still waiting to be released)."""
+    ``standing`` (registered by standing_callback), ``errors`` (recorded and dropped) and ``graveyard`` (objects still waiting to be released)."""
     return _C.stats()
 
 

@@ -4,6 +4,7 @@ It must do exactly what the Python path (engine/guided/matching.py) does: the sa
 engine (greedy, seeded sampling, speculation with draft masks), the same masks and caps on every row, the
 same failures with the same texts, and it must really run natively (the Python path is not called)."""
 import ctypes
+import gc
 
 import numpy as np
 import pytest
@@ -168,7 +169,9 @@ def test_a_wrapped_matcher_takes_the_python_path_for_its_steps(aab, monkeypatch)
 
 def test_standing_callbacks_run_from_native_code_with_the_gil():
     seen = []
+    before = hostfunc.stats()["standing"]
     handle, trampoline = hostfunc.standing_callback(seen.append, 7)
+    assert hostfunc.stats()["standing"] == before + 1
     try:
         call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(trampoline)    # ctypes releases the GIL around it
         call(handle)
@@ -177,7 +180,19 @@ def test_standing_callbacks_run_from_native_code_with_the_gil():
         hostfunc._C.free_all()
         call(handle)
         assert seen == [7, 7, 7], "free_all leaves standing entries"
+        assert hostfunc.stats()["standing"] == before + 1
     finally:
         hostfunc.free_hostfunc_user_data(handle)
+    assert hostfunc.stats()["standing"] == before
     call(handle)
     assert seen == [7, 7, 7] and any("was freed" in e[1] for e in hostfunc.take_errors())
+
+
+def test_masks_going_away_free_their_standing_entries():
+    gc.collect()                        # earlier tests' masks, waiting in cycles
+    before = hostfunc.stats()["standing"]
+    masks = GrammarMasks(27, 2, torch.device("cpu"))
+    assert hostfunc.stats()["standing"] == before + 1
+    del masks
+    gc.collect()
+    assert hostfunc.stats()["standing"] == before and hostfunc.live_handles() == 0

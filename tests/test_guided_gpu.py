@@ -16,6 +16,7 @@ import xgrammar as xgr
 
 import hostfunc
 from conftest import CHAT_PROMPTS, assert_no_leak
+from engine.guided.masks import GrammarMasks
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from test_guided import CAT, PRIMES, Exploding, allowed, drive, staggered
@@ -122,14 +123,18 @@ def test_seeded_sampling_is_the_same_pipelined_and_blocking(graphed, prompts):
     assert len({tuple(t) for t in runs[1]}) > 1, "different seeds, different outputs"
 
 
-def test_captured_graphs_hold_one_callback_per_guided_graph(graphed, prompts):
+def test_guided_graphs_capture_the_native_node_and_no_python(graphed, prompts, monkeypatch):
     graphs = graphed.runner.graphs
     guided = [key for key in graphs.graphs if key[2][0]]
-    assert guided and len(graphs.callbacks.handles) == len(guided)
-    assert hostfunc.live_handles() >= len(graphs.callbacks.handles)
+    assert guided and not graphs.callbacks.handles, "the grammar node is native: no Python callback captured"
+    python = []
+    run = GrammarMasks.run_python
+    monkeypatch.setattr(GrammarMasks, "run_python", lambda self: (python.append(1), run(self)))
     graphed.timings.reset()
+    before = graphs.replays["guided"]
     [seq] = graphed.generate([prompts[3]], SamplingParams(max_tokens=32, temperature=0, json_object=True))
     assert seq.error is None and graphed.timings.guided_steps > 0 and graphed.timings.callback > 0
+    assert graphs.replays["guided"] > before and python == [], "replays ran the node, never the Python path"
 
 
 def test_pipelined_matchers_accept_exactly_the_committed_tokens(graphed, eager, prompts):

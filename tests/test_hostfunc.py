@@ -67,7 +67,9 @@ class Tracked:
 def test_import_and_public_api():
     assert set(hostfunc.__all__) <= set(dir(hostfunc))
     assert issubclass(HostfuncError, RuntimeError)
-    assert hostfunc.stats() == {"live": 0, "captured": 0, "pending_eager": 0, "errors": 0, "graveyard": 0}
+    counts = hostfunc.stats()
+    assert counts.pop("standing") >= 0      # other tests' engines may hold theirs
+    assert counts == {"live": 0, "captured": 0, "pending_eager": 0, "errors": 0, "graveyard": 0}
 
 
 @pytest.mark.parametrize("stream", ["0", 1.5, True, object(), [0]])

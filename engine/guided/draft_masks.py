@@ -61,6 +61,7 @@ class DraftMasks:
         self.encoded: dict[str, list[int]] = {}
         self.forced_drafts = 0                  # forced tokens drafted (callback thread writes, read after runs)
         self.python_s = 0.0                     # host time inside the Python draft callbacks (callback thread)
+        self._native_base = 0.0
         self._pick = None                       # per drafting step, device tensors of the one being enqueued
         self.native = draft_masks and not forced and not masks.python
         ref = weakref.ref(self)
@@ -75,8 +76,12 @@ class DraftMasks:
 
     @property
     def callback_s(self) -> float:
-        """Host time inside the draft callbacks, native and Python."""
-        return self.python_s + (self.masks.node.draft_seconds if self.native else 0.0)
+        """Host time inside the draft callbacks, native and Python (since it was last set)."""
+        return self.python_s + (self.masks.node.draft_seconds - self._native_base if self.native else 0.0)
+
+    @callback_s.setter
+    def callback_s(self, seconds: float) -> None:
+        self.python_s, self._native_base = seconds, self.masks.node.draft_seconds
 
     # ---- device side (enqueued by the drafter, inside the step) ---------------------------------
     def begin(self, emitted: torch.Tensor, compute_stream) -> None:

@@ -246,16 +246,20 @@ py::dict handle_info(uint64_t id) {
 
 py::dict stats() {
   drain_graveyard();
-  size_t live = 0, captured = 0;
+  size_t live = 0, captured = 0, standing = 0;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    live = g_live.size();
-    for (const auto& [id, e] : g_live) captured += e->captured;
+    for (const auto& [id, e] : g_live) {
+      standing += e->standing;
+      captured += e->captured && !e->standing;
+    }
+    live = g_live.size() - standing;
   }
   py::dict out;
-  out["live"] = live;
+  out["live"] = live;  // launches: standing entries belong to their owners and are counted apart
   out["captured"] = captured;
   out["pending_eager"] = live - captured;
+  out["standing"] = standing;
   out["errors"] = error_count();
   out["graveyard"] = graveyard_size();
   return out;
