@@ -16,6 +16,9 @@ are skipped and counted as `too_long`):
                  Schemas jsonschema itself rejects (SchemaError, unresolvable $ref, a pattern Python's `re`
                  cannot compile, ...) are counted as `schema_errors`, not as invalid outputs;
   runtime_errors requests that failed later (a token the grammar rejected, an empty mask, ...).
+  compile_ms_*   cold compile time per schema (p50 / p95 / max), one at a time on a grammar service of its own
+                 before the run (so the engine's cache stays cold too);
+  callback_ms    host time of the grammar node per step; host_us_per_row: per row of a step.
 Peer: transformers `generate` (greedy, batch 1) with xgrammar's `contrib.hf.LogitsProcessor`, grammars
 compiled by our engine's own GrammarService (same tokenizer info), weights from `engine.source.path`; ours
 runs the same requests one at a time (batch 1). tok/s = output tokens / summed wall of the requests
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import time
@@ -109,11 +113,16 @@ def _natural(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def load_schemas(spec: str, limit: int | None = None) -> list[tuple[str, object]]:
+def load_schemas(spec: str, limit: int | None = None, largest: float | None = None) -> list[tuple[str, object]]:
+    """(stem, schema) in natural order; `largest`: only that share of the files, the biggest in bytes."""
     files = glob.glob(os.path.join(spec, "*.json")) if os.path.isdir(spec) else glob.glob(spec)
-    files.sort(key=lambda f: _natural(os.path.basename(f)))
     if not files:
         raise FileNotFoundError(f"no schema files at {spec}")
+    if largest is not None:
+        if not 0 < largest <= 1:
+            raise ValueError(f"largest must be in (0, 1], got {largest}")
+        files = sorted(files, key=os.path.getsize, reverse=True)[:max(1, math.ceil(largest * len(files)))]
+    files.sort(key=lambda f: _natural(os.path.basename(f)))
     out = []
     for f in files[:limit]:
         try:
@@ -200,7 +209,30 @@ def summarize(items, rejected: int = 0) -> dict:
 
 
 # ---- quality ------------------------------------------------------------------------------------------
+def compile_times(eng, schemas) -> dict:
+    """Cold compile time per schema (ms) on a service of its own (the engine's cache stays cold), one at a time
+    on this thread: mean, p50, p95, max; schemas that fail to compile are left out."""
+    from engine.guided.compiler import GrammarService
+    service, ms = GrammarService(eng.tokenizer, eng.runner.vocab, eng.eos_ids), []
+    try:
+        for _, schema in schemas:
+            try:
+                guide = guided_params(schema, 1).guide
+                t0 = time.perf_counter()
+                service.compile_now(guide)
+                ms.append(1e3 * (time.perf_counter() - t0))
+            except Exception:             # noqa: BLE001 - counted by the quality run itself
+                continue
+    finally:
+        service.close()
+    ms.sort()
+    q = lambda f: ms[min(len(ms) - 1, int(f * len(ms)))] if ms else None    # noqa: E731
+    return dict(compile_ms_mean=sum(ms) / len(ms) if ms else None, compile_ms_p50=q(0.5), compile_ms_p95=q(0.95),
+                compile_ms_max=ms[-1] if ms else None)
+
+
 def run_quality(eng, name: str, schemas, args) -> dict:
+    compile_stats = compile_times(eng, schemas)
     ids, rejected, too_long = {}, 0, 0
     for stem, schema in schemas:
         try:
@@ -234,7 +266,9 @@ def run_quality(eng, name: str, schemas, args) -> dict:
                   eng.config.max_num_seqs, args.max_tokens, tokens / wall, ms["period"], part="quality",
                   dataset=name, schemas=len(schemas), rejected=rejected, too_long=too_long, wall_s=wall,
                   steps=eng.timings.steps, period_ms=ms["period"], callback_ms=ms["callback"],
-                  mask_wait_ms=ms["mask_wait_gpu"], gpu_idle_ms=ms["gpu_idle"], **stats)
+                  mask_wait_ms=ms["mask_wait_gpu"], gpu_idle_ms=ms["gpu_idle"],
+                  host_us_per_row=1e3 * ms["callback"] * eng.timings.steps / max(eng.timings.rows, 1),
+                  **compile_stats, **stats)
 
 
 # ---- peer: transformers generate + xgrammar logits processor, batch 1 ------------------------------------
