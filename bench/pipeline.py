@@ -1,4 +1,4 @@
-"""Blocking vs pipelined decoding: seed 000's two tables for this engine, plus the GPU idle share.
+"""Blocking vs pipelined decoding: the Photon article's two tables for this engine, plus the GPU idle share.
 
     python bench/pipeline.py [--models default dummy:llama-1b dummy:llama-8b] [--streams 1 8 32]
                              [--new-tokens 128] [--peers] [--out bench/results/pipeline.json]
@@ -7,7 +7,7 @@ Per model, one engine (bf16, CUDA graphs) runs two workloads at each concurrency
 - "fixed": N streams x new_tokens, EOS ignored (tok/s and ms/step, the throughput targets);
 - "eos": N closed-loop streams (a finished request is replaced at once) of 4N requests (at least 8), EOS on,
   max new_tokens: L is the mean output length, zombies appear.
-Per-step numbers are medians over steady-state decode steps (every stream busy). Cost model (seed 000):
+Per-step numbers are medians over steady-state decode steps (every stream busy). Cost model (the Photon article):
 predicted speedup = T_block / T_pipe x (1 - z), z = s / (L x N) with s the share of requests that end on a
 stop (EOS) rather than a length cap: each leaves one wasted row, which costs a whole step at one stream and
 about a row's share of one in a batch (a length cap is known ahead and costs nothing). Observed = tok/s

@@ -7,7 +7,7 @@
 
 Acceptance: one engine per (drafter, K) with every step speculating (spec_max_batch = batch), greedy, the
 prompts of each dataset run to EOS or --max-tokens; acceptance length = tokens per verifying row-step, the
-target's own token included (seed 003's Table 1 metric: K = 3 gives at most 4).
+target's own token included (the TensorRT-LLM guided + speculative article's Table 1 metric: K = 3 gives at most 4).
 Speed: per stream count (max_num_seqs = streams, a queue of max(4 x streams, --min-prompts) prompts), the same prompts through the engine without speculation ("none") and with each
 drafter / K, alternating over --rounds; greedy, so every mode emits the same tokens. tok_s = output tokens
 / wall; speedup = tok_s over "none" of the same round set. The engine's batch-level policy (EngineConfig

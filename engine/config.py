@@ -39,9 +39,10 @@ class EngineConfig:
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
     guided_draft_masks: bool = False   # guided + speculative: each draft step of a head / draft model picks its
-                                       # token under the row's grammar (one host callback per draft step). Off:
-                                       # at batch 1 on an H100 it raised acceptance 3.54 -> 3.67 but cost ~0.5 ms
-                                       # a step (bench/results/spec_guided.md)
+                                       # token under the row's grammar (one grammar node per draft step). Off:
+                                       # acceptance 3.50 -> 3.64, but each draft step waits for its mask on the
+                                       # grammar stream: 1.96x vs the head's 2.35x at batch 1 on an H100, with
+                                       # native nodes (bench/results/grammar_node/spec_guided_streams.md)
     guided_forced_drafts: bool = False  # guided + speculative: where the grammar allows one continuing text, draft
                                        # its tokens in place of the drafter's (engine/guided/draft_masks.py); off
                                        # for the same reason (one callback per step for +0.07 acceptance)
