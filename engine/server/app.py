@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from engine.server.async_engine import AsyncEngine, EngineDead, Overloaded
 from engine.server.chat import chat_prompt, normalize_messages
 from engine.server.generation import ChatFormat, CompletionFormat, Generation
+from engine.server.limits import RequestLimits, read_body
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validation_error
 from engine.server.sampling import response_format_guide, sampling_params
@@ -32,6 +33,7 @@ class ServerState:
     tokenizer: object            # the server's own instance (the engine thread decodes with another)
     model_name: str
     metrics: ServerMetrics
+    limits: RequestLimits = RequestLimits()
     on_ready: object = None      # called once the engine thread runs (prints the "listening" line)
 
     @property
@@ -39,12 +41,14 @@ class ServerState:
         return self.aengine.engine
 
 
-async def _parse(request: Request, model):
-    raw = await request.body()
+async def _parse(request: Request, model, limits: RequestLimits):
+    raw = await read_body(request, limits.max_body_bytes)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError("the request body is nested too deeply") from exc
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     try:
@@ -141,11 +145,13 @@ def create_app(state: ServerState) -> FastAPI:
             return error(endpoint, err)
         except asyncio.CancelledError:
             raise
+        except RecursionError:                  # a deeply nested field (a schema, tool parameters) met recursion
+            return error(endpoint, APIError("the request is nested too deeply to process"))
         except Exception as exc:                # a bug: the request fails, the server goes on
             return error(endpoint, APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error"))
 
     async def build_chat(request: Request, arrival: float):
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest, state.limits)
         check_model(req.model)
         messages = normalize_messages(req.messages)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -154,15 +160,15 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError("response_format cannot be combined with tool calls (tool_choice other than 'none')",
                            param="response_format")
         guide = {"structural_tag": plan.guide} if plan.guide else guide
-        ids = chat_prompt(state.tokenizer, messages, plan.tools)
+        ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits)
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                  state.engine.max_model_len - len(ids), guide)
         return await admit("chat", request, req, ids, params, ChatFormat(), plan.mode != "none", arrival)
 
     async def build_completion(request: Request, arrival: float):
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, state.limits)
         check_model(req.model)
-        ids = completion_prompt(state.tokenizer, req.prompt)
+        ids = await off_loop(completion_prompt, state.tokenizer, req.prompt, state.limits)
         params = sampling_params(req, req.max_tokens, state.engine.max_model_len - len(ids), {})
         return await admit("completions", request, req, ids, params, CompletionFormat(), False, arrival)
 
@@ -192,7 +198,12 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def completion_prompt(tokenizer, prompt) -> list[int]:
+async def off_loop(fn, *args):
+    """Templating and tokenizing on a worker thread: the event loop goes on streaming others' tokens."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def completion_prompt(tokenizer, prompt, limits: RequestLimits) -> list[int]:
     """One prompt: text, or token ids (a model without a tokenizer takes only ids)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -201,5 +212,6 @@ def completion_prompt(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError("this model has no tokenizer: give the prompt as token ids", param="prompt")
+        limits.check_prompt(prompt)
         return tokenizer.encode(prompt, add_special_tokens=False)
     return list(prompt)

@@ -108,7 +108,7 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
     return out
 
 
-def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, limits=None) -> list[int]:
     """Token ids of the conversation with the generation prompt, through the model's chat template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template: use /v1/completions with a plain prompt")
@@ -120,4 +120,6 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> li
     except Exception as exc:              # the template's own checks (role order, ...) reject the conversation
         raise APIError(f"the chat template rejected the messages: {type(exc).__name__}: {exc}",
                        param="messages") from exc
+    if limits is not None:
+        limits.check_prompt(text)
     return tokenizer.encode(text, add_special_tokens=False)

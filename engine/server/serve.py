@@ -6,6 +6,8 @@ import argparse
 import socket
 import sys
 
+from engine.server.limits import DEFAULT_MAX_BODY_BYTES
+
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
@@ -17,6 +19,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait beyond --max-num-seqs before the server answers 429")
     p.add_argument("--stream-interval", type=int, default=0, metavar="N",
                    help="tokens per streamed chunk (0: auto, one token until 8 streams are active, then more)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted (larger: 413 before it is parsed)")
     p.set_defaults(switch_interval=5e-5)     # two busy threads: the engine gets the GIL back sooner (measured)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -27,6 +31,7 @@ def build_state(args):
     from engine.models.loader import load_tokenizer
     from engine.server.app import ServerState
     from engine.server.async_engine import AsyncEngine
+    from engine.server.limits import RequestLimits
     from engine.server.metrics import ServerMetrics
 
     config = engine_config(args, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
@@ -35,7 +40,8 @@ def build_state(args):
     tokenizer = load_tokenizer(engine.tokenizer_source)
     aengine = AsyncEngine(engine, max_queued=args.max_queued, stream_interval=args.stream_interval)
     name = args.served_model_name or engine.source.name
-    return ServerState(aengine, tokenizer, name, ServerMetrics(aengine))
+    limits = RequestLimits.for_model(tokenizer, engine.max_model_len, args.max_request_bytes)
+    return ServerState(aengine, tokenizer, name, ServerMetrics(aengine), limits)
 
 
 def bind(host: str, port: int) -> socket.socket:

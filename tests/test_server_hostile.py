@@ -1,0 +1,99 @@
+"""Hostile requests against `specdec serve` (CPU, real HTTP): each gets its own clear 4xx, a well-behaved request
+running beside it finishes within twice its time alone, and afterwards no KV page or request is left held."""
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from serving import CPU_ARGS, serve
+
+ASK = [{"role": "user", "content": "Name three colours."}]
+NORMAL = {"messages": ASK, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+BODY_LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512",
+               "--max-request-bytes", str(BODY_LIMIT)) as s:
+        yield s
+
+
+def post(server, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps({"model": server.model} | body).encode()
+    return httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=120,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+@pytest.fixture(scope="module")
+def solo_s(server) -> float:
+    """The well-behaved request's time alone (best of three, after a warm-up)."""
+    post(server, NORMAL)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        assert post(server, NORMAL).status_code == 200
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def nested(depth: int) -> bytes:
+    return b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def enum_schema(n: int) -> dict:
+    schema = {"type": "object", "properties": {"v": {"enum": [f"value{i}" for i in range(n)]}}, "required": ["v"]}
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
+
+
+CASES = [   # (id, body or a function of the server giving it, expected status, a word the message holds)
+    ("stop string 100,000 chars", {"messages": ASK, "stop": ["x" * 100_000]}, 400, "1024"),
+    ("20 stop strings", {"messages": ASK, "stop": [f"s{i}" for i in range(20)]}, 400, "16"),
+    ("enum of 100,000 values", enum_schema(100_000), 400, "enum"),
+    ("body of 10 MB", {"messages": [{"role": "user", "content": "a" * (10 << 20)}]}, 413, "--max-request-bytes"),
+    ("body nested 10,000 deep", nested(10_000), 400, "nested"),
+    ("prompt past the context in bytes", {"messages": [{"role": "user", "content": "ab " * 300_000}]}, 400, "bytes"),
+    ("not JSON", b'{"model": "m", "messages": [', 400, "JSON"),
+    ("a JSON array", b"[1, 2, 3]", 400, "object"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_hostile_request_gets_its_error_and_slows_nobody(server, solo_s, case):
+    _, body, status, word = case
+    normal: dict = {}
+
+    def run_normal():
+        t0 = time.perf_counter()
+        normal["status"] = post(server, NORMAL).status_code
+        normal["s"] = time.perf_counter() - t0
+
+    beside = threading.Thread(target=run_normal)
+    beside.start()
+    r = post(server, body)
+    beside.join(120)
+    assert r.status_code == status, r.text[:300]
+    error = r.json()["error"]
+    assert word in error["message"] and error["type"] == "invalid_request_error", error
+    assert normal["status"] == 200
+    assert normal["s"] <= 2 * solo_s + 0.25, f"the request beside it took {normal['s']:.2f} s, {solo_s:.2f} s alone"
+    server.wait_idle()
+
+
+def test_the_declared_length_is_refused_before_the_body_is_read(server):
+    host, port = httpx.URL(server.url).host, httpx.URL(server.url).port
+    with socket.create_connection((host, port), timeout=30) as sock:      # sends 2 of the bytes it declares
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {BODY_LIMIT + 1}\r\n\r\n{{}}".encode())
+        head = sock.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 413"), head[:200]
+
+
+def test_the_server_still_serves_everyone_afterwards(server):
+    r = post(server, NORMAL)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == NORMAL["max_tokens"]
+    m = server.wait_idle()
+    assert m["specdec_kv_blocks_used"] == 0
