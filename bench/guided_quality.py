@@ -9,7 +9,8 @@ Quality, per dataset: all its requests are added at once to one engine (continuo
 --quality-seqs, greedy, compact JSON, --max-tokens). Of the schemas tried (prompts too long for the context
 are skipped and counted as `too_long`):
   compiled_frac  share whose guide was accepted: not refused by SamplingParams/add_request (`rejected`) and
-                 not ended "error" with "invalid json_schema ..." (`compile_failed`);
+                 not ended "error" with "invalid json_schema ..." or "json_schema is valid but the grammar
+                 backend ..." (`compile_failed`);
   finished_frac  of the compiled, share that ended "stop" (grammar complete) rather than "length";
   valid_frac     of the finished whose schema `jsonschema` can use, share whose text parses and validates
                  (formats as annotations); valid_fmt_frac: the same with jsonschema's format checker.
@@ -183,7 +184,8 @@ def summarize(items, rejected: int = 0) -> dict:
     c, fmt, examples, invalid_cases = Counter(), 0, {}, []
     for schema, reason, error, text, _, *name in items:
         if reason == "error":
-            kind = "compile_failed" if (error or "").startswith("invalid json_schema") else "runtime_errors"
+            kind = "compile_failed" if (error or "").startswith(("invalid json_schema", "json_schema is valid but")) \
+                else "runtime_errors"
             c[kind] += 1
             examples.setdefault(kind, error)
             continue

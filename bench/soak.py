@@ -7,9 +7,9 @@
 --streams closed-loop workers (asyncio, one client process) each send one request after another for
 --minutes. Each request is, by --mix weights: `chat` (a question, --max-tokens), `guided` (a JME schema as
 response_format), `tools` (a forced tool call with a JME schema as its parameters) or `hostile` (a turn through
-HOSTILE: a 100,000-char stop string, 20 stop strings, a 100,000-value enum, a 2 MB prompt, a body nested
-10,000 deep, a body past --max-request-bytes, broken JSON). Well-behaved requests must answer 200 and hostile
-ones their 4xx; anything else (a 5xx, a timeout, a wrong status) is counted as an error with its text.
+HOSTILE: a 100,000-char stop string, 20 stop strings, a 100,000-value enum, a schema that compiles for half a
+minute, a 2 MB prompt, a body nested 10,000 deep, a body past --max-request-bytes, broken JSON). Well-behaved
+requests must answer 200 and hostile ones their 4xx; anything else (a 5xx, a timeout, a wrong status) is counted as an error with its text.
 Every --sample-s the bench records the server's RSS, the GPU memory in use (torch.cuda.mem_get_info, or 0 on
 CPU) and the engine's KV pages from /metrics. Per minute: requests by kind, errors, and the p50 / p99
 latency of the well-behaved ones. At the end, once idle: KV pages held (must be 0). Writes --out (JSON), a .md
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -47,7 +48,22 @@ HOSTILE = {   # name: (body, or a function of the model giving the raw bytes; th
                    + b"}", 400),
     "body_too_large": (None, 413),           # built from --max-request-bytes
     "broken_json": (lambda model: b'{"model": "%s", "messages": [' % model.encode(), 400),
+    # within every size bound, ~1 s of compile per property: refused at --grammar-compile-timeout (400), or
+    # 429 while this client's share of the compile pool is taken by earlier ones
+    "slow_grammar": (lambda model: slow_grammar(model), (400, 429)),
 }
+
+
+_SLOW = itertools.count()
+
+
+def slow_grammar(model: str) -> bytes:
+    """A new schema each time (a cached one would compile at once)."""
+    tag = f"p{next(_SLOW)}_"
+    props = {f"{tag}{i}": {"type": "string", "minLength": i + 1, "maxLength": 1000} for i in range(30)}
+    return json.dumps({"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+                           "type": "object", "properties": props}}}}).encode()
 
 
 def parse_args(argv=None):
@@ -114,10 +130,11 @@ async def worker(client, url: str, reqs: Requests, seed: int, deadline: float, o
         t0 = time.perf_counter()
         try:
             r = await client.post(url, content=body, headers={"content-type": "application/json"})
-            status, text = r.status_code, r.text[:200] if r.status_code != want else ""
+            status = r.status_code
+            text = "" if status in (want if isinstance(want, tuple) else (want,)) else r.text[:200]
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"[:200]
-        out.append(dict(kind=kind, t=t0, s=time.perf_counter() - t0, status=status, ok=status == want,
+        out.append(dict(kind=kind, t=t0, s=time.perf_counter() - t0, status=status, ok=status in (want if isinstance(want, tuple) else (want,)),
                         good=want == 200, error=text or None))
 
 
@@ -172,7 +189,7 @@ async def soak(args, base: str, model: str, pid: int) -> tuple[list, list, float
                 break
             await asyncio.sleep(0.2)
         samples.append(dict(t=time.perf_counter() - t0, rss_mb=rss_mb(pid), gpu_mb=gpu_used_mb(), kv_blocks=kv,
-                            idle=True))
+                            idle=True, compiles=await metric(client, base, "specdec_grammar_compiles_unfinished")))
     return done, samples, t0
 
 
@@ -242,7 +259,8 @@ def main(argv=None):
                    good_p50_ms=pct(good, 0.5), good_p99_ms=pct(good, 0.99), server_alive_at_end=alive,
                    rss_mb_start=samples[0]["rss_mb"], rss_mb_end=samples[-1]["rss_mb"],
                    gpu_mb_start=samples[0]["gpu_mb"], gpu_mb_end=samples[-1]["gpu_mb"],
-                   kv_blocks_idle_at_end=samples[-1]["kv_blocks"], minutes=rows, samples=samples)
+                   kv_blocks_idle_at_end=samples[-1]["kv_blocks"],
+                   compiles_at_end=samples[-1].get("compiles"), minutes=rows, samples=samples)
     rec = record("soak", "mixed+hostile", model, "", args.streams, args.max_tokens, None, None, mix=args.mix,
                  duration_min=args.minutes, server_cmd=" ".join(cmd), **summary)
     out = write_results([rec], args.out)

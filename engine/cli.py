@@ -39,6 +39,16 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="guided + --speculative eagle|draft_model: each draft step picks under the grammar's mask")
     p.add_argument("--forced-drafts", action="store_true",
                    help="guided + --speculative: draft the text the grammar forces in place of the drafter's tokens")
+    g = p.add_argument_group("grammar compilation (bounds on one guide: docs/server.md)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="S",
+                   help="a request whose grammar takes longer to compile fails with 400")
+    g.add_argument("--grammar-compile-queue", type=int, default=64, metavar="N",
+                   help="unfinished compiles before the server answers 429 (a client may have a quarter)")
+    g.add_argument("--guide-max-bytes", type=int, default=256 << 10, metavar="N")
+    g.add_argument("--guide-max-enum", type=int, default=4096, metavar="N", help="values of one enum, or choices")
+    g.add_argument("--guide-max-depth", type=int, default=64, metavar="N", help="nesting of a JSON schema")
+    g.add_argument("--guide-max-repeat", type=int, default=1000, metavar="N",
+                   help="the count in a {n,m} repetition of a regex, pattern or grammar")
 
 
 def _request_options(p: argparse.ArgumentParser) -> None:
@@ -63,7 +73,11 @@ def engine_config(args, **extra) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head,
                         spec_draft_model=args.spec_draft_model, guided_draft_masks=args.draft_masks,
                         guided_forced_drafts=args.forced_drafts, switch_interval=args.switch_interval,
-                        tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout, **extra)
+                        tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
+                        grammar_compile_timeout_s=args.grammar_compile_timeout,
+                        grammar_compile_queue=args.grammar_compile_queue, guide_max_bytes=args.guide_max_bytes,
+                        guide_max_enum=args.guide_max_enum, guide_max_depth=args.guide_max_depth,
+                        guide_max_repeat=args.guide_max_repeat, **extra)
 
 
 def _engine(args):

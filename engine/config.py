@@ -38,6 +38,15 @@ class EngineConfig:
     speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (specdec/drafters)
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
+    grammar_compile_threads: int = 4   # threads compiling grammars (engine/guided/compiler.py)
+    grammar_compile_queue: int = 64    # a server's compiles unfinished at once before it answers 429 (a client
+                                       # may have grammar_compile_threads // 2 of them)
+    grammar_compile_timeout_s: float = 10.0     # a request whose grammar compiles longer fails (the compile goes on
+                                                # into the cache: xgrammar cannot be stopped)
+    guide_max_bytes: int = 256 << 10   # bounds on one guide, checked before compiling (engine/guided/limits.py)
+    guide_max_enum: int = 4096
+    guide_max_depth: int = 64
+    guide_max_repeat: int = 1000
     guided_draft_masks: bool = False   # guided + speculative: each draft step of a head / draft model picks its
                                        # token under the row's grammar (one grammar node per draft step). Off:
                                        # acceptance 3.50 -> 3.64, but each draft step waits for its mask on the
@@ -69,6 +78,12 @@ class EngineConfig:
             raise ValueError(f"grammar_node must be 'native' or 'python', got {self.grammar_node!r}")
         if self.grammar_threads < 1:
             raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
+        for name in ("grammar_compile_threads", "grammar_compile_queue", "guide_max_bytes", "guide_max_enum",
+                     "guide_max_depth", "guide_max_repeat"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.depth not in (1, 2):
             raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
         if self.speculative not in SPECULATIVE:

@@ -76,7 +76,7 @@ class LLMEngine(EngineFrontend):
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec)
         self.eos_ids = self._eos_ids()
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)
-        self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config.guided, self.runner.cuda)
+        self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config, self.runner.cuda)
         self.timings = StepTimings()
         self._rng = random.Random(config.seed)
         self._next_id = 0

@@ -1,14 +1,16 @@
 """The engine's one output path: commit sampled tokens, detect stops, detokenize incrementally, stream text.
 
 A commit costs O(new tokens), not O(output length): each token is decoded in a window of a few tokens
-(IncrementalDetokenizer) and stop strings are searched only in the new text plus the few chars before it that
-could start one. Streamed text holds back what may still turn into a stop string, so a stop string (or a
-prefix of one that ends up cut) is never released.
+(IncrementalDetokenizer) and stop strings are matched by an automaton fed only the new text
+(engine/stop_strings.py). Streamed text holds back what may still turn into a stop string, so a stop string (or
+a prefix of one that ends up cut) is never released.
 """
 from __future__ import annotations
 
 import functools
 from typing import NamedTuple
+
+from engine.stop_strings import stop_strings
 
 REPLACEMENT = "\ufffd"      # what decode yields for bytes that are not (yet) a whole UTF-8 character
 MAX_PENDING = 16            # tokens a window may hold undecodable before it is forced on (bounds the cost)
@@ -111,46 +113,18 @@ class IncrementalDetokenizer:
             self._prefix = 0
 
 
-@functools.lru_cache(maxsize=1024)
-def _stop_prefixes(stops: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    """The stop strings' proper prefixes by their last char, longest first (held-back tails are among them)."""
-    by_last: dict[str, set[str]] = {}
-    for s in stops:
-        for k in range(1, len(s)):
-            by_last.setdefault(s[k - 1], set()).add(s[:k])
-    return {c: tuple(sorted(p, key=len, reverse=True)) for c, p in by_last.items()}
-
-
-def _held_chars(text: str, prefixes: dict[str, tuple[str, ...]]) -> int:
-    """Length of the longest tail of `text` that a stop string starts with (it may still become one)."""
-    for p in prefixes.get(text[-1:], ()):
-        if text.endswith(p):
-            return len(p)
-    return 0
-
-
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int:
-    """Where the earliest stop string in text[start:] begins, or -1."""
-    first = -1
-    for s in stops:
-        i = text.find(s, start)
-        if i >= 0 and (first < 0 or i < first):
-            first = i
-    return first
-
-
 class OutputState:
     """Per-request output state (seq.out). Lazy (no stop strings, text not streamed): no per-token decode;
     the text is decoded once when the request ends, and the final output releases all of it."""
-    __slots__ = ("detok", "stops", "max_stop", "prefixes", "sent", "num_new", "reason", "cut", "lazy", "token_stop")
+    __slots__ = ("detok", "stops", "stop_state", "sent", "num_new", "reason", "cut", "lazy", "token_stop")
 
     def __init__(self, detok: IncrementalDetokenizer | None, stops: tuple[str, ...], lazy: bool = False):
         self.detok = detok
         self.lazy = lazy and not stops and detok is not None
         self.token_stop = False     # the last token ended the request by itself (EOS, stop id): not text
-        self.stops = stops if detok is not None else ()     # without a tokenizer there is no text to stop on
-        self.max_stop = max(map(len, self.stops), default=0)
-        self.prefixes = _stop_prefixes(self.stops)
+        # without a tokenizer there is no text to stop on
+        self.stops = stop_strings(stops) if stops and detok is not None else None
+        self.stop_state = 0         # the automaton's state after seq.text
         self.sent = 0               # chars of seq.text released in outputs
         self.num_new = 0            # tokens the last commit appended
         self.reason: str | None = None
@@ -214,11 +188,13 @@ class OutputProcessor:
             return False
         text = seq.text
         seq.text = ""           # drop the attribute's reference so CPython grows `text` in place, not copies it
-        start = max(0, len(text) - st.max_stop + 1)     # an earlier stop would have been found earlier
+        before = len(text)
         text += piece
-        cut = _find_stop(text, st.stops, start) if st.stops else -1
-        seq.text = text if cut < 0 else text[:cut]
-        st.cut = cut >= 0
+        start = None
+        if st.stops is not None:
+            st.stop_state, start = st.stops.feed(st.stop_state, piece)
+        seq.text = text if start is None else text[:before + start]
+        st.cut = start is not None
         return st.cut
 
     def _finalize(self, seq, st: OutputState, reason: str) -> str:
@@ -251,7 +227,8 @@ class OutputProcessor:
                 raise ValueError("a final output needs a finish reason")
             self._finalize(seq, st, reason)
         text = seq.text
-        end = len(text) if finished else max(st.sent, len(text) - _held_chars(text, st.prefixes))
+        held = st.stops.held(st.stop_state) if st.stops is not None else 0
+        end = len(text) if finished else max(st.sent, len(text) - held)
         new_text, st.sent = text[st.sent:end], end
         new_ids = tuple(ids[len(ids) - num_new:])
         if not finished:

@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from engine.guided.spec import GUIDE_FIELDS, Guide, make_guide
+from engine.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_TOKENS_LIMIT = 2 ** 31 - 1      # counters that reach the device are int64; keep far from overflow
@@ -67,7 +68,12 @@ class SamplingParams:
             object.__setattr__(self, "seed", _integer("seed", self.seed, INT64_MIN, INT64_MAX))
         stop = _sequence_of("stop", self.stop, str)
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}")
+            raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}"[:300])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        if stop and max(map(len, stop)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop: a stop string is at most {MAX_STOP_CHARS} characters, "
+                             f"got {max(map(len, stop))}")
         object.__setattr__(self, "stop", stop)
         ids = _sequence_of("stop_token_ids", self.stop_token_ids, numbers.Integral)
         object.__setattr__(self, "stop_token_ids", tuple(_integer("a stop token id", t, 0, INT64_MAX) for t in ids))

@@ -32,17 +32,19 @@ class Server:
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
-    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
-        """Metrics once nothing runs and no KV page is held (fails the test if that never happens)."""
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Metrics once nothing runs, no KV page is held and no grammar compiles (fails the test if that never
+        happens)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
             if m["specdec_running_requests"] == 0 and m["specdec_kv_blocks_used"] == 0 \
-                    and m["specdec_server_requests_in_progress"] == 0:
+                    and m["specdec_server_requests_in_progress"] == 0 and m["specdec_grammar_compiles_unfinished"] == 0:
                 return m
             if time.monotonic() > deadline:
                 raise AssertionError(f"the server did not go idle: running {m['specdec_running_requests']}, "
-                                     f"KV pages used {m['specdec_kv_blocks_used']}")
+                                     f"KV pages used {m['specdec_kv_blocks_used']}, "
+                                     f"grammar compiles {m['specdec_grammar_compiles_unfinished']}")
             time.sleep(0.1)
 
 

@@ -221,8 +221,9 @@ def test_empty_queue_reuses_the_last_snapshot_without_accepting_again(engine):
 def test_request_prefills_while_its_grammar_compiles_and_samples_once_ready(engine, chat_prompts, monkeypatch):
     svc, gate = service(engine), threading.Event()
     submit = svc.pool.submit
-    monkeypatch.setattr(svc.pool, "submit", lambda fn, *args: submit(lambda: gate.wait(60) and fn(*args)))
-    prompt, params = chat_prompts[3], SamplingParams(max_tokens=24, temperature=0, json_schema=CAT)
+    monkeypatch.setattr(svc.pool, "submit", lambda fn, *args, **kw: submit(lambda: gate.wait(60) and fn(), *args, **kw))
+    schema = CAT | {"title": "not compiled before"}      # a cached grammar would never reach the pool
+    prompt, params = chat_prompts[3], SamplingParams(max_tokens=24, temperature=0, json_schema=schema)
     other = engine.add_request(chat_prompts[4], UNGUIDED, retain=True)
     rid = engine.add_request(prompt, params, retain=True)
     seq = engine._seqs[rid]

@@ -13,12 +13,14 @@ from serving import CPU_ARGS, serve
 ASK = [{"role": "user", "content": "Name three colours."}]
 NORMAL = {"messages": ASK, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 BODY_LIMIT = 1 << 20
+COMPILE_TIMEOUT = 1.0
 
 
 @pytest.fixture(scope="module")
 def server():
-    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512",
-               "--max-request-bytes", str(BODY_LIMIT)) as s:
+    # a compile queue of 4 gives one client a share of 1 unfinished compile: the busy case needs only two
+    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", "--max-request-bytes", str(BODY_LIMIT),
+               "--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--grammar-compile-queue", "4") as s:
         yield s
 
 
@@ -44,15 +46,30 @@ def nested(depth: int) -> bytes:
     return b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
 
 
+def guided(schema: dict) -> dict:
+    return {"messages": ASK, "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
 def enum_schema(n: int) -> dict:
-    schema = {"type": "object", "properties": {"v": {"enum": [f"value{i}" for i in range(n)]}}, "required": ["v"]}
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
+    return guided({"type": "object", "properties": {"v": {"enum": [f"v{i}" for i in range(n)]}}, "required": ["v"]})
+
+
+def deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 CASES = [   # (id, body or a function of the server giving it, expected status, a word the message holds)
     ("stop string 100,000 chars", {"messages": ASK, "stop": ["x" * 100_000]}, 400, "1024"),
     ("20 stop strings", {"messages": ASK, "stop": [f"s{i}" for i in range(20)]}, 400, "16"),
-    ("enum of 100,000 values", enum_schema(100_000), 400, "enum"),
+    ("enum of 20,000 values", enum_schema(20_000), 400, "guide_max_enum"),   # uncapped: 5 s of compile
+    ("pattern repeated 10,000 times", guided({"type": "string", "pattern": "[a-z]{10000}"}), 400, "guide_max_repeat"),
+    ("schema nested 100 deep", guided(deep_schema(100)), 400, "guide_max_depth"),
+    ("a valid schema xgrammar cannot compile", guided({"type": "string", "pattern": "[a-z]{1000}"}), 400,
+     "is valid but the grammar"),
     ("body of 10 MB", {"messages": [{"role": "user", "content": "a" * (10 << 20)}]}, 413, "--max-request-bytes"),
     ("body nested 10,000 deep", nested(10_000), 400, "nested"),
     ("prompt past the context in bytes", {"messages": [{"role": "user", "content": "ab " * 300_000}]}, 400, "bytes"),
@@ -90,6 +107,36 @@ def test_the_declared_length_is_refused_before_the_body_is_read(server):
                      f"Content-Length: {BODY_LIMIT + 1}\r\n\r\n{{}}".encode())
         head = sock.recv(4096).decode()
     assert head.startswith("HTTP/1.1 413"), head[:200]
+
+
+def slow_schema(n: int, tag: str) -> dict:
+    """Within every size bound, yet xgrammar takes about a second per property to compile it (each distinct
+    minLength with maxLength 1000 is expanded)."""
+    props = {f"{tag}{i}": {"type": "string", "minLength": i + 1, "maxLength": 1000} for i in range(n)}
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    return guided(schema)
+
+
+def test_a_slow_grammar_is_refused_at_its_time_budget_and_its_client_cannot_queue_more(server):
+    got: dict = {}
+    slow = threading.Thread(target=lambda: got.setdefault("slow", timed(post, server, slow_schema(4, "a"))))
+    slow.start()
+    time.sleep(0.3)
+    busy = post(server, slow_schema(4, "b"))          # the same client, a second uncached grammar: no share left
+    slow.join(60)
+    r, seconds = got["slow"]
+    assert r.status_code == 400 and "grammar_compile_timeout_s" in r.json()["error"]["message"], r.text[:300]
+    assert seconds < COMPILE_TIMEOUT + 3, seconds
+    assert busy.status_code == 429 and busy.json()["error"]["code"] == "grammar_compile_busy", busy.text[:300]
+    assert server.metrics()["specdec_grammar_compiles_unfinished"] >= 1     # the abandoned compile still runs
+    m = server.wait_idle(60)                                                # ...and ends, freeing its thread
+    assert m["specdec_kv_blocks_used"] == 0
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - t0
 
 
 def test_the_server_still_serves_everyone_afterwards(server):

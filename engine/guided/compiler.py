@@ -1,9 +1,17 @@
 """Grammar compilation off the loop thread, and the per-request grammar state.
 
-`GrammarService.submit(guide)` starts compiling on a small thread pool (xgrammar's compiler caches by
-grammar, so a repeated schema costs a lookup) and returns a `GuidedRequest`. The request may prefill
-meanwhile; the scheduler lets it sample only once `ready` (its matcher exists). A compile error fails the
-request alone with a message naming the guide.
+`GrammarService.submit(guide)` returns a `GuidedRequest` at once: from the service's cache of compiled grammars
+(a repeated schema never queues), or compiling on a small thread pool. The request may prefill meanwhile; the
+scheduler lets it sample only once `ready` (its matcher exists). A compile error fails the request alone with
+a message naming the guide.
+
+One client cannot fill the pool: compiles not yet finished are bounded in all (`queue`, then CompileBusy) and
+per owner (`share`, the server passes the client's address). xgrammar cannot stop a compile once it runs, so
+a request that gives up (its time budget, an abort) cancels its compile only while it is queued; a running one
+finishes into the cache and holds its thread until then. A worker process could be killed instead, but the
+compiled grammar would have to come back serialised, and xgrammar's `serialize_json` takes several times the
+compile itself (a 1.5 s compile gave 139 MB of JSON in 8.6 s): the size bounds of engine/guided/limits.py
+keep every admitted compile short instead.
 
 Tokenizer info: xgrammar's `from_huggingface` detects special tokens by their decoded text, which our
 GGUF-converted tokenizer does not give it, so `<|im_start|>` and friends would be allowed inside JSON strings.
@@ -13,13 +21,47 @@ end a completed grammar.
 """
 from __future__ import annotations
 
+import collections
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
+import re
+import threading
+import time
+from concurrent.futures import Future
 
 import xgrammar as xgr
 
 from engine.guided import native
+from engine.guided.compile_pool import CompileBusy, CompilePool  # noqa: F401 - CompileBusy is raised through here
 from engine.guided.spec import Guide
+
+_XGR_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")      # xgrammar's "[time] file.cc:line: " before its message
+CACHE_BYTES = 512 << 20     # compiled grammars kept by the service (xgrammar's memory_size_bytes)
+
+
+def compile_error(guide: Guide, exc: BaseException) -> str:
+    """The message a request gets when its guide does not compile. xgrammar's internal assertions ("Check
+    failed: ...") are its own limits, not the user's mistake: a schema that is valid JSON Schema gets a message
+    saying so and naming the backend, not the assertion text."""
+    text = _XGR_PREFIX.sub("", str(exc)).strip()
+    if "Check failed" not in text:
+        return f"invalid {guide.kind}: {text}"
+    invalid = _schema_problem(guide) if guide.kind == "json_schema" else None
+    if invalid:
+        return f"invalid json_schema: {invalid}"
+    return (f"{guide.kind} is valid but the grammar backend (xgrammar) could not compile it: a construct it does "
+            "not support (e.g. a long fixed repetition in a pattern)")
+
+
+def _schema_problem(guide: Guide) -> str | None:
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    try:
+        jsonschema.validators.validator_for(json.loads(guide.source)).check_schema(json.loads(guide.source))
+    except jsonschema.SchemaError as exc:
+        return exc.message[:300]
+    return None
 
 
 def tokenizer_info(tokenizer, vocab_size: int, eos_ids) -> xgr.TokenizerInfo:
@@ -65,9 +107,11 @@ class GuidedRequest:
     that step (which comes after it). The three live in native memory (`state`), where the grammar node reads
     and writes them without the GIL."""
 
-    def __init__(self, guide: Guide, future: Future):
+    def __init__(self, guide: Guide, future: Future, release=None):
         self.guide = guide
-        self.future = future
+        self.future = future        # the compile's, shared by the requests for one guide: cancel() through here
+        self.started = time.monotonic()
+        self._release = release
         self.state = native.RowState()
         self.handle = 0             # the matcher's tvm-ffi handle (0: none, or not xgrammar's own matcher)
         self._matcher: xgr.GrammarMatcher | None = None
@@ -85,6 +129,12 @@ class GuidedRequest:
                             lambda self, v: setattr(self.state, "through_step", v))
     error = property(lambda self: self.state.error, lambda self, v: setattr(self.state, "error", v))
 
+    def cancel(self) -> None:
+        """This request no longer waits for its grammar (it ended, or its time ran out). Idempotent."""
+        release, self._release = self._release, None
+        if release is not None and not self.future.done():
+            release()
+
     @property
     def ready(self) -> bool:
         return self.matcher is not None
@@ -93,26 +143,74 @@ class GuidedRequest:
         """Loop thread: make the matcher once compiled. Returns an error message if compiling failed."""
         if self.matcher is not None or not self.future.done():
             return None
+        if self.future.cancelled():
+            return f"compiling the {self.guide.kind} was cancelled"
         exc = self.future.exception()
         if exc is not None:
-            return f"invalid {self.guide.kind}: {type(exc).__name__}: {exc}"
+            return compile_error(self.guide, exc)
         self.matcher = xgr.GrammarMatcher(self.future.result())
         return None
 
 
 class GrammarService:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, threads: int = 2):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, threads: int = 4, queue: int = 64):
         self.vocab_size = vocab_size
         self.info = tokenizer_info(tokenizer, vocab_size, eos_ids)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-compile")
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True,
+                                            cache_limit_bytes=CACHE_BYTES)
+        self.pool = CompilePool(threads, queue)
+        self._lock = threading.Lock()       # guards the cache and the in-flight table (any thread)
+        self._cache: collections.OrderedDict[Guide, xgr.CompiledGrammar] = collections.OrderedDict()
+        self._cache_bytes = 0
+        self._inflight: dict[Guide, list] = {}      # guide -> [its compile's future, requests waiting on it]
 
-    def submit(self, guide: Guide) -> GuidedRequest:
-        return GuidedRequest(guide, self.pool.submit(compile_guide, self.compiler, guide))
+    def submit(self, guide: Guide, owner=None) -> GuidedRequest:
+        """A request for `guide`'s grammar: done at once when cached, sharing the compile when one is under
+        way. With an owner (a server's client) the pool's bounds apply (CompileBusy); the engine's own submits
+        (owner None) are never refused: a server admitted them already."""
+        with self._lock:
+            compiled = self._cache.get(guide)
+            if compiled is not None:
+                self._cache.move_to_end(guide)
+                future: Future = Future()
+                future.set_result(compiled)
+                return GuidedRequest(guide, future)
+            entry = self._inflight.get(guide)
+            if entry is None:
+                entry = [self.pool.submit(lambda: self._compile(guide), owner, bounded=owner is not None), 0]
+                self._inflight[guide] = entry
+            entry[1] += 1
+        return GuidedRequest(guide, entry[0], lambda: self._release(guide, entry))
+
+    def _release(self, guide: Guide, entry: list) -> None:
+        """A request gave up on its compile: the last one to do so cancels it if it has not started."""
+        with self._lock:
+            entry[1] -= 1
+            if entry[1] == 0 and self._inflight.get(guide) is entry and entry[0].cancel():
+                del self._inflight[guide]
+
+    def _compile(self, guide: Guide) -> xgr.CompiledGrammar:
+        try:
+            compiled = compile_guide(self.compiler, guide)
+        finally:
+            with self._lock:
+                self._inflight.pop(guide, None)
+        with self._lock:
+            if guide not in self._cache:
+                self._cache[guide] = compiled
+                self._cache_bytes += compiled.memory_size_bytes
+            while self._cache_bytes > CACHE_BYTES and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= old.memory_size_bytes
+        return compiled
+
+    def compiling(self) -> int:
+        """Compiles submitted and not finished (queued or running, abandoned ones included)."""
+        return self.pool.unfinished()
 
     def compile_now(self, guide: Guide) -> xgr.CompiledGrammar:
-        """Compile on this thread (tests, validation before queueing); raises what xgrammar raises."""
+        """Compile on this thread (tests); raises what xgrammar raises."""
         return compile_guide(self.compiler, guide)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()

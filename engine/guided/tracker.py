@@ -3,24 +3,27 @@ failures a step's commit must report (engine/llm_engine.py calls it; the callbac
 from __future__ import annotations
 
 import concurrent.futures
-import re
+import time
 
 import torch
 import xgrammar as xgr
 
 import hostfunc
-from engine.guided.compiler import GrammarService
+from engine.guided import limits
+from engine.guided.compiler import GrammarService, GuidedRequest
 from engine.guided.masks import Snapshot
 
-_XGR_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")      # xgrammar's "[time] file.cc:line: " before its message
 CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before leaving it to the pool
 
 
 class GuidedTracker:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, enabled: bool, cuda: bool):
-        self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids)
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, config, cuda: bool):
+        self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids, config.grammar_compile_threads,
+                                            config.grammar_compile_queue)
         self.service: GrammarService | None = None      # built on the first guided request (~0.3 s)
-        self.enabled, self.cuda, self.has_tokenizer = enabled, cuda, tokenizer is not None
+        self.enabled, self.cuda, self.has_tokenizer = config.guided, cuda, tokenizer is not None
+        self.timeout_s = config.grammar_compile_timeout_s
+        self.bounds = (config.guide_max_bytes, config.guide_max_enum, config.guide_max_depth, config.guide_max_repeat)
         self.compiling: list = []                       # sequences whose grammar is not ready yet
 
     def start(self, seq) -> None:
@@ -29,6 +32,7 @@ class GuidedTracker:
             raise ValueError("this engine was built with guided=False: guides are not available")
         if not self.has_tokenizer:
             raise ValueError("guided decoding needs the model's tokenizer, and this model has none")
+        limits.check_guide(seq.params.guide, *self.bounds)
         if self.service is None:
             self.service = self._make()
         seq.guided = self.service.submit(seq.params.guide)
@@ -43,28 +47,42 @@ class GuidedTracker:
         if self.enabled and self.has_tokenizer and self.service is None:
             self.service = self._make()
 
-    def check(self, guide) -> None:
-        """Compile `guide` on the calling thread and check its first mask allows a token; raises ValueError
-        naming the problem. xgrammar's compiler is thread-safe and caches, so the request's own compile then
-        costs a lookup. A grammar that dead-ends later is caught only when a step's mask allows nothing."""
+    def admit(self, guide, owner) -> GuidedRequest:
+        """Server, before queueing a request: check `guide`'s bounds and start compiling it for `owner` (a
+        client). Raises ValueError (a bound) or CompileBusy (the pool's or this owner's share is full)."""
         if self.service is None:
             raise ValueError("guided decoding is not available on this engine")
-        try:
-            compiled = self.service.compile_now(guide)
-        except Exception as exc:
-            raise ValueError(f"invalid {guide.kind}: {_XGR_PREFIX.sub('', str(exc)).strip()}") from exc
+        limits.check_guide(guide, *self.bounds)
+        return self.service.submit(guide, owner)
+
+    def check_compiled(self, request: GuidedRequest) -> None:
+        """After `admit`'s compile is done: raise ValueError naming the problem if it failed, or if its first
+        mask allows no token. The request's own compile then hits the cache. (A grammar that dead-ends later
+        is caught only when a step's mask allows nothing.)"""
+        message = request.poll()
+        if message is not None:
+            raise ValueError(message)
         mask = xgr.allocate_token_bitmask(1, self.service.vocab_size)
-        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        xgr.GrammarMatcher(request.future.result()).fill_next_token_bitmask(mask)
         if not torch.any(mask != 0):
-            raise ValueError(f"{guide.kind} allows no output at all (unsatisfiable)")
+            raise ValueError(f"{request.guide.kind} allows no output at all (unsatisfiable)")
+
+    def timeout_message(self, guide) -> str:
+        return (f"compiling the {guide.kind} took longer than {self.timeout_s:g} s (grammar_compile_timeout_s); "
+                "it was abandoned")
 
     def poll(self) -> list[tuple]:
         """Loop thread, before planning: (seq, message) for each grammar that failed to compile."""
         failed, still = [], []
+        now = time.monotonic()
         for seq in self.compiling:
             if seq.finalized:
+                seq.guided.cancel()          # aborted while compiling: a queued compile never runs
                 continue
             message = seq.guided.poll()
+            if message is None and not seq.guided.ready and now - seq.guided.started > self.timeout_s:
+                seq.guided.cancel()
+                message = self.timeout_message(seq.guided.guide)
             if message is not None:
                 failed.append((seq, message))
             elif not seq.guided.ready:

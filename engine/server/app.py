@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and /metrics.
 
 Every bad request is answered before it reaches the engine (400 with an OpenAI-style error body): the body,
-its fields, the model name, tools, guides (compiled here, off the event loop), and the checks that need the
-engine (context length, KV size), which `AsyncEngine.submit` returns as ValueError.
+its fields, the model name, tools, guides (bounded and compiled here, awaited on the event loop:
+engine/server/guides.py), and the checks that need the engine (context length, KV size), which
+`AsyncEngine.submit` returns as ValueError.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 from engine.server.async_engine import AsyncEngine, EngineDead, Overloaded
 from engine.server.chat import chat_prompt, normalize_messages
 from engine.server.generation import ChatFormat, CompletionFormat, Generation
+from engine.server.guides import ClientGone, admit_guide, until_disconnect
 from engine.server.limits import RequestLimits, read_body
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validation_error
@@ -57,11 +59,6 @@ async def _parse(request: Request, model, limits: RequestLimits):
         raise validation_error(exc) from exc
 
 
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
@@ -83,16 +80,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(f"the model {name!r} does not exist; this server serves {state.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def check_guide(params) -> None:
-        if params.guide is not None:
-            loop = asyncio.get_running_loop()
-            try:
-                await loop.run_in_executor(None, state.engine.guided.check, params.guide)
-            except ValueError as exc:
-                raise APIError(str(exc), param="response_format") from exc
-
     async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools: bool, arrival: float):
-        await check_guide(params[0])
+        if params[0].guide is not None:
+            await admit_guide(state.engine.guided, params[0].guide, request)
         try:
             sub = await aengine.submit(ids, params, stream=bool(req.stream))
         except ValueError as exc:
@@ -112,7 +102,7 @@ def create_app(state: ServerState) -> FastAPI:
             return StreamingResponse(stream(gen, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         result = asyncio.ensure_future(gen.full())
-        gone = asyncio.ensure_future(_until_disconnect(request))
+        gone = asyncio.ensure_future(until_disconnect(request))
         try:
             await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -143,6 +133,9 @@ def create_app(state: ServerState) -> FastAPI:
             return await build(request, arrival)
         except APIError as err:
             return error(endpoint, err)
+        except ClientGone:
+            metrics.request(endpoint, 499)
+            return Response(status_code=499)
         except asyncio.CancelledError:
             raise
         except RecursionError:                  # a deeply nested field (a schema, tool parameters) met recursion

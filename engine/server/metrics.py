@@ -68,6 +68,9 @@ class EngineCollector:
         yield _gauge("specdec_kv_cache_usage_ratio", "Fraction of KV pages in use", used / max(eng.blocks.num_blocks, 1))
         yield _gauge("specdec_kv_blocks_used", "KV pages in use", used)
         yield _gauge("specdec_kv_blocks_total", "KV pages", eng.blocks.num_blocks)
+        service = eng.guided.service
+        yield _gauge("specdec_grammar_compiles_unfinished", "Grammar compiles queued or running (abandoned ones too)",
+                     service.compiling() if service is not None else 0)
         yield _counter("specdec_steps", "Committed engine steps", t.steps)
         yield _counter("specdec_gpu_idle_seconds", "Compute stream idle between steps (CUDA)", t.gpu_idle)
         yield _gauge("specdec_gpu_idle_per_step_seconds", "Mean compute-stream idle per step since start",

@@ -1,0 +1,102 @@
+"""engine/guided/compile_pool.py and the grammar service's sharing: fairness between owners, bounds, and
+cancelling a queued compile; the service with the real compiler and tokenizer."""
+import threading
+import time
+
+import pytest
+
+from engine.guided.compile_pool import CompileBusy, CompilePool
+from engine.guided.spec import Guide
+
+
+def blocker():
+    """A job that runs until released, and an event set once it runs."""
+    started, release = threading.Event(), threading.Event()
+
+    def job():
+        started.set()
+        release.wait(10)
+        return "done"
+    return job, started, release
+
+
+def test_one_owner_cannot_take_every_thread():
+    pool = CompilePool(threads=2, queue=64)
+    jobs = [blocker() for _ in range(3)]
+    futures = [pool.submit(job, "greedy", bounded=True) for job, _, _ in jobs]
+    assert jobs[0][1].wait(5)
+    time.sleep(0.1)
+    assert not jobs[1][1].is_set()               # its share is threads - 1 = 1 running
+    other = pool.submit(lambda: "fair", "other", bounded=True)
+    assert other.result(5) == "fair"             # the free thread serves another owner at once
+    for _, _, release in jobs:
+        release.set()
+    assert [f.result(5) for f in futures] == ["done"] * 3
+    assert pool.unfinished() == 0
+    pool.close()
+
+
+def test_bounds_refuse_an_owner_past_its_share_and_all_past_the_queue():
+    pool = CompilePool(threads=1, queue=8)       # a quarter of the queue per owner: 2
+    job, started, release = blocker()
+    pool.submit(job, "a", bounded=True)
+    pool.submit(lambda: 1, "a", bounded=True)
+    with pytest.raises(CompileBusy, match="this client has 2 grammars compiling; at most 2"):
+        pool.submit(lambda: 1, "a", bounded=True)
+    for owner in "bcd":
+        pool.submit(lambda: 1, owner, bounded=True)
+        pool.submit(lambda: 1, owner, bounded=True)
+    with pytest.raises(CompileBusy, match="8 grammars are compiling"):
+        pool.submit(lambda: 1, "e", bounded=True)
+    pool.submit(lambda: 1, None, bounded=False)  # the engine's own: never refused
+    release.set()
+    deadline = time.monotonic() + 5
+    while pool.unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.unfinished() == 0
+    pool.close()
+
+
+def test_a_cancelled_queued_compile_never_runs():
+    pool = CompilePool(threads=1, queue=8)
+    job, started, release = blocker()
+    pool.submit(job, "a", bounded=True)
+    ran = []
+    queued = pool.submit(lambda: ran.append(1), "b", bounded=True)
+    assert started.wait(5) and queued.cancel()
+    release.set()
+    time.sleep(0.2)
+    assert not ran and pool.unfinished() == 0
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def service(engine):
+    from engine.guided.compiler import GrammarService
+    s = GrammarService(engine.tokenizer, engine.runner.vocab, engine.eos_ids, threads=2, queue=8)
+    yield s
+    s.close()
+
+
+def test_requests_for_one_guide_share_its_compile_and_then_its_cache(service):
+    guide = Guide("regex", "shared-[a-z]{3}", False)
+    first, second = service.submit(guide, "a"), service.submit(guide, "b")
+    assert first.future is second.future
+    first.cancel()                                # one request gives up: the other still gets its grammar
+    assert second.future.result(30) is not None
+    third = service.submit(guide, "c")
+    assert third.future.done() and third.future.result() is second.future.result()
+    assert service.compiling() == 0
+
+
+def test_a_valid_schema_the_backend_cannot_compile_says_so(service):
+    from engine.guided.compiler import compile_error
+    guide = Guide("json_schema", '{"type": "string", "pattern": "[a-z]{1000}"}', False)
+    request = service.submit(guide)
+    with pytest.raises(Exception) as info:
+        request.future.result(30)
+    message = compile_error(guide, info.value)
+    assert message.startswith("json_schema is valid but the grammar backend (xgrammar) could not compile it")
+    assert "Check failed" not in message
+    bad = Guide("json_schema", '{"type": "strin"}', False)
+    assert compile_error(bad, RuntimeError("Check failed: x")).startswith("invalid json_schema: ")

@@ -1,0 +1,54 @@
+"""engine/guided/limits.py: each bound refuses with a message naming it, and the defaults pass every real schema."""
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.guided.limits import check_guide
+from engine.guided.spec import Guide
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
+C = EngineConfig(device="cpu")
+BOUNDS = (C.guide_max_bytes, C.guide_max_enum, C.guide_max_depth, C.guide_max_repeat)
+
+
+def schema(obj) -> Guide:
+    return Guide("json_schema", json.dumps(obj), False)
+
+
+def deep(n: int) -> dict:
+    node: dict = {"type": "integer"}
+    for _ in range(n):
+        node = {"type": "array", "items": node}
+    return node
+
+
+@pytest.mark.parametrize("guide,word", [
+    (schema({"description": "x" * (C.guide_max_bytes + 1)}), "guide_max_bytes"),
+    (schema({"properties": {"v": {"enum": list(range(C.guide_max_enum + 1))}}}), "guide_max_enum"),
+    (Guide("choice", json.dumps([str(i) for i in range(C.guide_max_enum + 1)]), False), "guide_max_enum"),
+    (schema(deep(C.guide_max_depth)), "guide_max_depth"),
+    (schema({"type": "string", "pattern": "[a-z]{2000}"}), "guide_max_repeat"),
+    (schema({"patternProperties": {"^a{5,20000}$": {}}}), "guide_max_repeat"),
+    (Guide("regex", "(ab){3,1001}", False), "guide_max_repeat"),
+    (Guide("ebnf", 'root ::= "a"{0,5000}', False), "guide_max_repeat"),
+])
+def test_each_bound_names_itself(guide, word):
+    with pytest.raises(ValueError, match=word):
+        check_guide(guide, *BOUNDS)
+
+
+def test_within_bounds_passes_and_escaped_braces_are_text():
+    check_guide(schema({"type": "string", "pattern": "[a-z]{1000}"}), *BOUNDS)
+    check_guide(Guide("regex", r"\{99999\}", False), *BOUNDS)
+    check_guide(schema({"properties": {"enum": {"type": "string"}, "pattern": {"type": "string"}}}), *BOUNDS)
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="the schema collection is not beside this checkout")
+def test_every_real_schema_passes_the_default_bounds():
+    files = sorted(DATA.rglob("*.json"))
+    assert len(files) > 1000
+    for f in files:
+        data = json.loads(f.read_text())
+        check_guide(schema(data["schema"] if "maskbench" in f.parts else data), *BOUNDS)
