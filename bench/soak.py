@@ -7,8 +7,8 @@
 --streams closed-loop workers (asyncio, one client process) each send one request after another for
 --minutes. Each request is, by --mix weights: `chat` (a question, --max-tokens), `guided` (a JME schema as
 response_format), `tools` (a forced tool call with a JME schema as its parameters) or `hostile` (a turn through
-HOSTILE: a 100,000-char stop string, 20 stop strings, a 100,000-value enum, a schema that compiles for half a
-minute, a 2 MB prompt, a body nested 10,000 deep, a body past --max-request-bytes, broken JSON). Well-behaved
+HOSTILE: a 100,000-char stop string, 20 stop strings, a 100,000-value enum, a schema that compiles for a
+minute or more, a 2 MB prompt, a body nested 10,000 deep, a body past --max-request-bytes, broken JSON). Well-behaved
 requests must answer 200 and hostile ones their 4xx; anything else (a 5xx, a timeout, a wrong status) is counted as an error with its text.
 Every --sample-s the bench records the server's RSS, the GPU memory in use (torch.cuda.mem_get_info, or 0 on
 CPU) and the engine's KV pages from /metrics. Per minute: requests by kind, errors, and the p50 / p99
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -60,7 +61,7 @@ _SLOW = itertools.count()
 def slow_grammar(model: str) -> bytes:
     """A new schema each time (a cached one would compile at once)."""
     tag = f"p{next(_SLOW)}_"
-    props = {f"{tag}{i}": {"type": "string", "minLength": i + 1, "maxLength": 1000} for i in range(30)}
+    props = {f"{tag}{i}": {"type": "string", "minLength": i + 1, "maxLength": 1000} for i in range(90)}
     return json.dumps({"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
                        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
                            "type": "object", "properties": props}}}}).encode()
@@ -88,7 +89,10 @@ class Requests:
     def __init__(self, args, model: str):
         self.args, self.model = args, model
         self.kinds, self.weights = zip(*((k, float(w)) for k, w in (x.split("=") for x in args.mix.split(","))))
-        self.schemas = [s for _, s in load_schemas(resolve(DATASETS["JME"], args.data)) if isinstance(s, dict)]
+        # the schemas the server takes: those it refuses by design (a keyword it cannot enforce) are not load
+        from engine.guided.schema_check import unenforced_keywords
+        self.schemas = [s for _, s in load_schemas(resolve(DATASETS["JME"], args.data))
+                        if isinstance(s, dict) and not unenforced_keywords(s)]
         self.hostile = sorted(HOSTILE)
         self.turn = 0
 
@@ -254,7 +258,9 @@ def main(argv=None):
     rows = minutes(done, t0)
     good = [1e3 * d["s"] for d in done if d["good"] and d["ok"]]
     errors = [d for d in done if not d["ok"]]
+    by_kind = collections.Counter(f"{d['kind']} {d['status']}" for d in errors)
     summary = dict(requests=len(done), hostile=sum(not d["good"] for d in done), errors=len(errors),
+                   errors_by_kind=dict(by_kind.most_common()),
                    error_examples=sorted({f"{d['kind']}: {d['status']} {d['error']}" for d in errors})[:10],
                    good_p50_ms=pct(good, 0.5), good_p99_ms=pct(good, 0.99), server_alive_at_end=alive,
                    rss_mb_start=samples[0]["rss_mb"], rss_mb_end=samples[-1]["rss_mb"],
@@ -265,10 +271,12 @@ def main(argv=None):
                  duration_min=args.minutes, server_cmd=" ".join(cmd), **summary)
     out = write_results([rec], args.out)
     plot_soak(rows, samples, out.with_suffix(".png"))
-    head = {k: v for k, v in summary.items() if k not in ("minutes", "samples", "error_examples")}
+    head = {k: v for k, v in summary.items() if k not in ("minutes", "samples", "error_examples", "errors_by_kind")}
     text = (f"Command: `{rec['command']}` on {rec['device']}, commit {rec['git_commit']}; mix {args.mix}.\n\n"
             + markdown_table([head], list(head)) + "\n\n### Per minute\n\n"
-            + markdown_table(rows, list(rows[0])) + "\n\nErrors: " + ("; ".join(summary["error_examples"]) or "none"))
+            + markdown_table(rows, list(rows[0]))
+            + "\n\nErrors by kind and status: " + (json.dumps(summary["errors_by_kind"]) if errors else "none")
+            + "\n\nExamples: " + ("; ".join(summary["error_examples"]) or "none"))
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
 
