@@ -56,6 +56,7 @@ HOSTILE = {   # name: (body, or a function of the model giving the raw bytes; th
 
 
 _SLOW = itertools.count()
+HOSTILE_ADDRESS = "127.0.0.2"      # the hostile client's source address when the server is on loopback
 
 
 def slow_grammar(model: str) -> bytes:
@@ -126,19 +127,22 @@ class Requests:
         return json.dumps(base | body).encode()
 
 
-async def worker(client, url: str, reqs: Requests, seed: int, deadline: float, out: list) -> None:
+async def worker(clients, url: str, reqs: Requests, seed: int, deadline: float, out: list) -> None:
+    """clients: (well-behaved, hostile): the hostile requests come from their own address, as from another
+    client, so the server's per-client shares (the grammar compile pool's) keep them apart."""
     import httpx
     rng = random.Random(seed)
     while time.perf_counter() < deadline:
         kind, body, want = reqs.next(rng)
+        wanted = want if isinstance(want, tuple) else (want,)
         t0 = time.perf_counter()
         try:
-            r = await client.post(url, content=body, headers={"content-type": "application/json"})
+            r = await clients[want != 200].post(url, content=body, headers={"content-type": "application/json"})
             status = r.status_code
-            text = "" if status in (want if isinstance(want, tuple) else (want,)) else r.text[:200]
+            text = "" if status in wanted else r.text[:200]
         except httpx.HTTPError as e:
             status, text = 0, f"{type(e).__name__}: {e}"[:200]
-        out.append(dict(kind=kind, t=t0, s=time.perf_counter() - t0, status=status, ok=status in (want if isinstance(want, tuple) else (want,)),
+        out.append(dict(kind=kind, t=t0, s=time.perf_counter() - t0, status=status, ok=status in wanted,
                         good=want == 200, error=text or None))
 
 
@@ -180,11 +184,14 @@ async def soak(args, base: str, model: str, pid: int) -> tuple[list, list, float
     import httpx
     reqs = Requests(args, model)
     limits = httpx.Limits(max_connections=args.streams + 4)
-    async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client:
+    hostile_from = httpx.AsyncHTTPTransport(local_address=HOSTILE_ADDRESS, limits=limits) \
+        if base.startswith("http://127.") else None
+    async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client, \
+            httpx.AsyncClient(timeout=args.timeout_s, limits=limits, transport=hostile_from) as hostile:
         t0 = time.perf_counter()
         deadline = t0 + 60 * args.minutes
         done, samples = [], []
-        tasks = [worker(client, f"{base}/v1/chat/completions", reqs, args.seed + i, deadline, done)
+        tasks = [worker((client, hostile), f"{base}/v1/chat/completions", reqs, args.seed + i, deadline, done)
                  for i in range(args.streams)]
         await asyncio.gather(sampler(client, base, pid, args.sample_s, deadline, samples), *tasks)
         for _ in range(100):                 # idle: every page back

@@ -156,8 +156,9 @@ class GrammarService:
     def __init__(self, tokenizer, vocab_size: int, eos_ids, threads: int = 4, queue: int = 64):
         self.vocab_size = vocab_size
         self.info = tokenizer_info(tokenizer, vocab_size, eos_ids)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True,
-                                            cache_limit_bytes=CACHE_BYTES)
+        # the service caches compiled grammars and shares compiles itself: xgrammar's own cache would hold a
+        # second reference to each, and keep them past the service's bound
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self.pool = CompilePool(threads, queue)
         self._lock = threading.Lock()       # guards the cache and the in-flight table (any thread)
         self._cache: collections.OrderedDict[Guide, xgr.CompiledGrammar] = collections.OrderedDict()
