@@ -140,7 +140,6 @@ def test_n_choices_and_completions(server, client):
 
 
 BAD = [
-    ("unknown model", dict(model="gpt-17")),
     ("temperature", dict(temperature=3)),
     ("top_p", dict(top_p=0)),
     ("max_tokens", dict(max_tokens=0)),

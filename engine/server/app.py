@@ -19,14 +19,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from engine.server.async_engine import AsyncEngine, EngineDead, Overloaded
-from engine.server.chat import chat_prompt, normalize_messages
+from engine.server.chat import chat_prompt, normalize_messages, template_options
 from engine.server.generation import ChatFormat, CompletionFormat, Generation
 from engine.server.guides import ClientGone, admit_guide, until_disconnect
 from engine.server.limits import RequestLimits, read_body
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validation_error
-from engine.server.sampling import response_format_guide, sampling_params
+from engine.server.sampling import response_format_guide, sampling_params, vllm_guide
 from engine.server.tools import plan_tools
+from engine.server.utility_routes import add_utility_routes
 
 
 @dataclass
@@ -41,6 +42,10 @@ class ServerState:
     @property
     def engine(self):
         return self.aengine.engine
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": int(self.aengine.started), "owned_by": "specdec",
+                "max_model_len": self.engine.max_model_len}
 
 
 async def _parse(request: Request, model, limits: RequestLimits):
@@ -78,7 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
     def check_model(name: str) -> None:
         if name != state.model_name:
             raise APIError(f"the model {name!r} does not exist; this server serves {state.model_name!r}",
-                           param="model", code="model_not_found")
+                           status=404, param="model", code="model_not_found")
 
     async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools: bool, arrival: float):
         if params[0].guide is not None:
@@ -148,12 +153,16 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         messages = normalize_messages(req.messages)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-        guide = response_format_guide(req.response_format)
+        guide, asked = response_format_guide(req.response_format), vllm_guide(req)
+        if guide and asked:
+            raise APIError("response_format cannot be combined with structured_outputs or guided_* fields",
+                           param="response_format")
+        guide = guide or asked
         if plan.guide and guide:
             raise APIError("response_format cannot be combined with tool calls (tool_choice other than 'none')",
                            param="response_format")
         guide = {"structural_tag": plan.guide} if plan.guide else guide
-        ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits)
+        ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits, template_options(req))
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                  state.engine.max_model_len - len(ids), guide)
         return await admit("chat", request, req, ids, params, ChatFormat(), plan.mode != "none", arrival)
@@ -162,7 +171,7 @@ def create_app(state: ServerState) -> FastAPI:
         req = await _parse(request, CompletionRequest, state.limits)
         check_model(req.model)
         ids = await off_loop(completion_prompt, state.tokenizer, req.prompt, state.limits)
-        params = sampling_params(req, req.max_tokens, state.engine.max_model_len - len(ids), {})
+        params = sampling_params(req, req.max_tokens, state.engine.max_model_len - len(ids), vllm_guide(req))
         return await admit("completions", request, req, ids, params, CompletionFormat(), False, arrival)
 
     @app.post("/v1/chat/completions")
@@ -175,8 +184,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(aengine.started),
-                                            "owned_by": "specdec", "max_model_len": state.engine.max_model_len}]}
+        return {"object": "list", "data": [state.model_card()]}
+
+    add_utility_routes(app, state, handle)
 
     @app.get("/health")
     async def health():

@@ -108,18 +108,50 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
     return out
 
 
-def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, limits=None) -> list[int]:
-    """Token ids of the conversation with the generation prompt, through the model's chat template."""
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, limits=None, options=None) -> list[int]:
+    """Token ids of the conversation with the generation prompt, through the model's chat template. options:
+    vLLM's `chat_template_kwargs` (the template's own variables), `add_generation_prompt` and
+    `continue_final_message` (the last assistant message is left open, to be continued)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template: use /v1/completions with a plain prompt")
     native = supports_tools(tokenizer)
     convo = messages if native else fallback_messages(messages, tools)
     kwargs = {"tools": tools} if native and tools else {}
+    kwargs |= _template_options(options or {}, convo)
     try:
-        text = tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=False, **kwargs)
+        text = tokenizer.apply_chat_template(convo, tokenize=False, **kwargs)
     except Exception as exc:              # the template's own checks (role order, ...) reject the conversation
         raise APIError(f"the chat template rejected the messages: {type(exc).__name__}: {exc}",
                        param="messages") from exc
     if limits is not None:
         limits.check_prompt(text)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_options(req) -> dict:
+    """A chat request's options for its template (chat_prompt's `options`)."""
+    given = req.model_fields_set
+    return {"chat_template_kwargs": req.chat_template_kwargs, "continue_final_message": req.continue_final_message,
+            "add_generation_prompt": req.add_generation_prompt if "add_generation_prompt" in given else None}
+
+
+_RESERVED = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message")
+
+
+def _template_options(options: dict, convo: list[dict]) -> dict:
+    extra = options.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise APIError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    taken = [k for k in extra if k in _RESERVED]
+    if taken:
+        raise APIError(f"chat_template_kwargs cannot set {taken[0]!r}", param="chat_template_kwargs")
+    cont = bool(options.get("continue_final_message", False))
+    asked = options.get("add_generation_prompt")          # None: not given (the default: True)
+    if cont and asked is True:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")
+    if cont and (not convo or convo[-1].get("role") != "assistant"):
+        raise APIError("continue_final_message needs the last message to be the assistant's",
+                       param="continue_final_message")
+    gen = (asked is not False) and not cont
+    return dict(extra) | {"add_generation_prompt": gen, "continue_final_message": cont}

@@ -1,14 +1,17 @@
 """The OpenAI request bodies the server accepts, and its error type.
 
-Fields the engine cannot honour (logprobs, penalties, logit_bias, echo, suffix, best_of) are declared so that
-setting them gets a 400 naming the field instead of being silently ignored; unknown fields are ignored, as
-OpenAI clients send new ones over time. `ignore_eos` and `top_k` are extensions (as in vLLM).
+Fields the engine cannot honour (logprobs, penalties, logit_bias, echo, suffix, best_of, and vLLM's min_p,
+repetition_penalty, min_tokens) are declared so that setting them gets a 400 naming the field instead of being
+silently ignored; unknown fields are ignored, as OpenAI clients send new ones over time. An explicit `null` is
+the field's default, as in the OpenAI API. vLLM's extensions that the engine honours: `ignore_eos`, `top_k`,
+the guides (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`) and the chat
+template's options (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`).
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class APIError(Exception):
@@ -38,6 +41,12 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -55,10 +64,20 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     top_logprobs: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     user: str | None = None
+    # vLLM's guides (at most one, and not beside response_format or tools)
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     def unsupported(self) -> list[str]:
-        off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "top_logprobs": None}
+        off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "top_logprobs": None,
+               "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
         bad = [k for k, v in off.items() if getattr(self, k) not in (v, {}) ]
         if self.logprobs not in (None, False, 0):
             bad.append("logprobs")
@@ -72,6 +91,9 @@ class ChatCompletionRequest(_Common):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Common):

@@ -27,6 +27,28 @@ def response_format_guide(fmt) -> dict:
                    param="response_format")
 
 
+_VLLM_GUIDES = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                "guided_grammar": "ebnf"}
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf",
+               "json_object": "json_object", "structural_tag": "structural_tag"}
+
+
+def vllm_guide(req) -> dict:
+    """vLLM's guide fields -> SamplingParams guide fields ({} when none). `structured_outputs` is vLLM's current
+    form ({"json": ...} and the like); the `guided_*` fields its older one."""
+    found = {_VLLM_GUIDES[k]: getattr(req, k) for k in _VLLM_GUIDES if getattr(req, k) is not None}
+    if req.structured_outputs is not None:
+        for key, value in req.structured_outputs.items():
+            if key not in _STRUCTURED:
+                raise APIError(f"structured_outputs.{key} is not supported; use one of {', '.join(_STRUCTURED)}",
+                               param=f"structured_outputs.{key}")
+            if value is not None and value is not False:
+                found[_STRUCTURED[key]] = value
+    if len(found) > 1:
+        raise APIError(f"give at most one guide, got {', '.join(found)}", param="structured_outputs")
+    return found
+
+
 def sampling_params(req, max_tokens: int | None, room: int, guide: dict) -> list[SamplingParams]:
     """`room`: context left after the prompt (the default max_tokens: as OpenAI, up to the context)."""
     bad = req.unsupported()

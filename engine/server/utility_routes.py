@@ -1,0 +1,95 @@
+"""Routes beside the generation endpoints: one model's card, vLLM's /tokenize and /detokenize, and OpenAI's
+error shape for every HTTP error the framework raises itself (an unknown route, a wrong method)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from engine.server.chat import chat_prompt, normalize_messages, template_options
+from engine.server.limits import read_body
+from engine.server.protocol import APIError, ChatCompletionRequest
+
+_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
+
+
+def add_utility_routes(app: FastAPI, state, handle) -> None:
+    """handle(endpoint, request, build): the app's error-handling wrapper."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        err = APIError(message, exc.status_code, _TYPES.get(exc.status_code, "invalid_request_error"))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str):
+        if model_id != state.model_name:
+            err = APIError(f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                           404, param="model", code="model_not_found")
+            return JSONResponse(err.body(), status_code=404)
+        return state.model_card()
+
+    async def build_tokenize(request: Request, arrival: float):
+        body = await _object(request)
+        _check_model(state, body)
+        ids = await asyncio.get_running_loop().run_in_executor(None, _tokenize, state, body)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+
+    async def build_detokenize(request: Request, arrival: float):
+        body = await _object(request)
+        _check_model(state, body)
+        ids = body.get("tokens")
+        vocab = state.engine.runner.vocab
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise APIError(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
+        return {"prompt": _tokenizer(state).decode(ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await handle("tokenize", request, build_tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await handle("detokenize", request, build_detokenize)
+
+
+def _tokenize(state, body: dict) -> list[int]:
+    """On a worker thread: a prompt's ids, or a conversation's through the chat template (as a chat request)."""
+    tok = _tokenizer(state)
+    if "messages" in body:
+        try:
+            req = ChatCompletionRequest.model_validate(body | {"model": state.model_name})
+        except ValueError as exc:
+            raise APIError(f"messages: {exc}"[:300], param="messages") from exc
+        return chat_prompt(tok, normalize_messages(req.messages), None, state.limits, template_options(req))
+    if isinstance(body.get("prompt"), str):
+        state.limits.check_prompt(body["prompt"])
+        return tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+    raise APIError("give `prompt` (a string) or `messages`", param="prompt")
+
+
+async def _object(request: Request) -> dict:
+    try:
+        body = json.loads(await read_body(request, 1 << 20))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}"[:300]) from exc
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def _check_model(state, body: dict) -> None:
+    name = body.get("model")
+    if name is not None and name != state.model_name:
+        raise APIError(f"the model {name!r} does not exist; this server serves {state.model_name!r}", 404,
+                       param="model", code="model_not_found")
+
+
+def _tokenizer(state):
+    if state.tokenizer is None:
+        raise APIError("this model has no tokenizer")
+    return state.tokenizer

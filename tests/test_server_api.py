@@ -1,0 +1,114 @@
+"""The API's edges over real HTTP (CPU): explicit nulls, 404s in OpenAI's shape, one model's card, vLLM's
+extension fields (guides honoured, unsupported sampling options refused by name, chat template options), and
+/tokenize and /detokenize."""
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from serving import CPU_ARGS, serve
+
+ASK = [{"role": "user", "content": "Give me a small JSON object about a cat."}]
+CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+       "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post(server, path, body) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+def test_explicit_nulls_take_the_defaults(server):
+    body = {"model": server.model, "messages": ASK, "max_tokens": 4, "temperature": 0, "n": None, "stream": None,
+            "presence_penalty": None, "frequency_penalty": None, "parallel_tool_calls": None, "logprobs": None,
+            "stop": None, "seed": None, "response_format": None, "tools": None}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_unknown_model_route_and_method_are_404_405_in_openai_shape(server, client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-17", messages=ASK, max_tokens=2)
+    assert err.value.response.json()["error"]["code"] == "model_not_found"
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405)):
+        r = httpx.request(method, f"{server.url}{path}")
+        assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {path}"), r.text
+
+
+def test_one_models_card(server, client):
+    assert client.models.retrieve(server.model).id == server.model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_json": CAT}, lambda text: jsonschema.validate(json.loads(text), CAT)),
+    ({"structured_outputs": {"json": CAT}}, lambda text: jsonschema.validate(json.loads(text), CAT)),
+    ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no") or pytest.fail(text)),
+    ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda text: len(text) == 3 and text.isdigit() or pytest.fail(text)),
+    ({"guided_grammar": 'root ::= "cat" | "dog"'}, lambda text: text in ("cat", "dog") or pytest.fail(text)),
+])
+def test_vllm_guides_are_honoured(server, client, extra, check):
+    r = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=48, temperature=0,
+                                       extra_body=extra)
+    check(r.choices[0].message.content)
+
+
+@pytest.mark.parametrize("extra,word", [
+    ({"guided_json": CAT, "guided_regex": "a"}, "at most one guide"),
+    ({"guided_json": CAT, "response_format": {"type": "json_object"}}, "structured_outputs or guided_"),
+    ({"structured_outputs": {"grammer": "x"}}, "structured_outputs.grammer"),
+    ({"repetition_penalty": 1.3}, "repetition_penalty"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"min_tokens": 3}, "min_tokens"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"continue_final_message": True}, "the assistant's"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(server, client, extra, word):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=server.model, messages=ASK, max_tokens=2, extra_body=extra)
+    assert word in err.value.response.json()["error"]["message"]
+
+
+def test_off_values_and_template_options_are_accepted(server, client):
+    r = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=2, temperature=0, extra_body={
+        "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.completion_tokens == 2
+
+
+def test_tokenize_and_detokenize(server):
+    from engine.models.loader import load_tokenizer, resolve_model
+    tok = load_tokenizer(resolve_model("default"))
+    r = post(server, "/tokenize", {"model": server.model, "prompt": "The capital of France", "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode("The capital of France", add_special_tokens=False)
+    assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] == 512
+    back = post(server, "/detokenize", {"model": server.model, "tokens": r.json()["tokens"]})
+    assert back.json() == {"prompt": "The capital of France"}
+    assert post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
+    assert post(server, "/tokenize", {"model": "gpt-17", "prompt": "x"}).status_code == 404
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(server, client):
+    convo = ASK + [{"role": "assistant", "content": '{"name": "Tom'}]
+    opened = post(server, "/tokenize", {"messages": convo, "continue_final_message": True,
+                                        "add_generation_prompt": False}).json()["tokens"]
+    closed = post(server, "/tokenize", {"messages": ASK}).json()["tokens"]
+    from engine.models.loader import load_tokenizer, resolve_model
+    text = load_tokenizer(resolve_model("default")).decode(opened)
+    assert text.endswith('{"name": "Tom') and opened[:len(closed)] == closed
+    r = client.chat.completions.create(model=server.model, messages=convo, max_tokens=4, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.usage.completion_tokens >= 1
