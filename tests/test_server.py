@@ -148,7 +148,6 @@ BAD = [
     ("invalid json_schema", dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}})),
     ("unsatisfiable schema", dict(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}})),
-    ("response_format with tools", dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})),
     ("unknown tool", dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})),
     ("tool_choice without tools", dict(tool_choice="required")),
     ("bad role", dict(messages=[{"role": "wizard", "content": "hi"}])),

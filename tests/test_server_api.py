@@ -112,3 +112,38 @@ def test_continue_final_message_leaves_the_assistant_turn_open(server, client):
     r = client.chat.completions.create(model=server.model, messages=convo, max_tokens=4, temperature=0,
                                        extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert r.usage.completion_tokens >= 1
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}}]
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"]}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+
+
+@pytest.mark.parametrize("question", ["What is the weather in Paris right now?", "Say hello in JSON."])
+def test_tools_with_a_response_format_under_auto_give_calls_or_the_format(server, client, question):
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": question}],
+                                       tools=TOOLS, response_format=FORMAT, max_tokens=64, temperature=0,
+                                       parallel_tool_calls=False)
+    message = r.choices[0].message
+    if message.tool_calls:
+        assert not message.content and r.choices[0].finish_reason == "tool_calls"
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    else:
+        jsonschema.validate(json.loads(message.content), ANSWER)
+
+
+def test_a_required_tool_call_with_a_response_format_is_calls(server, client):
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=TOOLS, tool_choice="required", response_format=FORMAT, max_tokens=48,
+                                       temperature=0)
+    assert r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), WEATHER)
+
+
+def test_tools_under_auto_with_a_regex_guide_is_a_400(server, client):
+    with pytest.raises(openai.BadRequestError, match="only with a JSON response format"):
+        client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS, max_tokens=2,
+                                       extra_body={"guided_regex": "[a-z]+"})

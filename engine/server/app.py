@@ -152,15 +152,12 @@ def create_app(state: ServerState) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest, state.limits)
         check_model(req.model)
         messages = normalize_messages(req.messages)
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         guide, asked = response_format_guide(req.response_format), vllm_guide(req)
         if guide and asked:
             raise APIError("response_format cannot be combined with structured_outputs or guided_* fields",
                            param="response_format")
         guide = guide or asked
-        if plan.guide and guide:
-            raise APIError("response_format cannot be combined with tool calls (tool_choice other than 'none')",
-                           param="response_format")
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, guide)
         guide = {"structural_tag": plan.guide} if plan.guide else guide
         ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits, template_options(req))
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,

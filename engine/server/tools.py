@@ -5,8 +5,10 @@ Every call is written `<tool_call>\\n{"name": "<tool>", "arguments": <object>}\\
 forces everything but the arguments, which follow the tool's `parameters` schema:
 - `required`: one or more calls (one with parallel_tool_calls=false) and nothing else;
 - a named function: exactly one call of it;
-- `auto`: free text, in which `<tool_call>` starts a constrained call (xgrammar's triggered tags);
+- `auto`: free text, in which `<tool_call>` starts a constrained call (xgrammar's triggered tags); with a
+  response format (a JSON schema or object), either one or more calls or an answer in that format, nothing else;
 - `none`: the tools are left out of the prompt and nothing is constrained.
+Under `required` or a named function the output is calls only, so a response format has nothing to shape.
 """
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ def _named(choice, names: list[str]) -> str:
     return name
 
 
-def plan_tools(tools, tool_choice, parallel: bool) -> ToolPlan:
+def plan_tools(tools, tool_choice, parallel: bool, answer: dict | None = None) -> ToolPlan:
+    """answer: the request's response format as guide fields ({} or None: free text)."""
     if tools is not None and not isinstance(tools, list):
         raise APIError("tools must be a list", param="tools")
     checked = [_check_tool(i, t) for i, t in enumerate(tools or [])]
@@ -87,11 +90,30 @@ def plan_tools(tools, tool_choice, parallel: bool) -> ToolPlan:
     if choice == "required":
         return ToolPlan("required", checked, _structural({"type": "tags_with_separator", "tags": tags, "separator": "\n",
                                                           "at_least_one": True, "stop_after_first": not parallel}))
+    if choice == "auto" and answer:
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                 "stop_after_first": not parallel}
+        return ToolPlan("auto", checked, _structural({"type": "or", "elements": [calls, _answer_format(answer)]}))
     if choice == "auto":
         return ToolPlan("auto", checked, _structural({"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
                                                       "at_least_one": False, "stop_after_first": not parallel}))
     raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
                    param="tool_choice")
+
+
+def _answer_format(answer: dict) -> dict:
+    if answer.get("json_object"):
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if "json_schema" in answer:
+        schema = answer["json_schema"]
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        unenforced = unenforced_keywords(schema) if isinstance(schema, dict) else ["not a JSON object"]
+        if unenforced:
+            raise APIError("response_format's schema uses what guided decoding cannot enforce: "
+                           + "; ".join(unenforced[:3]), param="response_format")
+        return {"type": "json_schema", "json_schema": schema}
+    raise APIError(f"tools under tool_choice 'auto' combine only with a JSON response format, not {next(iter(answer))}",
+                   param="response_format")
 
 
 def _structural(fmt: dict) -> dict:
