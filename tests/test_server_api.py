@@ -17,7 +17,7 @@ CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 
 
 @pytest.fixture(scope="module")
 def server():
-    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512") as s:
+    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", "--served-model-name", "smol", "smol-b") as s:
         yield s
 
 
@@ -48,8 +48,17 @@ def test_unknown_model_route_and_method_are_404_405_in_openai_shape(server, clie
         assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {path}"), r.text
 
 
+def test_several_served_names(server, client):
+    assert server.model == "smol" and [m.id for m in client.models.list()] == ["smol", "smol-b"]
+    r = client.chat.completions.create(model="smol-b", messages=ASK, max_tokens=2)
+    assert r.model == "smol"                     # responses carry the first name
+    with pytest.raises(openai.NotFoundError, match="'smol', 'smol-b'"):
+        client.chat.completions.create(model="smol-c", messages=ASK, max_tokens=2)
+
+
 def test_one_models_card(server, client):
     assert client.models.retrieve(server.model).id == server.model
+    assert client.models.retrieve("smol-b").id == "smol-b"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
 

@@ -34,18 +34,28 @@ from engine.server.utility_routes import add_utility_routes
 class ServerState:
     aengine: AsyncEngine
     tokenizer: object            # the server's own instance (the engine thread decodes with another)
-    model_name: str
+    model_name: str              # the first served name: the one responses carry
     metrics: ServerMetrics
     limits: RequestLimits = RequestLimits()
     on_ready: object = None      # called once the engine thread runs (prints the "listening" line)
+    aliases: tuple = ()          # further names clients may ask for (--served-model-name a b ...)
 
     @property
     def engine(self):
         return self.aengine.engine
 
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": int(self.aengine.started), "owned_by": "specdec",
-                "max_model_len": self.engine.max_model_len}
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.aliases)
+
+    def model_card(self, name: str | None = None) -> dict:
+        return {"id": name or self.model_name, "object": "model", "created": int(self.aengine.started),
+                "owned_by": "specdec", "max_model_len": self.engine.max_model_len}
+
+    def check_model(self, name) -> None:
+        if name not in self.names:
+            raise APIError(f"the model {name!r} does not exist; this server serves "
+                           f"{', '.join(map(repr, self.names))}", status=404, param="model", code="model_not_found")
 
 
 async def _parse(request: Request, model, limits: RequestLimits):
@@ -79,11 +89,6 @@ def create_app(state: ServerState) -> FastAPI:
     def error(endpoint: str, err: APIError) -> JSONResponse:
         metrics.request(endpoint, err.status)
         return JSONResponse(err.body(), status_code=err.status)
-
-    def check_model(name: str) -> None:
-        if name != state.model_name:
-            raise APIError(f"the model {name!r} does not exist; this server serves {state.model_name!r}",
-                           status=404, param="model", code="model_not_found")
 
     async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools: bool, arrival: float):
         if params[0].guide is not None:
@@ -150,7 +155,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def build_chat(request: Request, arrival: float):
         req = await _parse(request, ChatCompletionRequest, state.limits)
-        check_model(req.model)
+        state.check_model(req.model)
         messages = normalize_messages(req.messages)
         guide, asked = response_format_guide(req.response_format), vllm_guide(req)
         if guide and asked:
@@ -166,7 +171,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def build_completion(request: Request, arrival: float):
         req = await _parse(request, CompletionRequest, state.limits)
-        check_model(req.model)
+        state.check_model(req.model)
         ids = await off_loop(completion_prompt, state.tokenizer, req.prompt, state.limits)
         params = sampling_params(req, req.max_tokens, state.engine.max_model_len - len(ids), vllm_guide(req))
         return await admit("completions", request, req, ids, params, CompletionFormat(), False, arrival)
@@ -181,7 +186,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [state.model_card()]}
+        return {"object": "list", "data": [state.model_card(name) for name in state.names]}
 
     add_utility_routes(app, state, handle)
 

@@ -12,7 +12,8 @@ from engine.server.limits import DEFAULT_MAX_BODY_BYTES
 def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed when ready)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids clients may send; responses carry the first (default: the model's name)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="rows in one engine step")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
     p.add_argument("--max-queued", type=int, default=256,
@@ -39,9 +40,9 @@ def build_state(args):
     engine.guided.ensure_service()          # before any handler thread may compile with it
     tokenizer = load_tokenizer(engine.tokenizer_source)
     aengine = AsyncEngine(engine, max_queued=args.max_queued, stream_interval=args.stream_interval)
-    name = args.served_model_name or engine.source.name
+    names = args.served_model_name or [engine.source.name]
     limits = RequestLimits.for_model(tokenizer, engine.max_model_len, args.max_request_bytes)
-    return ServerState(aengine, tokenizer, name, ServerMetrics(aengine), limits)
+    return ServerState(aengine, tokenizer, names[0], ServerMetrics(aengine), limits, aliases=tuple(names[1:]))
 
 
 def bind(host: str, port: int) -> socket.socket:

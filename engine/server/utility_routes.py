@@ -27,11 +27,11 @@ def add_utility_routes(app: FastAPI, state, handle) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str):
-        if model_id != state.model_name:
-            err = APIError(f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
-                           404, param="model", code="model_not_found")
-            return JSONResponse(err.body(), status_code=404)
-        return state.model_card()
+        try:
+            state.check_model(model_id)
+        except APIError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        return state.model_card(model_id)
 
     async def build_tokenize(request: Request, arrival: float):
         body = await _object(request)
@@ -83,10 +83,8 @@ async def _object(request: Request) -> dict:
 
 
 def _check_model(state, body: dict) -> None:
-    name = body.get("model")
-    if name is not None and name != state.model_name:
-        raise APIError(f"the model {name!r} does not exist; this server serves {state.model_name!r}", 404,
-                       param="model", code="model_not_found")
+    if body.get("model") is not None:
+        state.check_model(body["model"])
 
 
 def _tokenizer(state):
