@@ -27,6 +27,7 @@ from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validation_error
 from engine.server.sampling import response_format_guide, sampling_params, vllm_guide
 from engine.server.tools import plan_tools
+from engine.server.responses_route import add_responses_route
 from engine.server.utility_routes import add_utility_routes
 
 
@@ -91,10 +92,14 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(err.body(), status_code=err.status)
 
     async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools: bool, arrival: float):
+        gen = await start(request, ids, params, fmt, tools, arrival, bool(req.stream))
+        return await respond(endpoint, request, gen, req)
+
+    async def start(request: Request, ids, params, fmt, tools: bool, arrival: float, streamed: bool) -> Generation:
         if params[0].guide is not None:
             await admit_guide(state.engine.guided, params[0].guide, request)
         try:
-            sub = await aengine.submit(ids, params, stream=bool(req.stream))
+            sub = await aengine.submit(ids, params, stream=streamed)
         except ValueError as exc:
             raise APIError(str(exc)) from exc
         except Overloaded as exc:
@@ -102,8 +107,7 @@ def create_app(state: ServerState) -> FastAPI:
         except EngineDead as exc:
             raise APIError(str(exc), status=503, type="server_error", code="engine_stopped") from exc
         metrics.admitted(len(ids))
-        gen = Generation(fmt, sub, state.model_name, len(ids), tools, metrics, arrival)
-        return await respond(endpoint, request, gen, req)
+        return Generation(fmt, sub, state.model_name, len(ids), tools, metrics, arrival)
 
     async def respond(endpoint: str, request: Request, gen: Generation, req):
         if req.stream:
@@ -111,6 +115,11 @@ def create_app(state: ServerState) -> FastAPI:
             metrics.request(endpoint, 200)
             return StreamingResponse(stream(gen, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        body = await whole(endpoint, request, gen)
+        return Response(status_code=499) if body is None else JSONResponse(body)
+
+    async def whole(endpoint: str, request: Request, gen: Generation) -> dict | None:
+        """The whole response's body, or None when the client left first (its request is aborted)."""
         result = asyncio.ensure_future(gen.full())
         gone = asyncio.ensure_future(until_disconnect(request))
         try:
@@ -123,10 +132,10 @@ def create_app(state: ServerState) -> FastAPI:
                 gen.abandon()
         if result.cancelled():                  # the client is gone: nobody reads this
             metrics.request(endpoint, 499)
-            return Response(status_code=499)
+            return None
         body = result.result()                  # raises the APIError of a choice that failed
         metrics.request(endpoint, 200)
-        return JSONResponse(body)
+        return body
 
     async def stream(gen: Generation, opts: StreamOptions):
         try:
@@ -153,8 +162,8 @@ def create_app(state: ServerState) -> FastAPI:
         except Exception as exc:                # a bug: the request fails, the server goes on
             return error(endpoint, APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error"))
 
-    async def build_chat(request: Request, arrival: float):
-        req = await _parse(request, ChatCompletionRequest, state.limits)
+    async def prepare_chat(req: ChatCompletionRequest):
+        """A chat request's prompt ids, its per-choice SamplingParams, whether tools are on, and its messages."""
         state.check_model(req.model)
         messages = normalize_messages(req.messages)
         guide, asked = response_format_guide(req.response_format), vllm_guide(req)
@@ -167,7 +176,21 @@ def create_app(state: ServerState) -> FastAPI:
         ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits, template_options(req))
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                  state.engine.max_model_len - len(ids), guide)
-        return await admit("chat", request, req, ids, params, ChatFormat(), plan.mode != "none", arrival)
+        return ids, params, plan.mode != "none", messages
+
+    async def build_chat(request: Request, arrival: float):
+        req = await _parse(request, ChatCompletionRequest, state.limits)
+        ids, params, tools, _ = await prepare_chat(req)
+        return await admit("chat", request, req, ids, params, ChatFormat(), tools, arrival)
+
+    async def run_chat(request: Request, body: dict, arrival: float):
+        """A chat request given as a dict (the Responses API's translation): its Generation and messages."""
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from exc
+        ids, params, tools, messages = await prepare_chat(req)
+        return await start(request, ids, params, ChatFormat(), tools, arrival, True), messages
 
     async def build_completion(request: Request, arrival: float):
         req = await _parse(request, CompletionRequest, state.limits)
@@ -189,6 +212,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [state.model_card(name) for name in state.names]}
 
     add_utility_routes(app, state, handle)
+    add_responses_route(app, state, handle, lambda request, model: _parse(request, model, state.limits), run_chat,
+                        lambda request, gen: whole("responses", request, gen))
 
     @app.get("/health")
     async def health():

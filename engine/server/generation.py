@@ -135,7 +135,8 @@ class Generation:
         self.choices = [ChoiceState(ToolCallParser() if tools else None) for _ in sub.params]
         self.open = len(self.choices)
 
-    async def _batches(self):
+    async def batches(self):
+        """Per batch of outputs: {choice index: the content / tool-call events it released}."""
         while self.open:
             batch = await self.sub.next_batch()
             now = time.perf_counter()
@@ -177,7 +178,7 @@ class Generation:
         self._finished()
 
     async def full(self) -> dict:
-        async for _ in self._batches():
+        async for _ in self.batches():
             pass
         self._finished()
         errors = [st.error or "failed" for st in self.choices if st.finish == "error"]
@@ -200,7 +201,7 @@ class Generation:
         opening = self.fmt.opening()
         if opening is not None:
             yield self._chunk([self.fmt.chunk_choice(i, opening) for i in range(len(self.choices))])
-        async for per_choice in self._batches():
+        async for per_choice in self.batches():
             parts, finished = [], []
             for index, events in per_choice.items():
                 st = self.choices[index]
