@@ -31,7 +31,7 @@ from concurrent.futures import Future
 import xgrammar as xgr
 
 from engine.guided import native
-from engine.guided.compile_pool import CompileBusy, CompilePool  # noqa: F401 - CompileBusy is raised through here
+from engine.guided.compile_pool import CompilePool
 from engine.guided.spec import Guide
 
 _XGR_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")      # xgrammar's "[time] file.cc:line: " before its message

@@ -7,7 +7,7 @@ import concurrent.futures
 
 from fastapi import Request
 
-from engine.guided.compiler import CompileBusy
+from engine.guided.compile_pool import CompileBusy
 from engine.server.protocol import APIError
 
 

@@ -39,7 +39,8 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False      # vLLM's extension: usage so far on every chunk
 
 
-class _Common(BaseModel):
+class RequestBody(BaseModel):
+    """A request body: unknown fields ignored, an explicit null taken as the field's default."""
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -47,6 +48,8 @@ class _Common(BaseModel):
     def _nulls_are_defaults(cls, data):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
+
+class _Common(RequestBody):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)

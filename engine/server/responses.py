@@ -15,21 +15,14 @@ import threading
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
-from engine.server.protocol import APIError
+from engine.server.protocol import APIError, RequestBody
 
 RESPONSES_KEPT = 1024
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_are_defaults(cls, data):
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
+class ResponsesRequest(RequestBody):
     model: str
     input: str | list[dict]
     instructions: str | None = None
