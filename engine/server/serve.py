@@ -27,7 +27,7 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_state(args):
-    from engine.cli import engine_config
+    from engine.options import engine_config
     from engine.llm_engine import LLMEngine
     from engine.models.loader import load_tokenizer
     from engine.server.app import ServerState
