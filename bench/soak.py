@@ -277,7 +277,6 @@ def main(argv=None):
     rec = record("soak", "mixed+hostile", model, "", args.streams, args.max_tokens, None, None, mix=args.mix,
                  duration_min=args.minutes, server_cmd=" ".join(cmd), **summary)
     out = write_results([rec], args.out)
-    plot_soak(rows, samples, out.with_suffix(".png"))
     head = {k: v for k, v in summary.items() if k not in ("minutes", "samples", "error_examples", "errors_by_kind")}
     text = (f"Command: `{rec['command']}` on {rec['device']}, commit {rec['git_commit']}; mix {args.mix}.\n\n"
             + markdown_table([head], list(head)) + "\n\n### Per minute\n\n"
@@ -285,7 +284,8 @@ def main(argv=None):
             + "\n\nErrors by kind and status: " + (json.dumps(summary["errors_by_kind"]) if errors else "none")
             + "\n\nExamples: " + ("; ".join(summary["error_examples"]) or "none"))
     out.with_suffix(".md").write_text(text + "\n")
-    print(text)
+    print(text, flush=True)
+    plot_soak(rows, samples, out.with_suffix(".png"))     # last: matplotlib's first import on a fresh machine is slow
 
 
 if __name__ == "__main__":

@@ -20,14 +20,15 @@ COMPILE_TIMEOUT = 1.0
 def server():
     # a compile queue of 4 gives one client a share of 1 unfinished compile: the busy case needs only two
     with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", "--max-request-bytes", str(BODY_LIMIT),
-               "--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--grammar-compile-queue", "4") as s:
+               "--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--grammar-compile-queue", "4",
+               "--client-key-header", "x-client") as s:
         yield s
 
 
-def post(server, body, **kw) -> httpx.Response:
+def post(server, body, headers: dict | None = None) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps({"model": server.model} | body).encode()
     return httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=120,
-                      headers={"content-type": "application/json"}, **kw)
+                      headers={"content-type": "application/json"} | (headers or {}))
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +122,14 @@ def test_a_slow_grammar_is_refused_at_its_time_budget_and_its_client_cannot_queu
     slow.start()
     time.sleep(0.3)
     busy = post(server, slow_schema(4, "b"))          # the same client, a second uncached grammar: no share left
+    got["other"] = post(server, slow_schema(1, "c"), headers={"x-client": "someone else"})
     slow.join(60)
     r, seconds = got["slow"]
     assert r.status_code == 400 and "grammar_compile_timeout_s" in r.json()["error"]["message"], r.text[:300]
     assert seconds < COMPILE_TIMEOUT + 3, seconds
     assert busy.status_code == 429 and busy.json()["error"]["code"] == "grammar_compile_busy", busy.text[:300]
+    other = got["other"]                        # another client (by the trusted header) has its own share
+    assert other.status_code in (200, 400) and other.json().get("error", {}).get("code") != "grammar_compile_busy"
     assert server.metrics()["specdec_grammar_compiles_unfinished"] >= 1     # the abandoned compile still runs
     m = server.wait_idle(60)                                                # ...and ends, freeing its thread
     assert m["specdec_kv_blocks_used"] == 0

@@ -40,6 +40,7 @@ class ServerState:
     limits: RequestLimits = RequestLimits()
     on_ready: object = None      # called once the engine thread runs (prints the "listening" line)
     aliases: tuple = ()          # further names clients may ask for (--served-model-name a b ...)
+    client_key_header: str | None = None    # the header naming a request's client (--client-key-header)
 
     @property
     def engine(self):
@@ -97,7 +98,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def start(request: Request, ids, params, fmt, tools: bool, arrival: float, streamed: bool) -> Generation:
         if params[0].guide is not None:
-            await admit_guide(state.engine.guided, params[0].guide, request)
+            await admit_guide(state.engine.guided, params[0].guide, request, state.client_key_header)
         try:
             sub = await aengine.submit(ids, params, stream=streamed)
         except ValueError as exc:

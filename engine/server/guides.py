@@ -20,10 +20,18 @@ async def until_disconnect(request: Request) -> None:
         pass
 
 
-async def admit_guide(tracker, guide, request: Request) -> None:
+def client_key(request: Request, header: str | None) -> str | None:
+    """Who a request comes from, for per-client shares: the value of `header` when the server is told to trust
+    one (a gateway's user or forwarded-for header), else the peer's address."""
+    if header and request.headers.get(header):
+        return "header:" + request.headers[header][:200]
+    return request.client.host if request.client else None
+
+
+async def admit_guide(tracker, guide, request: Request, key_header: str | None = None) -> None:
     """Raise APIError (400: a bound, a compile error or the time budget; 429: the pool is busy) or ClientGone.
     On return the grammar is compiled and cached, and its first mask allows a token."""
-    owner = request.client.host if request.client else None
+    owner = client_key(request, key_header)
     try:
         pending = tracker.admit(guide, owner)
     except ValueError as exc:

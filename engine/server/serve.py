@@ -23,6 +23,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (larger: 413 before it is parsed)")
     p.set_defaults(switch_interval=5e-5)     # two busy threads: the engine gets the GIL back sooner (measured)
+    p.add_argument("--client-key-header", default=None, metavar="NAME",
+                   help="take a request's client, for its share of the grammar compiles, from this header (e.g. a "
+                        "gateway's user header) instead of its address; only behind a proxy that sets it")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -42,7 +45,8 @@ def build_state(args):
     aengine = AsyncEngine(engine, max_queued=args.max_queued, stream_interval=args.stream_interval)
     names = args.served_model_name or [engine.source.name]
     limits = RequestLimits.for_model(tokenizer, engine.max_model_len, args.max_request_bytes)
-    return ServerState(aengine, tokenizer, names[0], ServerMetrics(aengine), limits, aliases=tuple(names[1:]))
+    return ServerState(aengine, tokenizer, names[0], ServerMetrics(aengine), limits, aliases=tuple(names[1:]),
+                       client_key_header=args.client_key_header)
 
 
 def bind(host: str, port: int) -> socket.socket:
