@@ -71,9 +71,9 @@ class SamplingParams:
             raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}"[:300])
         if len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-        if stop and max(map(len, stop)) > MAX_STOP_CHARS:
-            raise ValueError(f"stop: a stop string is at most {MAX_STOP_CHARS} characters, "
-                             f"got {max(map(len, stop))}")
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"stop: a stop string is at most {MAX_STOP_CHARS} characters, got {longest}")
         object.__setattr__(self, "stop", stop)
         ids = _sequence_of("stop_token_ids", self.stop_token_ids, numbers.Integral)
         object.__setattr__(self, "stop_token_ids", tuple(_integer("a stop token id", t, 0, INT64_MAX) for t in ids))

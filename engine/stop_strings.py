@@ -73,7 +73,16 @@ class StopStrings:
         return self.depth[state]
 
 
-@functools.lru_cache(maxsize=256)
+CACHED_CHARS = 256      # automata of at most this many chars in all are shared; larger ones are built per request
+
+
 def stop_strings(stops: tuple[str, ...]) -> StopStrings:
-    """The automaton for these stop strings (shared: it is never mutated). Bounded by SamplingParams' limits."""
+    """The automaton for these stop strings. Common small sets are shared (an automaton is never mutated); a
+    large one is built for its request alone, so distinct hostile sets (up to 4 MB each at the bounds) are
+    never kept."""
+    return _shared(stops) if sum(map(len, stops)) <= CACHED_CHARS else StopStrings(stops)
+
+
+@functools.lru_cache(maxsize=256)
+def _shared(stops: tuple[str, ...]) -> StopStrings:
     return StopStrings(stops)

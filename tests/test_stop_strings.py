@@ -96,3 +96,11 @@ def test_sampling_params_bound_stop_strings(stop, message):
         SamplingParams(stop=stop)
     SamplingParams(stop=["x"] * MAX_STOP_STRINGS)
     SamplingParams(stop="y" * MAX_STOP_CHARS)
+
+
+def test_only_small_automata_are_shared():
+    from engine.stop_strings import CACHED_CHARS, stop_strings
+    small = ("\n\n", "</s>")
+    assert stop_strings(small) is stop_strings(small)
+    big = ("x" * (CACHED_CHARS + 1),)
+    assert stop_strings(big) is not stop_strings(big)
