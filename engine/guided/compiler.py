@@ -5,8 +5,8 @@
 scheduler lets it sample only once `ready` (its matcher exists). A compile error fails the request alone with
 a message naming the guide.
 
-One client cannot fill the pool: compiles not yet finished are bounded in all (`queue`, then CompileBusy) and
-per owner (`share`, the server passes the client's address). xgrammar cannot stop a compile once it runs, so
+One client cannot fill the pool: compiles not yet finished are bounded in all and per owner (the server passes
+its client), past which `submit` raises CompileBusy (engine/guided/compile_pool.py). xgrammar cannot stop a compile once it runs, so
 a request that gives up (its time budget, an abort) cancels its compile only while it is queued; a running one
 finishes into the cache and holds its thread until then. A worker process could be killed instead, but the
 compiled grammar would have to come back serialised, and xgrammar's `serialize_json` takes several times the
@@ -57,8 +57,9 @@ def _schema_problem(guide: Guide) -> str | None:
         import jsonschema
     except ImportError:
         return None
+    schema = json.loads(guide.source)
     try:
-        jsonschema.validators.validator_for(json.loads(guide.source)).check_schema(json.loads(guide.source))
+        jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         return exc.message[:300]
     return None
@@ -193,10 +194,12 @@ class GrammarService:
     def _compile(self, guide: Guide) -> xgr.CompiledGrammar:
         try:
             compiled = compile_guide(self.compiler, guide)
-        finally:
+        except BaseException:
             with self._lock:
                 self._inflight.pop(guide, None)
-        with self._lock:
+            raise
+        with self._lock:        # leaves in-flight and enters the cache at once: no submit finds it in neither
+            self._inflight.pop(guide, None)
             if guide not in self._cache:
                 self._cache[guide] = compiled
                 self._cache_bytes += compiled.memory_size_bytes
