@@ -8,7 +8,6 @@ engine/server/guides.py), and the checks that need the engine (context length, K
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,15 +15,14 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
 from engine.server.async_engine import AsyncEngine, EngineDead, Overloaded
 from engine.server.chat import chat_prompt, normalize_messages, template_options
 from engine.server.generation import ChatFormat, CompletionFormat, Generation
 from engine.server.guides import ClientGone, admit_guide, until_disconnect
-from engine.server.limits import RequestLimits, read_body
+from engine.server.limits import RequestLimits, read_json
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validation_error
+from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validated
 from engine.server.sampling import response_format_guide, sampling_params, vllm_guide
 from engine.server.tools import plan_tools
 from engine.server.responses_route import add_responses_route
@@ -61,19 +59,7 @@ class ServerState:
 
 
 async def _parse(request: Request, model, limits: RequestLimits):
-    raw = await read_body(request, limits.max_body_bytes)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise APIError("the request body is nested too deeply") from exc
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from exc
+    return validated(model, await read_json(request, limits.max_body_bytes))
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -186,11 +172,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def run_chat(request: Request, body: dict, arrival: float):
         """A chat request given as a dict (the Responses API's translation): its Generation and messages."""
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise validation_error(exc) from exc
-        ids, params, tools, messages = await prepare_chat(req)
+        ids, params, tools, messages = await prepare_chat(validated(ChatCompletionRequest, body))
         return await start(request, ids, params, ChatFormat(), tools, arrival, True), messages
 
     async def build_completion(request: Request, arrival: float):

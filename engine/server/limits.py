@@ -8,6 +8,7 @@ the vocabulary and never refuses a prompt that fits.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from engine.server.protocol import APIError
@@ -55,6 +56,21 @@ async def read_body(request, limit: int) -> bytes:
             raise _too_large(size, limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_json(request, limit: int) -> dict:
+    """The request's body as a JSON object, or a 413 (too large) or a 400 (not JSON, nested too deeply, not
+    an object)."""
+    raw = await read_body(request, limit)
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError("the request body is nested too deeply") from exc
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
 
 
 def _too_large(size: int, limit: int) -> APIError:

@@ -33,6 +33,14 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(f"{param}: {first['msg']}{more}" if param else first["msg"] + more, param=param)
 
 
+def validated(model, body: dict):
+    """`body` as the request model, or a 400 naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False

@@ -3,15 +3,14 @@ error shape for every HTTP error the framework raises itself (an unknown route, 
 from __future__ import annotations
 
 import asyncio
-import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from engine.server.chat import chat_prompt, normalize_messages, template_options
-from engine.server.limits import read_body
-from engine.server.protocol import APIError, ChatCompletionRequest
+from engine.server.limits import read_json
+from engine.server.protocol import APIError, ChatCompletionRequest, validated
 
 _TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 
@@ -34,13 +33,13 @@ def add_utility_routes(app: FastAPI, state, handle) -> None:
         return state.model_card(model_id)
 
     async def build_tokenize(request: Request, arrival: float):
-        body = await _object(request)
+        body = await read_json(request, state.limits.max_body_bytes)
         _check_model(state, body)
         ids = await asyncio.get_running_loop().run_in_executor(None, _tokenize, state, body)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
 
     async def build_detokenize(request: Request, arrival: float):
-        body = await _object(request)
+        body = await read_json(request, state.limits.max_body_bytes)
         _check_model(state, body)
         ids = body.get("tokens")
         vocab = state.engine.runner.vocab
@@ -61,25 +60,12 @@ def _tokenize(state, body: dict) -> list[int]:
     """On a worker thread: a prompt's ids, or a conversation's through the chat template (as a chat request)."""
     tok = _tokenizer(state)
     if "messages" in body:
-        try:
-            req = ChatCompletionRequest.model_validate(body | {"model": state.model_name})
-        except ValueError as exc:
-            raise APIError(f"messages: {exc}"[:300], param="messages") from exc
+        req = validated(ChatCompletionRequest, body | {"model": state.model_name})
         return chat_prompt(tok, normalize_messages(req.messages), None, state.limits, template_options(req))
     if isinstance(body.get("prompt"), str):
         state.limits.check_prompt(body["prompt"])
         return tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
     raise APIError("give `prompt` (a string) or `messages`", param="prompt")
-
-
-async def _object(request: Request) -> dict:
-    try:
-        body = json.loads(await read_body(request, 1 << 20))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}"[:300]) from exc
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    return body
 
 
 def _check_model(state, body: dict) -> None:
