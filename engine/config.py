@@ -40,7 +40,7 @@ class EngineConfig:
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
     grammar_compile_threads: int = 4   # threads compiling grammars (engine/guided/compiler.py)
     grammar_compile_queue: int = 64    # a server's compiles unfinished at once before it answers 429 (a client
-                                       # may have grammar_compile_threads // 2 of them)
+                                       # may have a quarter of them, and run grammar_compile_threads - 1)
     grammar_compile_timeout_s: float = 10.0     # a request whose grammar compiles longer fails (the compile goes on
                                                 # into the cache: xgrammar cannot be stopped)
     guide_max_bytes: int = 256 << 10   # bounds on one guide, checked before compiling (engine/guided/limits.py)

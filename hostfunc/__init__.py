@@ -276,7 +276,8 @@ def live_handles():
 
 def stats():
     """Release the graveyard, then return a dict of counts: ``live`` (= ``captured`` + ``pending_eager``),
-    ``standing`` (registered by standing_callback), ``errors`` (recorded and dropped) and ``graveyard`` (objects still waiting to be released)."""
+    ``standing`` (registered by standing_callback), ``errors`` (recorded and dropped) and ``graveyard``
+    (objects still waiting to be released)."""
     return _C.stats()
 
 
