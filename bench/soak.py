@@ -199,8 +199,14 @@ async def soak(args, base: str, model: str, pid: int) -> tuple[list, list, float
             if kv == 0:
                 break
             await asyncio.sleep(0.2)
+        compiles, idle_at = None, time.perf_counter()
+        for _ in range(300):                 # compiles still running when the load stopped finish within budget
+            compiles = await metric(client, base, "specdec_grammar_compiles_unfinished")
+            if compiles == 0:
+                break
+            await asyncio.sleep(0.2)
         samples.append(dict(t=time.perf_counter() - t0, rss_mb=rss_mb(pid), gpu_mb=gpu_used_mb(), kv_blocks=kv,
-                            idle=True, compiles=await metric(client, base, "specdec_grammar_compiles_unfinished")))
+                            idle=True, compiles=compiles, compiles_drain_s=round(time.perf_counter() - idle_at, 2)))
     return done, samples, t0
 
 
@@ -273,7 +279,8 @@ def main(argv=None):
                    rss_mb_start=samples[0]["rss_mb"], rss_mb_end=samples[-1]["rss_mb"],
                    gpu_mb_start=samples[0]["gpu_mb"], gpu_mb_end=samples[-1]["gpu_mb"],
                    kv_blocks_idle_at_end=samples[-1]["kv_blocks"],
-                   compiles_at_end=samples[-1].get("compiles"), minutes=rows, samples=samples)
+                   compiles_at_end=samples[-1].get("compiles"),
+                   compiles_drain_s=samples[-1].get("compiles_drain_s"), minutes=rows, samples=samples)
     rec = record("soak", "mixed+hostile", model, "", args.streams, args.max_tokens, None, None, mix=args.mix,
                  duration_min=args.minutes, server_cmd=" ".join(cmd), **summary)
     out = write_results([rec], args.out)
