@@ -19,6 +19,7 @@ setup(
     install_requires=[
         "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar>=0.2.8",
         "numpy", "tqdm", "pybind11>=2.12", "fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20",
+        "pyzmq>=25", "msgspec>=0.18",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "accelerate", "jsonschema", "triton>=3.2", "openai>=1.40", "httpx"],

@@ -38,11 +38,11 @@ from pathlib import Path
 try:
     from bench import serve_client as sc
     from bench.common import markdown_table, note, record, write_results
-    from bench.serve_servers import engine_counters, engine_rates, start_ours, start_peer, stop
+    from bench.serve_servers import engine_counters, engine_rates, start_ours, start_peer, stop, ttft_probe
 except ImportError:
     import serve_client as sc
     from common import markdown_table, note, record, write_results
-    from serve_servers import engine_counters, engine_rates, start_ours, start_peer, stop
+    from serve_servers import engine_counters, engine_rates, start_ours, start_peer, stop, ttft_probe
 
 COLUMNS = ["mode", "load", "x", "ok", "errors", "out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "itl_tok_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "json_valid_frac", "chat_tokens_mean",
@@ -80,6 +80,10 @@ def parse_args(argv=None):
     p.add_argument("--peer-args", default="", help="more `transformers serve` flags: --peer-args=\"--flag value\"")
     p.add_argument("--out-prefix", default="bench/results/serve")
     p.add_argument("--merge", action="store_true", help="keep an existing JSON's records of other modes")
+    p.add_argument("--ttft-prompt-tokens", type=int, default=200,
+                   help="ours: after the runs, TTFT at one stream for a chat prompt this long (0: skip)")
+    p.add_argument("--single-process-too", action="store_true",
+                   help="also run ours with --single-process (engine thread beside the HTTP loop), same run: the A/B")
     p.add_argument("--ours-args", default="", help="more `specdec serve` flags: --ours-args=\"--flag value\"")
     p.add_argument("--ours-cmd", default=None, help=argparse.SUPPRESS)   # replaces `python -m engine.cli serve`
     return p.parse_args(argv)
@@ -107,12 +111,18 @@ def warmup(url, model, requests, target, args) -> None:
             raise RuntimeError(f"every warm-up request failed: {res['error_example']}")
 
 
-def bench_target(target: str, args, requests, logdir: Path) -> list[dict]:
+def bench_target(variant: str, args, requests, logdir: Path) -> list[dict]:
+    """variant: "ours", "ours-1p" (ours with --single-process) or "peer"."""
+    target = "peer" if variant == "peer" else "ours"
     reqs = requests if target == "ours" else requests[:args.peer_requests]
     spec = f"+{args.speculative}(K={args.num_draft_tokens})" if args.speculative != "none" else ""
-    head = dict(target=target, mode="transformers-serve" if target == "peer" else "specdec" + spec)
+    mode = "transformers-serve" if target == "peer" else "specdec" + spec + (" one-process" if variant == "ours-1p" else "")
+    head = dict(target=target, mode=mode)
     try:
-        proc, url, model, info = (start_ours if target == "ours" else start_peer)(args, reqs, logdir)
+        if target == "peer":
+            proc, url, model, info = start_peer(args, reqs, logdir)
+        else:
+            proc, url, model, info = start_ours(args, reqs, logdir, ["--single-process"] if variant == "ours-1p" else [])
     except Exception as e:                          # noqa: BLE001 - recorded; the other target still runs
         note(f"{target}: did not start: {e}")
         return [dict(head, error=f"did not start: {e}"[:3000])]
@@ -129,6 +139,9 @@ def bench_target(target: str, args, requests, logdir: Path) -> list[dict]:
                     row.update(engine_rates(before, engine_counters(url), time.perf_counter() - t0))
                 rows.append(dict(head, **row))
                 print(markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        if target == "ours" and args.ttft_prompt_tokens:
+            rows.append(dict(head, **ttft_probe(url, model, args.ttft_prompt_tokens)))
+            print(markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     except Exception as e:                          # noqa: BLE001
         note(f"{target}: failed: {e}")
         rows.append(dict(head, error=f"{type(e).__name__}: {e}"[:3000]))
@@ -210,6 +223,8 @@ def main(argv=None):
     logdir = Path(tempfile.mkdtemp(prefix="specdec-serve-bench-"))
     note(f"server logs in {logdir}")
     targets = ["ours", "peer"] if args.only == "both" else [args.only]
+    if args.single_process_too and "ours" in targets:
+        targets.insert(0, "ours-1p")
     print(markdown_table([], COLUMNS), flush=True)
     rows = [row for t in targets for row in bench_target(t, args, requests, logdir)]
     records = [to_record(r, args) for r in rows]        # after the servers stopped: device_name() may init CUDA

@@ -74,7 +74,7 @@ def has_flag(text: str, flag: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) is not None
 
 
-def start_ours(args, requests, logdir: Path):
+def start_ours(args, requests, logdir: Path, extra: list[str] = ()):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     base = shlex.split(args.ours_cmd.format(python=sys.executable)) if args.ours_cmd else \
         [sys.executable, "-m", "engine.cli", "serve"]
@@ -87,8 +87,8 @@ def start_ours(args, requests, logdir: Path):
         # --num-draft-tokens is an alias that older engine.cli builds lack
         k_flag = "--num-draft-tokens" if has_flag(text, "--num-draft-tokens") else "--num-speculative-tokens"
         cmd += ["--speculative", args.speculative, k_flag, str(args.num_draft_tokens)]
-    cmd += shlex.split(args.ours_args)
-    log = logdir / "ours.log"
+    cmd += shlex.split(args.ours_args) + list(extra)
+    log = logdir / f"ours{''.join(extra).replace('-', '_')}.log"
     proc, ready, found = launch(cmd, log, env)
     ready.wait(args.start_timeout)
     if "url" not in found:
@@ -164,3 +164,35 @@ def engine_rates(before: dict, after: dict, seconds: float) -> dict:
     tokens = after["specdec_generation_tokens_total"] - before["specdec_generation_tokens_total"]
     return dict(engine_steps=int(steps), step_ms=round(1e3 * seconds / steps, 3) if steps else None,
                 tokens_per_step=round(tokens / steps, 2) if steps else None, gpu_idle_frac=round(idle / seconds, 4))
+
+
+def ttft_probe(url: str, model: str, tokens: int, n: int = 20) -> dict:
+    """Time to first token at one stream for a chat prompt of about `tokens` tokens (counted by the server's
+    /tokenize through the chat template), n requests one after another, each prompt different."""
+    import httpx
+    try:
+        from bench.common import QUESTIONS
+    except ImportError:
+        from common import QUESTIONS
+
+    def prompt(i: int, parts: int) -> list[dict]:
+        return [{"role": "user", "content": f"({i}) " + " ".join(QUESTIONS[(i + k) % len(QUESTIONS)]
+                                                              for k in range(parts))}]
+    parts, count = 1, 0
+    with httpx.Client(timeout=60) as client:
+        while count < tokens and parts < 1000:
+            parts += 1
+            count = client.post(f"{url}/tokenize", json={"model": model, "messages": prompt(0, parts)}).json()["count"]
+        ttft = []
+        for i in range(n):
+            body = dict(model=model, messages=prompt(i, parts), max_tokens=2, temperature=0, stream=True)
+            t0 = time.perf_counter()
+            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        ttft.append(time.perf_counter() - t0)
+                        break
+    ttft.sort()
+    return dict(load="ttft", x=1, prompt_tokens=count, ok=len(ttft), requests=n,
+                ttft_p50_ms=round(1e3 * ttft[len(ttft) // 2], 2) if ttft else None,
+                ttft_p99_ms=round(1e3 * ttft[-1], 2) if ttft else None)

@@ -114,10 +114,11 @@ class LLMEngine(EngineFrontend):
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    retain: bool = False, stream: bool = False) -> int:
+                    retain: bool = False, stream: bool = False, detokenize: bool = True) -> int:
         """Queue a request; returns its id. Raises ValueError naming the problem for bad input.
         stream=True: each output carries the text it adds (incremental detokenization); otherwise a request
-        without stop strings decodes its text once, at the end (its final output carries all of it)."""
+        without stop strings decodes its text once, at the end (its final output carries all of it).
+        detokenize=False: token ids only, no text at all (a caller that detokenizes itself; no stop strings)."""
         params = SamplingParams() if params is None else params
         ids = prompt_ids(prompt, self.encode)
         check_request(ids, params, self.runner.vocab, self.max_model_len, self.blocks,
@@ -128,7 +129,7 @@ class LLMEngine(EngineFrontend):
         if params.guide is not None:
             self.guided.start(seq)
         self._next_id += 1
-        self.output.start(seq, stream=stream)
+        self.output.start(seq, stream=stream, detokenize=detokenize)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id

@@ -140,11 +140,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(t) for t in eos_ids)
 
-    def start(self, seq, stream: bool = True) -> None:
+    def start(self, seq, stream: bool = True, detokenize: bool = True) -> None:
         """Create seq.out when the request is added. Its text is tokenizer.decode(output ids): the prompt is no
         context (the engine's final text has always been the outputs' decode alone). stream=False: nobody
-        reads text before the end, so a request without stop strings decodes nothing per token."""
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        reads text before the end, so a request without stop strings decodes nothing per token.
+        detokenize=False: no text at all (the caller decodes the ids itself)."""
+        if not detokenize and seq.params.stop:
+            raise ValueError("stop strings need the engine's text: they cannot go with detokenize=False")
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and detokenize else None
         seq.out = OutputState(detok, tuple(seq.params.stop), lazy=not stream)
 
     def _state(self, seq) -> OutputState:

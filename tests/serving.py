@@ -19,8 +19,15 @@ CPU_ARGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "tor
 
 
 class Server:
-    def __init__(self, url: str, proc: subprocess.Popen, log: Path, model: str):
-        self.url, self.proc, self.log, self.model = url, proc, log, model
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path, model: str, line: str = ""):
+        self.url, self.proc, self.log, self.model, self.line = url, proc, log, model, line
+
+    def pids(self) -> tuple[int | None, list[int]]:
+        """(engine process, API processes) from the "listening" line; (None, []) with --single-process."""
+        if "engine pid" not in self.line:
+            return None, []
+        engine = int(self.line.split("engine pid ")[1].split(",")[0])
+        return engine, [int(p) for p in self.line.split("API pids ")[1].rstrip(")\n").split()]
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, parsed by prometheus-client: {name{labels}: value}."""
@@ -51,7 +58,7 @@ class Server:
 def _read_ready(proc: subprocess.Popen, found: dict) -> None:
     for line in proc.stdout:
         if line.startswith("specdec serve: listening on "):
-            found["url"] = line.split()[4]
+            found["url"], found["line"] = line.split()[4], line
             return
 
 
@@ -70,7 +77,7 @@ def serve(*args: str, timeout: float = 300.0):
         if "url" not in found:
             raise RuntimeError(f"specdec serve did not start (exit code {proc.poll()}):\n{log.read_text()[-3000:]}")
         model = httpx.get(f"{found['url']}/v1/models", timeout=10).json()["data"][0]["id"]
-        yield Server(found["url"], proc, log, model)
+        yield Server(found["url"], proc, log, model, found["line"])
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -78,3 +85,23 @@ def serve(*args: str, timeout: float = 300.0):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def descendants(root: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of every process under `root`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        try:
+            out.append((pid, Path(f"/proc/{pid}/cmdline").read_bytes()))
+        except OSError:
+            continue
+        todo += children.get(pid, ())
+    return out

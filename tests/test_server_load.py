@@ -143,15 +143,7 @@ def test_tensor_parallel_server_equals_one_rank_and_stops_when_a_worker_dies():
         assert health.status_code == 503 and "worker 1" in health.json()["error"]
 
 
-def _workers_of(parent: int) -> list[int]:
-    from pathlib import Path
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent and b"engine.parallel.worker" in cmd:
-            out.append(int(stat.parent.name))
-    return out
+def _workers_of(root: int) -> list[int]:
+    """Tensor-parallel worker processes under `root` (the server, or its engine process)."""
+    from serving import descendants
+    return [pid for pid, cmd in descendants(root) if b"engine.parallel.worker" in cmd]

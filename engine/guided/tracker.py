@@ -68,8 +68,7 @@ class GuidedTracker:
             raise ValueError(f"{request.guide.kind} allows no output at all (unsatisfiable)")
 
     def timeout_message(self, guide) -> str:
-        return (f"compiling the {guide.kind} took longer than {self.timeout_s:g} s (grammar_compile_timeout_s); "
-                "it was abandoned")
+        return timeout_message(guide, self.timeout_s)
 
     def poll(self) -> list[tuple]:
         """Loop thread, before planning: (seq, message) for each grammar that failed to compile."""
@@ -120,3 +119,7 @@ class GuidedTracker:
         if self.service is not None:
             self.service.close()
 
+
+def timeout_message(guide, timeout_s: float) -> str:
+    return (f"compiling the {guide.kind} took longer than {timeout_s:g} s (grammar_compile_timeout_s); "
+            "it was abandoned")

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.server.async_engine import AsyncEngine, EngineDead, Overloaded
+from engine.server.async_engine import AsyncEngine
 from engine.server.chat import chat_prompt, normalize_messages, template_options
 from engine.server.generation import ChatFormat, CompletionFormat, Generation
 from engine.server.guides import ClientGone, admit_guide, until_disconnect
@@ -24,15 +24,16 @@ from engine.server.limits import RequestLimits, read_json
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validated
 from engine.server.sampling import response_format_guide, sampling_params, vllm_guide
-from engine.server.tools import plan_tools
 from engine.server.responses_route import add_responses_route
+from engine.server.submission import EngineDead, Overloaded
+from engine.server.tools import plan_tools
 from engine.server.utility_routes import add_utility_routes
 
 
 @dataclass
 class ServerState:
-    aengine: AsyncEngine
-    tokenizer: object            # the server's own instance (the engine thread decodes with another)
+    aengine: AsyncEngine         # or an EngineClient: the same interface, the engine in its own process
+    tokenizer: object            # the server's own instance (the engine decodes with another)
     model_name: str              # the first served name: the one responses carry
     metrics: ServerMetrics
     limits: RequestLimits = RequestLimits()
@@ -41,8 +42,8 @@ class ServerState:
     client_key_header: str | None = None    # the header naming a request's client (--client-key-header)
 
     @property
-    def engine(self):
-        return self.aengine.engine
+    def info(self):
+        return self.aengine.info
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -50,7 +51,7 @@ class ServerState:
 
     def model_card(self, name: str | None = None) -> dict:
         return {"id": name or self.model_name, "object": "model", "created": int(self.aengine.started),
-                "owned_by": "specdec", "max_model_len": self.engine.max_model_len}
+                "owned_by": "specdec", "max_model_len": self.info.max_model_len}
 
     def check_model(self, name) -> None:
         if name not in self.names:
@@ -83,9 +84,9 @@ def create_app(state: ServerState) -> FastAPI:
         return await respond(endpoint, request, gen, req)
 
     async def start(request: Request, ids, params, fmt, tools: bool, arrival: float, streamed: bool) -> Generation:
-        if params[0].guide is not None:
-            await admit_guide(state.engine.guided, params[0].guide, request, state.client_key_header)
         try:
+            if params[0].guide is not None:
+                await admit_guide(aengine.guides, params[0].guide, request, state.client_key_header)
             sub = await aengine.submit(ids, params, stream=streamed)
         except ValueError as exc:
             raise APIError(str(exc)) from exc
@@ -162,7 +163,7 @@ def create_app(state: ServerState) -> FastAPI:
         guide = {"structural_tag": plan.guide} if plan.guide else guide
         ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits, template_options(req))
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
-                                 state.engine.max_model_len - len(ids), guide)
+                                 state.info.max_model_len - len(ids), guide)
         return ids, params, plan.mode != "none", messages
 
     async def build_chat(request: Request, arrival: float):
@@ -179,7 +180,7 @@ def create_app(state: ServerState) -> FastAPI:
         req = await _parse(request, CompletionRequest, state.limits)
         state.check_model(req.model)
         ids = await off_loop(completion_prompt, state.tokenizer, req.prompt, state.limits)
-        params = sampling_params(req, req.max_tokens, state.engine.max_model_len - len(ids), vllm_guide(req))
+        params = sampling_params(req, req.max_tokens, state.info.max_model_len - len(ids), vllm_guide(req))
         return await admit("completions", request, req, ids, params, CompletionFormat(), False, arrival)
 
     @app.post("/v1/chat/completions")
@@ -202,11 +203,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def health():
         if aengine.healthy():
             return {"status": "ok"}
-        return JSONResponse({"status": "error", "error": aengine.error or "the engine thread is not running"}, 503)
+        return JSONResponse({"status": "error", "error": aengine.error or "the engine is not running"}, 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(await aengine.stats()), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

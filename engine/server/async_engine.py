@@ -1,4 +1,5 @@
-"""The engine on its own thread; the HTTP event loop reaches it only through thread-safe queues.
+"""The engine on its own thread of the server's process (`specdec serve --single-process`); the HTTP event loop
+reaches it only through thread-safe queues. The default is an engine process (engine/server/engine_process.py).
 
 Invariants:
 - Only `engine_thread` touches the LLMEngine (add_request, abort, step) and `_routes`.
@@ -14,50 +15,23 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
 from engine.output import RequestOutput
+from engine.server.guides import LocalGuides
+from engine.server.ipc import model_info
+from engine.server.metrics import engine_stats
+from engine.server.submission import ENGINE_STOPPED, EngineDead, Overloaded, Router, Submission
+
+__all__ = ["AsyncEngine", "EngineDead", "Overloaded", "Submission"]
 
 
-CHUNKS_PER_STEP = 4        # stream chunks the event loop sends per engine step before chunks grow (auto)
-
-
-class Overloaded(Exception):
-    """The bounded queue is full (HTTP 429)."""
-
-
-class EngineDead(Exception):
-    """The engine thread has stopped (HTTP 503)."""
-
-
-@dataclass(eq=False)
-class Submission:
-    """One HTTP request's choices. Their outputs collect in `pending`, as (choice index, RequestOutput);
-    `ready` is set when the consumer should take them (see AsyncEngine._route)."""
-    prompt_ids: list[int]
-    params: list                                   # one SamplingParams per choice
-    stream: bool = True                            # False: wake the consumer only once every choice finished
-    added: asyncio.Future | None = None            # -> request ids, or the ValueError add_request raised
-    request_ids: list[int] = field(default_factory=list)
-    open_choices: int = 0
-    pending: list = field(default_factory=list)
-    pending_tokens: int = 0
-    woken: bool = False                            # the first tokens went out at once (time to first token)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
-        await self.ready.wait()
-        self.ready.clear()
-        batch, self.pending, self.pending_tokens = self.pending, [], 0
-        return batch
-
-
-class AsyncEngine:
+class AsyncEngine(Router):
     def __init__(self, engine, max_queued: int = 256, stream_interval: int = 0, idle_wait: float = 0.05):
+        super().__init__(stream_interval)
         self.engine = engine
-        self.stream_interval = stream_interval         # tokens per chunk; 0: auto (see _interval)
+        self.info = model_info(engine)
+        self.guides = LocalGuides(engine.guided)
         self.capacity = engine.config.max_num_seqs + max_queued
-        self.live = 0                                  # requests admitted and not finished (event loop)
         self.error: str | None = None                  # why the engine thread stopped
         self.started = time.time()
         self._idle_wait = idle_wait
@@ -74,6 +48,9 @@ class AsyncEngine:
 
     def healthy(self) -> bool:
         return self.error is None and self.engine_thread.is_alive()
+
+    async def stats(self) -> dict:
+        return engine_stats(self.engine, self.live, self.healthy())
 
     async def submit(self, prompt_ids: list[int], params: list, stream: bool = True) -> Submission:
         """Add one request per SamplingParams (all or none). Raises Overloaded, EngineDead, or the ValueError
@@ -111,30 +88,6 @@ class AsyncEngine:
     def _send(self, command) -> None:
         self._commands.put(command)
         self._wake.set()
-
-    def _interval(self, active: int) -> int:
-        """Tokens a stream collects before its consumer wakes. Every chunk costs the event loop ~0.1 ms of
-        GIL that the engine thread then waits for (measured on an H100: at 32 streams of one token per chunk
-        the compute stream idled half the time); past CHUNKS_PER_STEP active streams, chunks carry more
-        tokens so that the loop's share of a step stays bounded."""
-        if self.stream_interval:
-            return self.stream_interval
-        return -(-active // CHUNKS_PER_STEP)
-
-    def _route(self, batch: list) -> None:
-        touched = {}
-        for sub, choice, out in batch:
-            if out.finished:
-                sub.open_choices -= 1
-                self.live -= 1
-            sub.pending.append((choice, out))
-            sub.pending_tokens += len(out.new_token_ids)
-            touched[sub] = touched.get(sub, False) or out.finished
-        interval = self._interval(len(touched))
-        for sub, finished in touched.items():
-            if not sub.open_choices or sub.stream and (finished or not sub.woken or sub.pending_tokens >= interval):
-                sub.woken = True
-                sub.ready.set()
 
     @staticmethod
     def _resolve(future: asyncio.Future, result, exc) -> None:
@@ -201,11 +154,11 @@ class AsyncEngine:
             if out.finished:
                 del self._routes[out.request_id]
         if batch:
-            self._loop.call_soon_threadsafe(self._route, batch)
+            self._loop.call_soon_threadsafe(self.route, batch)
 
     def _fail_all(self, message: str) -> None:
-        batch = [(sub, choice, RequestOutput(rid, (), "", True, "error", f"the engine stopped: {message}"))
+        batch = [(sub, choice, RequestOutput(rid, (), "", True, "error", f"{ENGINE_STOPPED}: {message}"))
                  for rid, (sub, choice) in self._routes.items()]
         self._routes.clear()
         if batch:
-            self._loop.call_soon_threadsafe(self._route, batch)
+            self._loop.call_soon_threadsafe(self.route, batch)

@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine.server.async_engine import Submission
+from engine.server.submission import ENGINE_STOPPED, Submission
 from engine.server.protocol import APIError
 from engine.server.tools import ToolCallParser
 
@@ -22,6 +22,8 @@ def client_error(message: str) -> bool:
 def failure(message: str) -> APIError:
     if client_error(message):
         return APIError(message)
+    if message.startswith(ENGINE_STOPPED):
+        return APIError(message, status=503, type="server_error", code="engine_stopped")
     return APIError(f"the request failed: {message}", status=500, type="server_error")
 
 

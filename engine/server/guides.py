@@ -1,13 +1,18 @@
 """A request's guide before it is queued: its bounds, a share of the compile pool, and its compile, awaited on
-the event loop (no thread waits) until it is done, its time budget runs out or its client leaves."""
+the event loop (no thread waits) until it is done, its time budget runs out or its client leaves.
+
+The compile runs where the engine is: `LocalGuides` for an engine thread of this process, `RemoteGuides`
+(engine/server/engine_client.py) for an engine process. Either hands out tickets: `finished()`, `done` (an
+asyncio future), `cancel()` (stops a compile only while it is queued: xgrammar cannot be interrupted) and
+`result()` (raises ValueError naming the problem, or CompileBusy)."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 
 from fastapi import Request
 
 from engine.guided.compile_pool import CompileBusy
+from engine.guided.tracker import timeout_message
 from engine.server.protocol import APIError
 
 
@@ -28,39 +33,58 @@ def client_key(request: Request, header: str | None) -> str | None:
     return request.client.host if request.client else None
 
 
-async def admit_guide(tracker, guide, request: Request, key_header: str | None = None) -> None:
+async def admit_guide(guides, guide, request: Request, key_header: str | None = None) -> None:
     """Raise APIError (400: a bound, a compile error or the time budget; 429: the pool is busy) or ClientGone.
     On return the grammar is compiled and cached, and its first mask allows a token."""
-    owner = client_key(request, key_header)
     try:
-        pending = tracker.admit(guide, owner)
+        ticket = guides.start(guide, client_key(request, key_header))
+        if not ticket.finished():
+            try:
+                await _wait(ticket.done, request, guides.timeout_s)
+            except ClientGone:
+                ticket.cancel()
+                raise
+            if not ticket.finished():
+                ticket.cancel()
+                raise APIError(timeout_message(guide, guides.timeout_s), param="response_format")
+        await ticket.result()
     except ValueError as exc:
         raise APIError(str(exc), param="response_format") from exc
     except CompileBusy as exc:
         raise APIError(str(exc), status=429, type="rate_limit_error", code="grammar_compile_busy") from exc
-    if not pending.future.done():
-        try:
-            await _wait(pending.future, request, tracker.timeout_s)
-        except ClientGone:
-            pending.cancel()
-            raise
-        if not pending.future.done():
-            pending.cancel()             # stops it only if still queued: xgrammar cannot be interrupted
-            raise APIError(tracker.timeout_message(guide), param="response_format")
-    loop = asyncio.get_running_loop()
-    try:
-        await loop.run_in_executor(None, tracker.check_compiled, pending)
-    except ValueError as exc:
-        raise APIError(str(exc), param="response_format") from exc
 
 
-async def _wait(future: concurrent.futures.Future, request: Request, timeout: float) -> None:
-    compiled = asyncio.wrap_future(future)
-    compiled.add_done_callback(lambda f: f.cancelled() or f.exception())    # its error is read from `future`
+async def _wait(done: asyncio.Future, request: Request, timeout: float) -> None:
     gone = asyncio.ensure_future(until_disconnect(request))
     try:
-        done, _ = await asyncio.wait({compiled, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finished, _ = await asyncio.wait({done, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if gone in done and not future.done():
+    if gone in finished and not done.done():
         raise ClientGone()
+
+
+class LocalGuides:
+    """Compiles on the grammar service of an engine in this process."""
+
+    def __init__(self, tracker):
+        self.tracker, self.timeout_s = tracker, tracker.timeout_s
+
+    def start(self, guide, owner) -> "_LocalTicket":
+        return _LocalTicket(self.tracker, self.tracker.admit(guide, owner))
+
+
+class _LocalTicket:
+    def __init__(self, tracker, pending):
+        self.tracker, self.pending = tracker, pending
+        self.done = asyncio.wrap_future(pending.future)
+        self.done.add_done_callback(lambda f: f.cancelled() or f.exception())    # its error is read from `pending`
+
+    def finished(self) -> bool:
+        return self.pending.future.done()
+
+    def cancel(self) -> None:
+        self.pending.cancel()
+
+    async def result(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.tracker.check_compiled, self.pending)

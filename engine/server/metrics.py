@@ -1,14 +1,17 @@
 """/metrics: prometheus-client, in a registry of the server's own (several servers may share a process).
 
 Request-level series (status, tokens, TTFT, ITL, latency) are observed on the event loop as responses are
-made. Engine-level series (queue, running, KV, steps, GPU idle, speculation) are read from the engine when
-scraped, so the engine thread pays nothing for them; the values it is writing meanwhile may be a step old.
+made. With several API processes (PROMETHEUS_MULTIPROC_DIR set), prometheus-client keeps them in files that
+every process sums when scraped. Engine-level series (queue, running, KV, steps, GPU idle, speculation) are
+read from the engine when scraped (`engine_stats`, in the engine's process), so the loop pays nothing for them
+between scrapes; the values it is writing meanwhile may be a step old.
 """
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -16,7 +19,7 @@ ITL_BUCKETS = (0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.002, 0.003, 0.005, 0.0
 
 
 class ServerMetrics:
-    def __init__(self, aengine):
+    def __init__(self):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
@@ -30,7 +33,9 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS)
         self.latency = Histogram("specdec_request_latency_seconds", "Arrival to last token", registry=r,
                                  buckets=LATENCY_BUCKETS)
-        r.register(EngineCollector(aengine))
+        self.engine = EngineCollector()
+        self.exposed = _exposed(r)
+        self.exposed.register(self.engine)
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -50,37 +55,52 @@ class ServerMetrics:
             self.finishes.labels(st.finish or "unknown").inc()
             self.generation_tokens.inc(st.tokens)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, stats: dict) -> bytes:
+        """Everything, with the engine's series from `stats` (call on the event loop: no await in between)."""
+        self.engine.stats = stats
+        return generate_latest(self.exposed)
+
+
+def engine_stats(engine, live: int, up: bool) -> dict:
+    """What /metrics reports of the engine: read where the engine runs (a plain dict, so it can cross processes)."""
+    t, service = engine.timings, engine.guided.service
+    return dict(queue=len(engine.scheduler.waiting), running=len(engine.scheduler.running), live=live,
+                kv_used=engine.blocks.num_blocks - engine.blocks.num_free, kv_total=engine.blocks.num_blocks,
+                compiles=service.compiling() if service is not None else 0, steps=t.steps, gpu_idle=t.gpu_idle,
+                spec_rows=t.spec_rows, spec_proposed=t.spec_proposed, spec_accepted=t.spec_accepted,
+                acceptance_length=t.acceptance_length, up=float(up))
+
+
+DEAD_STATS = dict(queue=0, running=0, live=0, kv_used=0, kv_total=0, compiles=0, steps=0, gpu_idle=0.0, spec_rows=0,
+                  spec_proposed=0, spec_accepted=0, acceptance_length=0.0, up=0.0)
 
 
 class EngineCollector:
-    def __init__(self, aengine):
-        self.aengine = aengine
+    """Engine-level series from the last `engine_stats` (set just before each render)."""
+
+    def __init__(self):
+        self.stats = DEAD_STATS
 
     def collect(self):
-        eng, t = self.aengine.engine, self.aengine.engine.timings
-        used = eng.blocks.num_blocks - eng.blocks.num_free
-        yield _gauge("specdec_queue_length", "Requests waiting to be scheduled", len(eng.scheduler.waiting))
-        yield _gauge("specdec_running_requests", "Requests being scheduled", len(eng.scheduler.running))
-        yield _gauge("specdec_server_requests_in_progress", "Requests admitted by the server, not finished",
-                     self.aengine.live)
-        yield _gauge("specdec_kv_cache_usage_ratio", "Fraction of KV pages in use", used / max(eng.blocks.num_blocks, 1))
-        yield _gauge("specdec_kv_blocks_used", "KV pages in use", used)
-        yield _gauge("specdec_kv_blocks_total", "KV pages", eng.blocks.num_blocks)
-        service = eng.guided.service
+        s = self.stats
+        yield _gauge("specdec_queue_length", "Requests waiting to be scheduled", s["queue"])
+        yield _gauge("specdec_running_requests", "Requests being scheduled", s["running"])
+        yield _gauge("specdec_server_requests_in_progress", "Requests admitted by the server, not finished", s["live"])
+        yield _gauge("specdec_kv_cache_usage_ratio", "Fraction of KV pages in use", s["kv_used"] / max(s["kv_total"], 1))
+        yield _gauge("specdec_kv_blocks_used", "KV pages in use", s["kv_used"])
+        yield _gauge("specdec_kv_blocks_total", "KV pages", s["kv_total"])
         yield _gauge("specdec_grammar_compiles_unfinished", "Grammar compiles queued or running (abandoned ones too)",
-                     service.compiling() if service is not None else 0)
-        yield _counter("specdec_steps", "Committed engine steps", t.steps)
-        yield _counter("specdec_gpu_idle_seconds", "Compute stream idle between steps (CUDA)", t.gpu_idle)
+                     s["compiles"])
+        yield _counter("specdec_steps", "Committed engine steps", s["steps"])
+        yield _counter("specdec_gpu_idle_seconds", "Compute stream idle between steps (CUDA)", s["gpu_idle"])
         yield _gauge("specdec_gpu_idle_per_step_seconds", "Mean compute-stream idle per step since start",
-                     t.gpu_idle / t.steps if t.steps else 0.0)
-        yield _counter("specdec_spec_verify_rows", "Row-steps that verified drafts", t.spec_rows)
-        yield _counter("specdec_spec_draft_tokens", "Draft tokens verified", t.spec_proposed)
-        yield _counter("specdec_spec_accepted_tokens", "Draft tokens accepted", t.spec_accepted)
+                     s["gpu_idle"] / s["steps"] if s["steps"] else 0.0)
+        yield _counter("specdec_spec_verify_rows", "Row-steps that verified drafts", s["spec_rows"])
+        yield _counter("specdec_spec_draft_tokens", "Draft tokens verified", s["spec_proposed"])
+        yield _counter("specdec_spec_accepted_tokens", "Draft tokens accepted", s["spec_accepted"])
         yield _gauge("specdec_spec_acceptance_length", "Tokens per verifying row-step since start (0: none)",
-                     t.acceptance_length)
-        yield _gauge("specdec_engine_up", "1 while the engine thread runs", float(self.aengine.healthy()))
+                     s["acceptance_length"])
+        yield _gauge("specdec_engine_up", "1 while the engine runs", s["up"])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -89,3 +109,12 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
+
+
+def _exposed(own: CollectorRegistry) -> CollectorRegistry:
+    """The registry /metrics renders: this process's own, or every API process's series summed."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return own
+    summed = CollectorRegistry()
+    multiprocess.MultiProcessCollector(summed)
+    return summed

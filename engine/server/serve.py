@@ -1,5 +1,6 @@
-"""`specdec serve`: build the engine, then run the app under uvicorn on a socket bound here (port 0 picks a
-free port; the "listening" line names the real one once requests can be served)."""
+"""`specdec serve`: an engine process and API processes in front of it (engine/server/supervisor.py), or with
+--single-process the engine on a thread beside the app. Port 0 picks a free port; the "listening" line names the
+real one once requests can be served."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,10 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-key-header", default=None, metavar="NAME",
                    help="take a request's client, for its share of the grammar compiles, from this header (e.g. a "
                         "gateway's user header) instead of its address; only behind a proxy that sets it")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="API processes (HTTP, templates, tokenization, SSE) in front of the one engine process")
+    p.add_argument("--single-process", action="store_true",
+                   help="run the engine on a thread of the one HTTP process instead of a process of its own")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -45,26 +50,41 @@ def build_state(args):
     aengine = AsyncEngine(engine, max_queued=args.max_queued, stream_interval=args.stream_interval)
     names = args.served_model_name or [engine.source.name]
     limits = RequestLimits.for_model(tokenizer, engine.max_model_len, args.max_request_bytes)
-    return ServerState(aengine, tokenizer, names[0], ServerMetrics(aengine), limits, aliases=tuple(names[1:]),
+    return ServerState(aengine, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
                        client_key_header=args.client_key_header)
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:                              # several API processes on one port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
 
 def cmd_serve(args) -> int:
+    if args.max_queued < 0 or args.stream_interval < 0:
+        raise ValueError("--max-queued and --stream-interval must be >= 0")
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count must be >= 1")
+    if args.single_process:
+        if args.api_server_count != 1:
+            raise ValueError("--single-process runs one API server: drop --api-server-count")
+        return serve_in_process(args)
+    from engine.server.supervisor import run
+    return run(args)
+
+
+def serve_in_process(args) -> int:
+    """The engine on a thread of the HTTP process (one GIL for both): for tests and side-by-side measurements."""
     import uvicorn
 
     from engine.server.app import create_app
-    if args.max_queued < 0 or args.stream_interval < 0:
-        raise ValueError("--max-queued and --stream-interval must be >= 0")
     state = build_state(args)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -36,13 +36,13 @@ def add_utility_routes(app: FastAPI, state, handle) -> None:
         body = await read_json(request, state.limits.max_body_bytes)
         _check_model(state, body)
         ids = await asyncio.get_running_loop().run_in_executor(None, _tokenize, state, body)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
     async def build_detokenize(request: Request, arrival: float):
         body = await read_json(request, state.limits.max_body_bytes)
         _check_model(state, body)
         ids = body.get("tokens")
-        vocab = state.engine.runner.vocab
+        vocab = state.info.vocab
         if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise APIError(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": _tokenizer(state).decode(ids)}

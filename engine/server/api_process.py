@@ -1,0 +1,43 @@
+"""An API process: the FastAPI app under uvicorn (parsing, chat templates, tokenization, tool parsing,
+detokenization, SSE), in front of the engine process. Several may share one port (SO_REUSEPORT): the kernel
+spreads connections over them."""
+from __future__ import annotations
+
+import argparse
+import signal
+
+from engine.server import ipc
+
+
+def main(options: dict, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int, port: int, alive, ready) -> None:
+    """Process entry. `ready` gets the client index once this process serves; `alive` reads EOF once the engine
+    process is gone."""
+    from engine.server.engine_process import die_with_parent
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)       # the supervisor stops this process (SIGTERM)
+    import uvicorn
+
+    from engine.server.app import create_app
+    from engine.server.serve import bind
+    args = argparse.Namespace(**options)
+    state = build_state(args, info, addresses, client, alive)
+    state.on_ready = lambda: ready.send(client)
+    sock = bind(args.host, port, reuse_port=True)
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def build_state(args, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int, alive):
+    from engine.models.loader import load_tokenizer, resolve_model
+    from engine.server.app import ServerState
+    from engine.server.engine_client import EngineClient
+    from engine.server.limits import RequestLimits
+    from engine.server.metrics import ServerMetrics
+
+    # the engine resolved (and converted) the model already: this finds its directory
+    tokenizer = load_tokenizer(resolve_model(info.tokenizer_path)) if info.tokenizer_path else None
+    eclient = EngineClient(addresses, client, info, tokenizer, alive, stream_interval=args.stream_interval)
+    names = args.served_model_name or [info.name]
+    limits = RequestLimits.for_model(tokenizer, info.max_model_len, args.max_request_bytes)
+    return ServerState(eclient, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
+                       client_key_header=args.client_key_header)

@@ -1,0 +1,164 @@
+"""The frames between API processes and the engine process: msgspec structs, msgpack-encoded, over ZeroMQ IPC
+sockets (engine/server/engine_process.py, engine/server/engine_client.py).
+
+Sockets: every API process PUSHes to the engine's one PULL socket (`inbox`); the engine PUSHes to each API
+process's own PULL socket (`outbox_<client>`). One frame per message; a step's outputs for one API process
+travel as one `Outputs` frame. Requests go in as token ids; text comes back only for the choices that have
+stop strings (the engine must read text to stop on it), every other choice is detokenized by its API process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+
+import msgspec
+
+from engine.guided.spec import Guide
+from engine.sequence import SamplingParams
+
+
+# ---- API process -> engine -----------------------------------------------------------------------------------
+class Add(msgspec.Struct, tag=True, array_like=True):
+    client: int
+    sub: int                    # the API process's id for this submission (its choices share it)
+    prompt: list[int]
+    params: list[dict]          # one SamplingParams' fields per choice
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    client: int
+    sub: int
+
+
+class Compile(msgspec.Struct, tag=True, array_like=True):
+    client: int
+    token: int
+    guide: tuple[str, str, bool]        # Guide(kind, source, any_whitespace)
+    owner: str | None                   # the client whose share of the compile pool it takes
+
+
+class CancelCompile(msgspec.Struct, tag=True, array_like=True):
+    client: int
+    token: int
+
+
+class Stats(msgspec.Struct, tag=True, array_like=True):
+    client: int
+    token: int
+
+
+# ---- engine -> API process -----------------------------------------------------------------------------------
+class Added(msgspec.Struct, tag=True, array_like=True):
+    sub: int
+    code: str = ""              # "" (added), "invalid" (400), "overloaded" (429), "dead" (503)
+    message: str = ""
+
+
+class Out(msgspec.Struct, array_like=True):
+    sub: int
+    choice: int
+    new_ids: list[int]
+    text: str | None            # set only for choices the engine detokenizes (stop strings)
+    finished: bool = False
+    reason: str | None = None
+    error: str | None = None
+    spec: dict | None = None
+
+
+class Outputs(msgspec.Struct, tag=True, array_like=True):
+    items: list[Out]
+
+
+class Compiled(msgspec.Struct, tag=True, array_like=True):
+    token: int
+    code: str                   # "ok", "invalid" (400) or "busy" (429)
+    message: str = ""
+
+
+class StatsReply(msgspec.Struct, tag=True, array_like=True):
+    token: int
+    stats: dict
+
+
+class Fatal(msgspec.Struct, tag=True, array_like=True):
+    message: str                # the engine stopped: why
+
+
+ToEngine = Add | Abort | Compile | CancelCompile | Stats
+ToClient = Added | Outputs | Compiled | StatsReply | Fatal
+
+encode = msgspec.msgpack.Encoder().encode
+
+
+def engine_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToEngine)
+
+
+def client_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToClient)
+
+
+# ---- values --------------------------------------------------------------------------------------------------
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    """The constructor's fields (SamplingParams validates them again in the engine process)."""
+    return {name: getattr(params, name) for name in _PARAM_FIELDS}
+
+
+def params_from_wire(fields: dict) -> SamplingParams:
+    unknown = set(fields) - set(_PARAM_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown sampling parameters {sorted(unknown)}")
+    return SamplingParams(**fields)
+
+
+def guide_to_wire(guide: Guide) -> tuple[str, str, bool]:
+    return (guide.kind, guide.source, guide.any_whitespace)
+
+
+def guide_from_wire(wire) -> Guide:
+    return Guide(*wire)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP side needs to know of the engine (sent once, when the engine process is ready)."""
+    name: str
+    max_model_len: int
+    vocab: int
+    eos_ids: tuple[int, ...]
+    tokenizer_path: str | None          # the engine's tokenizer directory (None: the model has none)
+    compile_timeout_s: float
+    started: float                      # time.time() when the engine came up
+
+
+def model_info(engine) -> ModelInfo:
+    path = engine.tokenizer_source.path if engine.tokenizer is not None else None
+    return ModelInfo(engine.source.name, engine.max_model_len, engine.runner.vocab, tuple(sorted(engine.eos_ids)),
+                     str(path) if path is not None else None, engine.config.grammar_compile_timeout_s, time.time())
+
+
+@dataclasses.dataclass(frozen=True)
+class Addresses:
+    """IPC endpoints of one server, in a private temporary directory."""
+    folder: str
+
+    @classmethod
+    def create(cls) -> "Addresses":
+        return cls(tempfile.mkdtemp(prefix="specdec-ipc-"))
+
+    @property
+    def inbox(self) -> str:
+        return f"ipc://{self.folder}/engine"
+
+    def outbox(self, client: int) -> str:
+        return f"ipc://{self.folder}/api-{client}"
+
+    def remove(self) -> None:
+        for name in os.listdir(self.folder):
+            os.unlink(os.path.join(self.folder, name))
+        os.rmdir(self.folder)

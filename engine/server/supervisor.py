@@ -1,0 +1,142 @@
+"""`specdec serve`'s first process: starts the engine process, then --api-server-count API processes on one port,
+prints the "listening" line once all serve, and stops them all on SIGINT/SIGTERM.
+
+Failure handling: the engine process ending (a bug, a lost tensor-parallel worker, a kill) leaves the API
+processes up, answering 503 that names it (they see it on the `alive` pipe); an API process ending stops the
+server (the engine goes too). Every child dies with this process (PR_SET_PDEATHSIG), so nothing is left
+holding the GPU even when this one is killed outright.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from multiprocessing.connection import wait
+
+from engine.server import api_process, engine_process, ipc
+
+STOP_WAIT_S = 10.0
+
+
+def run(args) -> int:
+    ctx = mp.get_context("spawn")
+    addresses = ipc.Addresses.create()
+    stopping = []
+    previous = {s: signal.signal(s, lambda *_: stopping.append(1)) for s in (signal.SIGINT, signal.SIGTERM)}
+    metrics_dir = _metrics_dir(args.api_server_count)
+    engine = apis = None
+    try:
+        engine, info, alive = _start_engine(ctx, args, addresses)
+        if info is None:
+            return 2
+        reservation = _reserve(args.host, args.port)
+        host, port = reservation.getsockname()[:2]
+        apis, ready = _start_apis(ctx, args, info, addresses, port, alive)
+        alive.close()
+        if not _wait_ready(apis, ready, engine, stopping):
+            return 1
+        reservation.close()
+        name = args.served_model_name[0] if args.served_model_name else info.name
+        print(f"specdec serve: listening on http://{host}:{port} (model {name}; engine pid {engine.pid}, "
+              f"API pids {' '.join(str(p.pid) for p in apis)})", flush=True)
+        return _watch(engine, apis, stopping)
+    finally:
+        _stop(apis or [], engine)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        addresses.remove()
+        if metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _start_engine(ctx, args, addresses):
+    ready_r, ready_w = ctx.Pipe(duplex=False)
+    alive_r, alive_w = ctx.Pipe(duplex=False)
+    engine = ctx.Process(target=engine_process.main, name="specdec-engine",
+                         args=(vars(args), addresses, args.api_server_count, ready_w, alive_w))
+    engine.start()
+    ready_w.close()
+    alive_w.close()                   # from now on only the engine process holds the write end
+    try:
+        kind, value = ready_r.recv()
+    except EOFError:
+        engine.join(5)
+        kind, value = "error", f"the engine process exited during start-up (exit code {engine.exitcode})"
+    if kind != "ready":
+        print(f"specdec: error: {value}", file=sys.stderr)
+        return engine, None, alive_r
+    return engine, value, alive_r
+
+
+def _start_apis(ctx, args, info, addresses, port, alive):
+    ready_r, ready_w = ctx.Pipe(duplex=False)
+    apis = []
+    for client in range(args.api_server_count):
+        p = ctx.Process(target=api_process.main, name=f"specdec-api-{client}",
+                        args=(vars(args), info, addresses, client, port, alive, ready_w))
+        p.start()
+        apis.append(p)
+    ready_w.close()
+    return apis, ready_r
+
+
+def _wait_ready(apis, ready_r, engine, stopping) -> bool:
+    waiting, count = [p.sentinel for p in apis], 0
+    while count < len(apis):
+        if stopping:
+            return False
+        for obj in wait([ready_r, engine.sentinel, *waiting], timeout=0.5):
+            if obj is ready_r:
+                ready_r.recv()
+                count += 1
+            else:
+                print("specdec: error: a server process exited during start-up", file=sys.stderr)
+                return False
+    return True
+
+
+def _watch(engine, apis, stopping) -> int:
+    code = 0
+    sentinels = {engine.sentinel: engine, **{p.sentinel: p for p in apis}}
+    while not stopping:
+        for obj in wait(list(sentinels), timeout=0.5):
+            proc = sentinels.pop(obj)
+            if proc is engine:        # the API processes answer 503 from now on
+                print(f"specdec serve: the engine process exited (exit code {engine.exitcode})", file=sys.stderr)
+                code = 1
+            else:
+                print(f"specdec serve: API process {proc.name} exited (exit code {proc.exitcode}); stopping",
+                      file=sys.stderr)
+                return 1
+    return code
+
+
+def _stop(apis, engine) -> None:
+    """API processes first (uvicorn finishes its responses), then the engine; whatever lingers is killed."""
+    for group in (apis, [engine] if engine is not None else []):
+        for p in group:
+            if p.is_alive():
+                p.terminate()
+        for p in group:
+            p.join(STOP_WAIT_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _reserve(host: str, port: int):
+    """Hold the port (bound, not listening: no connection lands here) while the API processes bind it too."""
+    from engine.server.serve import bind
+    return bind(host, port, reuse_port=True, listen=False)
+
+
+def _metrics_dir(count: int) -> str | None:
+    """Several API processes: prometheus-client's multiprocess mode (set before they import it)."""
+    if count <= 1:
+        return None
+    folder = tempfile.mkdtemp(prefix="specdec-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    return folder

@@ -1,0 +1,162 @@
+"""`specdec serve` as an engine process behind API processes: the text the API process detokenizes equals the
+engine's own, several API processes share one port and one engine, and killing any process is handled (CPU)."""
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.sequence import SamplingParams
+from serving import CPU_ARGS, descendants, serve
+
+DUMMY = ("--model", "dummy:smollm2-tiny", "--tokenizer", "default", *CPU_ARGS)
+ASK = [{"role": "user", "content": "Name three colours, one per line."}]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone(pids, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])         # utime + stime
+
+
+# ---- the text --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("params", [
+    dict(max_tokens=40, temperature=0),
+    dict(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True),
+    dict(max_tokens=40, temperature=0, stop_token_ids=(13,)),
+], ids=["greedy", "sampled-ignore-eos", "stop-token-id"])
+def test_text_from_token_ids_equals_the_engines(engine, chat_prompts, params):
+    """What an API process makes of the engine's token ids (TextStream) is the engine's own text, piece by piece
+    joined, for the same tokens: EOS and stop ids stay out of the text, held bytes come out at the end."""
+    from engine.server.engine_client import TextStream
+    from engine.server.ipc import Out
+    sp = SamplingParams(**params)
+    for prompt in chat_prompts[:3]:
+        want = engine.stream(prompt, sp)
+        texts, ids, reason = [], [], None
+        for out in want:
+            texts.append(out.new_text)
+            ids.append(list(out.new_token_ids))
+            reason = out.finish_reason
+        stream = TextStream(engine.tokenizer, sp, frozenset(engine.eos_ids))
+        got = [stream.output(Out(0, 0, step, None, i == len(ids) - 1, reason if i == len(ids) - 1 else None)).new_text
+               for i, step in enumerate(ids)]
+        assert "".join(got) == "".join(texts) and reason is not None
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512") as s:
+        yield s
+
+
+def test_stop_strings_cut_the_text_where_the_engine_does(default_server, engine, chat_prompts):
+    """A choice with stop strings is detokenized by the engine process (it stops on the text) and sent along."""
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompt = engine.apply_chat_template(ASK)
+    [free] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0))
+    stop = free.text[len(free.text) // 2:][:3]
+    [want] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=[stop]))
+    r = client.chat.completions.create(model=default_server.model, messages=ASK, max_tokens=40, temperature=0,
+                                       stop=[stop])
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=default_server.model, messages=ASK, max_tokens=40,
+                                              temperature=0, stop=[stop], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want.text
+    default_server.wait_idle()
+
+
+def test_single_process_mode_gives_the_same_text(default_server):
+    body = dict(model=default_server.model, messages=ASK, max_tokens=24, temperature=0)
+    split = httpx.post(f"{default_server.url}/v1/chat/completions", json=body, timeout=120).json()
+    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", "--single-process") as one:
+        assert one.pids() == (None, [])
+        single = httpx.post(f"{one.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert single["choices"][0]["message"] == split["choices"][0]["message"]
+
+
+# ---- several API processes -------------------------------------------------------------------------------------
+def test_two_api_processes_share_the_port_and_the_metrics():
+    with serve(*DUMMY, "--api-server-count", "2", "--max-num-seqs", "8") as server:
+        engine_pid, apis = server.pids()
+        assert len(apis) == 2 and engine_pid not in apis
+        before = {pid: _cpu_ticks(pid) for pid in apis}
+        body = dict(model=server.model, messages=ASK, max_tokens=8)
+        results = []
+
+        def one():                     # a new connection each: the kernel spreads them over both processes
+            results.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).status_code)
+        threads = [threading.Thread(target=one) for _ in range(48)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [200] * 48
+        assert all(_cpu_ticks(pid) > before[pid] for pid in apis), "one API process got no requests"
+        m = server.wait_idle()
+        assert m["specdec_requests_total{endpoint=chat,status=200}"] == 48     # summed over both processes
+        assert m["specdec_engine_up"] == 1
+
+
+# ---- killing one side ------------------------------------------------------------------------------------------
+def test_a_killed_engine_process_turns_requests_and_health_into_503():
+    with serve(*DUMMY, "--max-num-seqs", "4") as server:
+        engine_pid, [api] = server.pids()
+        outcome = {}
+
+        def long_request():
+            outcome["r"] = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json=dict(
+                model=server.model, messages=ASK, max_tokens=4000, ignore_eos=True))
+        t = threading.Thread(target=long_request)
+        t.start()
+        deadline = time.monotonic() + 60
+        while server.metrics()["specdec_running_requests"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(engine_pid, signal.SIGKILL)
+        t.join(60)
+        r = outcome["r"]
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"], r.text
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and "the engine process exited" in health.json()["error"]
+        again = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                           json=dict(model=server.model, messages=ASK, max_tokens=4))
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_stopped"
+        assert _alive(api) and server.metrics()["specdec_engine_up"] == 0
+
+
+def test_a_killed_api_process_stops_the_server_and_its_engine():
+    with serve(*DUMMY) as server:
+        engine_pid, [api] = server.pids()
+        os.kill(api, signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+        assert _gone([engine_pid]), "the engine process outlived the server"
+
+
+def test_a_killed_supervisor_leaves_no_process_behind():
+    with serve(*DUMMY, "--api-server-count", "2") as server:
+        children = [pid for pid, _ in descendants(server.proc.pid)]
+        engine_pid, apis = server.pids()
+        assert {engine_pid, *apis} <= set(children)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        assert _gone(children), "a server process outlived the one that started it"
