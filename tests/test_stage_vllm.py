@@ -1,5 +1,6 @@
-"""bench/peers/stage_vllm.py on small fake wheels: split into parts, collect them in any order through the
-generated setup.sh, join (sha256), install with pip --target, skip what the interpreter already has."""
+"""bench/peers/stage_vllm.py and install_parts.py on small fake wheels: split into parts, collect them in any
+order through the generated setup.sh, join (sha256), install with pip --target, skip what the interpreter
+already has."""
 import base64
 import hashlib
 import importlib.metadata
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.peers import install_parts as ip
 from bench.peers import stage_vllm as sv
 
 KiB = 1024
@@ -95,14 +97,14 @@ def test_join_rejects_a_corrupt_piece(staged):
     stage = root / "stage"
     manifest = None
     for part in sorted((root / "parts").iterdir()):
-        manifest = sv.collect(part, stage)
+        manifest = ip.collect(part, stage)
     name = next(f["pieces"][1][0] for f in manifest["files"] if len(f["pieces"]) > 1)
     data = bytearray((stage / name).read_bytes())
     data[100] ^= 0xFF
     (stage / name).write_bytes(bytes(data))
-    assert sv.missing_parts(manifest, stage) == []
+    assert ip.missing_parts(manifest, stage) == []
     with pytest.raises(SystemExit, match="sha256 mismatch"):
-        sv.join(manifest, stage)
+        ip.join(manifest, stage)
 
 
 def test_slim_wheel_drops_members_and_record_lines(tmp_path):
@@ -136,3 +138,8 @@ def test_schema_tar_is_deterministic(tmp_path):
     assert sha(a) == sha(b)
     with tarfile.open(a) as t:
         assert t.getnames() == ["maskbench/JME_2.json"]
+
+
+def test_wheel_key():
+    assert ip.wheel_key("annotated-types==0.8.0") == ip.wheel_key("annotated_types-0.8.0-py3-none-any.whl")
+    assert ip.wheel_key("/w/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl") == ("vllm", "0.26.0")

@@ -1,0 +1,247 @@
+"""Our engine beside vLLM on one GPU: the same checkpoint directory, prompts and lengths, greedy decoding.
+
+    python bench/peers_vllm.py                                  # both sides, 1/8/32/64 streams, bf16
+    python bench/peers_vllm.py --sides vllm --parts decode --streams 1 8 --out /root/pv/peers_vllm.json
+    python bench/peers_vllm.py --dry-run                        # print the plan (any machine, imports nothing)
+
+Setup on the GPU machine (vLLM 0.26.0 staged into /root/vllm-site by bench/peers/stage_vllm.py): docs/peers.md.
+
+The driver resolves the checkpoint (engine.models.loader: the default GGUF, converted once to a bf16-loadable
+HF directory) and builds the work; each side then runs in its own process (bench/peers/sides.py: its own CUDA
+context, all memory back before the next side), ours in this environment, vLLM's with PYTHONPATH=--vllm-site
+alone. Each side builds one engine (max_num_seqs = the largest --streams) and runs, per streams value N:
+  decode  N chat prompts (bench.common.chat_prompts, as bench/throughput.py), ignore_eos, --new-tokens each;
+          after a warm-up (other prompts, 8 tokens), --repeats runs of 1 token (ttft_ms: the batch's prefill)
+          and of --new-tokens (medians). tok_s = N x new_tokens / wall, ms_per_step = wall / new_tokens,
+          tpot_ms = (wall - ttft) / (new_tokens - 1): each stream's per-token decode latency.
+  guided  request k asks for JSON schema k % S of --schemas (the first --schema-limit of JSON Mode Eval) with
+          bench/guided_quality.py's prompt, --guided-tokens cap, EOS allowed; one untimed round compiles every
+          grammar. Ours: SamplingParams(json_schema=...), compact JSON; vLLM: StructuredOutputsParams(json=...),
+          backend xgrammar, disable_any_whitespace: both compile the same xgrammar 0.2.8 grammar.
+  free    the guided prompts without a guide, ignore_eos, request k's max_tokens = its guided length:
+          guided_over_free = guided wall / free wall (the cost of the masks on that engine).
+Matched settings: bf16; max_num_batched_tokens 2048 (our default); memory fraction 0.5 (ours: KV cache share,
+vLLM: gpu_memory_utilization); no prefix caching (ours has none); CUDA graphs (vLLM: its default torch.compile
+with FULL_AND_PIECEWISE graphs). Cross-checks: same_tokens (decode: mean shared greedy prefix / new_tokens) and
+same_text (guided: share of identical outputs); over_vllm = our tok_s / vLLM's, on our rows.
+Writes --out (JSON), a .md, a .png (tok_s by streams) and .outputs.json (the token ids) beside it, after each
+side; prints the markdown last. --merge runs one side per command (each within a 10-minute device call).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+try:                                      # imported as bench.peers_vllm, or run as a script
+    from bench.common import REPO, chat_prompts, command_line, markdown_table, note, plot, record, write_results
+    from bench.guided_quality import PROMPT, load_schemas, resolve
+except ImportError:
+    from common import REPO, chat_prompts, command_line, markdown_table, note, plot, record, write_results
+    from guided_quality import PROMPT, load_schemas, resolve
+
+SIDES = ("specdec", "vllm")
+PARTS = ("decode", "guided")
+MODES = {"decode": ("decode",), "guided": ("guided", "free")}
+WORKER = REPO / "bench" / "peers" / "sides.py"
+COLUMNS = ["mode", "streams", "side", "tok_s", "over_vllm", "ms_per_step", "ttft_ms", "tpot_ms", "guided_over_free",
+           "mean_len", "finished_frac", "same_tokens", "same_text", "startup_s", "error"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model spec for engine.models.loader (default: the default model)")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--guided-tokens", type=int, default=256, help="guided: max_tokens cap")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per case (the median is kept)")
+    p.add_argument("--data", default=os.environ.get("SPECDEC_VLLM_DATA", "../shared/data/jsonschemabench"),
+                   help="root of the schema sets ($SPECDEC_VLLM_DATA on the GPU machine)")
+    p.add_argument("--schemas", default="maskbench/JME_*.json", help="guided: schema files (under --data)")
+    p.add_argument("--schema-limit", type=int, default=32, help="guided: the first N schemas")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--memory-fraction", type=float, default=0.5)
+    p.add_argument("--enforce-eager", action="store_true", help="both sides without CUDA graphs")
+    p.add_argument("--vllm-prefix-caching", action="store_true", help="let vLLM cache prefixes (ours has none)")
+    p.add_argument("--engine", type=json.loads, default={}, metavar="JSON", help="extra EngineConfig fields")
+    p.add_argument("--vllm-args", type=json.loads, default={}, metavar="JSON", help="extra vllm.LLM arguments")
+    p.add_argument("--vllm-site", default=os.environ.get("SPECDEC_VLLM_SITE", "/root/vllm-site"))
+    p.add_argument("--vllm-log-level", default="WARNING")
+    p.add_argument("--side-timeout", type=int, default=480, help="seconds one side may take")
+    p.add_argument("--out", default="bench/results/peers_vllm.json")
+    p.add_argument("--merge", action="store_true", help="keep the other sides' rows (and outputs) of an earlier "
+                   "run into --out: one side per command, cross-checked once both ran")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    return p.parse_args(argv)
+
+
+# ---- plan -------------------------------------------------------------------------------------------------
+def settings(args) -> dict:
+    return dict(max_num_batched_tokens=args.max_num_batched_tokens, memory_fraction=args.memory_fraction,
+                enforce_eager=args.enforce_eager, vllm_prefix_caching=args.vllm_prefix_caching,
+                engine=args.engine, vllm=args.vllm_args)
+
+
+def side_env(side: str, args) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if side == "vllm":                    # vLLM's wheels alone: not the engine's /root/site (other versions)
+        env.update(PYTHONPATH=args.vllm_site, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL=args.vllm_log_level)
+    return env
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+
+def build_plan(args) -> dict:
+    from engine.models.loader import load_tokenizer, resolve_model
+    src = resolve_model(args.model)
+    if src.path is None:
+        raise SystemExit(f"{src.name} has no checkpoint directory (dummy weights): vLLM needs one")
+    tok = load_tokenizer(src)
+    guided = []
+    if "guided" in args.parts:
+        for _, schema in load_schemas(resolve(args.schemas, args.data), args.schema_limit):
+            guided.append(dict(schema=schema, prompt=chat_ids(tok, PROMPT.format(json.dumps(schema)))))
+    eos = src.config.get("eos_token_id")
+    eos_ids = {*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None}
+    return dict(model_dir=str(src.path), model_name=src.name, eos_ids=sorted(eos_ids), dtype=args.dtype,
+                streams=args.streams, parts=args.parts, new_tokens=args.new_tokens,
+                guided_tokens=args.guided_tokens, repeats=args.repeats, guided=guided, settings=settings(args),
+                prompts=chat_prompts(tok, 2 * max(args.streams)))       # timed: [:N], warm-up: [-N:]
+
+
+def dry_run(args) -> None:
+    schemas = sorted(glob.glob(resolve(args.schemas, args.data)))[:args.schema_limit]
+    print(f"model: {args.model or os.environ.get('SPECDEC_MODEL') or 'default'} (converted HF directory), {args.dtype}")
+    print(f"streams {args.streams}; decode {args.new_tokens} tokens; guided cap {args.guided_tokens}; "
+          f"{args.repeats} repeats; parts {args.parts}")
+    print(f"schemas: {len(schemas)} files from {resolve(args.schemas, args.data)}")
+    print(f"settings: {json.dumps(settings(args))}")
+    for side in args.sides:
+        path = side_env(side, args).get("PYTHONPATH", "")
+        print(f"side {side}: {sys.executable} {WORKER.relative_to(REPO)} PLAN RESULT  (PYTHONPATH={path!r}, "
+              f"timeout {args.side_timeout} s)")
+    if "vllm" in args.sides and not Path(args.vllm_site).is_dir():
+        print(f"note: {args.vllm_site} does not exist here: stage it (docs/peers.md)")
+    print(f"out: {args.out} (+ .md, .png)")
+
+
+# ---- sides ------------------------------------------------------------------------------------------------
+def run_side(side: str, plan: dict, args, tmp: Path) -> dict:
+    plan_path, result_path = tmp / f"plan_{side}.json", tmp / f"result_{side}.json"
+    plan_path.write_text(json.dumps(dict(plan, side=side)))
+    note(f"{side}: starting its process")
+    try:
+        rc = subprocess.run([sys.executable, str(WORKER), str(plan_path), str(result_path)], cwd=REPO,
+                            env=side_env(side, args), timeout=args.side_timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timed out after {args.side_timeout} s"
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    return dict(records=[], outputs={}, error=f"the {side} process ended ({rc}) without a result (output above)")
+
+
+def failed_rows(side: str, plan: dict, error: str) -> list[dict]:
+    return [record("peers_vllm", mode, plan["model_name"], plan["dtype"], n, plan["new_tokens"], None, None,
+                   side=side, label=f"{side} {mode}", error=error)
+            for n in plan["streams"] for part in plan["parts"] for mode in MODES[part]]
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def cross_check(records: list[dict], outputs: dict, plan: dict) -> None:
+    """same_tokens / same_text on both sides' rows, over_vllm on ours (where both sides ran)."""
+    by = {(r["side"], r["mode"], r["streams"]): r for r in records}
+    for n in plan["streams"]:
+        ours, theirs = (outputs.get(s, {}) for s in SIDES)
+        same = {}
+        if str(n) in ours.get("decode", {}) and str(n) in theirs.get("decode", {}):
+            pairs = zip(ours["decode"][str(n)], theirs["decode"][str(n)])
+            same["decode"] = dict(same_tokens=sum(shared_prefix(a, b) for a, b in pairs) / (n * plan["new_tokens"]))
+        if str(n) in ours.get("guided", {}) and str(n) in theirs.get("guided", {}):
+            pairs = zip(ours["guided"][str(n)], theirs["guided"][str(n)])
+            strip = lambda ids: ids[:-1] if ids and ids[-1] in plan.get("eos_ids", ()) else ids   # noqa: E731
+            same["guided"] = dict(same_text=sum(strip(a) == strip(b) for a, b in pairs) / n)
+        for mode in ("decode", "guided", "free"):
+            a, b = by.get(("specdec", mode, n)), by.get(("vllm", mode, n))
+            for r in (a, b):
+                if r is not None:
+                    r.update(same.get(mode, {}))
+            if a and b and a.get("tok_s") and b.get("tok_s"):
+                a.update(vllm_tok_s=b["tok_s"], over_vllm=a["tok_s"] / b["tok_s"])
+
+
+# ---- output -----------------------------------------------------------------------------------------------
+def write_markdown(records: list[dict], path: Path) -> str:
+    r = records[0]
+    versions = sorted({x.get("vllm_version") for x in records if x.get("vllm_version")})
+    commands = "; ".join(f"`{c}`" for c in dict.fromkeys(x["command"] for x in records))
+    commits = ", ".join(sorted({x["git_commit"] for x in records}))
+    head = (f"{commands} on {r['device']}, commit {commits}; {r['model']} {r['dtype']}, greedy; "
+            f"vLLM {', '.join(versions) or '(not run)'}. Method: bench/peers_vllm.py's docstring.")
+    order = {"decode": 0, "guided": 1, "free": 2}
+    rows = sorted(records, key=lambda x: (order.get(x["mode"], 9), x["streams"], x["side"]))
+    cols = [c for c in COLUMNS if any(x.get(c) is not None for x in rows)]
+    text = head + "\n\n" + markdown_table(rows, cols)
+    path.write_text(text + "\n")
+    return text
+
+
+def earlier(args) -> tuple[list[dict], dict]:
+    """--merge: the rows and outputs of sides not run now, from an earlier run into the same --out."""
+    out, stem = Path(args.out), args.out.rsplit(".", 1)[0]
+    if not args.merge or not out.exists():
+        return [], {}
+    rows = [r for r in json.loads(out.read_text()) if r.get("side") not in args.sides]
+    path = Path(stem + ".outputs.json")
+    outputs = {k: v for k, v in json.loads(path.read_text()).items() if k not in args.sides} if path.exists() else {}
+    note(f"--merge: kept {len(rows)} rows of {sorted({r['side'] for r in rows})} from {out}")
+    return rows, outputs
+
+
+def write_all(records: list[dict], outputs: dict, plan: dict, args) -> None:
+    """JSON, PNG and markdown of what has run so far (after each side: a later hang keeps the earlier one)."""
+    cross_check(records, outputs, plan)
+    out = Path(args.out)
+    write_results(records, out)
+    stem = str(out).rsplit(".", 1)[0]
+    Path(stem + ".outputs.json").write_text(json.dumps(outputs))      # token ids: for a later --merge
+    plot(records, "streams", "tok_s", "label", stem + ".png",
+         f"specdec vs vLLM ({plan['model_name']}, {args.dtype}, {args.new_tokens} new tokens)")
+    return write_markdown(records, Path(stem + ".md"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
+    plan = build_plan(args)
+    (records, outputs), text = earlier(args), ""
+    with tempfile.TemporaryDirectory(prefix="peers_vllm_") as tmp:
+        for side in args.sides:
+            res = run_side(side, plan, args, Path(tmp))
+            rows = res["records"] or failed_rows(side, plan, res["error"] or "no records")
+            for r in rows:
+                r["command"] = command_line()          # the driver's, not the side process's
+            records += rows
+            outputs[side] = res.get("outputs") or {}
+            text = write_all(records, outputs, plan, args)
+    print(text)
+    return records
+
+
+if __name__ == "__main__":
+    main()
