@@ -33,9 +33,11 @@ import argparse
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 try:                                      # imported as bench.peers_vllm, or run as a script
@@ -49,6 +51,7 @@ SIDES = ("specdec", "vllm")
 PARTS = ("decode", "guided")
 MODES = {"decode": ("decode",), "guided": ("guided", "free")}
 WORKER = REPO / "bench" / "peers" / "sides.py"
+EXIT_GRACE = 60                           # s a side may take to exit once its result is written
 COLUMNS = ["mode", "streams", "side", "tok_s", "over_vllm", "ms_per_step", "ttft_ms", "tpot_ms", "guided_over_free",
            "mean_len", "finished_frac", "same_tokens", "same_text", "startup_s", "error"]
 
@@ -139,17 +142,26 @@ def dry_run(args) -> None:
 
 # ---- sides ------------------------------------------------------------------------------------------------
 def run_side(side: str, plan: dict, args, tmp: Path) -> dict:
+    """The side's process, in its own session: ended with its children (vLLM's engine core) on a timeout or
+    when it has not exited EXIT_GRACE s after writing its result."""
     plan_path, result_path = tmp / f"plan_{side}.json", tmp / f"result_{side}.json"
     plan_path.write_text(json.dumps(dict(plan, side=side)))
     note(f"{side}: starting its process")
-    try:
-        rc = subprocess.run([sys.executable, str(WORKER), str(plan_path), str(result_path)], cwd=REPO,
-                            env=side_env(side, args), timeout=args.side_timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = f"timed out after {args.side_timeout} s"
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(plan_path), str(result_path)], cwd=REPO,
+                            env=side_env(side, args), start_new_session=True)
+    start, done = time.monotonic(), None
+    while proc.poll() is None:
+        now = time.monotonic()
+        done = done or (now if result_path.exists() else None)
+        if now - start > args.side_timeout or (done and now - done > EXIT_GRACE):
+            note(f"{side}: ending its process ({'timed out' if not done else 'slow to exit'})")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        time.sleep(0.5)
     if result_path.exists():
         return json.loads(result_path.read_text())
-    return dict(records=[], outputs={}, error=f"the {side} process ended ({rc}) without a result (output above)")
+    return dict(records=[], outputs={}, error=f"the {side} process ended ({proc.returncode}) without a result "
+                f"after {time.monotonic() - start:.0f} s (its output is above)")
 
 
 def failed_rows(side: str, plan: dict, error: str) -> list[dict]:

@@ -5,7 +5,9 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,6 +64,44 @@ def test_cross_check():
     assert by["vllm", "guided"]["same_text"] == 0.5 and "same_text" not in by["specdec", "free"]
     assert by["specdec", "free"]["over_vllm"] == 1.5 and "over_vllm" not in by["vllm", "decode"]
     assert pv.shared_prefix([1, 2], [1, 2, 3]) == 2 and pv.shared_prefix([], [1]) == 0
+
+
+def test_run_side_ends_a_side_slow_to_exit_and_one_past_its_timeout(tmp_path, monkeypatch):
+    worker = tmp_path / "worker.py"
+    worker.write_text("import json, subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                      "open(sys.argv[3], 'w').write(str(child.pid))\n"
+                      "if 'exit' in sys.argv[1]:\n"
+                      "    open(sys.argv[2], 'w').write(json.dumps({'records': [1], 'outputs': {}}))\n"
+                      "time.sleep(60)\n")
+    monkeypatch.setattr(pv, "WORKER", worker)
+    monkeypatch.setattr(pv, "EXIT_GRACE", 1)
+    plan = dict(streams=[1], parts=["decode"])
+    for side, timeout in (("exit", 30), ("hang", 2)):
+        pidfile = tmp_path / f"{side}.pid"
+        monkeypatch.setattr(pv.subprocess, "Popen", _with_pidfile(pv.subprocess.Popen, pidfile))
+        res = pv.run_side(side, plan, SimpleNamespace(side_timeout=timeout, vllm_site=""), tmp_path)
+        assert res["records"] == ([1] if side == "exit" else [])
+        assert side == "exit" or "without a result" in res["error"]
+        assert _gone(int(pidfile.read_text()))          # its child (vLLM's engine core) went with it
+
+
+def _with_pidfile(popen, pidfile):
+    def start(cmd, **kw):
+        return popen([*cmd, str(pidfile)], **kw)
+    return start
+
+
+def _gone(pid: int) -> bool:
+    """Ended within 5 s (a zombie waiting for init to reap it counts as ended)."""
+    for _ in range(50):
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 @pytest.mark.slow

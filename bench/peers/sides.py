@@ -69,6 +69,9 @@ class Vllm:
         return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
 
     def close(self):
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:                  # the engine core process: stop it now, not at exit
+            core.shutdown(timeout=30)
         del self.llm
 
 
@@ -166,14 +169,18 @@ def run(plan: dict) -> dict:
                 records += [rec(dict(mode=m, new_tokens=plan["new_tokens"]), n, error=f"{type(e).__name__}: {e}")
                             for m in modes]
             gc.collect()
-    side.close()
-    return dict(records=records, outputs=outputs, error=None)
+    return dict(records=records, outputs=outputs, error=None, side=side)
 
 
 def main(argv=None):
-    plan_path, result_path = (argv or sys.argv[1:])[:2]
-    result = run(json.loads(Path(plan_path).read_text()))
-    Path(result_path).write_text(json.dumps(result, default=str))
+    plan_path, result_path = map(Path, (argv or sys.argv[1:])[:2])
+    result = run(json.loads(plan_path.read_text()))
+    side = result.pop("side", None)
+    tmp = result_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    tmp.replace(result_path)                  # whole, before the engine closes: the driver ends a slow exit
+    if side is not None:
+        side.close()
 
 
 if __name__ == "__main__":
