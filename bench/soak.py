@@ -148,10 +148,33 @@ async def worker(clients, url: str, reqs: Requests, seed: int, deadline: float, 
 
 # ---- server state ------------------------------------------------------------------------------------------
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+    """Resident memory of the server: its process and every process under it (engine, API processes)."""
+    return sum(_own_rss_mb(p) for p in (pid, *_descendants(pid)))
+
+
+def _own_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return 0.0
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, ())
+    return out
 
 
 def gpu_used_mb() -> float:
