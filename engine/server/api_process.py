@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 
 from engine.server import ipc
 
@@ -18,7 +19,6 @@ def main(options: dict, info: ipc.ModelInfo, addresses: ipc.Addresses, client: i
     import uvicorn
 
     from engine.server.app import create_app
-    from engine.server.serve import bind
     args = argparse.Namespace(**options)
     state = build_state(args, info, addresses, client, alive)
     state.on_ready = lambda: ready.send(client)
@@ -41,3 +41,16 @@ def build_state(args, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int
     limits = RequestLimits.for_model(tokenizer, info.max_model_len, args.max_request_bytes)
     return ServerState(eclient, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
                        client_key_header=args.client_key_header)
+
+
+def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:                              # several API processes on one port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    if listen:
+        sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -4,7 +4,6 @@ real one once requests can be served."""
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 
 from engine.server.limits import DEFAULT_MAX_BODY_BYTES
@@ -54,19 +53,6 @@ def build_state(args):
                        client_key_header=args.client_key_header)
 
 
-def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:                              # several API processes on one port
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    if listen:
-        sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def cmd_serve(args) -> int:
     if args.max_queued < 0 or args.stream_interval < 0:
         raise ValueError("--max-queued and --stream-interval must be >= 0")
@@ -84,6 +70,7 @@ def serve_in_process(args) -> int:
     """The engine on a thread of the HTTP process (one GIL for both): for tests and side-by-side measurements."""
     import uvicorn
 
+    from engine.server.api_process import bind
     from engine.server.app import create_app
     state = build_state(args)
     sock = bind(args.host, args.port)

@@ -129,8 +129,7 @@ def _stop(apis, engine) -> None:
 
 def _reserve(host: str, port: int):
     """Hold the port (bound, not listening: no connection lands here) while the API processes bind it too."""
-    from engine.server.serve import bind
-    return bind(host, port, reuse_port=True, listen=False)
+    return api_process.bind(host, port, reuse_port=True, listen=False)
 
 
 def _metrics_dir(count: int) -> str | None:
