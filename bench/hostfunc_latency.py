@@ -174,7 +174,7 @@ def cuda_python_graph_records(args):
     callback = HOSTFN(lambda data: count.__setitem__(0, count[0] + 1))
     launch_one = cuda_python_launcher(stream, callback)
     count[0] = 0
-    graph = capture(launch_one, stream, keep_alive := [])
+    graph = capture(launch_one, stream, keep_alive := [])  # noqa: F841 (holds the launch's objects while it replays)
     timing = time_graph(graph, stream, args)
     expected = args.warmup + args.replays
     note = (f"replay count ok ({count[0]})" if count[0] == expected else

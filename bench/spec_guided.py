@@ -25,7 +25,6 @@ Records carry guided, draft_mask and forced_drafts booleans beside bench/spec.py
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 

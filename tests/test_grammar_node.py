@@ -15,12 +15,11 @@ import hostfunc
 from conftest import assert_no_leak
 from engine.guided import _native, native
 from engine.guided.compiler import GuidedRequest
-from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks, Snapshot
 from engine.guided.matching import GuidedRow
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from test_guided import CPU, drive, service, staggered
+from test_guided import CPU, drive, staggered
 from test_spec_guided import guided_workload  # noqa: F401 (a fixture)
 
 INFO = xgr.TokenizerInfo([chr(97 + i) for i in range(26)] + ["</s>"], stop_token_ids=[26])

@@ -5,7 +5,6 @@ Run: pytest -q -m gpu tests/test_hostfunc_gpu.py
 import gc
 import sys
 import threading
-import weakref
 
 import pytest
 import torch

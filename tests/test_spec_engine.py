@@ -133,7 +133,7 @@ def test_statistics_and_per_request_k(engine, spec_workload):
     off = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, num_speculative_tokens=0)
     outs = {}
     for params in (on, off):
-        rid = eng.add_request(prompt, params)
+        eng.add_request(prompt, params)
         while eng.has_unfinished():
             outs.update({o.request_id: o for o in eng.step() if o.finished})
     a, b = outs[0], outs[1]

@@ -137,7 +137,7 @@ def test_rope_store_kv_fp32_matches_reference_and_model(T, Hq, Hkv, D):
 
 def check_rope_low_precision(case, dtype):
     """Kernel vs its reference to a few ulps; vs the unfused model math loosely; v copied exactly."""
-    (q, kc, vc), (rq, rkc, rvc), (uq, ukc, uvc) = (rope_all(ops.rope_store_kv, case),
+    (q, kc, vc), (rq, rkc, rvc), (uq, ukc, _uvc) = (rope_all(ops.rope_store_kv, case),
                                                    rope_all(ops.rope_store_kv_ref, case), unfused_rope(case))
     torch.testing.assert_close(q, rq, **ULP[dtype])
     torch.testing.assert_close(q, uq, **LOOSE[dtype])
