@@ -23,6 +23,7 @@ run: setup
 	$(BIN)/specdec generate --prompt "$(PROMPT)" --json-schema $(SCHEMA) --max-tokens 128
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra
 
 serve: setup

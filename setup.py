@@ -22,7 +22,7 @@ setup(
         "pyzmq>=25", "msgspec>=0.18",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "accelerate", "jsonschema", "triton>=3.2", "openai>=1.40", "httpx"],
+        "test": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "accelerate", "jsonschema", "triton>=3.2", "openai>=1.40", "httpx"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["specdec=engine.cli:main"]},
