@@ -24,6 +24,9 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "accelerate", "jsonschema", "triton>=3.2", "openai>=1.40", "httpx"],
         "bench": ["matplotlib"],
+        # client libraries checked against `specdec serve` (tests/test_clients.py; not in `make test`: ~350 MB)
+        "clients": ["openai-agents==0.24.0", "pydantic-ai-slim[openai]==2.38.0", "langchain-openai==1.7.4",
+                    "instructor==1.17.0", "litellm==1.110.2"],
     },
     entry_points={"console_scripts": ["specdec=engine.cli:main"]},
     ext_modules=ext_modules,
