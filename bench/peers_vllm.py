@@ -66,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--guided-tokens", type=int, default=256, help="guided: max_tokens cap")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (the median is kept)")
-    p.add_argument("--data", default=os.environ.get("SPECDEC_VLLM_DATA", "../shared/data/jsonschemabench"),
+    p.add_argument("--data", default=os.environ.get("SPECDEC_VLLM_DATA", "tests/data"),
                    help="root of the schema sets ($SPECDEC_VLLM_DATA on the GPU machine)")
     p.add_argument("--schemas", default="maskbench/JME_*.json", help="guided: schema files (under --data)")
     p.add_argument("--schema-limit", type=int, default=32, help="guided: the first N schemas")

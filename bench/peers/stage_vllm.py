@@ -40,7 +40,9 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (35, 34, 31, 28, 27, 26, 24, 17,
 # under suppress(ImportError); Llama has no experts), the opt-in Rust frontend, DeepGEMM for other Pythons.
 DROP = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/vllm-rs",
         *(f"vllm/third_party/deep_gemm/_C.cpython-3{v}-x86_64-linux-gnu.so" for v in (10, 11, 13, 14)))
-SCHEMAS = "../shared/data/jsonschemabench/maskbench/JME_*.json"
+# every JSON Mode Eval schema of a JSONSchemaBench copy named by $SPECDEC_DATA, else the few kept in tests/data
+SCHEMAS = (f"{os.environ['SPECDEC_DATA']}/jsonschemabench/maskbench/JME_*.json" if os.environ.get("SPECDEC_DATA")
+           else str(REPO / "tests" / "data" / "maskbench" / "JME_*.json"))
 CALL_LIMIT, MARGIN = 64 << 20, 3 << 20
 
 
