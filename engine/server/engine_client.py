@@ -158,34 +158,32 @@ class EngineClient(Router):
                 continue
             sub, streams = entry
             batch.append((sub, item.choice, streams[item.choice].output(item)))
-        self.route(batch)
-        for item in items:
-            entry = self._subs.get(item.sub)
-            if item.finished and entry is not None and not entry[0].open_choices:
+            if item.finished and all(s.finished for s in streams):
                 del self._subs[item.sub]
+        self.route(batch)
 
     def _answer(self, key, value) -> None:
         waiter = self._waiters.pop(key, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(value)
 
-    async def request(self, kind: str, make) -> object:
-        """Send make(token) and wait for its reply (a compile's or the stats)."""
+    def _expect(self, kind: str, make) -> tuple[int, asyncio.Future]:
+        """Send make(token); -> the token and the future its reply (or EngineDead) resolves."""
         token = next(self._ids)
         waiter = self._waiters[(kind, token)] = self._loop.create_future()
         self._send(make(token))
-        try:
-            return await waiter
-        finally:
-            self._waiters.pop((kind, token), None)
+        return token, waiter
 
     async def stats(self) -> dict:
         if self.error is not None:
             return DEAD_STATS
+        token, waiter = self._expect("stats", lambda t: ipc.Stats(self.client, t))
         try:
-            return await asyncio.wait_for(self.request("stats", lambda t: ipc.Stats(self.client, t)), STATS_TIMEOUT_S)
-        except asyncio.TimeoutError:
+            return await asyncio.wait_for(waiter, STATS_TIMEOUT_S)
+        except (asyncio.TimeoutError, EngineDead):
             return dict(DEAD_STATS, up=float(self.error is None))
+        finally:
+            self._waiters.pop(("stats", token), None)
 
     # ---- the engine's end ------------------------------------------------------------------------------------
     def _engine_gone(self) -> None:
@@ -210,7 +208,7 @@ class EngineClient(Router):
             self.route(batch)
         for waiter in self._waiters.values():
             if not waiter.done():
-                waiter.set_result(("dead", f"{ENGINE_STOPPED}: {message}"))
+                waiter.set_exception(EngineDead(error))
 
 
 class RemoteGuides:
@@ -228,9 +226,8 @@ class RemoteGuides:
 class _RemoteTicket:
     def __init__(self, client: EngineClient, guide, owner):
         self.client = client
-        self.token = next(client._ids)
-        self.done = client._waiters[("compile", self.token)] = client._loop.create_future()
-        client._send(ipc.Compile(client.client, self.token, ipc.guide_to_wire(guide), owner))
+        self.token, self.done = client._expect(
+            "compile", lambda token: ipc.Compile(client.client, token, ipc.guide_to_wire(guide), owner))
 
     def finished(self) -> bool:
         return self.done.done()
@@ -241,10 +238,8 @@ class _RemoteTicket:
             self.client._send(ipc.CancelCompile(self.client.client, self.token))
 
     async def result(self) -> None:
-        code, message = await self.done
+        code, message = await self.done             # raises EngineDead if the engine went first
         if code == "busy":
             raise CompileBusy(message)
-        if code == "dead":
-            raise EngineDead(message)
         if code != "ok":
             raise ValueError(message)
