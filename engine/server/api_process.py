@@ -31,16 +31,11 @@ def build_state(args, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.server.app import ServerState
     from engine.server.engine_client import EngineClient
-    from engine.server.limits import RequestLimits
-    from engine.server.metrics import ServerMetrics
 
     # the engine resolved (and converted) the model already: this finds its directory
     tokenizer = load_tokenizer(resolve_model(info.tokenizer_path)) if info.tokenizer_path else None
     eclient = EngineClient(addresses, client, info, tokenizer, alive, stream_interval=args.stream_interval)
-    names = args.served_model_name or [info.name]
-    limits = RequestLimits.for_model(tokenizer, info.max_model_len, args.max_request_bytes)
-    return ServerState(eclient, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
-                       client_key_header=args.client_key_header)
+    return ServerState.for_engine(args, eclient, tokenizer)
 
 
 def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:

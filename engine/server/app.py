@@ -41,6 +41,14 @@ class ServerState:
     aliases: tuple = ()          # further names clients may ask for (--served-model-name a b ...)
     client_key_header: str | None = None    # the header naming a request's client (--client-key-header)
 
+    @classmethod
+    def for_engine(cls, args, aengine, tokenizer) -> "ServerState":
+        """The state `serve`'s options give, in front of `aengine` (an engine thread or the engine process)."""
+        names = args.served_model_name or [aengine.info.name]
+        limits = RequestLimits.for_model(tokenizer, aengine.info.max_model_len, args.max_request_bytes)
+        return cls(aengine, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
+                   client_key_header=args.client_key_header)
+
     @property
     def info(self):
         return self.aengine.info

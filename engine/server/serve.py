@@ -39,18 +39,13 @@ def build_state(args):
     from engine.models.loader import load_tokenizer
     from engine.server.app import ServerState
     from engine.server.async_engine import AsyncEngine
-    from engine.server.limits import RequestLimits
-    from engine.server.metrics import ServerMetrics
 
     config = engine_config(args, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     engine = LLMEngine(config)
     engine.guided.ensure_service()          # before any handler thread may compile with it
     tokenizer = load_tokenizer(engine.tokenizer_source)
     aengine = AsyncEngine(engine, max_queued=args.max_queued, stream_interval=args.stream_interval)
-    names = args.served_model_name or [engine.source.name]
-    limits = RequestLimits.for_model(tokenizer, engine.max_model_len, args.max_request_bytes)
-    return ServerState(aengine, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
-                       client_key_header=args.client_key_header)
+    return ServerState.for_engine(args, aengine, tokenizer)
 
 
 def cmd_serve(args) -> int:
