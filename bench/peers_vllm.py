@@ -20,12 +20,21 @@ alone. Each side builds one engine (max_num_seqs = the largest --streams) and ru
           backend xgrammar, disable_any_whitespace: both compile the same xgrammar 0.2.8 grammar.
   free    the guided prompts without a guide, ignore_eos, request k's max_tokens = its guided length:
           guided_over_free = guided wall / free wall (the cost of the masks on that engine).
+  jme     the guided prompts without a guide, EOS allowed, the same cap (the baseline of `ngram`).
+  ngram   (an engine of its own, built with the drafter) n-gram speculation at --spec-k drafts, n in --ngram-n
+          (ours: ngram drafter; vLLM: its `ngram` method with prompt_lookup_min/max): `ngram` = jme's work,
+          `ngram_guided` = guided's. accept_len = 1 + accepted drafts / row-steps that verified a draft (vLLM's
+          definition, from its spec_decode counters; ours from the requests' per-position counts);
+          spec_speedup = tok_s / the same engine's tok_s without it; same_as_plain = share of outputs equal to
+          that run's (greedy speculation is lossless). Ours does not speculate in steps of more than
+          spec_max_batch rows (32) nor while acceptance is below spec_min_acceptance; vLLM always drafts.
 Matched settings: bf16; max_num_batched_tokens 2048 (our default); memory fraction 0.5 (ours: KV cache share,
 vLLM: gpu_memory_utilization); no prefix caching (ours has none); CUDA graphs (vLLM: its default torch.compile
 with FULL_AND_PIECEWISE graphs). Cross-checks: same_tokens (decode: mean shared greedy prefix / new_tokens) and
-same_text (guided: share of identical outputs); over_vllm = our tok_s / vLLM's, on our rows.
-Writes --out (JSON), a .md, a .png (tok_s by streams) and .outputs.json (the token ids) beside it, after each
-side; prints the markdown last. --merge runs one side per command (each within a 10-minute device call).
+same_text (other modes: share of identical outputs); over_vllm = our tok_s / vLLM's, on our rows.
+Writes --out (JSON), a .md, a .png (tok_s by streams, a panel per mode) and .outputs.json (the token ids)
+beside it, after each side; prints the markdown last. --merge keeps the rows of (side, mode) pairs not run
+now, so one side's parts can run per command (each within a 10-minute device call).
 """
 from __future__ import annotations
 
@@ -41,19 +50,22 @@ import time
 from pathlib import Path
 
 try:                                      # imported as bench.peers_vllm, or run as a script
-    from bench.common import REPO, chat_prompts, command_line, markdown_table, note, plot, record, write_results
+    from bench.common import REPO, chat_prompts, command_line, markdown_table, note, record, write_results
     from bench.guided_quality import PROMPT, load_schemas, resolve
 except ImportError:
-    from common import REPO, chat_prompts, command_line, markdown_table, note, plot, record, write_results
+    from common import REPO, chat_prompts, command_line, markdown_table, note, record, write_results
     from guided_quality import PROMPT, load_schemas, resolve
 
 SIDES = ("specdec", "vllm")
-PARTS = ("decode", "guided")
-MODES = {"decode": ("decode",), "guided": ("guided", "free")}
+PARTS = ("decode", "guided", "ngram")
+MODES = {"decode": ("decode",), "guided": ("guided", "free", "jme"), "ngram": ("ngram", "ngram_guided")}
+ORDER = [m for part in PARTS for m in MODES[part]]
+BASELINE = {"ngram": "jme", "ngram_guided": "guided"}     # the same work without the drafter
 WORKER = REPO / "bench" / "peers" / "sides.py"
 EXIT_GRACE = 60                           # s a side may take to exit once its result is written
 COLUMNS = ["mode", "streams", "side", "tok_s", "over_vllm", "ms_per_step", "ttft_ms", "tpot_ms", "guided_over_free",
-           "mean_len", "finished_frac", "same_tokens", "same_text", "startup_s", "error"]
+           "accept_len", "spec_speedup", "mean_len", "finished_frac", "same_tokens", "same_text", "same_as_plain",
+           "startup_s", "error"]
 
 
 def parse_args(argv=None):
@@ -66,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--guided-tokens", type=int, default=256, help="guided: max_tokens cap")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (the median is kept)")
+    p.add_argument("--spec-k", type=int, default=3, help="ngram: drafts per step (K)")
+    p.add_argument("--ngram-n", type=int, nargs=2, default=[1, 3], metavar=("MIN", "MAX"),
+                   help="ngram: the n-gram lengths matched (ours: ngram_min_n/max_n; vLLM: prompt_lookup_min/max)")
     p.add_argument("--data", default=os.environ.get("SPECDEC_VLLM_DATA", "tests/data"),
                    help="root of the schema sets ($SPECDEC_VLLM_DATA on the GPU machine)")
     p.add_argument("--schemas", default="maskbench/JME_*.json", help="guided: schema files (under --data)")
@@ -113,13 +128,14 @@ def build_plan(args) -> dict:
         raise SystemExit(f"{src.name} has no checkpoint directory (dummy weights): vLLM needs one")
     tok = load_tokenizer(src)
     guided = []
-    if "guided" in args.parts:
+    if {"guided", "ngram"} & set(args.parts):
         for _, schema in load_schemas(resolve(args.schemas, args.data), args.schema_limit):
             guided.append(dict(schema=schema, prompt=chat_ids(tok, PROMPT.format(json.dumps(schema)))))
     eos = src.config.get("eos_token_id")
     eos_ids = {*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None}
     return dict(model_dir=str(src.path), model_name=src.name, eos_ids=sorted(eos_ids), dtype=args.dtype,
-                streams=args.streams, parts=args.parts, new_tokens=args.new_tokens,
+                streams=args.streams, parts=args.parts, modes=MODES, new_tokens=args.new_tokens,
+                spec=dict(k=args.spec_k, min_n=args.ngram_n[0], max_n=args.ngram_n[1]),
                 guided_tokens=args.guided_tokens, repeats=args.repeats, guided=guided, settings=settings(args),
                 prompts=chat_prompts(tok, 2 * max(args.streams)))       # timed: [:N], warm-up: [-N:]
 
@@ -141,12 +157,19 @@ def dry_run(args) -> None:
 
 
 # ---- sides ------------------------------------------------------------------------------------------------
+def groups(parts: list[str]) -> list[list[str]]:
+    """Parts that share one engine: everything but n-gram, then n-gram (an engine built with its drafter)."""
+    return [g for g in ([p for p in parts if p != "ngram"], [p for p in parts if p == "ngram"]) if g]
+
+
 def run_side(side: str, plan: dict, args, tmp: Path) -> dict:
     """The side's process, in its own session: ended with its children (vLLM's engine core) on a timeout or
     when it has not exited EXIT_GRACE s after writing its result."""
-    plan_path, result_path = tmp / f"plan_{side}.json", tmp / f"result_{side}.json"
-    plan_path.write_text(json.dumps(dict(plan, side=side)))
-    note(f"{side}: starting its process")
+    tag = f"{side}_{'_'.join(plan['parts'])}"
+    plan_path, result_path = tmp / f"plan_{tag}.json", tmp / f"result_{tag}.json"
+    plan = dict(plan, side=side, spec=plan["spec"] if "ngram" in plan["parts"] else None)
+    plan_path.write_text(json.dumps(plan))
+    note(f"{side}: starting its process for {plan['parts']}")
     proc = subprocess.Popen([sys.executable, str(WORKER), str(plan_path), str(result_path)], cwd=REPO,
                             env=side_env(side, args), start_new_session=True)
     start, done = time.monotonic(), None
@@ -174,26 +197,35 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def same_share(a: list[list[int]], b: list[list[int]], eos_ids) -> float:
+    """Share of outputs with identical token ids, a final EOS aside (vLLM leaves it out of token_ids)."""
+    strip = lambda ids: ids[:-1] if ids and ids[-1] in eos_ids else ids    # noqa: E731
+    return sum(strip(x) == strip(y) for x, y in zip(a, b)) / max(len(a), 1)
+
+
 def cross_check(records: list[dict], outputs: dict, plan: dict) -> None:
-    """same_tokens / same_text on both sides' rows, over_vllm on ours (where both sides ran)."""
+    """Across sides: same_tokens (decode), same_text (every other mode); within a side: same_as_plain (a
+    drafter's outputs equal the same engine's without it: greedy speculation is lossless) and spec_speedup;
+    over_vllm on our rows where both sides ran."""
     by = {(r["side"], r["mode"], r["streams"]): r for r in records}
-    for n in plan["streams"]:
-        ours, theirs = (outputs.get(s, {}) for s in SIDES)
-        same = {}
-        if str(n) in ours.get("decode", {}) and str(n) in theirs.get("decode", {}):
-            pairs = zip(ours["decode"][str(n)], theirs["decode"][str(n)])
-            same["decode"] = dict(same_tokens=sum(shared_prefix(a, b) for a, b in pairs) / (n * plan["new_tokens"]))
-        if str(n) in ours.get("guided", {}) and str(n) in theirs.get("guided", {}):
-            pairs = zip(ours["guided"][str(n)], theirs["guided"][str(n)])
-            strip = lambda ids: ids[:-1] if ids and ids[-1] in plan.get("eos_ids", ()) else ids   # noqa: E731
-            same["guided"] = dict(same_text=sum(strip(a) == strip(b) for a, b in pairs) / n)
-        for mode in ("decode", "guided", "free"):
-            a, b = by.get(("specdec", mode, n)), by.get(("vllm", mode, n))
-            for r in (a, b):
-                if r is not None:
-                    r.update(same.get(mode, {}))
-            if a and b and a.get("tok_s") and b.get("tok_s"):
-                a.update(vllm_tok_s=b["tok_s"], over_vllm=a["tok_s"] / b["tok_s"])
+    eos = set(plan.get("eos_ids", ()))
+    for (side, mode, n), r in by.items():
+        key = str(n)
+        ours, theirs = (outputs.get(s, {}).get(mode, {}).get(key) for s in SIDES)
+        if ours and theirs and mode == "decode":
+            r["same_tokens"] = sum(shared_prefix(a, b) for a, b in zip(ours, theirs)) / (n * plan["new_tokens"])
+        elif ours and theirs and mode != "free":
+            r["same_text"] = same_share(ours, theirs, eos)
+        base = BASELINE.get(mode)
+        mine, plain = (outputs.get(side, {}).get(m, {}).get(key) for m in (mode, base))
+        if base and mine and plain:
+            r["same_as_plain"] = same_share(mine, plain, eos)
+        b = by.get((side, base, n))
+        if b and b.get("tok_s") and r.get("tok_s"):
+            r["spec_speedup"] = r["tok_s"] / b["tok_s"]
+        other = by.get(("vllm", mode, n))
+        if side == "specdec" and other and other.get("tok_s") and r.get("tok_s"):
+            r.update(vllm_tok_s=other["tok_s"], over_vllm=r["tok_s"] / other["tok_s"])
 
 
 # ---- output -----------------------------------------------------------------------------------------------
@@ -204,23 +236,57 @@ def write_markdown(records: list[dict], path: Path) -> str:
     commits = ", ".join(sorted({x["git_commit"] for x in records}))
     head = (f"{commands} on {r['device']}, commit {commits}; {r['model']} {r['dtype']}, greedy; "
             f"vLLM {', '.join(versions) or '(not run)'}. Method: bench/peers_vllm.py's docstring.")
-    order = {"decode": 0, "guided": 1, "free": 2}
-    rows = sorted(records, key=lambda x: (order.get(x["mode"], 9), x["streams"], x["side"]))
+    rows = sorted(records, key=lambda x: (ORDER.index(x["mode"]) if x["mode"] in ORDER else 99, x["streams"],
+                                          x["side"]))
     cols = [c for c in COLUMNS if any(x.get(c) is not None for x in rows)]
     text = head + "\n\n" + markdown_table(rows, cols)
     path.write_text(text + "\n")
     return text
 
 
+def plot_modes(records: list[dict], path: Path, title: str) -> None:
+    """One panel per mode: tok/s by streams, a line per side."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        note("matplotlib is not installed; no plot")
+        return
+    modes = [m for m in ORDER if any(r["mode"] == m and r.get("tok_s") for r in records)]
+    if not modes:
+        return
+    cols = min(len(modes), 4)
+    fig, axes = plt.subplots(-(-len(modes) // cols), cols, figsize=(3.6 * cols, 3.2 * -(-len(modes) // cols)),
+                             squeeze=False)
+    for ax, mode in zip(axes.flat, modes):
+        for side in SIDES:
+            pts = sorted((r["streams"], r["tok_s"]) for r in records
+                         if r["mode"] == mode and r["side"] == side and r.get("tok_s"))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=side)
+        ax.set(title=mode, xlabel="streams", ylabel="tok/s", xscale="log", yscale="log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(modes):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def earlier(args) -> tuple[list[dict], dict]:
-    """--merge: the rows and outputs of sides not run now, from an earlier run into the same --out."""
+    """--merge: the rows and outputs of (side, mode) pairs not run now, from an earlier run into the same --out."""
     out, stem = Path(args.out), args.out.rsplit(".", 1)[0]
     if not args.merge or not out.exists():
         return [], {}
-    rows = [r for r in json.loads(out.read_text()) if r.get("side") not in args.sides]
+    now = {(side, m) for side in args.sides for part in args.parts for m in MODES[part]}
+    rows = [r for r in json.loads(out.read_text()) if (r.get("side"), r.get("mode")) not in now]
     path = Path(stem + ".outputs.json")
-    outputs = {k: v for k, v in json.loads(path.read_text()).items() if k not in args.sides} if path.exists() else {}
-    note(f"--merge: kept {len(rows)} rows of {sorted({r['side'] for r in rows})} from {out}")
+    old = json.loads(path.read_text()) if path.exists() else {}
+    outputs = {side: {m: v for m, v in modes.items() if (side, m) not in now} for side, modes in old.items()}
+    note(f"--merge: kept {len(rows)} rows of {sorted({(r['side'], r['mode']) for r in rows})} from {out}")
     return rows, outputs
 
 
@@ -231,8 +297,7 @@ def write_all(records: list[dict], outputs: dict, plan: dict, args) -> None:
     write_results(records, out)
     stem = str(out).rsplit(".", 1)[0]
     Path(stem + ".outputs.json").write_text(json.dumps(outputs))      # token ids: for a later --merge
-    plot(records, "streams", "tok_s", "label", stem + ".png",
-         f"specdec vs vLLM ({plan['model_name']}, {args.dtype}, {args.new_tokens} new tokens)")
+    plot_modes(records, Path(stem + ".png"), f"specdec vs vLLM ({plan['model_name']}, {args.dtype}, greedy)")
     return write_markdown(records, Path(stem + ".md"))
 
 
@@ -244,13 +309,15 @@ def main(argv=None):
     (records, outputs), text = earlier(args), ""
     with tempfile.TemporaryDirectory(prefix="peers_vllm_") as tmp:
         for side in args.sides:
-            res = run_side(side, plan, args, Path(tmp))
-            rows = res["records"] or failed_rows(side, plan, res["error"] or "no records")
-            for r in rows:
-                r["command"] = command_line()          # the driver's, not the side process's
-            records += rows
-            outputs[side] = res.get("outputs") or {}
-            text = write_all(records, outputs, plan, args)
+            for parts in groups(args.parts):
+                part_plan = dict(plan, parts=parts)
+                res = run_side(side, part_plan, args, Path(tmp))
+                rows = res["records"] or failed_rows(side, part_plan, res["error"] or "no records")
+                for r in rows:
+                    r["command"] = command_line()          # the driver's, not the side process's
+                records += rows
+                outputs.setdefault(side, {}).update(res.get("outputs") or {})
+                text = write_all(records, outputs, plan, args)
     print(text)
     return records
 

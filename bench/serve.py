@@ -4,6 +4,7 @@ batching) on the same weights, in one run, each started as a subprocess and stop
     python bench/serve.py                                      # both, 8/32/128 req/s + 1/8/32 streams
     python bench/serve.py --only ours --speculative eagle --num-draft-tokens 3 --merge
     python bench/serve.py --only peer --merge                  # add (or redo) the peer in an existing serve.json
+    python bench/serve.py --peer vllm --out-prefix bench/results/peers_vllm_serve   # vLLM's server as the peer
     python bench/serve.py --requests 4 --peer-requests 2 --max-tokens 8 --json-max-tokens 64 --concurrency 1 2 \\
         --rates 4 --client-procs 2 --warmup 2 --out-prefix /tmp/serve_smoke               # CPU smoke
 
@@ -14,6 +15,10 @@ Poisson arrivals; per --concurrency value, C closed-loop workers (--duration: ea
 A run stops and cancels what is in flight after --run-timeout s (ours) / --peer-timeout s (the peer).
 Before the runs, up to --warmup distinct requests of 8 tokens (graphs, grammar compiles). Target (the
 issue): at 32 streams p50 ITL <= 1.5 ms and >= 10x the peer's out_tok_s; the .md's last lines say.
+
+vLLM (--peer vllm): its OpenAI server (vllm.entrypoints.openai.api_server, staged as docs/peers.md says, only
+its wheels on PYTHONPATH: --vllm-site) on the same checkpoint directory, with bench/peers_vllm.py's settings
+(serve_servers.start_vllm); it takes the same requests as ours (ignore_eos, response_format, continuous usage).
 
 Peer (`python -m transformers.cli.transformers serve`, written against 5.17 and 5.23, the same flags): the
 model directory (resolve_model(--model).path) is the positional FORCE_MODEL and the request's `model`;
@@ -38,11 +43,11 @@ from pathlib import Path
 try:
     from bench import serve_client as sc
     from bench.common import markdown_table, note, record, write_results
-    from bench.serve_servers import engine_counters, engine_rates, start_ours, start_peer, stop, ttft_probe
+    from bench.serve_servers import engine_counters, engine_rates, start_ours, start_peer, start_vllm, stop, ttft_probe
 except ImportError:
     import serve_client as sc
     from common import markdown_table, note, record, write_results
-    from serve_servers import engine_counters, engine_rates, start_ours, start_peer, stop, ttft_probe
+    from serve_servers import engine_counters, engine_rates, start_ours, start_peer, start_vllm, stop, ttft_probe
 
 COLUMNS = ["mode", "load", "x", "ok", "errors", "out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "itl_tok_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "json_valid_frac", "chat_tokens_mean",
@@ -52,6 +57,11 @@ COLUMNS = ["mode", "load", "x", "ok", "errors", "out_tok_s", "req_s", "ttft_p50_
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["ours", "peer", "both"], default="both")
+    p.add_argument("--peer", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--vllm-site", default=os.environ.get("SPECDEC_VLLM_SITE", "/root/vllm-site"),
+                   help="--peer vllm: the folder holding vLLM and only its wheels")
+    p.add_argument("--vllm-prefix-caching", action="store_true", help="let vLLM cache prefixes (ours has none)")
+    p.add_argument("--vllm-serve-args", default="", help="more vLLM server flags: --vllm-serve-args=\"--flag value\"")
     p.add_argument("--model", default=os.environ.get("SPECDEC_MODEL") or "default")
     p.add_argument("--speculative", choices=["none", "eagle", "ngram"], default="none")
     p.add_argument("--num-draft-tokens", type=int, default=3)
@@ -95,7 +105,7 @@ def run_load(url, model, requests, target, args, load: str, x: float, max_tokens
     opts = dict(target=target, max_tokens=args.max_tokens, json_max_tokens=args.json_max_tokens,
                 fixed_length=args.fixed_length, json_mode=args.json_mode)
     bodies = [sc.request_body(r, model, opts, max_tokens) for r in requests]
-    timeout = args.run_timeout if target == "ours" else args.peer_timeout
+    timeout = args.peer_timeout if target == "peer" else args.run_timeout
     cfg = dict(load=load, timeout=timeout, duration=args.duration if load == "closed" and not warm else None)
     per_proc = sc.split_jobs(requests, bodies, load, x, args.client_procs, args.seed + int(x))
     recs = sc.run_clients(url + "/v1/chat/completions", per_proc, cfg)
@@ -112,15 +122,18 @@ def warmup(url, model, requests, target, args) -> None:
 
 
 def bench_target(variant: str, args, requests, logdir: Path) -> list[dict]:
-    """variant: "ours", "ours-1p" (ours with --single-process) or "peer"."""
-    target = "peer" if variant == "peer" else "ours"
-    reqs = requests if target == "ours" else requests[:args.peer_requests]
+    """variant: "ours", "ours-1p" (ours with --single-process), "peer" (transformers serve) or "vllm"."""
+    target = variant if variant in ("peer", "vllm") else "ours"
+    reqs = requests[:args.peer_requests] if target == "peer" else requests
     spec = f"+{args.speculative}(K={args.num_draft_tokens})" if args.speculative != "none" else ""
-    mode = "transformers-serve" if target == "peer" else "specdec" + spec + (" one-process" if variant == "ours-1p" else "")
+    mode = {"peer": "transformers-serve", "vllm": "vllm-serve" + spec}.get(
+        target, "specdec" + spec + (" one-process" if variant == "ours-1p" else ""))
     head = dict(target=target, mode=mode)
     try:
         if target == "peer":
             proc, url, model, info = start_peer(args, reqs, logdir)
+        elif target == "vllm":
+            proc, url, model, info = start_vllm(args, reqs, logdir)
         else:
             proc, url, model, info = start_ours(args, reqs, logdir, ["--single-process"] if variant == "ours-1p" else [])
     except Exception as e:                          # noqa: BLE001 - recorded; the other target still runs
@@ -139,7 +152,7 @@ def bench_target(variant: str, args, requests, logdir: Path) -> list[dict]:
                     row.update(engine_rates(before, engine_counters(url), time.perf_counter() - t0))
                 rows.append(dict(head, **row))
                 print(markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-        if target == "ours" and args.ttft_prompt_tokens:
+        if target in ("ours", "vllm") and args.ttft_prompt_tokens:
             rows.append(dict(head, **ttft_probe(url, model, args.ttft_prompt_tokens)))
             print(markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     except Exception as e:                          # noqa: BLE001
@@ -164,6 +177,7 @@ def to_record(row: dict, args) -> dict:
 def target_lines(records: list[dict]) -> list[str]:
     at32 = [r for r in records if r.get("load") == "closed" and r.get("x") == 32 and r.get("ok")]
     peer = next((r for r in at32 if r["target"] == "peer"), None)
+    vllm = next((r for r in at32 if r["target"] == "vllm"), None)
     out = []
     for ours in (r for r in at32 if r["target"] == "ours"):
         itl = ours["itl_tok_p50_ms"]            # a chunk's gap over the tokens it carries
@@ -173,6 +187,9 @@ def target_lines(records: list[dict]) -> list[str]:
             ratio = ours["out_tok_s"] / peer["out_tok_s"]
             line += (f"; {ours['out_tok_s']:.0f} tok/s = {ratio:.1f}x the peer's {peer['out_tok_s']:.0f} "
                      f"(>= 10x: {'yes' if ratio >= 10 else 'no'})")
+        if vllm and vllm.get("out_tok_s"):
+            line += (f"; {ours['out_tok_s'] / vllm['out_tok_s']:.2f}x vLLM's {vllm['out_tok_s']:.0f} tok/s, per-token "
+                     f"ITL {itl} vs {vllm.get('itl_tok_p50_ms')} ms")
         out.append(line + ".")
     return out or ["Target: no successful run of ours at 32 streams."]
 
@@ -224,7 +241,8 @@ def main(argv=None):
     requests = sc.build_requests(args.requests, args.seed, args.json_frac, args.data, args.dataset)
     logdir = Path(tempfile.mkdtemp(prefix="specdec-serve-bench-"))
     note(f"server logs in {logdir}")
-    targets = ["ours", "peer"] if args.only == "both" else [args.only]
+    peer = "vllm" if args.peer == "vllm" else "peer"
+    targets = {"both": ["ours", peer], "ours": ["ours"], "peer": [peer]}[args.only]
     if args.single_process_too and "ours" in targets:
         targets.insert(0, "ours-1p")
     print(markdown_table([], COLUMNS), flush=True)

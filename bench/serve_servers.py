@@ -1,5 +1,6 @@
-"""Starting and stopping the two servers bench/serve.py loads: `specdec serve` (ours) and `transformers serve`
-(the peer; see bench/serve.py for its flags), and reading our engine's step counters from /metrics."""
+"""Starting and stopping the servers bench/serve.py loads: `specdec serve` (ours), `transformers serve` (the
+peer; see bench/serve.py for its flags) and vLLM's OpenAI server (staged as docs/peers.md says), and reading our
+engine's step counters from /metrics."""
 from __future__ import annotations
 
 import json
@@ -114,9 +115,7 @@ def start_peer(args, requests, logdir: Path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                NO_COLOR="1", TERM="dumb", COLUMNS="200", PYTHONUNBUFFERED="1")
     base = [sys.executable, "-m", "transformers.cli.transformers", "serve"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        text, port = help_text(base, env), s.getsockname()[1]
+    text, port = help_text(base, env), free_port()
     if not has_flag(text, "--continuous-batching"):
         raise RuntimeError(f"`transformers serve --help` lists no --continuous-batching: {text[-800:]}")
     gpu = os.path.exists("/dev/nvidiactl")          # not torch.cuda: no CUDA context in this process
@@ -133,16 +132,59 @@ def start_peer(args, requests, logdir: Path):
     cmd += shlex.split(args.peer_args)
     log = logdir / "peer.log"
     proc, _, _ = launch(cmd, log, env)
-    url, t_end = f"http://127.0.0.1:{port}", time.monotonic() + args.start_timeout
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, log, args.start_timeout)
+    return proc, url, str(path), dict(server_cmd=" ".join(cmd), server_log=str(log), peer_dtype=dtype,
+                                      peer_flags_missing=missing or None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, log: Path, timeout: float) -> None:
+    t_end = time.monotonic() + timeout
     while time.monotonic() < t_end and proc.poll() is None:
         try:
             http_json(url + "/health", 2.0)
-            return proc, url, str(path), dict(server_cmd=" ".join(cmd), server_log=str(log), peer_dtype=dtype,
-                                              peer_flags_missing=missing or None)
+            return
         except Exception:                           # noqa: BLE001 - not up yet
             time.sleep(0.5)
     stop(proc)
     raise RuntimeError(f"not healthy (exit {proc.poll()}); log tail: {log_tail(log)}")
+
+
+def start_vllm(args, requests, logdir: Path):
+    """vLLM's OpenAI server on the same checkpoint directory, with only its own wheels on the path
+    (--vllm-site), the settings bench/peers_vllm.py matches: bf16, max_num_seqs as ours, 2048 batched tokens,
+    half the GPU's memory, xgrammar without free whitespace, no prefix caching unless --vllm-prefix-caching."""
+    from engine.models.loader import resolve_model
+    path = resolve_model(args.model).path
+    if path is None:
+        raise RuntimeError(f"{args.model} has no checkpoint directory for vLLM")
+    env = dict(os.environ, PYTHONPATH=args.vllm_site, PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "bfloat16", "--seed", "0",
+           "--max-num-seqs", str(args.max_num_seqs or max(args.concurrency or [32])),
+           "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.5",
+           "--structured-outputs-config", json.dumps(dict(backend="xgrammar", disable_any_whitespace=True)),
+           "--enable-prefix-caching" if args.vllm_prefix_caching else "--no-enable-prefix-caching",
+           "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
+    if args.speculative == "ngram":
+        cmd += ["--speculative-config", json.dumps(dict(method="ngram", num_speculative_tokens=args.num_draft_tokens,
+                                                        prompt_lookup_min=1, prompt_lookup_max=3))]
+    elif args.speculative != "none":
+        raise RuntimeError(f"vLLM has no {args.speculative} drafter for this model")
+    cmd += shlex.split(args.vllm_serve_args)
+    log = logdir / "vllm.log"
+    proc, _, _ = launch(cmd, log, env)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, log, args.start_timeout)
+    return proc, url, str(path), dict(server_cmd=" ".join(cmd), server_log=str(log), peer_dtype="bfloat16")
 
 
 def engine_counters(url: str) -> dict[str, float]:
