@@ -325,11 +325,8 @@ def test_litellm_responses_tool_loop(litellm):
     final_text("".join(c.text for o in final.output if o.type == "message" for c in o.content))
 
 
-# --- what the server gets wrong, seen through the libraries ---------------------------------------------------
+# --- a forced call is calls only, seen through a library ----------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="server: under tool_choice 'required', when the model writes a newline before "
-                   "<tool_call>, the call's raw text (cut at '</tool') is returned as message content beside the "
-                   "parsed tool_calls (chat) / as an extra output_text message item (Responses)")
 def test_a_forced_call_leaves_no_text(litellm):
     litellm, kw = litellm
     chat = litellm.completion(messages=[{"role": "user", "content": QUESTION}], tools=[CHAT_TOOL],

@@ -82,3 +82,26 @@ def test_errors_in_openai_shape(server, client):
         client.responses.create(model="gpt-17", input="hi")
     with pytest.raises(openai.BadRequestError, match="input"):
         client.responses.create(model=server.model, input=[{"type": "image", "url": "x"}])
+
+
+def test_a_forced_call_cut_in_the_next_one_is_calls_only(server, client):
+    """The model goes on calling after its first call (parallel calls allowed) and the length limit cuts the next
+    one, which begins with the "\\n" separator: the output is the whole call, no text, on both APIs (the cut
+    call is dropped)."""
+    question, tool = "What is the weather in Paris?", {k: v for k, v in TOOL.items() if k != "type"}
+    kw = dict(model=server.model, temperature=0, tools=[{"type": "function", "function": tool}],
+              tool_choice="required", max_tokens=48, messages=[{"role": "user", "content": question}])
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content is None and r.usage.completion_tokens == 48
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [tc.function.arguments for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []] == \
+        [r.choices[0].message.tool_calls[0].function.arguments]
+    rkw = dict(model=server.model, input=question, tools=[TOOL], tool_choice="required", max_output_tokens=48,
+               temperature=0)
+    whole = client.responses.create(**rkw)
+    assert [o.type for o in whole.output] == ["function_call"] and whole.usage.output_tokens == 48
+    events = list(client.responses.create(stream=True, **rkw))
+    assert not [e for e in events if e.type.startswith("response.output_text")]
+    assert [o.type for o in events[-1].response.output] == ["function_call"]

@@ -87,11 +87,11 @@ def create_app(state: ServerState) -> FastAPI:
         metrics.request(endpoint, err.status)
         return JSONResponse(err.body(), status_code=err.status)
 
-    async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools: bool, arrival: float):
+    async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools, arrival: float):
         gen = await start(request, ids, params, fmt, tools, arrival, bool(req.stream))
         return await respond(endpoint, request, gen, req)
 
-    async def start(request: Request, ids, params, fmt, tools: bool, arrival: float, streamed: bool) -> Generation:
+    async def start(request: Request, ids, params, fmt, tools, arrival: float, streamed: bool) -> Generation:
         try:
             if params[0].guide is not None:
                 await admit_guide(aengine.guides, params[0].guide, request, state.client_key_header)
@@ -159,7 +159,7 @@ def create_app(state: ServerState) -> FastAPI:
             return error(endpoint, APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error"))
 
     async def prepare_chat(req: ChatCompletionRequest):
-        """A chat request's prompt ids, its per-choice SamplingParams, whether tools are on, and its messages."""
+        """A chat request's prompt ids, its per-choice SamplingParams, its ToolPlan, and its messages."""
         state.check_model(req.model)
         messages = normalize_messages(req.messages)
         guide, asked = response_format_guide(req.response_format), vllm_guide(req)
@@ -172,7 +172,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits, template_options(req))
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                  state.info.max_model_len - len(ids), guide)
-        return ids, params, plan.mode != "none", messages
+        return ids, params, plan, messages
 
     async def build_chat(request: Request, arrival: float):
         req = await _parse(request, ChatCompletionRequest, state.limits)
@@ -189,7 +189,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.check_model(req.model)
         ids = await off_loop(completion_prompt, state.tokenizer, req.prompt, state.limits)
         params = sampling_params(req, req.max_tokens, state.info.max_model_len - len(ids), vllm_guide(req))
-        return await admit("completions", request, req, ids, params, CompletionFormat(), False, arrival)
+        return await admit("completions", request, req, ids, params, CompletionFormat(), None, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

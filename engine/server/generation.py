@@ -128,13 +128,14 @@ class CompletionFormat(Format):
 class Generation:
     """Drives one Submission to the end, for a whole response or as SSE."""
 
-    def __init__(self, fmt: Format, sub: Submission, model: str, prompt_tokens: int, tools: bool, metrics,
+    def __init__(self, fmt: Format, sub: Submission, model: str, prompt_tokens: int, tools, metrics,
                  arrival: float):
+        """tools: the request's ToolPlan (its parser splits each choice's output), or None."""
         self.fmt, self.sub, self.model, self.prompt_tokens, self.metrics = fmt, sub, model, prompt_tokens, metrics
         self.arrival = arrival
         self.id = fmt.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
-        self.choices = [ChoiceState(ToolCallParser() if tools else None) for _ in sub.params]
+        self.choices = [ChoiceState(tools.parser() if tools else None) for _ in sub.params]
         self.open = len(self.choices)
 
     async def batches(self):

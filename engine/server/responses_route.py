@@ -61,7 +61,7 @@ async def _events(gen, builder: ResponseBuilder, store: ResponseStore | None, me
             yield event("response.failed", next(seq), response=builder.body(
                 "failed", gen.usage(), error={"code": err.type, "message": err.message}))
             return
-        body = builder.body("completed", gen.usage(), "length" if st.finish == "length" else "stop")
+        body = builder.body("completed", gen.usage(), st.finish_reason())      # as the whole response
         if store is not None:
             store.put(builder.id, builder.conversation(messages))
         yield event("response.completed" if body["status"] == "completed" else "response.incomplete", next(seq),

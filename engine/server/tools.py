@@ -31,6 +31,10 @@ class ToolPlan:
     tools: list[dict] | None         # what the prompt shows
     guide: dict | None               # xgrammar structural tag, or None
 
+    def parser(self) -> ToolCallParser | None:
+        """A new parser for one choice's output; None when tools are off."""
+        return None if self.mode == "none" else ToolCallParser(forced=self.mode in ("required", "named"))
+
 
 def _check_tool(i: int, tool) -> dict:
     where = f"tools[{i}]"
@@ -137,10 +141,18 @@ def _parse_call(body: str) -> dict | None:
 
 class ToolCallParser:
     """Splits output text, as it streams, into content and whole tool calls. Text that may be the start of
-    `<tool_call>` is held back until it is known not to be."""
+    `<tool_call>` is held back until it is known not to be.
 
-    def __init__(self):
+    forced (tool_choice "required" or a named function): the output is calls only. The grammar allows nothing
+    but separators between them, so no text is content, and a call cut off by the length limit is dropped.
+    Otherwise whitespace-only text beside calls is not content either (OpenAI's content is null when there are
+    only calls): a run of it is held until non-space text follows (then it goes out with it, unless a call came
+    before it), a call follows (dropped), or the output ends (content only when there was no call)."""
+
+    def __init__(self, forced: bool = False):
+        self.forced = forced
         self._buf, self._in_call = "", False
+        self._held, self._text_open, self._calls = "", False, 0
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         """-> [("content", str) | ("call", tool call dict)] released by this text."""
@@ -152,8 +164,11 @@ class ToolCallParser:
                 if end < 0:
                     return events
                 call = _parse_call(self._buf[:end])
-                events.append(("call", call) if call else ("content", CALL_OPEN + self._buf[:end + len(CALL_CLOSE)]))
-                self._buf, self._in_call = self._buf[end + len(CALL_CLOSE):].lstrip("\n"), False
+                if call:
+                    self._call(events, call)
+                else:
+                    self._emit(events, CALL_OPEN + self._buf[:end + len(CALL_CLOSE)])
+                self._buf, self._in_call = self._buf[end + len(CALL_CLOSE):], False
                 continue
             start = self._buf.find(CALL_OPEN)
             if start >= 0:
@@ -166,15 +181,32 @@ class ToolCallParser:
             return events
 
     def finish(self) -> list[tuple[str, object]]:
-        """The rest, at the end of the output: an unfinished call is returned as content."""
-        rest = (CALL_OPEN if self._in_call else "") + self._buf
-        self._buf, self._in_call = "", False
-        return [("content", rest)] if rest else []
+        """The rest, at the end of the output: an unfinished call is content (dropped when forced)."""
+        events: list = []
+        if not self._in_call:
+            self._emit(events, self._buf)
+        elif not self.forced:
+            self._emit(events, CALL_OPEN + self._buf)
+        if self._held and not self._calls and not self.forced:
+            events.append(("content", self._held))
+        self._buf, self._in_call, self._held = "", False, ""
+        return events
 
-    @staticmethod
-    def _emit(events: list, text: str) -> None:
-        if text:
-            events.append(("content", text))
+    def _call(self, events: list, call: dict) -> None:
+        events.append(("call", call))
+        self._calls += 1
+        self._held, self._text_open = "", False
+
+    def _emit(self, events: list, text: str) -> None:
+        if not text or self.forced:
+            return
+        if not self._text_open and not text.strip():
+            self._held += text
+            return
+        if not self._text_open:
+            text = text.lstrip() if self._calls else self._held + text
+        events.append(("content", text))
+        self._held, self._text_open = "", True
 
 
 def _partial_open(text: str) -> int:
