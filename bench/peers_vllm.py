@@ -123,20 +123,30 @@ def chat_ids(tok, text: str) -> list[int]:
 
 def build_plan(args) -> dict:
     from engine.models.loader import load_tokenizer, resolve_model
+    from engine.sequence import SamplingParams
     src = resolve_model(args.model)
     if src.path is None:
         raise SystemExit(f"{src.name} has no checkpoint directory (dummy weights): vLLM needs one")
     tok = load_tokenizer(src)
     guided = []
+    skipped = []
     if {"guided", "ngram"} & set(args.parts):
-        for _, schema in load_schemas(resolve(args.schemas, args.data), args.schema_limit):
+        for name, schema in load_schemas(resolve(args.schemas, args.data), args.schema_limit):
+            try:                               # ours refuses what its grammar cannot enforce: both sides skip it
+                SamplingParams(json_schema=schema)
+            except ValueError as e:
+                skipped.append(f"{name}: {e}")
+                continue
             guided.append(dict(schema=schema, prompt=chat_ids(tok, PROMPT.format(json.dumps(schema)))))
+        for line in skipped:
+            note(f"schema skipped (ours refuses it): {line}")
     eos = src.config.get("eos_token_id")
     eos_ids = {*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None}
     return dict(model_dir=str(src.path), model_name=src.name, eos_ids=sorted(eos_ids), dtype=args.dtype,
                 streams=args.streams, parts=args.parts, modes=MODES, new_tokens=args.new_tokens,
                 spec=dict(k=args.spec_k, min_n=args.ngram_n[0], max_n=args.ngram_n[1]),
-                guided_tokens=args.guided_tokens, repeats=args.repeats, guided=guided, settings=settings(args),
+                guided_tokens=args.guided_tokens, repeats=args.repeats, guided=guided, skipped_schemas=skipped,
+                settings=settings(args),
                 prompts=chat_prompts(tok, 2 * max(args.streams)))       # timed: [:N], warm-up: [-N:]
 
 
@@ -236,6 +246,10 @@ def write_markdown(records: list[dict], path: Path) -> str:
     commits = ", ".join(sorted({x["git_commit"] for x in records}))
     head = (f"{commands} on {r['device']}, commit {commits}; {r['model']} {r['dtype']}, greedy; "
             f"vLLM {', '.join(versions) or '(not run)'}. Method: bench/peers_vllm.py's docstring.")
+    skipped = max((x.get("schemas_skipped") or 0 for x in records), default=0)
+    if skipped:
+        head += (f" Guided work: {max(x.get('schemas') or 0 for x in records)} schemas; {skipped} of the first "
+                 "ones left out because ours refuses them (a keyword its grammar cannot enforce), on both sides.")
     rows = sorted(records, key=lambda x: (ORDER.index(x["mode"]) if x["mode"] in ORDER else 99, x["streams"],
                                           x["side"]))
     cols = [c for c in COLUMNS if any(x.get(c) is not None for x in rows)]
