@@ -26,7 +26,9 @@ from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRe
 from engine.server.sampling import response_format_guide, sampling_params, vllm_guide
 from engine.server.responses_route import add_responses_route
 from engine.server.submission import EngineDead, Overloaded
-from engine.server.tools import plan_tools
+from engine.server.tool_formats import ToolFormat
+from engine.server.tool_formats import resolve as resolve_tool_format
+from engine.server.tools import HERMES, plan_tools
 from engine.server.utility_routes import add_utility_routes
 
 
@@ -40,6 +42,7 @@ class ServerState:
     on_ready: object = None      # called once the engine thread runs (prints the "listening" line)
     aliases: tuple = ()          # further names clients may ask for (--served-model-name a b ...)
     client_key_header: str | None = None    # the header naming a request's client (--client-key-header)
+    tool_format: ToolFormat = HERMES        # how the model writes tool calls (--tool-call-parser)
 
     @classmethod
     def for_engine(cls, args, aengine, tokenizer) -> "ServerState":
@@ -47,7 +50,8 @@ class ServerState:
         names = args.served_model_name or [aengine.info.name]
         limits = RequestLimits.for_model(tokenizer, aengine.info.max_model_len, args.max_request_bytes)
         return cls(aengine, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
-                   client_key_header=args.client_key_header)
+                   client_key_header=args.client_key_header,
+                   tool_format=resolve_tool_format(tokenizer, getattr(args, "tool_call_parser", "auto")))
 
     @property
     def info(self):
@@ -167,9 +171,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError("response_format cannot be combined with structured_outputs or guided_* fields",
                            param="response_format")
         guide = guide or asked
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, guide)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, guide, state.tool_format)
         guide = {"structural_tag": plan.guide} if plan.guide else guide
-        ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits, template_options(req))
+        ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits, template_options(req),
+                             state.tool_format)
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                  state.info.max_model_len - len(ids), guide)
         return ids, params, plan, messages

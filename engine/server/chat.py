@@ -1,16 +1,18 @@
 """Chat messages -> prompt token ids, tools included.
 
-A chat template that mentions `tools` gets them as the `tools` argument (Qwen2/3, Llama 3.1, Mistral...).
-One that does not (SmolLM2's) gets the fallback: the tools, as JSON, in the system message with the call
-format `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (the Hermes / Qwen convention, which is
-also what constrained tool calls emit: engine/server/tools.py), earlier assistant tool calls written in
-that format and tool results sent as user turns inside <tool_response> tags.
+A chat template that mentions `tools` gets them as the `tools` argument (Qwen2/3, Llama 3.1, Mistral...), and
+earlier assistant tool calls with their arguments as objects (the templates write them with `tojson`) and ids
+as the model's tool format wants them (Mistral's: 9 letters or digits). One that does not (SmolLM2's) gets the
+fallback: the tools, as JSON, in the system message with how to call them in the tool format
+(engine/server/tool_formats.py; hermes unless `--tool-call-parser` names another), earlier assistant tool calls
+written in that format and tool results sent as user turns inside <tool_response> tags.
 """
 from __future__ import annotations
 
 import json
 
 from engine.server.protocol import APIError
+from engine.server.tool_formats import Hermes, ToolFormat, template_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -21,10 +23,7 @@ You can call functions to answer the user. Their signatures, as JSON, are inside
 {tools}
 </tools>
 
-To call a function, write a JSON object with its name and arguments between <tool_call></tool_call> tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <arguments-json-object>}}
-</tool_call>"""
+{instructions}"""
 
 
 def _text(content, where: str) -> str | None:
@@ -75,32 +74,51 @@ def _past_call(call, where: str) -> dict:
 
 
 def supports_tools(tokenizer) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return "tools" in (template if isinstance(template, str) else json.dumps(template))
+    return "tools" in template_text(tokenizer)
 
 
-def _call_text(call: dict) -> str:
-    fn = call["function"]
-    try:
-        args = json.loads(fn["arguments"])
-    except json.JSONDecodeError:
-        args = fn["arguments"]
-    return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+def _pairs(calls: list[dict]) -> list[tuple[str, object]]:
+    """(name, arguments as an object where they parse) of earlier calls."""
+    out = []
+    for c in calls:
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except json.JSONDecodeError:
+            args = c["function"]["arguments"]
+        out.append((c["function"]["name"], args))
+    return out
 
 
-def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+def template_messages(messages: list[dict], fmt: ToolFormat) -> list[dict]:
+    """The conversation for a template that writes tool calls itself."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"id": fmt.history_id(c["id"]), "type": "function",
+                                "function": {"name": name, "arguments": args}}
+                               for c, (name, args) in zip(m["tool_calls"], _pairs(m["tool_calls"]))]
+        if m["role"] == "tool":
+            m["tool_call_id"] = fmt.history_id(m["tool_call_id"])
+        out.append(m)
+    return out
+
+
+def fallback_messages(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat | None = None) -> list[dict]:
     """The conversation for a template that knows nothing of tools."""
+    fmt = fmt or Hermes()
     out = []
     for m in messages:
         if m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
-            text = "\n".join(_call_text(c) for c in m["tool_calls"])
+            text = fmt.write(_pairs(m["tool_calls"]))
             out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + text})
         else:
             out.append({"role": m["role"], "content": m["content"]})
     if tools:
-        listing = TOOLS_FALLBACK.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        listing = TOOLS_FALLBACK.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools),
+                                        instructions=fmt.instructions())
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + listing}
         else:
@@ -108,14 +126,17 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
     return out
 
 
-def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, limits=None, options=None) -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, limits=None, options=None,
+                fmt: ToolFormat | None = None) -> list[int]:
     """Token ids of the conversation with the generation prompt, through the model's chat template. options:
     vLLM's `chat_template_kwargs` (the template's own variables), `add_generation_prompt` and
-    `continue_final_message` (the last assistant message is left open, to be continued)."""
+    `continue_final_message` (the last assistant message is left open, to be continued). fmt: the model's tool
+    format (hermes when not given)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template: use /v1/completions with a plain prompt")
+    fmt = fmt or Hermes()
     native = supports_tools(tokenizer)
-    convo = messages if native else fallback_messages(messages, tools)
+    convo = template_messages(messages, fmt) if native else fallback_messages(messages, tools, fmt)
     kwargs = {"tools": tools} if native and tools else {}
     kwargs |= _template_options(options or {}, convo)
     try:

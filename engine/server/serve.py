@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from engine.server.limits import DEFAULT_MAX_BODY_BYTES
+from engine.server.tool_formats import NAMES as TOOL_FORMATS
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
                    help="API processes (HTTP, templates, tokenization, SSE) in front of the one engine process")
     p.add_argument("--single-process", action="store_true",
                    help="run the engine on a thread of the one HTTP process instead of a process of its own")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_FORMATS],
+                   help="how the model writes tool calls (auto: from its chat template; hermes where it shows none)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
 

@@ -1,12 +1,12 @@
 """Tool calling: which tools the prompt shows, the structural tag that constrains the calls, and the parser
 that turns output text back into `tool_calls`.
 
-Every call is written `<tool_call>\\n{"name": "<tool>", "arguments": <object>}\\n</tool_call>`, and the grammar
-forces everything but the arguments, which follow the tool's `parameters` schema:
-- `required`: one or more calls (one with parallel_tool_calls=false) and nothing else;
+How a call is written is the model's tool format (engine/server/tool_formats.py: hermes, llama3_json, mistral).
+The grammar forces everything of a call but its arguments, which follow the tool's `parameters` schema:
+- `required`: one or more calls (one with parallel_tool_calls=false, or in a one-call format) and nothing else;
 - a named function: exactly one call of it;
-- `auto`: free text, in which `<tool_call>` starts a constrained call (xgrammar's triggered tags); with a
-  response format (a JSON schema or object), either one or more calls or an answer in that format, nothing else;
+- `auto`: free text, in which the format's opening text starts a constrained call (xgrammar's triggered tags);
+  with a response format (a JSON schema or object), either calls or an answer in that format, nothing else;
 - `none`: the tools are left out of the prompt and nothing is constrained.
 Under `required` or a named function the output is calls only, so a response format has nothing to shape.
 """
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 from engine.guided.schema_check import unenforced_keywords
 from engine.server.protocol import APIError
+from engine.server.tool_formats import Hermes, ToolFormat
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+HERMES = Hermes()
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
@@ -30,10 +30,11 @@ class ToolPlan:
     mode: str                        # "none" | "auto" | "required" | "named"
     tools: list[dict] | None         # what the prompt shows
     guide: dict | None               # xgrammar structural tag, or None
+    fmt: ToolFormat = HERMES
 
     def parser(self) -> ToolCallParser | None:
         """A new parser for one choice's output; None when tools are off."""
-        return None if self.mode == "none" else ToolCallParser(forced=self.mode in ("required", "named"))
+        return None if self.mode == "none" else ToolCallParser(self.fmt, forced=self.mode in ("required", "named"))
 
 
 def _check_tool(i: int, tool) -> dict:
@@ -58,13 +59,6 @@ def _check_tool(i: int, tool) -> dict:
     return {"type": "function", "function": out}
 
 
-def _tag(tool: dict) -> dict:
-    fn = tool["function"]
-    return {"type": "tag", "begin": f'{CALL_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": fn["parameters"], "max_whitespace_cnt": 1},
-            "end": f"}}\n{CALL_CLOSE}"}
-
-
 def _named(choice, names: list[str]) -> str:
     fn = choice.get("function") if choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
@@ -74,7 +68,7 @@ def _named(choice, names: list[str]) -> str:
     return name
 
 
-def plan_tools(tools, tool_choice, parallel: bool, answer: dict | None = None) -> ToolPlan:
+def plan_tools(tools, tool_choice, parallel: bool, answer: dict | None = None, fmt: ToolFormat = HERMES) -> ToolPlan:
     """answer: the request's response format as guide fields ({} or None: free text)."""
     if tools is not None and not isinstance(tools, list):
         raise APIError("tools must be a list", param="tools")
@@ -84,23 +78,21 @@ def plan_tools(tools, tool_choice, parallel: bool, answer: dict | None = None) -
         raise APIError("tools have duplicate function names", param="tools")
     choice = tool_choice if tool_choice is not None else ("auto" if checked else "none")
     if choice == "none":
-        return ToolPlan("none", None, None)
+        return ToolPlan("none", None, None, fmt)
     if not checked:
         raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
-    tags = [_tag(t) for t in checked]
+    tags = [fmt.tag(t) for t in checked]
+    one = not parallel or fmt.single_call
     if isinstance(choice, dict):
         name = _named(choice, names)
-        return ToolPlan("named", checked, _structural(tags[names.index(name)]))
+        return ToolPlan("named", checked, _structural(fmt.calls([tags[names.index(name)]], True)), fmt)
     if choice == "required":
-        return ToolPlan("required", checked, _structural({"type": "tags_with_separator", "tags": tags, "separator": "\n",
-                                                          "at_least_one": True, "stop_after_first": not parallel}))
+        return ToolPlan("required", checked, _structural(fmt.calls(tags, one)), fmt)
     if choice == "auto" and answer:
-        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-                 "stop_after_first": not parallel}
-        return ToolPlan("auto", checked, _structural({"type": "or", "elements": [calls, _answer_format(answer)]}))
+        either = {"type": "or", "elements": [fmt.calls(tags, one), _answer_format(answer)]}
+        return ToolPlan("auto", checked, _structural(either), fmt)
     if choice == "auto":
-        return ToolPlan("auto", checked, _structural({"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
-                                                      "at_least_one": False, "stop_after_first": not parallel}))
+        return ToolPlan("auto", checked, _structural(fmt.auto(tags, one)), fmt)
     raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
                    param="tool_choice")
 
@@ -124,24 +116,15 @@ def _structural(fmt: dict) -> dict:
     return {"type": "structural_tag", "format": fmt}
 
 
-def _new_call(name: str, arguments) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def _new_call(fmt: ToolFormat, name: str, arguments: dict) -> dict:
+    return {"id": fmt.new_id(), "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _parse_call(body: str) -> dict | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    return _new_call(obj["name"], obj.get("arguments", {}))
-
-
 class ToolCallParser:
-    """Splits output text, as it streams, into content and whole tool calls. Text that may be the start of
-    `<tool_call>` is held back until it is known not to be.
+    """Splits output text, as it streams, into content and whole tool calls, in the model's tool format. Text that
+    may be the start of a call (the format's cue: `<tool_call>`, `{"name"`, `[TOOL_CALLS]`) is held back until it
+    is known not to be.
 
     forced (tool_choice "required" or a named function): the output is calls only. The grammar allows nothing
     but separators between them, so no text is content, and a call cut off by the length limit is dropped.
@@ -149,33 +132,34 @@ class ToolCallParser:
     only calls): a run of it is held until non-space text follows (then it goes out with it, unless a call came
     before it), a call follows (dropped), or the output ends (content only when there was no call)."""
 
-    def __init__(self, forced: bool = False):
-        self.forced = forced
+    def __init__(self, fmt: ToolFormat = HERMES, forced: bool = False):
+        self.fmt, self.forced, self._cues = fmt, forced, fmt.cues()
         self._buf, self._in_call = "", False
         self._held, self._text_open, self._calls = "", False, 0
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         """-> [("content", str) | ("call", tool call dict)] released by this text."""
         self._buf += text
-        events = []
+        events: list = []
         while True:
             if self._in_call:
-                end = self._buf.find(CALL_CLOSE)
-                if end < 0:
+                found = self.fmt.region(self._buf)
+                if found is None:
                     return events
-                call = _parse_call(self._buf[:end])
-                if call:
-                    self._call(events, call)
+                length, calls = found
+                if calls:
+                    for name, args in calls:
+                        self._call(events, _new_call(self.fmt, name, args))
                 else:
-                    self._emit(events, CALL_OPEN + self._buf[:end + len(CALL_CLOSE)])
-                self._buf, self._in_call = self._buf[end + len(CALL_CLOSE):], False
+                    self._emit(events, self._buf[:length])
+                self._buf, self._in_call = self._buf[length:], False
                 continue
-            start = self._buf.find(CALL_OPEN)
+            start = min((i for i in (self._buf.find(c) for c in self._cues) if i >= 0), default=-1)
             if start >= 0:
                 self._emit(events, self._buf[:start])
-                self._buf, self._in_call = self._buf[start + len(CALL_OPEN):], True
+                self._buf, self._in_call = self._buf[start:], True
                 continue
-            keep = _partial_open(self._buf)
+            keep = max(_partial(self._buf, c) for c in self._cues)
             self._emit(events, self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return events
@@ -183,10 +167,8 @@ class ToolCallParser:
     def finish(self) -> list[tuple[str, object]]:
         """The rest, at the end of the output: an unfinished call is content (dropped when forced)."""
         events: list = []
-        if not self._in_call:
+        if not (self._in_call and self.forced):
             self._emit(events, self._buf)
-        elif not self.forced:
-            self._emit(events, CALL_OPEN + self._buf)
         if self._held and not self._calls and not self.forced:
             events.append(("content", self._held))
         self._buf, self._in_call, self._held = "", False, ""
@@ -209,10 +191,9 @@ class ToolCallParser:
         self._held, self._text_open = "", True
 
 
-def _partial_open(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of CALL_OPEN."""
-    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
-        if CALL_OPEN.startswith(text[-n:]):
+def _partial(text: str, cue: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `cue`."""
+    for n in range(min(len(text), len(cue) - 1), 0, -1):
+        if cue.startswith(text[-n:]):
             return n
     return 0
-

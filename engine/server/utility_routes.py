@@ -61,7 +61,8 @@ def _tokenize(state, body: dict) -> list[int]:
     tok = _tokenizer(state)
     if "messages" in body:
         req = validated(ChatCompletionRequest, body | {"model": state.model_name})
-        return chat_prompt(tok, normalize_messages(req.messages), None, state.limits, template_options(req))
+        return chat_prompt(tok, normalize_messages(req.messages), None, state.limits, template_options(req),
+                           state.tool_format)
     if isinstance(body.get("prompt"), str):
         state.limits.check_prompt(body["prompt"])
         return tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
