@@ -105,3 +105,17 @@ def test_a_forced_call_cut_in_the_next_one_is_calls_only(server, client):
     events = list(client.responses.create(stream=True, **rkw))
     assert not [e for e in events if e.type.startswith("response.output_text")]
     assert [o.type for o in events[-1].response.output] == ["function_call"]
+
+
+def test_truncation_reasoning_and_include_are_honoured_or_refused(server, client):
+    kw = dict(model=server.model, input="Hi", max_output_tokens=4, temperature=0)
+    r = client.responses.create(truncation="disabled", reasoning={"effort": "none"},
+                                include=["reasoning.encrypted_content", "file_search_call.results"], **kw)
+    assert r.truncation == "disabled" and r.status == "incomplete" and r.output_text
+    for fields, param in ((dict(truncation="auto"), "truncation"), (dict(reasoning={"effort": "high"}), "reasoning.effort"),
+                          (dict(reasoning={"summary": "auto"}), "reasoning.summary"),
+                          (dict(include=["message.output_text.logprobs"]), "include[0]"),
+                          (dict(include=["reasoning.encrypted_content", "nope"]), "include[1]")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(**fields, **kw)
+        assert err.value.body["param"] == param, fields

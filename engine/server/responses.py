@@ -6,6 +6,13 @@ A request becomes a chat request: `instructions` a system message, `input` (text
 `output_text`, and a `function_call` per tool call. `previous_response_id` continues a stored response: the
 server keeps the last RESPONSES_KEPT responses' conversations in memory (not across restarts); an unknown or
 dropped id is a 400.
+
+Fields that would change what the output means are honoured or refused, never dropped: `truncation` is
+"disabled" (a prompt that does not fit is a 400; "auto" would drop input, which this server does not do);
+`reasoning` asks nothing of a model that does not reason (the server runs none: an effort other than "none", or a
+summary, is a 400); `include` may name the extra data of items this server never outputs (web or file search,
+computer use, code interpreter, input images: those tools and parts are refused), so there is nothing to add, and
+"reasoning.encrypted_content" (no reasoning items); "message.output_text.logprobs" is a 400.
 """
 from __future__ import annotations
 
@@ -38,6 +45,9 @@ class ResponsesRequest(RequestBody):
     store: bool = True
     metadata: dict | None = None
     user: str | None = None
+    truncation: str = "disabled"
+    reasoning: dict | None = None
+    include: list[str] | None = None
     # vLLM-style extensions, as on the chat endpoint
     seed: int | None = None
     top_k: int | None = None
@@ -67,8 +77,35 @@ class ResponseStore:
                 self._items.popitem(last=False)
 
 
+NOTHING_TO_INCLUDE = frozenset({
+    "reasoning.encrypted_content", "web_search_call.results", "web_search_call.action.sources",
+    "file_search_call.results", "computer_call_output.output.image_url", "message.input_image.image_url",
+    "code_interpreter_call.outputs"})
+
+
+def check_fields(req: ResponsesRequest) -> None:
+    """A 400 naming the field for what this server cannot honour (module docstring)."""
+    if req.truncation != "disabled":
+        raise APIError(f"truncation {req.truncation!r} is not supported: this server never drops input to fit the "
+                       "context ('disabled', the default: a prompt that does not fit is a 400)", param="truncation")
+    reasoning = req.reasoning or {}
+    if reasoning.get("effort") not in (None, "none"):
+        raise APIError(f"reasoning.effort {reasoning['effort']!r}: this server runs no reasoning (the model does not "
+                       "reason here); leave it out or set 'none'", param="reasoning.effort")
+    if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
+        raise APIError("reasoning.summary: this server runs no reasoning, so there is nothing to summarize",
+                       param="reasoning.summary")
+    for i, item in enumerate(req.include or []):
+        if item == "message.output_text.logprobs":
+            raise APIError("include 'message.output_text.logprobs' is not supported by /v1/responses here",
+                           param=f"include[{i}]")
+        if item not in NOTHING_TO_INCLUDE:
+            raise APIError(f"include[{i}] {item!r} is not a known include value", param=f"include[{i}]")
+
+
 def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
     """The chat completion request this Responses request asks for."""
+    check_fields(req)
     messages = list(history)
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -187,6 +224,7 @@ class ResponseBuilder:
                 "parallel_tool_calls": r.parallel_tool_calls, "previous_response_id": r.previous_response_id,
                 "temperature": r.temperature, "top_p": r.top_p, "tools": r.tools or [],
                 "tool_choice": r.tool_choice or "auto", "text": r.text or {"format": {"type": "text"}},
+                "truncation": r.truncation, "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
                 "store": r.store, "usage": _usage(usage) if usage else None}
 
     def conversation(self, messages: list[dict]) -> list[dict]:
