@@ -112,6 +112,7 @@ def side_env(side: str, args) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if side == "vllm":                    # vLLM's wheels alone: not the engine's /root/site (other versions)
         env.update(PYTHONPATH=args.vllm_site, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
+                   VLLM_USE_FLASHINFER_SAMPLER="0",     # not staged: its sampler would import it to ask
                    TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL=args.vllm_log_level)
     return env
 

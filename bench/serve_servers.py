@@ -165,6 +165,7 @@ def start_vllm(args, requests, logdir: Path):
     if path is None:
         raise RuntimeError(f"{args.model} has no checkpoint directory for vLLM")
     env = dict(os.environ, PYTHONPATH=args.vllm_site, PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1",
+               VLLM_USE_FLASHINFER_SAMPLER="0",
                DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",

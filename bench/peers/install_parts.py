@@ -102,6 +102,8 @@ def install(files: list[tuple[Path, str]], site: Path, data: Path) -> list[Path]
 
 
 ENV = """export SPECDEC_VLLM_SITE={site} SPECDEC_VLLM_DATA={data} VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
+# FlashInfer is not staged: vLLM's sampler would import it to ask whether it may use it
+export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's side only: its wheels first, not the engine's /root/site (other pydantic and tvm-ffi versions)
 vllm_python() {{ PYTHONPATH={site} python3 "$@"; }}
 """
