@@ -55,6 +55,8 @@ class EngineConfig:
     guided_forced_drafts: bool = False  # guided + speculative: where the grammar allows one continuing text, draft
                                        # its tokens in place of the drafter's (engine/guided/draft_masks.py); off
                                        # for the same reason (one callback per step for +0.07 acceptance)
+    logprobs: bool = True              # requests may ask for logprobs (engine/logprobs.py); on CUDA every step
+                                       # graph is captured twice, with and without them (False: refused)
     num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
     spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than
                                        # they gain once the forward is no longer launch-bound)

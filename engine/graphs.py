@@ -104,8 +104,9 @@ def pad_spec(slot: DecodeSlot, start: int, end: int, k: int) -> None:
 
 
 class StepGraphs:
-    """Graphs by (slot, key, variant); variant = (guided, greedy), see engine/step.py. Guided variants hold the
-    grammar branch with its host callback node; their hostfunc handles are freed by `close()`."""
+    """Graphs by (slot, key, variant); variant = (guided, greedy, logprobs), see engine/step.py. Guided variants
+    hold the grammar branch with its host callback node; their hostfunc handles are freed by `close()`.
+    Logprobs variants exist only with `EngineConfig.logprobs` (they double the captures)."""
 
     def __init__(self, config, max_model_len: int, guided: bool, spec_rows: int = 0):
         self.max_seqs = config.max_num_seqs
@@ -114,7 +115,8 @@ class StepGraphs:
         self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
         self.token_sizes = graph_token_sizes(config.max_num_batched_tokens)
-        self.variants = [(g, greedy) for g in ((False, True) if guided else (False,)) for greedy in (True, False)]
+        self.variants = [(g, greedy, lp) for g in ((False, True) if guided else (False,)) for greedy in (True, False)
+                         for lp in ((False, True) if config.logprobs else (False,))]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = Counter()                 # by kind ("decode", "mixed", "guided"); host thread only
         self.callbacks = hostfunc.HostfuncScope()  # handles of the captured grammar callbacks

@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.frontend import EngineFrontend
 from engine.guided.masks import Snapshot, build_snapshot
 from engine.guided.tracker import GuidedTracker
+from engine.logprobs import HostLogprobs
 from engine.model_runner import RowError
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
@@ -122,7 +123,7 @@ class LLMEngine(EngineFrontend):
         params = SamplingParams() if params is None else params
         ids = prompt_ids(prompt, self.encode)
         check_request(ids, params, self.runner.vocab, self.max_model_len, self.blocks,
-                      has_tokenizer=self.tokenizer is not None, spec_k=self.spec_k)
+                      has_tokenizer=self.tokenizer is not None, spec_k=self.spec_k, logprobs=self.config.logprobs)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(), retain=retain,
                        max_len=min(len(ids) + params.max_tokens, self.max_model_len))
@@ -226,13 +227,15 @@ class LLMEngine(EngineFrontend):
             if row.sample:
                 seq.num_pending += 1 + row.spec_k
                 seq.pending_src = row.sample_idx
-        all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
+        sampling = [r.seq.params for r in rows if r.sample]
+        all_greedy = all(p.temperature == 0 for p in sampling)
+        logprobs = any(p.logprobs is not None for p in sampling)
         t1 = time.perf_counter()
         try:
             with self.runner.sync_guard(), self._tp_watch():
                 if self.cluster is not None:    # the workers launch the same step on their shards
                     self.cluster.channel.publish(slot, self._step_index, all_greedy, snapshot is not None)
-                self.runner.launch(slot, self._step_index, all_greedy, snapshot)
+                self.runner.launch(slot, self._step_index, all_greedy, snapshot, logprobs=logprobs)
         except TensorParallelError:
             raise
         except Exception as exc:
@@ -265,7 +268,8 @@ class LLMEngine(EngineFrontend):
         with self._tp_watch():
             tokens = self.runner.wait(step.slot)
         t1 = time.perf_counter()
-        outputs = self._commit(step.slot.rows, tokens, self.guided.step_failure(step.snapshot))
+        outputs = self._commit(step.slot.rows, tokens, self.guided.step_failure(step.snapshot),
+                               self.runner.logprobs(step.slot))
         fwd, mask, smp, idle = self.runner.gpu_times_ms(step.slot, step.index, self._last_committed)
         cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
         self._last_committed, self._tokens_landed = step.index, t1
@@ -277,7 +281,8 @@ class LLMEngine(EngineFrontend):
         self._last_commit_time = t2
         return outputs
 
-    def _commit(self, rows, tokens: list[int], guided_failure: str | None = None) -> list[RequestOutput]:
+    def _commit(self, rows, tokens: list[int], guided_failure: str | None = None,
+                logprobs: HostLogprobs | None = None) -> list[RequestOutput]:
         outputs = []
         now = time.perf_counter()
         spec_rows = spec_accepted = 0
@@ -302,19 +307,24 @@ class LLMEngine(EngineFrontend):
                 if row.spec_k:
                     spec_rows, spec_accepted = spec_rows + 1, spec_accepted + len(new) - 1
                     self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
-                outputs.append(self._commit_tokens(seq, new, now))
+                lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
+                    if seq.logprobs is not None else None
+                outputs.append(self._commit_tokens(seq, new, now, lps))
             except Exception as exc:
                 outputs.append(self._fail(seq, f"committing its tokens failed: {_describe(exc)}"))
         if spec_rows:
             self.scheduler.spec.observe(spec_accepted, spec_rows)
         return outputs
 
-    def _commit_tokens(self, seq: Sequence, new: list[int], now: float) -> RequestOutput:
-        """Append a step's tokens for one request (several with speculation); it may stop inside them."""
+    def _commit_tokens(self, seq: Sequence, new: list[int], now: float, logprobs: list | None = None) -> RequestOutput:
+        """Append a step's tokens for one request (several with speculation); it may stop inside them.
+        `logprobs`: an entry per token of `new`, for a request that asked for them."""
         if NO_TOKEN in new:
             return self._fail(seq, "no token was allowed here (the request's token mask was empty)")
         before = len(seq.output_token_ids)
         reason = self.output.commit(seq, new)
+        if logprobs is not None:
+            seq.logprobs.extend(logprobs[:len(seq.output_token_ids) - before])
         seq.first_token_time = seq.first_token_time or now
         if reason:
             self._finish(seq, reason, now)

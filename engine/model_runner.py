@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.graphs import StepGraphs
 from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks
+from engine.logprobs import HostLogprobs
 from engine.models.loader import ModelSource
 from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
@@ -77,7 +78,7 @@ class ModelRunner:
             self.program = StepProgram(*args)
         max_blocks = -(-max_model_len // config.block_size)
         self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device,
-                                 self.spec_k) for i in range(2)]
+                                 self.spec_k, config.logprobs) for i in range(2)]
         self.slot_events = [self._events(("inputs_ready", "copy_done"), timing=False) for _ in self.slots]
         self.step_events = [self._events(("start", "sampled_ready"), timing=True) for _ in range(_EVENT_RING)]
         for slot in self.slots:         # recorded inside the step (graphs too): read at the slot's commit
@@ -220,13 +221,14 @@ class ModelRunner:
 
     # ---- launch (enqueue only) ---------------------------------------------------------------
     def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None, guided: bool | None = None,
-               download: bool = True) -> None:
+               download: bool = True, logprobs: bool = False) -> None:
         """Enqueue upload, forward, (grammar branch), sampling and the token copy; returns without waiting
         (on CUDA). `snapshot`: the step's guided rows (engine/guided/masks.py), None if it has none. A
         tensor-parallel worker runs guided steps without a snapshot (`guided`: rank 0 fills the masks) and
-        reads no tokens back (`download` False)."""
+        reads no tokens back (`download` False). `logprobs`: some row wants them (they come back too)."""
         prev = self.slots[1 - slot.index]
-        variant = (snapshot is not None if guided is None else guided, all_greedy)
+        slot.want_logprobs = logprobs
+        variant = (snapshot is not None if guided is None else guided, all_greedy, logprobs)
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
         if self.cuda:
             with torch.cuda.stream(self.copy_in_stream):
@@ -274,6 +276,10 @@ class ModelRunner:
             self.slot_events[slot.index]["copy_done"].synchronize()
         out = slot.spec_out_host if self.spec_k else slot.sampled_host
         return out[:slot.num_sample].tolist()
+
+    def logprobs(self, slot: DecodeSlot) -> HostLogprobs | None:
+        """The logprobs of a slot whose tokens were waited for, if its step recorded them."""
+        return HostLogprobs(slot.logprobs_host, slot.num_sample, self.vocab) if slot.want_logprobs else None
 
     def gpu_times_ms(self, slot: DecodeSlot, step_index: int, prev_index: int | None) -> tuple:
         """(forward, mask wait, sampling, idle before it) device times of a step whose tokens were waited

@@ -29,6 +29,8 @@ class RequestOutput(NamedTuple):
     token_ids: tuple[int, ...] | None = None    # whole output, only on the final output
     text: str | None = None                     # whole output text, only on the final output
     spec: dict | None = None                    # speculation statistics (specdec/state.py), final output only
+    logprobs: tuple | None = None               # an engine.logprobs.Entry per new token (params.logprobs set):
+                                                # (its logprob, [(token id, logprob), ...] best first)
 
 
 # text that tokenization-space cleanup would change (" ." -> ".", " 's" -> "'s", ...)
@@ -219,8 +221,9 @@ class OutputProcessor:
         st = self._state(seq)
         ids = seq.output_token_ids
         num_new = st.num_new if num_new is None else num_new
+        lps = None if seq.logprobs is None else tuple(seq.logprobs[len(seq.logprobs) - num_new:]) if num_new else ()
         if st.lazy and not finished and not st.finished and 0 <= num_new <= len(ids):   # the hot path
-            return RequestOutput(seq.seq_id, tuple(ids[len(ids) - num_new:]), "", False)
+            return RequestOutput(seq.seq_id, tuple(ids[len(ids) - num_new:]), "", False, logprobs=lps)
         if not 0 <= num_new <= len(ids):
             raise ValueError(f"num_new={num_new} but request {seq.seq_id} has {len(ids)} output tokens")
         if st.finished and not finished:
@@ -235,8 +238,8 @@ class OutputProcessor:
         new_text, st.sent = text[st.sent:end], end
         new_ids = tuple(ids[len(ids) - num_new:])
         if not finished:
-            return RequestOutput(seq.seq_id, new_ids, new_text, False)
-        return RequestOutput(seq.seq_id, new_ids, new_text, True, st.reason, error, tuple(ids), text)
+            return RequestOutput(seq.seq_id, new_ids, new_text, False, logprobs=lps)
+        return RequestOutput(seq.seq_id, new_ids, new_text, True, st.reason, error, tuple(ids), text, logprobs=lps)
 
     def fail(self, seq, reason: str, error: str | None = None) -> RequestOutput:
         """Final output of an aborted or failed request (no new tokens)."""

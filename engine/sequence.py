@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from engine.guided.spec import GUIDE_FIELDS, Guide, make_guide
+from engine.logprobs import MAX_LOGPROBS
 from engine.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -56,6 +57,10 @@ class SamplingParams:
     structural_tag: dict | str | None = None   # xgrammar structural tag: free text with constrained regions
     any_whitespace: bool = False      # JSON guides: free whitespace between tokens (default: compact)
     num_speculative_tokens: int | None = None   # drafts per step: None = the engine's K, 0 = no speculation
+    # Logprobs of each output token (engine/logprobs.py: log_softmax of the logits the token was chosen from,
+    # after penalties, logit_bias and the grammar mask, before temperature / top-k / top-p): None = off, 0 = the
+    # token's own only, 1..MAX_LOGPROBS = also that many of the most likely tokens.
+    logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT))
@@ -82,6 +87,8 @@ class SamplingParams:
         if self.num_speculative_tokens is not None:
             object.__setattr__(self, "num_speculative_tokens",
                                _integer("num_speculative_tokens", self.num_speculative_tokens, 0, 16))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
         guide = make_guide({k: getattr(self, k) for k in GUIDE_FIELDS}, self.any_whitespace)
         if guide is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a guide: a guided request ends when its grammar does")
@@ -128,10 +135,13 @@ class Sequence:
     num_preemptions: int = 0
     spec_row: int = -1                          # its row of the device-side speculation state (specdec/state.py)
     spec: object = None                         # SpecStats of a request that speculated
+    logprobs: list | None = None                # one engine.logprobs.Entry per output token (params.logprobs set)
     first_token_time: float | None = None
     finish_time: float | None = None
 
     def __post_init__(self):
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
         if self.max_len <= 0:
             self.max_len = len(self.prompt_token_ids) + self.params.max_tokens
 

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from engine.logprobs import ENTRY_WIDTH
+
 _FIELDS = {  # name -> (dtype, shape key)
     "input_ids": (torch.int64, "tokens"), "positions": (torch.int64, "tokens"),
     "slot_mapping": (torch.int64, "tokens"), "carry_src": (torch.int64, "tokens"),
@@ -41,7 +43,7 @@ def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Te
 
 class DecodeSlot:
     def __init__(self, index: int, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 spec_k: int = 0):
+                 spec_k: int = 0, logprobs: bool = False):
         self.index = index
         self.device = device
         pin = device.type == "cuda"
@@ -68,6 +70,12 @@ class DecodeSlot:
         self.spec_out = torch.zeros(max_seqs, spec_k + 2, dtype=torch.int64, device=device) if spec_k else None
         self.spec_out_host = torch.zeros(max_seqs, spec_k + 2, dtype=torch.int64, pin_memory=pin) if spec_k \
             else None
+        # logprobs of each sampling row's tokens at each scored position (engine/logprobs.py), filled and read
+        # back only by steps that ask for them (`want_logprobs`)
+        shape = (max_seqs, spec_k + 1, ENTRY_WIDTH)
+        self.logprobs = torch.zeros(shape, dtype=torch.float32, device=device) if logprobs else None
+        self.logprobs_host = torch.zeros(shape, dtype=torch.float32, pin_memory=pin) if logprobs else None
+        self.want_logprobs = False
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0
         self.num_carry = 0                                              # tokens taken from the previous step
@@ -95,7 +103,9 @@ class DecodeSlot:
     def download_sampled(self) -> None:
         n = self.num_sample
         src, dst = (self.spec_out, self.spec_out_host) if self.spec_out is not None else (self.sampled, self.sampled_host)
-        if self.device.type == "cuda":
-            dst[:n].copy_(src[:n], non_blocking=True)
-        else:
-            dst[:n] = src[:n]
+        pairs = [(src, dst)] + ([(self.logprobs, self.logprobs_host)] if self.want_logprobs else [])
+        for src, dst in pairs:
+            if self.device.type == "cuda":
+                dst[:n].copy_(src[:n], non_blocking=True)
+            else:
+                dst[:n] = src[:n]

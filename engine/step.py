@@ -1,9 +1,11 @@
 """The device work of one step, in order: carry-over, forward, logits, (grammar mask), sampling.
 
 Eager steps and CUDA graph captures (engine/graphs.py) run these same methods, so a graph holds exactly
-what an eager step computes, sampling included. A step's variant is (guided, greedy): guided steps fork the
-grammar branch (engine/guided/masks.py) at their start and wait for its `mask_ready` only before sampling;
-greedy steps (every sampling row at temperature 0) skip the random-sampling kernels.
+what an eager step computes, sampling included. A step's variant is (guided, greedy, logprobs): guided steps
+fork the grammar branch (engine/guided/masks.py) at their start and wait for its `mask_ready` only before
+sampling; greedy steps (every sampling row at temperature 0) skip the random-sampling kernels; logprobs steps
+(some row asks for them) also record the logprobs of the sampled tokens (engine/logprobs.py), and no other
+step runs a kernel for them.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.logprobs import record
 from engine.sampler import apply_bitmask, sample
 from engine.slots import DecodeSlot
 
@@ -67,7 +70,7 @@ class StepProgram:
 
     def step(self, slot: DecodeSlot, prev: DecodeSlot, variant: tuple, key: tuple | None = None) -> None:
         """The whole step into `slot.sampled`: at its exact size (key None, eager) or padded to a graph key."""
-        guided, greedy = variant
+        guided, greedy, logprobs = variant
         rows = slot.num_sample if key is None else key[1] if key[0] == "decode" else key[2]
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, rows, self.compute_stream)
@@ -76,13 +79,15 @@ class StepProgram:
         mask = self.masks.join(slot, prev, rows, self.compute_stream)[0] if guided else None
         _mark(slot, "mask_waited")
         if rows:
-            self.sample(slot, logits, rows, greedy, mask)
+            self.sample(slot, logits, rows, greedy, mask, logprobs)
 
-    def sample(self, slot: DecodeSlot, logits, rows: int, greedy: bool, mask=None) -> None:
+    def sample(self, slot: DecodeSlot, logits, rows: int, greedy: bool, mask=None, logprobs: bool = False) -> None:
         d = slot.dev
-        slot.sampled[:rows] = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows],
-                                     d["seeds"][:rows], d["steps"][:rows], bitmask=mask, all_greedy=greedy,
-                                     masker=self.masker)
+        tokens = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows], d["seeds"][:rows],
+                        d["steps"][:rows], bitmask=mask, all_greedy=greedy, masker=self.masker)
+        slot.sampled[:rows] = tokens
+        if logprobs:                            # the mask was applied to `logits` in place
+            record(slot.logprobs[:rows, :1], logits, tokens[:, None])
 
 
 def _mark(slot: DecodeSlot, name: str) -> None:

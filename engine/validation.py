@@ -21,7 +21,7 @@ def prompt_ids(prompt, encode) -> list[int]:
 
 
 def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks: BlockManager, *,
-                  has_tokenizer: bool, spec_k: int = 0) -> None:
+                  has_tokenizer: bool, spec_k: int = 0, logprobs: bool = True) -> None:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if not ids:
@@ -39,6 +39,8 @@ def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks
     if want and want > spec_k:
         raise ValueError(f"num_speculative_tokens={want} but this engine drafts at most {spec_k} "
                          f"(EngineConfig speculative / num_speculative_tokens)")
+    if params.logprobs is not None and not logprobs:
+        raise ValueError("logprobs: this engine computes none (EngineConfig.logprobs is False)")
     if params.stop and not has_tokenizer:
         raise ValueError("this model has no tokenizer: stop strings cannot be matched")
     worst = min(len(ids) + params.max_tokens, max_model_len)

@@ -9,7 +9,9 @@ Every step of a speculating engine (spec steps and plain ones) runs:
 2. forward + logits: a spec step ("spec" graph key, or eager with slot.spec_k = K) has 1 + K query tokens in
    every row (the last token, then K drafts) and scores all of them.
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
-   to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`.
+   to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
+   logprobs step records the target's logprobs of the tokens at every scored position (engine/logprobs.py):
+   the host keeps those of the emitted ones.
 4. draft: the drafter guesses the next K tokens of each sampling row into SpecState.drafts, if the step
    has few enough rows that its sequences may speculate next.
 All of it is enqueue-only tensor code with shapes fixed by the step's key, so it is captured with the rest.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.logprobs import record
 from engine.sampler import NO_TOKEN, sample
 from engine.step import StepProgram, _mark
 from specdec.drafters.base import DraftContext, FeatureContext
@@ -44,7 +47,7 @@ class SpecStepProgram(StepProgram):
         return (size, size, size, 0) if kind == "decode" else (size, bound, bound, 0)
 
     def step(self, slot, prev, variant: tuple, key: tuple | None = None) -> None:
-        guided, greedy = variant
+        guided, greedy, logprobs = variant
         T, B, S, K = self.sizes(slot, key)
         ids = self.correct(slot, T, B, S)
         drafted = self.drafted(slot, ids, S, K, guided)
@@ -60,6 +63,8 @@ class SpecStepProgram(StepProgram):
         tokens = accepted = None
         if S:
             tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted)
+            if logprobs:                        # `logits` as verified: the grammar's masks applied in place
+                record(slot.logprobs[:S, :K + 1], logits, tokens)
             self.finish(slot, tokens, accepted, drafted, S, K)
         self.draft(slot, ids, features, meta, tokens, accepted, T, S, K, guided)
 

@@ -52,9 +52,9 @@ def _run(depth, workload, graph_layout=False, **cfg):
     refs_seen = []
     launch = eng.runner.launch
 
-    def probe(slot, step_index, all_greedy, snapshot=None):   # refs peak: t+1 launched, t not committed
+    def probe(slot, step_index, all_greedy, snapshot=None, **kw):   # refs peak: t+1 launched, t not committed
         refs_seen.extend(r.seq.inflight_refs for r in slot.rows)
-        return launch(slot, step_index, all_greedy, snapshot)
+        return launch(slot, step_index, all_greedy, snapshot, **kw)
 
     eng.runner.launch = probe
     seqs = drive(eng, workload)
