@@ -164,7 +164,8 @@ def to_eos(side, plan, n: int, mode: str, schema: bool) -> tuple[dict, list]:
     rec = dict(mode=mode, new_tokens=plan["guided_tokens"], tok_s=generated / wall,
                ms_per_step=1e3 * wall / max(len(o) for o, _ in outs), wall_s=wall, generated_tokens=generated,
                mean_len=generated / n, finished_frac=sum(r == "stop" for _, r in outs) / n,
-               schemas=len(plan["guided"]), schemas_skipped=len(plan.get("skipped_schemas", ())))
+               schemas=len(plan["guided"]), schemas_skipped=len(plan.get("skipped_schemas", ())),
+               skipped_schemas=plan.get("skipped_schemas"))
     if before is not None:
         d = {k: v - before.get(k, 0) for k, v in side.counters().items()}
         rec.update({f"spec_{k}": v for k, v in d.items()})
