@@ -144,7 +144,7 @@ BAD = [
     ("top_p", dict(top_p=0)),
     ("max_tokens", dict(max_tokens=0)),
     ("n", dict(n=0)),
-    ("logprobs", dict(logprobs=True)),
+    ("top_logprobs", dict(logprobs=True, top_logprobs=21)),
     ("invalid json_schema", dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}})),
     ("unsatisfiable schema", dict(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}})),

@@ -114,8 +114,20 @@ def test_truncation_reasoning_and_include_are_honoured_or_refused(server, client
     assert r.truncation == "disabled" and r.status == "incomplete" and r.output_text
     for fields, param in ((dict(truncation="auto"), "truncation"), (dict(reasoning={"effort": "high"}), "reasoning.effort"),
                           (dict(reasoning={"summary": "auto"}), "reasoning.summary"),
-                          (dict(include=["message.output_text.logprobs"]), "include[0]"),
                           (dict(include=["reasoning.encrypted_content", "nope"]), "include[1]")):
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(**fields, **kw)
         assert err.value.body["param"] == param, fields
+
+
+def test_logprobs_on_the_output_text_equal_the_chat_endpoints(server, client):
+    kw = dict(model=server.model, input="Name three colours.", max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Name three colours."}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    want = [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in chat.choices[0].logprobs.content]
+    r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
+    got = [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in r.output[0].content[0].logprobs]
+    assert got == want
+    done = list(client.responses.create(stream=True, include=["message.output_text.logprobs"], top_logprobs=2, **kw))
+    part = done[-1].response.output[0].content[0]
+    assert [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in part.logprobs] == want

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.server.async_engine import AsyncEngine
 from engine.server.chat import chat_prompt, normalize_messages, template_options
 from engine.server.generation import ChatFormat, CompletionFormat, Generation
+from engine.server.logprobs import token_table
 from engine.server.guides import ClientGone, admit_guide, until_disconnect
 from engine.server.limits import RequestLimits, read_json
 from engine.server.metrics import ServerMetrics
@@ -96,6 +97,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await respond(endpoint, request, gen, req)
 
     async def start(request: Request, ids, params, fmt, tools, arrival: float, streamed: bool) -> Generation:
+        table = await off_loop(token_table, state.tokenizer) if params[0].logprobs is not None else None
         try:
             if params[0].guide is not None:
                 await admit_guide(aengine.guides, params[0].guide, request, state.client_key_header)
@@ -107,7 +109,7 @@ def create_app(state: ServerState) -> FastAPI:
         except EngineDead as exc:
             raise APIError(str(exc), status=503, type="server_error", code="engine_stopped") from exc
         metrics.admitted(len(ids))
-        return Generation(fmt, sub, state.model_name, len(ids), tools, metrics, arrival)
+        return Generation(fmt, sub, state.model_name, len(ids), tools, metrics, arrival, table)
 
     async def respond(endpoint: str, request: Request, gen: Generation, req):
         if req.stream:

@@ -49,7 +49,8 @@ class TextStream:
             text = "".join([add(t) for t in ids[:last]])
             if item.finished:
                 text += self.detok.flush()
-        return RequestOutput(item.sub, tuple(ids), text, item.finished, item.reason, item.error, spec=item.spec)
+        return RequestOutput(item.sub, tuple(ids), text, item.finished, item.reason, item.error, spec=item.spec,
+                             logprobs=item.logprobs)
 
 
 class EngineClient(Router):

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from engine.server.logprobs import TokenTable, chat_content, completion_logprobs
 from engine.server.submission import ENGINE_STOPPED, Submission
 from engine.server.protocol import APIError
 from engine.server.tools import ToolCallParser
@@ -38,11 +39,18 @@ class ChoiceState:
     spec: dict | None = None
     last: float | None = None          # when its previous tokens arrived
     seen: int = 0                      # tokens counted by then
+    lp_ids: list = field(default_factory=list)      # tokens with logprobs, and their entries (engine/logprobs.py)
+    lp: list = field(default_factory=list)
+    lp_sent: int = 0                   # entries streamed so far
+    lp_offset: int = 0                 # completions: characters of token text streamed so far (text_offset)
 
     def take(self, out) -> list[tuple[str, object]]:
         """Fold in one RequestOutput; -> the content / tool-call events it releases (a call carries its index
         among the choice's calls, as a streamed delta does)."""
         self.tokens += len(out.new_token_ids)
+        if out.logprobs is not None:
+            self.lp_ids += out.new_token_ids
+            self.lp += out.logprobs
         events = self.parser.feed(out.new_text) if self.parser else ([("content", out.new_text)] if out.new_text else [])
         if out.finished:
             self.finish, self.error, self.spec = out.finish_reason, out.error, out.spec
@@ -68,8 +76,9 @@ class Format:
     object_full = object_chunk = ""
     id_prefix = ""
 
-    def full_choice(self, index: int, st: ChoiceState) -> dict: ...
+    def full_choice(self, index: int, st: ChoiceState, logprobs=None) -> dict: ...
     def deltas(self, events) -> list[dict]: ...
+    def logprobs(self, table: TokenTable, st: ChoiceState, start: int): ...
     def opening(self) -> dict | None: ...
     def closing(self, st: ChoiceState) -> dict: ...
 
@@ -77,12 +86,15 @@ class Format:
 class ChatFormat(Format):
     object_full, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
-    def full_choice(self, index, st):
+    def full_choice(self, index, st, logprobs=None):
         content = "".join(st.content)
         message = {"role": "assistant", "content": None if st.tool_calls and not content.strip() else content}
         if st.tool_calls:
             message["tool_calls"] = st.tool_calls
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": st.finish_reason()}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": st.finish_reason()}
+
+    def logprobs(self, table, st, start):
+        return {"content": chat_content(table, st.lp_ids[start:], st.lp[start:])}
 
     def deltas(self, events):
         out = []
@@ -98,8 +110,8 @@ class ChatFormat(Format):
     def opening(self):
         return {"role": "assistant", "content": ""}
 
-    def chunk_choice(self, index, delta, finish=None):
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk_choice(self, index, delta, finish=None, logprobs=None):
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def closing(self, st):
         return {}
@@ -108,8 +120,12 @@ class ChatFormat(Format):
 class CompletionFormat(Format):
     object_full, object_chunk, id_prefix = "text_completion", "text_completion", "cmpl-"
 
-    def full_choice(self, index, st):
-        return {"index": index, "text": "".join(st.content), "logprobs": None, "finish_reason": st.finish_reason()}
+    def full_choice(self, index, st, logprobs=None):
+        return {"index": index, "text": "".join(st.content), "logprobs": logprobs, "finish_reason": st.finish_reason()}
+
+    def logprobs(self, table, st, start):
+        body, st.lp_offset = completion_logprobs(table, st.lp_ids[start:], st.lp[start:], st.lp_offset if start else 0)
+        return body
 
     def deltas(self, events):
         text = "".join(item for _, item in events)
@@ -118,8 +134,8 @@ class CompletionFormat(Format):
     def opening(self):
         return None
 
-    def chunk_choice(self, index, delta, finish=None):
-        return {"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish}
+    def chunk_choice(self, index, delta, finish=None, logprobs=None):
+        return {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
 
     def closing(self, st):
         return ""
@@ -129,10 +145,11 @@ class Generation:
     """Drives one Submission to the end, for a whole response or as SSE."""
 
     def __init__(self, fmt: Format, sub: Submission, model: str, prompt_tokens: int, tools, metrics,
-                 arrival: float):
-        """tools: the request's ToolPlan (its parser splits each choice's output), or None."""
+                 arrival: float, table: TokenTable | None = None):
+        """tools: the request's ToolPlan (its parser splits each choice's output), or None. table: token texts,
+        when the choices ask for logprobs."""
         self.fmt, self.sub, self.model, self.prompt_tokens, self.metrics = fmt, sub, model, prompt_tokens, metrics
-        self.arrival = arrival
+        self.arrival, self.table = arrival, table
         self.id = fmt.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.choices = [ChoiceState(tools.parser() if tools else None) for _ in sub.params]
@@ -188,8 +205,17 @@ class Generation:
         if errors:
             raise failure(errors[0])
         return {"id": self.id, "object": self.fmt.object_full, "created": self.created, "model": self.model,
-                "choices": [self.fmt.full_choice(i, st) for i, st in enumerate(self.choices)],
+                "choices": [self.fmt.full_choice(i, st, self.logprobs(st)) for i, st in enumerate(self.choices)],
                 "usage": self.usage()}
+
+    def logprobs(self, st: ChoiceState, streamed: bool = False):
+        """The logprobs object of the choice's entries not streamed yet (all of them: a whole response), or None
+        when the request asked for none."""
+        if self.table is None:
+            return None
+        start = st.lp_sent if streamed else 0
+        st.lp_sent = len(st.lp)
+        return self.fmt.logprobs(self.table, st, start)
 
     def _chunk(self, choices: list, usage: dict | None = None) -> str:
         body = {"id": self.id, "object": self.fmt.object_chunk, "created": self.created, "model": self.model,
@@ -208,8 +234,8 @@ class Generation:
             parts, finished = [], []
             for index, events in per_choice.items():
                 st = self.choices[index]
-                for delta in self.fmt.deltas(events):
-                    parts.append(self.fmt.chunk_choice(index, delta))
+                for i, delta in enumerate(self.fmt.deltas(events)):     # new entries ride on the first delta
+                    parts.append(self.fmt.chunk_choice(index, delta, logprobs=None if i else self.logprobs(st, True)))
                 if st.finish is not None:
                     finished.append(index)
             usage = self.usage() if continuous_usage else None
@@ -221,7 +247,8 @@ class Generation:
                     err = failure(st.error or "failed")
                     yield f"data: {_DUMPS(err.body())}\n\n"
                     continue
-                yield self._chunk([self.fmt.chunk_choice(index, self.fmt.closing(st), st.finish_reason())], usage)
+                yield self._chunk([self.fmt.chunk_choice(index, self.fmt.closing(st), st.finish_reason(),
+                                                         self.logprobs(st, True))], usage)
         self._finished()
         if include_usage:
             yield self._chunk([], self.usage())

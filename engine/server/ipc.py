@@ -65,6 +65,7 @@ class Out(msgspec.Struct, array_like=True):
     reason: str | None = None
     error: str | None = None
     spec: dict | None = None
+    logprobs: list | None = None    # an entry per new id (engine/logprobs.py), for choices that asked
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):

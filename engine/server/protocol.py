@@ -1,6 +1,6 @@
 """The OpenAI request bodies the server accepts, and its error type.
 
-Fields the engine cannot honour (logprobs, penalties, logit_bias, echo, suffix, best_of, and vLLM's min_p,
+Fields the engine cannot honour (penalties, logit_bias, echo, suffix, best_of, and vLLM's min_p,
 repetition_penalty, min_tokens) are declared so that setting them gets a 400 naming the field instead of being
 silently ignored; unknown fields are ignored, as OpenAI clients send new ones over time. An explicit `null` is
 the field's default, as in the OpenAI API. vLLM's extensions that the engine honours: `ignore_eos`, `top_k`,
@@ -9,9 +9,11 @@ template's options (`chat_template_kwargs`, `add_generation_prompt`, `continue_f
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.logprobs import MAX_LOGPROBS
 
 
 class APIError(Exception):
@@ -73,8 +75,6 @@ class _Common(RequestBody):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
@@ -87,12 +87,13 @@ class _Common(RequestBody):
     structured_outputs: dict | None = None
 
     def unsupported(self) -> list[str]:
-        off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "top_logprobs": None,
-               "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
-        bad = [k for k, v in off.items() if getattr(self, k) not in (v, {}) ]
-        if self.logprobs not in (None, False, 0):
-            bad.append("logprobs")
-        return bad
+        off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_p": 0.0,
+               "repetition_penalty": 1.0, "min_tokens": 0}
+        return [k for k, v in off.items() if getattr(self, k) not in (v, {})]
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off), or how many top tokens each token's entry lists."""
+        return None
 
 
 class ChatCompletionRequest(_Common):
@@ -105,6 +106,13 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
@@ -113,6 +121,10 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()

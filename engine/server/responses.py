@@ -12,7 +12,9 @@ Fields that would change what the output means are honoured or refused, never dr
 `reasoning` asks nothing of a model that does not reason (the server runs none: an effort other than "none", or a
 summary, is a 400); `include` may name the extra data of items this server never outputs (web or file search,
 computer use, code interpreter, input images: those tools and parts are refused), so there is nothing to add, and
-"reasoning.encrypted_content" (no reasoning items); "message.output_text.logprobs" is a 400.
+"reasoning.encrypted_content" (no reasoning items). "message.output_text.logprobs" or `top_logprobs` asks for
+logprobs: the last message's output_text part carries them (for every output token), in the whole response and
+in the stream's closing events; the text deltas carry none.
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ import uuid
 
 from pydantic import Field
 
+from engine.logprobs import MAX_LOGPROBS
 from engine.server.protocol import APIError, RequestBody
 
 RESPONSES_KEPT = 1024
+LOGPROBS = "message.output_text.logprobs"
 
 
 class ResponsesRequest(RequestBody):
@@ -48,6 +52,7 @@ class ResponsesRequest(RequestBody):
     truncation: str = "disabled"
     reasoning: dict | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM-style extensions, as on the chat endpoint
     seed: int | None = None
     top_k: int | None = None
@@ -96,10 +101,7 @@ def check_fields(req: ResponsesRequest) -> None:
         raise APIError("reasoning.summary: this server runs no reasoning, so there is nothing to summarize",
                        param="reasoning.summary")
     for i, item in enumerate(req.include or []):
-        if item == "message.output_text.logprobs":
-            raise APIError("include 'message.output_text.logprobs' is not supported by /v1/responses here",
-                           param=f"include[{i}]")
-        if item not in NOTHING_TO_INCLUDE:
+        if item not in NOTHING_TO_INCLUDE and item != LOGPROBS:
             raise APIError(f"include[{i}] {item!r} is not a known include value", param=f"include[{i}]")
 
 
@@ -116,6 +118,8 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
                        ("seed", req.seed), ("top_k", req.top_k)):
         if value is not None:
             body[key] = value
+    if req.top_logprobs is not None or LOGPROBS in (req.include or []):
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.tools:
         body["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
@@ -207,6 +211,12 @@ class ResponseBuilder:
         if item is not None:
             item["status"] = "completed"
         return item
+
+    def logprobs(self, chat_logprobs: dict | None) -> None:
+        """Chat's logprobs object of the whole output -> the last message's output_text part."""
+        messages = [item for item in self.items if item["type"] == "message"]
+        if chat_logprobs is not None and messages:
+            messages[-1]["content"][0]["logprobs"] = chat_logprobs["content"]
 
     def call(self, call: dict) -> dict:
         item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call["id"],

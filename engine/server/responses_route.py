@@ -32,6 +32,7 @@ def add_responses_route(app: FastAPI, state, handle, parse, run_chat, whole) -> 
         choice = body["choices"][0]
         if choice["message"].get("content"):
             builder.text(choice["message"]["content"])
+            builder.logprobs(choice["logprobs"])
             builder.close_message()
         for call in choice["message"].get("tool_calls") or []:
             builder.call(call)
@@ -53,9 +54,10 @@ async def _events(gen, builder: ResponseBuilder, store: ResponseStore | None, me
             for kind, item in per_choice.get(0, []):
                 for text in (_text_events(builder, item, seq) if kind == "content" else _call_events(builder, item, seq)):
                     yield text
+        st = gen.choices[0]
+        builder.logprobs(gen.logprobs(st))
         for text in _close_message(builder, seq):
             yield text
-        st = gen.choices[0]
         if st.finish == "error":
             err = failure(st.error or "failed")
             yield event("response.failed", next(seq), response=builder.body(
