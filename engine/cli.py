@@ -25,9 +25,13 @@ def _request_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--any-whitespace", action="store_true", help="JSON guides: allow free whitespace")
 
 
+# generate and chat run one prompt at a time: fewer rows mean fewer decode graphs to capture at start
+ONE_PROMPT = {"max_num_seqs": (8, "one prompt at a time, and fewer rows capture fewer graphs")}
+
+
 def _engine(args):
     from engine.llm_engine import LLMEngine
-    return LLMEngine(engine_config(args, max_num_seqs=8))
+    return LLMEngine(engine_config(args))
 
 
 def _read(value: str | None, what: str) -> str | None:
@@ -90,27 +94,31 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    from engine.server.serve import SERVER_DEFAULTS, add_server_options, cmd_serve
+    top = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = top.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt, streaming")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", dest="chat_template", action="store_false",
                      help="feed the prompt as plain text instead of through the chat template")
-    engine_options(gen)
+    engine_options(gen, ONE_PROMPT)
     _request_options(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
     chat.add_argument("--system", default=None)
-    engine_options(chat)
+    engine_options(chat, ONE_PROMPT)
     _request_options(chat)
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
-    from engine.server.serve import add_server_options, cmd_serve
-    engine_options(serve)
+    engine_options(serve, SERVER_DEFAULTS)
     add_server_options(serve)
     serve.set_defaults(func=cmd_serve)
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

@@ -1,62 +1,120 @@
-"""The engine's command-line options (`specdec generate`, `chat` and `serve` share them) and the EngineConfig
-they make."""
+"""The engine's command-line options, made from EngineConfig's fields, and the EngineConfig they make.
+
+`specdec generate`, `chat` and `serve` all take them from `engine_options`, so a new EngineConfig field is a flag
+of every subcommand without an edit here: field `foo_bar` is `--foo-bar`, with the field's type and default, and
+the comment beside the field as its help. The tables below only add what a field cannot say: names kept from
+before (older scripts pass them), choices, and help for the fields that carry no comment."""
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import textwrap
+import tokenize
+import typing
+from functools import cache
 
-from engine.config import EngineConfig
+from engine.config import DTYPES, SPECULATIVE, EngineConfig
+
+ALIASES = {                     # field -> more flags that set it
+    "num_speculative_tokens": ("--num-draft-tokens",),
+    "tensor_parallel_size": ("-tp",),
+    "tp_timeout_s": ("--tp-timeout",),
+    "grammar_compile_timeout_s": ("--grammar-compile-timeout",),
+    "guided_draft_masks": ("--draft-masks",),
+    "guided_forced_drafts": ("--forced-drafts",),
+}
+RENAMED = {"seed": "--engine-seed"}     # --seed is a request's seed in generate and chat
+CHOICES = {
+    "attention_backend": ("auto", "torch", "triton"),
+    "depth": (1, 2),
+    "dtype": ("auto", *DTYPES),
+    "grammar_node": ("native", "python"),
+    "speculative": SPECULATIVE,
+    "tp_backend": ("auto", "nccl", "gloo"),
+}
+HELP = {                        # fields without a comment in engine/config.py
+    "model": "'default' (the bundled SmolLM2-135M), 'dummy:<shape>', a .gguf file or an HF directory; "
+             "$SPECDEC_MODEL sets the default",
+    "kv_cache_memory_fraction": "share of free device memory the KV cache takes when num_kv_blocks is 0",
+    "guide_max_enum": "values of one enum, or choices",
+    "guide_max_depth": "nesting of a JSON schema",
+    "guide_max_repeat": "the count in a {n,m} repetition of a regex, pattern or grammar",
+    "ngram_min_n": "ngram drafter: shortest suffix looked up in the prompt and output",
+    "ngram_max_n": "ngram drafter: longest suffix looked up",
+    "seed": "draws the sampling seed of each request that sends none",
+}
+GROUPS = (                      # (field name prefixes, argument group); the rest are "engine"
+    (("grammar_compile_", "guide_max_"), "grammar compilation (bounds on one guide: docs/server.md)"),
+    (("speculative", "num_speculative", "spec_", "ngram_", "guided_draft", "guided_forced"),
+     "speculative decoding (docs/speculative.md)"),
+    (("tensor_parallel", "tp_"), "tensor parallelism (docs/tensor_parallel.md)"),
+)
 
 
-def engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="'default', 'dummy:<shape>', a .gguf file or an HF directory "
-                                                 "(default: $SPECDEC_MODEL or the bundled SmolLM2-135M)")
-    p.add_argument("--tokenizer", default="", help="take the tokenizer from this model spec instead (e.g. "
-                                                   "'default' for dummy weights of SmolLM2's shape)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--depth", type=int, default=2, choices=[1, 2],
-                   help="1: blocking loop; 2: pipelined (the next step launches before this one commits)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--switch-interval", type=float, default=2e-4, metavar="S",
-                   help="Python's GIL switch interval set on CUDA with guided decoding (0: leave it)")
-    p.add_argument("--speculative", default="none", choices=["none", "ngram", "eagle", "draft_model"],
-                   help="draft tokens and verify them in the step (ngram: prompt lookup; eagle: the trained head)")
-    p.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int, default=3, metavar="K",
-                   help="drafts per step")
-    p.add_argument("--spec-head", default="", metavar="DIR",
-                   help="eagle: draft head directory (default: the head shipped for the model; 'random')")
-    p.add_argument("--spec-draft-model", default="", metavar="MODEL",
-                   help="draft_model: a smaller model sharing the tokenizer (path, 'default', 'dummy:NAME')")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model over N GPUs (one process each; NCCL), or N processes on the CPU (gloo)")
-    p.add_argument("--tp-timeout", type=float, default=120.0, metavar="S",
-                   help="a tensor-parallel step taking longer than this ends the engine (a worker hung)")
-    p.add_argument("--draft-masks", action="store_true",
-                   help="guided + --speculative eagle|draft_model: each draft step picks under the grammar's mask")
-    p.add_argument("--forced-drafts", action="store_true",
-                   help="guided + --speculative: draft the text the grammar forces in place of the drafter's tokens")
-    g = p.add_argument_group("grammar compilation (bounds on one guide: docs/server.md)")
-    g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="S",
-                   help="a request whose grammar takes longer to compile fails with 400")
-    g.add_argument("--grammar-compile-queue", type=int, default=64, metavar="N",
-                   help="unfinished compiles before the server answers 429 (a client may have a quarter)")
-    g.add_argument("--guide-max-bytes", type=int, default=256 << 10, metavar="N")
-    g.add_argument("--guide-max-enum", type=int, default=4096, metavar="N", help="values of one enum, or choices")
-    g.add_argument("--guide-max-depth", type=int, default=64, metavar="N", help="nesting of a JSON schema")
-    g.add_argument("--guide-max-repeat", type=int, default=1000, metavar="N",
-                   help="the count in a {n,m} repetition of a regex, pattern or grammar")
+@cache
+def field_comments(cls=EngineConfig) -> dict[str, str]:
+    """The comment beside each field of a dataclass, its continuation lines joined."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    body = ast.parse(source).body[0].body
+    starts = sorted((node.lineno, node.target.id if isinstance(node, ast.AnnAssign) else None) for node in body)
+    found: dict[str, list[str]] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type != tokenize.COMMENT:
+            continue
+        owner = [name for line, name in starts if line <= tok.start[0]]
+        if owner and owner[-1]:
+            found.setdefault(owner[-1], []).append(tok.string.lstrip("#").strip())
+    return {name: " ".join(parts) for name, parts in found.items()}
 
 
-def engine_config(args, **extra) -> EngineConfig:
-    return EngineConfig(**({"model": args.model} if args.model else {}), tokenizer=args.tokenizer,
-                        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, depth=args.depth,
-                        enforce_eager=args.enforce_eager, speculative=args.speculative,
-                        num_speculative_tokens=args.num_speculative_tokens, spec_head=args.spec_head,
-                        spec_draft_model=args.spec_draft_model, guided_draft_masks=args.draft_masks,
-                        guided_forced_drafts=args.forced_drafts, switch_interval=args.switch_interval,
-                        tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
-                        grammar_compile_timeout_s=args.grammar_compile_timeout,
-                        grammar_compile_queue=args.grammar_compile_queue, guide_max_bytes=args.guide_max_bytes,
-                        guide_max_enum=args.guide_max_enum, guide_max_depth=args.guide_max_depth,
-                        guide_max_repeat=args.guide_max_repeat, **extra)
+def field_default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def flags(name: str) -> tuple[str, ...]:
+    return (RENAMED.get(name, "--" + name.replace("_", "-")), *ALIASES.get(name, ()))
+
+
+def dest(name: str) -> str:
+    """Where a field's value lands in the parsed options: a renamed field's flag names it."""
+    return RENAMED[name].lstrip("-").replace("-", "_") if name in RENAMED else name
+
+
+def _group(groups: dict, name: str):
+    title = next((title for prefixes, title in GROUPS if name.startswith(prefixes)), "engine (EngineConfig)")
+    return groups[title]
+
+
+def _add(group, f: dataclasses.Field, kind: type, default, why: str) -> None:
+    text = (HELP.get(f.name) or field_comments().get(f.name, "")).replace("%", "%%")
+    text = (f"{text}; here {why}" if why else text) + " (default: %(default)s)"
+    if kind is bool:
+        group.add_argument(*flags(f.name), dest=dest(f.name), action=argparse.BooleanOptionalAction, default=default,
+                           help=text)
+        return
+    metavar = {int: "N", float: "S" if f.name.endswith(("_s", "interval")) else "X"}.get(kind)
+    group.add_argument(*flags(f.name), dest=dest(f.name), type=kind, default=default, choices=CHOICES.get(f.name),
+                       metavar=metavar if f.name not in CHOICES else None, help=text)
+
+
+def engine_options(p: argparse.ArgumentParser, defaults: dict[str, tuple[object, str]] | None = None) -> None:
+    """One flag per EngineConfig field. `defaults` maps a field to (this command's default, why), shown in help."""
+    defaults = defaults or {}
+    unknown = set(defaults) - {f.name for f in dataclasses.fields(EngineConfig)}
+    if unknown:
+        raise ValueError(f"not EngineConfig fields: {sorted(unknown)}")
+    hints = typing.get_type_hints(EngineConfig)
+    groups = {title: p.add_argument_group(title) for title in ["engine (EngineConfig)", *(t for _, t in GROUPS)]}
+    for f in dataclasses.fields(EngineConfig):
+        default, why = defaults.get(f.name, (field_default(f), ""))
+        _add(_group(groups, f.name), f, hints[f.name], default, why)
+
+
+def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
+    """The EngineConfig of parsed options (`extra` wins over them)."""
+    fields = dataclasses.fields(EngineConfig)
+    given = {f.name: getattr(args, dest(f.name)) for f in fields if hasattr(args, dest(f.name))}
+    return EngineConfig(**(given | extra))

@@ -10,20 +10,22 @@ from engine.server.limits import DEFAULT_MAX_BODY_BYTES
 from engine.server.tool_formats import NAMES as TOOL_FORMATS
 
 
+# two busy threads (the engine's loop and the event loop's): the engine gets the GIL back sooner (measured)
+SERVER_DEFAULTS = {"switch_interval": (5e-5, "the engine shares the GIL with the server's threads")}
+
+
 def add_server_options(p: argparse.ArgumentParser) -> None:
+    """The server's own options; the engine's come from engine/options.py."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed when ready)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids clients may send; responses carry the first (default: the model's name)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="rows in one engine step")
-    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
     p.add_argument("--max-queued", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs before the server answers 429")
     p.add_argument("--stream-interval", type=int, default=0, metavar="N",
                    help="tokens per streamed chunk (0: auto, one token until 8 streams are active, then more)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (larger: 413 before it is parsed)")
-    p.set_defaults(switch_interval=5e-5)     # two busy threads: the engine gets the GIL back sooner (measured)
     p.add_argument("--client-key-header", default=None, metavar="NAME",
                    help="take a request's client, for its share of the grammar compiles, from this header (e.g. a "
                         "gateway's user header) instead of its address; only behind a proxy that sets it")
@@ -43,8 +45,7 @@ def build_state(args):
     from engine.server.app import ServerState
     from engine.server.async_engine import AsyncEngine
 
-    config = engine_config(args, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    engine = LLMEngine(config)
+    engine = LLMEngine(engine_config(args))
     engine.guided.ensure_service()          # before any handler thread may compile with it
     tokenizer = load_tokenizer(engine.tokenizer_source)
     aengine = AsyncEngine(engine, max_queued=args.max_queued, stream_interval=args.stream_interval)
