@@ -32,7 +32,7 @@ import xgrammar as xgr
 
 from engine.guided import native
 from engine.guided.compile_pool import CompilePool
-from engine.guided.spec import Guide
+from engine.guided.spec import Guide, grammar_schema
 
 _XGR_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")      # xgrammar's "[time] file.cc:line: " before its message
 CACHE_BYTES = 512 << 20     # compiled grammars kept by the service (xgrammar's memory_size_bytes)
@@ -85,6 +85,8 @@ def _choice_grammar(source: str) -> str:
 
 def compile_guide(compiler: xgr.GrammarCompiler, guide: Guide) -> xgr.CompiledGrammar:
     kind, src, ws = guide
+    if kind == "json_schema":      # the rewritten schema (checked when the guide was made): same instances
+        src = json.dumps(grammar_schema(json.loads(src)), ensure_ascii=False)
     if kind in ("json_schema", "json_object"):
         return compiler.compile_json_schema(src, any_whitespace=ws, strict_mode=True)
     if kind == "regex":

@@ -2,7 +2,8 @@
 
 `Guide.key` is a hashable description (kind, canonical source text, whitespace option): the compiler's
 cache key, and what a future compile is run from. Checks here are the ones that need no tokenizer (types,
-JSON syntax, exactly one guide, schema keywords the grammar would ignore: engine/guided/schema_check.py);
+JSON syntax, exactly one guide, schema keywords the grammar would ignore once the schema is rewritten into an
+equivalent one it enforces: engine/guided/schema_rewrite.py, engine/guided/schema_check.py);
 what only the grammar compiler can tell (an unsupported schema feature,
 a bad regex) fails the request when it compiles (engine/guided/compiler.py).
 """
@@ -12,6 +13,7 @@ import json
 from typing import NamedTuple
 
 from engine.guided.schema_check import unenforced_keywords
+from engine.guided.schema_rewrite import rewrite_schema
 
 GUIDE_FIELDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 
@@ -54,13 +56,28 @@ def _choice(value) -> str:
     return json.dumps(list(items), ensure_ascii=False)
 
 
+def grammar_schema(schema: dict, name: str = "json_schema") -> dict:
+    """The schema a grammar is compiled from: `schema` rewritten into an equivalent one the grammar enforces
+    (engine/guided/schema_rewrite.py), then checked. Raises ValueError naming `name`, the path and the reason.
+    The guide keeps the original text: outputs are promised to match it, and compiling rewrites it again
+    (a pure function of the text)."""
+    try:
+        rewritten = rewrite_schema(schema)
+    except RecursionError as exc:
+        raise ValueError(f"{name} nests too deeply to check") from exc
+    except ValueError as exc:
+        raise ValueError(f"{name} can match nothing: {exc}") from exc
+    unenforced = unenforced_keywords(rewritten)
+    if unenforced:
+        raise ValueError(f"{name} uses what guided decoding cannot enforce, so an output could violate it: "
+                         + "; ".join(unenforced[:3]) + (f" (and {len(unenforced) - 3} more)" if len(unenforced) > 3 else ""))
+    return rewritten
+
+
 def _source(kind: str, value) -> str:
     if kind == "json_schema":
         text = _json_text(kind, value, dict)
-        unenforced = unenforced_keywords(json.loads(text))
-        if unenforced:
-            raise ValueError("json_schema uses what guided decoding cannot enforce, so an output could violate it: "
-                             + "; ".join(unenforced[:3]) + (f" (and {len(unenforced) - 3} more)" if len(unenforced) > 3 else ""))
+        grammar_schema(json.loads(text))
         return text
     if kind == "structural_tag":
         return _json_text(kind, value, dict)
