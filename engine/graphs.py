@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 
 import hostfunc
+from engine.penalties import neutral
 from engine.slots import DecodeSlot
 
 SHORT_CONTEXT = 512
@@ -44,6 +45,8 @@ def _pad_sampling(h, start: int, end: int) -> None:
     h["top_p"][start:end] = 1.0
     h["seeds"][start:end] = 0
     h["steps"][start:end] = 0
+    if "pen_row" in h:
+        neutral(h, start, end)
     if "smp_row" in h:                  # speculation: no state row (its writes go to the dummy row)
         h["smp_row"][start:end] = -1
         h["smp_shift"][start:end] = 0
@@ -56,6 +59,8 @@ def _pad_tokens(h, start: int, end: int) -> None:
     h["positions"][start:end] = 0
     h["slot_mapping"][start:end] = -1
     h["carry_src"][start:end] = -1
+    if "pen_tok" in h:
+        h["pen_tok"][start:end] = -1
     if "tok_row" in h:
         h["tok_row"][start:end] = -1
         h["tok_seq"][start:end] = 0
@@ -65,6 +70,8 @@ def _pad_tokens(h, start: int, end: int) -> None:
 
 def _pad_seqs(h, start: int, end: int) -> None:
     h["seq_lens"][start:end] = 0
+    if "pen_reset" in h:
+        h["pen_reset"][start:end] = -1
     if "seq_shift" in h:
         h["seq_shift"][start:end] = -1
         h["kv_cap"][start:end] = 0
@@ -104,9 +111,9 @@ def pad_spec(slot: DecodeSlot, start: int, end: int, k: int) -> None:
 
 
 class StepGraphs:
-    """Graphs by (slot, key, variant); variant = (guided, greedy, logprobs), see engine/step.py. Guided variants
+    """Graphs by (slot, key, variant); variant = (guided, greedy, extras), see engine/step.py. Guided variants
     hold the grammar branch with its host callback node; their hostfunc handles are freed by `close()`.
-    Logprobs variants exist only with `EngineConfig.logprobs` (they double the captures)."""
+    Extras variants exist only with `EngineConfig.logprobs` or `penalty_rows` (they double the captures)."""
 
     def __init__(self, config, max_model_len: int, guided: bool, spec_rows: int = 0):
         self.max_seqs = config.max_num_seqs
@@ -116,7 +123,7 @@ class StepGraphs:
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
         self.token_sizes = graph_token_sizes(config.max_num_batched_tokens)
         self.variants = [(g, greedy, lp) for g in ((False, True) if guided else (False,)) for greedy in (True, False)
-                         for lp in ((False, True) if config.logprobs else (False,))]
+                         for lp in ((False, True) if config.logprobs or config.penalty_rows else (False,))]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = Counter()                 # by kind ("decode", "mixed", "guided"); host thread only
         self.callbacks = hostfunc.HostfuncScope()  # handles of the captured grammar callbacks

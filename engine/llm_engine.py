@@ -27,6 +27,7 @@ from engine.logprobs import HostLogprobs
 from engine.model_runner import RowError
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
+from engine.penalties import PenaltyPool
 from engine.parallel.cluster import start_runner
 from engine.parallel.group import TensorParallelError
 from engine.request_handle import RequestHandle
@@ -74,8 +75,10 @@ class LLMEngine(EngineFrontend):
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, RowPool(self.runner.spec_state.num_rows),
                           config.spec_min_acceptance, lookahead=self.runner.program.drafter.lookahead
                           ) if self.spec_k else None
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec,
+                                   PenaltyPool(config.penalty_rows) if config.penalty_rows else None)
         self.eos_ids = self._eos_ids()
+        self.runner.eos_ids = self.eos_ids
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)
         self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config, self.runner.cuda)
         self.timings = StepTimings()
@@ -123,7 +126,8 @@ class LLMEngine(EngineFrontend):
         params = SamplingParams() if params is None else params
         ids = prompt_ids(prompt, self.encode)
         check_request(ids, params, self.runner.vocab, self.max_model_len, self.blocks,
-                      has_tokenizer=self.tokenizer is not None, spec_k=self.spec_k, logprobs=self.config.logprobs)
+                      has_tokenizer=self.tokenizer is not None, spec_k=self.spec_k, logprobs=self.config.logprobs,
+                      penalties=self.config.penalty_rows > 0, eos_ids=self.eos_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(), retain=retain,
                        max_len=min(len(ids) + params.max_tokens, self.max_model_len))
@@ -227,15 +231,13 @@ class LLMEngine(EngineFrontend):
             if row.sample:
                 seq.num_pending += 1 + row.spec_k
                 seq.pending_src = row.sample_idx
-        sampling = [r.seq.params for r in rows if r.sample]
-        all_greedy = all(p.temperature == 0 for p in sampling)
-        logprobs = any(p.logprobs is not None for p in sampling)
+        all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
         t1 = time.perf_counter()
         try:
             with self.runner.sync_guard(), self._tp_watch():
                 if self.cluster is not None:    # the workers launch the same step on their shards
                     self.cluster.channel.publish(slot, self._step_index, all_greedy, snapshot is not None)
-                self.runner.launch(slot, self._step_index, all_greedy, snapshot, logprobs=logprobs)
+                self.runner.launch(slot, self._step_index, all_greedy, snapshot)
         except TensorParallelError:
             raise
         except Exception as exc:

@@ -16,7 +16,10 @@ from engine.config import EngineConfig
 from engine.graphs import StepGraphs
 from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks
+from engine import penalties
 from engine.logprobs import HostLogprobs
+from engine.penalties import PenaltyState
+from engine.validation import min_tokens_stops
 from engine.models.loader import ModelSource
 from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
@@ -66,6 +69,8 @@ class ModelRunner:
         self.spec_rows = spec_rows_limit(config)
         self.spec_state = None
         args = (self.model, self.kv_caches, self.backend, max_model_len, self.compute_stream, self.masks)
+        self.penalties = PenaltyState(config.penalty_rows, self.vocab, self.device) if config.penalty_rows else None
+        self.eos_ids: frozenset[int] = frozenset()      # what min_tokens masks besides stop ids (set by the engine)
         if self.spec_k:
             # rows for every sequence that may hold pages: running ones, and finished ones in in-flight steps
             self.spec_state = SpecState(3 * config.max_num_seqs, max_model_len, self.spec_k, self.device)
@@ -73,12 +78,12 @@ class ModelRunner:
                                    self.draft_source)
             self.program = SpecStepProgram(*args, state=self.spec_state, drafter=drafter,
                                            block_size=config.block_size, draft_max_rows=self.spec_rows,
-                                           draft_masks=self._draft_masks(drafter, encode))
+                                           draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties)
         else:
-            self.program = StepProgram(*args)
+            self.program = StepProgram(*args, penalties=self.penalties)
         max_blocks = -(-max_model_len // config.block_size)
         self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device,
-                                 self.spec_k, config.logprobs) for i in range(2)]
+                                 self.spec_k, config.logprobs, bool(config.penalty_rows)) for i in range(2)]
         self.slot_events = [self._events(("inputs_ready", "copy_done"), timing=False) for _ in self.slots]
         self.step_events = [self._events(("start", "sampled_ready"), timing=True) for _ in range(_EVENT_RING)]
         for slot in self.slots:         # recorded inside the step (graphs too): read at the slot's commit
@@ -155,9 +160,27 @@ class ModelRunner:
         slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, len(carries)
         slot.spec_k = rows[0].spec_k if rows else 0
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
+        self._prepare_extras(slot, rows)
         slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
         if slot.graph_key:
             self.graphs.pad(slot, slot.graph_key)
+
+    def _prepare_extras(self, slot: DecodeSlot, rows) -> None:
+        """Whether the step runs its extras variant (logprobs, penalties), and the penalty inputs if so."""
+        sampling = [r.seq.params for r in rows if r.sample]
+        slot.want_logprobs = slot.logprobs is not None and any(p.logprobs is not None for p in sampling)
+        penalized = self.penalties is not None and any(r.seq.params.penalized for r in rows)
+        slot.extras = slot.want_logprobs or penalized
+        if not slot.extras or self.penalties is None:
+            return
+        h = slot.np
+        for i, row in enumerate(rows):
+            seq = row.seq
+            h["pen_reset"][i] = seq.pen_row if row.start == 0 else -1
+            penalties.fill_tokens(h, row, int(h["cu_seqlens_q"][i]))
+            if row.sample:
+                stops = min_tokens_stops(seq.params, self.eos_ids) if seq.params.min_tokens else ()
+                penalties.fill_sampling(h, row.sample_idx, seq, stops)
 
     def _prepare_row(self, slot: DecodeSlot, i: int, row, t: int, s: int, carries: list) -> tuple[int, int]:
         """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
@@ -221,14 +244,13 @@ class ModelRunner:
 
     # ---- launch (enqueue only) ---------------------------------------------------------------
     def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None, guided: bool | None = None,
-               download: bool = True, logprobs: bool = False) -> None:
+               download: bool = True) -> None:
         """Enqueue upload, forward, (grammar branch), sampling and the token copy; returns without waiting
         (on CUDA). `snapshot`: the step's guided rows (engine/guided/masks.py), None if it has none. A
         tensor-parallel worker runs guided steps without a snapshot (`guided`: rank 0 fills the masks) and
-        reads no tokens back (`download` False). `logprobs`: some row wants them (they come back too)."""
+        reads no tokens back (`download` False). `slot.extras` picks the variant with logprobs and penalties."""
         prev = self.slots[1 - slot.index]
-        slot.want_logprobs = logprobs
-        variant = (snapshot is not None if guided is None else guided, all_greedy, logprobs)
+        variant = (snapshot is not None if guided is None else guided, all_greedy, slot.extras)
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
         if self.cuda:
             with torch.cuda.stream(self.copy_in_stream):

@@ -63,16 +63,20 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_greedy=False, masker=apply_bitmask):
+def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_greedy=False, masker=apply_bitmask,
+           min_p=None):
     """logits [N, V] float32 -> tokens [N] int64. Rows with temperature 0 are greedy; a row whose bitmask
     allows no token gets NO_TOKEN. `masker`: apply_bitmask or a kernel with its semantics
-    (engine/kernels/bitmask.py)."""
+    (engine/kernels/bitmask.py). min_p [N] (None: off): after temperature, top-k and top-p, tokens less likely
+    than min_p times the most likely one are dropped."""
     satisfiable = masker(logits, bitmask) if bitmask is not None else None
     tokens = logits.argmax(dim=-1)
     if not all_greedy:
         scaled = logits / temperature.clamp(min=1e-6)[:, None]
         scaled = filter_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
+        if min_p is not None:
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         exp_noise = -torch.log(uniform_noise(seeds, steps, logits.shape[-1]))
         sampled = (probs / exp_noise).argmax(dim=-1)       # exponential race == Gumbel-max
         tokens = torch.where(temperature > 0, sampled, tokens)

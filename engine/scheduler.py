@@ -35,9 +35,11 @@ class ScheduledRow:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, spec=None):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, spec=None,
+                 penalty_pool=None):
         self.blocks = block_manager
         self.spec = spec            # SpecPolicy (specdec/plan.py) when the engine speculates
+        self.penalty_pool = penalty_pool    # PenaltyPool (engine/penalties.py): rows handed out with pages
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -53,7 +55,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         budget = self.max_num_batched_tokens
-        k = self.spec.step_k(self.running, self._could_admit(budget), budget) if self.spec else 0
+        k = self.spec.step_k(self.running, self._could_admit(budget), budget) if self.spec and not any(
+            s.params.penalized for s in self.running) else 0                # penalized rows never speculate
         budget = self._schedule_running(rows, budget, k)
         if not k:
             self._admit_waiting(rows, budget)
@@ -119,7 +122,8 @@ class Scheduler:
             if not n:
                 continue
             need = self._pages_for(seq, n)
-            if not self.blocks.can_allocate(need) or (self.spec and not self.spec.pool.take(seq)):
+            if not self.blocks.can_allocate(need) or (self.spec and not self.spec.pool.take(seq)) or \
+                    (self.penalty_pool is not None and not self.penalty_pool.take(seq)):
                 break
             self.waiting.remove(seq)
             seq.block_table += self.blocks.allocate(need)
@@ -140,8 +144,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.block_table = []
-        if self.spec:
-            self.spec.pool.give_back(seq)
+        self._give_rows_back(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -165,5 +168,10 @@ class Scheduler:
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
+        self._give_rows_back(seq)
+
+    def _give_rows_back(self, seq: Sequence) -> None:
         if self.spec:
             self.spec.pool.give_back(seq)
+        if self.penalty_pool is not None:
+            self.penalty_pool.give_back(seq)

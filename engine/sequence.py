@@ -61,6 +61,13 @@ class SamplingParams:
     # after penalties, logit_bias and the grammar mask, before temperature / top-k / top-p): None = off, 0 = the
     # token's own only, 1..MAX_LOGPROBS = also that many of the most likely tokens.
     logprobs: int | None = None
+    # engine/penalties.py: OpenAI's presence / frequency penalties (over output tokens), vLLM's repetition penalty
+    # (over prompt and output), min_p (after temperature / top-k / top-p), min_tokens (EOS and stop ids masked)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT))
@@ -89,7 +96,10 @@ class SamplingParams:
                                _integer("num_speculative_tokens", self.num_speculative_tokens, 0, 16))
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        self._check_penalties()
         guide = make_guide({k: getattr(self, k) for k in GUIDE_FIELDS}, self.any_whitespace)
+        if guide is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a guide: the grammar decides where the output ends")
         if guide is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a guide: a guided request ends when its grammar does")
         if guide is not None and guide.kind in ("json_schema", "structural_tag"):
@@ -101,6 +111,26 @@ class SamplingParams:
     @property
     def guide(self) -> Guide | None:
         return self._guide
+
+    @property
+    def counts_tokens(self) -> bool:
+        """A penalty reads the request's token counts (a PenaltyState row, engine/penalties.py)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def penalized(self) -> bool:
+        """Its logits or its sampling change (penalties, min_p, min_tokens): it never speculates."""
+        return self.counts_tokens or self.min_p > 0 or self.min_tokens > 0
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _real(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < _real("repetition_penalty", self.repetition_penalty) <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if not 0.0 <= _real("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        object.__setattr__(self, "min_tokens", _integer("min_tokens", self.min_tokens, 0, self.max_tokens))
 
 
 class Status(enum.Enum):
@@ -136,6 +166,7 @@ class Sequence:
     spec_row: int = -1                          # its row of the device-side speculation state (specdec/state.py)
     spec: object = None                         # SpecStats of a request that speculated
     logprobs: list | None = None                # one engine.logprobs.Entry per output token (params.logprobs set)
+    pen_row: int = -1                           # its row of the device-side penalty state (engine/penalties.py)
     first_token_time: float | None = None
     finish_time: float | None = None
 

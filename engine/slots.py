@@ -15,6 +15,7 @@ import math
 import torch
 
 from engine.logprobs import ENTRY_WIDTH
+from engine.penalties import MAX_STOPS
 
 _FIELDS = {  # name -> (dtype, shape key)
     "input_ids": (torch.int64, "tokens"), "positions": (torch.int64, "tokens"),
@@ -35,6 +36,14 @@ _SPEC_FIELDS = {
     "num_drafts": (torch.int64, "seqs"), "next_ids": (torch.int64, "tokens"), "kv_cap": (torch.int64, "seqs"),
 }
 
+# With penalties (engine/penalties.py): each token's penalty row and kind, the rows to zero, each sampling row's
+# parameters and the ids min_tokens masks. Written only for steps with `extras` (graph padding always).
+_PENALTY_FIELDS = {
+    "pen_tok": (torch.int64, "tokens"), "pen_reset": (torch.int64, "seqs"), "pen_row": (torch.int64, "seqs"),
+    "presence": (torch.float32, "seqs"), "frequency": (torch.float32, "seqs"), "repetition": (torch.float32, "seqs"),
+    "min_p": (torch.float32, "seqs"), "min_tokens": (torch.int64, "seqs"), "stop_ids": (torch.int64, "stops"),
+}
+
 
 def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
     n = math.prod(shape) * dtype.itemsize
@@ -43,15 +52,16 @@ def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Te
 
 class DecodeSlot:
     def __init__(self, index: int, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 spec_k: int = 0, logprobs: bool = False):
+                 spec_k: int = 0, logprobs: bool = False, penalties: bool = False):
         self.index = index
         self.device = device
         pin = device.type == "cuda"
-        sizes = {"tokens": (max_tokens,), "seqs": (max_seqs,), "seqs+1": (max_seqs + 1,)}
+        sizes = {"tokens": (max_tokens,), "seqs": (max_seqs,), "seqs+1": (max_seqs + 1,), "stops": (max_seqs, MAX_STOPS)}
         # One pinned buffer, one device buffer, every field a typed view at the same offset in both: a step's
         # inputs go up in a single copy. Block tables come last so the copy can stop after the used rows.
         layout, offset = [], 0
-        for name, (dtype, key) in (_FIELDS | (_SPEC_FIELDS if spec_k else {})).items():
+        fields = _FIELDS | (_SPEC_FIELDS if spec_k else {}) | (_PENALTY_FIELDS if penalties else {})
+        for name, (dtype, key) in fields.items():
             layout.append((name, dtype, sizes[key], offset))
             offset += -(-math.prod(sizes[key]) * dtype.itemsize // 8) * 8
         self._bt_offset, self._bt_row = offset, max_blocks * 4
@@ -76,6 +86,7 @@ class DecodeSlot:
         self.logprobs = torch.zeros(shape, dtype=torch.float32, device=device) if logprobs else None
         self.logprobs_host = torch.zeros(shape, dtype=torch.float32, pin_memory=pin) if logprobs else None
         self.want_logprobs = False
+        self.extras = False                                             # logprobs / penalties: engine/step.py
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0
         self.num_carry = 0                                              # tokens taken from the previous step

@@ -1,11 +1,13 @@
 """The device work of one step, in order: carry-over, forward, logits, (grammar mask), sampling.
 
 Eager steps and CUDA graph captures (engine/graphs.py) run these same methods, so a graph holds exactly
-what an eager step computes, sampling included. A step's variant is (guided, greedy, logprobs): guided steps
+what an eager step computes, sampling included. A step's variant is (guided, greedy, extras): guided steps
 fork the grammar branch (engine/guided/masks.py) at their start and wait for its `mask_ready` only before
-sampling; greedy steps (every sampling row at temperature 0) skip the random-sampling kernels; logprobs steps
-(some row asks for them) also record the logprobs of the sampled tokens (engine/logprobs.py), and no other
-step runs a kernel for them.
+sampling; greedy steps (every sampling row at temperature 0) skip the random-sampling kernels; extras steps
+(some row asks for logprobs, penalties, min_p or min_tokens) count the inputs of penalized rows, penalize the
+logits, filter by min_p and record the logprobs of the sampled tokens (engine/penalties.py, engine/logprobs.py);
+no other step runs a kernel for them. Logits go: penalties and min_tokens, grammar mask (logprobs are taken
+here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
 from __future__ import annotations
@@ -27,7 +29,8 @@ def gather_carry(ids: torch.Tensor, carry_src: torch.Tensor, prev_sampled: torch
 
 
 class StepProgram:
-    def __init__(self, model, kv_caches, backend, max_model_len: int, compute_stream=None, masks=None):
+    def __init__(self, model, kv_caches, backend, max_model_len: int, compute_stream=None, masks=None,
+                 penalties=None):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -35,6 +38,7 @@ class StepProgram:
         self.compute_stream = compute_stream
         self.masks = masks                      # GrammarMasks (None: no guided steps)
         self.masker = getattr(backend, "apply_bitmask", apply_bitmask)
+        self.penalties = penalties              # PenaltyState (None: the engine has no penalties)
 
     def input_ids(self, slot: DecodeSlot, prev: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
         ids = slot.dev["input_ids"][:size]
@@ -51,18 +55,24 @@ class StepProgram:
         meta = self.meta(slot, ids.shape[0], num_seqs, max_query_len, max_seq_len)
         return self.model(ids, slot.dev["positions"][:ids.shape[0]], meta, self.kv_caches, self.backend)
 
-    def logits(self, slot: DecodeSlot, prev: DecodeSlot):
+    def observe(self, slot: DecodeSlot, ids, num_seqs: int, extras: bool) -> None:
+        if extras and self.penalties is not None:
+            self.penalties.observe(slot.dev, ids, ids.shape[0], num_seqs)
+
+    def logits(self, slot: DecodeSlot, prev: DecodeSlot, extras: bool = False):
         """An eager step at its exact size: logits of the rows that sample (None if none do)."""
         n = slot.num_sample
         ids = self.input_ids(slot, prev, slot.num_tokens, carry=slot.num_carry > 0)
+        self.observe(slot, ids, slot.num_seqs, extras)
         hidden = self.forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:n]]) if n else None
 
-    def graph_logits(self, slot: DecodeSlot, prev: DecodeSlot, key: tuple):
+    def graph_logits(self, slot: DecodeSlot, prev: DecodeSlot, key: tuple, extras: bool = False):
         """Carry-over, then the forward and the logits of a step padded to `key`:
         ("decode", rows, context bound) or ("mixed", tokens, sequences)."""
         kind, size, bound = key
         ids = self.input_ids(slot, prev, size)
+        self.observe(slot, ids, size if kind == "decode" else bound, extras)
         if kind == "decode":
             return self.model.compute_logits(self.forward(slot, ids, size, 1, bound))
         hidden = self.forward(slot, ids, bound, size, self.max_model_len)
@@ -70,24 +80,29 @@ class StepProgram:
 
     def step(self, slot: DecodeSlot, prev: DecodeSlot, variant: tuple, key: tuple | None = None) -> None:
         """The whole step into `slot.sampled`: at its exact size (key None, eager) or padded to a graph key."""
-        guided, greedy, logprobs = variant
+        guided, greedy, extras = variant
         rows = slot.num_sample if key is None else key[1] if key[0] == "decode" else key[2]
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, rows, self.compute_stream)
-        logits = self.logits(slot, prev) if key is None else self.graph_logits(slot, prev, key)
+        logits = self.logits(slot, prev, extras) if key is None else self.graph_logits(slot, prev, key, extras)
         _mark(slot, "forward_done")
         mask = self.masks.join(slot, prev, rows, self.compute_stream)[0] if guided else None
         _mark(slot, "mask_waited")
         if rows:
-            self.sample(slot, logits, rows, greedy, mask, logprobs)
+            slot.sampled[:rows] = self.sample(slot, logits, rows, greedy, mask, extras)
 
-    def sample(self, slot: DecodeSlot, logits, rows: int, greedy: bool, mask=None, logprobs: bool = False) -> None:
+    def sample(self, slot: DecodeSlot, logits, rows: int, greedy: bool, mask=None, extras: bool = False):
+        """Tokens [rows] from `logits` (penalized and masked in place)."""
         d = slot.dev
+        min_p = None
+        if extras and self.penalties is not None:
+            self.penalties.apply(logits, d, rows)
+            min_p = d["min_p"][:rows]
         tokens = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows], d["seeds"][:rows],
-                        d["steps"][:rows], bitmask=mask, all_greedy=greedy, masker=self.masker)
-        slot.sampled[:rows] = tokens
-        if logprobs:                            # the mask was applied to `logits` in place
+                        d["steps"][:rows], bitmask=mask, all_greedy=greedy, masker=self.masker, min_p=min_p)
+        if extras and slot.logprobs is not None:
             record(slot.logprobs[:rows, :1], logits, tokens[:, None])
+        return tokens
 
 
 def _mark(slot: DecodeSlot, name: str) -> None:

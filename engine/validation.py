@@ -6,6 +6,7 @@ from __future__ import annotations
 import numbers
 
 from engine.block_manager import BlockManager
+from engine.penalties import MAX_STOPS
 from engine.sequence import SamplingParams
 
 
@@ -21,7 +22,8 @@ def prompt_ids(prompt, encode) -> list[int]:
 
 
 def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks: BlockManager, *,
-                  has_tokenizer: bool, spec_k: int = 0, logprobs: bool = True) -> None:
+                  has_tokenizer: bool, spec_k: int = 0, logprobs: bool = True, penalties: bool = True,
+                  eos_ids=()) -> None:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if not ids:
@@ -41,9 +43,20 @@ def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks
                          f"(EngineConfig speculative / num_speculative_tokens)")
     if params.logprobs is not None and not logprobs:
         raise ValueError("logprobs: this engine computes none (EngineConfig.logprobs is False)")
+    if params.penalized and not penalties:
+        raise ValueError("penalties, min_p and min_tokens: this engine has none (EngineConfig.penalty_rows is 0)")
+    stops = min_tokens_stops(params, eos_ids)
+    if params.min_tokens and len(stops) > MAX_STOPS:
+        raise ValueError(f"min_tokens masks EOS and the stop token ids: at most {MAX_STOPS} of them, got {len(stops)}")
     if params.stop and not has_tokenizer:
         raise ValueError("this model has no tokenizer: stop strings cannot be matched")
     worst = min(len(ids) + params.max_tokens, max_model_len)
     if blocks.blocks_needed(worst, 0) > blocks.num_blocks:
         raise ValueError(f"request needs up to {worst} tokens of KV, more than the whole cache holds "
                          f"({blocks.num_blocks * blocks.block_size})")
+
+
+def min_tokens_stops(params, eos_ids) -> tuple[int, ...]:
+    """The ids min_tokens masks: EOS (unless ignored) and the stop token ids."""
+    eos = () if params.ignore_eos else tuple(sorted(eos_ids))
+    return tuple(dict.fromkeys(eos + params.stop_token_ids))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.logprobs import record
-from engine.sampler import NO_TOKEN, sample
+from engine.sampler import NO_TOKEN
 from engine.step import StepProgram, _mark
 from specdec.drafters.base import DraftContext, FeatureContext
 from specdec.verify import PAD, greedy_accept, rejection_sample
@@ -47,9 +47,10 @@ class SpecStepProgram(StepProgram):
         return (size, size, size, 0) if kind == "decode" else (size, bound, bound, 0)
 
     def step(self, slot, prev, variant: tuple, key: tuple | None = None) -> None:
-        guided, greedy, logprobs = variant
+        guided, greedy, extras = variant
         T, B, S, K = self.sizes(slot, key)
         ids = self.correct(slot, T, B, S)
+        self.observe(slot, ids, B, extras)
         drafted = self.drafted(slot, ids, S, K, guided)
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, S, self.compute_stream, K + 1)
@@ -62,8 +63,8 @@ class SpecStepProgram(StepProgram):
         _mark(slot, "mask_waited")
         tokens = accepted = None
         if S:
-            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted)
-            if logprobs:                        # `logits` as verified: the grammar's masks applied in place
+            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras)
+            if extras and K and slot.logprobs is not None:  # `logits` as verified: the grammar's masks applied
                 record(slot.logprobs[:S, :K + 1], logits, tokens)
             self.finish(slot, tokens, accepted, drafted, S, K)
         self.draft(slot, ids, features, meta, tokens, accepted, T, S, K, guided)
@@ -120,13 +121,14 @@ class SpecStepProgram(StepProgram):
             out[:S, K] = drafted
         return drafted
 
-    def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, grammar, drafted):
+    def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, grammar, drafted, extras: bool = False):
         """-> (tokens [S, K + 1] with PAD after the emitted ones, accepted [S], drafts verified [S]).
-        grammar: (masks [S * (K + 1)], drafts the grammar accepts [S]) of a guided step."""
+        grammar: (masks [S * (K + 1)], drafts the grammar accepts [S]) of a guided step. Penalized rows never
+        speculate (engine/penalties.py): only plain steps apply penalties."""
         d = slot.dev
         params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
         if not K:
-            tokens = sample(logits, *params, bitmask=grammar and grammar[0], all_greedy=greedy, masker=self.masker)
+            tokens = self.sample(slot, logits, S, greedy, grammar and grammar[0], extras)
             zeros = torch.zeros_like(tokens)
             return tokens[:, None], zeros, zeros
         drafts = ids.view(S, K + 1)[:, 1:]

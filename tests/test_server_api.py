@@ -33,7 +33,8 @@ def post(server, path, body) -> httpx.Response:
 def test_explicit_nulls_take_the_defaults(server):
     body = {"model": server.model, "messages": ASK, "max_tokens": 4, "temperature": 0, "n": None, "stream": None,
             "presence_penalty": None, "frequency_penalty": None, "parallel_tool_calls": None, "logprobs": None,
-            "stop": None, "seed": None, "response_format": None, "tools": None}
+            "stop": None, "seed": None, "response_format": None, "tools": None, "top_logprobs": None,
+            "repetition_penalty": None, "min_p": None, "min_tokens": None, "logit_bias": None}
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text[:300]
     assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 4
@@ -80,9 +81,9 @@ def test_vllm_guides_are_honoured(server, client, extra, check):
     ({"guided_json": CAT, "guided_regex": "a"}, "at most one guide"),
     ({"guided_json": CAT, "response_format": {"type": "json_object"}}, "structured_outputs or guided_"),
     ({"structured_outputs": {"grammer": "x"}}, "structured_outputs.grammer"),
-    ({"repetition_penalty": 1.3}, "repetition_penalty"),
-    ({"min_p": 0.1}, "min_p"),
-    ({"min_tokens": 3}, "min_tokens"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 3, "guided_json": CAT}, "min_tokens"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, "the assistant's"),
 ])
@@ -90,6 +91,19 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, client, extra, word)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=server.model, messages=ASK, max_tokens=2, extra_body=extra)
     assert word in err.value.response.json()["error"]["message"]
+
+
+def test_penalties_min_p_and_min_tokens_are_honoured(server, client, engine):
+    from engine.sequence import SamplingParams
+    fields = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.2, min_p=0.05, min_tokens=6)
+    r = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=12, temperature=0,
+                                       presence_penalty=0.8, frequency_penalty=0.5,
+                                       extra_body={k: fields[k] for k in ("repetition_penalty", "min_p", "min_tokens")})
+    [seq] = engine.generate([engine.apply_chat_template(ASK)], SamplingParams(max_tokens=12, temperature=0, **fields))
+    assert r.choices[0].message.content == seq.text and r.usage.completion_tokens == len(seq.output_token_ids)
+    c = client.completions.create(model=server.model, prompt="One, two,", max_tokens=4, temperature=0,
+                                  frequency_penalty=1.0, extra_body={"min_tokens": 2})
+    assert c.usage.completion_tokens >= 2
 
 
 def test_off_values_and_template_options_are_accepted(server, client):

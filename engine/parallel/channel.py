@@ -13,7 +13,7 @@ from engine.graphs import StepGraphs
 
 STOP, STEP = 0, 1
 _KINDS = (None, "decode", "mixed", "spec")
-_SIZES = ("num_tokens", "num_seqs", "num_sample", "num_carry", "spec_k", "max_query_len", "max_seq_len")
+_SIZES = ("num_tokens", "num_seqs", "num_sample", "num_carry", "spec_k", "max_query_len", "max_seq_len", "extras")
 
 
 class StepChannel:

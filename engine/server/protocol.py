@@ -1,9 +1,9 @@
 """The OpenAI request bodies the server accepts, and its error type.
 
-Fields the engine cannot honour (penalties, logit_bias, echo, suffix, best_of, and vLLM's min_p,
-repetition_penalty, min_tokens) are declared so that setting them gets a 400 naming the field instead of being
-silently ignored; unknown fields are ignored, as OpenAI clients send new ones over time. An explicit `null` is
+Fields the engine cannot honour (logit_bias, echo, suffix, best_of) are declared so that setting them gets a
+400 naming the field instead of being silently ignored; unknown fields are ignored, as OpenAI clients send new ones over time. An explicit `null` is
 the field's default, as in the OpenAI API. vLLM's extensions that the engine honours: `ignore_eos`, `top_k`,
+`repetition_penalty`, `min_p`, `min_tokens`,
 the guides (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`) and the chat
 template's options (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`).
 """
@@ -71,13 +71,13 @@ class _Common(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    # not supported: accepted only at their "off" value
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    # not supported: accepted only at its "off" value
     logit_bias: dict[str, float] | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
     user: str | None = None
     # vLLM's guides (at most one, and not beside response_format or tools)
     guided_json: dict | str | None = None
@@ -87,9 +87,7 @@ class _Common(RequestBody):
     structured_outputs: dict | None = None
 
     def unsupported(self) -> list[str]:
-        off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "min_p": 0.0,
-               "repetition_penalty": 1.0, "min_tokens": 0}
-        return [k for k, v in off.items() if getattr(self, k) not in (v, {})]
+        return ["logit_bias"] if self.logit_bias else []
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None (off), or how many top tokens each token's entry lists."""

@@ -59,7 +59,9 @@ def sampling_params(req, max_tokens: int | None, room: int, guide: dict) -> list
         base = SamplingParams(max_tokens=max(max_tokens or room, 1), temperature=1.0 if req.temperature is None
                               else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
                               top_k=req.top_k or 0, seed=req.seed, stop=tuple(stop), ignore_eos=req.ignore_eos,
-                              logprobs=req.num_logprobs(), **guide)
+                              logprobs=req.num_logprobs(), presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                              min_p=req.min_p, min_tokens=req.min_tokens, **guide)
     except ValueError as exc:
         raise APIError(str(exc)) from exc
     if req.n == 1:

@@ -1,0 +1,122 @@
+"""Penalties, min_p and min_tokens (engine/penalties.py) equal a plain reference over the full token history on
+the simple path's logits (conftest.prefill_logits) for greedy and seeded sampled rows; the pipelined loop, the
+graphs' padded layouts, preemption and a speculating engine give the blocking loop's tokens."""
+import pytest
+import torch
+
+from conftest import assert_no_leak, prefill_logits
+from engine.llm_engine import LLMEngine
+from engine.sampler import sample
+from engine.sequence import SamplingParams
+from test_pipeline import PREEMPTING, EagerGraphs, drive
+from test_spec_engine import CPU, REPEATING
+
+
+def penalized(logits, prompt, out, p):
+    """The spec in a few lines: repetition over prompt + output, then frequency and presence over the output."""
+    counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float() if out \
+        else torch.zeros_like(logits)
+    seen = counts > 0
+    seen[torch.tensor(prompt)] = True
+    logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty), logits)
+    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+def reference_tokens(engine, prompt, p, n):
+    out = []
+    for i in range(n):
+        logits = penalized(prefill_logits(engine, prompt + out), prompt, out, p)
+        if i < p.min_tokens:
+            logits[sorted(engine.eos_ids | set(p.stop_token_ids))] = float("-inf")
+        lp = torch.log_softmax(logits, -1)
+        token = sample(logits[None].clone(), torch.tensor([p.temperature]), torch.tensor([p.top_k]),
+                       torch.tensor([p.top_p]), torch.tensor([p.seed or 0]), torch.tensor([i]),
+                       min_p=torch.tensor([p.min_p]))[0].item()
+        out.append(token)
+        yield token, lp[token].item()
+
+
+CASES = [dict(presence_penalty=1.5, temperature=0), dict(frequency_penalty=1.0, presence_penalty=0.5, temperature=0),
+         dict(repetition_penalty=1.3, temperature=0), dict(repetition_penalty=0.8, temperature=0),
+         dict(repetition_penalty=1.2, frequency_penalty=0.4, temperature=0.8, seed=3),
+         dict(min_p=0.2, temperature=1.0, seed=4)]
+
+
+def test_each_option_equals_the_reference(engine, chat_prompts):
+    free = engine.generate([chat_prompts[4]], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert free.finish_reason == "stop"
+    n = len(free.output_token_ids)                      # "hi": EOS comes early without min_tokens
+    prompts = [chat_prompts[i % len(chat_prompts)] for i in range(len(CASES))] + [chat_prompts[4]]
+    params = [SamplingParams(max_tokens=12, logprobs=0, **c) for c in CASES] + [SamplingParams(
+        max_tokens=n + 6, min_tokens=n + 2, temperature=0, stop_token_ids=[28], logprobs=0)]
+    seqs = engine.generate(prompts, params)
+    for prompt, p, seq in zip(prompts, params, seqs):
+        want = list(reference_tokens(engine, prompt, p, len(seq.output_token_ids)))
+        assert seq.output_token_ids == [t for t, _ in want], p
+        assert [lp for lp, _ in seq.logprobs] == pytest.approx([lp for _, lp in want], abs=2e-3)
+    assert len(seqs[-1].output_token_ids) >= n + 2, "min_tokens held EOS back"
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("fields,match", [(dict(presence_penalty=3), "presence_penalty"),
+                                          (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+                                          (dict(repetition_penalty=0), "repetition_penalty"),
+                                          (dict(min_p=1.5), "min_p"), (dict(min_tokens=200, max_tokens=10), "min_tokens"),
+                                          (dict(min_tokens=2, json_object=True), "min_tokens")])
+def test_bad_values_raise_naming_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**fields)
+
+
+def test_too_many_min_tokens_stops_are_refused(engine, chat_prompts):
+    with pytest.raises(ValueError, match="min_tokens"):
+        engine.add_request(chat_prompts[0], SamplingParams(min_tokens=2, stop_token_ids=list(range(1, 12))))
+
+
+def _workload(engine, chat_prompts):
+    rep = ask(engine, REPEATING[0])
+    return [(0, chat_prompts[0], SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.0, logprobs=1)),
+            (0, rep, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)),
+            (1, chat_prompts[2], SamplingParams(max_tokens=12, temperature=0.8, seed=2, repetition_penalty=1.3)),
+            (2, rep, SamplingParams(max_tokens=16, temperature=0, frequency_penalty=1.5, ignore_eos=True)),
+            (3, chat_prompts[4], SamplingParams(max_tokens=12, temperature=0, min_tokens=8)),
+            (4, chat_prompts[1], SamplingParams(max_tokens=10, temperature=0.7, seed=1, min_p=0.1)),
+            (6, rep, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))]   # speculates once alone
+
+
+def ask(engine, text):
+    return engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+def test_pipelined_graph_layout_preemption_and_speculation_equal_blocking(engine, chat_prompts):
+    workload = _workload(engine, chat_prompts)
+    ref = drive(LLMEngine(**CPU, depth=1), workload)
+    for cfg, graphs in (({}, False), ({}, True), (PREEMPTING, False),
+                        (dict(speculative="ngram", num_speculative_tokens=2, penalty_rows=2, spec_min_acceptance=0.0), False)):
+        eng = LLMEngine(**CPU, depth=2, **cfg)
+        if graphs:
+            eng.runner.graphs = EagerGraphs(eng.runner, guided=True)
+        got = drive(eng, workload)
+        assert [s.output_token_ids for s in got] == [s.output_token_ids for s in ref], cfg
+        assert_no_leak(eng)
+        if "num_kv_blocks" in cfg:
+            assert eng.scheduler.num_preemptions > 0
+        if "speculative" in cfg:
+            assert eng.timings.spec_rows > 0 and len(eng.scheduler.penalty_pool) == 2
+
+
+def test_an_engine_without_penalty_rows_refuses_them(chat_prompts):
+    eng = LLMEngine(**CPU, penalty_rows=0, max_num_seqs=2)
+    with pytest.raises(ValueError, match="penalt"):
+        eng.add_request(chat_prompts[0], SamplingParams(presence_penalty=0.5))
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_equal_eager(engine, chat_prompts):
+    gpu = dict(device="cuda", dtype="float32", attention_backend="triton", max_model_len=1024)
+    workload = _workload(engine, chat_prompts)
+    ref = drive(LLMEngine(**gpu, enforce_eager=True), workload)
+    eng = LLMEngine(**gpu, debug_sync=True)
+    assert [s.output_token_ids for s in drive(eng, workload)] == [s.output_token_ids for s in ref]
+    assert eng.runner.graphs.replays["decode"] > 0
+    assert_no_leak(eng)
