@@ -8,6 +8,8 @@ asyncio future), `cancel()` (stops a compile only while it is queued: xgrammar c
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 from fastapi import Request
 
@@ -46,12 +48,54 @@ async def admit_guide(guides, guide, request: Request, key_header: str | None = 
                 raise
             if not ticket.finished():
                 ticket.cancel()
-                raise APIError(timeout_message(guide, guides.timeout_s), param="response_format")
+                raise APIError(timeout_message(guide, guides.timeout_s), param=blamed(guide))
         await ticket.result()
     except ValueError as exc:
-        raise APIError(str(exc), param="response_format") from exc
+        raise APIError(str(exc), param=blamed(guide, str(exc))) from exc
     except CompileBusy as exc:
         raise APIError(str(exc), status=429, type="rate_limit_error", code="grammar_compile_busy") from exc
+
+
+_AT = re.compile(r" at (#[^\s;]*)")
+_MARK = "$comment"          # engine/server/tools.py marks each schema of a tool call's tag with its field
+
+
+def blamed(guide, message: str = "") -> str:
+    """The request field a refused guide came from. A structural tag made of tool schemas names the one the
+    message's path leads into (a bound names where it was passed), else the only one or `tools` when it
+    cannot tell; any other guide is the response format (as for every guide before tools had marks)."""
+    if guide.kind != "structural_tag":
+        return "response_format"
+    tag = json.loads(guide.source)
+    marks = _marks(tag, [])
+    if not marks:
+        return "response_format"
+    found = _AT.search(message)
+    node, named = tag, None
+    for part in (found.group(1).split("/")[1:] if found else []):
+        if isinstance(node, dict) and isinstance(node.get(_MARK), str):
+            named = node[_MARK]
+        node = node.get(part) if isinstance(node, dict) else (
+            node[int(part)] if isinstance(node, list) and part.isdigit() and int(part) < len(node) else None)
+    if isinstance(node, dict) and isinstance(node.get(_MARK), str):
+        named = node[_MARK]
+    if named is None and len(set(marks)) == 1:
+        named = marks[0]
+    return named or "tools"
+
+
+def _marks(node, out: list) -> list:
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+            mark = node["json_schema"].get(_MARK)
+            if isinstance(mark, str):
+                out.append(mark)
+        for v in node.values():
+            _marks(v, out)
+    elif isinstance(node, list):
+        for v in node:
+            _marks(v, out)
+    return out
 
 
 async def _wait(done: asyncio.Future, request: Request, timeout: float) -> None:

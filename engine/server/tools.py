@@ -16,13 +16,14 @@ import json
 import re
 from dataclasses import dataclass
 
-from engine.guided.schema_check import unenforced_keywords
+from engine.guided.spec import grammar_schema
 from engine.server.protocol import APIError
 from engine.server.tool_formats import Hermes, ToolFormat
 
 HERMES = Hermes()
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
+MARK = "$comment"      # an annotation: the grammar ignores it, guides.py reads it to name a refused schema
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,27 @@ def _check_tool(i: int, tool) -> dict:
     params = fn.get("parameters") or _EMPTY_PARAMS
     if not isinstance(params, dict):
         raise APIError(f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function.parameters")
-    unenforced = unenforced_keywords(params)
-    if unenforced:
-        raise APIError(f"{where}.function.parameters uses what guided decoding cannot enforce: "
-                       + "; ".join(unenforced[:3]), param=f"{where}.function.parameters")
     out = {"name": name, "parameters": params}
     if isinstance(fn.get("description"), str):
         out["description"] = fn["description"]
     return {"type": "function", "function": out}
+
+
+def _for_grammar(schema: dict, param: str) -> dict:
+    """The schema the call's grammar is compiled from (rewritten, checked: APIError naming `param`), marked with
+    `param` so that a later refusal of the whole tag (a bound, a compile error) can name the field
+    (engine/server/guides.py)."""
+    try:
+        rewritten = grammar_schema(schema, param)
+    except ValueError as exc:
+        raise APIError(str(exc), param=param) from exc
+    return {**rewritten, MARK: param}
+
+
+def _tagged(fmt: ToolFormat, i: int, tool: dict) -> dict:
+    fn = tool["function"]
+    where = f"tools[{i}].function.parameters"
+    return fmt.tag({**tool, "function": {**fn, "parameters": _for_grammar(fn["parameters"], where)}})
 
 
 def _named(choice, names: list[str]) -> str:
@@ -81,7 +95,7 @@ def plan_tools(tools, tool_choice, parallel: bool, answer: dict | None = None, f
         return ToolPlan("none", None, None, fmt)
     if not checked:
         raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
-    tags = [fmt.tag(t) for t in checked]
+    tags = [_tagged(fmt, i, t) for i, t in enumerate(checked)]
     one = not parallel or fmt.single_call
     if isinstance(choice, dict):
         name = _named(choice, names)
@@ -103,11 +117,9 @@ def _answer_format(answer: dict) -> dict:
     if "json_schema" in answer:
         schema = answer["json_schema"]
         schema = json.loads(schema) if isinstance(schema, str) else schema
-        unenforced = unenforced_keywords(schema) if isinstance(schema, dict) else ["not a JSON object"]
-        if unenforced:
-            raise APIError("response_format's schema uses what guided decoding cannot enforce: "
-                           + "; ".join(unenforced[:3]), param="response_format")
-        return {"type": "json_schema", "json_schema": schema}
+        if not isinstance(schema, dict):
+            raise APIError("response_format's schema must be a JSON object", param="response_format")
+        return {"type": "json_schema", "json_schema": _for_grammar(schema, "response_format")}
     raise APIError(f"tools under tool_choice 'auto' combine only with a JSON response format, not {next(iter(answer))}",
                    param="response_format")
 
