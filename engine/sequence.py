@@ -115,12 +115,13 @@ class SamplingParams:
     @property
     def counts_tokens(self) -> bool:
         """A penalty reads the request's token counts (a PenaltyState row, engine/penalties.py)."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return self._counts_tokens
 
     @property
     def penalized(self) -> bool:
-        """Its logits or its sampling change (penalties, min_p, min_tokens): it never speculates."""
-        return self.counts_tokens or self.min_p > 0 or self.min_tokens > 0
+        """Its logits or its sampling change (penalties, min_p, min_tokens): it never speculates. Read for every
+        row of every step, hence computed once."""
+        return self._penalized
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -131,6 +132,9 @@ class SamplingParams:
         if not 0.0 <= _real("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         object.__setattr__(self, "min_tokens", _integer("min_tokens", self.min_tokens, 0, self.max_tokens))
+        counts = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        object.__setattr__(self, "_counts_tokens", counts)
+        object.__setattr__(self, "_penalized", counts or self.min_p > 0 or self.min_tokens > 0)
 
 
 class Status(enum.Enum):
