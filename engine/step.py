@@ -89,10 +89,10 @@ class StepProgram:
         mask = self.masks.join(slot, prev, rows, self.compute_stream)[0] if guided else None
         _mark(slot, "mask_waited")
         if rows:
-            slot.sampled[:rows] = self.sample(slot, logits, rows, greedy, mask, extras)
+            self.sample(slot, logits, rows, greedy, mask, extras)
 
     def sample(self, slot: DecodeSlot, logits, rows: int, greedy: bool, mask=None, extras: bool = False):
-        """Tokens [rows] from `logits` (penalized and masked in place)."""
+        """Tokens [rows] from `logits` (penalized and masked in place) into `slot.sampled`; returns them."""
         d = slot.dev
         min_p = None
         if extras and self.penalties is not None:
@@ -100,6 +100,7 @@ class StepProgram:
             min_p = d["min_p"][:rows]
         tokens = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows], d["seeds"][:rows],
                         d["steps"][:rows], bitmask=mask, all_greedy=greedy, masker=self.masker, min_p=min_p)
+        slot.sampled[:rows] = tokens
         if extras and slot.logprobs is not None:
             record(slot.logprobs[:rows, :1], logits, tokens[:, None])
         return tokens

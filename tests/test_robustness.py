@@ -139,8 +139,8 @@ def test_a_row_whose_mask_allowed_nothing_fails_alone(engine, chat_prompts, alon
     the carry-over feeds the next step a valid id meanwhile."""
     sample, victim = engine.runner.program.sample, {}
 
-    def poisoned(slot, logits, rows, greedy, mask=None):
-        sample(slot, logits, rows, greedy, mask)
+    def poisoned(slot, logits, rows, greedy, mask=None, *extras):
+        sample(slot, logits, rows, greedy, mask, *extras)
         for row in slot.rows:
             seq = row.seq                        # tokens before this one: committed + in flight (this row's too)
             if row.sample and seq.seq_id == victim.get("id") and len(seq.output_token_ids) + seq.num_pending > 3:

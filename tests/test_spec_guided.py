@@ -113,8 +113,8 @@ def test_ngram_drafts_the_grammar_rejects_are_cut(guided_workload, reference):
     program, seen = eng.runner.program, []
     verify = program.verify
 
-    def probe(slot, ids, logits, S, K, greedy, grammar, drafted):
-        out = verify(slot, ids, logits, S, K, greedy, grammar, drafted)
+    def probe(slot, ids, logits, S, K, greedy, grammar, drafted, *extras):
+        out = verify(slot, ids, logits, S, K, greedy, grammar, drafted, *extras)
         if K and grammar is not None:
             seen.append((drafted.tolist(), grammar[1].tolist(), out[1].tolist()))
         return out
