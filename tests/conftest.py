@@ -68,6 +68,26 @@ def chat_prompts(engine):
     return [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def workload(engine, chat_prompts):
+    """helpers.pipeline_workload on the chat prompts and three more, its stop word and token taken from the
+    free outputs."""
+    import helpers
+    from engine.sequence import SamplingParams
+    prompts = chat_prompts + [engine.apply_chat_template([{"role": "user", "content": p}])
+                              for p in helpers.EXTRA_PROMPTS]
+    free = engine.generate([prompts[2]], SamplingParams(max_tokens=24, temperature=0))[0]
+    stop_word = free.text.split()[2]
+    probe = engine.generate([prompts[3]], SamplingParams(max_tokens=16, temperature=0))[0]
+    return helpers.pipeline_workload(prompts, stop_word, probe.output_token_ids[5])
+
+
+@pytest.fixture(scope="module")
+def guided_workload(engine):
+    import helpers
+    return helpers.guided_workload(engine)
+
+
 @pytest.fixture(scope="session")
 def hf_model(engine):
     """Hugging Face transformers' Llama on the very weights the engine loaded."""

@@ -19,8 +19,7 @@ from engine.guided.masks import GrammarMasks, Snapshot
 from engine.guided.matching import GuidedRow
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from test_guided import CPU, drive, staggered
-from test_spec_guided import guided_workload  # noqa: F401 (a fixture)
+from helpers import CPU, drive_hooked, staggered
 
 INFO = xgr.TokenizerInfo([chr(97 + i) for i in range(26)] + ["</s>"], stop_token_ids=[26])
 A, B, C, EOS = 0, 1, 2, 26
@@ -111,7 +110,7 @@ def test_native_and_python_nodes_give_the_same_tokens(engine, chat_prompts, monk
     for node in ("native", "python"):
         eng = LLMEngine(**CPU, max_num_seqs=8, grammar_node=node)
         calls.clear()
-        seqs = drive(eng, staggered(chat_prompts))
+        seqs = drive_hooked(eng, staggered(chat_prompts))
         assert (len(calls) > 0) == (node == "python"), (node, len(calls))
         got[node] = [(s.output_token_ids, s.finish_reason, s.error) for s in seqs]
         assert_no_leak(eng)
@@ -126,11 +125,11 @@ def test_parallel_rows_give_the_same_tokens(engine, chat_prompts):
     outs = []
     for threads in (1, 4):
         eng = LLMEngine(**CPU, max_num_seqs=8, grammar_threads=threads)
-        outs.append([s.output_token_ids for s in drive(eng, work)])
+        outs.append([s.output_token_ids for s in drive_hooked(eng, work)])
     assert outs[0] == outs[1]
 
 
-def test_native_draft_masks_give_the_python_paths_tokens(guided_workload):  # noqa: F811
+def test_native_draft_masks_give_the_python_paths_tokens(guided_workload):
     """EAGLE with draft masks: the native draft nodes vs the Python draft callbacks. (Which steps speculate
     depends on when each grammar finished compiling, so acceptance counts may differ; the tokens may not.
     tests/test_spec_guided_rollback.py compares the draft masks themselves, step by step.)"""
@@ -139,7 +138,7 @@ def test_native_draft_masks_give_the_python_paths_tokens(guided_workload):  # no
         eng = LLMEngine(**CPU, speculative="eagle", guided_draft_masks=True, grammar_node=node)
         draft = eng.runner.program.draft_masks
         assert draft.native == (node == "native")
-        seqs = drive(eng, guided_workload)
+        seqs = drive_hooked(eng, guided_workload)
         assert_no_leak(eng)
         greedy = [(s.output_token_ids, s.finish_reason) for s, w in zip(seqs, guided_workload) if w[2].temperature == 0]
         got[node] = greedy

@@ -3,7 +3,6 @@ its request alone inside a step), the mask callback's stale-queue rule, grammars
 prefills, and what each guide kind yields. tests/test_guided_reference.py: equality with transformers + xgrammar,
 schema validity, and the pipelined loop's snapshots (depth 1 vs 2, graph layout, preemption)."""
 import json
-import math
 import re
 import threading
 
@@ -17,13 +16,8 @@ from engine.guided.compiler import GrammarService, GuidedRequest
 from engine.guided.masks import GrammarMasks, GuidedRow, Snapshot
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
+from helpers import CAT, CPU, UNGUIDED, Exploding, allowed, drive_hooked, service
 
-CPU = dict(device="cpu", dtype="float32", attention_backend="torch")
-CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-       "required": ["name", "age"]}
-WORDS = "(one|two|three|four|five|six|seven|eight|nine|ten)"
-PRIMES = 'root ::= [0-9]+ (", " [0-9]+)* "."'
-UNGUIDED = SamplingParams(max_tokens=12, temperature=0)
 _alone: dict = {}
 
 
@@ -33,33 +27,6 @@ def alone(engine, prompt, params):
     if key not in _alone:
         _alone[key] = engine.generate([prompt], params)[0].output_token_ids
     return _alone[key]
-
-
-def service(engine) -> GrammarService:
-    if engine.guided.service is None:                  # built on the first guided request
-        engine.guided.service = engine.guided._make()
-    return engine.guided.service
-
-
-def allowed(matcher, vocab) -> set:
-    bitmask = torch.zeros((1, math.ceil(vocab / 32)), dtype=torch.int32)
-    matcher.fill_next_token_bitmask(bitmask, 0)
-    bits = ((bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab]
-    return set(bits.nonzero().flatten().tolist())
-
-
-def drive(engine, requests, hook=None):
-    """requests: (arrival step, prompt, params). Runs to the end; returns the retained Sequences in order."""
-    pending, ids, step = sorted(enumerate(requests), key=lambda r: r[1][0]), {}, 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][1][0] <= step:
-            i, (_, prompt, params) = pending.pop(0)
-            ids[i] = engine.add_request(prompt, params, retain=True)
-        engine.step()
-        if hook:
-            hook(engine, ids)
-        step += 1
-    return [engine.take(ids[i]) for i in range(len(requests))]
 
 
 # ---- tokenizer info -------------------------------------------------------------------------------
@@ -103,7 +70,7 @@ def test_guides_need_a_tokenizer_and_guided_engines():
 
 
 def _finals(engine, requests, hook=None):
-    seqs = drive(engine, [(0, p, sp) for p, sp in requests], hook)
+    seqs = drive_hooked(engine, [(0, p, sp) for p, sp in requests], hook)
     assert_no_leak(engine)
     return seqs
 
@@ -146,21 +113,6 @@ def test_grammar_that_allows_nothing_fails_without_nan(engine, chat_prompts, mon
     assert sum(rows) >= 3
 
 
-class Exploding:
-    """A matcher whose accept_token raises after `n` tokens (everything else is the real matcher's)."""
-    def __init__(self, matcher, n):
-        self._matcher, self._left = matcher, n
-
-    def accept_token(self, token):
-        if self._left == 0:
-            raise RuntimeError("matcher exploded")
-        self._left -= 1
-        return self._matcher.accept_token(token)
-
-    def __getattr__(self, name):
-        return getattr(self._matcher, name)
-
-
 @pytest.mark.parametrize("depth", [1, 2])
 def test_matcher_that_raises_in_the_callback_fails_its_request_alone(engine, chat_prompts, depth):
     victim = (chat_prompts[3], SamplingParams(max_tokens=24, temperature=0, json_schema=CAT))
@@ -183,19 +135,7 @@ def test_matcher_that_raises_in_the_callback_fails_its_request_alone(engine, cha
     assert [s.output_token_ids for s in seqs[1:]] == [alone(engine, p, sp) for p, sp in good]
 
 
-# ---- snapshots (the pipelined workload; tests/test_guided_reference.py runs it) ----------------------------
-def staggered(prompts):
-    """Guided requests of every kind (and one unguided) arriving at different steps, ending differently."""
-    cities = ["Paris", "London", "Berlin", "Rome"]
-    return [(0, prompts[0], SamplingParams(max_tokens=8, temperature=0, choice=cities)),
-            (0, prompts[3], SamplingParams(max_tokens=32, temperature=0, json_schema=CAT)),
-            (1, prompts[4], UNGUIDED),
-            (2, prompts[1], SamplingParams(max_tokens=10, temperature=0, regex="[a-z ]+")),
-            (4, prompts[2], SamplingParams(max_tokens=24, temperature=0, ebnf=PRIMES)),
-            (6, prompts[4], SamplingParams(max_tokens=12, temperature=0.8, seed=3, regex=f"{WORDS}( {WORDS})*")),
-            (7, prompts[0], SamplingParams(max_tokens=16, temperature=0, json_object=True))]
-
-
+# ---- snapshots ---------------------------------------------------------------------------------------------
 def test_empty_queue_reuses_the_last_snapshot_without_accepting_again(engine):
     """Warm-up and capture run the callback with nothing queued: masks refilled, no token accepted twice."""
     svc, vocab = service(engine), engine.runner.vocab

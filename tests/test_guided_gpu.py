@@ -19,7 +19,7 @@ from conftest import CHAT_PROMPTS, assert_no_leak
 from engine.guided.masks import GrammarMasks
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from test_guided import CAT, PRIMES, Exploding, allowed, drive, staggered
+from helpers import CAT, PRIMES, Exploding, allowed, drive_hooked, staggered
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 MODEL = os.environ.get("SPECDEC_MODEL", "default")
@@ -140,7 +140,7 @@ def test_guided_graphs_capture_the_native_node_and_no_python(graphed, prompts, m
 def test_pipelined_matchers_accept_exactly_the_committed_tokens(graphed, eager, prompts):
     """Snapshots queue up on the host while callbacks run on the driver thread: each matcher must still see
     each committed token once, in order, and the queue must drain."""
-    seqs, ref = drive(graphed, staggered(prompts)), drive(eager, staggered(prompts))
+    seqs, ref = drive_hooked(graphed, staggered(prompts)), drive_hooked(eager, staggered(prompts))
     greedy = [i for i, (_, _, sp) in enumerate(staggered(prompts)) if sp.temperature == 0]
     assert [seqs[i].output_token_ids for i in greedy] == [ref[i].output_token_ids for i in greedy]
     for seq in seqs:
@@ -171,7 +171,7 @@ def test_failing_guided_rows_fail_alone_inside_graphs(graphed, cases, reference,
         if seq is not None and seq.guided.ready and not isinstance(seq.guided.matcher, Exploding):
             seq.guided.matcher = Exploding(seq.guided.matcher, 3)
 
-    seqs = drive(graphed, [(0, p, sp) for p, sp in cases] + [(1, prompts[i], sp) for i, sp in enumerate(bad)], arm)
+    seqs = drive_hooked(graphed, [(0, p, sp) for p, sp in cases] + [(1, prompts[i], sp) for i, sp in enumerate(bad)], arm)
     assert [s.output_token_ids for s in seqs[:len(cases)]] == reference
     errors = [s.error or "" for s in seqs[len(cases):]]
     assert [s.finish_reason for s in seqs[len(cases):]] == ["error"] * 4, errors

@@ -9,14 +9,11 @@ import pytest
 from conftest import assert_no_leak
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from test_pipeline import PREEMPTING, ROOMY, EagerGraphs, drive, workload  # noqa: F401 (a fixture)
+from helpers import CPU, PREEMPTING, REPEATING, ROOMY, EagerGraphs, drive
 
-CPU = dict(device="cpu", dtype="float32", attention_backend="torch")
 # float32: in bfloat16 scoring 1 + K tokens at once rounds differently from scoring one, and a near-tie argmax
 # can flip (bench/spec.py reports how often outputs stay identical in bfloat16: same_tokens_as_none)
 GPU_GRAPHS = dict(device="cuda", dtype="float32", attention_backend="triton", max_model_len=1024)
-REPEATING = ["List the numbers from 1 to 30 separated by spaces.",
-             'Copy this JSON exactly: {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}']
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ grammar-forced tokens), K 1 and 3, depth 1 and 2, batched with unguided and samp
 ends "stop" validates; failures in the draft callbacks end their request alone.
 """
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -13,31 +12,9 @@ from conftest import assert_no_leak
 from engine.guided.draft_masks import DraftMasks
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from test_pipeline import EagerGraphs, drive
+from helpers import ASK, PEOPLE, WEATHER, EagerGraphs, allowed, drive
 
 CPU = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, spec_min_acceptance=0.0)
-WEATHER = json.loads((Path(__file__).resolve().parents[1] / "docs/examples/get_weather.schema.json").read_text())
-PEOPLE = {"type": "object", "properties": {"people": {"type": "array", "items": {
-    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"]}}}, "required": ["people"]}
-ASK = ["Call get_weather for Paris in celsius.", "List three people with their names and ages as JSON.",
-       "What is the phone number of the pizza place?", "List the numbers from 1 to 20 separated by spaces.",
-       "Is the sky blue? Answer yes or no.", "Give me the weather in Oslo as a tool call."]
-
-
-@pytest.fixture(scope="module")
-def guided_workload(engine):
-    """(arrival step, prompt, params): JSON schemas, a regex, a choice, an unguided row, a late guided arrival
-    and a seeded sampled guided row (checked for validity only: speculative sampling draws other tokens)."""
-    p = [engine.apply_chat_template([{"role": "user", "content": a}]) for a in ASK]
-    greedy = dict(temperature=0.0)
-    return [(0, p[0], SamplingParams(max_tokens=40, json_schema=WEATHER, **greedy)),
-            (0, p[1], SamplingParams(max_tokens=48, json_schema=PEOPLE, **greedy)),
-            (0, p[2], SamplingParams(max_tokens=16, regex=r"\(\d{3}\) \d{3}-\d{4}", **greedy)),
-            (0, p[3], SamplingParams(max_tokens=24, **greedy)),
-            (1, p[0], SamplingParams(max_tokens=40, json_schema=WEATHER, temperature=0.8, seed=5)),
-            (2, p[4], SamplingParams(max_tokens=8, choice=["yes", "no"], **greedy)),
-            (3, p[5], SamplingParams(max_tokens=40, json_schema=WEATHER, **greedy))]     # in arrival order
 
 
 def run(workload, depth=2, graph_layout=False, **cfg):
@@ -188,7 +165,6 @@ def matchers_fed_exactly_the_committed_tokens(seqs, vocab):
     """Each matcher's state is a fresh matcher's fed the committed tokens it accepted (every draft walk of
     every replay rolled back); a request's last step's tokens may not have been accepted (no step after it)."""
     import xgrammar as xgr
-    from test_guided import allowed
     for seq in seqs:
         g, out = seq.guided, seq.output_token_ids
         if g is None or seq.finish_reason == "error":

@@ -18,7 +18,7 @@ from engine.guided.masks import GrammarMasks, Snapshot
 from engine.guided.matching import GuidedRow
 from engine.sampler import apply_bitmask
 from engine.sequence import SamplingParams
-from test_guided import service
+from helpers import service
 
 K = 3
 ITEMS = {"type": "array", "items": {"type": "object", "properties": {

@@ -1,0 +1,151 @@
+"""What several test modules share: engine settings, workloads, loop drivers and grammar probes. Fixtures built
+from these live in conftest.py; test modules import from here, never from each other."""
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from engine.graphs import StepGraphs
+from engine.guided.compiler import GrammarService
+from engine.sequence import SamplingParams
+
+CPU = dict(device="cpu", dtype="float32", attention_backend="torch")
+ROOMY, PREEMPTING = dict(), dict(num_kv_blocks=6, max_num_batched_tokens=64)
+
+# ---- guides ---------------------------------------------------------------------------------------------------
+CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+       "required": ["name", "age"]}
+WORDS = "(one|two|three|four|five|six|seven|eight|nine|ten)"
+PRIMES = 'root ::= [0-9]+ (", " [0-9]+)* "."'
+UNGUIDED = SamplingParams(max_tokens=12, temperature=0)
+WEATHER = json.loads((Path(__file__).resolve().parents[1] / "docs/examples/get_weather.schema.json").read_text())
+PEOPLE = {"type": "object", "properties": {"people": {"type": "array", "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"]}}}, "required": ["people"]}
+
+# ---- prompts --------------------------------------------------------------------------------------------------
+EXTRA_PROMPTS = ["Name a color.", "Count from one to ten in words.", "What does a tool call look like in JSON?"]
+REPEATING = ["List the numbers from 1 to 30 separated by spaces.",
+             'Copy this JSON exactly: {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}']
+ASK = ["Call get_weather for Paris in celsius.", "List three people with their names and ages as JSON.",
+       "What is the phone number of the pizza place?", "List the numbers from 1 to 20 separated by spaces.",
+       "Is the sky blue? Answer yes or no.", "Give me the weather in Oslo as a tool call."]
+
+
+# ---- workloads: (arrival step, prompt ids, params) per request --------------------------------------------------
+def pipeline_workload(prompts, stop_word, stop_token):
+    """Every way a request can end (EOS, length, stop string, stop token, at prefill), late arrivals and a seeded
+    sampled request."""
+    greedy = dict(temperature=0.0)
+    return [
+        (0, prompts[0], SamplingParams(max_tokens=32, **greedy)),                        # EOS
+        (0, prompts[1], SamplingParams(max_tokens=7, **greedy)),                         # length
+        (0, prompts[2], SamplingParams(max_tokens=24, stop=[stop_word], **greedy)),      # stop string
+        (3, prompts[3], SamplingParams(max_tokens=16, stop_token_ids=[stop_token], **greedy)),
+        (3, prompts[4], SamplingParams(max_tokens=1, **greedy)),                         # ends at prefill
+        (5, prompts[5], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)),
+        (9, prompts[6], SamplingParams(max_tokens=16, ignore_eos=True, **greedy)),
+        (12, prompts[7], SamplingParams(max_tokens=12, **greedy)),
+    ]
+
+
+def guided_workload(engine):
+    """JSON schemas, a regex, a choice, an unguided row, a late guided arrival and a seeded sampled guided row
+    (checked for validity only: speculative sampling draws other tokens)."""
+    p = [engine.apply_chat_template([{"role": "user", "content": a}]) for a in ASK]
+    greedy = dict(temperature=0.0)
+    return [(0, p[0], SamplingParams(max_tokens=40, json_schema=WEATHER, **greedy)),
+            (0, p[1], SamplingParams(max_tokens=48, json_schema=PEOPLE, **greedy)),
+            (0, p[2], SamplingParams(max_tokens=16, regex=r"\(\d{3}\) \d{3}-\d{4}", **greedy)),
+            (0, p[3], SamplingParams(max_tokens=24, **greedy)),
+            (1, p[0], SamplingParams(max_tokens=40, json_schema=WEATHER, temperature=0.8, seed=5)),
+            (2, p[4], SamplingParams(max_tokens=8, choice=["yes", "no"], **greedy)),
+            (3, p[5], SamplingParams(max_tokens=40, json_schema=WEATHER, **greedy))]     # in arrival order
+
+
+def staggered(prompts):
+    """Guided requests of every kind (and one unguided) arriving at different steps, ending differently."""
+    cities = ["Paris", "London", "Berlin", "Rome"]
+    return [(0, prompts[0], SamplingParams(max_tokens=8, temperature=0, choice=cities)),
+            (0, prompts[3], SamplingParams(max_tokens=32, temperature=0, json_schema=CAT)),
+            (1, prompts[4], UNGUIDED),
+            (2, prompts[1], SamplingParams(max_tokens=10, temperature=0, regex="[a-z ]+")),
+            (4, prompts[2], SamplingParams(max_tokens=24, temperature=0, ebnf=PRIMES)),
+            (6, prompts[4], SamplingParams(max_tokens=12, temperature=0.8, seed=3, regex=f"{WORDS}( {WORDS})*")),
+            (7, prompts[0], SamplingParams(max_tokens=16, temperature=0, json_object=True))]
+
+
+# ---- driving the loop -----------------------------------------------------------------------------------------
+def drive(eng, workload):
+    """Add each (arrival step, prompt, params) at its step and step the engine until every request ends;
+    returns the finished Sequences in workload order. Checks every step that no row is held by more than
+    two steps in flight."""
+    ids, step = {}, 0
+    pending = sorted(workload, key=lambda w: w[0])
+    while pending or eng.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, params = pending.pop(0)
+            ids[eng.add_request(prompt, params, retain=True)] = len(ids)
+        eng.step()
+        step += 1
+        assert all(0 <= s.inflight_refs <= 2 for s in eng._seqs.values())
+    return [eng.take(i) for i in sorted(ids, key=ids.get)]
+
+
+def drive_hooked(engine, requests, hook=None):
+    """requests: (arrival step, prompt, params). Runs to the end, calling hook(engine, {index: request id})
+    after each step; returns the retained Sequences in order."""
+    pending, ids, step = sorted(enumerate(requests), key=lambda r: r[1][0]), {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, params) = pending.pop(0)
+            ids[i] = engine.add_request(prompt, params, retain=True)
+        engine.step()
+        if hook:
+            hook(engine, ids)
+        step += 1
+    return [engine.take(ids[i]) for i in range(len(requests))]
+
+
+class EagerGraphs(StepGraphs):
+    """The graphs' padded step layouts (guided variants too if `guided`), run eagerly: what a replay
+    computes, on any device."""
+    def __init__(self, runner, guided: bool = False):
+        super().__init__(runner.config, runner.max_model_len, guided=guided, spec_rows=runner.spec_rows)
+        self.runner = runner
+
+    def replay(self, slot, variant):
+        self.replays[slot.graph_key[0]] += 1
+        self.replays["guided"] += variant[0]
+        prev = self.runner.slots[1 - slot.index]
+        self.runner.program.step(slot, prev, variant, slot.graph_key)
+
+
+# ---- grammars -------------------------------------------------------------------------------------------------
+def service(engine) -> GrammarService:
+    if engine.guided.service is None:                  # built on the first guided request
+        engine.guided.service = engine.guided._make()
+    return engine.guided.service
+
+
+def allowed(matcher, vocab) -> set:
+    bitmask = torch.zeros((1, math.ceil(vocab / 32)), dtype=torch.int32)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    bits = ((bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab]
+    return set(bits.nonzero().flatten().tolist())
+
+
+class Exploding:
+    """A matcher whose accept_token raises after `n` tokens (everything else is the real matcher's)."""
+    def __init__(self, matcher, n):
+        self._matcher, self._left = matcher, n
+
+    def accept_token(self, token):
+        if self._left == 0:
+            raise RuntimeError("matcher exploded")
+        self._left -= 1
+        return self._matcher.accept_token(token)
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
