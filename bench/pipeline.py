@@ -114,7 +114,8 @@ def bench_model(spec, args) -> list[dict]:
 
 
 def cost_model(records) -> list[dict]:
-    """Seed 000's second table: predicted vs observed pipelining speedup on the EOS workload."""
+    """The second table of Moondream's "Moondream Photon: Eliminating GPU Bubbles via Pipelined Decoding": predicted
+    vs observed pipelining speedup on the EOS workload."""
     rows = []
     key = lambda r: (r["model"], r["streams"])  # noqa: E731
     by = {(key(r), r["mode"]): r for r in records if r.get("workload") == "eos"}

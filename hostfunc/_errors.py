@@ -1,7 +1,7 @@
 """The exception hostfunc raises for errors that happened inside host callbacks."""
 
 
-class HostfuncError(RuntimeError):  # noqa: N818 (the issue names it so)
+class HostfuncError(RuntimeError):  # noqa: N818 (the name the public API has always had)
     """A host callback failed (see ``.errors`` for every recorded message, ``.owners`` for the owner tag of
     each, 0 for none), or broke the no-CUDA rule."""
 

@@ -1,1 +1,2 @@
-"""Speculative decoding: drafters, verification, acceptance statistics (later issues)."""
+"""Speculative decoding: drafters, verification, acceptance statistics, the step that runs them
+(docs/speculative.md)."""
