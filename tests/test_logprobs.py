@@ -14,9 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.logprobs import MAX_LOGPROBS
 from engine.sequence import SamplingParams
 from engine.validation import check_request
-from test_guided import CAT, allowed
-from test_pipeline import PREEMPTING, EagerGraphs, drive
-from test_spec_engine import CPU, REPEATING
+from helpers import CAT, CPU, PREEMPTING, REPEATING, EagerGraphs, allowed, drive
 
 TOL = 2e-3
 

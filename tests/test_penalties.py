@@ -8,8 +8,7 @@ from conftest import assert_no_leak, prefill_logits
 from engine.llm_engine import LLMEngine
 from engine.sampler import sample
 from engine.sequence import SamplingParams
-from test_pipeline import PREEMPTING, EagerGraphs, drive
-from test_spec_engine import CPU, REPEATING
+from helpers import CPU, PREEMPTING, REPEATING, EagerGraphs, drive
 
 
 def penalized(logits, prompt, out, p):
