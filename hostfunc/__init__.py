@@ -34,6 +34,7 @@ Without libcuda or a GPU the package imports fine and launching raises ``Runtime
 """
 import atexit
 import functools
+import itertools
 import os
 import threading
 
@@ -45,10 +46,12 @@ from ._errors import HostfuncError
 __all__ = [
     "HostfuncError", "HostfuncScope", "capture_scope", "check_errors", "collect", "free_all_hostfunc_user_data",
     "free_hostfunc_user_data", "hostfunc", "is_available", "is_debug", "launch_hostfunc", "launch_native",
-    "live_handles", "set_debug", "standing_callback", "stats", "synchronize", "take_errors",
+    "live_handles", "new_owner", "owner_scope", "set_debug", "standing_callback", "stats", "synchronize",
+    "take_errors",
 ]
 
 _scopes = threading.local()  # per-thread stack of active HostfuncScope objects; callbacks never touch it
+_owners = itertools.count(1 << 32)  # new_owner's tags, above the small ones callers pick by hand
 
 
 def _stream_handle(stream):
@@ -104,8 +107,9 @@ def launch_hostfunc(stream, fn, *args, **kwargs):
     _not_in_callback("launch_hostfunc")
     stack = _active_scopes()
     handle, captured = _C.launch(_stream_handle(stream), fn, args, kwargs, _current_owner(stack))
-    if captured and stack:
-        stack[-1].handles.append(handle)
+    collector = next((scope for scope in reversed(stack) if scope.collect), None)
+    if captured and collector is not None:
+        collector.handles.append(handle)
     return handle
 
 
@@ -171,15 +175,17 @@ class HostfuncScope:
         ...  # replay g
         scope.free()  # once g will not be replayed again
 
-    Scopes nest; a handle goes to the innermost one. ``free()`` frees what is left and returns the count.
+    Scopes nest; a handle goes to the innermost one that collects (``collect=False``: an ``owner_scope``,
+    which only tags). ``free()`` frees what is left and returns the count.
 
     ``owner`` (an int >= 0; 0 means none) tags every launch, eager or captured, made on this thread while the
     scope is active, so that its errors can be checked per owner (``check_errors(owner)``). The innermost
     scope whose owner is not None wins; ``owner=None`` (the default) inherits the enclosing one.
     """
 
-    def __init__(self, owner=None):
+    def __init__(self, owner=None, collect=True):
         self.owner = None if owner is None else _check_owner(owner)
+        self.collect = collect
         self.handles = []
 
     def __enter__(self):
@@ -204,6 +210,18 @@ class HostfuncScope:
 def capture_scope(owner=None):
     """Shorthand for ``HostfuncScope(owner)``."""
     return HostfuncScope(owner)
+
+
+def owner_scope(owner):
+    """Tag this thread's launches and standing callbacks with ``owner`` while active, and collect nothing:
+    handles captured inside still go to the enclosing collecting scope (a graph's), which frees them."""
+    return HostfuncScope(_check_owner(owner), collect=False)
+
+
+def new_owner():
+    """An owner tag no other call of this process gets: one per component whose errors are taken apart
+    (an engine's grammar masks, say), so two of them in one process never take each other's."""
+    return next(_owners)
 
 
 def _owner_filter(owner):

@@ -13,10 +13,12 @@ import xgrammar as xgr
 
 import hostfunc
 from conftest import assert_no_leak
+from engine.config import EngineConfig
 from engine.guided import _native, native
 from engine.guided.compiler import GuidedRequest
 from engine.guided.masks import GrammarMasks, Snapshot
 from engine.guided.matching import GuidedRow
+from engine.guided.tracker import GuidedTracker
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from helpers import CPU, drive_hooked, staggered
@@ -194,3 +196,22 @@ def test_masks_going_away_free_their_standing_entries():
     del masks
     gc.collect()
     assert hostfunc.stats()["standing"] == before and hostfunc.live_handles() == 0
+
+
+def test_two_engines_take_only_their_own_callback_errors(aab, monkeypatch):
+    """Each GrammarMasks tags its callbacks with an owner of its own, and a step's failure takes only the
+    errors of its snapshot's owner: two engines in one process never take each other's."""
+    first, second = GrammarMasks(27, 2, torch.device("cpu")), GrammarMasks(27, 2, torch.device("cpu"))
+    assert first.owner != second.owner
+    snaps = []
+    for masks in (first, second):
+        snaps.append(Snapshot(0, 1, (GuidedRow(0, request(aab), 0, (), -1, -1),), np.zeros(0, dtype=np.int64)))
+        masks.push(snaps[-1])
+        masks.run()
+    assert [s.owner for s in snaps] == [first.owner, second.owner]
+    monkeypatch.setattr(GrammarMasks, "run_python", lambda self: 1 / 0)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(hostfunc._C.trampoline_address())(first.standing[0])
+    tracker = GuidedTracker(None, 27, [EOS], EngineConfig(), cuda=True)
+    assert tracker.step_failure(snaps[1]) is None
+    assert "ZeroDivisionError" in tracker.step_failure(snaps[0])
+    assert tracker.step_failure(snaps[0]) is None, "taken once"

@@ -363,6 +363,21 @@ def test_scope_collects_captured_handles(monkeypatch):
     hostfunc.free_hostfunc_user_data(outside)
 
 
+def test_owner_scope_tags_and_leaves_handles_to_the_collecting_scope(monkeypatch):
+    """An owner_scope inside a graph's scope: its launches carry the owner, the graph's scope frees them."""
+    monkeypatch.setattr(_C, "launch", fake_launch)
+    owner, other = hostfunc.new_owner(), hostfunc.new_owner()
+    assert owner != other and owner >= 2**32
+    with hostfunc.capture_scope() as graph:
+        with hostfunc.owner_scope(owner) as tags:
+            handle = hostfunc.launch_hostfunc(0, int, "x")
+    assert graph.handles == [handle] and tags.handles == []
+    assert _C.handle_info(handle)["owner"] == owner
+    assert graph.free() == 1 and hostfunc.live_handles() == 0
+    with pytest.raises(TypeError, match="owner"):
+        hostfunc.owner_scope(None)
+
+
 def test_decorator_launches_on_current_stream(monkeypatch):
     seen = []
     monkeypatch.setattr(hostfunc, "_stream_handle", lambda stream: seen.append(stream) or 0)

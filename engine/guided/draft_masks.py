@@ -69,7 +69,8 @@ class DraftMasks:
         if self.native:
             ptrs = lambda hs: [h.data_ptr() for h in hs]        # noqa: E731
             masks.node.set_draft(ptrs(self.mask_host), ptrs(self.ctl_host), ptrs(self.tokens_host), max_rows, words)
-            masks.attach_draft_python([hostfunc.standing_callback(cb)[0] for cb in self.callbacks])
+            with hostfunc.owner_scope(masks.owner):
+                masks.attach_draft_python([hostfunc.standing_callback(cb)[0] for cb in self.callbacks])
         if pin:
             self.token_ready = [torch.cuda.Event() for _ in range(k)]
             self.mask_ready = [torch.cuda.Event() for _ in range(k)]
@@ -135,7 +136,8 @@ class DraftMasks:
             if self.native:
                 hostfunc.launch_native(grammar, native.DRAFT_NODE, self.masks.node.draft_address(j))
             else:
-                hostfunc.launch_hostfunc(grammar, self.callbacks[j])
+                with hostfunc.owner_scope(self.masks.owner):     # captured: the graph's scope keeps the handle
+                    hostfunc.launch_hostfunc(grammar, self.callbacks[j])
             if self.draft_masks:
                 self.mask_dev[j][:S].copy_(self.mask_host[j][:S], non_blocking=True)
             self.ctl_dev[j][:S].copy_(self.ctl_host[j][:S], non_blocking=True)

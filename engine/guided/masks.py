@@ -53,7 +53,7 @@ _ids = itertools.count(1)   # snapshot ids (loop thread only; 0 is the node's em
 
 class Snapshot:
     """A step's guided rows. Bound to the grammar node's plain-data copy when pushed (`native`)."""
-    __slots__ = ("id", "slot", "prev", "step", "width", "rows", "unguided", "native", "done")
+    __slots__ = ("id", "slot", "prev", "step", "width", "rows", "unguided", "native", "done", "owner")
 
     def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray, step: int = 0, width: int = 1):
         self.id = next(_ids) if rows else 0
@@ -61,6 +61,7 @@ class Snapshot:
         self.step = step            # the step's index (which step's device tokens a row's matcher accepted)
         self.width = width          # masks per sampling row: 1 + the drafts it verifies
         self.native = None
+        self.owner = None           # the hostfunc owner of the masks it was pushed to (their callbacks' errors)
         self.done = _Done(self)     # set when its callback has run
 
     def bind(self, matchers, python: bool) -> None:
@@ -158,7 +159,9 @@ class GrammarMasks:
         self.node.set_target(ptrs(self.host), max_seqs * (k + 1), self.words, ptrs(self.tokens_host),
                              self.tokens_host[0].shape[1], ptrs(self.drafts_host), ptrs(self.caps_host), k)
         ref = weakref.ref(self)         # standing entries and graphs keep the node, not the masks, alive
-        self.standing = [hostfunc.standing_callback(_run_python, ref)[0]]
+        self.owner = hostfunc.new_owner()   # tags this engine's callbacks: their errors are its alone
+        with hostfunc.owner_scope(self.owner):
+            self.standing = [hostfunc.standing_callback(_run_python, ref)[0]]
         self.node.set_python(hostfunc._C.trampoline_address(), self.standing[0], [])
         weakref.finalize(self, _close, self.node, self.standing)
         if self.cuda:
@@ -174,6 +177,7 @@ class GrammarMasks:
     # ---- loop thread -------------------------------------------------------------------------
     def push(self, snapshot: Snapshot) -> None:
         snapshot.bind(self.matchers, self.python)
+        snapshot.owner = self.owner
         last = self.node.last_id() or 0
         while self.pending and next(iter(self.pending)) < last:
             self.pending.popitem(last=False)

@@ -102,7 +102,7 @@ class GuidedTracker:
         if snapshot.failure:
             return f"the grammar callback failed: {snapshot.failure}"
         if self.cuda:
-            errors = hostfunc.take_errors()
+            errors = hostfunc.take_errors(snapshot.owner)     # this engine's callbacks' (None: unpushed, any)
             if errors:
                 return f"the grammar callback failed: {errors[0][1]}"
         return None
