@@ -9,40 +9,9 @@ import pytest
 import torch
 
 from conftest import assert_no_leak
-from engine.graphs import StepGraphs
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-
-EXTRA_PROMPTS = ["Name a color.", "Count from one to ten in words.", "What does a tool call look like in JSON?"]
-
-
-def _workload(prompts, stop_word, stop_token):
-    """(arrival step, prompt ids, params) for each request."""
-    greedy = dict(temperature=0.0)
-    return [
-        (0, prompts[0], SamplingParams(max_tokens=32, **greedy)),                        # EOS
-        (0, prompts[1], SamplingParams(max_tokens=7, **greedy)),                         # length
-        (0, prompts[2], SamplingParams(max_tokens=24, stop=[stop_word], **greedy)),      # stop string
-        (3, prompts[3], SamplingParams(max_tokens=16, stop_token_ids=[stop_token], **greedy)),
-        (3, prompts[4], SamplingParams(max_tokens=1, **greedy)),                         # ends at prefill
-        (5, prompts[5], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)),
-        (9, prompts[6], SamplingParams(max_tokens=16, ignore_eos=True, **greedy)),
-        (12, prompts[7], SamplingParams(max_tokens=12, **greedy)),
-    ]
-
-
-class EagerGraphs(StepGraphs):
-    """The graphs' padded step layouts (guided variants too if `guided`), run eagerly: what a replay
-    computes, on any device."""
-    def __init__(self, runner, guided: bool = False):
-        super().__init__(runner.config, runner.max_model_len, guided=guided, spec_rows=runner.spec_rows)
-        self.runner = runner
-
-    def replay(self, slot, variant):
-        self.replays[slot.graph_key[0]] += 1
-        self.replays["guided"] += variant[0]
-        prev = self.runner.slots[1 - slot.index]
-        self.runner.program.step(slot, prev, variant, slot.graph_key)
+from helpers import PREEMPTING, ROOMY, EagerGraphs, drive
 
 
 def _run(depth, workload, graph_layout=False, **cfg):
@@ -62,31 +31,6 @@ def _run(depth, workload, graph_layout=False, **cfg):
     return eng, seqs
 
 
-def drive(eng, workload):
-    """Add each (arrival step, prompt, params) at its step and step the engine until every request ends;
-    returns the finished Sequences in workload order."""
-    ids, step = {}, 0
-    pending = sorted(workload, key=lambda w: w[0])
-    while pending or eng.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, prompt, params = pending.pop(0)
-            ids[eng.add_request(prompt, params, retain=True)] = len(ids)
-        eng.step()
-        step += 1
-        assert all(0 <= s.inflight_refs <= 2 for s in eng._seqs.values())
-    return [eng.take(i) for i in sorted(ids, key=ids.get)]
-
-
-@pytest.fixture(scope="module")
-def workload(engine, chat_prompts):
-    prompts = chat_prompts + [engine.apply_chat_template([{"role": "user", "content": p}]) for p in EXTRA_PROMPTS]
-    free = engine.generate([prompts[2]], SamplingParams(max_tokens=24, temperature=0))[0]
-    stop_word = free.text.split()[2]
-    probe = engine.generate([prompts[3]], SamplingParams(max_tokens=16, temperature=0))[0]
-    return _workload(prompts, stop_word, probe.output_token_ids[5])
-
-
-ROOMY, PREEMPTING = dict(), dict(num_kv_blocks=6, max_num_batched_tokens=64)
 GPU_BF16_GRAPHS = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=1024)
 
 
