@@ -27,10 +27,10 @@ from engine.logprobs import HostLogprobs
 from engine.model_runner import RowError
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
-from engine.penalties import PenaltyPool
 from engine.parallel.cluster import start_runner
 from engine.parallel.group import TensorParallelError
 from engine.request_handle import RequestHandle
+from engine.row_pool import RowPool
 from engine.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence
@@ -38,7 +38,6 @@ from engine.slots import DecodeSlot
 from engine.timings import StepTimings
 from engine.validation import check_request, prompt_ids
 from specdec.plan import SpecPolicy, commit_row
-from specdec.state import RowPool
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestHandle", "TensorParallelError"]
 
@@ -75,8 +74,9 @@ class LLMEngine(EngineFrontend):
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, RowPool(self.runner.spec_state.num_rows),
                           config.spec_min_acceptance, lookahead=self.runner.program.drafter.lookahead
                           ) if self.spec_k else None
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec,
-                                   PenaltyPool(config.penalty_rows) if config.penalty_rows else None)
+        penalty_rows = RowPool(config.penalty_rows, "pen_row", lambda seq: seq.params.counts_tokens) \
+            if config.penalty_rows else None
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec, penalty_rows)
         self.eos_ids = self._eos_ids()
         self.runner.eos_ids = self.eos_ids
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)

@@ -11,7 +11,7 @@ Semantics:
 Logprobs (engine/logprobs.py) see the penalized logits.
 
 State: a penalized request (presence, frequency or repetition set) takes a row of `PenaltyState` from a bounded
-pool (`PenaltyPool`, handed out with its pages at admission, like a speculation row; admission waits while the
+pool (`engine.row_pool.RowPool` on `seq.pen_row`, handed out with its pages at admission, like a speculation row; admission waits while the
 pool is empty). The row holds the request's output token counts and its prompt's tokens. It is built from the
 step's *inputs*: every token of a sequence enters some step as an input exactly once (prompt chunks, then each
 emitted token as the next step's input, carried over on the device), so before a step samples, its row counts
@@ -66,29 +66,6 @@ class PenaltyState:
         ban = torch.zeros(rows, self.vocab + 1, dtype=torch.bool, device=logits.device)
         ban.scatter_(1, torch.where(active, stops, self.vocab), True)
         logits.masked_fill_(ban[:, :self.vocab], float("-inf"))
-
-
-class PenaltyPool:
-    """Host-side free list of PenaltyState rows; a sequence holds one (seq.pen_row) while it holds pages."""
-
-    def __init__(self, num_rows: int):
-        self._free = list(range(num_rows - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return len(self._free)
-
-    def take(self, seq) -> bool:
-        if seq.pen_row >= 0 or not seq.params.counts_tokens:
-            return True
-        if not self._free:
-            return False
-        seq.pen_row = self._free.pop()
-        return True
-
-    def give_back(self, seq) -> None:
-        if seq.pen_row >= 0:
-            self._free.append(seq.pen_row)
-            seq.pen_row = -1
 
 
 def fill_tokens(h, row, t: int) -> None:

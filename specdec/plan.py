@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.state import RowPool, SpecStats
+from engine.row_pool import RowPool
+from specdec.state import SpecStats
 
 
 @dataclass

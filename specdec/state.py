@@ -11,9 +11,10 @@ stream:
   were; the device moves that step's positions, seq_lens, slot mapping and sampling index back by this much.
 - `drafts[row, :K]`, `draft_count[row]`: the drafter's guesses for the next step, made at the end of this
   one (so an EAGLE head can use this step's hidden states).
-Row `dummy` (the last) absorbs the writes of graph padding rows. Rows are handed out by `RowPool` on the host
-with a sequence's pages and taken back with them: a new owner's writes are ordered after the old owner's on
-the one compute stream, and it reads nothing of a row it has not written first.
+Row `dummy` (the last) absorbs the writes of graph padding rows. Rows are handed out by
+`engine.row_pool.RowPool` on the host with a sequence's pages and taken back with them: a new owner's writes
+are ordered after the old owner's on the one compute stream, and it reads nothing of a row it has not written
+first.
 """
 from __future__ import annotations
 
@@ -37,30 +38,6 @@ class SpecState:
     def rows(self, host_rows: torch.Tensor) -> torch.Tensor:
         """Host-written row indices (-1: padding) -> device rows (padding -> dummy)."""
         return torch.where(host_rows >= 0, host_rows, self.dummy)
-
-
-class RowPool:
-    """Host-side free list of SpecState rows. A sequence takes one when it first gets pages and gives it back
-    when it gives its pages back (preemption, release)."""
-
-    def __init__(self, num_rows: int):
-        self._free = list(range(num_rows - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return len(self._free)
-
-    def take(self, seq) -> bool:
-        if seq.spec_row >= 0:
-            return True
-        if not self._free:
-            return False
-        seq.spec_row = self._free.pop()
-        return True
-
-    def give_back(self, seq) -> None:
-        if seq.spec_row >= 0:
-            self._free.append(seq.spec_row)
-            seq.spec_row = -1
 
 
 @dataclass

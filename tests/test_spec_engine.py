@@ -173,7 +173,7 @@ def test_gpu_graphs_speculation_equals_plain(spec_workload, drafter, k):
 
 def test_policy_pauses_on_low_acceptance_and_probes():
     from specdec.plan import SpecPolicy
-    from specdec.state import RowPool
+    from engine.row_pool import RowPool
     policy = SpecPolicy(k=3, max_rows=8, max_model_len=512, pool=RowPool(4), min_acceptance=1.5, probe_every=4)
     assert not policy._paused(), "nothing measured yet: speculate"
     for _ in range(12):
