@@ -48,6 +48,26 @@ def json_end(text: str, start: int) -> int | None:
     return None
 
 
+NOT_JSON = object()
+
+
+def json_value(buf: str, start: int, openers: str):
+    """The JSON object or array at buf[start], leading whitespace skipped: None while it may still be coming,
+    (where it stops, NOT_JSON) when it opens with none of `openers` or does not parse, else (end, value)."""
+    start += len(buf[start:]) - len(buf[start:].lstrip())
+    if start == len(buf):
+        return None
+    if buf[start] not in openers:
+        return start, NOT_JSON
+    end = json_end(buf, start)
+    if end is None:
+        return None
+    try:
+        return end, json.loads(buf[start:end])
+    except json.JSONDecodeError:
+        return end, NOT_JSON
+
+
 def _schema(tool: dict) -> dict:
     return {"type": "json_schema", "json_schema": tool["function"]["parameters"], "max_whitespace_cnt": 1}
 
@@ -138,19 +158,10 @@ class Llama3Json(ToolFormat):
         return {"type": "tag", "begin": f'{{"name": {name}, "parameters": ', "content": _schema(tool), "end": "}"}
 
     def region(self, buf):
-        start = len(PYTHON_TAG) if buf.startswith(PYTHON_TAG) else 0
-        start += len(buf[start:]) - len(buf[start:].lstrip())
-        if start == len(buf):
-            return None
-        if buf[start] != "{":
-            return start, None
-        end = json_end(buf, start)
-        if end is None:
-            return None
-        try:
-            obj = json.loads(buf[start:end])
-        except json.JSONDecodeError:
-            return end, None
+        found = json_value(buf, len(PYTHON_TAG) if buf.startswith(PYTHON_TAG) else 0, "{")
+        if found is None or found[1] is NOT_JSON:
+            return found and (found[0], None)
+        end, obj = found
         key = next((k for k in ("parameters", "arguments") if isinstance(obj, dict) and k in obj), None)
         args = _arguments(obj, key) if key else None
         ok = isinstance(obj.get("name"), str) and args is not None
@@ -180,19 +191,10 @@ class Mistral(ToolFormat):
                 "at_least_one": False, "stop_after_first": True}
 
     def region(self, buf):
-        start = len(self.open_text)
-        start += len(buf[start:]) - len(buf[start:].lstrip())
-        if start == len(buf):
-            return None
-        if buf[start] not in "[{":
-            return start, None
-        end = json_end(buf, start)
-        if end is None:
-            return None
-        try:
-            items = json.loads(buf[start:end])
-        except json.JSONDecodeError:
-            return end, None
+        found = json_value(buf, len(self.open_text), "[{")
+        if found is None or found[1] is NOT_JSON:
+            return found and (found[0], None)
+        end, items = found
         items = items if isinstance(items, list) else [items]
         calls = [(o.get("name"), _arguments(o)) for o in items if isinstance(o, dict)]
         ok = len(calls) == len(items) and all(isinstance(n, str) and a is not None for n, a in calls)
