@@ -1,11 +1,14 @@
-"""A/B: the throughput bench on two source trees in one run, side by side (the machines are noisy, so a
-before/after ratio is only worth something when both sides ran together).
+"""A/B: the plain, guided and speculative floors of two source trees in one run, side by side (the machines
+are noisy, so a before/after ratio is only worth something when both sides ran together).
 
-    python bench/ab.py --before .old --after . --streams 1 8 32 --rounds 2 --out bench/results/refactor_ab.json
+    python bench/ab.py --before .old --after . --modes plain guided spec --streams 1 8 32 --rounds 2 \
+        --out bench/results/refactor_ab.json
 
-Each (round, tree) runs `bench/throughput.py --depth 2` of that tree in a subprocess whose PYTHONPATH is
-the tree, so each side imports its own engine; rounds alternate the order (A B, B A, ...). The table gives
-the median tok/s per side and after/before.
+Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHONPATH is the tree, so each side
+imports its own engine; rounds alternate the order (A B, B A, ...). Modes: plain = `bench/throughput.py
+--depth 2` (EOS ignored); guided = `bench/guided.py --only speed` (JSON Mode Eval schemas, guided rows' tok/s);
+spec = `bench/spec.py --only speed --drafters ngram` (K = 3, JSON Mode Eval prompts). Schemas and prompts come
+from `--data` (default: the few kept in tests/data). The table gives the median tok/s per side and after/before.
 """
 from __future__ import annotations
 
@@ -28,21 +31,36 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", required=True, help="source tree of the baseline (e.g. a git worktree)")
     p.add_argument("--after", default=".", help="source tree of the change")
+    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["plain"])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--data", default="tests/data", help="root of maskbench/JME_*.json (guided and spec modes)")
     p.add_argument("--out", default="bench/results/ab.json")
     return p.parse_args(argv)
 
 
-def run_tree(tree: Path, streams, new_tokens: int) -> list[dict]:
+# mode -> (the tree's bench and its arguments, which of its rows are the mode's tok/s)
+MODES = {
+    "plain": (lambda a: ["throughput.py", "--depth", "2", "--new-tokens", str(a.new_tokens)], lambda r: True),
+    "guided": (lambda a: ["guided.py", "--only", "speed", "--rounds", "1", "--steps", "400", "--max-tokens",
+                          str(a.new_tokens), "--data", str(Path(a.data).resolve())], lambda r: r["mode"] == "guided"),
+    "spec": (lambda a: ["spec.py", "--only", "speed", "--drafters", "ngram", "--datasets", "JME", "--rounds", "1",
+                        "--max-tokens", str(a.new_tokens), "--data", str(Path(a.data).resolve())],
+             lambda r: r.get("drafter") not in (None, "none")),
+}
+
+
+def run_tree(tree: Path, mode: str, args) -> list[dict]:
+    argv, keep = MODES[mode]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.json"
         env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        cmd = [sys.executable, str(tree / "bench" / "throughput.py"), "--depth", "2", "--new-tokens",
-               str(new_tokens), "--out", str(out), "--streams", *map(str, streams)]
+        script, *rest = argv(args)
+        cmd = [sys.executable, str(tree / "bench" / script), *rest, "--out", str(out),
+               "--streams", *map(str, args.streams)]
         subprocess.run(cmd, cwd=tree, env=env, check=True)
-        return json.loads(out.read_text())
+        return [dict(r, ab_mode=mode) for r in json.loads(out.read_text()) if keep(r)]
 
 
 def main(argv=None):
@@ -50,32 +68,35 @@ def main(argv=None):
     trees = {"before": Path(args.before).resolve(), "after": Path(args.after).resolve()}
     runs = {name: [] for name in trees}
     for r in range(args.rounds):
-        for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
-            note(f"round {r + 1}/{args.rounds}: {name} ({trees[name]})")
-            runs[name] += run_tree(trees[name], args.streams, args.new_tokens)
+        for mode in args.modes:
+            for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
+                note(f"round {r + 1}/{args.rounds}, {mode}: {name} ({trees[name]})")
+                runs[name] += run_tree(trees[name], mode, args)
     records = []
-    for s in args.streams:
-        tok = {n: [x["tok_s"] for x in runs[n] if x["streams"] == s and x.get("tok_s")] for n in trees}
-        med = {n: statistics.median(v) if v else None for n, v in tok.items()}
-        ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
-        first = next(x for x in runs["after"] if x["streams"] == s)
-        records.append(record("ab_throughput", "pipelined", first["model"], first["dtype"], s, args.new_tokens,
-                              med["after"], first.get("ms_per_step"), before_tok_s=med["before"],
-                              after_over_before=ratio, before_runs=tok["before"], after_runs=tok["after"],
-                              before_tree=str(trees["before"]), rounds=args.rounds))
+    for mode in args.modes:
+        for s in args.streams:
+            pick = lambda n: [x for x in runs[n] if x["ab_mode"] == mode and x["streams"] == s]  # noqa: E731
+            tok = {n: [x["tok_s"] for x in pick(n) if x.get("tok_s")] for n in trees}
+            med = {n: statistics.median(v) if v else None for n, v in tok.items()}
+            ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
+            first = (pick("after") or [{}])[0]
+            records.append(record("ab_throughput", mode, first.get("model"), first.get("dtype"), s,
+                                  args.new_tokens, med["after"], first.get("ms_per_step"), before_tok_s=med["before"],
+                                  after_over_before=ratio, before_runs=tok["before"], after_runs=tok["after"],
+                                  before_tree=str(trees["before"]), rounds=args.rounds))
     write_results(records, args.out)
     print(write_markdown(records, str(args.out).rsplit(".", 1)[0] + ".md"))
     return records
 
 
-COLUMNS = ["streams", "before_tok_s", "tok_s", "after_over_before", "before_runs", "after_runs"]
+COLUMNS = ["mode", "streams", "before_tok_s", "tok_s", "after_over_before", "before_runs", "after_runs"]
 
 
 def write_markdown(records: list[dict], path) -> str:
     r = records[0]
     text = (f"Command: `{r['command']}` on {r['device']}, after = commit {r['git_commit']}, before = "
-            f"{r['before_tree']}; {r['model']} {r['dtype']}, {r['new_tokens']} new tokens, pipelined, EOS "
-            f"ignored; median of {r['rounds']} rounds (tok_s = after).\n\n" + markdown_table(records, COLUMNS))
+            f"{r['before_tree']}; {r['model']} {r['dtype']}, {r['new_tokens']} new tokens, pipelined (plain: EOS "
+            f"ignored); median of {r['rounds']} rounds (tok_s = after).\n\n" + markdown_table(records, COLUMNS))
     Path(path).write_text(text + "\n")
     return text
 

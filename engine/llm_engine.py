@@ -74,7 +74,7 @@ class LLMEngine(EngineFrontend):
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, RowPool(self.runner.spec_state.num_rows),
                           config.spec_min_acceptance, lookahead=self.runner.program.drafter.lookahead
                           ) if self.spec_k else None
-        penalty_rows = RowPool(config.penalty_rows, "pen_row", lambda seq: seq.params.counts_tokens) \
+        penalty_rows = RowPool(config.penalty_rows, "pen_row", lambda seq: seq.params.penalty_row) \
             if config.penalty_rows else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec, penalty_rows)
         self.eos_ids = self._eos_ids()
@@ -127,7 +127,8 @@ class LLMEngine(EngineFrontend):
         ids = prompt_ids(prompt, self.encode)
         check_request(ids, params, self.runner.vocab, self.max_model_len, self.blocks,
                       has_tokenizer=self.tokenizer is not None, spec_k=self.spec_k, logprobs=self.config.logprobs,
-                      penalties=self.config.penalty_rows > 0, eos_ids=self.eos_ids)
+                      penalties=self.config.penalty_rows > 0, eos_ids=self.eos_ids,
+                      tensor_parallel=self.cluster is not None)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(), retain=retain,
                        max_len=min(len(ids) + params.max_tokens, self.max_model_len))

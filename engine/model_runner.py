@@ -171,12 +171,15 @@ class ModelRunner:
         slot.want_logprobs = slot.logprobs is not None and any(p.logprobs is not None for p in sampling)
         penalized = self.penalties is not None and any(r.seq.params.penalized for r in rows)
         slot.extras = slot.want_logprobs or penalized
+        slot.bias_writes = []
         if not slot.extras or self.penalties is None:
             return
         h = slot.np
         for i, row in enumerate(rows):
             seq = row.seq
             h["pen_reset"][i] = seq.pen_row if row.start == 0 else -1
+            if row.start == 0 and seq.pen_row >= 0:         # a new owner: its bias replaces the last one's
+                slot.bias_writes.append((seq.pen_row, seq.params.logit_bias))
             penalties.fill_tokens(h, row, int(h["cu_seqlens_q"][i]))
             if row.sample:
                 stops = min_tokens_stops(seq.params, self.eos_ids) if seq.params.min_tokens else ()
@@ -263,6 +266,8 @@ class ModelRunner:
                 te["start"].record()
             if snapshot is not None:
                 self.masks.push(snapshot)
+            if slot.bias_writes:
+                self.penalties.write_bias(slot.bias_writes)
             try:
                 if slot.graph_key:
                     self.graphs.replay(slot, variant)

@@ -7,7 +7,8 @@ Semantics:
   when positive, multiplied by it when negative (applied first);
 - min_p: after temperature, top-k and top-p, tokens with probability below min_p times the top one's are dropped
   (engine/sampler.py);
-- min_tokens: EOS and the stop token ids are masked until the request has that many output tokens.
+- min_tokens: EOS and the stop token ids are masked until the request has that many output tokens;
+- logit_bias (OpenAI): each listed token's bias is added to its logit, after the penalties.
 Logprobs (engine/logprobs.py) see the penalized logits.
 
 State: a penalized request (presence, frequency or repetition set) takes a row of `PenaltyState` from a bounded
@@ -17,7 +18,9 @@ step's *inputs*: every token of a sequence enters some step as an input exactly 
 emitted token as the next step's input, carried over on the device), so before a step samples, its row counts
 every token up to the last input. A row whose chunk starts at position 0 (a new request, or a preempted one
 recomputing) is zeroed first, in the step, so a new owner never reads an old owner's counts and no host copy
-is needed. Penalized requests do not speculate: a spec step's inputs hold drafts that may be rejected, and
+is needed. A row also holds the request's logit_bias as a dense row of the vocabulary: it is written when the
+row's first chunk is prepared (`bias_writes`), outside the step but on the compute stream ahead of the step that
+first reads it, so an earlier step that still reads the row's previous owner is done before it changes. Penalized requests do not speculate: a spec step's inputs hold drafts that may be rejected, and
 rejection sampling would need the penalized distribution at every draft position (engine steps with any
 penalized row do not speculate at all; specdec/plan.py).
 
@@ -35,6 +38,18 @@ class PenaltyState:
         self.num_rows, self.vocab, self.dummy = num_rows, vocab, num_rows     # padding / unpenalized rows -> dummy
         self.counts = torch.zeros(num_rows + 1, vocab, dtype=torch.int32, device=device)
         self.prompt = torch.zeros(num_rows + 1, vocab, dtype=torch.bool, device=device)
+        self.bias = torch.zeros(num_rows + 1, vocab, dtype=torch.float32, device=device)
+
+    def write_bias(self, writes: list) -> None:
+        """[(row, ((token id, bias), ...) or None)]: each row's bias replaced, on the current stream (the
+        compute stream, in the order of the steps)."""
+        rows = torch.tensor([row for row, _ in writes], dtype=torch.int64)
+        pairs = [(row, t, b) for row, bias in writes for t, b in bias or ()]
+        flat = torch.tensor([row * self.vocab + t for row, t, _ in pairs], dtype=torch.int64)
+        vals = torch.tensor([b for _, _, b in pairs], dtype=torch.float32)
+        rows, flat, vals = (_to(x, self.bias.device) for x in (rows, flat, vals))
+        self.bias[rows] = 0.0
+        self.bias.view(-1)[flat] = vals
 
     def rows(self, host_rows: torch.Tensor) -> torch.Tensor:
         return torch.where(host_rows >= 0, host_rows, self.dummy)
@@ -61,11 +76,18 @@ class PenaltyState:
         seen = out | self.prompt[r]
         logits.copy_(torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits))
         logits.sub_(d["frequency"][:rows, None] * counts + d["presence"][:rows, None] * out)
+        logits.add_(self.bias[r])
         stops = d["stop_ids"][:rows]
         active = (stops >= 0) & (d["steps"][:rows, None] < d["min_tokens"][:rows, None])
         ban = torch.zeros(rows, self.vocab + 1, dtype=torch.bool, device=logits.device)
         ban.scatter_(1, torch.where(active, stops, self.vocab), True)
         logits.masked_fill_(ban[:, :self.vocab], float("-inf"))
+
+
+def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # pinned, so the copy is ordered on the stream without a host wait (the caching host allocator keeps the
+    # page alive until the copy ran)
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
 
 
 def fill_tokens(h, row, t: int) -> None:

@@ -12,6 +12,7 @@ from engine.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_TOKENS_LIMIT = 2 ** 31 - 1      # counters that reach the device are int64; keep far from overflow
+MAX_LOGIT_BIAS = 1024               # tokens one request may bias (OpenAI allows 300)
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:
@@ -68,6 +69,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits after the penalties (stored as sorted
+    # (id, bias) pairs, hashable like every other field)
+    logit_bias: dict | tuple | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT))
@@ -113,9 +117,10 @@ class SamplingParams:
         return self._guide
 
     @property
-    def counts_tokens(self) -> bool:
-        """A penalty reads the request's token counts (a PenaltyState row, engine/penalties.py)."""
-        return self._counts_tokens
+    def penalty_row(self) -> bool:
+        """It holds a PenaltyState row (engine/penalties.py): a penalty reads its token counts, or it sets
+        logit_bias."""
+        return self._penalty_row
 
     @property
     def penalized(self) -> bool:
@@ -132,9 +137,33 @@ class SamplingParams:
         if not 0.0 <= _real("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         object.__setattr__(self, "min_tokens", _integer("min_tokens", self.min_tokens, 0, self.max_tokens))
-        counts = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-        object.__setattr__(self, "_counts_tokens", counts)
-        object.__setattr__(self, "_penalized", counts or self.min_p > 0 or self.min_tokens > 0)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        row = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1 \
+            or bool(self.logit_bias)
+        object.__setattr__(self, "_penalty_row", row)
+        object.__setattr__(self, "_penalized", row or self.min_p > 0 or self.min_tokens > 0)
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
+    """{id: bias} or (id, bias) pairs -> sorted pairs (None if empty); ids are checked against the vocabulary
+    by the engine (engine/validation.py)."""
+    if value is None:
+        return None
+    pairs = value.items() if isinstance(value, dict) else value
+    if not isinstance(pairs, (tuple, list)) and not isinstance(value, dict):
+        raise ValueError(f"logit_bias must map token ids to biases, got {type(value).__name__}")
+    out = {}
+    for item in pairs:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got the entry {item!r}"[:200])
+        token = _integer("a logit_bias token id", item[0], 0, INT64_MAX)
+        bias = _real(f"logit_bias[{token}]", item[1])
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        out[token] = bias
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(out)}")
+    return tuple(sorted(out.items())) or None
 
 
 class Status(enum.Enum):

@@ -87,6 +87,7 @@ class DecodeSlot:
         self.logprobs_host = torch.zeros(shape, dtype=torch.float32, pin_memory=pin) if logprobs else None
         self.want_logprobs = False
         self.extras = False                                             # logprobs / penalties: engine/step.py
+        self.bias_writes = []                                           # logit_bias rows set before the step
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0
         self.num_carry = 0                                              # tokens taken from the previous step

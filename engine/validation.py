@@ -23,7 +23,7 @@ def prompt_ids(prompt, encode) -> list[int]:
 
 def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks: BlockManager, *,
                   has_tokenizer: bool, spec_k: int = 0, logprobs: bool = True, penalties: bool = True,
-                  eos_ids=()) -> None:
+                  eos_ids=(), tensor_parallel: bool = False) -> None:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     if not ids:
@@ -44,7 +44,13 @@ def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks
     if params.logprobs is not None and not logprobs:
         raise ValueError("logprobs: this engine computes none (EngineConfig.logprobs is False)")
     if params.penalized and not penalties:
-        raise ValueError("penalties, min_p and min_tokens: this engine has none (EngineConfig.penalty_rows is 0)")
+        raise ValueError("penalties, logit_bias, min_p and min_tokens: this engine has none (EngineConfig.penalty_rows is 0)")
+    if params.logit_bias:
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
+        if tensor_parallel:
+            raise ValueError("logit_bias is not supported with tensor parallelism (tensor_parallel_size > 1)")
     stops = min_tokens_stops(params, eos_ids)
     if params.min_tokens and len(stops) > MAX_STOPS:
         raise ValueError(f"min_tokens masks EOS and the stop token ids: at most {MAX_STOPS} of them, got {len(stops)}")

@@ -1,4 +1,4 @@
-"""Penalties, min_p and min_tokens (engine/penalties.py) equal a plain reference over the full token history on
+"""Penalties, logit_bias, min_p and min_tokens (engine/penalties.py) equal a plain reference over the full token history on
 the simple path's logits (conftest.prefill_logits) for greedy and seeded sampled rows; the pipelined loop, the
 graphs' padded layouts, preemption and a speculating engine give the blocking loop's tokens."""
 import pytest
@@ -18,7 +18,10 @@ def penalized(logits, prompt, out, p):
     seen = counts > 0
     seen[torch.tensor(prompt)] = True
     logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty), logits)
-    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    for token, bias in p.logit_bias or ():
+        logits[token] += bias
+    return logits
 
 
 def reference_tokens(engine, prompt, p, n):
@@ -38,7 +41,9 @@ def reference_tokens(engine, prompt, p, n):
 CASES = [dict(presence_penalty=1.5, temperature=0), dict(frequency_penalty=1.0, presence_penalty=0.5, temperature=0),
          dict(repetition_penalty=1.3, temperature=0), dict(repetition_penalty=0.8, temperature=0),
          dict(repetition_penalty=1.2, frequency_penalty=0.4, temperature=0.8, seed=3),
-         dict(min_p=0.2, temperature=1.0, seed=4)]
+         dict(min_p=0.2, temperature=1.0, seed=4),
+         dict(logit_bias={28: 4.0, 30: -100, 1000: 2.5}, temperature=0),
+         dict(logit_bias={28: 1.5, 44: 3.0}, presence_penalty=0.7, temperature=0.9, seed=5)]
 
 
 def test_each_option_equals_the_reference(engine, chat_prompts):
@@ -61,7 +66,12 @@ def test_each_option_equals_the_reference(engine, chat_prompts):
                                           (dict(frequency_penalty=float("nan")), "frequency_penalty"),
                                           (dict(repetition_penalty=0), "repetition_penalty"),
                                           (dict(min_p=1.5), "min_p"), (dict(min_tokens=200, max_tokens=10), "min_tokens"),
-                                          (dict(min_tokens=2, json_object=True), "min_tokens")])
+                                          (dict(min_tokens=2, json_object=True), "min_tokens"),
+                                          (dict(logit_bias={5: 101}), r"logit_bias\[5\]"),
+                                          (dict(logit_bias={"5": 1.0}), "logit_bias token id"),
+                                          (dict(logit_bias={-1: 1.0}), "logit_bias token id"),
+                                          (dict(logit_bias=[(1, 2, 3)]), "logit_bias"),
+                                          (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias: at most")])
 def test_bad_values_raise_naming_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**fields)
@@ -72,6 +82,24 @@ def test_too_many_min_tokens_stops_are_refused(engine, chat_prompts):
         engine.add_request(chat_prompts[0], SamplingParams(min_tokens=2, stop_token_ids=list(range(1, 12))))
 
 
+def test_logit_bias_ids_past_the_vocabulary_are_refused(engine, chat_prompts):
+    with pytest.raises(ValueError, match="logit_bias token ids out of range"):
+        engine.add_request(chat_prompts[0], SamplingParams(logit_bias={engine.runner.vocab: 1.0}))
+
+
+def test_a_row_of_a_biased_request_is_clean_for_its_next_owner(chat_prompts):
+    """One penalty row, taken in turn by a request forced onto token 28 and by unbiased penalized ones: the
+    later ones get what a fresh engine gives them."""
+    later = [SamplingParams(max_tokens=8, temperature=0, presence_penalty=0.5),
+             SamplingParams(max_tokens=8, temperature=0, logit_bias={30: 5.0})]
+    fresh = [LLMEngine(**CPU, max_num_seqs=2).generate([chat_prompts[1]], [p])[0].output_token_ids for p in later]
+    eng = LLMEngine(**CPU, max_num_seqs=2, penalty_rows=1)
+    forced = eng.generate([chat_prompts[0]], SamplingParams(max_tokens=4, temperature=0, logit_bias={28: 100}))[0]
+    assert forced.output_token_ids == [28] * 4
+    assert [eng.generate([chat_prompts[1]], [p])[0].output_token_ids for p in later] == fresh
+    assert_no_leak(eng)
+
+
 def _workload(engine, chat_prompts):
     rep = ask(engine, REPEATING[0])
     return [(0, chat_prompts[0], SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.0, logprobs=1)),
@@ -80,6 +108,7 @@ def _workload(engine, chat_prompts):
             (2, rep, SamplingParams(max_tokens=16, temperature=0, frequency_penalty=1.5, ignore_eos=True)),
             (3, chat_prompts[4], SamplingParams(max_tokens=12, temperature=0, min_tokens=8)),
             (4, chat_prompts[1], SamplingParams(max_tokens=10, temperature=0.7, seed=1, min_p=0.1)),
+            (5, chat_prompts[3], SamplingParams(max_tokens=10, temperature=0, logit_bias={28: 3.0, 355: -5.0})),
             (6, rep, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))]   # speculates once alone
 
 

@@ -81,7 +81,9 @@ def test_vllm_guides_are_honoured(server, client, extra, check):
     ({"guided_json": CAT, "guided_regex": "a"}, "at most one guide"),
     ({"guided_json": CAT, "response_format": {"type": "json_object"}}, "structured_outputs or guided_"),
     ({"structured_outputs": {"grammer": "x"}}, "structured_outputs.grammer"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias token ids out of range"),
+    ({"logit_bias": {"the": 5}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {"28": 120}}, "logit_bias"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": 3, "guided_json": CAT}, "min_tokens"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
@@ -104,6 +106,18 @@ def test_penalties_min_p_and_min_tokens_are_honoured(server, client, engine):
     c = client.completions.create(model=server.model, prompt="One, two,", max_tokens=4, temperature=0,
                                   frequency_penalty=1.0, extra_body={"min_tokens": 2})
     assert c.usage.completion_tokens >= 2
+
+
+def test_logit_bias_is_honoured(server, client, engine):
+    from engine.sequence import SamplingParams
+    bias = {"28": 100, "30": -100}
+    r = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=5, temperature=0, logit_bias=bias)
+    [seq] = engine.generate([engine.apply_chat_template(ASK)], SamplingParams(
+        max_tokens=5, temperature=0, logit_bias={int(k): v for k, v in bias.items()}))
+    assert seq.output_token_ids == [28] * 5 and r.choices[0].message.content == seq.text
+    c = client.completions.create(model=server.model, prompt="One, two,", max_tokens=3, temperature=0,
+                                  logit_bias={"28": 100})
+    assert c.choices[0].text == seq.text[:len(c.choices[0].text)] and c.usage.completion_tokens == 3
 
 
 def test_off_values_and_template_options_are_accepted(server, client):

@@ -1,6 +1,6 @@
 """The OpenAI request bodies the server accepts, and its error type.
 
-Fields the engine cannot honour (logit_bias, echo, suffix, best_of) are declared so that setting them gets a
+Fields the engine cannot honour (echo, suffix, best_of) are declared so that setting them gets a
 400 naming the field instead of being silently ignored; unknown fields are ignored, as OpenAI clients send new ones over time. An explicit `null` is
 the field's default, as in the OpenAI API. vLLM's extensions that the engine honours: `ignore_eos`, `top_k`,
 `repetition_penalty`, `min_p`, `min_tokens`,
@@ -76,8 +76,7 @@ class _Common(RequestBody):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     min_p: float = Field(0.0, ge=0, le=1)
     min_tokens: int = Field(0, ge=0)
-    # not supported: accepted only at its "off" value
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None          # token id (a string, as JSON keys are) -> [-100, 100]
     user: str | None = None
     # vLLM's guides (at most one, and not beside response_format or tools)
     guided_json: dict | str | None = None
@@ -87,7 +86,18 @@ class _Common(RequestBody):
     structured_outputs: dict | None = None
 
     def unsupported(self) -> list[str]:
-        return ["logit_bias"] if self.logit_bias else []
+        return []
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids; a key that is not one is a 400 naming it."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}"[:200], param="logit_bias")
+            out[int(key)] = bias
+        return out
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None (off), or how many top tokens each token's entry lists."""
