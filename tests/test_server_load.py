@@ -79,7 +79,7 @@ def test_an_engine_thread_that_dies_fails_its_requests_and_answers_503():
 
     from engine.llm_engine import LLMEngine
     from engine.sequence import SamplingParams
-    from engine.server.async_engine import AsyncEngine, EngineDead
+    from engine.server.processes.async_engine import AsyncEngine, EngineDead
 
     engine = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", attention_backend="torch")
     real_step, calls = engine.step, []

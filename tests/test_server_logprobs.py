@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from engine.sequence import SamplingParams
-from engine.server.logprobs import token_table
+from engine.server.openai.logprobs import token_table
 from serving import CPU_ARGS, serve
 
 ASK = [{"role": "user", "content": "Name three colours."}]

@@ -48,8 +48,8 @@ def _cpu_ticks(pid: int) -> int:
 def test_text_from_token_ids_equals_the_engines(engine, chat_prompts, params):
     """What an API process makes of the engine's token ids (TextStream) is the engine's own text, piece by piece
     joined, for the same tokens: EOS and stop ids stay out of the text, held bytes come out at the end."""
-    from engine.server.engine_client import TextStream
-    from engine.server.ipc import Out
+    from engine.server.processes.engine_client import TextStream
+    from engine.server.processes.ipc import Out
     sp = SamplingParams(**params)
     for prompt in chat_prompts[:3]:
         want = engine.stream(prompt, sp)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.server.chat import chat_prompt, normalize_messages, supports_tools
-from engine.server.tool_formats import PYTHON_TAG, Llama3Json, Mistral, detect, json_end, resolve, template_text
-from engine.server.tools import ToolCallParser, plan_tools
+from engine.server.openai.chat import chat_prompt, normalize_messages, supports_tools
+from engine.server.openai.tool_formats import PYTHON_TAG, Llama3Json, Mistral, detect, json_end, resolve, template_text
+from engine.server.openai.tools import ToolCallParser, plan_tools
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -1,13 +1,13 @@
-"""`specdec serve`: an engine process and API processes in front of it (engine/server/supervisor.py), or with
---single-process the engine on a thread beside the app. Port 0 picks a free port; the "listening" line names the
-real one once requests can be served."""
+"""`specdec serve`: an engine process and API processes in front of it (engine/server/processes/supervisor.py), or
+with --single-process the engine on a thread beside the app. Port 0 picks a free port; the "listening" line names
+the real one once requests can be served."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engine.server.limits import DEFAULT_MAX_BODY_BYTES
-from engine.server.tool_formats import NAMES as TOOL_FORMATS
+from engine.server.api.limits import DEFAULT_MAX_BODY_BYTES
+from engine.server.openai.tool_formats import NAMES as TOOL_FORMATS
 
 
 # two busy threads (the engine's loop and the event loop's): the engine gets the GIL back sooner (measured)
@@ -42,8 +42,8 @@ def build_state(args):
     from engine.options import engine_config
     from engine.llm_engine import LLMEngine
     from engine.models.loader import load_tokenizer
-    from engine.server.app import ServerState
-    from engine.server.async_engine import AsyncEngine
+    from engine.server.api.app import ServerState
+    from engine.server.processes.async_engine import AsyncEngine
 
     engine = LLMEngine(engine_config(args))
     engine.guided.ensure_service()          # before any handler thread may compile with it
@@ -61,7 +61,7 @@ def cmd_serve(args) -> int:
         if args.api_server_count != 1:
             raise ValueError("--single-process runs one API server: drop --api-server-count")
         return serve_in_process(args)
-    from engine.server.supervisor import run
+    from engine.server.processes.supervisor import run
     return run(args)
 
 
@@ -69,8 +69,8 @@ def serve_in_process(args) -> int:
     """The engine on a thread of the HTTP process (one GIL for both): for tests and side-by-side measurements."""
     import uvicorn
 
-    from engine.server.api_process import bind
-    from engine.server.app import create_app
+    from engine.server.processes.api_process import bind
+    from engine.server.api.app import create_app
     state = build_state(args)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

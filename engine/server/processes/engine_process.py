@@ -1,5 +1,6 @@
 """The engine process: owns the GPU and runs only the loop. API processes reach it over ZeroMQ
-(engine/server/ipc.py); it never parses HTTP, renders templates, detokenizes streamed text or writes SSE.
+(engine/server/processes/ipc.py); it never parses HTTP, renders templates, detokenizes streamed text or writes
+SSE.
 
 Invariants:
 - One thread, the loop, touches the LLMEngine, every socket and every table here. Grammar-compile threads
@@ -10,18 +11,21 @@ Invariants:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import signal
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import zmq
 
 from engine.guided.compile_pool import CompileBusy
-from engine.server import ipc
 from engine.server.metrics import engine_stats
+from engine.server.processes import ipc
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 def die_with_parent() -> None:
@@ -36,18 +40,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def main(options: dict, addresses: ipc.Addresses, clients: int, ready, alive) -> None:
-    """Process entry. `ready` gets ("ready", ModelInfo) or ("error", message); `alive` is the write end of a
-    pipe that only this process holds: API processes see EOF on it once this process is gone."""
+def main(config: EngineConfig, max_queued: int, addresses: ipc.Addresses, clients: int, ready, alive) -> None:
+    """Process entry. `config` is the engine's whole configuration, as the supervisor parsed it; `max_queued` is
+    how many requests may wait beyond its rows. `ready` gets ("ready", ModelInfo) or ("error", message); `alive`
+    is the write end of a pipe that only this process holds: API processes see EOF on it once this process is
+    gone."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the supervisor decides when to stop (SIGTERM)
     try:
         from engine.llm_engine import LLMEngine
-        from engine.options import engine_config
-        args = argparse.Namespace(**options)
-        engine = LLMEngine(engine_config(args, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
+        engine = LLMEngine(config)
         engine.guided.ensure_service()
-        server = EngineServer(engine, addresses, clients, engine.config.max_num_seqs + args.max_queued)
+        server = EngineServer(engine, addresses, clients, engine.config.max_num_seqs + max_queued)
     except Exception as exc:
         ready.send(("error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)))
         raise SystemExit(2)

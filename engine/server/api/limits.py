@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.server.protocol import APIError
+from engine.server.openai.protocol import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20     # 4 MiB: a full 128k-token context of text is ~0.5 MB
 

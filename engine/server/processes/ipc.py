@@ -1,5 +1,5 @@
 """The frames between API processes and the engine process: msgspec structs, msgpack-encoded, over ZeroMQ IPC
-sockets (engine/server/engine_process.py, engine/server/engine_client.py).
+sockets (engine/server/processes/engine_process.py, engine/server/processes/engine_client.py).
 
 Sockets: every API process PUSHes to the engine's one PULL socket (`inbox`); the engine PUSHes to each API
 process's own PULL socket (`outbox_<client>`). One frame per message; a step's outputs for one API process

@@ -1,5 +1,6 @@
 """What the HTTP side holds of a request while the engine runs it, whichever way the engine is reached (a thread
-of this process, engine/server/async_engine.py, or an engine process, engine/server/engine_client.py).
+of this process, engine/server/processes/async_engine.py, or an engine process,
+engine/server/processes/engine_client.py).
 
 Invariant: only the event loop touches a `Submission` and `Router.live`; outputs reach it in per-step batches.
 """

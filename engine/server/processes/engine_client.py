@@ -1,5 +1,5 @@
 """An API process's handle on the engine process: the interface of AsyncEngine (submit, abort, guides, stats,
-healthy), over ZeroMQ (engine/server/ipc.py).
+healthy), over ZeroMQ (engine/server/processes/ipc.py).
 
 Outputs come back as token ids; this process turns them into text (`TextStream`), so detokenization costs the
 engine nothing. A choice with stop strings is the exception: the engine must read its text to stop on it, and
@@ -21,9 +21,9 @@ import zmq.asyncio
 
 from engine.guided.compile_pool import CompileBusy
 from engine.output import IncrementalDetokenizer, RequestOutput
-from engine.server import ipc
 from engine.server.metrics import DEAD_STATS
-from engine.server.submission import ENGINE_STOPPED, EngineDead, Overloaded, Router, Submission
+from engine.server.processes import ipc
+from engine.server.processes.submission import ENGINE_STOPPED, EngineDead, Overloaded, Router, Submission
 
 STATS_TIMEOUT_S = 5.0
 GONE_GRACE_S = 0.3          # after the engine process is seen gone, for its last frames to arrive

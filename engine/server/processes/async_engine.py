@@ -1,5 +1,6 @@
 """The engine on its own thread of the server's process (`specdec serve --single-process`); the HTTP event loop
-reaches it only through thread-safe queues. The default is an engine process (engine/server/engine_process.py).
+reaches it only through thread-safe queues. The default is an engine process
+(engine/server/processes/engine_process.py).
 
 Invariants:
 - Only `engine_thread` touches the LLMEngine (add_request, abort, step) and `_routes`.
@@ -17,10 +18,10 @@ import time
 import traceback
 
 from engine.output import RequestOutput
-from engine.server.guides import LocalGuides
-from engine.server.ipc import model_info
+from engine.server.api.guides import LocalGuides
 from engine.server.metrics import engine_stats
-from engine.server.submission import ENGINE_STOPPED, EngineDead, Overloaded, Router, Submission
+from engine.server.processes.ipc import model_info
+from engine.server.processes.submission import ENGINE_STOPPED, EngineDead, Overloaded, Router, Submission
 
 __all__ = ["AsyncEngine", "EngineDead", "Overloaded", "Submission"]
 

@@ -16,12 +16,14 @@ import sys
 import tempfile
 from multiprocessing.connection import wait
 
-from engine.server import api_process, engine_process, ipc
+from engine.options import engine_config
+from engine.server.processes import api_process, engine_process, ipc
 
 STOP_WAIT_S = 10.0
 
 
 def run(args) -> int:
+    config = engine_config(args)          # a bad option is refused here, before any process starts
     ctx = mp.get_context("spawn")
     addresses = ipc.Addresses.create()
     stopping = []
@@ -29,7 +31,7 @@ def run(args) -> int:
     metrics_dir = _metrics_dir(args.api_server_count)
     engine = apis = None
     try:
-        engine, info, alive = _start_engine(ctx, args, addresses)
+        engine, info, alive = _start_engine(ctx, config, args, addresses)
         if info is None:
             return 2
         reservation = _reserve(args.host, args.port)
@@ -52,11 +54,11 @@ def run(args) -> int:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _start_engine(ctx, args, addresses):
+def _start_engine(ctx, config, args, addresses):
     ready_r, ready_w = ctx.Pipe(duplex=False)
     alive_r, alive_w = ctx.Pipe(duplex=False)
     engine = ctx.Process(target=engine_process.main, name="specdec-engine",
-                         args=(vars(args), addresses, args.api_server_count, ready_w, alive_w))
+                         args=(config, args.max_queued, addresses, args.api_server_count, ready_w, alive_w))
     engine.start()
     ready_w.close()
     alive_w.close()                   # from now on only the engine process holds the write end

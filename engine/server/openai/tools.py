@@ -1,7 +1,8 @@
 """Tool calling: which tools the prompt shows, the structural tag that constrains the calls, and the parser
 that turns output text back into `tool_calls`.
 
-How a call is written is the model's tool format (engine/server/tool_formats.py: hermes, llama3_json, mistral).
+How a call is written is the model's tool format (engine/server/openai/tool_formats.py: hermes, llama3_json,
+mistral).
 The grammar forces everything of a call but its arguments, which follow the tool's `parameters` schema:
 - `required`: one or more calls (one with parallel_tool_calls=false, or in a one-call format) and nothing else;
 - a named function: exactly one call of it;
@@ -17,8 +18,8 @@ import re
 from dataclasses import dataclass
 
 from engine.guided.spec import grammar_schema
-from engine.server.protocol import APIError
-from engine.server.tool_formats import Hermes, ToolFormat
+from engine.server.openai.protocol import APIError
+from engine.server.openai.tool_formats import Hermes, ToolFormat
 
 HERMES = Hermes()
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -59,7 +60,7 @@ def _check_tool(i: int, tool) -> dict:
 def _for_grammar(schema: dict, param: str) -> dict:
     """The schema the call's grammar is compiled from (rewritten, checked: APIError naming `param`), marked with
     `param` so that a later refusal of the whole tag (a bound, a compile error) can name the field
-    (engine/server/guides.py)."""
+    (engine/server/api/guides.py)."""
     try:
         rewritten = grammar_schema(schema, param)
     except ValueError as exc:

@@ -8,9 +8,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.server.chat import chat_prompt, normalize_messages, template_options
-from engine.server.limits import read_json
-from engine.server.protocol import APIError, ChatCompletionRequest, validated
+from engine.server.api.limits import read_json
+from engine.server.openai.chat import chat_prompt, normalize_messages, template_options
+from engine.server.openai.protocol import APIError, ChatCompletionRequest, validated
 
 _TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 

@@ -1,5 +1,5 @@
-"""`POST /v1/responses`: a Responses request runs as a chat request (engine/server/responses.py translates),
-answered whole or as Responses' typed SSE events."""
+"""`POST /v1/responses`: a Responses request runs as a chat request (engine/server/openai/responses.py
+translates), answered whole or as Responses' typed SSE events."""
 from __future__ import annotations
 
 import copy
@@ -7,8 +7,8 @@ import copy
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.server.generation import failure
-from engine.server.responses import ResponseBuilder, ResponsesRequest, ResponseStore, chat_body, event
+from engine.server.openai.generation import failure
+from engine.server.openai.responses import ResponseBuilder, ResponsesRequest, ResponseStore, chat_body, event
 
 
 def add_responses_route(app: FastAPI, state, handle, parse, run_chat, whole) -> None:

@@ -2,8 +2,8 @@
 the event loop (no thread waits) until it is done, its time budget runs out or its client leaves.
 
 The compile runs where the engine is: `LocalGuides` for an engine thread of this process, `RemoteGuides`
-(engine/server/engine_client.py) for an engine process. Either hands out tickets: `finished()`, `done` (an
-asyncio future), `cancel()` (stops a compile only while it is queued: xgrammar cannot be interrupted) and
+(engine/server/processes/engine_client.py) for an engine process. Either hands out tickets: `finished()`, `done`
+(an asyncio future), `cancel()` (stops a compile only while it is queued: xgrammar cannot be interrupted) and
 `result()` (raises ValueError naming the problem, or CompileBusy)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastapi import Request
 
 from engine.guided.compile_pool import CompileBusy
 from engine.guided.tracker import timeout_message
-from engine.server.protocol import APIError
+from engine.server.openai.protocol import APIError
 
 
 class ClientGone(Exception):
@@ -57,7 +57,7 @@ async def admit_guide(guides, guide, request: Request, key_header: str | None = 
 
 
 _AT = re.compile(r" at (#[^\s;]*)")
-_MARK = "$comment"          # engine/server/tools.py marks each schema of a tool call's tag with its field
+_MARK = "$comment"          # engine/server/openai/tools.py marks each schema of a tool call's tag with its field
 
 
 def blamed(guide, message: str = "") -> str:

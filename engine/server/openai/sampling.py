@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.sequence import SamplingParams
-from engine.server.protocol import APIError
+from engine.server.openai.protocol import APIError
 
 
 def response_format_guide(fmt) -> dict:

@@ -2,7 +2,7 @@
 
 Every bad request is answered before it reaches the engine (400 with an OpenAI-style error body): the body,
 its fields, the model name, tools, guides (bounded and compiled here, awaited on the event loop:
-engine/server/guides.py), and the checks that need the engine (context length, KV size), which
+engine/server/api/guides.py), and the checks that need the engine (context length, KV size), which
 `AsyncEngine.submit` returns as ValueError.
 """
 from __future__ import annotations
@@ -16,21 +16,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.server.async_engine import AsyncEngine
-from engine.server.chat import chat_prompt, normalize_messages, template_options
-from engine.server.generation import ChatFormat, CompletionFormat, Generation
-from engine.server.logprobs import token_table
-from engine.server.guides import ClientGone, admit_guide, until_disconnect
-from engine.server.limits import RequestLimits, read_json
+from engine.server.api.guides import ClientGone, admit_guide, until_disconnect
+from engine.server.api.limits import RequestLimits, read_json
+from engine.server.api.responses_route import add_responses_route
+from engine.server.api.utility_routes import add_utility_routes
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validated
-from engine.server.sampling import response_format_guide, sampling_params, vllm_guide
-from engine.server.responses_route import add_responses_route
-from engine.server.submission import EngineDead, Overloaded
-from engine.server.tool_formats import ToolFormat
-from engine.server.tool_formats import resolve as resolve_tool_format
-from engine.server.tools import HERMES, plan_tools
-from engine.server.utility_routes import add_utility_routes
+from engine.server.openai.chat import chat_prompt, normalize_messages, template_options
+from engine.server.openai.generation import ChatFormat, CompletionFormat, Generation
+from engine.server.openai.logprobs import token_table
+from engine.server.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validated
+from engine.server.openai.sampling import response_format_guide, sampling_params, vllm_guide
+from engine.server.openai.tool_formats import ToolFormat
+from engine.server.openai.tool_formats import resolve as resolve_tool_format
+from engine.server.openai.tools import HERMES, plan_tools
+from engine.server.processes.async_engine import AsyncEngine
+from engine.server.processes.submission import EngineDead, Overloaded
 
 
 @dataclass

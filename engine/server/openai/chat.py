@@ -4,15 +4,15 @@ A chat template that mentions `tools` gets them as the `tools` argument (Qwen2/3
 earlier assistant tool calls with their arguments as objects (the templates write them with `tojson`) and ids
 as the model's tool format wants them (Mistral's: 9 letters or digits). One that does not (SmolLM2's) gets the
 fallback: the tools, as JSON, in the system message with how to call them in the tool format
-(engine/server/tool_formats.py; hermes unless `--tool-call-parser` names another), earlier assistant tool calls
-written in that format and tool results sent as user turns inside <tool_response> tags.
+(engine/server/openai/tool_formats.py; hermes unless `--tool-call-parser` names another), earlier assistant tool
+calls written in that format and tool results sent as user turns inside <tool_response> tags.
 """
 from __future__ import annotations
 
 import json
 
-from engine.server.protocol import APIError
-from engine.server.tool_formats import Hermes, ToolFormat, template_text
+from engine.server.openai.protocol import APIError
+from engine.server.openai.tool_formats import Hermes, ToolFormat, template_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -7,18 +7,18 @@ import argparse
 import signal
 import socket
 
-from engine.server import ipc
+from engine.server.processes import ipc
 
 
 def main(options: dict, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int, port: int, alive, ready) -> None:
     """Process entry. `ready` gets the client index once this process serves; `alive` reads EOF once the engine
     process is gone."""
-    from engine.server.engine_process import die_with_parent
+    from engine.server.processes.engine_process import die_with_parent
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the supervisor stops this process (SIGTERM)
     import uvicorn
 
-    from engine.server.app import create_app
+    from engine.server.api.app import create_app
     args = argparse.Namespace(**options)
     state = build_state(args, info, addresses, client, alive)
     state.on_ready = lambda: ready.send(client)
@@ -29,8 +29,8 @@ def main(options: dict, info: ipc.ModelInfo, addresses: ipc.Addresses, client: i
 
 def build_state(args, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int, alive):
     from engine.models.loader import load_tokenizer, resolve_model
-    from engine.server.app import ServerState
-    from engine.server.engine_client import EngineClient
+    from engine.server.api.app import ServerState
+    from engine.server.processes.engine_client import EngineClient
 
     # the engine resolved (and converted) the model already: this finds its directory
     tokenizer = load_tokenizer(resolve_model(info.tokenizer_path)) if info.tokenizer_path else None

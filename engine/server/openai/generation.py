@@ -7,10 +7,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine.server.logprobs import TokenTable, chat_content, completion_logprobs
-from engine.server.submission import ENGINE_STOPPED, Submission
-from engine.server.protocol import APIError
-from engine.server.tools import ToolCallParser
+from engine.server.openai.logprobs import TokenTable, chat_content, completion_logprobs
+from engine.server.openai.protocol import APIError
+from engine.server.openai.tools import ToolCallParser
+from engine.server.processes.submission import ENGINE_STOPPED, Submission
 
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 

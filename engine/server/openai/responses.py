@@ -27,7 +27,7 @@ import uuid
 from pydantic import Field
 
 from engine.logprobs import MAX_LOGPROBS
-from engine.server.protocol import APIError, RequestBody
+from engine.server.openai.protocol import APIError, RequestBody
 
 RESPONSES_KEPT = 1024
 LOGPROBS = "message.output_text.logprobs"
