@@ -35,7 +35,7 @@ class EngineConfig:
                                        # host, 128 JSON rows: 1.77 / 0.74 / 0.52 ms with 1 / 2 / 4 threads
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): a Python grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
-    speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (specdec/drafters)
+    speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (engine/spec/drafters)
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
     grammar_compile_threads: int = 4   # threads compiling grammars (engine/guided/compiler.py)

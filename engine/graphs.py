@@ -3,12 +3,12 @@ chunks ("mixed") by padded token count. All graphs of both slots share one memor
 concurrently (one compute stream), and a step's logits are consumed by its sampling before the next
 graph replays.
 
-Decode graph ("decode", bs, ctx): carry-over + forward + logits + sampling of `bs` rows of one query token each,
+Decode graph (GraphKey "decode", bs tokens in bs rows, context ctx): carry-over + forward + logits + sampling of `bs` rows of one query token each,
 captured for a bound on the context (`ctx`): the attention's KV split is sized for that bound, so short
 contexts do not launch the many mostly idle programs (and merge inputs) that the longest context needs.
 Padding rows write no KV (slot -1) and attend to nothing (seq_len 0); their logits are ignored.
 
-Mixed graph ("mixed", T, B): any step of at most T tokens in at most B = min(T, max_num_seqs) sequences,
+Mixed graph ("mixed", T tokens in B rows, the model's context): any step of at most T tokens in at most B = min(T, max_num_seqs) sequences,
 with any query lengths (prefill chunks next to decode rows). The attention grid is sized for one sequence
 holding all T tokens; its programs past a sequence's query length exit at once. Padding tokens belong to
 no sequence and write no KV; padding sequences have no query tokens; padding logits rows read token 0.
@@ -18,14 +18,25 @@ model) while the GPU, a decode step ahead at most, runs dry.
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
 import hostfunc
 from engine.penalties import neutral
 from engine.slots import DecodeSlot
+from engine.step import StepVariant
 
 SHORT_CONTEXT = 512
+
+
+class GraphKey(NamedTuple):
+    """Which captured graph runs a step: its kind and the padded sizes it was captured for. Every row of a
+    graph's step samples, so `seqs` is also its sampling rows."""
+    kind: str       # "decode" (one query token per row), "spec" (1 + K per row) or "mixed" (any query lengths)
+    tokens: int     # query tokens
+    seqs: int       # sequences
+    context: int    # the bound on a sequence's context that the attention's split is sized for
 
 
 def graph_batch_sizes(limit: int) -> list[int]:
@@ -117,48 +128,58 @@ class StepGraphs:
 
     def __init__(self, config, max_model_len: int, guided: bool, spec_rows: int = 0):
         self.max_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len
         self.spec_k = config.spec_k
         self.spec_sizes = graph_batch_sizes(spec_rows) if spec_rows else []
         self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
         self.token_sizes = graph_token_sizes(config.max_num_batched_tokens)
-        self.variants = [(g, greedy, lp) for g in ((False, True) if guided else (False,)) for greedy in (True, False)
+        self.variants = [StepVariant(g, greedy, lp) for g in ((False, True) if guided else (False,)) for greedy in (True, False)
                          for lp in ((False, True) if config.logprobs or config.penalty_rows else (False,))]
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}     # (slot index, GraphKey, StepVariant) ->
         self.replays = Counter()                 # by kind ("decode", "mixed", "guided"); host thread only
         self.callbacks = hostfunc.HostfuncScope()  # handles of the captured grammar callbacks
 
-    def key_for(self, slot: DecodeSlot) -> tuple | None:
+    def decode_key(self, rows: int, context: int) -> GraphKey:
+        return GraphKey("decode", rows, rows, context)
+
+    def spec_key(self, rows: int, context: int) -> GraphKey:
+        return GraphKey("spec", rows * (self.spec_k + 1), rows, context)
+
+    def mixed_key(self, tokens: int) -> GraphKey:
+        return GraphKey("mixed", tokens, min(tokens, self.max_seqs), self.max_model_len)
+
+    def key_for(self, slot: DecodeSlot) -> GraphKey | None:
         """The graph that runs this step (see the module docstring); None: run it eagerly."""
+        context = next(c for c in self.contexts if c >= slot.max_seq_len)
         if slot.spec_k:
             bs = next((b for b in self.spec_sizes if b >= slot.num_seqs), 0)
-            ok = bs and slot.spec_k == self.spec_k
-            return ("spec", bs, next(c for c in self.contexts if c >= slot.max_seq_len)) if ok else None
+            return self.spec_key(bs, context) if bs and slot.spec_k == self.spec_k else None
         if slot.max_query_len == 1 and slot.num_sample == slot.num_seqs:
             bs = next((b for b in self.sizes if b >= slot.num_seqs), 0)
             if bs:
-                return "decode", bs, next(c for c in self.contexts if c >= slot.max_seq_len)
+                return self.decode_key(bs, context)
         t = next((t for t in self.token_sizes if t >= slot.num_tokens), 0)
-        return ("mixed", t, min(t, self.max_seqs)) if t else None
+        return self.mixed_key(t) if t else None
 
-    def pad(self, slot: DecodeSlot, key: tuple) -> None:
-        if key[0] == "decode":
-            pad_rows(slot, slot.num_seqs, key[1])
-        elif key[0] == "spec":
-            pad_spec(slot, slot.num_seqs, key[1], self.spec_k)
+    def pad(self, slot: DecodeSlot, key: GraphKey) -> None:
+        if key.kind == "decode":
+            pad_rows(slot, slot.num_seqs, key.seqs)
+        elif key.kind == "spec":
+            pad_spec(slot, slot.num_seqs, key.seqs, self.spec_k)
         else:
-            pad_mixed(slot, key[1], key[2])
+            pad_mixed(slot, key.tokens, key.seqs)
 
     @staticmethod
-    def padded_seqs(key: tuple | None) -> int:
+    def padded_seqs(key: GraphKey | None) -> int:
         """Rows of per-sequence inputs (block tables) the graph reads."""
-        return 0 if key is None else key[2] if key[0] == "mixed" else key[1]
+        return 0 if key is None else key.seqs
 
-    def keys(self) -> list[tuple]:
+    def keys(self) -> list[GraphKey]:
         """Every graph, largest first: later captures reuse the pool blocks of earlier ones."""
-        mixed = [("mixed", t, min(t, self.max_seqs)) for t in reversed(self.token_sizes)]
-        spec = [("spec", bs, ctx) for bs in reversed(self.spec_sizes) for ctx in self.contexts]
-        return mixed + spec + [("decode", bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
+        mixed = [self.mixed_key(t) for t in reversed(self.token_sizes)]
+        spec = [self.spec_key(bs, ctx) for bs in reversed(self.spec_sizes) for ctx in self.contexts]
+        return mixed + spec + [self.decode_key(bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
 
     def capture(self, program, slots, compute_stream) -> None:
         """Capture every graph of a StepProgram over both slots and variants (the runner is not kept: no
@@ -183,8 +204,8 @@ class StepGraphs:
 
     def replay(self, slot: DecodeSlot, variant: tuple) -> None:
         self.graphs[(slot.index, slot.graph_key, variant)].replay()
-        self.replays[slot.graph_key[0]] += 1
-        self.replays["guided"] += variant[0]
+        self.replays[slot.graph_key.kind] += 1
+        self.replays["guided"] += variant.guided
 
     def __del__(self):
         self.close()

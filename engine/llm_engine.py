@@ -37,7 +37,7 @@ from engine.sequence import SamplingParams, Sequence
 from engine.slots import DecodeSlot
 from engine.timings import StepTimings
 from engine.validation import check_request, prompt_ids
-from specdec.plan import SpecPolicy, commit_row
+from engine.spec.plan import SpecPolicy, commit_row
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestHandle", "TensorParallelError"]
 
@@ -225,13 +225,7 @@ class LLMEngine(EngineFrontend):
         rows, slot = planned
         # before the rows count this step's tokens
         snapshot = build_snapshot(slot.index, rows, self._step_index, 1 + slot.spec_k)
-        for row in rows:
-            seq = row.seq
-            seq.inflight_refs += 1
-            seq.num_computed_tokens = row.start + row.num_tokens
-            if row.sample:
-                seq.num_pending += 1 + row.spec_k
-                seq.pending_src = row.sample_idx
+        self.scheduler.launched(rows)
         all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
         t1 = time.perf_counter()
         try:
@@ -256,14 +250,8 @@ class LLMEngine(EngineFrontend):
         will be committed, so its rows stop holding their sequences (pages can go back)."""
         outputs = []
         for row in rows:
-            seq = row.seq
-            seq.inflight_refs -= 1
-            if row.sample:
-                seq.num_pending -= 1 + row.spec_k
-            if seq.finalized:
-                self.scheduler.release_if_idle(seq)
-            else:
-                outputs.append(self._fail(seq, message))
+            if self.scheduler.landed(row):
+                outputs.append(self._fail(row.seq, message))
         return outputs
 
     def _wait_and_commit(self, step: InflightStep) -> list[RequestOutput]:
@@ -291,12 +279,8 @@ class LLMEngine(EngineFrontend):
         spec_rows = spec_accepted = 0
         for row in rows:
             seq = row.seq
-            seq.inflight_refs -= 1
-            if row.sample:
-                seq.num_pending -= 1 + row.spec_k
-            if seq.finalized:                     # zombie: rode along, commits nothing
+            if not self.scheduler.landed(row):    # zombie: rode along, commits nothing
                 self.timings.zombie_rows += 1
-                self.scheduler.release_if_idle(seq)
                 continue
             if not row.sample:
                 continue
@@ -307,6 +291,7 @@ class LLMEngine(EngineFrontend):
             try:
                 new = commit_row(seq, row, tokens[row.sample_idx], self.spec_k) if self.spec_k \
                     else tokens[row.sample_idx:row.sample_idx + 1]
+                self.scheduler.rejected(row, len(new) - 1)
                 if row.spec_k:
                     spec_rows, spec_accepted = spec_rows + 1, spec_accepted + len(new) - 1
                     self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)

@@ -14,6 +14,7 @@ import torch
 from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.graphs import StepGraphs
+from engine.kv_cache import KVBudget, PagedCache
 from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks
 from engine import penalties
@@ -25,12 +26,11 @@ from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
 from engine.sampler import apply_bitmask
 from engine.slots import DecodeSlot
-from engine.step import StepProgram
-from specdec import plan as spec_plan
-from specdec.drafters import make_drafter
-from specdec.drafters.draft_model import kv_bytes_per_block
-from specdec.program import SpecStepProgram
-from specdec.state import SpecState
+from engine.step import StepProgram, StepVariant
+from engine.spec import plan as spec_plan
+from engine.spec.drafters import drafter_caches, make_drafter
+from engine.spec.program import SpecStepProgram
+from engine.spec.state import SpecState
 
 _EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most
 
@@ -59,7 +59,8 @@ class ModelRunner:
         self.vocab = source.config["vocab_size"]
         self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
         self.draft_source = draft
-        self.num_blocks = tp.agree_min(self._num_kv_blocks(source.config))    # block tables index every rank's
+        self.kv_budget = self._kv_budget(source)
+        self.num_blocks = tp.agree_min(self._num_kv_blocks())    # block tables index every rank's
         self.kv_caches = self._allocate_kv(source.config)
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
@@ -98,16 +99,22 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         return (self.config.block_size, attn.num_kv_heads, attn.head_dim), cfg["num_hidden_layers"]
 
-    def _num_kv_blocks(self, cfg) -> int:
+    def _kv_budget(self, source) -> KVBudget:
+        """Every cache the block tables index: the target's (this rank's heads), and a head's or a draft
+        model's, which have one page per block id too."""
+        (_, h, d), layers = self._kv_shape(source.config)
+        caches = [PagedCache("target", layers, h, d)]
+        if self.config.spec_k:
+            caches += drafter_caches(self.config, source, self.draft_source)
+        return KVBudget(tuple(caches), self.config.block_size, self.dtype)
+
+    def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks > 0:
             return self.config.num_kv_blocks
-        (bs, h, d), layers = self._kv_shape(cfg)
-        bytes_per_block = 2 * layers * bs * h * d * torch.finfo(self.dtype).bits // 8
-        if self.draft_source is not None:                   # its KV cache has as many pages as the target's
-            bytes_per_block += kv_bytes_per_block(self.draft_source, bs, self.dtype)
         if self.cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
-            return max(1, int(free * self.config.kv_cache_memory_fraction) // bytes_per_block)
+            return self.kv_budget.pages_for_memory(free, self.config.kv_cache_memory_fraction)
+        bs = self.config.block_size
         per_seq = -(-min(self.max_model_len, 4096) // bs)
         return per_seq * min(self.config.max_num_seqs, 8)
 
@@ -253,7 +260,7 @@ class ModelRunner:
         tensor-parallel worker runs guided steps without a snapshot (`guided`: rank 0 fills the masks) and
         reads no tokens back (`download` False). `slot.extras` picks the variant with logprobs and penalties."""
         prev = self.slots[1 - slot.index]
-        variant = (snapshot is not None if guided is None else guided, all_greedy, slot.extras)
+        variant = StepVariant(snapshot is not None if guided is None else guided, all_greedy, slot.extras)
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
         if self.cuda:
             with torch.cuda.stream(self.copy_in_stream):

@@ -22,7 +22,7 @@ is needed. A row also holds the request's logit_bias as a dense row of the vocab
 row's first chunk is prepared (`bias_writes`), outside the step but on the compute stream ahead of the step that
 first reads it, so an earlier step that still reads the row's previous owner is done before it changes. Penalized requests do not speculate: a spec step's inputs hold drafts that may be rejected, and
 rejection sampling would need the penalized distribution at every draft position (engine steps with any
-penalized row do not speculate at all; specdec/plan.py).
+penalized row do not speculate at all; engine/spec/plan.py).
 
 All of it runs only in steps whose variant has `extras` (engine/step.py): no kernel for steps without such rows.
 """

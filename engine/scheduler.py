@@ -10,6 +10,8 @@ With the pipelined loop a sequence may have one token sampled on the device but 
 that token to the next step straight from device memory (carry-over). A sequence whose last token is
 already in flight (`capped`) is not scheduled again: it ends at that token's commit. A guided request
 whose grammar is still compiling prefills all but its last prompt token (`schedule_target`).
+A sequence's in-flight counters (`inflight_refs`, `num_pending`, `pending_src`, and `num_computed_tokens` as
+steps launch and land) change only here: `launched`, `landed`, `rejected`, preemption and release.
 Preemption frees pages at once even if a launched step still writes them: every KV writer runs on the
 one compute stream, so the new owner's writes are ordered after the old owner's.
 """
@@ -38,7 +40,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, spec=None,
                  penalty_pool=None):
         self.blocks = block_manager
-        self.spec = spec            # SpecPolicy (specdec/plan.py) when the engine speculates
+        self.spec = spec            # SpecPolicy (engine/spec/plan.py) when the engine speculates
         self.penalty_pool = penalty_pool    # PenaltyPool (engine/penalties.py): rows handed out with pages
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -150,6 +152,39 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    # ---- a step's rows in flight: the only places a sequence's counters change ------------------------
+    @staticmethod
+    def launched(rows: list[ScheduledRow]) -> None:
+        """A step holding `rows` was enqueued: each row holds its sequence until the step lands, its tokens
+        count as computed, and a sampling row's tokens are pending (every draft counted as if it passed)."""
+        for row in rows:
+            seq = row.seq
+            seq.inflight_refs += 1
+            seq.num_computed_tokens = row.start + row.num_tokens
+            if row.sample:
+                seq.num_pending += 1 + row.spec_k
+                seq.pending_src = row.sample_idx
+
+    def landed(self, row: ScheduledRow) -> bool:
+        """The step holding `row` was committed or will never be: the row stops holding its sequence. False:
+        the sequence is finished (a zombie row; its pages go back once no step holds it)."""
+        seq = row.seq
+        seq.inflight_refs -= 1
+        if row.sample:
+            seq.num_pending -= 1 + row.spec_k
+        if seq.finalized:
+            self.release_if_idle(seq)
+            return False
+        return True
+
+    @staticmethod
+    def rejected(row: ScheduledRow, accepted: int) -> None:
+        """A spec row's commit: the drafts it did not accept were counted as computed at launch; take them
+        back (unless the sequence was preempted since: it recomputes from 0)."""
+        seq = row.seq
+        if row.spec_k and row.epoch == seq.num_preemptions and not seq.finalized:
+            seq.num_computed_tokens -= row.spec_k - accepted
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finalize now; pages go back only when no in-flight step still references the row."""

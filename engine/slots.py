@@ -25,10 +25,10 @@ _FIELDS = {  # name -> (dtype, shape key)
     "top_k": (torch.int64, "seqs"), "top_p": (torch.float32, "seqs"), "seeds": (torch.int64, "seqs"),
     "steps": (torch.int64, "seqs"),
 }
-# With speculation (specdec/): which SpecState row each token / sequence / sampling row belongs to (-1:
+# With speculation (engine/spec/): which SpecState row each token / sequence / sampling row belongs to (-1:
 # padding), whether the host planned it as if the sequence's in-flight drafts were all accepted (shift: the
 # device corrects it), each token's row in the step (for its block table), each sampling row's draft cap, the
-# token after each input (for a draft head: specdec/program.py next_tokens) and the tokens each sequence's
+# token after each input (for a draft head: engine/spec/program.py next_tokens) and the tokens each sequence's
 # pages hold.
 _SPEC_FIELDS = {
     "tok_row": (torch.int64, "tokens"), "tok_seq": (torch.int64, "tokens"), "shift": (torch.int64, "tokens"),

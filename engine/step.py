@@ -12,12 +12,22 @@ Everything here is enqueue-only tensor code (no host sync), so it can be capture
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.logprobs import record
 from engine.sampler import apply_bitmask, sample
 from engine.slots import DecodeSlot
+
+
+class StepVariant(NamedTuple):
+    """Which kernels a step holds besides the forward (see the module docstring); a graph is captured per
+    variant."""
+    guided: bool    # the grammar branch and its mask
+    greedy: bool    # every sampling row at temperature 0: no random-sampling kernels
+    extras: bool    # logprobs, penalties, logit_bias, min_p, min_tokens
 
 
 def gather_carry(ids: torch.Tensor, carry_src: torch.Tensor, prev_sampled: torch.Tensor) -> torch.Tensor:
@@ -67,27 +77,26 @@ class StepProgram:
         hidden = self.forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:n]]) if n else None
 
-    def graph_logits(self, slot: DecodeSlot, prev: DecodeSlot, key: tuple, extras: bool = False):
-        """Carry-over, then the forward and the logits of a step padded to `key`:
-        ("decode", rows, context bound) or ("mixed", tokens, sequences)."""
-        kind, size, bound = key
-        ids = self.input_ids(slot, prev, size)
-        self.observe(slot, ids, size if kind == "decode" else bound, extras)
-        if kind == "decode":
-            return self.model.compute_logits(self.forward(slot, ids, size, 1, bound))
-        hidden = self.forward(slot, ids, bound, size, self.max_model_len)
-        return self.model.compute_logits(hidden[slot.dev["logits_indices"][:bound]])
+    def graph_logits(self, slot: DecodeSlot, prev: DecodeSlot, key, extras: bool = False):
+        """Carry-over, then the forward and the logits of a step padded to `key` (a "decode" or "mixed"
+        engine.graphs.GraphKey)."""
+        ids = self.input_ids(slot, prev, key.tokens)
+        self.observe(slot, ids, key.seqs, extras)
+        if key.kind == "decode":
+            return self.model.compute_logits(self.forward(slot, ids, key.seqs, 1, key.context))
+        hidden = self.forward(slot, ids, key.seqs, key.tokens, key.context)
+        return self.model.compute_logits(hidden[slot.dev["logits_indices"][:key.seqs]])
 
-    def step(self, slot: DecodeSlot, prev: DecodeSlot, variant: tuple, key: tuple | None = None) -> None:
+    def step(self, slot: DecodeSlot, prev: DecodeSlot, variant: StepVariant, key=None) -> None:
         """The whole step into `slot.sampled`: at its exact size (key None, eager) or padded to a graph key."""
         guided, greedy, extras = variant
-        rows = slot.num_sample if key is None else key[1] if key[0] == "decode" else key[2]
+        rows = slot.num_sample if key is None else key.seqs
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, rows, self.compute_stream)
         logits = self.logits(slot, prev, extras) if key is None else self.graph_logits(slot, prev, key, extras)
-        _mark(slot, "forward_done")
+        mark(slot, "forward_done")
         mask = self.masks.join(slot, prev, rows, self.compute_stream)[0] if guided else None
-        _mark(slot, "mask_waited")
+        mark(slot, "mask_waited")
         if rows:
             self.sample(slot, logits, rows, greedy, mask, extras)
 
@@ -106,6 +115,6 @@ class StepProgram:
         return tokens
 
 
-def _mark(slot: DecodeSlot, name: str) -> None:
+def mark(slot: DecodeSlot, name: str) -> None:
     if slot.marks is not None:
         slot.marks[name].record()

@@ -1,2 +1,3 @@
-"""Speculative decoding: drafters, verification, acceptance statistics, the step that runs them
-(docs/speculative.md)."""
+"""Training and study of the EAGLE-style draft head: its self-distillation data and training loop (eagle/),
+`python -m specdec.train_head`, and the shipped heads (heads/). It imports the engine; the engine never imports
+it (speculation when serving is engine/spec/, docs/speculative.md)."""

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
+from engine.spec.eagle_head import new_head
 from specdec.eagle import data as head_data
-from specdec.eagle.train import Target, evaluate, new_head, train
+from specdec.eagle.train import Target, evaluate, train
 
 
 def log(msg: str) -> None:

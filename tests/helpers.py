@@ -116,8 +116,8 @@ class EagerGraphs(StepGraphs):
         self.runner = runner
 
     def replay(self, slot, variant):
-        self.replays[slot.graph_key[0]] += 1
-        self.replays["guided"] += variant[0]
+        self.replays[slot.graph_key.kind] += 1
+        self.replays["guided"] += variant.guided
         prev = self.runner.slots[1 - slot.index]
         self.runner.program.step(slot, prev, variant, slot.graph_key)
 

@@ -6,11 +6,10 @@ import torch
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.models.llama import LlamaForCausalLM
 from engine.models.weights import _init_dummy
-from specdec.drafters.base import FeatureContext
-from specdec.drafters.eagle import EagleDrafter
-from specdec.eagle.head import unrolled_logits
-from specdec.eagle.paged import PagedHead, check_head
-from specdec.eagle.train import new_head
+from engine.spec.drafters.base import FeatureContext
+from engine.spec.drafters.eagle import EagleDrafter
+from engine.spec.eagle_head import new_head, unrolled_logits
+from engine.spec.eagle_paged import PagedHead, check_head
 
 TINY = dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
@@ -47,7 +46,7 @@ def ctx_for(chunks, feats, toks, tables, caps, last_rows):
                              torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32),
                              max(b - a for a, b in chunks), max(lens))
     sel = torch.tensor([last[s] for s in last_rows])
-    return FeatureContext(None, None, features=features, next_ids=torch.tensor(ids), positions=torch.tensor(pos),
+    return FeatureContext(features=features, next_ids=torch.tensor(ids), positions=torch.tensor(pos),
                           meta=meta, last=sel, last_seq=torch.tensor(last_rows), last_valid=torch.ones(len(sel), dtype=torch.bool),
                           kv_cap=torch.tensor(caps))
 
@@ -70,7 +69,7 @@ def test_paged_drafts_equal_the_dense_unrolled_head(parts, k):
     with torch.no_grad():
         drafter.observe(ctx_for([(0, 10), (0, 6)], feats, toks, tables, caps, []))
         drafts = drafter.propose(ctx_for([(10, lengths[0]), (6, lengths[1])], feats, toks, tables, caps, [0, 1]))
-    assert drafts.num_drafts.tolist() == [k, k] and drafts.draft_probs is None
+    assert drafts.num_drafts.tolist() == [k, k]
     for s, n in enumerate(lengths):
         t = n - 1                                   # the last input: drafts guess tokens t + 2 ...
         ids = list(toks[s])

@@ -172,7 +172,7 @@ def test_gpu_graphs_speculation_equals_plain(spec_workload, drafter, k):
 
 
 def test_policy_pauses_on_low_acceptance_and_probes():
-    from specdec.plan import SpecPolicy
+    from engine.spec.plan import SpecPolicy
     from engine.row_pool import RowPool
     policy = SpecPolicy(k=3, max_rows=8, max_model_len=512, pool=RowPool(4), min_acceptance=1.5, probe_every=4)
     assert not policy._paused(), "nothing measured yet: speculate"
@@ -203,3 +203,19 @@ def test_abort_while_speculating_frees_everything(spec_workload):
     assert len(eng.take(b).output_token_ids) == 24
     assert_no_leak(eng)
     assert len(eng.scheduler.spec.pool) == eng.runner.spec_state.num_rows
+
+
+def test_the_kv_page_budget_counts_every_cache_the_block_tables_index():
+    """A speculating engine's page costs the target's KV plus its drafter's (a head's one layer, a draft
+    model's layers), so the memory fraction holds for all of them together."""
+    from engine.kv_cache import KVBudget, PagedCache
+    plain = LLMEngine(**CPU, max_num_seqs=2).runner.kv_budget
+    head = LLMEngine(**CPU, max_num_seqs=2, speculative="eagle").runner.kv_budget
+    draft = LLMEngine(**CPU, max_num_seqs=2, speculative="draft_model", spec_draft_model="default").runner.kv_budget
+    target = plain.caches[0]
+    assert [c.name for c in plain.caches] == ["target"]
+    assert head.caches[1] == PagedCache("eagle head", 1, target.kv_heads, target.head_dim)
+    assert draft.caches[1].layers == target.layers and draft.page_bytes == 2 * plain.page_bytes
+    assert head.page_bytes == plain.page_bytes * (target.layers + 1) // target.layers
+    budget = KVBudget((target,), 16, plain.dtype)
+    assert budget.pages_for_memory(10 * budget.page_bytes, 0.5) == 5 and budget.pages_for_memory(0, 0.5) == 1

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from engine.spec.eagle_head import EagleHead, HeadConfig, new_head, unrolled_logits
 from specdec.eagle.data import chat_texts, load_sequences, prompt_items
-from specdec.eagle.head import EagleHead, HeadConfig, unrolled_logits
-from specdec.eagle.train import Target, evaluate, make_batch, new_head, train
+from specdec.eagle.train import Target, evaluate, make_batch, train
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0)

@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from specdec.drafters import DraftContext, Drafter, NgramDrafter, Proposal, ngram_propose
-from specdec.drafters.ngram import PAD_TOKEN
+from engine.spec.drafters import DraftContext, Drafter, NgramDrafter, Proposal, ngram_propose
+from engine.spec.drafters.ngram import PAD_TOKEN
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -175,9 +175,9 @@ def test_drafter_interface():
     assert isinstance(drafter, Drafter) and drafter.name == "ngram" and drafter.num_speculative_tokens == 3
     history, lengths = batch([[1, 2, 3, 1, 2]])
     out = drafter.propose(DraftContext(history, lengths))
-    assert isinstance(out, Proposal) and out.draft_probs is None
-    drafts, num, probs = out
-    assert drafts.tolist() == [[3, 1, 2]] and num.tolist() == [3] and probs is None
+    assert isinstance(out, Proposal)
+    drafts, num = out
+    assert drafts.tolist() == [[3, 1, 2]] and num.tolist() == [3]
     with pytest.raises(TypeError):
         Drafter()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.graphs import StepGraphs
+from engine.graphs import GraphKey, StepGraphs
 
 STOP, STEP = 0, 1
 _KINDS = (None, "decode", "mixed", "spec")
@@ -19,16 +19,16 @@ _SIZES = ("num_tokens", "num_seqs", "num_sample", "num_carry", "spec_k", "max_qu
 class StepChannel:
     def __init__(self, group):
         self.group = group
-        self.header = torch.zeros(9 + len(_SIZES), dtype=torch.int64)
+        self.header = torch.zeros(10 + len(_SIZES), dtype=torch.int64)
         self._header_np = self.header.numpy()
 
     # ---- rank 0 ------------------------------------------------------------------------------
     def publish(self, slot, step_index: int, greedy: bool, guided: bool) -> None:
-        key = slot.graph_key or (None, 0, 0)
+        key = slot.graph_key or GraphKey(None, 0, 0, 0)
         nbytes = slot.input_bytes(StepGraphs.padded_seqs(slot.graph_key))
         sizes = [getattr(slot, name) for name in _SIZES]
-        self._header_np[:] = [STEP, slot.index, step_index, greedy, guided, _KINDS.index(key[0]), key[1], key[2],
-                              nbytes, *sizes]
+        self._header_np[:] = [STEP, slot.index, step_index, greedy, guided, _KINDS.index(key.kind), key.tokens,
+                              key.seqs, key.context, nbytes, *sizes]
         self.group.control_broadcast(self.header)
         self.group.control_broadcast(slot.inputs(nbytes))
 
@@ -43,11 +43,11 @@ class StepChannel:
         h = self.group.control_broadcast(self.header).tolist()
         if h[0] == STOP:
             return None
-        _, index, step_index, greedy, guided, kind, a, b, nbytes, *sizes = h
+        _, index, step_index, greedy, guided, kind, tokens, seqs, context, nbytes, *sizes = h
         slot = slots[index]
         before_write(slot)
         self.group.control_broadcast(slot.inputs(nbytes))
         for name, value in zip(_SIZES, sizes):
             setattr(slot, name, value)
-        slot.graph_key = (_KINDS[kind], a, b) if kind else None
+        slot.graph_key = GraphKey(_KINDS[kind], tokens, seqs, context) if kind else None
         return slot, step_index, bool(greedy), bool(guided)

@@ -8,7 +8,7 @@ with the head). Drafting K tokens feeds the head its own hidden state in place o
 from the second draft on; training unrolls the same thing (`unrolled_logits`, EAGLE-3's training-time test).
 
 This file holds the weights and the dense (training / offline evaluation) forward. The in-engine forward
-over paged KV (specdec/eagle/paged.py) computes the same layer with the norm weights folded into the matmuls;
+over paged KV (engine/spec/eagle_paged.py) computes the same layer with the norm weights folded into the matmuls;
 tests/test_spec_eagle.py checks that its drafts equal `unrolled_logits`'.
 """
 from __future__ import annotations
@@ -100,6 +100,15 @@ class EagleHead(nn.Module):
         h = residual + self.o_proj(attn)
         x = rms_norm(h, self.post_norm, self.cfg.rms_norm_eps)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def new_head(target_config: dict, dtype, device, seed: int = 0) -> EagleHead:
+    """An untrained head for the target, the same for the same seed (the global RNG is left as it was): the
+    start of training, and `spec_head="random"` (drafts rarely accepted: tests of the machinery)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = EagleHead(HeadConfig.for_target(target_config))
+    return head.to(device=device, dtype=dtype)
 
 
 def unrolled_logits(head: EagleHead, features, embed, tokens, final_norm, lm_head, depth: int):

@@ -23,9 +23,11 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kernels import fused_ops
 from engine.models.llama import rope_inv_freq, rope_tables
-from specdec.eagle.head import EagleHead, HeadConfig
+from engine.spec.eagle_head import EagleHead, HeadConfig
 
-HEADS = Path(__file__).resolve().parent.parent / "heads"
+# The shipped heads live with the training code that writes them (`specdec.train_head --ship`); the engine only
+# reads them as files, found beside the engine package (repository root, or site-packages), never by importing specdec.
+HEADS = Path(__file__).resolve().parents[2] / "specdec" / "heads"
 REF_OPS = SimpleNamespace(rms_norm=fused_ops.rms_norm_ref, rope_store_kv=fused_ops.rope_store_kv_ref,
                           silu_mul=fused_ops.silu_mul_ref)
 

@@ -1,5 +1,5 @@
 """Host side of speculation: which steps speculate and how far (SpecPolicy), and a row's step inputs
-(fill_row), laid out for specdec/program.py.
+(fill_row), laid out for engine/spec/program.py.
 
 A step speculates (every row gets 1 + K query tokens: its last token, then K drafts) only when all its
 rows are decode rows (guided or not: a guided row's drafts are walked by its grammar), no waiting request could be admitted instead, there are at most
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.row_pool import RowPool
-from specdec.state import SpecStats
+from engine.spec.state import SpecStats
 
 
 @dataclass
@@ -126,13 +126,11 @@ def fill_sampling_row(slot, s: int, row, t: int) -> None:
 
 def commit_row(seq, row, entry: list[int], k: int) -> list[int]:
     """A sampling row's result as the host reads it (`entry`: k + 1 emitted tokens, PAD after them, then
-    the drafts verified) -> the tokens to append. Rolls back the optimistic count of computed tokens by the
-    rejected drafts (unless the sequence was preempted since: it recomputes from 0) and counts statistics."""
+    the drafts verified) -> the tokens to append, and its statistics counted. (The scheduler takes back the
+    rejected drafts' computed tokens: Scheduler.rejected.)"""
     tokens = [entry[0]] + [t for t in entry[1:k + 1] if t >= 0]
     if row.spec_k:
         accepted = len(tokens) - 1
-        if row.epoch == seq.num_preemptions and not seq.finalized:
-            seq.num_computed_tokens -= row.spec_k - accepted
         if seq.spec is None:
             seq.spec = SpecStats()
         seq.spec.add(entry[k + 1], accepted)

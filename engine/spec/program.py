@@ -22,9 +22,9 @@ import torch
 
 from engine.logprobs import record
 from engine.sampler import NO_TOKEN
-from engine.step import StepProgram, _mark
-from specdec.drafters.base import DraftContext, FeatureContext
-from specdec.verify import PAD, greedy_accept, rejection_sample
+from engine.step import StepProgram, mark
+from engine.spec.drafters.base import DraftContext, FeatureContext
+from engine.spec.verify import PAD, greedy_accept, rejection_sample
 
 
 class SpecStepProgram(StepProgram):
@@ -41,12 +41,11 @@ class SpecStepProgram(StepProgram):
         """(tokens, sequences, sampling rows, K) of a step at its exact size (key None) or padded to a key."""
         if key is None:
             return slot.num_tokens, slot.num_seqs, slot.num_sample, slot.spec_k
-        kind, size, bound = key
-        if kind == "spec":
-            return size * (self.state.k + 1), size, size, self.state.k
-        return (size, size, size, 0) if kind == "decode" else (size, bound, bound, 0)
+        return key.tokens, key.seqs, key.seqs, self.state.k if key.kind == "spec" else 0
 
-    def step(self, slot, prev, variant: tuple, key: tuple | None = None) -> None:
+    def step(self, slot, prev, variant, key=None) -> None:
+        """The whole speculative step (variant: engine.step.StepVariant; key: an engine.graphs.GraphKey or None
+        for an eager step at its exact size)."""
         guided, greedy, extras = variant
         T, B, S, K = self.sizes(slot, key)
         ids = self.correct(slot, T, B, S)
@@ -58,9 +57,9 @@ class SpecStepProgram(StepProgram):
         out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
         hidden, features = out if self.aux_layers else (out, None)
         logits = self.spec_logits(slot, hidden, key, T, S, K)
-        _mark(slot, "forward_done")
+        mark(slot, "forward_done")
         grammar = self.masks.join(slot, prev, S, self.compute_stream, K + 1) if guided else None
-        _mark(slot, "mask_waited")
+        mark(slot, "mask_waited")
         tokens = accepted = None
         if S:
             tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras)
@@ -95,15 +94,15 @@ class SpecStepProgram(StepProgram):
     def step_meta(self, slot, key, T: int, B: int, K: int):
         """Attention metadata of the step at its exact size (key None) or padded to its graph key."""
         if K:
-            return self.meta(slot, T, B, K + 1, key[2] if key else slot.max_seq_len)
+            return self.meta(slot, T, B, K + 1, key.context if key else slot.max_seq_len)
         if key is None:
             return self.meta(slot, T, B, slot.max_query_len, slot.max_seq_len)
-        if key[0] == "decode":
-            return self.meta(slot, T, B, 1, key[2])
-        return self.meta(slot, T, B, T, self.max_model_len)
+        if key.kind == "decode":
+            return self.meta(slot, T, B, 1, key.context)
+        return self.meta(slot, T, B, T, key.context)
 
     def spec_logits(self, slot, hidden, key, T: int, S: int, K: int):
-        if K or (key is not None and key[0] == "decode"):
+        if K or (key is not None and key.kind == "decode"):
             return self.model.compute_logits(hidden[:T])
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:S]]) if S else None
 
@@ -179,7 +178,7 @@ class SpecStepProgram(StepProgram):
                 ctx = DraftContext(st.history[rows], first + 2 + accepted)
         else:
             last = d["logits_indices"][:S] + (accepted if S else 0)    # each row's last verified input
-            ctx = FeatureContext(None, None, input_ids=ids, features=features, next_ids=self.next_tokens(slot, ids, tokens, T),
+            ctx = FeatureContext(input_ids=ids, features=features, next_ids=self.next_tokens(slot, ids, tokens, T),
                                  positions=d["positions"][:T], meta=meta, last=last, last_seq=d["tok_seq"][last],
                                  last_valid=d["smp_row"][:S] >= 0, kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]])
             if not drafting:
@@ -188,7 +187,7 @@ class SpecStepProgram(StepProgram):
                 ctx.guide = self.draft_masks
                 ctx.guide.begin(tokens, self.compute_stream)
         if drafting:
-            tokens, count, _ = self.drafter.propose(ctx)
+            tokens, count = self.drafter.propose(ctx)
             tp = self.model.tp
             if tp.world > 1:        # decided once: rank 0's drafts are every rank's
                 packed = tp.broadcast(torch.cat([tokens, count[:, None]], dim=1))

@@ -1,2 +1,2 @@
-"""EAGLE-3-style one-model draft head: weights and dense forward (head.py), training data (data.py), training
-loop (train.py). `python -m specdec.train_head` drives them."""
+"""Training the EAGLE-3-style draft head (its model: engine/spec/eagle_head.py): training data (data.py),
+training loop (train.py). `python -m specdec.train_head` drives them."""

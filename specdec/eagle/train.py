@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdec.eagle.head import EagleHead, HeadConfig, unrolled_logits
+from engine.spec.eagle_head import EagleHead, unrolled_logits
 
 
 class Target:
@@ -137,12 +137,3 @@ def evaluate(head: EagleHead, target: Target, seqs, depth: int, batch: int = 8) 
         _, acc = step_outputs(head, target, *make_batch(seqs[i:i + batch], device), depth)
         counts.append(acc[acc >= 0])
     return acceptance_length(torch.cat(counts)) if counts else 0.0
-
-
-def new_head(target_config: dict, dtype, device, seed: int = 0) -> EagleHead:
-    """An untrained head for the target, the same for the same seed (the global RNG is left as it was): the
-    start of training, and `spec_head="random"` (drafts rarely accepted: tests of the machinery)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        head = EagleHead(HeadConfig.for_target(target_config))
-    return head.to(device=device, dtype=dtype)

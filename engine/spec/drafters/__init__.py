@@ -1,9 +1,30 @@
 """Drafters for speculative decoding: the interface (base.py) and one file per method."""
-from specdec.drafters.base import DraftContext, Drafter, FeatureContext, Proposal
-from specdec.drafters.ngram import NgramDrafter, ngram_propose
+from engine.spec.drafters.base import DraftContext, Drafter, FeatureContext, Proposal
+from engine.spec.drafters.ngram import NgramDrafter, ngram_propose
 
 __all__ = ["DraftContext", "Drafter", "FeatureContext", "NgramDrafter", "Proposal", "make_drafter",
-           "ngram_propose", "default_head_dir"]
+           "ngram_propose", "default_head_dir", "drafter_caches"]
+
+
+def drafter_caches(config, source, draft=None) -> list:
+    """The paged KV caches the drafter `config` names keeps beside the target's (engine/kv_cache.py), known
+    before anything is loaded so the page budget counts them: a head's one layer, a draft model's layers."""
+    from engine.kv_cache import PagedCache
+    if config.speculative == "eagle":
+        import json
+        from pathlib import Path
+        from engine.spec.eagle_head import HeadConfig
+        where = config.spec_head or default_head_dir(source)
+        if where == "random":
+            cfg = HeadConfig.for_target(source.config).to_dict()
+        elif (Path(where) / "head.json").is_file():
+            cfg = json.loads((Path(where) / "head.json").read_text())
+        else:
+            raise FileNotFoundError(f"draft head directory {where} has no head.json")
+        return [PagedCache("eagle head", 1, cfg["num_kv_heads"], cfg["head_dim"])]
+    if config.speculative == "draft_model":
+        return [PagedCache.of_config("draft model", draft.config)]
+    return []
 
 
 def make_drafter(config, source=None, model=None, backend=None, num_blocks: int = 0, max_model_len: int = 0,
@@ -15,9 +36,9 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         return NgramDrafter(config.num_speculative_tokens, config.ngram_min_n, config.ngram_max_n)
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if config.speculative == "eagle":
-        from specdec.drafters.eagle import EagleDrafter
-        from specdec.eagle.paged import PagedHead, check_head, load_head
-        from specdec.eagle.train import new_head
+        from engine.spec.drafters.eagle import EagleDrafter
+        from engine.spec.eagle_head import new_head
+        from engine.spec.eagle_paged import PagedHead, check_head, load_head
         where = config.spec_head or default_head_dir(source)
         head = new_head(source.config, dtype, device).requires_grad_(False) if where == "random" \
             else load_head(where, dtype, device)
@@ -27,7 +48,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         return EagleDrafter(k, paged, config.block_size, max_model_len)
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
-        from specdec.drafters.draft_model import DraftModelDrafter
+        from engine.spec.drafters.draft_model import DraftModelDrafter
         return DraftModelDrafter(config.num_speculative_tokens, build_model(draft, dtype, device, max_model_len + 1),
                                  backend, num_blocks, config.block_size, max_model_len)
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
@@ -36,7 +57,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
 def default_head_dir(source) -> str:
     """The shipped head trained for this model (specdec/heads/*/head.json names its target)."""
     import json
-    from specdec.eagle.paged import HEADS
+    from engine.spec.eagle_paged import HEADS
     def stem(name: str) -> str:            # "SmolLM2-135M-Instruct.Q4_1" (a converted GGUF) names the same model
         return name.split(".")[0].lower()
     for meta in sorted(HEADS.glob("*/head.json")):

@@ -6,10 +6,10 @@ sync (.item(), .tolist(), .nonzero(), boolean-mask indexing, Python branching on
 shapes that depend only on input shapes and the drafter's configuration. A new method is one file: subclass
 `Drafter`, set `name` and `num_speculative_tokens`, implement `propose`.
 
-Inputs travel in a `DraftContext`. It holds what every method can use (the token history); methods that
-need more (an EAGLE-style head: the target's hidden states at the newly verified tokens and their positions;
-a draft model: its own KV cache and attention metadata) extend it with a subclass that adds those fields,
-rather than each new method changing `propose`'s signature (`FeatureContext` is the head's). This mirrors vLLM, whose n-gram proposer reads
+Inputs travel in one of two contexts, picked by the drafter's `uses_history`: a `DraftContext` (the token
+history, for methods that search it) or a `FeatureContext` (the step itself: its tokens, the target's hidden
+states at them, positions and attention metadata, for a head or a draft model with a paged KV cache of its
+own), rather than each new method changing `propose`'s signature. This mirrors vLLM, whose n-gram proposer reads
 token ids alone while its EAGLE proposer also takes target hidden states and attention metadata, and
 SGLang, whose EAGLE worker carries them in a draft-input object next to the batch.
 """
@@ -39,12 +39,9 @@ class DraftContext:
 
 
 @dataclass
-class FeatureContext(DraftContext):
-    """What a draft head reads from a step (history and lengths are None: it does not search tokens).
+class FeatureContext:
+    """What a drafter with its own paged KV cache (a head, a draft model) reads from a step.
 
-    input_ids: [T] int64, the step's input tokens (carried ones filled in).
-    features: [T, F] the target's hidden states at the drafter's `feature_layers`, one row per input token
-        (None for a drafter that reads none).
     next_ids: [T] int64, the token after each input (a prompt's next token, or what the step emitted).
     positions: [T] int64 and meta (AttentionMetadata): the step's corrected positions, slot mapping, block
         tables and sequence lengths; a drafter with its own paged KV cache writes it with them.
@@ -52,19 +49,22 @@ class FeatureContext(DraftContext):
         predicted); last_seq: [S] its sequence in meta; last_valid: [S] bool, False for padding rows.
     kv_cap: [B] int64, tokens the pages of each sequence hold (a drafter writing past its input positions
         must stay below it).
+    input_ids: [T] int64, the step's input tokens (carried ones filled in); read by a draft model.
+    features: [T, F] the target's hidden states at the drafter's `feature_layers`, one row per input token;
+        read by a head (None when the drafter names no feature layers).
     guide: DraftMasks (engine/guided/draft_masks.py) when the step has guided rows and draft masks or forced
         drafts are on: draft j is then `guide.pick(j, logits)` (masked, maybe forced) instead of the argmax,
         and `guide.num_drafts()` counts each row's drafts (a row stops where its grammar ends or fails).
     """
-    input_ids: torch.Tensor = None
-    features: torch.Tensor = None
-    next_ids: torch.Tensor = None
-    positions: torch.Tensor = None
-    meta: object = None
-    last: torch.Tensor = None
-    last_seq: torch.Tensor = None
-    last_valid: torch.Tensor = None
-    kv_cap: torch.Tensor = None
+    next_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    last: torch.Tensor
+    last_seq: torch.Tensor
+    last_valid: torch.Tensor
+    kv_cap: torch.Tensor
+    input_ids: torch.Tensor | None = None
+    features: torch.Tensor | None = None
     guide: object = None
 
     def pick(self, j: int, logits: torch.Tensor) -> torch.Tensor:
@@ -85,12 +85,14 @@ class Proposal(NamedTuple):
         them hold a valid token id (the drafter documents which) so they can be fed to the target's forward
         unmasked, but verification must treat them as rejected.
     num_drafts: [N] int64 in [0, K]; 0 means the drafter has no guess for that row.
-    draft_probs: [N, K, V] float, the distribution q each draft was sampled from, for rejection sampling
-        against the target's p; None for a deterministic drafter (q is one-hot at the draft token).
+
+    Drafts are verified as deterministic proposals (the draft distribution q one-hot at the draft token), which
+    keeps rejection sampling lossless whatever the drafter: a drafter that samples its drafts loses no
+    correctness, only acceptance. (engine/spec/verify.py's rejection_sample takes a full q, but the step keeps
+    only the K drafts per row between steps, not K distributions over the vocabulary.)
     """
     draft_tokens: torch.Tensor
     num_drafts: torch.Tensor
-    draft_probs: torch.Tensor | None = None
 
 
 class Drafter(abc.ABC):
@@ -104,10 +106,10 @@ class Drafter(abc.ABC):
     lookahead = 0           # positions past a row's inputs it writes KV at (the scheduler reserves pages for them)
 
     @abc.abstractmethod
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, ctx: DraftContext | FeatureContext) -> Proposal:
         """Draft up to K tokens per row of `ctx`; fixed-shape, no host sync (see the module docstring)."""
 
-    def observe(self, ctx: DraftContext) -> None:
+    def observe(self, ctx: DraftContext | FeatureContext) -> None:
         """A step that drafts nothing (too many rows) still shows the drafter its tokens: a drafter with state
         of its own (a head's KV cache) updates it here. Stateless drafters need nothing."""
 

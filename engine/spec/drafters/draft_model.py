@@ -5,7 +5,7 @@ and slot mapping, so its pages come and go with the sequence's. Every step it ru
 at their (corrected) positions and writes its KV for them, as the target does. A row that drafts then runs K
 single-token forwards: the first from the token the step emitted after its last verified input t (at t + 1),
 each next one from the previous draft (forward j at position t + 1 + j); each argmax is the next draft
-(under the row's grammar in a guided step: FeatureContext.pick). Drafts are greedy (draft_probs None), so rejection sampling stays lossless.
+(under the row's grammar in a guided step: FeatureContext.pick). Drafts are greedy (verified as one-hot proposals), so rejection sampling stays lossless.
 
 Keys written past the step's inputs (the draft forwards') are rewritten by the next steps before anything
 reads them as a verified token's: a step rewrites every position from its first input on. The scheduler
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
+from engine.spec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
 
 
 def draft_source(config, target_source):
@@ -29,13 +29,6 @@ def draft_source(config, target_source):
         raise ValueError(f"draft model {source.name!r} has vocabulary {source.config['vocab_size']}, the target "
                          f"{target_source.config['vocab_size']}: they must share the tokenizer")
     return source
-
-
-def kv_bytes_per_block(source, block_size: int, dtype: torch.dtype) -> int:
-    cfg = source.config
-    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * block_size * heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 class DraftModelDrafter(Drafter):
@@ -67,4 +60,4 @@ class DraftModelDrafter(Drafter):
             token = ctx.pick(j, self.model.compute_logits(hidden))
             drafts.append(token)
         tokens = torch.stack(drafts, dim=1)
-        return Proposal(tokens, ctx.num_drafts(tokens), None)
+        return Proposal(tokens, ctx.num_drafts(tokens))

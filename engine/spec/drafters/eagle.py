@@ -1,9 +1,10 @@
-"""EAGLE-3-style drafting with a trained one-layer head (specdec/eagle/), inside the target's step graph.
+"""EAGLE-3-style drafting with a trained one-layer head (engine/spec/eagle_head.py, eagle_paged.py), inside the
+target's step graph.
 
 Every step, the head writes its KV for the step's tokens from the target's hidden states at its feature layers
 (`PagedHead.write_kv`). A row that drafts then runs K single-token layers from its last verified input t:
 step 0 queries at t, step i >= 1 at t + i, and each hidden state's argmax under the target's LM head is the
-next draft (under the row's grammar mask, or grammar-forced, in a guided step: FeatureContext.pick). Drafts are greedy, so verification takes them as one-hot proposals (draft_probs None), which
+next draft (under the row's grammar mask, or grammar-forced, in a guided step: FeatureContext.pick). Drafts are greedy, so verification takes them as one-hot proposals, which
 keeps rejection sampling lossless.
 
 Draft step i writes its key at position t + i, which may lie past the step's inputs: the scheduler reserves
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
-from specdec.eagle.paged import PagedHead
+from engine.spec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
+from engine.spec.eagle_paged import PagedHead
 
 
 class EagleDrafter(Drafter):
@@ -45,4 +46,4 @@ class EagleDrafter(Drafter):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
             drafts.append(ctx.pick(i, self.head.logits(hidden)))
         tokens = torch.stack(drafts, dim=1)
-        return Proposal(tokens, ctx.num_drafts(tokens), None)
+        return Proposal(tokens, ctx.num_drafts(tokens))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import DraftContext, Drafter, Proposal
+from engine.spec.drafters.base import DraftContext, Drafter, Proposal
 
 PAD_TOKEN = 0   # draft positions past num_drafts hold this (a valid id, so the target can embed it)
 
@@ -90,7 +90,7 @@ def ngram_propose(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: i
 
 
 class NgramDrafter(Drafter):
-    """Prompt-lookup drafter: deterministic (draft_probs None), no model, no state between steps."""
+    """Prompt-lookup drafter: deterministic, no model, no state between steps."""
 
     name = "ngram"
 
@@ -103,7 +103,7 @@ class NgramDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Proposal:
         drafts, num_drafts = ngram_propose(ctx.history, ctx.lengths, self.num_speculative_tokens,
                                            self.min_n, self.max_n)
-        return Proposal(drafts, num_drafts, None)
+        return Proposal(drafts, num_drafts)
 
     def __repr__(self) -> str:
         return f"NgramDrafter(k={self.num_speculative_tokens}, min_n={self.min_n}, max_n={self.max_n})"
