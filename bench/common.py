@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -17,24 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:            # `python bench/x.py` from anywhere finds `engine`
     sys.path.insert(0, str(REPO))
 
-QUESTIONS = (
-    "What is the capital of France, and why did it become the capital?",
-    "Explain how a hash map works to a new programmer.",
-    "Write a short poem about autumn leaves.",
-    "What are the main differences between TCP and UDP?",
-    "Give me three tips for improving my sleep.",
-    "How does photosynthesis turn light into chemical energy?",
-    "Summarize the plot of Romeo and Juliet in a few sentences.",
-    "What is the difference between a list and a tuple in Python?",
-    "Plan a one-day sightseeing trip in Rome.",
-    "Why is the sky blue?",
-    "Describe how to make a simple tomato pasta sauce.",
-    "What causes inflation, and how do central banks respond to it?",
-    "Explain recursion with a small example.",
-    "What should I pack for a week-long hiking trip?",
-    "How do vaccines train the immune system?",
-    "Compare electric cars and petrol cars for a daily commute.",
-)
+# the prompt sets live in specdec/ (studies use them too; a package never imports bench/); re-exported here
+from specdec.datasets import QUESTIONS, chat_prompts, random_prompts  # noqa: E402, F401
 
 
 # ---- records ---------------------------------------------------------------------------------------
@@ -162,37 +145,3 @@ def note(msg: str) -> None:
         tqdm.write(msg, file=sys.stderr)
     except ImportError:
         print(msg, file=sys.stderr, flush=True)
-
-
-# ---- workloads -------------------------------------------------------------------------------------
-def _chat_ids(obj, messages) -> list[int]:
-    if hasattr(obj, "runner"):                          # an LLMEngine: its own template wrapper
-        return obj.apply_chat_template(messages)
-    out = obj.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(out, "keys"):
-        out = out["input_ids"]
-    return [int(t) for t in out]
-
-
-def _has_template(obj) -> bool:
-    tok = getattr(obj, "tokenizer", obj) if hasattr(obj, "runner") else obj
-    return tok is not None and bool(getattr(tok, "chat_template", None))
-
-
-def random_prompts(vocab: int, n: int, length: int = 32, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
-
-
-def chat_prompts(tokenizer_or_engine, n: int) -> list[list[int]]:
-    """n distinct chat prompts (token ids): the questions cycled, each with an index suffix.
-
-    Takes an LLMEngine or a tokenizer with a chat template. Without one (dummy models) it returns
-    random token ids of about a chat prompt's length (seeded: the same every run)."""
-    if not _has_template(tokenizer_or_engine):
-        vocab = 49152
-        if hasattr(tokenizer_or_engine, "runner"):
-            vocab = int(tokenizer_or_engine.runner.vocab)
-        return random_prompts(vocab, n)
-    return [_chat_ids(tokenizer_or_engine, [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}])
-            for i in range(n)]

@@ -27,23 +27,16 @@ runs the same requests one at a time (batch 1). tok/s = output tokens / summed w
 """
 from __future__ import annotations
 
-import glob
 import json
-import math
-import os
-import re
 import time
 from collections import Counter
-from pathlib import Path
 
 try:                                      # imported as bench.guided_quality, or from a script in bench/
-    from bench.common import REPO, note, progress, record
+    from bench.common import note, progress, record
 except ImportError:
-    from common import REPO, note, progress, record
-
-PROMPT = "Produce a JSON object that matches this schema: {}"
-DATASETS = {"JME": "maskbench/JME_*.json", "BFCL": "maskbench/BFCL_*.json", "Glaive": "raw/Glaiveai2K",
-            "Github_easy": "raw/Github_easy"}
+    from common import note, progress, record
+# the schema sets live in specdec/ (studies use them too); re-exported for the benchmarks that import them here
+from specdec.datasets import DATASETS, PROMPT, load_schemas, resolve, schema_prompt  # noqa: E402, F401
 
 
 # ---- engine, schemas, prompts ------------------------------------------------------------------------
@@ -93,51 +86,12 @@ def free_engine() -> None:
         torch.cuda.empty_cache()
 
 
-def resolve(spec: str, root: str | None = None) -> str:
-    """A path or glob, tried under `root` (itself resolved), as given, and relative to the repository."""
-    for base in ([resolve(root)] if root else []) + [os.getcwd(), str(REPO)]:
-        cand = os.path.join(base, spec)
-        if os.path.exists(cand) or glob.glob(cand):
-            return cand
-    return spec
-
-
 def dataset_spec(item: str, root: str) -> tuple[str, str]:
     """'NAME' (a known dataset under --data) or 'NAME=PATH' -> (name, path or glob)."""
     name, _, path = item.partition("=")
     if not path and name not in DATASETS:
         raise SystemExit(f"unknown dataset {name!r}: give NAME=PATH or one of {', '.join(DATASETS)}")
     return name, resolve(path or DATASETS[name], root)
-
-
-def _natural(name: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def load_schemas(spec: str, limit: int | None = None, largest: float | None = None) -> list[tuple[str, object]]:
-    """(stem, schema) in natural order; `largest`: only that share of the files, the biggest in bytes."""
-    files = glob.glob(os.path.join(spec, "*.json")) if os.path.isdir(spec) else glob.glob(spec)
-    if not files:
-        raise FileNotFoundError(f"no schema files at {spec}")
-    if largest is not None:
-        if not 0 < largest <= 1:
-            raise ValueError(f"largest must be in (0, 1], got {largest}")
-        files = sorted(files, key=os.path.getsize, reverse=True)[:max(1, math.ceil(largest * len(files)))]
-    files.sort(key=lambda f: _natural(os.path.basename(f)))
-    out = []
-    for f in files[:limit]:
-        try:
-            d = json.loads(Path(f).read_text())
-        except ValueError:
-            d = None                      # unreadable: SamplingParams refuses it (counted as rejected)
-        if isinstance(d, dict) and "schema" in d and ("tests" in d or "meta" in d):
-            d = d["schema"]               # MaskBench wrapper
-        out.append((Path(f).stem, d))
-    return out
-
-
-def schema_prompt(eng, schema) -> list[int]:
-    return eng.apply_chat_template([{"role": "user", "content": PROMPT.format(json.dumps(schema))}])
 
 
 def guided_params(schema, max_tokens: int):

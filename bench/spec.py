@@ -5,14 +5,15 @@
     python bench/spec.py --only acceptance --datasets mine=prompts.jsonl myschemas=path/to/dir
     python bench/spec.py --only speed --streams 1 8 32 --k 3 --datasets JME
 
-Acceptance: one engine per (drafter, K) with every step speculating (spec_max_batch = batch), greedy, the
-prompts of each dataset run to EOS or --max-tokens; acceptance length = tokens per verifying row-step, the
+Acceptance: specdec.acceptance's study (docs/acceptance.md; `python -m specdec.acceptance` has more options):
+one engine per (drafter, K) with every step speculating (spec_max_batch = batch, spec_min_acceptance 0), greedy,
+the prompts of each dataset run to EOS or --max-tokens; acceptance length = tokens per verifying row-step, the
 target's own token included (the TensorRT-LLM guided + speculative article's Table 1 metric: K = 3 gives at most 4).
 Speed: per stream count (max_num_seqs = streams, a queue of max(4 x streams, --min-prompts) prompts), the same prompts through the engine without speculation ("none") and with each
 drafter / K, alternating over --rounds; greedy, so every mode emits the same tokens. tok_s = output tokens
 / wall; speedup = tok_s over "none" of the same round set. The engine's batch-level policy (EngineConfig
 spec_max_batch, or --engine spec_max_batch=N) decides when a step speculates.
-Datasets: JME / BFCL (schemas under --data: prompt "produce JSON matching this schema"), chat (bench/common's
+Datasets: JME / BFCL (schemas under --data: prompt "produce JSON matching this schema"), chat (specdec/datasets.py's
 questions), NAME=PATH for a directory of schemas in the same format or a JSONL of {"prompt"} / {"messages"}.
 Writes JSON records (common keys + drafter, k, dataset, acceptance_length, tok_s, speedup), markdown, and a
 PNG of acceptance length vs K.
@@ -120,22 +121,24 @@ def timed_generate(eng, prompts, max_tokens: int) -> dict:
 
 # ---- parts -----------------------------------------------------------------------------------------
 def run_acceptance(args) -> list[dict]:
+    """specdec.acceptance's study (greedy, unguided, no "none" engine), in this bench's record format."""
+    from specdec.acceptance import Study, run_study
+    study = Study(datasets=args.datasets, drafters=args.drafters, ks=args.k or [1, 2, 3, 4, 5], guided=[False],
+                  temperatures=[0.0], batch=args.batch, max_tokens=args.max_tokens, prompts=args.prompts,
+                  model=args.model, device=args.device, dtype=args.dtype, data=args.data, baseline=False,
+                  engine=dict(depth=args.depth, enforce_eager=args.enforce_eager) | engine_overrides(args))
+    try:
+        runs = run_study(study)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     records = []
-    for drafter in args.drafters:
-        for k in args.k or [1, 2, 3, 4, 5]:
-            eng = build(args, args.batch, drafter, k)
-            try:
-                for item in args.datasets:
-                    name, prompts = load_prompts(eng, item, args.data, args.prompts)
-                    r = timed_generate(eng, prompts, args.max_tokens)
-                    r.pop("outputs")
-                    rec = record("spec", "acceptance", eng.source.name, args.dtype, args.batch, r.pop("new_tokens"),
-                                 r.pop("tok_s"), r.pop("ms_per_step"), drafter=drafter, k=k, dataset=name,
-                                 prompts=len(prompts), **r)
-                    records.append(rec)
-                    note(f"acceptance {drafter} k={k} {name}: {rec['acceptance_length']}")
-            finally:
-                close_engines([eng])
+    for r in runs:
+        name = r["dataset"].lower() if r["dataset"] in DATASETS else r["dataset"]   # this bench's names: jme, bfcl
+        records.append(record("spec", "acceptance", r["model"], args.dtype, args.batch, r["new_tokens"], r["tok_s"],
+                              r["ms_per_step"], drafter=r["drafter"], k=r["k"], dataset=name, prompts=r["prompts"],
+                              **{key: r[key] for key in ("wall_s", "steps", "acceptance_length", "spec_frac",
+                                                         "rate_by_position")}))
+        note(f"acceptance {r['drafter']} k={r['k']} {name}: {r['acceptance_length']}")
     return records
 
 

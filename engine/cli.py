@@ -1,4 +1,5 @@
-"""`specdec generate` and `specdec chat`: stream tokens as they come, report tokens/s at the end."""
+"""`specdec generate` and `specdec chat`: stream tokens as they come, report tokens/s at the end. `specdec serve`
+and `specdec acceptance` hand over to their own modules."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +95,13 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_acceptance(args) -> int:
+    # The study is specdec's (it imports the engine; nothing in engine/ imports specdec at import time): imported
+    # here only, when this command runs.
+    from specdec.acceptance import main as study_main
+    return study_main(args.study_args, prog="specdec acceptance")
+
+
 def parser() -> argparse.ArgumentParser:
     from engine.server.serve import SERVER_DEFAULTS, add_server_options, cmd_serve
     top = argparse.ArgumentParser(prog="specdec", description=__doc__)
@@ -114,6 +122,11 @@ def parser() -> argparse.ArgumentParser:
     engine_options(serve, SERVER_DEFAULTS)
     add_server_options(serve)
     serve.set_defaults(func=cmd_serve)
+    # no option prefix: every argument, --help too, goes to the study's own parser (specdec/acceptance/cli.py)
+    study = sub.add_parser("acceptance", help="acceptance-length study of the drafters (docs/acceptance.md)",
+                           add_help=False, prefix_chars="\0")
+    study.add_argument("study_args", nargs=argparse.REMAINDER)
+    study.set_defaults(func=cmd_acceptance)
     return top
 
 

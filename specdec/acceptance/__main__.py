@@ -1,0 +1,5 @@
+import sys
+
+from specdec.acceptance.cli import main
+
+sys.exit(main())

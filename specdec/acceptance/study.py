@@ -1,0 +1,277 @@
+"""An acceptance-length study: which engines to build, which runs each does, and what a run measures.
+
+One engine per method (drafter, K, draft masks, forced drafts), built and closed one after another, every step
+speculating (spec_min_acceptance 0, spec_max_batch = batch). Each runs every (dataset, guided, temperature) it
+applies to: the dataset's prompts all at once (max_num_seqs = batch), to EOS or max_tokens. A "none" engine
+(no speculation) runs the same prompts first: the tokens greedy speculation must reproduce, and the tok/s a
+speedup is over.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from specdec.datasets import Dataset, is_schema_set, load_dataset, parse_dataset
+
+DRAFTERS = ("ngram", "eagle", "draft_model")
+
+
+@dataclass
+class Study:
+    datasets: list[str]
+    drafters: list[str] = field(default_factory=lambda: ["ngram"])
+    ks: list[int] = field(default_factory=lambda: [1, 2, 3])
+    guided: list[bool] = field(default_factory=lambda: [False, True])
+    draft_masks: list[bool] = field(default_factory=lambda: [False])
+    forced_drafts: list[bool] = field(default_factory=lambda: [False])
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    batch: int = 8
+    max_tokens: int = 128
+    prompts: int = 16
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    data: str | None = None           # root holding maskbench/ (and raw/); None: tests/data
+    head: str | None = None           # eagle: a head directory (None: the one shipped for the model)
+    draft_model: str | None = None    # draft_model: a model spec sharing the tokenizer
+    baseline: bool = True             # run "none" too: same_tokens_as_none and speedup
+    seed: int = 0                     # sampled runs: prompt i has seed seed + i, in every engine
+    engine: dict = field(default_factory=dict)    # further EngineConfig fields
+
+    def validate(self) -> None:
+        """Raise ValueError naming the command-line option of the first bad input."""
+        if not self.datasets:
+            raise ValueError("--datasets: give at least one dataset")
+        for item in self.datasets:
+            try:
+                parse_dataset(item, self.data)
+            except ValueError as e:
+                raise ValueError(f"--datasets: {e}") from None
+        checks = [("--drafters", self.drafters, lambda d: d in DRAFTERS, f"one of {', '.join(DRAFTERS)}"),
+                  ("--k", self.ks, lambda k: isinstance(k, int) and 1 <= k <= 16, "an integer in 1..16"),
+                  ("--temperature", self.temperatures, lambda t: t >= 0, ">= 0 (0 = greedy)")]
+        for option, values, ok, want in checks:
+            if not values:
+                raise ValueError(f"{option}: give at least one value")
+            for v in values:
+                if not ok(v):
+                    raise ValueError(f"{option}: {v!r} is not {want}")
+        for option, value in (("--batch", self.batch), ("--max-tokens", self.max_tokens), ("--prompts", self.prompts)):
+            if value < 1:
+                raise ValueError(f"{option}: must be >= 1, got {value}")
+        if "draft_model" in self.drafters and not self.draft_model:
+            raise ValueError("--draft-model: --drafters draft_model needs a model spec (a path, 'default', 'dummy:X')")
+        if not self.methods():
+            raise ValueError("--draft-masks / --forced-drafts: every combination given is meaningless here (they "
+                             "need --guided on, a schema dataset and an eagle or draft_model drafter)")
+        if not self.cases():
+            raise ValueError("--guided: nothing to run (only schema datasets can be guided; add --guided off)")
+
+    # ---- the plan ----------------------------------------------------------------------------------------
+    def cases(self, masks: bool = False) -> list[tuple[str, bool, float]]:
+        """(dataset, guided, temperature) runs of one engine; draft masks or forced drafts: guided runs only."""
+        out = []
+        for item in self.datasets:
+            schema = is_schema_set(parse_dataset(item, self.data)[1])
+            for g in self.guided:
+                if (g and not schema) or (masks and not g):
+                    continue                       # free text is never guided; masks change only guided runs
+                out += [(item, g, t) for t in self.temperatures]
+        return list(dict.fromkeys(out))
+
+    def methods(self) -> list[Method]:
+        out = []
+        for drafter in self.drafters:
+            combos = [(False, False)] if drafter == "ngram" else \
+                [(m, f) for m in self.draft_masks for f in self.forced_drafts]
+            out += [Method(drafter, k, m, f) for k in self.ks for m, f in combos
+                    if not (m or f) or self.cases(masks=True)]
+        return list(dict.fromkeys(out))
+
+    def plan(self) -> list[tuple[Method, list]]:
+        """(method, its cases) in run order: "none" first, over every case any method runs."""
+        plan = [(m, self.cases(masks=m.draft_masks or m.forced_drafts)) for m in self.methods()]
+        if self.baseline:
+            union = list(dict.fromkeys(c for _, cases in plan for c in cases))
+            plan.insert(0, (Method("none", 0), union))
+        return [(m, c) for m, c in plan if c]
+
+
+@dataclass(frozen=True)
+class Method:
+    drafter: str
+    k: int
+    draft_masks: bool = False
+    forced_drafts: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.drafter + "+masks" * self.draft_masks + "+forced" * self.forced_drafts
+
+    def engine_kwargs(self, study: Study) -> dict:
+        kw = dict(max_num_seqs=study.batch, device=study.device, **({"model": study.model} if study.model else {}),
+                  **({"dtype": study.dtype} if study.dtype else {}))
+        if self.drafter != "none":
+            kw.update(speculative=self.drafter, num_speculative_tokens=self.k, spec_max_batch=study.batch,
+                      spec_min_acceptance=0.0, guided_draft_masks=self.draft_masks,
+                      guided_forced_drafts=self.forced_drafts)
+        if self.drafter == "eagle" and study.head:
+            kw["spec_head"] = study.head
+        if self.drafter == "draft_model":
+            kw["spec_draft_model"] = study.draft_model
+        return kw | study.engine
+
+
+# ---- running it ----------------------------------------------------------------------------------------------
+def run_study(study: Study, progress: bool = True) -> list[dict]:
+    """One record per (method, dataset, guided, temperature); see report.py for the fields' meaning."""
+    study.validate()
+    plan = study.plan()
+    bar = _bar(sum(len(c) for _, c in plan), progress)
+    datasets: dict[str, Dataset] = {}
+    baseline: dict[tuple, dict] = {}
+    records = []
+    try:
+        for method, cases in plan:
+            eng = _build(method, study)
+            try:
+                for item in dict.fromkeys(c[0] for c in cases):
+                    datasets.setdefault(item, _fit(load_dataset(eng, item, study.data, study.prompts), eng, study))
+                for item, guided, temp in cases:
+                    bar.set_postfix_str(f"{method.name}{f' K={method.k}' * bool(method.k)} {item}"
+                                        f"{' guided' * guided}{f' T={temp:g}' * bool(temp)}")
+                    rec, outputs = measure(eng, datasets[item], guided, temp, study)
+                    rec.update(method=method.name, drafter=method.drafter, k=method.k, draft_masks=method.draft_masks,
+                               forced_drafts=method.forced_drafts)
+                    _compare(rec, outputs, baseline, (item, guided, temp), method)
+                    records.append(rec)
+                    bar.update()
+            finally:
+                _close(eng)
+    finally:
+        bar.close()
+    return records
+
+
+def _bar(total: int, enabled: bool):
+    import sys
+
+    from tqdm import tqdm
+    return tqdm(total=total, desc="acceptance runs", unit="run", file=sys.stderr, disable=not enabled,
+                dynamic_ncols=True)
+
+
+def _build(method: Method, study: Study):
+    from engine.llm_engine import LLMEngine
+    return LLMEngine(**method.engine_kwargs(study))
+
+
+def _close(eng) -> None:
+    import gc
+
+    import torch
+    eng.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _fit(ds: Dataset, eng, study: Study) -> Dataset:
+    """Drop the prompts that cannot run: too long for the context, or a schema SamplingParams refuses."""
+    from engine.sequence import SamplingParams
+    keep = []
+    for i, prompt in enumerate(ds.prompts):
+        if len(prompt) + study.max_tokens > eng.max_model_len:
+            continue
+        if ds.schemas is not None and True in study.guided:
+            try:
+                SamplingParams(json_schema=ds.schemas[i])
+            except ValueError:
+                continue
+        keep.append(i)
+    if not keep:
+        raise ValueError(f"dataset {ds.name}: no prompt fits (max_model_len {eng.max_model_len})")
+    schemas = [ds.schemas[i] for i in keep] if ds.schemas is not None else None
+    return Dataset(ds.name, [ds.prompts[i] for i in keep], schemas)
+
+
+def _params(ds: Dataset, guided: bool, temp: float, study: Study) -> list:
+    from engine.sequence import SamplingParams
+    return [SamplingParams(max_tokens=study.max_tokens, temperature=temp, seed=study.seed + i if temp > 0 else None,
+                           json_schema=ds.schemas[i] if guided else None) for i in range(len(ds.prompts))]
+
+
+def measure(eng, ds: Dataset, guided: bool, temp: float, study: Study) -> tuple[dict, list]:
+    """One run: the dataset's prompts through `eng`, timed; -> (record, output token ids per prompt)."""
+    import torch
+    params = _params(ds, guided, temp, study)
+    cuda = eng.runner.device.type == "cuda"
+    if cuda:                                  # kernels, allocator and the grammars warm outside the timing
+        eng.generate(ds.prompts, [replace(p, max_tokens=1) for p in params])
+        torch.cuda.synchronize()
+    eng.timings.reset()
+    t0 = time.perf_counter()
+    seqs = eng.generate(ds.prompts, params)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    rec = dict(dataset=ds.name, guided=guided, temperature=temp, prompts=len(seqs), model=eng.source.name,
+               dtype=str(eng.runner.dtype).replace("torch.", ""), device=_device_name(eng), batch=study.batch,
+               max_tokens=study.max_tokens, wall_s=round(wall, 4)) | _counts(eng.timings, seqs, wall)
+    return rec, [s.output_token_ids for s in seqs]
+
+
+def _counts(t, seqs, wall: float) -> dict:
+    tokens = sum(len(s.output_token_ids) for s in seqs)
+    accepted, proposed = _by_position(seqs)
+    stopped = [s for s in seqs if s.finish_reason == "stop"]
+    return dict(new_tokens=tokens, steps=t.steps, rows=t.rows, spec_rows=t.spec_rows,
+                spec_frac=round(t.spec_rows / max(t.rows, 1), 4), guided_steps=t.guided_steps,
+                acceptance_length=round(t.acceptance_length, 4) if t.spec_rows else None,
+                tokens_per_step=round(tokens / max(t.steps, 1), 4),
+                accepted_by_position=accepted, proposed_by_position=proposed,
+                rate_by_position=[round(a / p, 4) for a, p in zip(accepted, proposed) if p],
+                tok_s=tokens / wall, ms_per_step=1e3 * wall / max(t.steps, 1),
+                finished_frac=round(len(stopped) / max(len(seqs), 1), 4),
+                json_frac=round(sum(_parses(s.text) for s in stopped) / len(stopped), 4) if stopped else None,
+                errors=sum(s.error is not None for s in seqs))
+
+
+def _by_position(seqs) -> tuple[list[int], list[int]]:
+    """Drafts accepted and proposed at each draft position, summed over the finished requests' SpecStats."""
+    width = max((len(s.spec.proposed_by_position) for s in seqs if s.spec is not None), default=0)
+    accepted, proposed = [0] * width, [0] * width
+    for s in seqs:
+        if s.spec is not None:
+            for i, (a, p) in enumerate(zip(s.spec.by_position, s.spec.proposed_by_position)):
+                accepted[i] += a
+                proposed[i] += p
+    return accepted, proposed
+
+
+def _parses(text: str) -> bool:
+    import json
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _compare(rec: dict, outputs: list, baseline: dict, case: tuple, method: Method) -> None:
+    """Keep the baseline's tokens and tok/s; fill a speculative record's same_tokens_as_none and speedup."""
+    if method.drafter == "none":
+        baseline[case] = dict(outputs=outputs, tok_s=rec["tok_s"])
+        return
+    base = baseline.get(case)
+    greedy = rec["temperature"] == 0
+    rec["same_tokens_as_none"] = (outputs == base["outputs"]) if base and greedy else None
+    # CPU tok/s says nothing about speed (interpreted kernels, no graphs): no speedup is derived from it
+    gpu = rec["device"] != "cpu"
+    rec["speedup"] = round(rec["tok_s"] / base["tok_s"], 3) if base and gpu else None
+
+
+def _device_name(eng) -> str:
+    import torch
+    device = eng.runner.device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
