@@ -56,10 +56,10 @@ def _pad_sampling(h, start: int, end: int) -> None:
     h["top_p"][start:end] = 1.0
     h["seeds"][start:end] = 0
     h["steps"][start:end] = 0
+    h["smp_row"][start:end] = -1        # no token-pool row: its writes go to the dummy row
     if "pen_row" in h:
         neutral(h, start, end)
-    if "smp_row" in h:                  # speculation: no state row (its writes go to the dummy row)
-        h["smp_row"][start:end] = -1
+    if "smp_shift" in h:
         h["smp_shift"][start:end] = 0
         h["num_drafts"][start:end] = 0
 
@@ -70,10 +70,10 @@ def _pad_tokens(h, start: int, end: int) -> None:
     h["positions"][start:end] = 0
     h["slot_mapping"][start:end] = -1
     h["carry_src"][start:end] = -1
+    h["tok_row"][start:end] = -1
     if "pen_tok" in h:
         h["pen_tok"][start:end] = -1
-    if "tok_row" in h:
-        h["tok_row"][start:end] = -1
+    if "tok_seq" in h:
         h["tok_seq"][start:end] = 0
         h["shift"][start:end] = 0
         h["next_ids"][start:end] = 0

@@ -71,12 +71,11 @@ class LLMEngine(EngineFrontend):
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's {self.runner.vocab}")
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.spec_k = config.spec_k
-        spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, RowPool(self.runner.spec_state.num_rows),
-                          config.spec_min_acceptance, lookahead=self.runner.program.drafter.lookahead
-                          ) if self.spec_k else None
-        penalty_rows = RowPool(config.penalty_rows, "pen_row", lambda seq: seq.params.penalty_row) \
-            if config.penalty_rows else None
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec, penalty_rows)
+        spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, config.spec_min_acceptance,
+                          lookahead=self.runner.program.drafter.lookahead) if self.spec_k else None
+        pools = [RowPool(self.runner.pool.num_rows)] + ([RowPool(
+            config.penalty_rows, "pen_row", lambda seq: seq.params.penalty_row)] if config.penalty_rows else [])
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec, pools)
         self.eos_ids = self._eos_ids()
         self.runner.eos_ids = self.eos_ids
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)

@@ -18,6 +18,7 @@ from engine.kv_cache import KVBudget, PagedCache
 from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks
 from engine import penalties
+from engine.rows import fill_sampling, fill_tokens, write_block_table
 from engine.logprobs import HostLogprobs
 from engine.penalties import PenaltyState
 from engine.validation import min_tokens_stops
@@ -31,6 +32,7 @@ from engine.spec import plan as spec_plan
 from engine.spec.drafters import drafter_caches, make_drafter
 from engine.spec.program import SpecStepProgram
 from engine.spec.state import SpecState
+from engine.token_pool import TokenPool
 
 _EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most
 
@@ -68,20 +70,21 @@ class ModelRunner:
         self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, config.grammar_threads,
                                   self.spec_k, tp, python=config.grammar_node == "python") if config.guided else None
         self.spec_rows = spec_rows_limit(config)
-        self.spec_state = None
+        # a row for every sequence that may hold pages: running ones, and finished ones in in-flight steps
+        pool_rows = 3 * config.max_num_seqs
+        self.pool = SpecState(pool_rows, max_model_len, self.spec_k, self.device) if self.spec_k \
+            else TokenPool(pool_rows, 0, self.device)
         args = (self.model, self.kv_caches, self.backend, max_model_len, self.compute_stream, self.masks)
         self.penalties = PenaltyState(config.penalty_rows, self.vocab, self.device) if config.penalty_rows else None
         self.eos_ids: frozenset[int] = frozenset()      # what min_tokens masks besides stop ids (set by the engine)
         if self.spec_k:
-            # rows for every sequence that may hold pages: running ones, and finished ones in in-flight steps
-            self.spec_state = SpecState(3 * config.max_num_seqs, max_model_len, self.spec_k, self.device)
             drafter = make_drafter(config, source, self.model, self.backend, self.num_blocks, max_model_len,
                                    self.draft_source)
-            self.program = SpecStepProgram(*args, state=self.spec_state, drafter=drafter,
+            self.program = SpecStepProgram(*args, state=self.pool, drafter=drafter,
                                            block_size=config.block_size, draft_max_rows=self.spec_rows,
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties)
         else:
-            self.program = StepProgram(*args, penalties=self.penalties)
+            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool)
         max_blocks = -(-max_model_len // config.block_size)
         self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device,
                                  self.spec_k, config.logprobs, bool(config.penalty_rows)) for i in range(2)]
@@ -147,24 +150,20 @@ class ModelRunner:
 
     # ---- plan (host only) --------------------------------------------------------------------
     def prepare(self, slot: DecodeSlot, rows) -> None:
-        """Fill the slot's host buffers for these rows. A row may end at the sequence's pending token
-        (sampled by the in-flight step, unknown to the host): its id is carried over on the device.
+        """Fill the slot's host buffers for these rows (engine/rows.py). A row may end at the sequence's pending
+        token (sampled by the in-flight step, unknown to the host): the device carries it from the token pool.
         Raises RowError naming the row whose inputs could not be written."""
         h = slot.np
-        t = s = max_q = max_len = 0
-        carries = []
+        t = s = max_q = max_len = carries = 0
         for i, row in enumerate(rows):
             try:
-                t, s = self._prepare_row(slot, i, row, t, s, carries)
+                t, s = self._prepare_row(slot, i, row, t, s)
             except Exception as exc:
                 raise RowError(i, exc) from exc
             max_q, max_len = max(max_q, row.num_tokens), max(max_len, row.start + row.num_tokens)
+            carries += bool(row.seq.num_pending or row.spec_k)
         h["cu_seqlens_q"][0] = 0
-        if not self.spec_k:                             # (a speculating engine's rows write their own)
-            h["carry_src"][:t] = -1
-            for idx, src in carries:
-                h["carry_src"][idx] = src
-        slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, len(carries)
+        slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, carries
         slot.spec_k = rows[0].spec_k if rows else 0
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
         self._prepare_extras(slot, rows)
@@ -192,65 +191,24 @@ class ModelRunner:
                 stops = min_tokens_stops(seq.params, self.eos_ids) if seq.params.min_tokens else ()
                 penalties.fill_sampling(h, row.sample_idx, seq, stops)
 
-    def _prepare_row(self, slot: DecodeSlot, i: int, row, t: int, s: int, carries: list) -> tuple[int, int]:
+    def _prepare_row(self, slot: DecodeSlot, i: int, row, t: int, s: int) -> tuple[int, int]:
         """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
-        seq, n = row.seq, row.num_tokens
+        seq, n, h = row.seq, row.num_tokens, slot.np
+        if seq.pool_row < 0 and (seq.num_pending or row.spec_k):
+            raise RuntimeError("a sequence that carries tokens on the device holds no token-pool row")
+        fill_tokens(h, row, t, self.config.block_size)
         if self.spec_k:
-            if seq.spec_row < 0:
-                raise RuntimeError("a speculating engine's sequence has no speculation state row")
-            spec_plan.fill_row(slot, i, row, t, self.config.block_size)
-        else:
-            self._fill_tokens(slot.np, row, t, carries)
-        h = slot.np
-        self._write_block_table(slot, i, seq)
+            spec_plan.fill_spec_row(slot, i, row, t, self.config.block_size)
+        write_block_table(slot, i, seq)
         h["seq_lens"][i] = row.start + n
         h["cu_seqlens_q"][i + 1] = t + n
         if row.sample:
             row.sample_idx = s
-            self._fill_sampling(h, s, t + n - 1, seq)
+            fill_sampling(h, s, t + n - 1, seq)
             if self.spec_k:
-                spec_plan.fill_sampling_row(slot, s, row, t)
+                spec_plan.fill_spec_sampling(slot, s, row, t)
             s += 1
         return t + n, s
-
-    def _fill_tokens(self, h, row, t: int, carries: list) -> None:
-        """A row's ids, positions and slot mapping from token t; the pending token is carried over."""
-        bs, seq, n, start = self.config.block_size, row.seq, row.num_tokens, row.start
-        end = start + n
-        known = min(end, seq.num_tokens)
-        bt = seq.block_table
-        if n == 1:                                      # decode rows: scalar writes only
-            h["positions"][t] = start
-            h["slot_mapping"][t] = bt[start // bs] * bs + start % bs
-            if known > start:
-                h["input_ids"][t] = seq.token_at(start)
-        else:
-            h["positions"][t:t + n] = range(start, end)
-            h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
-            h["input_ids"][t:t + known - start] = seq.tokens(start, known)
-        if end > known:                                 # the pending token: a placeholder until carried
-            h["input_ids"][t + n - 1] = 0
-            carries.append((t + n - 1, seq.pending_src))
-
-    @staticmethod
-    def _write_block_table(slot: DecodeSlot, i: int, seq) -> None:
-        """Row i of the slot's block tables: only the pages it lacks if it last held this very table. Tables
-        grow in place; preemption and release replace the list, so identity says the old pages are valid."""
-        bt, (held, have) = seq.block_table, slot.bt_rows[i]
-        start = have if held is bt and have <= len(bt) else 0
-        if start < len(bt):
-            slot.np["block_tables"][i, start:len(bt)] = bt[start:]
-        slot.bt_rows[i] = (bt, len(bt))
-
-    @staticmethod
-    def _fill_sampling(h, s, token_index, seq):
-        p = seq.params
-        h["logits_indices"][s] = token_index
-        h["temperature"][s] = p.temperature
-        h["top_k"][s] = p.top_k
-        h["top_p"][s] = p.top_p
-        h["seeds"][s] = seq.seed
-        h["steps"][s] = len(seq.output_token_ids) + seq.num_pending
 
     # ---- launch (enqueue only) ---------------------------------------------------------------
     def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None, guided: bool | None = None,

@@ -1,4 +1,4 @@
-"""A host-side free list of per-sequence device state rows (speculation's SpecState, the penalties' counts).
+"""A host-side free list of per-sequence device state rows (the token pool's, the penalties' counts).
 
 A sequence takes a row, kept on it as `seq.<field>`, when it first gets pages and gives it back when it gives
 its pages back (preemption, release), so a row is never held by a sequence that holds no pages."""
@@ -8,7 +8,8 @@ from typing import Callable
 
 
 class RowPool:
-    def __init__(self, num_rows: int, field: str = "spec_row", wants: Callable | None = None):
+    def __init__(self, num_rows: int, field: str = "pool_row", wants: Callable | None = None):
+        self.num_rows = num_rows
         self._free = list(range(num_rows - 1, -1, -1))
         self.field = field
         self.wants = wants                   # which sequences need a row (None: every one)

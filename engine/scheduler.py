@@ -38,10 +38,12 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, spec=None,
-                 penalty_pool=None):
+                 row_pools=()):
         self.blocks = block_manager
         self.spec = spec            # SpecPolicy (engine/spec/plan.py) when the engine speculates
-        self.penalty_pool = penalty_pool    # PenaltyPool (engine/penalties.py): rows handed out with pages
+        # RowPools of per-sequence device rows, handed out with pages and taken back with them: the token
+        # pool's (engine/token_pool.py; every sequence), the penalties' (engine/penalties.py; penalized ones)
+        self.row_pools = list(row_pools)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -94,8 +96,8 @@ class Scheduler:
         """Tokens a waiting sequence would compute if admitted now; 0: it must wait."""
         if seq.capped:                          # preempted with its last token in flight: ends at commit
             return 0
-        if self.spec and seq.num_pending:       # how many of its in-flight drafts pass is known at commit only
-            return 0
+        if seq.num_pending:     # preempted with a token in flight: it lands on the row it had (and with speculation
+            return 0            # how many of its drafts pass is known at commit only), so recompute after it
         # <= 0: only its sampling token is left, and its grammar is not ready
         return max(0, min(seq.schedule_target - seq.num_computed_tokens, budget))
 
@@ -124,8 +126,7 @@ class Scheduler:
             if not n:
                 continue
             need = self._pages_for(seq, n)
-            if not self.blocks.can_allocate(need) or (self.spec and not self.spec.pool.take(seq)) or \
-                    (self.penalty_pool is not None and not self.penalty_pool.take(seq)):
+            if not self.blocks.can_allocate(need) or not self._take_rows(seq):
                 break
             self.waiting.remove(seq)
             seq.block_table += self.blocks.allocate(need)
@@ -205,8 +206,19 @@ class Scheduler:
             seq.block_table = []
         self._give_rows_back(seq)
 
+    def _take_rows(self, seq: Sequence) -> bool:
+        """Every row the sequence needs, or none (a waiting sequence holds no rows)."""
+        taken = []
+        for pool in self.row_pools:
+            held = getattr(seq, pool.field) >= 0
+            if not pool.take(seq):
+                for other in taken:
+                    other.give_back(seq)
+                return False
+            if not held:
+                taken.append(pool)
+        return True
+
     def _give_rows_back(self, seq: Sequence) -> None:
-        if self.spec:
-            self.spec.pool.give_back(seq)
-        if self.penalty_pool is not None:
-            self.penalty_pool.give_back(seq)
+        for pool in self.row_pools:
+            pool.give_back(seq)

@@ -196,7 +196,7 @@ class Sequence:
     guided: object = None                       # GuidedRequest (engine/guided/compiler.py) of a guided request
     retain: bool = False                        # keep it after it finishes, until LLMEngine.take()
     num_preemptions: int = 0
-    spec_row: int = -1                          # its row of the device-side speculation state (engine/spec/state.py)
+    pool_row: int = -1                          # its row of the device-side token pool (engine/token_pool.py)
     spec: object = None                         # SpecStats of a request that speculated
     logprobs: list | None = None                # one engine.logprobs.Entry per output token (params.logprobs set)
     pen_row: int = -1                           # its row of the device-side penalty state (engine/penalties.py)

@@ -4,9 +4,11 @@ The CPU fills the host side, `upload` copies the used prefix of each buffer to t
 input-copy stream), the step runs on the device side, and the sampled tokens come back into
 `sampled_host`. A slot is reused only after the commit that read its results (two slots, ping-pong).
 
-Carry-over: a token sampled by the previous step but not yet seen by the host is an input of this step.
-Its input id is a placeholder; `carry_src[t]` names the row of the previous slot's `sampled` buffer to
-take it from (-1: the host's id stands), and the device fills it in before the forward.
+Carry-over: a token sampled by an earlier step but not yet seen by the host is an input of this step. Its
+input id is a placeholder; `carry_src[t]` says where the device takes it from before the forward: -1 the host's
+id stands, 0 the last token of token-pool row `tok_row[t]`, j >= 1 that row's draft j (engine/token_pool.py).
+Each sampling row writes its token to pool row `smp_row[s]`. Plain and speculative steps read these fields
+the same way.
 """
 from __future__ import annotations
 
@@ -23,16 +25,15 @@ _FIELDS = {  # name -> (dtype, shape key)
     "cu_seqlens_q": (torch.int32, "seqs+1"), "seq_lens": (torch.int32, "seqs"),
     "logits_indices": (torch.int64, "seqs"), "temperature": (torch.float32, "seqs"),
     "top_k": (torch.int64, "seqs"), "top_p": (torch.float32, "seqs"), "seeds": (torch.int64, "seqs"),
-    "steps": (torch.int64, "seqs"),
+    "steps": (torch.int64, "seqs"), "tok_row": (torch.int64, "tokens"), "smp_row": (torch.int64, "seqs"),
 }
-# With speculation (engine/spec/): which SpecState row each token / sequence / sampling row belongs to (-1:
-# padding), whether the host planned it as if the sequence's in-flight drafts were all accepted (shift: the
-# device corrects it), each token's row in the step (for its block table), each sampling row's draft cap, the
-# token after each input (for a draft head: engine/spec/program.py next_tokens) and the tokens each sequence's
-# pages hold.
+# With speculation (engine/spec/): whether the host planned a token / sequence / sampling row as if the sequence's
+# in-flight drafts were all accepted (shift, smp_shift; seq_shift: its pool row, or -1: the device corrects them),
+# each token's row in the step (for its block table), each sampling row's draft cap, the token after each input
+# (for a draft head: engine/spec/program.py next_tokens) and the tokens each sequence's pages hold.
 _SPEC_FIELDS = {
-    "tok_row": (torch.int64, "tokens"), "tok_seq": (torch.int64, "tokens"), "shift": (torch.int64, "tokens"),
-    "seq_shift": (torch.int64, "seqs"), "smp_row": (torch.int64, "seqs"), "smp_shift": (torch.int64, "seqs"),
+    "tok_seq": (torch.int64, "tokens"), "shift": (torch.int64, "tokens"),
+    "seq_shift": (torch.int64, "seqs"), "smp_shift": (torch.int64, "seqs"),
     "num_drafts": (torch.int64, "seqs"), "next_ids": (torch.int64, "tokens"), "kv_cap": (torch.int64, "seqs"),
 }
 

@@ -1,5 +1,10 @@
 """The device work of one step, in order: carry-over, forward, logits, (grammar mask), sampling.
 
+Carry-over and sampling go through the token pool (engine/token_pool.py): a step takes the inputs the host has
+not seen from its sequences' rows and writes each sampling row's token back to its row, for the next step.
+A plain step is a speculative step with K = 0 in this respect (engine/spec/program.py reads and writes the same
+rows, drafts included).
+
 Eager steps and CUDA graph captures (engine/graphs.py) run these same methods, so a graph holds exactly
 what an eager step computes, sampling included. A step's variant is (guided, greedy, extras): guided steps
 fork the grammar branch (engine/guided/masks.py) at their start and wait for its `mask_ready` only before
@@ -30,17 +35,9 @@ class StepVariant(NamedTuple):
     extras: bool    # logprobs, penalties, logit_bias, min_p, min_tokens
 
 
-def gather_carry(ids: torch.Tensor, carry_src: torch.Tensor, prev_sampled: torch.Tensor) -> torch.Tensor:
-    """ids[t] = prev_sampled[carry_src[t]] where carry_src[t] >= 0 (tokens the host has not seen yet).
-    A carried NO_TOKEN (-1, a failed row) becomes token 0: its request is failed at commit, but the
-    embedding lookup of the step it rides in must stay in range."""
-    carried = prev_sampled[carry_src.clamp(min=0)].clamp(min=0)
-    return torch.where(carry_src >= 0, carried, ids)
-
-
 class StepProgram:
     def __init__(self, model, kv_caches, backend, max_model_len: int, compute_stream=None, masks=None,
-                 penalties=None):
+                 penalties=None, pool=None):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -49,10 +46,13 @@ class StepProgram:
         self.masks = masks                      # GrammarMasks (None: no guided steps)
         self.masker = getattr(backend, "apply_bitmask", apply_bitmask)
         self.penalties = penalties              # PenaltyState (None: the engine has no penalties)
+        self.pool = pool                        # TokenPool (engine/token_pool.py): carried inputs, emitted tokens
 
-    def input_ids(self, slot: DecodeSlot, prev: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
+    def input_ids(self, slot: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
         ids = slot.dev["input_ids"][:size]
-        return gather_carry(ids, slot.dev["carry_src"][:size], prev.sampled) if carry else ids
+        if not carry:
+            return ids
+        return self.pool.carried(ids, slot.dev["carry_src"][:size], self.pool.rows(slot.dev["tok_row"][:size]))
 
     @staticmethod
     def meta(slot: DecodeSlot, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int):
@@ -69,18 +69,18 @@ class StepProgram:
         if extras and self.penalties is not None:
             self.penalties.observe(slot.dev, ids, ids.shape[0], num_seqs)
 
-    def logits(self, slot: DecodeSlot, prev: DecodeSlot, extras: bool = False):
+    def logits(self, slot: DecodeSlot, extras: bool = False):
         """An eager step at its exact size: logits of the rows that sample (None if none do)."""
         n = slot.num_sample
-        ids = self.input_ids(slot, prev, slot.num_tokens, carry=slot.num_carry > 0)
+        ids = self.input_ids(slot, slot.num_tokens, carry=slot.num_carry > 0)
         self.observe(slot, ids, slot.num_seqs, extras)
         hidden = self.forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:n]]) if n else None
 
-    def graph_logits(self, slot: DecodeSlot, prev: DecodeSlot, key, extras: bool = False):
+    def graph_logits(self, slot: DecodeSlot, key, extras: bool = False):
         """Carry-over, then the forward and the logits of a step padded to `key` (a "decode" or "mixed"
         engine.graphs.GraphKey)."""
-        ids = self.input_ids(slot, prev, key.tokens)
+        ids = self.input_ids(slot, key.tokens)
         self.observe(slot, ids, key.seqs, extras)
         if key.kind == "decode":
             return self.model.compute_logits(self.forward(slot, ids, key.seqs, 1, key.context))
@@ -93,7 +93,7 @@ class StepProgram:
         rows = slot.num_sample if key is None else key.seqs
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, rows, self.compute_stream)
-        logits = self.logits(slot, prev, extras) if key is None else self.graph_logits(slot, prev, key, extras)
+        logits = self.logits(slot, extras) if key is None else self.graph_logits(slot, key, extras)
         mark(slot, "forward_done")
         mask = self.masks.join(slot, prev, rows, self.compute_stream)[0] if guided else None
         mark(slot, "mask_waited")
@@ -110,6 +110,7 @@ class StepProgram:
         tokens = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows], d["seeds"][:rows],
                         d["steps"][:rows], bitmask=mask, all_greedy=greedy, masker=self.masker, min_p=min_p)
         slot.sampled[:rows] = tokens
+        self.pool.emit(self.pool.rows(d["smp_row"][:rows]), tokens)
         if extras and slot.logprobs is not None:
             record(slot.logprobs[:rows, :1], logits, tokens[:, None])
         return tokens

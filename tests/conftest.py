@@ -106,6 +106,8 @@ def hf_greedy(model, prompt_ids, new_tokens):
 def assert_no_leak(engine):
     assert engine.blocks.num_free == engine.blocks.num_blocks, "KV pages leaked"
     assert not engine.scheduler.running and not engine.scheduler.waiting
+    for pool in engine.scheduler.row_pools:
+        assert len(pool) == pool.num_rows, f"{pool.field} rows leaked"
 
 
 def prefill_logits(engine, ids):

@@ -116,14 +116,15 @@ def test_driver_with_a_stand_in_vllm(tmp_path):
     (schemas / "JME_1.json").write_text(json.dumps({"schema": schema, "tests": []}))
     out = tmp_path / "out" / "pv.json"
     args = ["--dtype", "float32", "--streams", "2", "--new-tokens", "3", "--guided-tokens", "12", "--repeats", "1",
-            "--data", str(tmp_path / "data"), "--vllm-site", str(tmp_path / "site"), "--out", str(out)]
+            "--data", str(tmp_path / "data"), "--vllm-site", str(tmp_path / "site"), "--out", str(out),
+            "--parts", "decode", "guided"]           # the n-gram part builds two more engines per side
     for sides in (["specdec"], ["vllm", "--merge"]):          # one side per command, as on the GPU machine
         r = subprocess.run([sys.executable, "bench/peers_vllm.py", *args, "--sides", *sides], cwd=REPO,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     records = json.loads(out.read_text())
     assert sorted((x["side"], x["mode"]) for x in records) == sorted(
-        (s, m) for s in ("specdec", "vllm") for m in ("decode", "guided", "free"))
+        (s, m) for s in ("specdec", "vllm") for m in ("decode", "guided", "free", "jme"))
     assert not [x["error"] for x in records if x.get("error")]
     by = {(x["side"], x["mode"]): x for x in records}
     assert all(by[s, "decode"]["generated_tokens"] == 6 and by[s, "decode"]["same_tokens"] == 1.0 for s in pv.SIDES)

@@ -130,7 +130,7 @@ def test_pipelined_graph_layout_preemption_and_speculation_equal_blocking(engine
         if "num_kv_blocks" in cfg:
             assert eng.scheduler.num_preemptions > 0
         if "speculative" in cfg:
-            assert eng.timings.spec_rows > 0 and len(eng.scheduler.penalty_pool) == 2
+            assert eng.timings.spec_rows > 0 and len(eng.scheduler.row_pools[1]) == 2
 
 
 def test_an_engine_without_penalty_rows_refuses_them(chat_prompts):

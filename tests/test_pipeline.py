@@ -95,11 +95,18 @@ def test_abort_while_in_flight_frees_pages_after_the_step(chat_prompts):
     assert_no_leak(eng)
 
 
-def test_carry_over_gathers_only_marked_rows():
-    from engine.step import gather_carry
-    ids = torch.tensor([5, 0, 7, 0])
-    prev = torch.tensor([11, 12, 13])
-    src = torch.tensor([-1, 2, -1, 0])
-    assert gather_carry(ids, src, prev).tolist() == [5, 13, 7, 11]
-    failed = torch.tensor([11, -1, 13])               # NO_TOKEN: its request fails; the next step reads 0
-    assert gather_carry(ids, src.new_tensor([-1, 1, -1, 0]), failed).tolist() == [5, 0, 7, 11]
+def test_the_token_pool_carries_last_tokens_and_drafts_by_row():
+    """carry_src -1 keeps the host's id, 0 takes the row's last token, j its draft j; padding rows (-1) read and
+    write the dummy row; a NO_TOKEN (a failed row) is written as 0 so the next step's embedding stays in range."""
+    from engine.token_pool import TokenPool
+    pool = TokenPool(3, 2, torch.device("cpu"))
+    pool.emit(pool.rows(torch.tensor([2, 0, -1])), torch.tensor([11, -1, 99]))
+    pool.drafts[2] = torch.tensor([21, 22])
+    ids = torch.tensor([5, 0, 0, 0, 7])
+    src = torch.tensor([-1, 0, 1, 2, 0])
+    rows = pool.rows(torch.tensor([2, 2, 2, 2, 0]))
+    assert pool.carried(ids, src, rows).tolist() == [5, 11, 21, 22, 0]
+    assert pool.last_token[pool.dummy] == 99 and pool.last_token[1] == 0
+    plain = TokenPool(2, 0, torch.device("cpu"))
+    plain.emit(torch.tensor([1]), torch.tensor([8]))
+    assert plain.carried(torch.tensor([4, 0]), torch.tensor([-1, 0]), torch.tensor([0, 1])).tolist() == [4, 8]

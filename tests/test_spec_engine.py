@@ -43,7 +43,7 @@ def run(workload, depth, graph_layout=False, cuts=None, **cfg):
     seqs = drive(eng, workload)
     assert_no_leak(eng)
     if eng.scheduler.spec:
-        assert len(eng.scheduler.spec.pool) == eng.runner.spec_state.num_rows, "speculation rows leaked"
+        assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows, "token-pool rows leaked"
     return eng, seqs
 
 
@@ -173,8 +173,7 @@ def test_gpu_graphs_speculation_equals_plain(spec_workload, drafter, k):
 
 def test_policy_pauses_on_low_acceptance_and_probes():
     from engine.spec.plan import SpecPolicy
-    from engine.row_pool import RowPool
-    policy = SpecPolicy(k=3, max_rows=8, max_model_len=512, pool=RowPool(4), min_acceptance=1.5, probe_every=4)
+    policy = SpecPolicy(k=3, max_rows=8, max_model_len=512, min_acceptance=1.5, probe_every=4)
     assert not policy._paused(), "nothing measured yet: speculate"
     for _ in range(12):
         policy.observe(accepted=2, rows=8)        # 1.25 tokens per row-step
@@ -195,14 +194,14 @@ def test_abort_while_speculating_frees_everything(spec_workload):
     while eng.timings.spec_rows < 2:
         eng.step()
     seq = eng._seqs[a]
-    assert seq.spec_row >= 0 and seq.num_pending > 1, "a spec step of the request is in flight"
+    assert seq.pool_row >= 0 and seq.num_pending > 1, "a spec step of the request is in flight"
     eng.abort(a)
     while eng.has_unfinished():
         eng.step()
-    assert seq.spec_row == -1 and not seq.block_table
+    assert seq.pool_row == -1 and not seq.block_table
     assert len(eng.take(b).output_token_ids) == 24
     assert_no_leak(eng)
-    assert len(eng.scheduler.spec.pool) == eng.runner.spec_state.num_rows
+    assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows
 
 
 def test_the_kv_page_budget_counts_every_cache_the_block_tables_index():

@@ -24,7 +24,7 @@ def run(workload, depth=2, graph_layout=False, **cfg):
     seqs = drive(eng, workload)
     assert_no_leak(eng)
     if eng.scheduler.spec:
-        assert len(eng.scheduler.spec.pool) == eng.runner.spec_state.num_rows, "speculation rows leaked"
+        assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows, "token-pool rows leaked"
     return eng, seqs
 
 

@@ -1,5 +1,6 @@
-"""Host side of speculation: which steps speculate and how far (SpecPolicy), and a row's step inputs
-(fill_row), laid out for engine/spec/program.py.
+"""Host side of speculation: which steps speculate and how far (SpecPolicy), and what a row's step inputs hold
+besides its tokens (fill_spec_row, fill_spec_sampling; engine/rows.py writes the tokens), for
+engine/spec/program.py.
 
 A step speculates (every row gets 1 + K query tokens: its last token, then K drafts) only when all its
 rows are decode rows (guided or not: a guided row's drafts are walked by its grammar), no waiting request could be admitted instead, there are at most
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.row_pool import RowPool
 from engine.spec.state import SpecStats
 
 
@@ -20,7 +20,6 @@ class SpecPolicy:
     k: int                  # the engine's K (graph shapes)
     max_rows: int           # steps with more rows do not speculate
     max_model_len: int
-    pool: RowPool           # SpecState rows, handed out with pages
     min_acceptance: float = 0.0     # speculate while the recent acceptance length is at least this
     lookahead: int = 0              # tokens of pages to reserve past a row's inputs when free (head drafts)
     probe_every: int = 16           # below it: one spec step after this many plain ones, to measure again
@@ -78,41 +77,26 @@ class SpecPolicy:
         return 0 if self._paused() else k
 
 
-def fill_row(slot, i: int, row, t: int, block_size: int) -> None:
-    """Row i of a speculating engine's step, its tokens from t: positions and slot mapping as the host plans
-    them (as if the sequence's in-flight drafts all passed: `shift` marks that), host-known ids, and where
-    the device takes the others from (carry_src: 0 the last token, j the j-th draft)."""
-    h, seq, n, start, k = slot.np, row.seq, row.num_tokens, row.start, row.spec_k
-    end, bt, bs = start + n, seq.block_table, block_size
-    known = min(end, seq.num_tokens)
+def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:
+    """What a speculating engine's step reads of row i besides its tokens (engine/rows.py wrote those, positions
+    and slot mapping as the host plans them: as if the sequence's in-flight drafts all passed): `shift` marks
+    that the device must correct them, the next token of each input the host knows, the pages' capacity."""
+    h, seq, n, start = slot.np, row.seq, row.num_tokens, row.start
+    end, bt = start + n, seq.block_table
     pending = int(seq.num_pending > 0)
-    h["positions"][t:t + n] = range(start, end)
-    h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
-    h["carry_src"][t:t + n] = -1
-    if known > start:
-        h["input_ids"][t:t + known - start] = seq.tokens(start, known)
-    if k:                                           # [last token, K drafts]
-        h["carry_src"][t + 1:t + n] = range(1, k + 1)
-        h["input_ids"][t + 1:t + n] = 0
-    if pending:                                     # the last token is still on the device
-        last = t if k else t + n - 1
-        h["input_ids"][last] = 0
-        h["carry_src"][last] = 0
     h["next_ids"][t:t + n] = -1                    # the next input of the step, unless known or emitted
     m = min(end, seq.num_tokens - 1) - start        # inputs whose next token the host knows
     if m > 0:
         h["next_ids"][t:t + m] = seq.tokens(start + 1, start + 1 + m)
-    h["kv_cap"][i] = len(bt) * bs
-    h["tok_row"][t:t + n] = seq.spec_row
+    h["kv_cap"][i] = len(bt) * block_size
     h["tok_seq"][t:t + n] = i
     h["shift"][t:t + n] = pending
-    h["seq_shift"][i] = seq.spec_row if pending else -1
+    h["seq_shift"][i] = seq.pool_row if pending else -1
 
 
-def fill_sampling_row(slot, s: int, row, t: int) -> None:
-    """Sampling row s of a speculating engine's step whose row starts at token t."""
+def fill_spec_sampling(slot, s: int, row, t: int) -> None:
+    """Sampling row s of a speculating engine's step whose row starts at token t (engine/rows.py wrote the rest)."""
     h, seq = slot.np, row.seq
-    h["smp_row"][s] = seq.spec_row
     h["smp_shift"][s] = int(seq.num_pending > 0)
     h["num_drafts"][s] = row.num_drafts
     h["logits_indices"][s] = t if row.spec_k else t + row.num_tokens - 1

@@ -29,7 +29,7 @@ from engine.spec.verify import PAD, greedy_accept, rejection_sample
 
 class SpecStepProgram(StepProgram):
     def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, pool=state, **kwargs)
         self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
         self.drafter = drafter
@@ -81,11 +81,7 @@ class SpecStepProgram(StepProgram):
         d["seq_lens"][:B].sub_(torch.where(seq_shift >= 0, st.rejected[seq_shift.clamp(min=0)], 0).int())
         smp_rows = st.rows(d["smp_row"][:S])
         d["steps"][:S].sub_(torch.where(d["smp_shift"][:S] > 0, st.rejected[smp_rows], 0))
-        # carry_src: -1 the host's id, 0 the sequence's last token, j >= 1 its draft j
-        carry = d["carry_src"][:T]
-        drafted = st.drafts[tok_rows, (carry - 1).clamp(0, st.drafts.shape[1] - 1)]
-        carried = torch.where(carry == 0, st.last_token[tok_rows], drafted)
-        ids = torch.where(carry >= 0, carried, d["input_ids"][:T])
+        ids = st.carried(d["input_ids"][:T], d["carry_src"][:T], tok_rows)
         if self.drafter.uses_history:
             st.history[tok_rows, pos.clamp(max=st.max_model_len)] = ids.int()
         return ids
@@ -157,8 +153,7 @@ class SpecStepProgram(StepProgram):
             cols = first[:, None] + 1 + j[None, :]
             cols = torch.where((j[None, :] <= accepted[:, None]) & (cols < st.max_model_len), cols, st.max_model_len)
             st.history[rows[:, None].expand(S, K + 1), cols] = tokens.clamp(min=0).int()
-        last = tokens.gather(1, accepted[:, None])[:, 0]
-        st.last_token[rows] = last.clamp(min=0)                 # a NO_TOKEN (failed row) carries as token 0
+        st.emit(rows, tokens.gather(1, accepted[:, None])[:, 0])
         st.rejected[rows] = K - accepted
         out = slot.spec_out
         out[:S, :K + 1] = tokens

@@ -1,20 +1,16 @@
-"""Device-side speculation state, one row per sequence holding KV pages, and per-request statistics.
+"""Device-side speculation state: the token pool's rows (engine/token_pool.py: last token, drafts) and what
+only speculation needs besides, and per-request statistics.
 
 A step learns how many drafts were accepted only on the device, and the host plans the next step before it
-knows (the pipelined loop). So what the next step needs lives here, indexed by the sequence's `spec_row`,
+knows (the pipelined loop). So what the next step needs lives here, indexed by the sequence's `pool_row`,
 written by the step that produced it and read by the next step of the same sequence on the same compute
 stream:
 - `history[row, :]`: the sequence's tokens by position (what the n-gram drafter searches). A step scatters
   its input tokens (prompt chunks included) and its emitted tokens into it.
-- `last_token[row]`: the last token emitted (the bonus token); the next step's first input is carried from it.
 - `rejected[row]`: drafts of the last step that were not accepted. The host planned the next step as if all
   were; the device moves that step's positions, seq_lens, slot mapping and sampling index back by this much.
-- `drafts[row, :K]`, `draft_count[row]`: the drafter's guesses for the next step, made at the end of this
-  one (so an EAGLE head can use this step's hidden states).
-Row `dummy` (the last) absorbs the writes of graph padding rows. Rows are handed out by
-`engine.row_pool.RowPool` on the host with a sequence's pages and taken back with them: a new owner's writes
-are ordered after the old owner's on the one compute stream, and it reads nothing of a row it has not written
-first.
+- the pool's `drafts[row, :K]`, `draft_count[row]`: the drafter's guesses for the next step, made at the end
+  of this one (so an EAGLE head can use this step's hidden states); `last_token[row]`: the bonus token.
 """
 from __future__ import annotations
 
@@ -22,22 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.token_pool import TokenPool
 
-class SpecState:
+
+class SpecState(TokenPool):
     def __init__(self, num_rows: int, max_model_len: int, k: int, device: torch.device):
-        self.num_rows, self.k, self.max_model_len = num_rows, k, max_model_len
-        self.dummy = num_rows                           # padding rows write here
+        super().__init__(num_rows, k, device)
+        self.max_model_len = max_model_len
         rows = num_rows + 1
         # column max_model_len is a dummy too: emitted-token writes past a row's count land there
         self.history = torch.zeros(rows, max_model_len + 1, dtype=torch.int32, device=device)
-        self.last_token = torch.zeros(rows, dtype=torch.int64, device=device)
         self.rejected = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.drafts = torch.zeros(rows, max(k, 1), dtype=torch.int64, device=device)
-        self.draft_count = torch.zeros(rows, dtype=torch.int64, device=device)
-
-    def rows(self, host_rows: torch.Tensor) -> torch.Tensor:
-        """Host-written row indices (-1: padding) -> device rows (padding -> dummy)."""
-        return torch.where(host_rows >= 0, host_rows, self.dummy)
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""The one row writer: a scheduled row's step inputs in a slot's host buffers, for plain and speculative steps.
+
+A row covers positions [start, start + n) of its sequence. Its tokens are the host's where it knows them;
+a sequence with a token in flight (`num_pending`) starts or ends at that token, which the device carries from
+the sequence's token-pool row (carry_src 0), and a speculating row's K drafts follow it (carry_src 1..K):
+[last token, draft 1, ..., draft K]. A plain row is a speculating row with K = 0. engine/spec/plan.py adds
+what only speculation reads (corrections for rejected drafts, the next token of each input, page caps).
+"""
+from __future__ import annotations
+
+
+def fill_tokens(h, row, t: int, block_size: int) -> None:
+    """Row `row`'s tokens from index t of the step: positions, slot mapping, ids, pool rows, carry sources."""
+    seq, n, start, k = row.seq, row.num_tokens, row.start, row.spec_k
+    end, bt, bs = start + n, seq.block_table, block_size
+    known = min(end, seq.num_tokens)
+    if n == 1:                                      # decode rows: scalar writes only
+        h["positions"][t] = start
+        h["slot_mapping"][t] = bt[start // bs] * bs + start % bs
+        h["tok_row"][t] = seq.pool_row
+        h["carry_src"][t] = -1
+        if known > start:
+            h["input_ids"][t] = seq.token_at(start)
+    else:
+        h["positions"][t:t + n] = range(start, end)
+        h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
+        h["tok_row"][t:t + n] = seq.pool_row
+        h["carry_src"][t:t + n] = -1
+        if known > start:
+            h["input_ids"][t:t + known - start] = seq.tokens(start, known)
+    if k:                                           # [last token, K drafts]
+        h["carry_src"][t + 1:t + n] = range(1, k + 1)
+        h["input_ids"][t + 1:t + n] = 0
+    if seq.num_pending:                             # its last token is still on the device
+        last = t if k else t + n - 1
+        h["input_ids"][last] = 0
+        h["carry_src"][last] = 0
+
+
+def fill_sampling(h, s: int, token_index: int, seq) -> None:
+    """Sampling row s: the logits row it reads, its sampling parameters and the pool row it writes."""
+    p = seq.params
+    h["logits_indices"][s] = token_index
+    h["temperature"][s] = p.temperature
+    h["top_k"][s] = p.top_k
+    h["top_p"][s] = p.top_p
+    h["seeds"][s] = seq.seed
+    h["steps"][s] = len(seq.output_token_ids) + seq.num_pending
+    h["smp_row"][s] = seq.pool_row
+
+
+def write_block_table(slot, i: int, seq) -> None:
+    """Row i of the slot's block tables: only the pages it lacks if it last held this very table. Tables grow in
+    place; preemption and release replace the list, so identity says the old pages are valid."""
+    bt, (held, have) = seq.block_table, slot.bt_rows[i]
+    start = have if held is bt and have <= len(bt) else 0
+    if start < len(bt):
+        slot.np["block_tables"][i, start:len(bt)] = bt[start:]
+    slot.bt_rows[i] = (bt, len(bt))
