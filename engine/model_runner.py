@@ -85,6 +85,8 @@ class ModelRunner:
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties)
         else:
             self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool)
+        # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)
+        self.draft_lookahead = self.program.drafter.lookahead if self.spec_k else 0
         max_blocks = -(-max_model_len // config.block_size)
         self.slots = [DecodeSlot(i, config.max_num_batched_tokens, config.max_num_seqs, max_blocks, self.device,
                                  self.spec_k, config.logprobs, bool(config.penalty_rows)) for i in range(2)]
