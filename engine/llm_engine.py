@@ -27,7 +27,7 @@ from engine.logprobs import HostLogprobs
 from engine.model_runner import RowError
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
-from engine.parallel.cluster import start_runner
+from engine.workers.cluster import start_runner
 from engine.parallel.group import TensorParallelError
 from engine.request_handle import RequestHandle
 from engine.row_pool import RowPool

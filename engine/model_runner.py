@@ -48,8 +48,8 @@ class RowError(Exception):
 class ModelRunner:
     """One rank's runner. With tensor parallelism (`tp` a DistGroup) every rank builds the same runner over
     its shard of the model and runs the same steps; rank 0's engine plans them and fills the grammar masks,
-    the other ranks receive both (engine/parallel/worker.py). `draft`: the draft model's ModelSource with
-    speculative="draft_model" (engine/parallel/cluster.py start_runner resolves it, once for every rank)."""
+    the other ranks receive both (engine/workers/worker.py). `draft`: the draft model's ModelSource with
+    speculative="draft_model" (engine/workers/cluster.py start_runner resolves it, once for every rank)."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, encode=None, tp=SINGLE,
                  draft=None):

@@ -146,4 +146,4 @@ def test_tensor_parallel_server_equals_one_rank_and_stops_when_a_worker_dies():
 def _workers_of(root: int) -> list[int]:
     """Tensor-parallel worker processes under `root` (the server, or its engine process)."""
     from serving import descendants
-    return [pid for pid, cmd in descendants(root) if b"engine.parallel.worker" in cmd]
+    return [pid for pid, cmd in descendants(root) if b"engine.workers.worker" in cmd]

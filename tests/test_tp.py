@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU: ranks are processes joined by gloo (engine/parallel/).
+"""Tensor parallelism on the CPU: ranks are processes joined by gloo (engine/parallel/, engine/workers/).
 
 TP = 2 must give the very tokens of TP = 1 (float32, the same weights cut Megatron-style), through every
 step kind: prefill chunks, decode, guided masks (filled by rank 0, broadcast), speculative drafts (n-gram,

@@ -3,7 +3,7 @@
 
 Each rank has two groups over one TCPStore: `device_pg` carries what the step computes (NCCL on CUDA, gloo on
 the CPU; captured inside the CUDA graphs), `control_pg` (gloo, CPU tensors) carries the step messages from
-rank 0 (engine/parallel/channel.py) and start-up agreements. Rank 0 decides what must agree across ranks
+rank 0 (engine/workers/channel.py) and start-up agreements. Rank 0 decides what must agree across ranks
 (grammar masks, drafts) and `broadcast` hands it to the others; everything else every rank computes alike
 from identical inputs (all-reduced hidden states, all-gathered logits, the seeded sampler).
 """

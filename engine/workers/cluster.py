@@ -1,7 +1,7 @@
 """Rank 0's side of tensor parallelism: starts the workers, owns the groups, and ends the engine when a
 worker dies or hangs.
 
-Workers are fresh interpreters (`python -m engine.parallel.worker`, their spec pickled on stdin: unlike
+Workers are fresh interpreters (`python -m engine.workers.worker`, their spec pickled on stdin: unlike
 multiprocessing's spawn this re-imports no caller's script, so one needs no `__main__` guard) that meet rank 0
 at a TCPStore on a free port. A watchdog thread polls them; while the engine thread is inside a step (`watch()`),
 a step that takes longer than `tp_timeout_s` counts as a hang. Either way the groups are aborted (a collective
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.parallel.channel import StepChannel
+from engine.workers.channel import StepChannel
 from engine.parallel.group import DistGroup, TensorParallelError
 from engine.parallel.sharding import param_shards
-from engine.parallel.worker import WorkerSpec
+from engine.workers.worker import WorkerSpec
 
 
 def start_runner(config, source, max_model_len: int, encode):
@@ -176,7 +176,7 @@ class Cluster:
 def _start(spec: WorkerSpec) -> subprocess.Popen:
     root = str(Path(__file__).resolve().parents[2])       # where `engine` is importable from
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    p = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE, env=env)
+    p = subprocess.Popen([sys.executable, "-m", "engine.workers.worker"], stdin=subprocess.PIPE, env=env)
     p.stdin.write(pickle.dumps(spec))
     p.stdin.close()
     return p

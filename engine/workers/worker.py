@@ -1,5 +1,5 @@
 """A tensor-parallel worker: rank r >= 1 in a process of its own, one GPU (or a CPU share) each; started by
-engine/parallel/cluster.py as `python -m engine.parallel.worker` with its WorkerSpec pickled on stdin.
+engine/workers/cluster.py as `python -m engine.workers.worker` with its WorkerSpec pickled on stdin.
 
 It builds the same ModelRunner as rank 0 over its shard of the model (its graphs captured in the same order,
 so the collectives inside them pair up), then launches every step rank 0 sends it, until told to stop. It
@@ -52,7 +52,7 @@ def worker_main(spec: WorkerSpec) -> None:
 
 def _serve(spec: WorkerSpec, store) -> None:
     from engine.model_runner import ModelRunner
-    from engine.parallel.channel import StepChannel
+    from engine.workers.channel import StepChannel
     from engine.parallel.group import DistGroup
     c = spec.config
     device = c.torch_device()
