@@ -22,11 +22,11 @@ class PagedCache:
     head_dim: int
 
     @classmethod
-    def of_config(cls, name: str, cfg: dict, layers: int | None = None) -> "PagedCache":
-        """From a Llama-style config dict (HF config.json keys); `layers` overrides its layer count."""
+    def of_config(cls, name: str, cfg: dict) -> "PagedCache":
+        """From a Llama-style config dict (HF config.json keys)."""
         heads = cfg["num_attention_heads"]
-        return cls(name, cfg["num_hidden_layers"] if layers is None else layers,
-                   cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        return cls(name, cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
+                   cfg.get("head_dim") or cfg["hidden_size"] // heads)
 
     def page_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         return 2 * self.layers * block_size * self.kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
@@ -46,7 +46,3 @@ class KVBudget:
     def pages_for_memory(self, free_bytes: int, fraction: float) -> int:
         """Pages that fit in `fraction` of `free_bytes` (at least one)."""
         return max(1, int(free_bytes * fraction) // self.page_bytes)
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{c.name} {c.page_bytes(self.block_size, self.dtype)}" for c in self.caches)
-        return f"{self.page_bytes} bytes per page ({parts})"

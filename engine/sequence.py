@@ -149,8 +149,11 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
     by the engine (engine/validation.py)."""
     if value is None:
         return None
-    pairs = value.items() if isinstance(value, dict) else value
-    if not isinstance(pairs, (tuple, list)) and not isinstance(value, dict):
+    if isinstance(value, dict):
+        pairs = value.items()
+    elif isinstance(value, (tuple, list)):
+        pairs = value
+    else:
         raise ValueError(f"logit_bias must map token ids to biases, got {type(value).__name__}")
     out = {}
     for item in pairs:

@@ -32,17 +32,25 @@ REF_OPS = SimpleNamespace(rms_norm=fused_ops.rms_norm_ref, rope_store_kv=fused_o
                           silu_mul=fused_ops.silu_mul_ref)
 
 
+def head_config(path: str | Path) -> HeadConfig:
+    """A head directory's head.json (its shape, without its weights)."""
+    path = Path(path)
+    if not (path / "head.json").is_file():
+        raise FileNotFoundError(f"draft head directory {path} has no head.json")
+    raw = json.loads((path / "head.json").read_text())
+    fields = {k: raw[k] for k in HeadConfig.__dataclass_fields__}
+    fields["feature_layers"] = tuple(fields["feature_layers"])
+    return HeadConfig(**fields)
+
+
 def load_head(path: str | Path, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """A head directory (head.json + head.safetensors, as `specdec.train_head --stage export` writes it)."""
     from safetensors.torch import load_file
     path = Path(path)
-    for name in ("head.json", "head.safetensors"):
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"draft head directory {path} has no {name}")
-    raw = json.loads((path / "head.json").read_text())
-    fields = {k: raw[k] for k in HeadConfig.__dataclass_fields__}
-    fields["feature_layers"] = tuple(fields["feature_layers"])
-    head = EagleHead(HeadConfig(**fields))
+    cfg = head_config(path)
+    if not (path / "head.safetensors").is_file():
+        raise FileNotFoundError(f"draft head directory {path} has no head.safetensors")
+    head = EagleHead(cfg)
     head.load_state_dict(load_file(str(path / "head.safetensors")))
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 

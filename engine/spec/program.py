@@ -153,7 +153,8 @@ class SpecStepProgram(StepProgram):
             cols = first[:, None] + 1 + j[None, :]
             cols = torch.where((j[None, :] <= accepted[:, None]) & (cols < st.max_model_len), cols, st.max_model_len)
             st.history[rows[:, None].expand(S, K + 1), cols] = tokens.clamp(min=0).int()
-        st.emit(rows, tokens.gather(1, accepted[:, None])[:, 0])
+        if K:                                                   # a K = 0 step's sampling wrote it already
+            st.emit(rows, tokens.gather(1, accepted[:, None])[:, 0])
         st.rejected[rows] = K - accepted
         out = slot.spec_out
         out[:S, :K + 1] = tokens

@@ -11,17 +11,11 @@ def drafter_caches(config, source, draft=None) -> list:
     before anything is loaded so the page budget counts them: a head's one layer, a draft model's layers."""
     from engine.kv_cache import PagedCache
     if config.speculative == "eagle":
-        import json
-        from pathlib import Path
         from engine.spec.eagle_head import HeadConfig
-        where = config.spec_head or default_head_dir(source)
-        if where == "random":
-            cfg = HeadConfig.for_target(source.config).to_dict()
-        elif (Path(where) / "head.json").is_file():
-            cfg = json.loads((Path(where) / "head.json").read_text())
-        else:
-            raise FileNotFoundError(f"draft head directory {where} has no head.json")
-        return [PagedCache("eagle head", 1, cfg["num_kv_heads"], cfg["head_dim"])]
+        from engine.spec.eagle_paged import head_config
+        where = head_dir(config, source)
+        cfg = HeadConfig.for_target(source.config) if where == "random" else head_config(where)
+        return [PagedCache("eagle head", 1, cfg.num_kv_heads, cfg.head_dim)]
     if config.speculative == "draft_model":
         return [PagedCache.of_config("draft model", draft.config)]
     return []
@@ -39,7 +33,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         from engine.spec.drafters.eagle import EagleDrafter
         from engine.spec.eagle_head import new_head
         from engine.spec.eagle_paged import PagedHead, check_head, load_head
-        where = config.spec_head or default_head_dir(source)
+        where = head_dir(config, source)
         head = new_head(source.config, dtype, device).requires_grad_(False) if where == "random" \
             else load_head(where, dtype, device)
         check_head(head, source.config)
@@ -52,6 +46,11 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         return DraftModelDrafter(config.num_speculative_tokens, build_model(draft, dtype, device, max_model_len + 1),
                                  backend, num_blocks, config.block_size, max_model_len)
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
+
+
+def head_dir(config, source) -> str:
+    """The head an eagle engine drafts with: `spec_head` ("random": an untrained one), else the shipped one."""
+    return config.spec_head or default_head_dir(source)
 
 
 def default_head_dir(source) -> str:
