@@ -48,8 +48,8 @@ class PenaltyState:
         flat = torch.tensor([row * self.vocab + t for row, t, _ in pairs], dtype=torch.int64)
         vals = torch.tensor([b for _, _, b in pairs], dtype=torch.float32)
         rows, flat, vals = (_to(x, self.bias.device) for x in (rows, flat, vals))
-        self.bias[rows] = 0.0
-        self.bias.view(-1)[flat] = vals
+        self.bias.index_fill_(0, rows, 0.0)
+        self.bias.view(-1).index_copy_(0, flat, vals)
 
     def rows(self, host_rows: torch.Tensor) -> torch.Tensor:
         return torch.where(host_rows >= 0, host_rows, self.dummy)
@@ -58,14 +58,16 @@ class PenaltyState:
         """Zero the rows whose chunk starts at 0 (and the dummy), then count the step's input tokens `ids` [T]:
         d["pen_tok"][t] = 2 * row + (1 if token t is an output token else 0), -1 for no row."""
         reset = torch.cat([self.rows(d["pen_reset"][:B]), self.counts.new_full((1,), self.dummy, dtype=torch.int64)])
-        self.counts[reset] = 0
-        self.prompt[reset] = False
+        # index_fill_ with a Python scalar: indexed assignment (`t[idx] = 0`) copies a CPU tensor, which a
+        # graph capture refuses
+        self.counts.index_fill_(0, reset, 0)
+        self.prompt.index_fill_(0, reset, False)
         tok = d["pen_tok"][:T]
         row = self.rows(torch.where(tok >= 0, tok // 2, -1))
         is_out = (tok >= 0) & (tok % 2 == 1)
         flat = torch.where(is_out, row, self.dummy) * self.vocab + ids
         self.counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        self.prompt[torch.where((tok >= 0) & ~is_out, row, self.dummy), ids] = True
+        self.prompt.view(-1).index_fill_(0, torch.where((tok >= 0) & ~is_out, row, self.dummy) * self.vocab + ids, True)
 
     def apply(self, logits: torch.Tensor, d: dict, rows: int) -> None:
         """Penalties and min_tokens on `logits` [rows, V] in place (sampling rows' parameters in `d`)."""
