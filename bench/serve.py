@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -245,8 +247,15 @@ def main(argv=None):
     targets = {"both": ["ours", peer], "ours": ["ours"], "peer": [peer]}[args.only]
     if args.single_process_too and "ours" in targets:
         targets.insert(0, "ours-1p")
+    # a timeout's SIGTERM unwinds through bench_target's `finally`, so no server outlives the bench holding GPU memory
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print(markdown_table([], COLUMNS), flush=True)
-    rows = [row for t in targets for row in bench_target(t, args, requests, logdir)]
+    partial = Path(args.out_prefix + ".partial.json")       # each target's rows as it ends, in case a later one hangs
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for t in targets:
+        rows += bench_target(t, args, requests, logdir)
+        partial.write_text(json.dumps(rows, indent=1, default=str))
     records = [to_record(r, args) for r in rows]        # after the servers stopped: device_name() may init CUDA
     out = Path(args.out_prefix + ".json")
     if args.merge and out.exists():                     # replace this run's modes, keep the others
@@ -260,6 +269,7 @@ def main(argv=None):
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
     plot_runs(records, out.with_suffix(".png"))
+    partial.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
