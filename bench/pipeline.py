@@ -40,7 +40,6 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto", help="cpu works for a smoke run (e.g. --models dummy:tiny)")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--gemv-fusion", action="store_true", help="Triton GEMVs with fused norm/SiLU at small batch")
     p.add_argument("--peers", action="store_true", help="also run transformers' peers (bench/peers_hf.py)")
     p.add_argument("--out", default="bench/results/pipeline.json")
     return p.parse_args(argv)
@@ -84,7 +83,7 @@ def run_one(eng, name, workload, streams, depth, prompts, new_tokens) -> dict:
     out_tokens = sum(len(s.output_token_ids) for s in done)
     return record(BENCH, "blocking" if depth == 1 else "pipelined", name, eng.config.dtype, streams, new_tokens,
                   out_tokens / wall, 1e3 * wall / max(t.steps, 1), workload=workload, depth=depth,
-                  gemv_fusion=eng.config.gemv_fusion, graphs=eng.runner.graphs is not None,
+                  graphs=eng.runner.graphs is not None,
                   requests=len(done), L=out_tokens / max(len(done), 1), steps=t.steps, rows=t.rows,
                   stop_frac=sum(s.finish_reason == "stop" for s in done) / max(len(done), 1),
                   zombie_rows=t.zombie_rows, idle_frac=st["idle_ms"] / st["period_ms"],
@@ -95,8 +94,7 @@ def run_one(eng, name, workload, streams, depth, prompts, new_tokens) -> dict:
 
 def bench_model(spec, args) -> list[dict]:
     eng = LLMEngine(model=spec, dtype=args.dtype, device=args.device, max_num_seqs=max(args.streams), max_model_len=1024,
-                    num_kv_blocks=max(args.streams) * 16 * 2, enforce_eager=args.enforce_eager,
-                    gemv_fusion=args.gemv_fusion)
+                    num_kv_blocks=max(args.streams) * 16 * 2, enforce_eager=args.enforce_eager)
     name = eng.source.name
     note(f"{name}: graphs {'off' if eng.runner.graphs is None else eng.runner.graphs.sizes}")
     eng.generate(chat_prompts(eng, 2), SamplingParams(max_tokens=8, temperature=0.0))  # JIT warm-up

@@ -76,12 +76,11 @@ class TritonAttention:
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
-    def __init__(self, gemv_fusion: bool = False):
-        from engine.kernels import bitmask, fused_ops, gemv, paged_attention
+    def __init__(self):
+        from engine.kernels import bitmask, fused_ops, paged_attention
         self._k = paged_attention
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
-        self.gemv = gemv if gemv_fusion else None   # small-batch matmuls with fused prologues
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -91,9 +90,9 @@ class TritonAttention:
                                        meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
-def make_backend(name: str, gemv_fusion: bool = False):
+def make_backend(name: str):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention(gemv_fusion)
+        return TritonAttention()
     raise ValueError(f"unknown attention backend {name!r}")

@@ -25,9 +25,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     max_model_len: int = 0             # 0 -> the model's context length
     depth: int = 2                     # 1 = blocking loop, 2 = pipelined (step t+1 launched before t commits)
+    prefix_caching: bool = True        # full KV pages shared by prompts with the same prefix, kept after their
+                                       # request until evicted (engine/block_manager.py)
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
-    gemv_fusion: bool = False          # Triton: fold norms and SiLU * up into the matmuls of steps <= 16 tokens
-                                       # (measured slower than cuBLAS + separate kernels on an H100: off)
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
     grammar_node: str = "native"       # who fills the masks: "native" (the grammar node: C++ through tvm-ffi,
                                        # no GIL) or "python" (xgrammar's Python API; the reference path)

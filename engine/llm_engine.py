@@ -69,7 +69,7 @@ class LLMEngine(EngineFrontend):
         self.runner, self.cluster = start_runner(config, self.source, self.max_model_len, encode)
         if self.tokenizer is not None and len(self.tokenizer) > self.runner.vocab:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's {self.runner.vocab}")
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, caching=config.prefix_caching)
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, config.spec_min_acceptance,
                           lookahead=self.runner.draft_lookahead) if self.spec_k else None
@@ -107,6 +107,15 @@ class LLMEngine(EngineFrontend):
         finally:
             if self.cluster is not None:
                 self.cluster.close()
+
+    def prefix_cache_stats(self) -> dict:
+        b = self.blocks
+        return dict(prefix_query_tokens=b.query_tokens, prefix_hit_tokens=b.hit_tokens, prefix_cached_pages=b.num_cached,
+                    prefix_evictions=b.evictions)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (pages held by live requests stay with them); returns how many."""
+        return self.blocks.reset_cache()
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.source.config.get("eos_token_id")
@@ -316,7 +325,9 @@ class LLMEngine(EngineFrontend):
         if reason:
             self._finish(seq, reason, now)
         out = self.output.output(seq, len(seq.output_token_ids) - before, seq.finalized, reason)
-        return out._replace(spec=seq.spec.as_dict()) if reason and seq.spec is not None else out
+        if not reason:
+            return out
+        return out._replace(spec=seq.spec.as_dict() if seq.spec is not None else None, cached_tokens=seq.num_cached_tokens)
 
     def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         seq.finish_time = now or time.perf_counter()

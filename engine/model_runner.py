@@ -59,7 +59,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = build_model(source, self.dtype, self.device, max_model_len, tp)
         self.vocab = source.config["vocab_size"]
-        self.backend = make_backend(config.backend_name(), gemv_fusion=config.gemv_fusion)
+        self.backend = make_backend(config.backend_name())
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)
         self.num_blocks = tp.agree_min(self._num_kv_blocks())    # block tables index every rank's
@@ -169,6 +169,8 @@ class ModelRunner:
         slot.spec_k = rows[0].spec_k if rows else 0
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
         self._prepare_extras(slot, rows)
+        slot.history_writes = [(r.seq.pool_row, r.seq.tokens(0, r.cached)) for r in rows if r.cached] \
+            if self.spec_k and self.program.drafter.uses_history else []
         slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
         if slot.graph_key:
             self.graphs.pad(slot, slot.graph_key)
@@ -235,6 +237,8 @@ class ModelRunner:
                 self.masks.push(snapshot)
             if slot.bias_writes:
                 self.penalties.write_bias(slot.bias_writes)
+            if slot.history_writes:
+                self.pool.write_history(slot.history_writes)
             try:
                 if slot.graph_key:
                     self.graphs.replay(slot, variant)

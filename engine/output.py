@@ -31,6 +31,7 @@ class RequestOutput(NamedTuple):
     spec: dict | None = None                    # speculation statistics (engine/spec/state.py), final output only
     logprobs: tuple | None = None               # an engine.logprobs.Entry per new token (params.logprobs set):
                                                 # (its logprob, [(token id, logprob), ...] best first)
+    cached_tokens: int = 0                      # prompt tokens found in the prefix cache, final output only
 
 
 # text that tokenization-space cleanup would change (" ." -> ".", " 's" -> "'s", ...)

@@ -12,6 +12,9 @@ already in flight (`capped`) is not scheduled again: it ends at that token's com
 whose grammar is still compiling prefills all but its last prompt token (`schedule_target`).
 A sequence's in-flight counters (`inflight_refs`, `num_pending`, `pending_src`, and `num_computed_tokens` as
 steps launch and land) change only here: `launched`, `landed`, `rejected`, preemption and release.
+Prefix caching (engine/block_manager.py): an admitted sequence maps the cached pages of its longest known
+prefix (all but its last token: one is left to compute) and starts computing after them; its own full pages are
+registered as soon as their tokens are known and their step is launched.
 Preemption frees pages at once even if a launched step still writes them: every KV writer runs on the
 one compute stream, so the new owner's writes are ordered after the old owner's.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
+from engine.block_manager import ROOT, BlockManager, prefix_digests
 from engine.sequence import Sequence, Status
 
 
@@ -34,6 +37,7 @@ class ScheduledRow:
     spec_k: int = 0     # speculation: the step's draft slots (num_tokens = 1 + spec_k), 0 in a plain step
     num_drafts: int = 0  # drafts this row may accept (<= spec_k)
     epoch: int = 0      # seq.num_preemptions at launch: a commit rolls back only a sequence not preempted since
+    cached: int = 0     # the row of an admission: tokens before `start` mapped from the prefix cache
 
 
 class Scheduler:
@@ -122,18 +126,61 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if not self._first_chunk(seq, budget):
+                continue
+            matched = self._match(seq)
             n = self._first_chunk(seq, budget)
-            if not n:
+            if not n:                           # its cached prefix covers what it may compute now
+                self._unmatch(seq)
                 continue
             need = self._pages_for(seq, n)
             if not self.blocks.can_allocate(need) or not self._take_rows(seq):
+                self._unmatch(seq)
                 break
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = matched
+                self.blocks.count_query(len(seq.prompt_token_ids), matched)
             self.waiting.remove(seq)
             seq.block_table += self.blocks.allocate(need)
             seq.status = Status.RUNNING
             self.running.append(seq)
             rows.append(self._row(seq, n))
+            rows[-1].cached = matched
             budget -= n
+
+    # ---- prefix caching ----------------------------------------------------------------------------------
+    def _match(self, seq) -> int:
+        """Map the cached pages of the sequence's longest known prefix (a waiting sequence holds no pages);
+        returns the tokens they hold, which count as computed."""
+        if not self.blocks.caching:
+            return 0
+        usable = (seq.num_tokens - 1) // self.blocks.block_size     # at least one token is left to compute
+        self._digest_pages(seq, usable)
+        seq.block_table = self.blocks.match(seq.block_digests[:usable])
+        seq.num_registered = len(seq.block_table)
+        seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
+        return seq.num_computed_tokens
+
+    def _unmatch(self, seq) -> None:
+        self.blocks.free(seq.block_table)
+        seq.block_table, seq.num_registered, seq.num_computed_tokens = [], 0, 0
+
+    def _digest_pages(self, seq, pages: int) -> None:
+        have, bs = len(seq.block_digests), self.blocks.block_size
+        if have < pages:
+            parent = seq.block_digests[-1] if have else ROOT
+            seq.block_digests += prefix_digests(seq.tokens(have * bs, pages * bs), bs, parent)
+
+    def _register(self, seq) -> None:
+        """Register the sequence's full pages whose tokens the host knows and whose KV is enqueued."""
+        full = min(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table) * self.blocks.block_size)
+        full //= self.blocks.block_size
+        if full <= seq.num_registered:
+            return
+        self._digest_pages(seq, full)
+        for i in range(seq.num_registered, full):
+            self.blocks.register(seq.block_table[i], seq.block_digests[i])
+        seq.num_registered = full
 
     def _row(self, seq, n, k: int = 0) -> ScheduledRow:
         start = seq.num_computed_tokens
@@ -146,7 +193,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
-        seq.block_table = []
+        seq.block_table, seq.num_registered = [], 0
         self._give_rows_back(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
@@ -155,8 +202,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- a step's rows in flight: the only places a sequence's counters change ------------------------
-    @staticmethod
-    def launched(rows: list[ScheduledRow]) -> None:
+    def launched(self, rows: list[ScheduledRow]) -> None:
         """A step holding `rows` was enqueued: each row holds its sequence until the step lands, its tokens
         count as computed, and a sampling row's tokens are pending (every draft counted as if it passed)."""
         for row in rows:
@@ -166,6 +212,8 @@ class Scheduler:
             if row.sample:
                 seq.num_pending += 1 + row.spec_k
                 seq.pending_src = row.sample_idx
+            if self.blocks.caching:
+                self._register(seq)
 
     def landed(self, row: ScheduledRow) -> bool:
         """The step holding `row` was committed or will never be: the row stops holding its sequence. False:
@@ -203,7 +251,7 @@ class Scheduler:
             return
         if seq.block_table:
             self.blocks.free(seq.block_table)
-            seq.block_table = []
+            seq.block_table, seq.num_registered = [], 0
         self._give_rows_back(seq)
 
     def _take_rows(self, seq: Sequence) -> bool:

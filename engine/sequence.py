@@ -186,6 +186,9 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0                # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
+    block_digests: list = field(default_factory=list)   # prefix digests of its full pages of known tokens
+    num_registered: int = 0                     # leading pages of block_table registered in the prefix cache
+    num_cached_tokens: int = 0                  # prompt tokens its first admission found in the prefix cache
     finish_reason: str | None = None
     max_len: int = 0                            # prompt + max_tokens, capped by the context
     finalized: bool = False                     # stop seen and result emitted

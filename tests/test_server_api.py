@@ -184,3 +184,15 @@ def test_tools_under_auto_with_a_regex_guide_is_a_400(server, client):
     with pytest.raises(openai.BadRequestError, match="only with a JSON response format"):
         client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS, max_tokens=2,
                                        extra_body={"guided_regex": "[a-z]+"})
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(server, client):
+    system = {"role": "system", "content": "You answer questions about the weather in one short sentence. " * 8}
+    ask = [system, {"role": "user", "content": "Is it cold in Oslo in January?"}]
+    first = client.chat.completions.create(model=server.model, messages=ask, max_tokens=4, temperature=0)
+    again = client.chat.completions.create(model=server.model, messages=ask, max_tokens=4, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0          # whole pages, one token computed
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "specdec_prefix_cache_hits_total" in metrics

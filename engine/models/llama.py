@@ -5,9 +5,9 @@ sequence's new tokens and pages are. QKV and gate/up projections are fused into 
 
 Two paths with the same math: the reference path (torch ops, the `torch` attention backend; in float32
 it equals Hugging Face transformers) and the fused path (`backend.fused`: Triton kernels for residual
-add + RMSNorm, RoPE + KV store and SiLU * up, so a decode layer is ~10 kernels; with
-`EngineConfig.gemv_fusion`, engine/kernels/gemv.py folds each norm and SiLU * up into the next matmul for up to
-16 tokens: 7 kernels, but slower on an H100, see bench/results/gemv_fusion.md). Both compute RoPE and
+add + RMSNorm, RoPE + KV store and SiLU * up, so a decode layer is ~10 kernels; folding each norm and
+SiLU * up into the next matmul, engine/kernels/gemv.py, measured slower on an H100 than cuBLAS + separate
+kernels, bench/results/gemv_fusion.md, so the model does not use it). Both compute RoPE and
 SiLU * up in float32 and round once, so in bf16 they differ only in summation order (engine/kernels/fused_ops.py).
 """
 from __future__ import annotations
@@ -111,13 +111,13 @@ class Attention(nn.Module):
         out = backend.attend(q.contiguous(), k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
-    def forward_fused(self, qkv, positions, rope_cache, meta: AttentionMetadata, kv_cache, backend, small):
+    def forward_fused(self, qkv, positions, rope_cache, meta: AttentionMetadata, kv_cache, backend):
         """From the fused QKV projection's output to o_proj's."""
         q, k, v = self._qkv(qkv)
         k_cache, v_cache = kv_cache
         q = backend.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale).view(-1, self.q_size)
-        return backend.gemv.linear(out, self.o_proj.weight) if small else self.o_proj(out)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -132,9 +132,7 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))  # fp32, rounded once
 
-    def down_fused(self, gate_up, backend, small):
-        if small:
-            return backend.gemv.silu_mul_linear(gate_up, self.down_proj.weight)
+    def down_fused(self, gate_up, backend):
         return self.down_proj(backend.ops.silu_mul(gate_up))
 
 
@@ -152,20 +150,16 @@ class DecoderLayer(nn.Module):
         return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
     def forward_fused(self, h, residual, positions, rope_cache, meta, kv_cache, backend):
-        """h: the previous layer's output, not yet added to `residual` (None at the first layer).
-        With gemv fusion and up to gemv.MAX_ROWS tokens, each norm and SiLU * up runs inside the next matmul."""
-        small = backend.gemv is not None and h.shape[0] <= backend.gemv.MAX_ROWS
+        """h: the previous layer's output, not yet added to `residual` (None at the first layer)."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend, small)
-        h = self.tp.all_reduce(attn.forward_fused(qkv, positions, rope_cache, meta, kv_cache, backend, small))
-        gate_up, residual = _norm_proj(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, backend, small)
-        return self.tp.all_reduce(mlp.down_fused(gate_up, backend, small)), residual
+        qkv, residual = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend)
+        h = self.tp.all_reduce(attn.forward_fused(qkv, positions, rope_cache, meta, kv_cache, backend))
+        gate_up, residual = _norm_proj(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, backend)
+        return self.tp.all_reduce(mlp.down_fused(gate_up, backend)), residual
 
 
-def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend, small: bool):
+def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend):
     """proj(rms_norm(h + residual)) and the new residual (h itself when there is none yet)."""
-    if small:
-        return backend.gemv.norm_linear(h, norm.weight, norm.eps, proj.weight, proj.bias, residual)
     if residual is None:
         h, residual = backend.ops.rms_norm(h, norm.weight, norm.eps), h
     else:

@@ -68,11 +68,12 @@ def engine_stats(engine, live: int, up: bool) -> dict:
                 kv_used=engine.blocks.num_blocks - engine.blocks.num_free, kv_total=engine.blocks.num_blocks,
                 compiles=service.compiling() if service is not None else 0, steps=t.steps, gpu_idle=t.gpu_idle,
                 spec_rows=t.spec_rows, spec_proposed=t.spec_proposed, spec_accepted=t.spec_accepted,
-                acceptance_length=t.acceptance_length, up=float(up))
+                acceptance_length=t.acceptance_length, up=float(up), **engine.prefix_cache_stats())
 
 
 DEAD_STATS = dict(queue=0, running=0, live=0, kv_used=0, kv_total=0, compiles=0, steps=0, gpu_idle=0.0, spec_rows=0,
-                  spec_proposed=0, spec_accepted=0, acceptance_length=0.0, up=0.0)
+                  spec_proposed=0, spec_accepted=0, acceptance_length=0.0, up=0.0, prefix_query_tokens=0,
+                  prefix_hit_tokens=0, prefix_cached_pages=0, prefix_evictions=0)
 
 
 class EngineCollector:
@@ -100,6 +101,11 @@ class EngineCollector:
         yield _counter("specdec_spec_accepted_tokens", "Draft tokens accepted", s["spec_accepted"])
         yield _gauge("specdec_spec_acceptance_length", "Tokens per verifying row-step since start (0: none)",
                      s["acceptance_length"])
+        yield _counter("specdec_prefix_cache_queries", "Prompt tokens of admitted requests, looked up in the prefix cache",
+                       s["prefix_query_tokens"])
+        yield _counter("specdec_prefix_cache_hits", "Prompt tokens found in the prefix cache", s["prefix_hit_tokens"])
+        yield _gauge("specdec_prefix_cache_pages", "KV pages registered in the prefix cache", s["prefix_cached_pages"])
+        yield _counter("specdec_prefix_cache_evictions", "Cached KV pages taken back for new ones", s["prefix_evictions"])
         yield _gauge("specdec_engine_up", "1 while the engine runs", s["up"])
 
 

@@ -30,6 +30,15 @@ class SpecState(TokenPool):
         self.history = torch.zeros(rows, max_model_len + 1, dtype=torch.int32, device=device)
         self.rejected = torch.zeros(rows, dtype=torch.int64, device=device)
 
+    def write_history(self, writes: list) -> None:
+        """[(row, tokens)]: each row's history from position 0, on the current stream (the compute stream, in
+        step order): the prefix a sequence found in the prefix cache, which no step of its own computes."""
+        for row, tokens in writes:
+            src = torch.tensor(tokens, dtype=torch.int32)
+            if self.history.device.type == "cuda":
+                src = src.pin_memory().to(self.history.device, non_blocking=True)
+            self.history[row, :len(tokens)] = src
+
 
 @dataclass
 class SpecStats:

@@ -37,6 +37,7 @@ class ChoiceState:
     finish: str | None = None
     error: str | None = None
     spec: dict | None = None
+    cached: int = 0                    # prompt tokens found in the prefix cache
     last: float | None = None          # when its previous tokens arrived
     seen: int = 0                      # tokens counted by then
     lp_ids: list = field(default_factory=list)      # tokens with logprobs, and their entries (engine/logprobs.py)
@@ -54,6 +55,7 @@ class ChoiceState:
         events = self.parser.feed(out.new_text) if self.parser else ([("content", out.new_text)] if out.new_text else [])
         if out.finished:
             self.finish, self.error, self.spec = out.finish_reason, out.error, out.spec
+            self.cached = out.cached_tokens
             events += self.parser.finish() if self.parser else []
         released = []
         for kind, item in events:
@@ -179,7 +181,9 @@ class Generation:
 
     def usage(self) -> dict:
         done = sum(st.tokens for st in self.choices)
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done,
+                 # the choices share the prompt: the most any of them found cached
+                 "prompt_tokens_details": {"cached_tokens": max((st.cached for st in self.choices), default=0)}}
         specs = [st.spec for st in self.choices if st.spec]
         if specs:
             steps, accepted = sum(s["steps"] for s in specs), sum(s["accepted"] for s in specs)

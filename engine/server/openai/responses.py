@@ -250,7 +250,8 @@ class ResponseBuilder:
 
 def _usage(usage: dict) -> dict:
     return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 

@@ -66,6 +66,7 @@ class Out(msgspec.Struct, array_like=True):
     error: str | None = None
     spec: dict | None = None
     logprobs: list | None = None    # an entry per new id (engine/logprobs.py), for choices that asked
+    cached: int = 0                 # prompt tokens found in the prefix cache (final output)
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):

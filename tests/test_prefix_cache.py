@@ -1,0 +1,156 @@
+"""Automatic prefix caching: full KV pages keyed by a digest of every token up to their end, shared and kept
+after their request, evicted least recently freed first. Greedy outputs with caching equal outputs without."""
+import pytest
+
+from conftest import assert_no_leak
+from engine.block_manager import ROOT, BlockManager, prefix_digests
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams
+from helpers import CAT, CPU, drive
+
+SYSTEM = ("You are a tool-calling assistant. Tools: get_weather(city, unit), search(query), "
+          "book_table(restaurant, time, people). Answer with one tool call as JSON, nothing else. ") * 3
+QUESTIONS = ["Weather in Paris?", "Find pizza near me.", "Book a table for two at eight.", "Weather in Oslo?"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+
+
+# ---- the page allocator -----------------------------------------------------------------------------------------
+def test_digests_chain_over_the_whole_prefix():
+    a = prefix_digests(list(range(12)), 4, ROOT)
+    assert len(a) == 3 and len(set(a)) == 3
+    assert prefix_digests(list(range(4, 12)), 4, a[0]) == a[1:]          # resumable from any page
+    b = prefix_digests([99] + list(range(1, 12)), 4, ROOT)              # one token differs in page 0
+    assert all(x != y for x, y in zip(a, b))                             # ... so every later page differs
+
+
+def test_pages_are_shared_kept_and_evicted_oldest_first():
+    bm = BlockManager(4, 4, caching=True)
+    d = prefix_digests(list(range(8)), 4, ROOT)
+    pages = bm.allocate(2)
+    for p, x in zip(pages, d):
+        bm.register(p, x)
+    assert bm.match(d) == pages                     # a second holder
+    bm.free(pages)
+    bm.free(pages)                                  # nobody holds them: cached, and still allocatable
+    assert bm.num_free == 4 and bm.num_cached == 2
+    assert bm.match(d[:1]) == pages[:1]
+    bm.free(pages[:1])                              # page 0 is now the most recently freed
+    got = bm.allocate(3)                            # two free pages, then the oldest cached one (page 1)
+    assert pages[1] in got and pages[0] not in got and bm.evictions == 1
+    assert bm.match(d) == [pages[0]]                # page 1's digest is gone; page 0 still matches
+    with pytest.raises(RuntimeError, match="double free"):
+        bm.free(got + [pages[0]] + [pages[0]])
+
+
+def test_reset_forgets_cached_pages_but_not_held_ones():
+    bm = BlockManager(4, 4, caching=True)
+    d = prefix_digests(list(range(8)), 4, ROOT)
+    pages = bm.allocate(2)
+    for p, x in zip(pages, d):
+        bm.register(p, x)
+    bm.free(pages[1:])
+    assert bm.reset_cache() == 2 and bm.num_cached == 0 and bm.match(d) == []
+    bm.free(pages[:1])
+    assert bm.num_free == 4 and sorted(bm.allocate(4)) == [0, 1, 2, 3]
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+def _engine(caching: bool, **cfg):
+    return LLMEngine(**(CPU | dict(prefix_caching=caching, max_model_len=1024) | cfg))
+
+
+def _prompts(eng):
+    return [eng.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            for q in QUESTIONS]
+
+
+def _workload(eng):
+    """A shared system prompt (two requests at once, two later), a repeated prompt, a prompt cut inside a page
+    and a second turn that extends a first turn's prompt with its answer."""
+    p = _prompts(eng)
+    turn2 = p[0] + eng.encode("{\"name\": \"get_weather\"}") + eng.apply_chat_template(
+        [{"role": "user", "content": "And in Rome?"}])
+    return [(0, p[0], GREEDY), (0, p[1], GREEDY), (4, p[2], GREEDY), (4, p[0], GREEDY),
+            (6, p[3][:len(p[3]) - 5], GREEDY), (8, turn2, GREEDY),
+            (9, p[1], SamplingParams(max_tokens=16, temperature=0, json_schema=CAT))]
+
+
+def _run(caching: bool, **cfg):
+    eng = _engine(caching, **cfg)
+    seqs = drive(eng, _workload(eng))
+    assert_no_leak(eng)
+    return eng, [s.output_token_ids for s in seqs], seqs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run(False)[1]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cached_prefixes_give_the_tokens_of_full_prefills(reference, depth):
+    eng, got, seqs = _run(True, depth=depth)
+    assert got == reference
+    stats = eng.prefix_cache_stats()
+    assert stats["prefix_hit_tokens"] > 0 and stats["prefix_cached_pages"] > 0
+    assert seqs[0].num_cached_tokens == 0 and seqs[3].num_cached_tokens >= len(seqs[0].prompt_token_ids) - 16
+    assert seqs[1].num_cached_tokens == 0                   # admitted in the same step as the first: nothing yet
+    assert seqs[2].num_cached_tokens > 0 and seqs[4].num_cached_tokens > 0 and seqs[6].num_cached_tokens > 0
+    assert seqs[5].num_cached_tokens >= len(seqs[0].prompt_token_ids) - 16       # the second turn reuses the first
+    assert all(s.num_cached_tokens < len(s.prompt_token_ids) for s in seqs)     # one token is always computed
+
+
+def test_eviction_under_pressure_and_preemption(reference):
+    """Few pages: requests preempt each other, cached pages are evicted to make room, and the outputs stay."""
+    eng, got, _ = _run(True, num_kv_blocks=16, max_num_batched_tokens=64)
+    assert got == reference
+    assert eng.blocks.evictions > 0 and eng.scheduler.num_preemptions > 0
+
+
+def test_abort_while_pages_are_shared(reference):
+    eng = _engine(True)
+    p = _prompts(eng)
+    first = eng.add_request(p[0], GREEDY, retain=True)
+    for _ in range(3):
+        eng.step()
+    second = eng.add_request(p[0], GREEDY, retain=True)
+    eng.step()
+    eng.abort(first)                                 # the second still reads the pages the first computed
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.take(second).output_token_ids == reference[0]
+    assert_no_leak(eng)
+    assert eng.reset_prefix_cache() > 0 and eng.blocks.num_cached == 0
+    assert_no_leak(eng)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "draft_model"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_speculation_after_a_cache_hit(reference, drafter, k):
+    cfg = dict(speculative=drafter, num_speculative_tokens=k)
+    if drafter == "draft_model":
+        cfg["spec_draft_model"] = "default"
+    eng, got, _ = _run(True, **cfg)
+    assert got == reference
+    assert eng.prefix_cache_stats()["prefix_hit_tokens"] > 0
+
+
+def test_ngram_history_holds_the_cached_prompt():
+    """The n-gram drafter searches the sequence's token history by position, which the steps of a cached
+    prefix never wrote: the runner writes it before the sequence's first step, so drafts after a hit see the
+    whole prompt, as after a full prefill."""
+    eng = _engine(True, speculative="ngram", num_speculative_tokens=2)
+    p = _prompts(eng)
+    other = eng.encode("Count the sheep: one sheep, two sheep, three sheep. " * 20)
+    assert len(other) > len(p[0])
+    for prompt in (p[0], other):                        # fill the cache, then overwrite the pool row's history
+        eng.generate([prompt], GREEDY)
+    rid = eng.add_request(p[0], GREEDY, retain=True)
+    eng.step()
+    seq = eng._seqs[rid]
+    assert seq.num_cached_tokens >= len(p[0]) - 16
+    history = eng.runner.pool.history[seq.pool_row, :len(p[0])].tolist()
+    assert history == p[0]
+    while eng.has_unfinished():
+        eng.step()
+    assert_no_leak(eng)
