@@ -152,8 +152,8 @@ class Scheduler:
     def _match(self, seq) -> int:
         """Map the cached pages of the sequence's longest known prefix (a waiting sequence holds no pages);
         returns the tokens they hold, which count as computed."""
-        if not self.blocks.caching:
-            return 0
+        if not self.blocks.caching or seq.params.penalty_row:
+            return 0        # penalties count (and logit_bias is written) from the step that computes position 0
         usable = (seq.num_tokens - 1) // self.blocks.block_size     # at least one token is left to compute
         self._digest_pages(seq, usable)
         seq.block_table = self.blocks.match(seq.block_digests[:usable])

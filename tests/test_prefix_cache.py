@@ -154,3 +154,38 @@ def test_ngram_history_holds_the_cached_prompt():
     while eng.has_unfinished():
         eng.step()
     assert_no_leak(eng)
+
+
+def test_penalized_and_biased_requests_compute_their_whole_prompt():
+    """Penalty counts and logit_bias rows are set up by the step that computes position 0, so a request that
+    holds a penalty row takes nothing from the cache (its pages still serve others)."""
+    runs = []
+    for caching in (False, True):
+        eng = _engine(caching)
+        p = _prompts(eng)[0]
+        bias = {eng.encode(" the")[0]: -5.0}
+        params = [GREEDY, SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.3),
+                  SamplingParams(max_tokens=10, temperature=0, logit_bias=bias), GREEDY]
+        runs.append([eng.generate([p], sp)[0] for sp in params])
+        assert_no_leak(eng)
+    off, on = runs
+    assert [s.output_token_ids for s in on] == [s.output_token_ids for s in off]
+    assert [s.num_cached_tokens > 0 for s in on] == [False, False, False, True]
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "draft_model"])
+def test_drafts_after_a_hit_accept_as_after_a_full_prefill(drafter):
+    """The head's and the draft model's KV live in the target's pages, so cached pages carry theirs too: the same
+    requests one after another accept the same drafts with and without the cache."""
+    runs = []
+    for caching in (False, True):
+        cfg = dict(speculative=drafter, num_speculative_tokens=3)
+        if drafter == "draft_model":
+            cfg["spec_draft_model"] = "default"
+        eng = _engine(caching, **cfg)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        runs.append([eng.generate([p], params)[0] for p in _prompts(eng)[:3]])
+    off, on = runs
+    assert [s.num_cached_tokens > 0 for s in on] == [False, True, True]
+    assert [s.output_token_ids for s in on] == [s.output_token_ids for s in off]
+    assert [s.spec.as_dict() for s in on] == [s.spec.as_dict() for s in off]
