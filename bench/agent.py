@@ -10,7 +10,8 @@ next user message, so every turn's prompt extends the last one. All agents run a
 agent sends its next turn when its call finishes). The agents share the system prompt; each agent's turns share
 its history. Per (caching, agents): TTFT p50 / p99 (request added to its first token), output tok/s over the
 run, time per tool call (added to finished), the share of prompt tokens found in the cache, and the share of
-calls that parse as JSON. One engine per caching setting; a warm-up conversation first (other prompts).
+calls that validate against their tool's schema (jsonschema; a call cut at --max-tokens does not). One engine
+per caching setting; a warm-up conversation first (other prompts).
 """
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ import time
 
 try:
     from bench.common import markdown_table, note, plot, progress, record, write_results
+    from bench.guided_quality import check_output
 except ImportError:
     from common import markdown_table, note, plot, progress, record, write_results
+    from guided_quality import check_output
 
 from specdec.datasets import DEFAULT_ROOT, load_schemas, resolve
 
-COLUMNS = ["mode", "streams", "turns", "ttft_p50_ms", "ttft_p99_ms", "tok_s", "call_ms", "cached_frac", "json_frac",
+COLUMNS = ["mode", "streams", "turns", "ttft_p50_ms", "ttft_p99_ms", "tok_s", "call_ms", "cached_frac", "valid_frac",
            "requests"]
 
 
@@ -81,7 +84,7 @@ class Agent:
         self.messages.append({"role": "user", "content": f"Request {self.turn + 1}: use {name} for case "
                                                          f"{self.index * 100 + self.turn}."})
         params = SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=schema)
-        return eng.apply_chat_template(self.messages), params
+        return eng.apply_chat_template(self.messages), params, schema
 
     def answered(self, text: str) -> bool:
         self.messages += [{"role": "assistant", "content": text},
@@ -92,32 +95,28 @@ class Agent:
 
 def run_agents(eng, agents, max_tokens: int) -> dict:
     """All agents at once until each did its turns; per request: TTFT, latency, tokens, cached share, JSON."""
-    live, done, t0 = {}, [], time.perf_counter()
+    live, done, schemas, t0 = {}, [], {}, time.perf_counter()
     for a in agents:
-        prompt, params = a.next_request(eng, max_tokens)
-        live[eng.add_request(prompt, params, retain=True)] = a
+        prompt, params, schema = a.next_request(eng, max_tokens)
+        rid = eng.add_request(prompt, params, retain=True)
+        live[rid], schemas[rid] = a, schema
     while live:
         for rid in [o.request_id for o in eng.step() if o.finished and o.request_id in live]:
             agent, seq = live.pop(rid), eng.take(rid)
-            done.append(seq)
+            done.append((seq, schemas.pop(rid)))
             if agent.answered(seq.text):
-                prompt, params = agent.next_request(eng, max_tokens)
-                live[eng.add_request(prompt, params, retain=True)] = agent
+                prompt, params, schema = agent.next_request(eng, max_tokens)
+                new = eng.add_request(prompt, params, retain=True)
+                live[new], schemas[new] = agent, schema
     wall = time.perf_counter() - t0
+    valid = sum(check_output(schema, s.text)[0] == "valid" for s, schema in done) / len(done)
+    done = [s for s, _ in done]
     ttft = sorted(1e3 * (s.first_token_time - s.arrival) for s in done if s.first_token_time)
     return dict(wall_s=wall, requests=len(done), output_tokens=sum(len(s.output_token_ids) for s in done),
                 ttft_p50_ms=statistics.median(ttft), ttft_p99_ms=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
                 call_ms=statistics.mean(1e3 * (s.finish_time - s.arrival) for s in done),
                 cached_frac=sum(s.num_cached_tokens for s in done) / sum(len(s.prompt_token_ids) for s in done),
-                json_frac=sum(_parses(s.text) for s in done) / len(done))
-
-
-def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except ValueError:
-        return False
+                valid_frac=valid)
 
 
 def bench(args) -> list[dict]:

@@ -80,6 +80,23 @@ def test_tiny_speculative_ngram_and_draft_model_equal_tp1():
     assert rows > 0 and accepted > 0         # the draft is the target itself: its drafts are accepted
 
 
+def test_tiny_prefix_cache_hits_equal_tp1_without_it():
+    """Rank 0 finds the cached pages; every rank maps them (the block tables go out with the step)."""
+    head = tiny_prompts()[1]
+    rounds = [[head + [3, 4]], [head + [5, 6, 7], head + [3, 4]]]       # the second round hits the first's pages
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = []
+    for tp, caching in ((1, False), (2, True)):
+        eng = LLMEngine(tensor_parallel_size=tp, prefix_caching=caching, **TINY)
+        try:
+            outs.append([[s.output_token_ids for s in eng.generate(r, params)] for r in rounds])
+            assert eng.blocks.num_free == eng.blocks.num_blocks, "KV pages leaked"
+            hits = eng.prefix_cache_stats()["prefix_hit_tokens"]
+        finally:
+            eng.close()
+    assert outs[1] == outs[0] and hits >= 2 * 32
+
+
 @pytest.mark.slow
 def test_default_model_guided_and_eagle_equal_tp1(chat_prompts):
     """SmolLM2-135M: 9 query / 3 KV heads split 6+3 / 2+1, tied embeddings; guided masks from rank 0, the
