@@ -212,8 +212,8 @@ class Scheduler:
             if row.sample:
                 seq.num_pending += 1 + row.spec_k
                 seq.pending_src = row.sample_idx
-            if self.blocks.caching:
-                self._register(seq)
+            if self.blocks.caching and seq.num_computed_tokens // self.blocks.block_size > seq.num_registered:
+                self._register(seq)     # (the test first: this runs for every row of every step)
 
     def landed(self, row: ScheduledRow) -> bool:
         """The step holding `row` was committed or will never be: the row stops holding its sequence. False:
