@@ -47,7 +47,7 @@ class PenaltyState:
         pairs = [(row, t, b) for row, bias in writes for t, b in bias or ()]
         flat = torch.tensor([row * self.vocab + t for row, t, _ in pairs], dtype=torch.int64)
         vals = torch.tensor([b for _, _, b in pairs], dtype=torch.float32)
-        rows, flat, vals = (_to(x, self.bias.device) for x in (rows, flat, vals))
+        rows, flat, vals = (to_device(x, self.bias.device) for x in (rows, flat, vals))
         self.bias.index_fill_(0, rows, 0.0)
         self.bias.view(-1).index_copy_(0, flat, vals)
 
@@ -86,7 +86,8 @@ class PenaltyState:
         logits.masked_fill_(ban[:, :self.vocab], float("-inf"))
 
 
-def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied on the current stream."""
     # pinned, so the copy is ordered on the stream without a host wait (the caching host allocator keeps the
     # page alive until the copy ran)
     return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x

@@ -126,13 +126,15 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not self._first_chunk(seq, budget):
+            n = self._first_chunk(seq, budget)
+            if not n:
                 continue
             matched = self._match(seq)
-            n = self._first_chunk(seq, budget)
-            if not n:                           # its cached prefix covers what it may compute now
-                self._unmatch(seq)
-                continue
+            if matched:
+                n = self._first_chunk(seq, budget)
+                if not n:                       # its cached prefix covers what it may compute now
+                    self._unmatch(seq)
+                    continue
             need = self._pages_for(seq, n)
             if not self.blocks.can_allocate(need) or not self._take_rows(seq):
                 self._unmatch(seq)

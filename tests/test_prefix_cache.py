@@ -23,12 +23,18 @@ def test_digests_chain_over_the_whole_prefix():
     assert all(x != y for x, y in zip(a, b))                             # ... so every later page differs
 
 
-def test_pages_are_shared_kept_and_evicted_oldest_first():
+def _two_registered_pages():
+    """A 4-page manager holding two registered pages: (the manager, their digests, the pages)."""
     bm = BlockManager(4, 4, caching=True)
     d = prefix_digests(list(range(8)), 4, ROOT)
     pages = bm.allocate(2)
     for p, x in zip(pages, d):
         bm.register(p, x)
+    return bm, d, pages
+
+
+def test_pages_are_shared_kept_and_evicted_oldest_first():
+    bm, d, pages = _two_registered_pages()
     assert bm.match(d) == pages                     # a second holder
     bm.free(pages)
     bm.free(pages)                                  # nobody holds them: cached, and still allocatable
@@ -43,11 +49,7 @@ def test_pages_are_shared_kept_and_evicted_oldest_first():
 
 
 def test_reset_forgets_cached_pages_but_not_held_ones():
-    bm = BlockManager(4, 4, caching=True)
-    d = prefix_digests(list(range(8)), 4, ROOT)
-    pages = bm.allocate(2)
-    for p, x in zip(pages, d):
-        bm.register(p, x)
+    bm, d, pages = _two_registered_pages()
     bm.free(pages[1:])
     assert bm.reset_cache() == 2 and bm.num_cached == 0 and bm.match(d) == []
     bm.free(pages[:1])

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.penalties import to_device
 from engine.token_pool import TokenPool
 
 
@@ -34,10 +35,7 @@ class SpecState(TokenPool):
         """[(row, tokens)]: each row's history from position 0, on the current stream (the compute stream, in
         step order): the prefix a sequence found in the prefix cache, which no step of its own computes."""
         for row, tokens in writes:
-            src = torch.tensor(tokens, dtype=torch.int32)
-            if self.history.device.type == "cuda":
-                src = src.pin_memory().to(self.history.device, non_blocking=True)
-            self.history[row, :len(tokens)] = src
+            self.history[row, :len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int32), self.history.device)
 
 
 @dataclass
