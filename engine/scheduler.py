@@ -123,6 +123,7 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, rows, budget) -> None:
+        computing = None        # digests of the pages this step's rows compute, built when first needed
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -130,6 +131,11 @@ class Scheduler:
             if not n:
                 continue
             matched = self._match(seq)
+            if self._next_page_uncached(seq):
+                computing = self._computing(rows) if computing is None else computing
+                if seq.block_digests[len(seq.block_table)] in computing:
+                    self._unmatch(seq)  # its next page is computed in this step: take it from the cache next step
+                    continue            # instead of computing the same prefix twice
             if matched:
                 n = self._first_chunk(seq, budget)
                 if not n:                       # its cached prefix covers what it may compute now
@@ -149,6 +155,8 @@ class Scheduler:
             rows.append(self._row(seq, n))
             rows[-1].cached = matched
             budget -= n
+            if computing is not None:
+                computing.update(self._row_pages(rows[-1]))
 
     # ---- prefix caching ----------------------------------------------------------------------------------
     def _match(self, seq) -> int:
@@ -162,6 +170,23 @@ class Scheduler:
         seq.num_registered = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
         return seq.num_computed_tokens
+
+    def _next_page_uncached(self, seq) -> bool:
+        """Whether the prefix cache mapped fewer of the sequence's full prompt pages than it could hold."""
+        return self.blocks.caching and not seq.params.penalty_row and \
+            len(seq.block_table) < (seq.num_tokens - 1) // self.blocks.block_size
+
+    def _computing(self, rows) -> set[bytes]:
+        return {d for row in rows for d in self._row_pages(row)}
+
+    def _row_pages(self, row) -> list[bytes]:
+        """Digests of the full pages whose KV the row computes (tokens the host knows, not yet registered)."""
+        seq, bs = row.seq, self.blocks.block_size
+        full = min(seq.num_tokens, row.start + row.num_tokens) // bs
+        if row.num_tokens <= 1 or full <= row.start // bs:
+            return []               # a decode row: its page fills with a token still in flight
+        self._digest_pages(seq, full)
+        return seq.block_digests[row.start // bs:full]
 
     def _unmatch(self, seq) -> None:
         self.blocks.free(seq.block_table)

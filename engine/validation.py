@@ -16,6 +16,8 @@ def prompt_ids(prompt, encode) -> list[int]:
         return encode(prompt)
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if set(map(type, prompt)) <= {int}:     # the common case, checked in C (an abc check per id costs ms)
+        return list(prompt)
     if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
         raise ValueError("prompt token ids must be integers")
     return [int(t) for t in prompt]
@@ -31,7 +33,7 @@ def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens; the context is {max_model_len} "
                          f"and at least one must be left to generate")
-    bad = [t for t in ids if not 0 <= t < vocab]
+    bad = [t for t in ids if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
     if bad:
         raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
     bad = [t for t in params.stop_token_ids if t >= vocab]

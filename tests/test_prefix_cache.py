@@ -96,10 +96,23 @@ def test_cached_prefixes_give_the_tokens_of_full_prefills(reference, depth):
     stats = eng.prefix_cache_stats()
     assert stats["prefix_hit_tokens"] > 0 and stats["prefix_cached_pages"] > 0
     assert seqs[0].num_cached_tokens == 0 and seqs[3].num_cached_tokens >= len(seqs[0].prompt_token_ids) - 16
-    assert seqs[1].num_cached_tokens == 0                   # admitted in the same step as the first: nothing yet
+    # added with the first: it waits one step for the shared pages the first computes, instead of computing them
+    assert seqs[1].num_cached_tokens > 0
     assert seqs[2].num_cached_tokens > 0 and seqs[4].num_cached_tokens > 0 and seqs[6].num_cached_tokens > 0
     assert seqs[5].num_cached_tokens >= len(seqs[0].prompt_token_ids) - 16       # the second turn reuses the first
     assert all(s.num_cached_tokens < len(s.prompt_token_ids) for s in seqs)     # one token is always computed
+
+
+def test_requests_added_together_compute_their_shared_head_once(reference):
+    """Four requests with one system prompt arrive at once: the first computes the shared pages, the others wait
+    one step for them (instead of computing them in the same step) and the outputs stay those of full prefills."""
+    eng = _engine(True)
+    p = _prompts(eng)
+    seqs = drive(eng, [(0, q, GREEDY) for q in p])
+    assert [s.output_token_ids for s in seqs[:2]] == reference[:2]
+    shared = len(eng.encode(SYSTEM)) // eng.blocks.block_size * eng.blocks.block_size
+    assert seqs[0].num_cached_tokens == 0 and all(s.num_cached_tokens >= shared for s in seqs[1:])
+    assert_no_leak(eng)
 
 
 def test_eviction_under_pressure_and_preemption(reference):
