@@ -47,6 +47,7 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     data = httpx.get(f"{server.url}/v1/models").json()["data"]
     assert [m["id"] for m in data] == [server.model] and data[0]["max_model_len"] == 512
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 404     # only with --allow-cache-reset
 
 
 def test_chat_equals_the_engine_token_for_token(server, client, engine):

@@ -17,7 +17,8 @@ CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 
 
 @pytest.fixture(scope="module")
 def server():
-    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", "--served-model-name", "smol", "smol-b") as s:
+    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", "--served-model-name", "smol", "smol-b",
+               "--allow-cache-reset") as s:
         yield s
 
 
@@ -196,3 +197,8 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(server, clien
     assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0          # whole pages, one token computed
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "specdec_prefix_cache_hits_total" in metrics
+    reset = httpx.post(f"{server.url}/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200 and reset.json()["reset_pages"] >= cached // 16
+    cold = client.chat.completions.create(model=server.model, messages=ask, max_tokens=4, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert cold.choices[0].message.content == first.choices[0].message.content

@@ -29,6 +29,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-key-header", default=None, metavar="NAME",
                    help="take a request's client, for its share of the grammar compiles, from this header (e.g. a "
                         "gateway's user header) instead of its address; only behind a proxy that sets it")
+    p.add_argument("--allow-cache-reset", action="store_true",
+                   help="add POST /reset_prefix_cache, which forgets every cached prompt page no request holds (for "
+                        "benchmarks and operators; any client reaching the server could call it)")
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="API processes (HTTP, templates, tokenization, SSE) in front of the one engine process")
     p.add_argument("--single-process", action="store_true",

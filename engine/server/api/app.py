@@ -44,6 +44,7 @@ class ServerState:
     aliases: tuple = ()          # further names clients may ask for (--served-model-name a b ...)
     client_key_header: str | None = None    # the header naming a request's client (--client-key-header)
     tool_format: ToolFormat = HERMES        # how the model writes tool calls (--tool-call-parser)
+    allow_cache_reset: bool = False         # POST /reset_prefix_cache exists (--allow-cache-reset)
 
     @classmethod
     def for_engine(cls, args, aengine, tokenizer) -> "ServerState":
@@ -52,6 +53,7 @@ class ServerState:
         limits = RequestLimits.for_model(tokenizer, aengine.info.max_model_len, args.max_request_bytes)
         return cls(aengine, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
                    client_key_header=args.client_key_header,
+                   allow_cache_reset=getattr(args, "allow_cache_reset", False),
                    tool_format=resolve_tool_format(tokenizer, getattr(args, "tool_call_parser", "auto")))
 
     @property

@@ -1,5 +1,5 @@
-"""Routes beside the generation endpoints: one model's card, vLLM's /tokenize and /detokenize, and OpenAI's
-error shape for every HTTP error the framework raises itself (an unknown route, a wrong method)."""
+"""Routes beside the generation endpoints: one model's card, vLLM's /tokenize and /detokenize (and, with
+--allow-cache-reset, its /reset_prefix_cache), and OpenAI's error shape for every HTTP error the framework raises itself (an unknown route, a wrong method)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException
 from engine.server.api.limits import read_json
 from engine.server.openai.chat import chat_prompt, normalize_messages, template_options
 from engine.server.openai.protocol import APIError, ChatCompletionRequest, validated
+from engine.server.processes.submission import EngineDead
 
 _TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 
@@ -54,6 +55,15 @@ def add_utility_routes(app: FastAPI, state, handle) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         return await handle("detokenize", request, build_detokenize)
+
+    if state.allow_cache_reset:         # an operator's tool: any client could otherwise empty everyone's cache
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            try:
+                return {"reset_pages": await state.aengine.reset_prefix_cache()}
+            except EngineDead as exc:
+                err = APIError(str(exc), 503, "service_unavailable")
+                return JSONResponse(err.body(), status_code=503)
 
 
 def _tokenize(state, body: dict) -> list[int]:

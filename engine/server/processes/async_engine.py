@@ -53,6 +53,14 @@ class AsyncEngine(Router):
     async def stats(self) -> dict:
         return engine_stats(self.engine, self.live, self.healthy())
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's unheld pages (on the engine thread); returns how many."""
+        if not self.healthy():
+            raise EngineDead(f"the engine has stopped: {self.error or 'not running'}")
+        done = self._loop.create_future()
+        self._send(("reset", done))
+        return await done
+
     async def submit(self, prompt_ids: list[int], params: list, stream: bool = True) -> Submission:
         """Add one request per SamplingParams (all or none). Raises Overloaded, EngineDead, or the ValueError
         that names what is wrong with the request."""
@@ -128,6 +136,8 @@ class AsyncEngine(Router):
                 return False
             if kind == "add":
                 self._add(arg)
+            elif kind == "reset":
+                self._loop.call_soon_threadsafe(self._resolve, arg, self.engine.reset_prefix_cache(), None)
             else:
                 for rid in arg:
                     self.engine.abort(rid)

@@ -186,6 +186,18 @@ class EngineClient(Router):
         finally:
             self._waiters.pop(("stats", token), None)
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's unheld pages; returns how many. Raises EngineDead."""
+        if self.error is not None:
+            raise EngineDead(f"the engine has stopped: {self.error}")
+        token, waiter = self._expect("stats", lambda t: ipc.ResetCache(self.client, t))
+        try:
+            return (await asyncio.wait_for(waiter, STATS_TIMEOUT_S))["reset_pages"]
+        except asyncio.TimeoutError:
+            raise EngineDead("the engine did not answer") from None
+        finally:
+            self._waiters.pop(("stats", token), None)
+
     # ---- the engine's end ------------------------------------------------------------------------------------
     def _engine_gone(self) -> None:
         """The pipe closed: the engine process is gone. Its last frames (a `Fatal` saying why) may still be on

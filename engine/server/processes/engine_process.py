@@ -155,6 +155,9 @@ class EngineServer:
         elif isinstance(msg, ipc.Stats):
             stats = engine_stats(self.engine, len(self.routes), True)
             self.outboxes[msg.client].send(ipc.encode(ipc.StatsReply(msg.token, stats)))
+        elif isinstance(msg, ipc.ResetCache):
+            reply = ipc.StatsReply(msg.token, {"reset_pages": self.engine.reset_prefix_cache()})
+            self.outboxes[msg.client].send(ipc.encode(reply))
 
     def _add(self, msg: ipc.Add) -> None:
         out = self.outboxes[msg.client]

@@ -49,6 +49,12 @@ class Stats(msgspec.Struct, tag=True, array_like=True):
     token: int
 
 
+class ResetCache(msgspec.Struct, tag=True, array_like=True):
+    """Forget the prefix cache's unheld pages; answered by a StatsReply {"reset_pages": n}."""
+    client: int
+    token: int
+
+
 # ---- engine -> API process -----------------------------------------------------------------------------------
 class Added(msgspec.Struct, tag=True, array_like=True):
     sub: int
@@ -88,7 +94,7 @@ class Fatal(msgspec.Struct, tag=True, array_like=True):
     message: str                # the engine stopped: why
 
 
-ToEngine = Add | Abort | Compile | CancelCompile | Stats
+ToEngine = Add | Abort | Compile | CancelCompile | Stats | ResetCache
 ToClient = Added | Outputs | Compiled | StatsReply | Fatal
 
 encode = msgspec.msgpack.Encoder().encode
