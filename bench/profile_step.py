@@ -1,0 +1,136 @@
+"""Where a decode step's time goes: host phases per step and the GPU kernels of one step by kind.
+
+    python bench/profile_step.py                                   # default model, 1 and 32 streams
+    PYTHONPATH=.old python bench/profile_step.py --tag before       # another tree's engine, same script
+    python bench/profile_step.py --device cpu --dtype float32 --streams 2 --steps 4 --out /tmp/p.json   # smoke
+
+Per stream count: one engine, every stream a chat prompt decoding with EOS ignored. After --warmup-steps, the
+engine's own counters (engine/timings.py) time --steps steps unprofiled: the host's plan, launch, wait and
+commit per step, the forward's and the sampling's GPU time, and the compute stream's idle time between steps.
+Then torch.profiler records only device activity (no host ops, so the loop runs at its own pace) for
+another --steps steps: kernels and copies per step, their time per step by kind, and how much of the window
+the GPU was busy. Kernels inside CUDA graph replays are traced like any other.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
+    from common import markdown_table, note, record, write_results
+    from throughput import build_engine
+except ImportError:
+    from bench.common import markdown_table, note, record, write_results
+    from bench.throughput import build_engine
+
+KINDS = (("matmul", r"gemm|gemv|matmul|cutlass|nvjet|cublas|sm90_xmma|splitk"),
+         ("attention", r"attention|attn|flash|paged"),
+         ("norm", r"rms|norm"),
+         ("rope / kv store", r"rope|store_kv|kv_store"),
+         ("copy", r"memcpy|memset|copy"),
+         ("sampling", r"argmax|softmax|topk|sort|multinomial|exponential|bitmask|sample"),
+         ("index / where", r"index|gather|scatter|where|clamp|fill"),
+         ("elementwise", r"elementwise|vectorized|unrolled|reduce|add|mul|silu|act"))
+COLUMNS = ["tag", "streams", "period_ms", "plan_ms", "launch_ms", "wait_ms", "commit_ms", "forward_gpu_ms",
+           "sample_gpu_ms", "gpu_idle_ms", "kernels", "kernel_us", "busy_frac"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--warmup-steps", type=int, default=16)
+    p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
+    p.add_argument("--out", default="bench/results/profile_step.json")
+    p.add_argument("--enforce-eager", action="store_true")
+    return p.parse_args(argv)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, pattern in KINDS if re.search(pattern, low)), "other")
+
+
+def device_events(prof) -> list:
+    from torch.autograd import DeviceType
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def busy_fraction(events) -> float:
+    """Share of the window from the first kernel's start to the last one's end with any kernel running."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    if not spans:
+        return 0.0
+    busy, (cur_s, cur_e) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy, cur_s = busy + cur_e - cur_s, s
+        cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    return busy / max(spans[-1][1] - spans[0][0], 1e-9)
+
+
+def kernel_summary(events, steps: int) -> dict:
+    by_kind: dict[str, list] = {}
+    for e in events:
+        entry = by_kind.setdefault(kind_of(e.name), [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    kinds = {k: dict(per_step=n / steps, us_per_step=t / steps) for k, (n, t) in sorted(by_kind.items())}
+    return dict(kernels=len(events) / steps, kernel_us=sum(v["us_per_step"] for v in kinds.values()),
+                busy_frac=busy_fraction(events), kinds=kinds)
+
+
+def profile(args, streams: int) -> dict:
+    import torch
+    from engine.sequence import SamplingParams
+    eng = build_engine(args, 2, streams)
+    total = args.warmup_steps + 2 * args.steps + 8
+    for i in range(streams):        # chat prompts through the template every tree's engine has
+        ids = eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {i}."}])
+        eng.add_request(ids, SamplingParams(max_tokens=total, temperature=0, ignore_eos=True))
+    for _ in range(args.warmup_steps):
+        eng.step()
+    eng.timings.reset()
+    for _ in range(args.steps):
+        eng.step()
+    host = {f"{k}_ms": v for k, v in eng.timings.per_step_ms().items()}
+    kernels = {}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                eng.step()
+            torch.cuda.synchronize()
+        kernels = kernel_summary(device_events(prof), args.steps)
+    rec = record("profile_step", args.tag or "plain", eng.source.name, args.dtype, streams, None, None,
+                 host["period_ms"], tag=args.tag, steps=args.steps, **host, **kernels)
+    eng.close()
+    return rec
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    records = []
+    for n in args.streams:
+        records.append(profile(args, n))
+        r = records[-1]
+        note(f"{args.tag or 'plain'} {n} streams: {r['period_ms']:.3f} ms/step, {r.get('kernels', 0):.0f} kernels")
+    out = write_results(records, args.out)
+    text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}.\n\n"
+            + markdown_table(records, COLUMNS))
+    for r in records:
+        if r.get("kinds"):
+            rows = [dict(kind=k, **v) for k, v in r["kinds"].items()]
+            text += f"\n\n{r['streams']} streams, per step by kernel kind:\n\n" + markdown_table(
+                rows, ["kind", "per_step", "us_per_step"])
+    with open(str(out).rsplit(".", 1)[0] + ".md", "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
