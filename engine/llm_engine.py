@@ -81,6 +81,7 @@ class LLMEngine(EngineFrontend):
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)
         self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config, self.runner.cuda)
         self.timings = StepTimings()
+        self._counted_query = self._counted_hits = 0     # the prefix-cache counters timings already holds
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self._seqs: dict[int, Sequence] = {}          # live requests (not finished)
@@ -251,7 +252,15 @@ class LLMEngine(EngineFrontend):
             self._last_commit_time, self._restart = t0, False
         self._step_index += 1
         self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1)
+        if self.blocks.query_tokens != self._counted_query:      # admissions looked up the prefix cache
+            self._count_prefix_lookups()
         return True
+
+    def _count_prefix_lookups(self) -> None:
+        b = self.blocks
+        self.timings.add(prefix_query_tokens=b.query_tokens - self._counted_query,
+                         prefix_hit_tokens=b.hit_tokens - self._counted_hits)
+        self._counted_query, self._counted_hits = b.query_tokens, b.hit_tokens
 
     def _unlaunch(self, rows, message: str) -> list[RequestOutput]:
         """A launch raised: which row caused it is unknown, so the step's requests fail. Nothing of the step

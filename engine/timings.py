@@ -28,6 +28,8 @@ class StepTimings:
     spec_rows: int = 0         # speculation: rows that verified drafts (one per request per spec step)
     spec_proposed: int = 0     # drafts those rows verified
     spec_accepted: int = 0     # drafts accepted
+    prefix_query_tokens: int = 0   # prompt tokens of admitted requests looked up in the prefix cache
+    prefix_hit_tokens: int = 0     # ... of them found there (mapped, not computed)
     trace: list | None = field(default=None, repr=False)  # set to [] to keep one dict per committed step
 
     def add(self, **kw) -> None:
@@ -51,6 +53,10 @@ class StepTimings:
     def acceptance_length(self) -> float:
         """Tokens per verifying row-step, the target's own token included (0: nothing speculated)."""
         return (self.spec_accepted + self.spec_rows) / self.spec_rows if self.spec_rows else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     def per_step_ms(self) -> dict[str, float]:
         n = max(self.steps, 1)

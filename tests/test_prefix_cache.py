@@ -95,6 +95,9 @@ def test_cached_prefixes_give_the_tokens_of_full_prefills(reference, depth):
     assert got == reference
     stats = eng.prefix_cache_stats()
     assert stats["prefix_hit_tokens"] > 0 and stats["prefix_cached_pages"] > 0
+    assert (eng.timings.prefix_query_tokens, eng.timings.prefix_hit_tokens) == \
+        (stats["prefix_query_tokens"], stats["prefix_hit_tokens"])
+    assert eng.timings.prefix_query_tokens == sum(len(s.prompt_token_ids) for s in seqs)
     assert seqs[0].num_cached_tokens == 0 and seqs[3].num_cached_tokens >= len(seqs[0].prompt_token_ids) - 16
     # added with the first: it waits one step for the shared pages the first computes, instead of computing them
     assert seqs[1].num_cached_tokens > 0
