@@ -52,7 +52,7 @@ class StepProgram:
         ids = slot.dev["input_ids"][:size]
         if not carry:
             return ids
-        return self.pool.carried(ids, slot.dev["carry_src"][:size], self.pool.rows(slot.dev["tok_row"][:size]))
+        return self.pool.carried(ids, slot.dev["carry_src"][:size], slot.dev["tok_row"][:size])
 
     @staticmethod
     def meta(slot: DecodeSlot, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int):
@@ -110,7 +110,7 @@ class StepProgram:
         tokens = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows], d["seeds"][:rows],
                         d["steps"][:rows], bitmask=mask, all_greedy=greedy, masker=self.masker, min_p=min_p)
         slot.sampled[:rows] = tokens
-        self.pool.emit(self.pool.rows(d["smp_row"][:rows]), tokens)
+        self.pool.emit(d["smp_row"][:rows], tokens)
         if extras and slot.logprobs is not None:
             record(slot.logprobs[:rows, :1], logits, tokens[:, None])
         return tokens

@@ -8,8 +8,9 @@ handed out by `engine.row_pool.RowPool` with its pages (`seq.pool_row`):
 - `drafts[row, :K]`, `draft_count[row]`: the drafter's guesses for its next step (engine/spec/).
 A step's input t names where its id comes from, for plain and speculative steps alike (engine/slots.py):
 `carry_src[t]` = -1 the host's `input_ids[t]`, 0 the last token of row `tok_row[t]`, j >= 1 its draft j.
-Row `dummy` (the last) absorbs the writes of graph padding rows. A row's writes and the reads of its next
-step are ordered on the one compute stream; a new owner reads nothing of a row it has not written first.
+Row `dummy` (the last) absorbs the reads and writes of graph padding rows: the host names them -1, which
+tensor indexing wraps to the last row (no remapping kernels in the step). A row's writes and the reads of its
+next step are ordered on the one compute stream; a new owner reads nothing of a row it has not written first.
 """
 from __future__ import annotations
 
@@ -19,15 +20,11 @@ import torch
 class TokenPool:
     def __init__(self, num_rows: int, k: int, device: torch.device):
         self.num_rows, self.k = num_rows, k
-        self.dummy = num_rows
+        self.dummy = num_rows       # the last row: where index -1 (padding) lands
         rows = num_rows + 1
         self.last_token = torch.zeros(rows, dtype=torch.int64, device=device)
         self.drafts = torch.zeros(rows, max(k, 1), dtype=torch.int64, device=device)
         self.draft_count = torch.zeros(rows, dtype=torch.int64, device=device)
-
-    def rows(self, host_rows: torch.Tensor) -> torch.Tensor:
-        """Host-written row indices (-1: padding) -> device rows (padding -> dummy)."""
-        return torch.where(host_rows >= 0, host_rows, self.dummy)
 
     def carried(self, ids: torch.Tensor, carry_src: torch.Tensor, tok_rows: torch.Tensor) -> torch.Tensor:
         """The step's input ids: the host's where carry_src is -1, else the pool's (see the module docstring)."""

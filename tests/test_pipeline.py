@@ -105,12 +105,13 @@ def test_the_token_pool_carries_last_tokens_and_drafts_by_row():
     write the dummy row; a NO_TOKEN (a failed row) is written as 0 so the next step's embedding stays in range."""
     from engine.token_pool import TokenPool
     pool = TokenPool(3, 2, torch.device("cpu"))
-    pool.emit(pool.rows(torch.tensor([2, 0, -1])), torch.tensor([11, -1, 99]))
+    pool.emit(torch.tensor([2, 0, -1]), torch.tensor([11, -1, 99]))        # -1: indexing wraps to the dummy
     pool.drafts[2] = torch.tensor([21, 22])
     ids = torch.tensor([5, 0, 0, 0, 7])
     src = torch.tensor([-1, 0, 1, 2, 0])
-    rows = pool.rows(torch.tensor([2, 2, 2, 2, 0]))
+    rows = torch.tensor([2, 2, 2, 2, 0])
     assert pool.carried(ids, src, rows).tolist() == [5, 11, 21, 22, 0]
+    assert pool.carried(torch.tensor([0]), torch.tensor([0]), torch.tensor([-1])).tolist() == [99]
     assert pool.last_token[pool.dummy] == 99 and pool.last_token[1] == 0
     plain = TokenPool(2, 0, torch.device("cpu"))
     plain.emit(torch.tensor([1]), torch.tensor([8]))

@@ -71,7 +71,7 @@ class SpecStepProgram(StepProgram):
     # ---- 1. correct ----------------------------------------------------------------------------
     def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
         d, st, bs = slot.dev, self.state, self.block_size
-        tok_rows = st.rows(d["tok_row"][:T])
+        tok_rows = d["tok_row"][:T]
         pos = d["positions"][:T]
         pos.sub_(torch.where(d["shift"][:T] > 0, st.rejected[tok_rows], 0))
         page = d["block_tables"][d["tok_seq"][:T], pos // bs].long()
@@ -79,7 +79,7 @@ class SpecStepProgram(StepProgram):
         mapping.copy_(torch.where(mapping >= 0, page * bs + pos % bs, mapping))
         seq_shift = d["seq_shift"][:B]
         d["seq_lens"][:B].sub_(torch.where(seq_shift >= 0, st.rejected[seq_shift.clamp(min=0)], 0).int())
-        smp_rows = st.rows(d["smp_row"][:S])
+        smp_rows = d["smp_row"][:S]
         d["steps"][:S].sub_(torch.where(d["smp_shift"][:S] > 0, st.rejected[smp_rows], 0))
         ids = st.carried(d["input_ids"][:T], d["carry_src"][:T], tok_rows)
         if self.drafter.uses_history:
@@ -108,7 +108,7 @@ class SpecStepProgram(StepProgram):
         drafts and these counts to the grammar callback, which walks them before verification."""
         if not (S and K):
             return None
-        rows = self.state.rows(slot.dev["smp_row"][:S])
+        rows = slot.dev["smp_row"][:S]
         drafted = torch.minimum(slot.dev["num_drafts"][:S], self.state.draft_count[rows])
         if guided:
             out = self.masks.drafts_dev[slot.index]
@@ -146,7 +146,7 @@ class SpecStepProgram(StepProgram):
     # ---- 4. record and draft -------------------------------------------------------------------
     def finish(self, slot, tokens, accepted, drafted, S: int, K: int) -> None:
         d, st = slot.dev, self.state
-        rows = st.rows(d["smp_row"][:S])
+        rows = d["smp_row"][:S]
         if self.drafter.uses_history:
             first = d["positions"][d["logits_indices"][:S]]      # corrected position of the first scored token
             j = torch.arange(K + 1, device=tokens.device)
@@ -166,7 +166,7 @@ class SpecStepProgram(StepProgram):
         """Drafts for the next step into SpecState, if the step has few enough sampling rows that its
         sequences may speculate next; a drafter with state (the EAGLE head's KV) sees every step's tokens."""
         d, st = slot.dev, self.state
-        rows = st.rows(d["smp_row"][:S])
+        rows = d["smp_row"][:S]
         drafting = 0 < S <= self.draft_max_rows
         if self.drafter.uses_history:
             if drafting:
