@@ -17,7 +17,7 @@ setup(
     packages=find_packages(include=["engine*", "specdec*", "hostfunc*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar>=0.2.8",
+        "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar>=0.2.8", "llguidance==1.9.1",
         "numpy", "tqdm", "pybind11>=2.12", "fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20",
         "pyzmq>=25", "msgspec>=0.18",
     ],

@@ -57,6 +57,8 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None
     structural_tag: dict | str | None = None   # xgrammar structural tag: free text with constrained regions
     any_whitespace: bool = False      # JSON guides: free whitespace between tokens (default: compact)
+    # "auto": xgrammar, or llguidance for a JSON schema only it enforces; or name one (engine/guided/spec.py)
+    guided_backend: str = "auto"
     num_speculative_tokens: int | None = None   # drafts per step: None = the engine's K, 0 = no speculation
     # Logprobs of each output token (engine/logprobs.py: log_softmax of the logits the token was chosen from,
     # after penalties, logit_bias and the grammar mask, before temperature / top-k / top-p): None = off, 0 = the
@@ -101,7 +103,7 @@ class SamplingParams:
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
         self._check_penalties()
-        guide = make_guide({k: getattr(self, k) for k in GUIDE_FIELDS}, self.any_whitespace)
+        guide = make_guide({k: getattr(self, k) for k in GUIDE_FIELDS}, self.any_whitespace, self.guided_backend)
         if guide is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with a guide: the grammar decides where the output ends")
         if guide is not None and self.ignore_eos:

@@ -1,5 +1,6 @@
-"""Schemas the grammar cannot enforce are refused when SamplingParams is built (engine/guided/schema_check.py),
-and each refused keyword is one the compiler really ignores (an instance violating it passes the grammar)."""
+"""Schemas xgrammar cannot enforce are refused for it when SamplingParams is built (engine/guided/schema_check.py),
+and each refused keyword is one the compiler really ignores (an instance violating it passes the grammar).
+With the default backend (auto) some of them run on llguidance instead (tests/test_guided_llguidance.py)."""
 import json
 
 import pytest
@@ -37,7 +38,7 @@ def compiler(engine):
 def test_refused_keyword_is_named_and_really_unenforced(compiler, keyword):
     schema, violating = REFUSED[keyword]
     with pytest.raises(ValueError, match=f"cannot enforce.*{keyword}"):
-        SamplingParams(json_schema=schema)
+        SamplingParams(json_schema=schema, guided_backend="xgrammar")
     matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False),
                                  terminate_without_stop_token=True)
     assert matcher.accept_string(violating) and matcher.is_completed(), (

@@ -202,3 +202,16 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(server, clien
     cold = client.chat.completions.create(model=server.model, messages=ask, max_tokens=4, temperature=0)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert cold.choices[0].message.content == first.choices[0].message.content
+
+
+def test_guided_backend_is_honoured_and_a_bad_one_is_a_400(server, client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}, "b": {"type": "integer", "maximum": 9}},
+              "required": ["a"], "dependentRequired": {"b": ["a"]}, "not": {"required": ["b"]}}
+    r = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=24, temperature=0,
+                                       extra_body={"guided_json": schema, "guided_backend": "auto"})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=server.model, messages=ASK, max_tokens=2,
+                                       extra_body={"guided_json": CAT, "guided_backend": "outlines"})
+    assert err.value.response.json()["error"]["param"] == "guided_backend"
+    assert "outlines" in err.value.response.json()["error"]["message"]

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 
 import xgrammar as xgr
 
-from engine.guided import native
+from engine.guided import llg, native
 from engine.guided.compile_pool import CompilePool
 from engine.guided.spec import Guide, grammar_schema
 
@@ -43,6 +43,8 @@ def compile_error(guide: Guide, exc: BaseException) -> str:
     failed: ...") are its own limits, not the user's mistake: a schema that is valid JSON Schema gets a message
     saying so and naming the backend, not the assertion text."""
     text = _XGR_PREFIX.sub("", str(exc)).strip()
+    if guide.backend == "llguidance":
+        return f"invalid {guide.kind} for the llguidance backend: {text}"
     if "Check failed" not in text:
         return f"invalid {guide.kind}: {text}"
     invalid = _schema_problem(guide) if guide.kind == "json_schema" else None
@@ -84,7 +86,7 @@ def _choice_grammar(source: str) -> str:
 
 
 def compile_guide(compiler: xgr.GrammarCompiler, guide: Guide) -> xgr.CompiledGrammar:
-    kind, src, ws = guide
+    kind, src, ws, _ = guide
     if kind == "json_schema":      # the rewritten schema (checked when the guide was made): same instances
         src = json.dumps(grammar_schema(json.loads(src)), ensure_ascii=False)
     if kind in ("json_schema", "json_object"):
@@ -151,19 +153,28 @@ class GuidedRequest:
         exc = self.future.exception()
         if exc is not None:
             return compile_error(self.guide, exc)
-        self.matcher = xgr.GrammarMatcher(self.future.result())
+        self.matcher = new_matcher(self.future.result())
         return None
+
+
+def new_matcher(compiled):
+    """A matcher at the start of a compiled grammar of either backend."""
+    if isinstance(compiled, xgr.CompiledGrammar):
+        return xgr.GrammarMatcher(compiled)
+    return compiled.matcher()
 
 
 class GrammarService:
     def __init__(self, tokenizer, vocab_size: int, eos_ids, threads: int = 4, queue: int = 64):
-        self.vocab_size = vocab_size
+        self.vocab_size, self._hf, self._eos = vocab_size, tokenizer, sorted(eos_ids)
+        self._llg_tokenizer = None          # llguidance's (~0.3 s), built by the first compile that needs it
         self.info = tokenizer_info(tokenizer, vocab_size, eos_ids)
         # the service caches compiled grammars and shares compiles itself: xgrammar's own cache would hold a
         # second reference to each, and keep them past the service's bound
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self.pool = CompilePool(threads, queue)
         self._lock = threading.Lock()       # guards the cache and the in-flight table (any thread)
+        self._llg_lock = threading.Lock()   # guards building llguidance's tokenizer
         self._cache: collections.OrderedDict[Guide, xgr.CompiledGrammar] = collections.OrderedDict()
         self._cache_bytes = 0
         self._inflight: dict[Guide, list] = {}      # guide -> [its compile's future, requests waiting on it]
@@ -193,9 +204,20 @@ class GrammarService:
             if entry[1] == 0 and self._inflight.get(guide) is entry and entry[0].cancel():
                 del self._inflight[guide]
 
-    def _compile(self, guide: Guide) -> xgr.CompiledGrammar:
+    def llg_tokenizer(self):
+        with self._llg_lock:    # compile threads: one builds it, the others wait for it
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = llg.tokenizer(self._hf, self.vocab_size, self._eos)
+            return self._llg_tokenizer
+
+    def _build(self, guide: Guide):
+        if guide.backend != "llguidance":
+            return compile_guide(self.compiler, guide)
+        return llg.LLGrammar(self.llg_tokenizer(), llg.guide_grammar(guide), self._eos)
+
+    def _compile(self, guide: Guide):
         try:
-            compiled = compile_guide(self.compiler, guide)
+            compiled = self._build(guide)
         except BaseException:
             with self._lock:
                 self._inflight.pop(guide, None)
@@ -214,9 +236,9 @@ class GrammarService:
         """Compiles submitted and not finished (queued or running, abandoned ones included)."""
         return self.pool.unfinished()
 
-    def compile_now(self, guide: Guide) -> xgr.CompiledGrammar:
-        """Compile on this thread (tests); raises what xgrammar raises."""
-        return compile_guide(self.compiler, guide)
+    def compile_now(self, guide: Guide):
+        """Compile on this thread (tests); raises what the backend raises."""
+        return self._build(guide)
 
     def close(self) -> None:
         self.pool.close()

@@ -33,7 +33,7 @@ import torch
 
 import hostfunc
 from engine.guided import native
-from engine.guided.matching import ALL, accept_rows, failed, fill, live
+from engine.guided.matching import ALL, accept_each, accept_rows, failed, fill, live, rollback_each
 from engine.sampler import NO_TOKEN
 
 FREE, STOP = -1, -2
@@ -195,7 +195,7 @@ class DraftMasks:
             return []
         tokens = [int(drafts[r.row]) for r in rows]
         try:
-            ok = self.masks.batch.batch_accept_token([r.request.matcher for r in rows], tokens)
+            ok = accept_each(self.masks.batch, [r.request.matcher for r in rows], tokens)
         except Exception:               # noqa: BLE001 - find the row(s) that fail, one by one
             ok = [_accept_one(r.request, tok) for r, tok in zip(rows, tokens)]
         going = []
@@ -227,7 +227,7 @@ class DraftMasks:
         back = [(m, n) for m, n in self.walked.values() if n]
         self.walked = {}
         if back:
-            self.masks.batch.batch_rollback([m for m, _ in back], [n for _, n in back])
+            rollback_each(self.masks.batch, back)
 
 
 def _accept_one(g, token: int) -> bool:

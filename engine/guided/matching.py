@@ -85,7 +85,7 @@ def accept_rows(batch: xgr.BatchGrammarMatcher, rows, prev: np.ndarray, step: in
             continue
         g.through_step = when
         toks = emitted(prev[src])
-        if len(toks) == 1 and toks[0] >= 0 and type(g.matcher) is xgr.GrammarMatcher and live(g):
+        if len(toks) == 1 and toks[0] >= 0 and _own(g.matcher) and live(g):
             requests.append(g)                  # (a wrapper matcher takes its own accept_token)
             tokens.append(toks[0])
         else:
@@ -107,17 +107,47 @@ def _accept_batch(batch, requests, tokens) -> None:
             g.error = f"the grammar rejected token {tok}"
 
 
+def _own(matcher) -> bool:
+    """xgrammar's own matcher (batched calls take only these; a wrapper, such as llguidance's, runs its own)."""
+    return type(matcher) is xgr.GrammarMatcher
+
+
+def accept_each(batch: xgr.BatchGrammarMatcher, matchers: list, tokens: list) -> list[bool]:
+    """Each matcher accepts its token: xgrammar's in one batched call, others one by one. Raises what they do."""
+    ok = [False] * len(matchers)
+    own = [i for i, m in enumerate(matchers) if _own(m)]
+    if own:
+        for i, good in zip(own, batch.batch_accept_token([matchers[i] for i in own], [tokens[i] for i in own])):
+            ok[i] = good
+    for i, m in enumerate(matchers):
+        if not _own(m):
+            ok[i] = m.accept_token(tokens[i])
+    return ok
+
+
+def rollback_each(batch: xgr.BatchGrammarMatcher, back: list) -> None:
+    """(matcher, tokens) pairs: each matcher rolls back that many tokens (xgrammar's in one batched call)."""
+    own = [(m, n) for m, n in back if _own(m)]
+    if own:
+        batch.batch_rollback([m for m, _ in own], [n for _, n in own])
+    for m, n in back:
+        if not _own(m):
+            m.rollback(n)
+
+
 def fill(batch: xgr.BatchGrammarMatcher, bitmask, requests, mask_rows) -> None:
-    """Fill each request's mask row; one batched call, or row by row to find the one(s) that fail."""
-    if not requests:
-        return
-    try:
-        batch.batch_fill_next_token_bitmask([g.matcher for g in requests], bitmask, list(mask_rows))
-        return
-    except Exception:                   # noqa: BLE001
-        pass
+    """Fill each request's mask row: xgrammar's in one batched call, others (or all, to find the one(s) that
+    fail) row by row."""
+    pairs = list(zip(requests, mask_rows))
+    own = [(g, i) for g, i in pairs if _own(g.matcher)]
+    if own:
+        try:
+            batch.batch_fill_next_token_bitmask([g.matcher for g, _ in own], bitmask, [i for _, i in own])
+            pairs = [(g, i) for g, i in pairs if not _own(g.matcher)]
+        except Exception:               # noqa: BLE001
+            pass
     words = bitmask.numpy()
-    for g, i in zip(requests, mask_rows):
+    for g, i in pairs:
         try:
             g.matcher.fill_next_token_bitmask(bitmask, i)
         except Exception as exc:        # noqa: BLE001 - this request alone fails
@@ -143,7 +173,7 @@ def walk_drafts(batch, bitmask, rows, width: int, drafts: np.ndarray, counts: np
         if not active:
             break
         try:
-            ok = batch.batch_accept_token([r.request.matcher for r in active], [int(drafts[r.row, j]) for r in active])
+            ok = accept_each(batch, [r.request.matcher for r in active], [int(drafts[r.row, j]) for r in active])
         except Exception:               # noqa: BLE001 - a bad draft id: stop walking these rows here
             ok = [False] * len(active)
         going = []
@@ -157,4 +187,4 @@ def walk_drafts(batch, bitmask, rows, width: int, drafts: np.ndarray, counts: np
         active = going
     back = [(r.request.matcher, walked[id(r)]) for r in rows if walked.get(id(r))]
     if back:
-        batch.batch_rollback([m for m, _ in back], [n for _, n in back])
+        rollback_each(batch, back)

@@ -1,7 +1,9 @@
 """What a request asks its output to match: one guide, validated and normalised when SamplingParams is built.
 
-`Guide.key` is a hashable description (kind, canonical source text, whitespace option): the compiler's
-cache key, and what a future compile is run from. Checks here are the ones that need no tokenizer (types,
+A `Guide` is a hashable description (kind, canonical source text, whitespace option, backend): the compiler's
+cache key, and what a future compile is run from. The backend is chosen here: xgrammar for every guide it
+enforces, llguidance for a JSON schema it would refuse and llguidance validates (engine/guided/llg.py), or the
+one a request names (`guided_backend`). Checks here are the ones that need no tokenizer (types,
 JSON syntax, exactly one guide, schema keywords the grammar would ignore once the schema is rewritten into an
 equivalent one it enforces: engine/guided/schema_rewrite.py, engine/guided/schema_check.py);
 what only the grammar compiler can tell (an unsupported schema feature,
@@ -16,12 +18,15 @@ from engine.guided.schema_check import unenforced_keywords
 from engine.guided.schema_rewrite import rewrite_schema
 
 GUIDE_FIELDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
+BACKENDS = ("auto", "xgrammar", "llguidance")
+LLGUIDANCE_KINDS = ("json_schema", "json_object", "regex", "choice")
 
 
 class Guide(NamedTuple):
     kind: str               # one of GUIDE_FIELDS
     source: str             # JSON text (json_schema, structural_tag), regex, EBNF, or a JSON list (choice)
     any_whitespace: bool    # JSON guides: allow free whitespace between tokens (default: compact)
+    backend: str = "xgrammar"   # the grammar backend that runs it, chosen when it is made: xgrammar or llguidance
 
     def describe(self) -> str:
         text = self.source if len(self.source) <= 60 else self.source[:57] + "..."
@@ -74,22 +79,63 @@ def grammar_schema(schema: dict, name: str = "json_schema") -> dict:
     return rewritten
 
 
-def _source(kind: str, value) -> str:
+def _schema_backend(schema: dict, backend: str, any_whitespace: bool) -> str:
+    """The backend that runs a JSON schema: xgrammar when it enforces the schema (after the rewrite), else
+    llguidance when that validates it. Raises ValueError naming the problem when the asked backend (or, for
+    auto, neither) can enforce it."""
+    if backend == "llguidance":
+        _llguidance_check(schema, any_whitespace, None)
+        return backend
+    try:
+        grammar_schema(schema)
+        return "xgrammar"
+    except ValueError as exc:
+        if backend == "xgrammar" or "can match nothing" in str(exc) or "nests too deeply" in str(exc):
+            raise
+        _llguidance_check(schema, any_whitespace, exc)
+        return "llguidance"
+
+
+def _llguidance_check(schema: dict, any_whitespace: bool, xgrammar_refusal: ValueError | None) -> None:
+    from engine.guided import llg      # loaded on the first schema that needs it
+    try:
+        rewrite_schema(schema)          # finds contradictions (llguidance compiles the schema as given)
+    except RecursionError as exc:
+        raise ValueError("json_schema nests too deeply to check") from exc
+    except ValueError as exc:
+        raise ValueError(f"json_schema can match nothing: {exc}") from exc
+    why = llg.refusal(schema, any_whitespace)
+    if why is None:
+        return
+    if xgrammar_refusal is None:
+        raise ValueError(f"json_schema cannot be enforced by llguidance: {why}")
+    raise ValueError(f"{xgrammar_refusal}; llguidance cannot enforce it either: {why}. Remove or rewrite that "
+                     "keyword (e.g. list the allowed values with `enum` instead of `not`, make `oneOf` branches "
+                     "exclusive with a distinct `const`)") from xgrammar_refusal
+
+
+def _source(kind: str, value, backend: str, any_whitespace: bool) -> tuple[str, str]:
+    """(the guide's source text, the backend that runs it)."""
+    if backend == "llguidance" and kind not in LLGUIDANCE_KINDS:
+        raise ValueError(f"guided_backend='llguidance' runs {', '.join(LLGUIDANCE_KINDS)}; {kind} runs on xgrammar")
+    chosen = "xgrammar" if backend == "auto" else backend
     if kind == "json_schema":
         text = _json_text(kind, value, dict)
-        grammar_schema(json.loads(text))
-        return text
+        return text, _schema_backend(json.loads(text), backend, any_whitespace)
     if kind == "structural_tag":
-        return _json_text(kind, value, dict)
+        return _json_text(kind, value, dict), chosen
     if kind == "json_object":
-        return '{"type": "object"}'
+        return '{"type": "object"}', chosen
     if kind == "choice":
-        return _choice(value)
-    return _text(kind, value)
+        return _choice(value), chosen
+    return _text(kind, value), chosen
 
 
-def make_guide(fields: dict, any_whitespace) -> Guide | None:
-    """fields: GUIDE_FIELDS -> value (None / False: not asked). Raises ValueError for a bad or double guide."""
+def make_guide(fields: dict, any_whitespace, backend: str = "auto") -> Guide | None:
+    """fields: GUIDE_FIELDS -> value (None / False: not asked); backend: one of BACKENDS. Raises ValueError for a
+    bad or double guide, or a backend that cannot run it."""
+    if backend not in BACKENDS:
+        raise ValueError(f"guided_backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     if not isinstance(any_whitespace, bool):
         raise ValueError(f"any_whitespace must be a bool, got {any_whitespace!r}")
     if not isinstance(fields["json_object"], bool):
@@ -100,4 +146,5 @@ def make_guide(fields: dict, any_whitespace) -> Guide | None:
     if not asked:
         return None
     kind = asked[0]
-    return Guide(kind, _source(kind, fields[kind]), any_whitespace)
+    source, chosen = _source(kind, fields[kind], backend, any_whitespace)
+    return Guide(kind, source, any_whitespace, chosen)

@@ -10,7 +10,7 @@ import xgrammar as xgr
 
 import hostfunc
 from engine.guided import limits
-from engine.guided.compiler import GrammarService, GuidedRequest
+from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.masks import Snapshot
 
 CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before leaving it to the pool
@@ -63,7 +63,7 @@ class GuidedTracker:
         if message is not None:
             raise ValueError(message)
         mask = xgr.allocate_token_bitmask(1, self.service.vocab_size)
-        xgr.GrammarMatcher(request.future.result()).fill_next_token_bitmask(mask)
+        new_matcher(request.future.result()).fill_next_token_bitmask(mask, 0)
         if not torch.any(mask != 0):
             raise ValueError(f"{request.guide.kind} allows no output at all (unsatisfiable)")
 

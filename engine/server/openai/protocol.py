@@ -4,7 +4,8 @@ Fields the engine cannot honour (echo, suffix, best_of) are declared so that set
 400 naming the field instead of being silently ignored; unknown fields are ignored, as OpenAI clients send new ones over time. An explicit `null` is
 the field's default, as in the OpenAI API. vLLM's extensions that the engine honours: `ignore_eos`, `top_k`,
 `repetition_penalty`, `min_p`, `min_tokens`,
-the guides (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`) and the chat
+the guides (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`), the guide's
+backend (`guided_backend`: auto, xgrammar or llguidance) and the chat
 template's options (`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`).
 """
 from __future__ import annotations
@@ -84,6 +85,7 @@ class _Common(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
+    guided_backend: str | None = None   # "auto" (default), "xgrammar" or "llguidance": which backend runs the guide
 
     def unsupported(self) -> list[str]:
         return []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.guided.spec import BACKENDS
 from engine.sequence import SamplingParams
 from engine.server.openai.protocol import APIError
 
@@ -55,13 +56,18 @@ def sampling_params(req, max_tokens: int | None, room: int, guide: dict) -> list
     if bad:
         raise APIError(f"{bad[0]} is not supported by this server", param=bad[0])
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    backend = req.guided_backend or "auto"
+    if backend not in BACKENDS:
+        raise APIError(f"guided_backend must be one of {', '.join(BACKENDS)}, got {backend!r}"[:300],
+                       param="guided_backend")
     try:
         base = SamplingParams(max_tokens=max(max_tokens or room, 1), temperature=1.0 if req.temperature is None
                               else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
                               top_k=req.top_k or 0, seed=req.seed, stop=tuple(stop), ignore_eos=req.ignore_eos,
                               logprobs=req.num_logprobs(), presence_penalty=req.presence_penalty,
                               frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                              min_p=req.min_p, min_tokens=req.min_tokens, logit_bias=req.logit_bias_ids(), **guide)
+                              min_p=req.min_p, min_tokens=req.min_tokens, logit_bias=req.logit_bias_ids(), guided_backend=backend,
+                              **guide)
     except ValueError as exc:
         raise APIError(str(exc)) from exc
     if req.n == 1:

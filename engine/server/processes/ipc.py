@@ -35,7 +35,7 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 class Compile(msgspec.Struct, tag=True, array_like=True):
     client: int
     token: int
-    guide: tuple[str, str, bool]        # Guide(kind, source, any_whitespace)
+    guide: tuple[str, str, bool, str]   # Guide(kind, source, any_whitespace, backend)
     owner: str | None                   # the client whose share of the compile pool it takes
 
 
@@ -124,8 +124,8 @@ def params_from_wire(fields: dict) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def guide_to_wire(guide: Guide) -> tuple[str, str, bool]:
-    return (guide.kind, guide.source, guide.any_whitespace)
+def guide_to_wire(guide: Guide) -> tuple[str, str, bool, str]:
+    return (guide.kind, guide.source, guide.any_whitespace, guide.backend)
 
 
 def guide_from_wire(wire) -> Guide:
