@@ -99,6 +99,74 @@ def family(pattern: str) -> dict:
             "rewrite_ms_p50": 1e3 * statistics.median(took), "rewrite_ms_max": 1e3 * max(took)}
 
 
+def backends(pattern: str, service) -> dict:
+    """Which backend runs each schema (as SamplingParams chooses), whether it compiles there with the model's
+    tokenizer, and the compile times per backend."""
+    from engine.sequence import SamplingParams
+    c, took, refused = Counter(), {"xgrammar": [], "llguidance": []}, Counter()
+    for _, schema, _ in load(pattern):
+        c["schemas"] += 1
+        try:
+            guide = SamplingParams(json_schema=schema).guide
+        except ValueError as exc:
+            c["refused"] += 1
+            refused[reason(str(exc).split("; llguidance")[0])] += 1
+            continue
+        start = time.perf_counter()
+        try:
+            service.compile_now(guide)
+        except Exception:       # noqa: BLE001 - any compile error counts
+            c[f"{guide.backend}_compile_failed"] += 1
+            continue
+        took[guide.backend].append(time.perf_counter() - start)
+        c[guide.backend] += 1
+    n = c["schemas"]
+    out = {**c, "refused_by": dict(refused), "compiled_share": (c["xgrammar"] + c["llguidance"]) / n}
+    for backend, times in took.items():
+        out[f"{backend}_share"] = c[backend] / n
+        if times:
+            q = statistics.quantiles(times, n=100) if len(times) > 1 else [times[0]] * 99
+            out[f"{backend}_compile_ms_p50"], out[f"{backend}_compile_ms_p99"] = 1e3 * q[49], 1e3 * q[98]
+    return out
+
+
+def backends_markdown(results: dict) -> str:
+    rows = ["| family | schemas | xgrammar | llguidance | refused | compile failed | compiled share | "
+            "compile p50 / p99 ms xgrammar | llguidance |", "|---|---|---|---|---|---|---|---|---|"]
+    for fam, r in results.items():
+        failed = r.get("xgrammar_compile_failed", 0) + r.get("llguidance_compile_failed", 0)
+        times = [f"{r.get(f'{b}_compile_ms_p50', 0):.1f} / {r.get(f'{b}_compile_ms_p99', 0):.1f}"
+                 for b in ("xgrammar", "llguidance")]
+        rows.append(f"| {fam} | {r['schemas']} | {r.get('xgrammar', 0)} | {r.get('llguidance', 0)} | "
+                    f"{r.get('refused', 0)} | {failed} | {r['compiled_share']:.4f} | {times[0]} | {times[1]} |")
+    rows.append("")
+    rows += [f"**{fam}** refused: {r['refused_by']}\n" for fam, r in results.items()]
+    return "\n".join(rows)
+
+
+def run_backends(data: str, out: str | None) -> None:
+    import platform
+
+    from engine.config import EngineConfig
+    from engine.guided.compiler import GrammarService
+    from engine.models.loader import load_tokenizer, resolve_model
+    config = EngineConfig()
+    tok = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else resolve_model(config.model))
+    service = GrammarService(tok, len(tok), [tok.eos_token_id], threads=1)
+    service.llg_tokenizer()     # built once per service, not a compile's cost
+    results = {fam: backends(os.path.join(data, g), service) for fam, g in FAMILIES.items()}
+    text = backends_markdown(results)
+    print(text)
+    if out:
+        Path(out + ".json").write_text(json.dumps(results, indent=1) + "\n")
+        Path(out + ".md").write_text(
+            "# JSONSchemaBench: which grammar backend runs each schema\n\n"
+            f"`python bench/schema_rewrite.py --backends --out {out}` on {platform.node()} "
+            f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()}), the default model's tokenizer, one "
+            "compile at a time (the machine was shared, so times are upper bounds). A schema is compiled by the "
+            "backend SamplingParams picks (auto); refused: neither backend can enforce it.\n\n" + text + "\n")
+
+
 def markdown(results: dict) -> str:
     rows = ["| family | schemas | refused before | refused after | changed | compile failed before / after | "
             "test instances judged differently |", "|---|---|---|---|---|---|---|"]
@@ -119,7 +187,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="../shared/data/jsonschemabench")
     p.add_argument("--out", default=None, help="write <out>.json and <out>.md")
+    p.add_argument("--backends", action="store_true", help="count the schemas each grammar backend compiles "
+                   "(the model's tokenizer), refused ones, and compile times per backend")
     args = p.parse_args(argv)
+    if args.backends:
+        run_backends(args.data, args.out)
+        return
     results = {fam: family(os.path.join(args.data, g)) for fam, g in FAMILIES.items()}
     text = markdown(results)
     print(text)
