@@ -26,6 +26,10 @@ MODEL = os.environ.get("SPECDEC_MODEL", "default")
 DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[1] / "../shared/data"))
 BENCH = DATA / "jsonschemabench" / "maskbench"
 JME = ["JME_45", "JME_38", "JME_7", "JME_17", "JME_91"]
+# an overlapping oneOf xgrammar refuses: `auto` runs it on llguidance
+ONE_OF = {"type": "object", "properties": {"shape": {"enum": ["circle", "rectangle"]}, "radius": {"type": "integer"},
+                                           "length": {"type": "integer"}, "width": {"type": "integer"}},
+          "required": ["shape"], "oneOf": [{"required": ["radius"]}, {"required": ["length", "width"]}]}
 SKIP_FEATURES = ('"patternProperties"', '"if"', '"not"', '"uniqueItems"', '"dependencies"')
 
 
@@ -81,7 +85,10 @@ def cases(eager, prompts):
                   (ask(eager, "Give me a US phone number."), SamplingParams(regex=r"\(\d{3}\) \d{3}-\d{4}", **greedy)),
                   (prompts[2], SamplingParams(ebnf=PRIMES, **greedy)),
                   (prompts[0], SamplingParams(choice=["Paris", "London", "Berlin"], **greedy)),
-                  (prompts[3], SamplingParams(json_object=True, **greedy))]
+                  (prompts[3], SamplingParams(json_object=True, **greedy)),
+                  # llguidance rows (the Python path inside the grammar callback), beside the native node's
+                  (prompts[3], SamplingParams(json_schema=CAT, guided_backend="llguidance", **greedy)),
+                  (ask(eager, "Describe a shape as JSON."), SamplingParams(json_schema=ONE_OF, **greedy))]
 
 
 @pytest.fixture(scope="module")
