@@ -139,3 +139,14 @@ def test_ngram_speculation_with_an_llguidance_row_changes_no_token(prompt, alone
     for name, seq in zip(names, got):
         assert seq.output_token_ids == alone[name].output_token_ids, seq.text
     assert eng.timings.spec_rows > 0
+
+
+def test_a_cuda_engine_refuses_llguidance_guides_by_name():
+    """On CUDA, llguidance rows' tokens were rejected after a few steps (tests/test_guided_gpu.py): a CUDA
+    engine's tracker refuses them up front, and still takes xgrammar's."""
+    from engine.config import EngineConfig
+    from engine.guided.tracker import GuidedTracker
+    tracker = GuidedTracker(None, 100, (), EngineConfig(), cuda=True)
+    with pytest.raises(ValueError, match="runs only on CPU engines"):
+        tracker.check_backend(params(SCHEMAS["overlapping oneOf"]).guide)
+    tracker.check_backend(params(CAT).guide)
