@@ -65,6 +65,12 @@ REWRITES = {
     "dependentRequired": (
         {"type": "object", "properties": {"a": INT, "b": INT}, "dependentRequired": {"a": ["b"]}, "required": ["a"]},
         {"type": "object", "properties": {"a": INT, "b": INT}, "required": ["a", "b"]}),
+    "schema dependency of a required name": (
+        {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": INT}, "required": ["kind"],
+         "dependencies": {"kind": {"oneOf": [{"properties": {"kind": {"const": "a"}, "x": INT}},
+                                             {"properties": {"kind": {"const": "b"}}}]}}},
+        {"anyOf": [{"type": "object", "required": ["kind"], "properties": {"kind": {"const": "a"}, "x": INT}},
+                   {"type": "object", "required": ["kind"], "properties": {"kind": {"const": "b"}, "x": INT}}]}),
     "type list of one": ({"type": ["string"]}, STR),
     "recursive $ref stays": (
         {"$defs": {"n": {"type": "object", "properties": {"c": {"allOf": [{"$ref": "#/$defs/n"}, {"required": ["c"]}]}}}},
@@ -117,7 +123,8 @@ def test_contradictions_are_refused_with_path_and_reason(schema, where, why):
 def test_what_cannot_be_written_is_left_for_the_check():
     schema = {"type": "object", "properties": {"p": {"allOf": [{"pattern": "^a"}, {"pattern": "b$"}]}}}
     with pytest.raises(ValueError, match=r"cannot enforce.*#/properties/p/allOf: `allOf` of 2"):
-        SamplingParams(json_schema=schema)
+        SamplingParams(json_schema=schema, guided_backend="xgrammar")
+    assert SamplingParams(json_schema=schema).guide.backend == "llguidance"      # auto: llguidance intersects it
 
 
 def test_reference_into_a_node_keeps_it():

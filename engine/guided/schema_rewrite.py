@@ -84,6 +84,7 @@ def _node(node, path: str, ctx: _Context, resolving: tuple):
     out = _children(node, path, ctx, resolving)
     if ctx.pinned(path):
         return _simplify(out, path, pinned=True)
+    _fold_active_dependencies(out)
     try:
         if isinstance(out.get("allOf"), list):
             out = _combined(out, "allOf", path, ctx, resolving)
@@ -164,6 +165,27 @@ def _simplify(node: dict, path: str, pinned: bool = False) -> dict:
     if _chooser(out) == "oneOf" and disjoint(out["oneOf"]):
         out["anyOf"] = out.pop("oneOf")
     return out
+
+
+def _fold_active_dependencies(node: dict) -> None:
+    """A schema dependency (`dependencies` / `dependentSchemas`) of a name the node requires always applies:
+    one more `allOf` branch, so the merge can intersect it (a `oneOf` in it then gets the node's `required`
+    in each branch, which may prove it disjoint)."""
+    required = set(_names(node.get("required")))
+    for keyword in ("dependencies", "dependentSchemas"):
+        deps = node.get(keyword)
+        if not isinstance(deps, dict):
+            continue
+        active = [n for n, dep in deps.items() if n in required and isinstance(dep, dict)]
+        if not active:
+            continue
+        node["allOf"] = [*(node.get("allOf") if isinstance(node.get("allOf"), list) else []),
+                         *(deps[n] for n in active)]
+        rest = {n: dep for n, dep in deps.items() if n not in active}
+        if rest:
+            node[keyword] = rest
+        else:
+            del node[keyword]
 
 
 def _dependencies(node: dict) -> None:
