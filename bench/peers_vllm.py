@@ -153,8 +153,8 @@ def build_plan(args) -> dict:
     skipped = []
     if {"guided", "ngram"} & set(args.parts):
         for name, schema in load_schemas(resolve(args.schemas, args.data), args.schema_limit):
-            try:                               # ours refuses what its grammar cannot enforce: both sides skip it
-                SamplingParams(json_schema=schema)
+            try:            # ours refuses what xgrammar cannot enforce (on a GPU; both sides run xgrammar): both skip it
+                SamplingParams(json_schema=schema, guided_backend="xgrammar")
             except ValueError as e:
                 skipped.append(f"{name}: ours: {e}")
                 continue
