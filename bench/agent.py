@@ -97,19 +97,23 @@ class Agent:
 def run_agents(eng, agents, max_tokens: int) -> dict:
     """All agents at once until each did its turns; per request: TTFT, latency, tokens, cached share, JSON."""
     live, done, schemas = {}, [], {}
-    first = [(a, *a.next_request(eng, max_tokens)) for a in agents]    # templated before any is added: the
-    t0 = time.perf_counter()                                             # first's TTFT does not wait for the rest
-    for a, prompt, params, schema in first:
-        rid = eng.add_request(prompt, params, retain=True)
-        live[rid], schemas[rid] = a, schema
+
+    def add_all(ready):
+        # every request is templated before any is added: one's TTFT never includes another's templating
+        for a, prompt, params, schema in [(a, *a.next_request(eng, max_tokens)) for a in ready]:
+            rid = eng.add_request(prompt, params, retain=True)
+            live[rid], schemas[rid] = a, schema
+
+    t0 = time.perf_counter()
+    add_all(agents)
     while live:
+        ready = []
         for rid in [o.request_id for o in eng.step() if o.finished and o.request_id in live]:
             agent, seq = live.pop(rid), eng.take(rid)
             done.append((seq, schemas.pop(rid)))
             if agent.answered(seq.text):
-                prompt, params, schema = agent.next_request(eng, max_tokens)
-                new = eng.add_request(prompt, params, retain=True)
-                live[new], schemas[new] = agent, schema
+                ready.append(agent)
+        add_all(ready)
     wall = time.perf_counter() - t0
     valid = sum(check_output(schema, s.text)[0] == "valid" for s, schema in done) / len(done)
     done = [s for s, _ in done]
