@@ -122,6 +122,21 @@ def test_graphs_equal_the_eager_reference(graphed, cases, reference, depth):
     assert_no_leak(graphed)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_python_grammar_path_equals_the_native_node_on_cuda(cases, reference, depth):
+    """The Python path (every step's masks through xgrammar's Python API inside the CUDA callback, as llguidance
+    rows take it) gives the eager reference's tokens, blocking and pipelined."""
+    eng = _engine(dtype="float32", attention_backend="torch", enforce_eager=True, num_kv_blocks=512,
+                  grammar_node="python", depth=depth)
+    try:
+        seqs = eng.generate([p for p, _ in cases], [sp for _, sp in cases])
+        assert [s.error for s in seqs] == [None] * len(seqs)
+        assert [s.output_token_ids for s in seqs] == reference
+        assert_no_leak(eng)
+    finally:
+        eng.close()
+
+
 def test_seeded_sampling_is_the_same_pipelined_and_blocking(graphed, prompts):
     params = [SamplingParams(max_tokens=40, temperature=0.8, seed=s, json_schema=CAT) for s in range(6)]
     runs = []
