@@ -124,9 +124,10 @@ class Scheduler:
 
     def _admit_waiting(self, rows, budget) -> None:
         computing = None        # digests of the pages this step's rows compute, built when first needed
+        deferred = 0
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or deferred > self.max_num_seqs:
+                break           # (a burst of requests behind one head: look up at most a batch of them a step)
             n = self._first_chunk(seq, budget)
             if not n:
                 continue
@@ -135,7 +136,8 @@ class Scheduler:
                 computing = self._computing(rows) if computing is None else computing
                 if seq.block_digests[len(seq.block_table)] in computing:
                     self._unmatch(seq)  # its next page is computed in this step: take it from the cache next step
-                    continue            # instead of computing the same prefix twice
+                    deferred += 1       # instead of computing the same prefix twice
+                    continue
             if matched:
                 n = self._first_chunk(seq, budget)
                 if not n:                       # its cached prefix covers what it may compute now

@@ -118,6 +118,26 @@ def test_requests_added_together_compute_their_shared_head_once(reference):
     assert_no_leak(eng)
 
 
+def test_a_burst_behind_one_head_waits_for_it_and_is_looked_up_a_batch_at_a_time():
+    """200 requests with one 40-page head arrive at once: the first computes it (in chunks), the others wait for
+    its pages instead of computing them too, and a step looks up at most a batch of them (each lookup digests
+    the whole head)."""
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    sched = Scheduler(BlockManager(4096, 16, caching=True), max_num_seqs=8, max_num_batched_tokens=256)
+    head = list(range(1, 641))
+    seqs = [Sequence(i, head + [1000 + i], SamplingParams(max_tokens=2), seed=0, max_len=700) for i in range(200)]
+    for seq in seqs:
+        sched.add(seq)
+    rows = sched.schedule()
+    assert [r.seq.seq_id for r in rows] == [0] and rows[0].num_tokens == 256
+    assert sum(bool(s.block_digests) for s in seqs) <= sched.max_num_seqs + 2
+    sched.launched(rows)                             # its first 16 pages are registered
+    rows = sched.schedule()
+    assert [r.seq.seq_id for r in rows] == [0]       # the rest's next page is still being computed by it
+    assert all(s.block_table == [] for s in seqs[1:])
+
+
 def test_eviction_under_pressure_and_preemption(reference):
     """Few pages: requests preempt each other, cached pages are evicted to make room, and the outputs stay."""
     eng, got, _ = _run(True, num_kv_blocks=16, max_num_batched_tokens=64)
