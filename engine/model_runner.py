@@ -181,15 +181,18 @@ class ModelRunner:
         slot.want_logprobs = slot.logprobs is not None and any(p.logprobs is not None for p in sampling)
         penalized = self.penalties is not None and any(r.seq.params.penalized for r in rows)
         slot.extras = slot.want_logprobs or penalized
-        slot.bias_writes = []
+        slot.bias_writes, slot.span_writes = [], []
         if not slot.extras or self.penalties is None:
             return
         h = slot.np
         for i, row in enumerate(rows):
             seq = row.seq
-            h["pen_reset"][i] = seq.pen_row if row.start == 0 else -1
-            if row.start == 0 and seq.pen_row >= 0:         # a new owner: its bias replaces the last one's
+            first = row.start == row.cached         # an admission: position 0, or the end of its cached prefix
+            h["pen_reset"][i] = seq.pen_row if first and not row.cached else -1
+            if first and seq.pen_row >= 0:          # a new owner: its bias replaces the last one's
                 slot.bias_writes.append((seq.pen_row, seq.params.logit_bias))
+                if row.cached:                      # the cached span's counts, which no step of its own sees
+                    slot.span_writes.append((seq.pen_row, *penalties.span(seq, row.cached)))
             penalties.fill_tokens(h, row, int(h["cu_seqlens_q"][i]))
             if row.sample:
                 stops = min_tokens_stops(seq.params, self.eos_ids) if seq.params.min_tokens else ()
@@ -237,6 +240,8 @@ class ModelRunner:
                 self.masks.push(snapshot)
             if slot.bias_writes:
                 self.penalties.write_bias(slot.bias_writes)
+            if slot.span_writes:
+                self.penalties.write_span(slot.span_writes)
             if slot.history_writes:
                 self.pool.write_history(slot.history_writes)
             try:

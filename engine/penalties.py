@@ -18,7 +18,8 @@ step's *inputs*: every token of a sequence enters some step as an input exactly 
 emitted token as the next step's input, carried over on the device), so before a step samples, its row counts
 every token up to the last input. A row whose chunk starts at position 0 (a new request, or a preempted one
 recomputing) is zeroed first, in the step, so a new owner never reads an old owner's counts and no host copy
-is needed. A row also holds the request's logit_bias as a dense row of the vocabulary: it is written when the
+is needed. A request that mapped cached pages (engine/block_manager.py) starts past position 0: its row is set
+to the counts of its cached prefix instead (`write_span`, before its first step, as the bias below). A row also holds the request's logit_bias as a dense row of the vocabulary: it is written when the
 row's first chunk is prepared (`bias_writes`), outside the step but on the compute stream ahead of the step that
 first reads it, so an earlier step that still reads the row's previous owner is done before it changes. Penalized requests do not speculate: a spec step's inputs hold drafts that may be rejected, and
 rejection sampling would need the penalized distribution at every draft position (engine steps with any
@@ -50,6 +51,19 @@ class PenaltyState:
         rows, flat, vals = (to_device(x, self.bias.device) for x in (rows, flat, vals))
         self.bias.index_fill_(0, rows, 0.0)
         self.bias.view(-1).index_copy_(0, flat, vals)
+
+    def write_span(self, writes: list) -> None:
+        """[(row, prompt tokens, output tokens)]: each row's counts and prompt marks set to those of a cached
+        prefix (a request that mapped cached pages: no step of its own sees those tokens), replacing the last
+        owner's, on the current stream ahead of the step that first reads them (as `write_bias`)."""
+        rows = torch.tensor([row for row, _, _ in writes], dtype=torch.int64)
+        marks = torch.tensor([row * self.vocab + t for row, prompt, _ in writes for t in prompt], dtype=torch.int64)
+        outs = torch.tensor([row * self.vocab + t for row, _, out in writes for t in out], dtype=torch.int64)
+        rows, marks, outs = (to_device(x, self.counts.device) for x in (rows, marks, outs))
+        self.counts.index_fill_(0, rows, 0)
+        self.prompt.index_fill_(0, rows, False)
+        self.prompt.view(-1).index_fill_(0, marks, True)
+        self.counts.view(-1).index_add_(0, outs, torch.ones_like(outs, dtype=torch.int32))
 
     def rows(self, host_rows: torch.Tensor) -> torch.Tensor:
         return torch.where(host_rows >= 0, host_rows, self.dummy)
@@ -91,6 +105,12 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     # pinned, so the copy is ordered on the stream without a host wait (the caching host allocator keeps the
     # page alive until the copy ran)
     return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
+
+
+def span(seq, end: int) -> tuple[list[int], list[int]]:
+    """(prompt tokens, output tokens) of positions [0, end): a preempted request's cached prefix may hold outputs."""
+    prompt = len(seq.prompt_token_ids)
+    return seq.tokens(0, min(end, prompt)), seq.tokens(prompt, end) if end > prompt else []
 
 
 def fill_tokens(h, row, t: int) -> None:

@@ -53,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.cache_penalized = True     # penalized requests map cached pages (their counts are written for them)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -164,8 +165,8 @@ class Scheduler:
     def _match(self, seq) -> int:
         """Map the cached pages of the sequence's longest known prefix (a waiting sequence holds no pages);
         returns the tokens they hold, which count as computed."""
-        if not self.blocks.caching or seq.params.penalty_row:
-            return 0        # penalties count (and logit_bias is written) from the step that computes position 0
+        if not self._may_match(seq):
+            return 0
         usable = (seq.num_tokens - 1) // self.blocks.block_size     # at least one token is left to compute
         self._digest_pages(seq, usable)
         seq.block_table = self.blocks.match(seq.block_digests[:usable])
@@ -173,10 +174,12 @@ class Scheduler:
         seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
         return seq.num_computed_tokens
 
+    def _may_match(self, seq) -> bool:
+        return self.blocks.caching and (self.cache_penalized or not seq.params.penalty_row)
+
     def _next_page_uncached(self, seq) -> bool:
         """Whether the prefix cache mapped fewer of the sequence's full prompt pages than it could hold."""
-        return self.blocks.caching and not seq.params.penalty_row and \
-            len(seq.block_table) < (seq.num_tokens - 1) // self.blocks.block_size
+        return self._may_match(seq) and len(seq.block_table) < (seq.num_tokens - 1) // self.blocks.block_size
 
     def _computing(self, rows) -> set[bytes]:
         return {d for row in rows for d in self._row_pages(row)}

@@ -89,6 +89,7 @@ class DecodeSlot:
         self.want_logprobs = False
         self.extras = False                                             # logprobs / penalties: engine/step.py
         self.bias_writes = []                                           # logit_bias rows set before the step
+        self.span_writes = []                                           # penalty counts of cached prefixes
         self.history_writes = []                                        # n-gram history of cached prefixes
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0

@@ -194,9 +194,9 @@ def test_ngram_history_holds_the_cached_prompt():
     assert_no_leak(eng)
 
 
-def test_penalized_and_biased_requests_compute_their_whole_prompt():
-    """Penalty counts and logit_bias rows are set up by the step that computes position 0, so a request that
-    holds a penalty row takes nothing from the cache (its pages still serve others)."""
+def test_penalized_and_biased_requests_take_the_cache_with_their_counts():
+    """A request holding a penalty row that maps cached pages gets its row set to the cached prefix's counts
+    (repetition marks the prompt) and its bias written before its first step: the tokens of a full prefill."""
     runs = []
     for caching in (False, True):
         eng = _engine(caching)
@@ -208,7 +208,24 @@ def test_penalized_and_biased_requests_compute_their_whole_prompt():
         assert_no_leak(eng)
     off, on = runs
     assert [s.output_token_ids for s in on] == [s.output_token_ids for s in off]
-    assert [s.num_cached_tokens > 0 for s in on] == [False, False, False, True]
+    assert [s.num_cached_tokens > 0 for s in on] == [False, True, True, True]
+
+
+def test_penalized_requests_preempted_with_outputs_in_their_cached_prefix():
+    """Preempted, a penalized request recomputes from the cache: its cached prefix holds output tokens, which
+    its row counts again (frequency penalty), so it still samples as without the cache."""
+    params = SamplingParams(max_tokens=60, temperature=0, frequency_penalty=0.5, repetition_penalty=1.1)
+    runs, counted = [], []
+    for caching in (False, True):
+        eng = _engine(caching, num_kv_blocks=10, max_num_batched_tokens=64)
+        write_span = eng.runner.penalties.write_span        # (recording what the real one writes)
+        eng.runner.penalties.write_span = lambda w: (counted.extend(len(out) for _, _, out in w), write_span(w))
+        prompts = [eng.encode(f"Count slowly from {i} upward, one number per line:") for i in range(4)]
+        seqs = drive(eng, [(0, p, params) for p in prompts])
+        runs.append([s.output_token_ids for s in seqs])
+        assert_no_leak(eng)
+    assert runs[1] == runs[0]
+    assert max(counted) > 0                 # a recompute mapped pages holding its own output tokens
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "draft_model"])
