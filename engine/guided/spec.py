@@ -66,17 +66,23 @@ def grammar_schema(schema: dict, name: str = "json_schema") -> dict:
     (engine/guided/schema_rewrite.py), then checked. Raises ValueError naming `name`, the path and the reason.
     The guide keeps the original text: outputs are promised to match it, and compiling rewrites it again
     (a pure function of the text)."""
-    try:
-        rewritten = rewrite_schema(schema)
-    except RecursionError as exc:
-        raise ValueError(f"{name} nests too deeply to check") from exc
-    except ValueError as exc:
-        raise ValueError(f"{name} can match nothing: {exc}") from exc
+    rewritten = _rewritten(schema, name)
     unenforced = unenforced_keywords(rewritten)
     if unenforced:
         raise ValueError(f"{name} uses what guided decoding cannot enforce, so an output could violate it: "
                          + "; ".join(unenforced[:3]) + (f" (and {len(unenforced) - 3} more)" if len(unenforced) > 3 else ""))
     return rewritten
+
+
+def _rewritten(schema: dict, name: str = "json_schema") -> dict:
+    """`schema` rewritten (engine/guided/schema_rewrite.py); a contradiction or runaway nesting is a ValueError
+    naming `name`."""
+    try:
+        return rewrite_schema(schema)
+    except RecursionError as exc:
+        raise ValueError(f"{name} nests too deeply to check") from exc
+    except ValueError as exc:
+        raise ValueError(f"{name} can match nothing: {exc}") from exc
 
 
 def _schema_backend(schema: dict, backend: str, any_whitespace: bool) -> str:
@@ -98,12 +104,8 @@ def _schema_backend(schema: dict, backend: str, any_whitespace: bool) -> str:
 
 def _llguidance_check(schema: dict, any_whitespace: bool, xgrammar_refusal: ValueError | None) -> None:
     from engine.guided import llg      # loaded on the first schema that needs it
-    try:
-        rewrite_schema(schema)          # finds contradictions (llguidance compiles the schema as given)
-    except RecursionError as exc:
-        raise ValueError("json_schema nests too deeply to check") from exc
-    except ValueError as exc:
-        raise ValueError(f"json_schema can match nothing: {exc}") from exc
+    if xgrammar_refusal is None:        # (auto: grammar_schema has rewritten it already, without a contradiction)
+        _rewritten(schema)              # finds contradictions (llguidance compiles the schema as given)
     why = llg.refusal(schema, any_whitespace)
     if why is None:
         return
