@@ -167,19 +167,23 @@ class Scheduler:
         returns the tokens they hold, which count as computed."""
         if not self._may_match(seq):
             return 0
-        usable = (seq.num_tokens - 1) // self.blocks.block_size     # at least one token is left to compute
+        usable = self._usable_pages(seq)
         self._digest_pages(seq, usable)
         seq.block_table = self.blocks.match(seq.block_digests[:usable])
         seq.num_registered = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
         return seq.num_computed_tokens
 
+    def _usable_pages(self, seq) -> int:
+        """Full pages a waiting sequence may map: at least one token is left to compute."""
+        return (seq.num_tokens - 1) // self.blocks.block_size
+
     def _may_match(self, seq) -> bool:
         return self.blocks.caching and (self.cache_penalized or not seq.params.penalty_row)
 
     def _next_page_uncached(self, seq) -> bool:
         """Whether the prefix cache mapped fewer of the sequence's full prompt pages than it could hold."""
-        return self._may_match(seq) and len(seq.block_table) < (seq.num_tokens - 1) // self.blocks.block_size
+        return self._may_match(seq) and len(seq.block_table) < self._usable_pages(seq)
 
     def _computing(self, rows) -> set[bytes]:
         return {d for row in rows for d in self._row_pages(row)}
