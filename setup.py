@@ -5,8 +5,10 @@ from setuptools import find_packages, setup
 # resolved at run time (dlopen libcuda), so it builds on machines with no CUDA toolkit or GPU.
 ext_modules = [
     Pybind11Extension("hostfunc._C", ["hostfunc/csrc/hostfunc.cpp"], cxx_std=17, libraries=["dl"]),
-    # The grammar node calls xgrammar's matchers through tvm-ffi's C ABI, resolved from libtvm_ffi at run time.
-    Pybind11Extension("engine.guided._native", ["engine/guided/csrc/grammar_node.cpp", "engine/guided/csrc/node.cpp"],
+    # The grammar node calls xgrammar's matchers through tvm-ffi's C ABI and llguidance's through its C API, both
+    # resolved at run time (libtvm_ffi, llguidance's extension).
+    Pybind11Extension("engine.guided._native", ["engine/guided/csrc/grammar_node.cpp", "engine/guided/csrc/node.cpp",
+                                                 "engine/guided/csrc/llg.cpp", "engine/guided/csrc/llg_py.cpp"],
                       cxx_std=17, libraries=["dl"], extra_compile_args=["-O2"]),
 ]
 

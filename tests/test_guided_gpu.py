@@ -26,7 +26,7 @@ MODEL = os.environ.get("SPECDEC_MODEL", "default")
 DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[1] / "../shared/data"))
 BENCH = DATA / "jsonschemabench" / "maskbench"
 JME = ["JME_45", "JME_38", "JME_7", "JME_17", "JME_91"]
-# an overlapping oneOf xgrammar refuses: `auto` runs it on llguidance
+# an overlapping oneOf xgrammar refuses: `auto` runs it on llguidance (in the grammar node, like xgrammar's rows)
 ONE_OF = {"type": "object", "properties": {"shape": {"enum": ["circle", "rectangle"]}, "radius": {"type": "integer"},
                                            "length": {"type": "integer"}, "width": {"type": "integer"}},
           "required": ["shape"], "oneOf": [{"required": ["radius"]}, {"required": ["length", "width"]}]}
@@ -85,7 +85,9 @@ def cases(eager, prompts):
                   (ask(eager, "Give me a US phone number."), SamplingParams(regex=r"\(\d{3}\) \d{3}-\d{4}", **greedy)),
                   (prompts[2], SamplingParams(ebnf=PRIMES, **greedy)),
                   (prompts[0], SamplingParams(choice=["Paris", "London", "Berlin"], **greedy)),
-                  (prompts[3], SamplingParams(json_object=True, **greedy))]
+                  (prompts[3], SamplingParams(json_object=True, **greedy)),
+                  (ask(eager, "Give me a small JSON object."), SamplingParams(json_schema=ONE_OF, **greedy)),   # llguidance
+                  (prompts[3], SamplingParams(json_schema=CAT, guided_backend="llguidance", **greedy))]
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +100,6 @@ def reference(eager, cases):
 
 def _tokens(eng, cases):
     return [s.output_token_ids for s in eng.generate([p for p, _ in cases], [sp for _, sp in cases])]
-
-
-@pytest.mark.parametrize("params", [dict(json_schema=CAT, guided_backend="llguidance"), dict(json_schema=ONE_OF)])
-def test_llguidance_guides_are_refused_on_cuda_by_name(eager, prompts, params):
-    """Its rows' tokens were rejected after a few steps on CUDA (the CPU's Python path is right): refused here."""
-    with pytest.raises(ValueError, match="llguidance grammar backend, which this version runs only on CPU"):
-        eager.add_request(prompts[0], SamplingParams(max_tokens=8, temperature=0, **params))
-    assert_no_leak(eager)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -124,8 +118,8 @@ def test_graphs_equal_the_eager_reference(graphed, cases, reference, depth):
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_the_python_grammar_path_equals_the_native_node_on_cuda(cases, reference, depth):
-    """The Python path (every step's masks through xgrammar's Python API inside the CUDA callback, as llguidance
-    rows take it) gives the eager reference's tokens, blocking and pipelined."""
+    """The Python path (every step's masks through the matchers' Python API inside the CUDA callback, as a
+    wrapper matcher takes it) gives the eager reference's tokens, blocking and pipelined."""
     eng = _engine(dtype="float32", attention_backend="torch", enforce_eager=True, num_kv_blocks=512,
                   grammar_node="python", depth=depth)
     try:
@@ -159,8 +153,10 @@ def test_guided_graphs_capture_the_native_node_and_no_python(graphed, prompts, m
     monkeypatch.setattr(GrammarMasks, "run_python", lambda self: (python.append(1), run(self)))
     graphed.timings.reset()
     before = graphs.replays["guided"]
-    [seq] = graphed.generate([prompts[3]], SamplingParams(max_tokens=32, temperature=0, json_object=True))
-    assert seq.error is None and graphed.timings.guided_steps > 0 and graphed.timings.callback > 0
+    seqs = graphed.generate([prompts[3]] * 2, [SamplingParams(max_tokens=32, temperature=0, json_object=True),
+                                               SamplingParams(max_tokens=32, temperature=0, json_schema=ONE_OF)])
+    assert [s.error for s in seqs] == [None, None] and seqs[1].params.guide.backend == "llguidance"
+    assert graphed.timings.guided_steps > 0 and graphed.timings.callback > 0
     assert graphs.replays["guided"] > before and python == [], "replays ran the node, never the Python path"
 
 
@@ -221,7 +217,7 @@ def test_stress_32_guided_rows_for_1000_steps(graphed, prompts):
         eng.guided.service = eng.guided._make()
     svc = eng.guided.service
     pool = []
-    for s in list(_schemas().values()) + [CAT]:
+    for s in list(_schemas().values()) + [CAT, ONE_OF]:
         prompt = ask(eng, "Produce a JSON object that matches this schema: " + json.dumps(s))
         try:
             svc.compile_now(SamplingParams(json_schema=s).guide)

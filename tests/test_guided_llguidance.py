@@ -141,12 +141,52 @@ def test_ngram_speculation_with_an_llguidance_row_changes_no_token(prompt, alone
     assert eng.timings.spec_rows > 0
 
 
-def test_a_cuda_engine_refuses_llguidance_guides_by_name():
-    """On CUDA, llguidance rows' tokens were rejected after a few steps (tests/test_guided_gpu.py): a CUDA
-    engine's tracker refuses them up front, and still takes xgrammar's."""
-    from engine.config import EngineConfig
-    from engine.guided.tracker import GuidedTracker
-    tracker = GuidedTracker(None, 100, (), EngineConfig(), cuda=True)
-    with pytest.raises(ValueError, match="runs only on CPU engines"):
-        tracker.check_backend(params(SCHEMAS["overlapping oneOf"]).guide)
-    tracker.check_backend(params(CAT).guide)
+def test_llguidance_reads_every_token_as_the_tokenizer_decodes_it(engine):
+    """Both backends see each token as the bytes the tokenizer decodes it to (special tokens: never text).
+    llguidance's own reading of a converted GGUF tokenizer's JSON kept byte-level characters ('Ġ' for a space)
+    under some transformers versions, and its rows were then rejected a few tokens in."""
+    svc = service(engine)
+    lt, tok, vocab = svc.llg_tokenizer(), engine.tokenizer, engine.runner.vocab
+    special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    assert lt.vocab_size == vocab
+    decoded, checked = svc.info.decoded_vocab, 0            # (the property builds the whole list each time)
+    for t in range(vocab):
+        xgr_bytes, llg_bytes = bytes(decoded[t]), lt.decode([t])
+        if t in special:
+            assert not xgr_bytes and not llg_bytes and lt.decode([t], special=True), t
+            continue
+        assert llg_bytes == xgr_bytes, (t, llg_bytes, xgr_bytes)
+        try:
+            text = xgr_bytes.decode("utf-8")
+        except UnicodeDecodeError:                  # part of a character: no text of its own to compare
+            continue
+        assert tok.decode([t]) == text, (t, tok.decode([t]), text)
+        checked += 1
+    assert checked > 0.9 * vocab
+
+
+def test_llguidance_rows_take_the_native_node_not_python(engine, prompt, alone, monkeypatch):
+    """No Python in the grammar callback: llguidance rows run in the node's C++ (a Python callback would fail)."""
+    from engine.guided.masks import GrammarMasks
+    monkeypatch.setattr(GrammarMasks, "run_python", lambda self: 1 / 0)
+    names = ["overlapping oneOf", "not required"]
+    got = drive(engine, [(0, prompt, params(SCHEMAS[n])) for n in names] + [(0, prompt, params(CAT))])
+    assert [s.error for s in got] == [None] * 3
+    assert [s.output_token_ids for s in got[:2]] == [alone[n].output_token_ids for n in names]
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(grammar_node="python"),
+    dict(speculative="eagle", num_speculative_tokens=3, guided_draft_masks=True, guided_forced_drafts=True),
+    dict(speculative="draft_model", spec_draft_model="default", num_speculative_tokens=2, guided_draft_masks=True)],
+    ids=["python path", "eagle draft masks + forced drafts", "draft model draft masks"])
+def test_llguidance_rows_on_every_path_give_the_same_tokens(prompt, alone, cfg):
+    """The Python grammar path, and speculation whose drafts walk llguidance's draft masks (forced drafts from
+    its jump-forward text), give the tokens of the native node without speculation."""
+    eng = LLMEngine(**(CPU | dict(max_num_seqs=4, spec_min_acceptance=0.0) | cfg))
+    names = ["dependentSchemas", "overlapping oneOf", "patternProperties"]
+    got = drive(eng, [(0, prompt, params(SCHEMAS[n])) for n in names])
+    assert_no_leak(eng)
+    for name, seq in zip(names, got):
+        assert seq.output_token_ids == alone[name].output_token_ids, seq.text
+    assert "speculative" not in cfg or eng.timings.spec_rows > 0

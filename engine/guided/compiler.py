@@ -119,6 +119,7 @@ class GuidedRequest:
         self._release = release
         self.state = native.RowState()
         self.handle = 0             # the matcher's tvm-ffi handle (0: none, or not xgrammar's own matcher)
+        self.llg = None             # the native llguidance matcher (None: none, or not llguidance's)
         self._matcher: xgr.GrammarMatcher | None = None
 
     @property
@@ -127,7 +128,7 @@ class GuidedRequest:
 
     @matcher.setter
     def matcher(self, matcher) -> None:
-        self._matcher, self.handle = matcher, native.handle(matcher)
+        self._matcher, self.handle, self.llg = matcher, native.handle(matcher), getattr(matcher, "native", None)
 
     accepted = property(lambda self: self.state.accepted, lambda self, v: setattr(self.state, "accepted", v))
     through_step = property(lambda self: self.state.through_step,
@@ -207,13 +208,13 @@ class GrammarService:
     def llg_tokenizer(self):
         with self._llg_lock:    # compile threads: one builds it, the others wait for it
             if self._llg_tokenizer is None:
-                self._llg_tokenizer = llg.tokenizer(self._hf, self.vocab_size, self._eos)
+                self._llg_tokenizer = llg.tokenizer(self._hf, self.info, self._eos)
             return self._llg_tokenizer
 
     def _build(self, guide: Guide):
         if guide.backend != "llguidance":
             return compile_guide(self.compiler, guide)
-        return llg.LLGrammar(self.llg_tokenizer(), llg.guide_grammar(guide), self._eos)
+        return llg.LLGrammar(self.llg_tokenizer(), llg.guide_grammar(guide))
 
     def _compile(self, guide: Guide):
         try:

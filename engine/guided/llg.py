@@ -1,4 +1,4 @@
-"""The llguidance backend: JSON schemas xgrammar compiles but cannot enforce, run by llguidance's LLMatcher.
+"""The llguidance backend: JSON schemas xgrammar compiles but cannot enforce, run by llguidance's matcher.
 
 A schema goes here when the keyword check refuses it for xgrammar (engine/guided/schema_check.py) and
 llguidance validates it (`refusal`), or when a request asks for `guided_backend="llguidance"`. llguidance
@@ -9,23 +9,27 @@ refuses what it does not implement (`not` of anything else, overlapping `oneOf`,
 `uniqueItems`, `contains`, `unevaluatedProperties`): such a schema is refused up front, naming the keyword.
 
 Objects without `additionalProperties` are closed (as xgrammar's strict mode does), where closing cannot
-drop what a sibling `allOf` or an object branch adds. `LLGMatcher` gives an LLMatcher xgrammar's matcher
-interface, so the engine's Python path runs it (engine/guided/matching.py); its bitmask layout is
+drop what a sibling `allOf` or an object branch adds. The llguidance package turns a guide into its grammar
+and validates it; its matchers run in native code through llguidance's C API (engine/guided/csrc/llg.h), so
+the grammar node fills llguidance rows' masks without the GIL, as it does xgrammar's. `LLGMatcher` gives that
+matcher xgrammar's Python interface for the Python path (engine/guided/matching.py); the bitmask layout is
 xgrammar's (32-bit words, bit t % 32 of word t // 32).
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import llguidance as llg
-import llguidance.hf
 import numpy as np
 import torch
 
+from engine.guided import _native
 from engine.guided.schema_presence import rewrite_presence
 
 KINDS = ("json_schema", "json_object", "regex", "choice")     # guide kinds this backend compiles
 MATCHER_BYTES = 1 << 20     # what the service's cache counts per compiled grammar (llguidance does not say)
+SPECIAL = b"\xff"          # llguidance's mark of a special token's bytes
 _COMBINATORS = ("allOf", "$ref", "unevaluatedProperties", "patternProperties", "dependentSchemas")
 
 
@@ -109,78 +113,76 @@ def guide_grammar(guide) -> str:
     raise ValueError(f"the llguidance backend runs {', '.join(KINDS)}, not {kind}")
 
 
-def tokenizer(hf_tokenizer, vocab_size: int, eos_ids) -> llg.LLTokenizer:
-    """llguidance's tokenizer: the HF tokenizer's special tokens never appear inside text; `eos_ids` end it."""
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+def vocab_bytes(hf_tokenizer, info) -> list[bytes]:
+    """Each token's bytes as xgrammar decodes them (`info`: its TokenizerInfo); special tokens (added special
+    tokens, and ids past the tokenizer's vocabulary: the model's padding) get their name after a 0xFF byte,
+    llguidance's mark for a token that never matches text. llguidance's own reading of a HF tokenizer's JSON is
+    not used: it depends on how that JSON was written (a GGUF tokenizer converted by some transformers versions
+    declares byte fallback beside its byte-level decoder, and llguidance then kept 'Ġ' as text)."""
+    tokens = [bytes(b) for b in info.decoded_vocab]     # (the property builds the whole list each time)
+    for i, added in hf_tokenizer.added_tokens_decoder.items():
+        if added.special and i < len(tokens):
+            tokens[i] = SPECIAL + added.content.encode()
+    return [t if t else SPECIAL + f"<[{i}]>".encode() for i, t in enumerate(tokens)]
+
+
+def tokenizer(hf_tokenizer, info, eos_ids) -> _native.LlgTokenizer:
+    """llguidance's tokenizer in native code over xgrammar's reading of the vocabulary (the same bytes for
+    every token); `eos_ids` end the output."""
+    return _native.LlgTokenizer(api(), vocab_bytes(hf_tokenizer, info), sorted(eos_ids))
+
+
+@functools.lru_cache(maxsize=None)
+def api() -> _native.LlgApi:
+    """llguidance's C API, resolved in its Python extension once per process."""
+    return _native.llg_api(llg._lib.__file__)
 
 
 class LLGrammar:
-    """A compiled llguidance grammar: a matcher at its start, copied for each request."""
+    """A compiled llguidance grammar: a matcher at its start (native), copied for each request."""
 
-    def __init__(self, tok: llg.LLTokenizer, grammar: str, eos_ids):
-        self.template = llg.LLMatcher(tok, grammar, log_level=0)
-        if self.template.is_error():
-            raise ValueError(f"llguidance: {self.template.get_error()}")
-        self.eos_ids = frozenset(eos_ids)
+    def __init__(self, tok: _native.LlgTokenizer, grammar: str):
+        try:
+            self.template = _native.LlgGrammar(tok, grammar)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
         self.memory_size_bytes = MATCHER_BYTES + len(grammar)
 
     def matcher(self) -> LLGMatcher:
-        return LLGMatcher(self.template.deep_copy(), self.eos_ids)
+        return LLGMatcher(self.template.matcher())
 
 
 class LLGMatcher:
-    """An LLMatcher with xgrammar's GrammarMatcher interface and semantics: a rejected token leaves the state
-    as it was (llguidance would enter its error state for good), and the matcher terminates once it accepts a
-    stop token where the grammar may end. The stop token is not fed to llguidance: rolling it back only clears
-    `_ended`. Callback thread only, like every matcher."""
+    """llguidance's native row matcher (engine/guided/csrc/llg.h: xgrammar's GrammarMatcher semantics, the stop
+    token tracked beside llguidance) with xgrammar's Python interface, for the Python grammar path; the grammar
+    node calls the same object (`native`) without Python. Callback thread only, like every matcher."""
 
-    def __init__(self, matcher: llg.LLMatcher, eos_ids):
-        self._m, self._eos, self._ended = matcher, eos_ids, False
-
-    def _check(self) -> None:
-        if self._m.is_error():
-            raise RuntimeError(f"llguidance: {self._m.get_error()}")
+    def __init__(self, matcher: _native.LlgMatcher):
+        self.native = matcher
 
     def accept_token(self, token: int) -> bool:
-        self._check()
-        if self._ended:
-            return False
-        if token in self._eos:
-            self._ended = self._m.is_accepting()
-            return self._ended
-        ok = self._m.try_consume_tokens([token]) == 1
-        self._check()
-        return ok
+        return self.native.accept_token(token)
 
     def is_terminated(self) -> bool:
-        return self._ended
+        return self.native.is_terminated()
 
     def rollback(self, n: int) -> None:
-        if n > 0 and self._ended:
-            self._ended, n = False, n - 1
-        if n > 0 and not self._m.rollback(n):
-            self._check()
-            raise RuntimeError(f"llguidance could not roll back {n} tokens")
+        self.native.rollback(n)
 
     def fill_next_token_bitmask(self, bitmask, index: int = 0) -> None:
-        """What llguidance.torch / llguidance.numpy's fill_next_token_bitmask do (without importing
-        llguidance.torch, which loads torch._dynamo): the row's words computed in place."""
+        """Row `index` of a host int32 bitmask (torch or numpy), in xgrammar's layout."""
         if isinstance(bitmask, torch.Tensor):
             row = bitmask[index]
             if row.dtype != torch.int32 or not row.is_cpu or not row.is_contiguous():
                 raise ValueError("the bitmask must be a contiguous int32 tensor on the host")
-            address, size = row.data_ptr(), row.numel() * 4
+            self.native.fill(row.data_ptr(), row.numel())
         else:
             row = np.asarray(bitmask)[index]
             if row.dtype != np.int32 or not row.flags["C_CONTIGUOUS"]:
                 raise ValueError("the bitmask must be a contiguous int32 array")
-            address, size = row.ctypes.data, row.size * 4
-        self._m.unsafe_compute_mask_ptr(address, size)
-        self._check()
+            self.native.fill(row.ctypes.data, row.size)
 
     def find_jump_forward_string(self) -> str:
-        """The text the grammar forces next ('' when none, or when it does not end on a character)."""
-        try:
-            return self._m.compute_ff_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            return ""
+        """'' (no forced drafts): llguidance computes forced tokens only with a canonical tokenize function,
+        and the native tokenizer has none (it would be Python's, under the GIL)."""
+        return ""

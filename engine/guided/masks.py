@@ -66,10 +66,11 @@ class Snapshot:
 
     def bind(self, matchers, python: bool) -> None:
         rows = self.rows
-        python = python or any(r.request.handle == 0 for r in rows)
+        python = python or any(r.request.handle == 0 and r.request.llg is None for r in rows)
         self.native = native.NativeSnapshot(
             matchers, self.id, self.slot, self.prev, self.step, self.width, python, [r.row for r in rows],
-            [r.request.state for r in rows], [r.request.handle for r in rows], [r.feed_start for r in rows],
+            [r.request.state for r in rows], [r.request.handle for r in rows], [r.request.llg for r in rows],
+            [r.feed_start for r in rows],
             [r.feed for r in rows], [r.pending_src for r in rows], [r.pending_step for r in rows],
             self.unguided.tolist())
 

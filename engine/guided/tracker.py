@@ -33,7 +33,6 @@ class GuidedTracker:
         if not self.has_tokenizer:
             raise ValueError("guided decoding needs the model's tokenizer, and this model has none")
         limits.check_guide(seq.params.guide, *self.bounds)
-        self.check_backend(seq.params.guide)
         if self.service is None:
             self.service = self._make()
         seq.guided = self.service.submit(seq.params.guide)
@@ -54,16 +53,7 @@ class GuidedTracker:
         if self.service is None:
             raise ValueError("guided decoding is not available on this engine")
         limits.check_guide(guide, *self.bounds)
-        self.check_backend(guide)
         return self.service.submit(guide, owner)
-
-    def check_backend(self, guide) -> None:
-        """llguidance rows run on the Python grammar path, which the GPU tests found wrong on CUDA (its rows' tokens
-        were rejected after a few steps; the CPU's path is right): refused there, naming why, until it is fixed."""
-        if self.cuda and guide.backend == "llguidance":
-            raise ValueError(f"this {guide.kind} needs the llguidance grammar backend, which this version runs only "
-                             "on CPU engines; on a GPU, give a schema xgrammar enforces (guided_backend='xgrammar' "
-                             "names what it cannot)")
 
     def check_compiled(self, request: GuidedRequest) -> None:
         """After `admit`'s compile is done: raise ValueError naming the problem if it failed, or if its first

@@ -177,7 +177,7 @@ def _close(eng) -> None:
 
 
 def _fit(ds: Dataset, eng, study: Study) -> Dataset:
-    """Drop the prompts that cannot run: too long for the context, or a schema SamplingParams or the engine refuses."""
+    """Drop the prompts that cannot run: too long for the context, or a schema SamplingParams refuses."""
     from engine.sequence import SamplingParams
     keep = []
     for i, prompt in enumerate(ds.prompts):
@@ -185,7 +185,7 @@ def _fit(ds: Dataset, eng, study: Study) -> Dataset:
             continue
         if ds.schemas is not None and True in study.guided:
             try:
-                eng.guided.check_backend(SamplingParams(json_schema=ds.schemas[i]).guide)    # CUDA: no llguidance
+                SamplingParams(json_schema=ds.schemas[i])
             except ValueError:
                 continue
         keep.append(i)

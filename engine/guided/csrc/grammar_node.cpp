@@ -12,6 +12,8 @@
 namespace py = pybind11;
 using namespace grammar_node;
 
+void bind_llg(py::module_& m);  // llg_py.cpp
+
 namespace {
 
 std::shared_ptr<const Matchers> make_matchers(const std::string& lib, uintptr_t accept, uintptr_t fill,
@@ -33,12 +35,14 @@ std::shared_ptr<const Matchers> make_matchers(const std::string& lib, uintptr_t 
 std::shared_ptr<Snapshot> make_snapshot(std::shared_ptr<const Matchers> m, uint64_t id, int slot, int prev,
                                         int64_t step, int width, bool python, const std::vector<int64_t>& rows,
                                         const std::vector<std::shared_ptr<RowState>>& states,
-                                        const std::vector<uintptr_t>& matchers, const std::vector<int64_t>& feed_start,
+                                        const std::vector<uintptr_t>& matchers,
+                                        const std::vector<std::shared_ptr<LlgRowMatcher>>& llg,
+                                        const std::vector<int64_t>& feed_start,
                                         const std::vector<std::vector<int64_t>>& feeds,
                                         const std::vector<int64_t>& pending_src, const std::vector<int64_t>& pending_step,
                                         std::vector<int64_t> unguided) {
   size_t n = rows.size();
-  if (states.size() != n || matchers.size() != n || feed_start.size() != n || feeds.size() != n ||
+  if (states.size() != n || matchers.size() != n || llg.size() != n || feed_start.size() != n || feeds.size() != n ||
       pending_src.size() != n || pending_step.size() != n)
     throw std::invalid_argument("grammar node: a snapshot's row fields differ in length");
   if (slot < 0 || slot > 1 || prev < 0 || prev > 1 || width < 1)
@@ -47,8 +51,8 @@ std::shared_ptr<Snapshot> make_snapshot(std::shared_ptr<const Matchers> m, uint6
   s->rows.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     if (!states[i]) throw std::invalid_argument("grammar node: a row has no state");
-    s->add_row(rows[i], states[i], reinterpret_cast<void*>(matchers[i]), feed_start[i], feeds[i], pending_src[i],
-               pending_step[i]);
+    s->add_row(rows[i], states[i], reinterpret_cast<void*>(matchers[i]), llg[i], feed_start[i], feeds[i],
+               pending_src[i], pending_step[i]);
   }
   s->unguided = std::move(unguided);
   return s;
@@ -89,7 +93,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
       .def(py::init(&make_snapshot), py::arg("matchers"), py::arg("id"), py::arg("slot"), py::arg("prev"),
            py::arg("step"), py::arg("width"), py::arg("python"), py::arg("rows"), py::arg("states"),
-           py::arg("handles"), py::arg("feed_start"), py::arg("feeds"), py::arg("pending_src"),
+           py::arg("handles"), py::arg("llg"), py::arg("feed_start"), py::arg("feeds"), py::arg("pending_src"),
            py::arg("pending_step"), py::arg("unguided"))
       .def_readonly("id", &Snapshot::id)
       .def_property("consumed", [](const Snapshot& s) { return s.consumed.load(); },
@@ -163,6 +167,7 @@ PYBIND11_MODULE(_native, m) {
           Call c = fill_mask(*matchers, reinterpret_cast<void*>(matcher), &t, index);
           return py::make_tuple(c.ok, c.value, c.error);
         }, "One fill_next_token_bitmask call as the node makes it: (ok, result, error text).");
+  bind_llg(m);
   m.attr("TARGET_NODE") = reinterpret_cast<uintptr_t>(&target_node);
   m.attr("DRAFT_NODE") = reinterpret_cast<uintptr_t>(&draft_node);
 }

@@ -34,7 +34,7 @@ class RowOps {
   // The matcher still takes tokens; a failing check fails the request.
   bool live() {
     if (state_.failed()) return false;
-    Call t = is_terminated(m_, r_.matcher);
+    Call t = terminated();
     if (!t.ok) return fail(failed_message(t.error));
     return !t.value;
   }
@@ -45,10 +45,10 @@ class RowOps {
       int64_t tok = tokens[i];
       if (tok < 0) return fail("no token was allowed here (the request's token mask was empty)");
       state_.accepted.fetch_add(1, std::memory_order_release);
-      Call t = is_terminated(m_, r_.matcher);
+      Call t = terminated();
       if (!t.ok) return fail(failed_message(t.error));
       if (t.value) continue;  // ended with its stop token: nothing more to accept
-      Call a = accept_token(m_, r_.matcher, tok);
+      Call a = accept(tok);
       if (!a.ok) return fail(failed_message(a.error));
       if (!a.value) return fail("the grammar rejected token " + std::to_string(tok));
     }
@@ -74,8 +74,13 @@ class RowOps {
 
   // Fill mask row `index`; a failure fails the request and leaves the row all-allowed.
   bool fill(Bitmask& mask, int64_t index) {
-    DLTensor t = mask.tensor();
-    Call f = fill_mask(m_, r_.matcher, &t, index);
+    Call f;
+    if (r_.llg) {
+      f = from(r_.llg->fill(mask.data + index * mask.shape[1], mask.shape[1]));
+    } else {
+      DLTensor t = mask.tensor();
+      f = fill_mask(m_, r_.matcher, &t, index);
+    }
     if (f.ok) return true;
     mask.allow_all(index);
     return fail(failed_message(f.error));
@@ -83,19 +88,19 @@ class RowOps {
 
   // Accept one draft token: 1 accepted, 0 rejected (or a bad id: stop walking, the request goes on).
   bool try_draft(int64_t token) {
-    Call a = accept_token(m_, r_.matcher, token);
+    Call a = accept(token);
     return a.ok && a.value;
   }
 
   // Accept draft token `token` picked under this row's draft mask: a raise fails the request.
   bool accept_drafted(int64_t token) {
-    Call a = accept_token(m_, r_.matcher, token);
+    Call a = accept(token);
     if (!a.ok) return fail(failed_message(a.error));
     return a.value != 0;
   }
 
   bool terminated_after_draft() {
-    Call t = is_terminated(m_, r_.matcher);
+    Call t = terminated();
     if (!t.ok) {
       fail(failed_message(t.error));
       return true;
@@ -105,7 +110,7 @@ class RowOps {
 
   void undo(int64_t n) {
     if (n <= 0) return;
-    Call b = rollback(m_, r_.matcher, n);
+    Call b = r_.llg ? from(r_.llg->rollback(n)) : rollback(m_, r_.matcher, n);
     if (!b.ok) fail(failed_message(b.error));
   }
 
@@ -124,6 +129,11 @@ class RowOps {
   }
 
  private:
+  // The row's backend: xgrammar's matcher through tvm-ffi, or llguidance's through its C API.
+  static Call from(const LlgCall& c) { return Call{c.ok, c.value, c.error}; }
+  Call accept(int64_t token) { return r_.llg ? from(r_.llg->accept_token(token)) : accept_token(m_, r_.matcher, token); }
+  Call terminated() { return r_.llg ? Call{true, r_.llg->is_terminated(), {}} : is_terminated(m_, r_.matcher); }
+
   bool fail(std::string message) {
     state_.set_error(std::move(message));
     return false;

@@ -3,7 +3,7 @@
 // Built by the loop thread (engine/guided/masks.py) before the step launches, read by the node on the
 // driver's thread; after construction only `consumed`, the failure, the times and `done` change, under its
 // mutex or atomically. Each row holds a strong reference to its matcher object, released when the snapshot
-// goes (possibly on the driver's thread: a matcher's destructor is plain C++).
+// goes (possibly on the driver's thread: a matcher's destructor is plain C++, llguidance's too).
 #pragma once
 
 #include <time.h>
@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "llg.h"
 #include "matcher.h"
 
 namespace grammar_node {
@@ -32,7 +33,8 @@ inline double monotonic_seconds() {  // the clock of Python's time.perf_counter 
 struct Row {
   int64_t row;                      // sampling row of the step (its masks start at row * width)
   std::shared_ptr<RowState> state;
-  void* matcher;                    // strong reference to the GrammarMatcher object
+  void* matcher;                    // strong reference to xgrammar's GrammarMatcher object (null: llguidance's)
+  std::shared_ptr<LlgRowMatcher> llg;  // the row's llguidance matcher (null: xgrammar's)
   int64_t feed_start;               // output index of the first host-known token of `feed`
   size_t feed_begin, feed_end;      // the row's host-known tokens in Snapshot::feed
   int64_t pending_src;              // row of the previous step's emitted tokens to accept after them (-1: none)
@@ -50,12 +52,13 @@ class Snapshot {
       if (r.matcher) matchers->api.object_dec_ref(r.matcher);
   }
 
-  void add_row(int64_t row, std::shared_ptr<RowState> state, void* matcher, int64_t feed_start,
-               const std::vector<int64_t>& tokens, int64_t pending_src, int64_t pending_step) {
+  void add_row(int64_t row, std::shared_ptr<RowState> state, void* matcher, std::shared_ptr<LlgRowMatcher> llg,
+               int64_t feed_start, const std::vector<int64_t>& tokens, int64_t pending_src, int64_t pending_step) {
     if (matcher) matchers->api.object_inc_ref(matcher);
     size_t begin = feed.size();
     feed.insert(feed.end(), tokens.begin(), tokens.end());
-    rows.push_back(Row{row, std::move(state), matcher, feed_start, begin, feed.size(), pending_src, pending_step});
+    rows.push_back(Row{row, std::move(state), matcher, std::move(llg), feed_start, begin, feed.size(), pending_src,
+                       pending_step});
   }
 
   void fail(std::string message) {  // the callback failed as a whole: every guided row of the step fails
@@ -102,7 +105,7 @@ class Snapshot {
   const int slot, prev;
   const int64_t step;
   const int width;           // masks per sampling row: 1 + the drafts it verifies
-  const bool python;         // a row's matcher is not xgrammar's own: the Python callback runs this step
+  const bool python;         // a row's matcher is neither backend's native one: the Python callback runs this step
   std::vector<Row> rows;
   std::vector<int64_t> feed;
   std::vector<int64_t> unguided;
