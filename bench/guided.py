@@ -277,6 +277,11 @@ def run_quality_all(args) -> list[dict]:
                                   args.max_tokens, None, None, part="quality", dataset=name,
                                   error=f"{type(e).__name__}: {e}"))
         return out
+    # A whole set is added at once, so a schema's compile waits behind the others' (Github_easy: ~2,000 on 4
+    # threads, some taking seconds). The engine's compile timeout counts that wait, as a server must; output
+    # quality must not, so this part gives compiles 600 s unless --engine says otherwise.
+    if not any(item.startswith("grammar_compile_timeout_s=") for item in args.engine):
+        args = argparse.Namespace(**(vars(args) | {"engine": [*args.engine, "grammar_compile_timeout_s=600"]}))
     return _with_engine(args, args.quality_seqs, "quality", fn)
 
 
