@@ -34,6 +34,9 @@ SCHEMAS = {
                           "required": ["shape"], "oneOf": [{"required": ["radius"]}, {"required": ["length", "width"]}]},
     "not required": {"type": "object", "properties": {"a": NUM, "b": NUM, "c": NUM}, "required": ["a", "b"],
                      "not": {"required": ["b", "c"]}},
+    "lengths beside a pattern, multipleOf": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]+$", "minLength": 2, "maxLength": 4},
+        "price": {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 100}}, "required": ["code", "price"]},
 }
 ASK = "Give me a small JSON object."
 

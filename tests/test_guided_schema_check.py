@@ -26,6 +26,11 @@ REFUSED = {
     "oneOf": ({"oneOf": [INT, {"type": "number"}]}, "1"),
     # with patternProperties, what a missing name may hold is not rewritten into `properties`
     "required": ({**OBJ_AB, "patternProperties": {"^x": INT}, "required": ["a", "c"]}, '{"a": 1}'),
+    # what xgrammar's converter drops with a warning
+    "minLength": ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, '"a"'),
+    "maxLength": ({"type": "string", "format": "email", "maxLength": 5}, '"abcdef@x.com"'),
+    "multipleOf": ({"type": "number", "multipleOf": 0.5}, "0.3"),
+    "pattern": ({"type": "string", "pattern": "/^[0-9]{4}$/"}, '"/1234/"'),
 }
 
 
@@ -54,6 +59,9 @@ def test_refused_keyword_is_named_and_really_unenforced(compiler, keyword):
     {"allOf": [OBJ_AB]}, {"type": "array", "uniqueItems": False},
     {"type": "object", "properties": {"not": INT, "if": INT}, "required": ["not"]},   # property names, not keywords
     {"enum": [{"not": 1}], "default": {"allOf": [1, 2]}},                             # values, not schemas
+    {"type": "integer", "multipleOf": 3}, {"type": "string", "maxLength": 3},
+    {"type": "string", "pattern": "^$|(^(?:a|b)+$)"},                                # anchors at alternatives' ends
+    {"type": "string", "pattern": "^[^$]\\^+$"},                                      # in a class, escaped
 ])
 def test_enforceable_schemas_pass(schema):
     assert unenforced_keywords(schema) == []

@@ -1,9 +1,9 @@
 """JSON Schema keywords the grammar compiler accepts but does not enforce, found before a request is taken.
 
 xgrammar compiles a schema with `not`, `if`/`then`/`else`, `dependentSchemas`, `uniqueItems`, `contains`,
-`allOf` of several parts, an overlapping `oneOf` or a `required` name missing from `properties`, but its
-grammar ignores them (or, for `oneOf`, falls back
-to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
+`allOf` of several parts, an overlapping `oneOf`, a `required` name missing from `properties`, string lengths
+beside a `pattern` or `format`, `multipleOf` on a number or an anchor inside a pattern, but its grammar ignores
+them (or, for `oneOf`, falls back to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
 valid output, so such a schema is refused with the keyword and where it is (tests/test_guided.py checks
 each keyword here against the compiler: if xgrammar starts enforcing one, that test says so).
 """
@@ -61,6 +61,59 @@ def _walk(node, path: str, root, found: list) -> None:
                 _walk(sub, f"{where}/{name}", root, found)
         else:
             _walk(value, where, root, found)
+    _string_and_number(node, path, found)
+
+
+def _string_and_number(node: dict, path: str, found: list) -> None:
+    """What xgrammar's converter drops with a warning: string lengths beside a pattern or format, `multipleOf`
+    unless the type is integer, and anchors inside a pattern (not at its ends or those of an alternative)."""
+    lengths = [k for k in ("minLength", "maxLength") if k in node]
+    shaped = [k for k in ("pattern", "format") if isinstance(node.get(k), str)]
+    if lengths and shaped:
+        found.append(f"{path}/{lengths[0]}: `{'`/`'.join(lengths)}` beside `{shaped[0]}` is ignored")
+    if "multipleOf" in node and node.get("type") != "integer":
+        found.append(f"{path}/multipleOf: `multipleOf` is ignored unless the type is integer")
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and _inner_anchor(pattern):
+        found.append(f"{path}/pattern: a `^` or `$` inside the pattern is ignored")
+
+
+def _inner_anchor(pattern: str) -> bool:
+    """`pattern` has a `^` not at its start or an alternative's (groups opening before it aside), or a `$` not
+    at its end or an alternative's (groups closing after it aside): one a full match cannot honour."""
+    tokens, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            tokens.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            tokens.append("[")              # a class, whatever it holds (its `^` negates)
+        elif pattern.startswith("(?:", i):
+            tokens.append("(")
+            i += 3
+            continue
+        else:
+            tokens.append(c)
+        i += 1
+    for j, t in enumerate(tokens):
+        if t == "^":
+            k = j - 1
+            while k >= 0 and tokens[k] == "(":
+                k -= 1
+            if k >= 0 and tokens[k] != "|":
+                return True
+        elif t == "$":
+            k = j + 1
+            while k < len(tokens) and tokens[k] == ")":
+                k += 1
+            if k < len(tokens) and tokens[k] != "|":
+                return True
+    return False
 
 
 def _resolve(branch, root):
