@@ -2,6 +2,7 @@
 and each refused keyword is one the compiler really ignores (an instance violating it passes the grammar).
 With the default backend (auto) some of them run on llguidance instead (tests/test_guided_llguidance.py)."""
 import json
+import re
 
 import pytest
 import xgrammar as xgr
@@ -31,6 +32,8 @@ REFUSED = {
     "maxLength": ({"type": "string", "format": "email", "maxLength": 5}, '"abcdef@x.com"'),
     "multipleOf": ({"type": "number", "multipleOf": 0.5}, "0.3"),
     "pattern": ({"type": "string", "pattern": "/^[0-9]{4}$/"}, '"/1234/"'),
+    "$ref": ({"$defs": {"o": OBJ_AB}, "$ref": "#/$defs/o", "properties": {"a": INT}, "required": ["a"]}, "{}"),
+    "enum": ({"type": "array", "enum": ["openid", "email"]}, '"openid"'),
 }
 
 
@@ -42,7 +45,7 @@ def compiler(engine):
 @pytest.mark.parametrize("keyword", list(REFUSED))
 def test_refused_keyword_is_named_and_really_unenforced(compiler, keyword):
     schema, violating = REFUSED[keyword]
-    with pytest.raises(ValueError, match=f"cannot enforce.*{keyword}"):
+    with pytest.raises(ValueError, match=f"cannot enforce.*{re.escape(keyword)}"):
         SamplingParams(json_schema=schema, guided_backend="xgrammar")
     matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False),
                                  terminate_without_stop_token=True)
@@ -62,6 +65,8 @@ def test_refused_keyword_is_named_and_really_unenforced(compiler, keyword):
     {"type": "integer", "multipleOf": 3}, {"type": "string", "maxLength": 3},
     {"type": "string", "pattern": "^$|(^(?:a|b)+$)"},                                # anchors at alternatives' ends
     {"type": "string", "pattern": "^[^$]\\^+$"},                                      # in a class, escaped
+    {"$defs": {"o": OBJ_AB}, "$ref": "#/$defs/o", "description": "annotations only"},
+    {"type": ["integer", "null"], "enum": [1, 2.0, None]}, {"type": "number", "enum": [1, 1.5]},
 ])
 def test_enforceable_schemas_pass(schema):
     assert unenforced_keywords(schema) == []

@@ -2,8 +2,8 @@
 
 xgrammar compiles a schema with `not`, `if`/`then`/`else`, `dependentSchemas`, `uniqueItems`, `contains`,
 `allOf` of several parts, an overlapping `oneOf`, a `required` name missing from `properties`, string lengths
-beside a `pattern` or `format`, `multipleOf` on a number or an anchor inside a pattern, but its grammar ignores
-them (or, for `oneOf`, falls back to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
+beside a `pattern` or `format`, `multipleOf` on a number, an anchor inside a pattern, keywords beside a `$ref` or `enum`
+values of another `type`, but its grammar ignores them (or, for `oneOf`, falls back to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
 valid output, so such a schema is refused with the keyword and where it is (tests/test_guided.py checks
 each keyword here against the compiler: if xgrammar starts enforcing one, that test says so).
 """
@@ -20,6 +20,8 @@ UNENFORCED = {
     "dependencies": "`dependencies` is ignored",
     "contains": "`contains` is ignored",
 }
+_ANNOTATIONS = {"$ref", "title", "description", "default", "examples", "$comment", "definitions", "$defs", "$schema",
+                "$id", "id"}
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _DATA = ("enum", "const", "default", "examples", "required")     # values, not schemas: not walked
 
@@ -62,6 +64,10 @@ def _walk(node, path: str, root, found: list) -> None:
         else:
             _walk(value, where, root, found)
     _string_and_number(node, path, found)
+    beside = sorted(set(node) - _ANNOTATIONS) if isinstance(node.get("$ref"), str) else []
+    if beside:
+        found.append(f"{path}/$ref: {', '.join(f'`{k}`' for k in beside[:3])} beside `$ref` are ignored "
+                     "(xgrammar follows the reference alone)")
 
 
 def _string_and_number(node: dict, path: str, found: list) -> None:
@@ -73,9 +79,23 @@ def _string_and_number(node: dict, path: str, found: list) -> None:
         found.append(f"{path}/{lengths[0]}: `{'`/`'.join(lengths)}` beside `{shaped[0]}` is ignored")
     if "multipleOf" in node and node.get("type") != "integer":
         found.append(f"{path}/multipleOf: `multipleOf` is ignored unless the type is integer")
+    types = node.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
+    if types and isinstance(node.get("enum"), list) and not all(_json_type(v) & types for v in node["enum"]):
+        found.append(f"{path}/enum: `enum` values outside `type` are still allowed")
     pattern = node.get("pattern")
     if isinstance(pattern, str) and _inner_anchor(pattern):
         found.append(f"{path}/pattern: a `^` or `$` inside the pattern is ignored")
+
+
+def _json_type(value) -> set:
+    """The JSON Schema types a value has (an integral number is both integer and number)."""
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return {"integer", "number"}
+    return {float: {"number"}, str: {"string"}, type(None): {"null"}, list: {"array"},
+            dict: {"object"}}.get(type(value), set())
 
 
 def _inner_anchor(pattern: str) -> bool:
