@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from decimal import Decimal
 
 try:                                      # imported as bench.guided_quality, or from a script in bench/
     from bench.common import note, progress, record
@@ -106,6 +107,14 @@ def check_output(schema, text: str) -> tuple[str, bool | None]:
     return status, fmt
 
 
+def _decimal_multiple_of(validator, divisor, instance, schema):
+    """jsonschema's multipleOf divides binary floats (10000.89 / 0.01 is not whole there): compare the decimals
+    the JSON text wrote instead."""
+    import jsonschema
+    if validator.is_type(instance, "number") and Decimal(repr(instance)) % Decimal(repr(divisor)) != 0:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
 def explain_output(schema, text: str) -> tuple[str, bool | None, str | None]:
     """check_output plus the first validation error's message (invalid outputs only)."""
     try:
@@ -119,6 +128,7 @@ def explain_output(schema, text: str) -> tuple[str, bool | None, str | None]:
     try:
         cls = jsonschema.validators.validator_for(schema)
         cls.check_schema(schema)
+        cls = jsonschema.validators.extend(cls, {"multipleOf": _decimal_multiple_of})
         error = next(cls(schema).iter_errors(value), None)
         fmt = error is None and next(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value), None) is None
     except Exception:                     # noqa: BLE001 - SchemaError, Unresolvable, re.error: the schema's fault
