@@ -34,6 +34,7 @@ REFUSED = {
     "pattern": ({"type": "string", "pattern": "/^[0-9]{4}$/"}, '"/1234/"'),
     "$ref": ({"$defs": {"o": OBJ_AB}, "$ref": "#/$defs/o", "properties": {"a": INT}, "required": ["a"]}, "{}"),
     "enum": ({"type": "array", "enum": ["openid", "email"]}, '"openid"'),
+    "maxItems": ({"type": "object", "properties": {"q": {"maxItems": 1}}}, '{"q": [1, 2]}'),
 }
 
 

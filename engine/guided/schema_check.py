@@ -2,8 +2,8 @@
 
 xgrammar compiles a schema with `not`, `if`/`then`/`else`, `dependentSchemas`, `uniqueItems`, `contains`,
 `allOf` of several parts, an overlapping `oneOf`, a `required` name missing from `properties`, string lengths
-beside a `pattern` or `format`, `multipleOf` on a number, an anchor inside a pattern, keywords beside a `$ref` or `enum`
-values of another `type`, but its grammar ignores them (or, for `oneOf`, falls back to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
+beside a `pattern` or `format`, `multipleOf` on a number, an anchor inside a pattern, keywords beside a `$ref`, `enum`
+values of another `type` or a type's keywords where no `type` is named, but its grammar ignores them (or, for `oneOf`, falls back to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
 valid output, so such a schema is refused with the keyword and where it is (tests/test_guided.py checks
 each keyword here against the compiler: if xgrammar starts enforcing one, that test says so).
 """
@@ -22,6 +22,10 @@ UNENFORCED = {
 }
 _ANNOTATIONS = {"$ref", "title", "description", "default", "examples", "$comment", "definitions", "$defs", "$schema",
                 "$id", "id"}
+# keywords of one JSON type, which xgrammar enforces only where the schema names a type
+_TYPED = ("pattern", "minLength", "maxLength", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+          "minItems", "maxItems", "minProperties", "maxProperties")
+_TYPE_GIVERS = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _DATA = ("enum", "const", "default", "examples", "required")     # values, not schemas: not walked
 
@@ -71,14 +75,20 @@ def _walk(node, path: str, root, found: list) -> None:
 
 
 def _string_and_number(node: dict, path: str, found: list) -> None:
-    """What xgrammar's converter drops with a warning: string lengths beside a pattern or format, `multipleOf`
-    unless the type is integer, and anchors inside a pattern (not at its ends or those of an alternative)."""
+    """What xgrammar's converter drops: string lengths beside a pattern or format, `multipleOf` unless the type
+    is integer, a type's keywords on a schema that names no type, `enum` values of another type, and anchors
+    inside a pattern (not at its ends or those of an alternative)."""
     lengths = [k for k in ("minLength", "maxLength") if k in node]
     shaped = [k for k in ("pattern", "format") if isinstance(node.get(k), str)]
     if lengths and shaped:
         found.append(f"{path}/{lengths[0]}: `{'`/`'.join(lengths)}` beside `{shaped[0]}` is ignored")
     if "multipleOf" in node and node.get("type") != "integer":
         found.append(f"{path}/multipleOf: `multipleOf` is ignored unless the type is integer")
+    if not any(k in node for k in _TYPE_GIVERS):
+        untyped = [k for k in _TYPED if k in node]
+        if untyped:
+            found.append(f"{path}/{untyped[0]}: `{untyped[0]}` on a schema without `type` is ignored (name the type "
+                         "it is for)")
     types = node.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
     if types and isinstance(node.get("enum"), list) and not all(_json_type(v) & types for v in node["enum"]):
