@@ -42,8 +42,8 @@ std::shared_ptr<Snapshot> make_snapshot(std::shared_ptr<const Matchers> m, uint6
                                         const std::vector<int64_t>& pending_src, const std::vector<int64_t>& pending_step,
                                         std::vector<int64_t> unguided) {
   size_t n = rows.size();
-  if (states.size() != n || matchers.size() != n || llg.size() != n || feed_start.size() != n || feeds.size() != n ||
-      pending_src.size() != n || pending_step.size() != n)
+  if (states.size() != n || matchers.size() != n || llg.size() != n || feed_start.size() != n ||
+      feeds.size() != n || pending_src.size() != n || pending_step.size() != n)
     throw std::invalid_argument("grammar node: a snapshot's row fields differ in length");
   if (slot < 0 || slot > 1 || prev < 0 || prev > 1 || width < 1)
     throw std::invalid_argument("grammar node: bad slot, previous slot or width");

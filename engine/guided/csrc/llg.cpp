@@ -103,46 +103,46 @@ std::shared_ptr<LlgRowMatcher> LlgGrammar::matcher() const {
   return std::make_shared<LlgRowMatcher>(tok_, tok_->api->clone_matcher(template_));
 }
 
-LlgCall LlgRowMatcher::failed() const {
+Call LlgRowMatcher::failed() const {
   const char* why = tok_->api->get_error(m_);
-  return LlgCall{false, false, std::string("RuntimeError: llguidance: ") + (why ? why : "unknown error")};
+  return Call{false, 0, std::string("RuntimeError: llguidance: ") + (why ? why : "unknown error")};
 }
 
-LlgCall LlgRowMatcher::accept_token(int64_t token) {
+Call LlgRowMatcher::accept_token(int64_t token) {
   const LlgApi& api = *tok_->api;
   if (api.is_error(m_)) return failed();
-  if (ended_ || token < 0 || token >= tok_->vocab_size) return LlgCall{};
+  if (ended_ || token < 0 || token >= tok_->vocab_size) return Call{true, 0, {}};
   if (is_eos(token)) {
     ended_ = api.is_accepting(m_);
-    return LlgCall{true, ended_, {}};
+    return Call{true, ended_, {}};
   }
   uint32_t t = static_cast<uint32_t>(token);
   int32_t valid = api.validate_tokens(m_, &t, 1);
   if (valid < 0) return failed();
-  if (valid == 0) return LlgCall{};
+  if (valid == 0) return Call{true, 0, {}};
   if (api.consume_token(m_, t) != 0) return failed();
-  return LlgCall{true, true, {}};
+  return Call{true, 1, {}};
 }
 
-LlgCall LlgRowMatcher::fill(int32_t* row, int64_t words) {
+Call LlgRowMatcher::fill(int32_t* row, int64_t words) {
   const LlgApi& api = *tok_->api;
   size_t size = api.mask_byte_size(m_);
   size_t room = static_cast<size_t>(words) * sizeof(int32_t);
   if (size > room)
-    return LlgCall{false, false, "ValueError: llguidance's mask (" + std::to_string(size) +
+    return Call{false, 0, "ValueError: llguidance's mask (" + std::to_string(size) +
                                      " bytes) is wider than the row (" + std::to_string(room) + ")"};
   if (api.compute_mask_into(m_, reinterpret_cast<uint32_t*>(row), size) != 0) return failed();
   std::memset(reinterpret_cast<char*>(row) + size, 0, room - size);  // ids past llguidance's vocabulary
-  return LlgCall{true, true, {}};
+  return Call{true, 1, {}};
 }
 
-LlgCall LlgRowMatcher::rollback(int64_t n) {
+Call LlgRowMatcher::rollback(int64_t n) {
   if (n > 0 && ended_) {
     ended_ = false;
     --n;
   }
   if (n > 0 && tok_->api->rollback(m_, static_cast<size_t>(n)) != 0) return failed();
-  return LlgCall{};
+  return Call{true, 0, {}};
 }
 
 }  // namespace grammar_node

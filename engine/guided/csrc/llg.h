@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "matcher.h"
+
 namespace grammar_node {
 
 struct LlgTokenizerC;  // llguidance's opaque handles
@@ -99,12 +101,6 @@ class LlgGrammar {
   LlgMatcherC* template_ = nullptr;
 };
 
-struct LlgCall {
-  bool ok = true;       // false: llguidance failed; error says what ("RuntimeError: llguidance: ...")
-  bool value = false;
-  std::string error;
-};
-
 class LlgRowMatcher {
  public:
   LlgRowMatcher(std::shared_ptr<const LlgTokenizer> tokenizer, LlgMatcherC* m) : tok_(std::move(tokenizer)), m_(m) {}
@@ -112,13 +108,14 @@ class LlgRowMatcher {
   LlgRowMatcher(const LlgRowMatcher&) = delete;
   LlgRowMatcher& operator=(const LlgRowMatcher&) = delete;
 
-  LlgCall accept_token(int64_t token);
-  LlgCall fill(int32_t* row, int64_t words);      // one mask row of `words` 32-bit words
-  LlgCall rollback(int64_t n);
+  // Each returns a Call as xgrammar's matcher calls do (a failure's error: "RuntimeError: llguidance: ...").
+  Call accept_token(int64_t token);
+  Call fill(int32_t* row, int64_t words);      // one mask row of `words` 32-bit words
+  Call rollback(int64_t n);
   bool is_terminated() const { return ended_; }
 
  private:
-  LlgCall failed() const;
+  Call failed() const;
   bool is_eos(int64_t token) const { return std::find(tok_->eos.begin(), tok_->eos.end(), token) != tok_->eos.end(); }
 
   std::shared_ptr<const LlgTokenizer> tok_;

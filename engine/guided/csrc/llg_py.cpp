@@ -14,7 +14,7 @@ using namespace grammar_node;
 
 namespace {
 
-bool checked(const LlgCall& c) {  // the Python path's view: an llguidance failure raises
+bool checked(const Call& c) {  // the Python path's view: an llguidance failure raises
   if (!c.ok) {
     std::string text = c.error;
     for (const char* kind : {"RuntimeError: ", "ValueError: "})
@@ -52,7 +52,7 @@ void bind_llg(py::module_& m) {
       .def("is_terminated", &LlgRowMatcher::is_terminated)
       .def("rollback", [](LlgRowMatcher& r, int64_t n) { checked(r.rollback(n)); }, py::arg("n"))
       .def("fill", [](LlgRowMatcher& r, uintptr_t row, int64_t words) {
-             LlgCall c;
+             Call c;
              {
                py::gil_scoped_release released;
                c = r.fill(reinterpret_cast<int32_t*>(row), words);

@@ -76,7 +76,7 @@ class RowOps {
   bool fill(Bitmask& mask, int64_t index) {
     Call f;
     if (r_.llg) {
-      f = from(r_.llg->fill(mask.data + index * mask.shape[1], mask.shape[1]));
+      f = r_.llg->fill(mask.data + index * mask.shape[1], mask.shape[1]);
     } else {
       DLTensor t = mask.tensor();
       f = fill_mask(m_, r_.matcher, &t, index);
@@ -110,7 +110,7 @@ class RowOps {
 
   void undo(int64_t n) {
     if (n <= 0) return;
-    Call b = r_.llg ? from(r_.llg->rollback(n)) : rollback(m_, r_.matcher, n);
+    Call b = r_.llg ? r_.llg->rollback(n) : rollback(m_, r_.matcher, n);
     if (!b.ok) fail(failed_message(b.error));
   }
 
@@ -130,8 +130,7 @@ class RowOps {
 
  private:
   // The row's backend: xgrammar's matcher through tvm-ffi, or llguidance's through its C API.
-  static Call from(const LlgCall& c) { return Call{c.ok, c.value, c.error}; }
-  Call accept(int64_t token) { return r_.llg ? from(r_.llg->accept_token(token)) : accept_token(m_, r_.matcher, token); }
+  Call accept(int64_t token) { return r_.llg ? r_.llg->accept_token(token) : accept_token(m_, r_.matcher, token); }
   Call terminated() { return r_.llg ? Call{true, r_.llg->is_terminated(), {}} : is_terminated(m_, r_.matcher); }
 
   bool fail(std::string message) {
