@@ -128,7 +128,7 @@ class GuidedRequest:
 
     @matcher.setter
     def matcher(self, matcher) -> None:
-        self._matcher, self.handle, self.llg = matcher, native.handle(matcher), getattr(matcher, "native", None)
+        self._matcher, self.handle, self.llg = matcher, native.handle(matcher), native.llg_matcher(matcher)
 
     accepted = property(lambda self: self.state.accepted, lambda self, v: setattr(self.state, "accepted", v))
     through_step = property(lambda self: self.state.through_step,

@@ -142,10 +142,7 @@ class LLGrammar:
     """A compiled llguidance grammar: a matcher at its start (native), copied for each request."""
 
     def __init__(self, tok: _native.LlgTokenizer, grammar: str):
-        try:
-            self.template = _native.LlgGrammar(tok, grammar)
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
+        self.template = _native.LlgGrammar(tok, grammar)       # a grammar llguidance refuses: ValueError
         self.memory_size_bytes = MATCHER_BYTES + len(grammar)
 
     def matcher(self) -> LLGMatcher:

@@ -2,7 +2,8 @@
 
 xgrammar 0.2.8's GrammarMatcher is an apache-tvm-ffi object; its type info lists its methods as tvm-ffi
 Function objects, callable through tvm-ffi's C API (`TVMFFIFunctionCall`) with no interpreter. The node gets
-their handles and libtvm_ffi's path once per process; both are immutable after that.
+their handles and libtvm_ffi's path once per process; both are immutable after that. llguidance's rows hand the
+node their native matcher instead (engine/guided/csrc/llg.h).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import xgrammar as xgr
 from tvm_ffi import libinfo
 
 from engine.guided import _native
+from engine.guided.llg import LLGMatcher
 
 TARGET_NODE, DRAFT_NODE = _native.TARGET_NODE, _native.DRAFT_NODE
 Node, RowState, NativeSnapshot = _native.Node, _native.RowState, _native.Snapshot
@@ -28,6 +30,12 @@ def matchers() -> _native.Matchers:
         raise RuntimeError(f"xgrammar {xgr.__version__}'s GrammarMatcher lacks {', '.join(missing)}: "
                            f"the grammar node needs them")
     return _native.matchers(libinfo.find_libtvm_ffi(), *(funcs[name].__chandle__() for name in _METHODS))
+
+
+def llg_matcher(matcher):
+    """The native matcher inside llguidance's own LLGMatcher; None for anything else (a wrapper around it runs
+    its step on the Python path, as one around xgrammar's does)."""
+    return matcher.native if type(matcher) is LLGMatcher else None
 
 
 def handle(matcher) -> int:
