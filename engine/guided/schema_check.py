@@ -2,10 +2,12 @@
 
 xgrammar compiles a schema with `not`, `if`/`then`/`else`, `dependentSchemas`, `uniqueItems`, `contains`,
 `allOf` of several parts, an overlapping `oneOf`, a `required` name missing from `properties`, string lengths
-beside a `pattern` or `format`, `multipleOf` on a number, an anchor inside a pattern, keywords beside a `$ref`, `enum`
-values of another `type` or a type's keywords where no `type` is named, but its grammar ignores them (or, for `oneOf`, falls back to `anyOf`): the output would parse yet could fail the schema. A guided request must be able to promise a
-valid output, so such a schema is refused with the keyword and where it is (tests/test_guided.py checks
-each keyword here against the compiler: if xgrammar starts enforcing one, that test says so).
+beside a `pattern` or `format`, `multipleOf` on a number, an anchor inside a pattern, keywords beside a `$ref`,
+`enum` values of another `type` or a type's keywords where no `type` is named, but its grammar ignores them (or,
+for `oneOf`, falls back to `anyOf`): the output would parse yet could fail the schema. A guided request must be
+able to promise a valid output, so such a schema is refused with the keyword and where it is
+(tests/test_guided_schema_check.py checks each keyword here against the compiler: if xgrammar starts enforcing
+one, that test says so).
 """
 from __future__ import annotations
 
@@ -67,17 +69,14 @@ def _walk(node, path: str, root, found: list) -> None:
                 _walk(sub, f"{where}/{name}", root, found)
         else:
             _walk(value, where, root, found)
-    _string_and_number(node, path, found)
-    beside = sorted(set(node) - _ANNOTATIONS) if isinstance(node.get("$ref"), str) else []
-    if beside:
-        found.append(f"{path}/$ref: {', '.join(f'`{k}`' for k in beside[:3])} beside `$ref` are ignored "
-                     "(xgrammar follows the reference alone)")
+    _dropped_keywords(node, path, found)
 
 
-def _string_and_number(node: dict, path: str, found: list) -> None:
-    """What xgrammar's converter drops: string lengths beside a pattern or format, `multipleOf` unless the type
-    is integer, a type's keywords on a schema that names no type, `enum` values of another type, and anchors
-    inside a pattern (not at its ends or those of an alternative)."""
+def _dropped_keywords(node: dict, path: str, found: list) -> None:
+    """What xgrammar's converter drops from one schema node: string lengths beside a pattern or format,
+    `multipleOf` unless the type is integer, a type's keywords on a schema that names no type, `enum` values of
+    another type, anchors inside a pattern (not at its ends or those of an alternative), keywords beside a
+    `$ref`."""
     lengths = [k for k in ("minLength", "maxLength") if k in node]
     shaped = [k for k in ("pattern", "format") if isinstance(node.get(k), str)]
     if lengths and shaped:
@@ -96,6 +95,10 @@ def _string_and_number(node: dict, path: str, found: list) -> None:
     pattern = node.get("pattern")
     if isinstance(pattern, str) and _inner_anchor(pattern):
         found.append(f"{path}/pattern: a `^` or `$` inside the pattern is ignored")
+    beside = sorted(set(node) - _ANNOTATIONS) if isinstance(node.get("$ref"), str) else []
+    if beside:
+        found.append(f"{path}/$ref: {', '.join(f'`{k}`' for k in beside[:3])} beside `$ref` are ignored "
+                     "(xgrammar follows the reference alone)")
 
 
 def _json_type(value) -> set:
