@@ -43,12 +43,16 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--data", default=os.environ.get("SPECDEC_DATA", "../shared/data") + "/jsonschemabench",
                    help="schema data root (Glaive, Github_easy prompts); '' for chat prompts only")
-    p.add_argument("--num-chat", type=int, default=4000)
+    p.add_argument("--data-dir", default=None, help="where the responses are (default OUT/data); runs of a "
+                   "data-size study share one")
+    p.add_argument("--num-chat", type=int, default=90000, help="chat prompts (distinct ones first, then sampled repeats)")
+    p.add_argument("--followup-every", type=int, default=4, help="every N-th chat prompt gets a second user turn (0: none)")
+    p.add_argument("--num-tools", type=int, default=6000, help="two-turn tool conversations (Glaive functions)")
     p.add_argument("--schema-variants", type=int, default=4, help="phrasings each schema is asked in")
     p.add_argument("--max-sequences", type=int, default=0, help="train on the first N sequences only (0: all)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--chunk", type=int, default=512)
-    p.add_argument("--max-seqs", type=int, default=128, help="engine batch while generating")
+    p.add_argument("--max-seqs", type=int, default=512, help="engine batch while generating")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -63,10 +67,15 @@ def run_generate(args) -> None:
     from engine.llm_engine import LLMEngine
     kw = dict(max_num_seqs=args.max_seqs) | ({"model": args.model} if args.model else {})
     eng = LLMEngine(**kw, **({} if args.device == "auto" else {"device": args.device}))
-    items = head_data.prompt_items(args.data or None, args.num_chat, schema_variants=args.schema_variants)
+    items = head_data.prompt_items(args.data or None, args.num_chat, schema_variants=args.schema_variants,
+                                   followup_every=args.followup_every, num_tools=args.num_tools)
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
-    head_data.generate(eng, items, os.path.join(args.out, "data"), args.chunk, args.max_tokens, log, deadline)
+    head_data.generate(eng, items, data_dir(args), args.chunk, args.max_tokens, log, deadline)
     eng.close()
+
+
+def data_dir(args) -> str:
+    return args.data_dir or os.path.join(args.out, "data")
 
 
 def load_target(args):
@@ -84,10 +93,11 @@ def run_train(args) -> dict:
     source, model, device, dtype = load_target(args)
     head = new_head(source.config, torch.float32, device)
     target = Target(model, head.cfg.feature_layers)
-    seqs = head_data.load_sequences(os.path.join(args.out, "data"), args.max_len)
-    if len(seqs) < 2:
-        raise SystemExit(f"no training data under {args.out}/data: run --stage generate first")
-    held_out, train_seqs = seqs[::50][:64], [s for i, s in enumerate(seqs) if i % 50]
+    records = head_data.load_records(data_dir(args), args.max_len)
+    if len(records) < 2:
+        raise SystemExit(f"no training data under {data_dir(args)}: run --stage generate first")
+    train_seqs, held = head_data.split(records)
+    held_out = held["all"]
     if args.max_sequences:                  # a data-size study: the same held-out set, less training data
         train_seqs = train_seqs[:args.max_sequences]
     log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
@@ -98,6 +108,7 @@ def run_train(args) -> dict:
                     lr=args.lr, depth=args.depth, time_limit_s=args.time_limit, log=log)
     summary.update(train_s=round(time.monotonic() - t0, 1), sequences=len(train_seqs),
                    tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out), batch=args.batch,
+                   kinds=_count([k for i, (_, _, k) in enumerate(records) if i % 50][:args.max_sequences or None]),
                    lr=args.lr, depth=args.depth, max_len=args.max_len,
                    command="python -m specdec.train_head " + " ".join(sys.argv[1:]))
     prev = Path(args.out) / "train_summary.json"
@@ -119,9 +130,10 @@ def run_export(args) -> None:
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}, str(out / "head.safetensors"))
     (out / "head.json").write_text(json.dumps(head.cfg.to_dict() | {"target": source.name}, indent=2))
     summary = json.loads((out / "train_summary.json").read_text()) if (out / "train_summary.json").exists() else {}
-    seqs = head_data.load_sequences(str(out / "data"), args.max_len)
-    held_out = seqs[::50][:64]
-    acc = {k: evaluate(head, Target(model, head.cfg.feature_layers), held_out, k) for k in (1, 3, 5)}
+    _, held = head_data.split(head_data.load_records(data_dir(args), args.max_len))
+    target = Target(model, head.cfg.feature_layers)
+    acc = {name: {k: round(evaluate(head, target, seqs, k), 3) for k in (1, 3, 5)} for name, seqs in held.items()}
+    (out / "acceptance.json").write_text(json.dumps(acc | {"summary": summary}, indent=2))
     (out / "card.md").write_text(card(source.name, summary, state, acc, args))
     log(f"export: {out / 'head.safetensors'} ({(out / 'head.safetensors').stat().st_size / 1e6:.1f} MB), "
         f"offline acceptance {acc}")
@@ -133,19 +145,30 @@ def run_export(args) -> None:
 
 def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
     losses = state.get("losses", [])
+    kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(summary.get("kinds", {}).items()))
+    rows = "\n".join(f"  - {name}: {' / '.join(f'{v:.2f}' for v in by_k.values())}" for name, by_k in acc.items())
     return f"""# EAGLE-3-style draft head for {target}
 
-- Data: self-distillation, the target's own greedy responses (<= {args.max_tokens} tokens) to {summary.get('sequences', '?')}
-  prompts ({summary.get('tokens', '?')} response tokens): chat prompts from task templates x topics and
-  Glaive / Github_easy schema prompts answered under their grammar (specdec/eagle/data.py). JSON Mode Eval and
-  BFCL are held out entirely (bench/spec.py measures on them).
+- Data: self-distillation, the target's own responses (<= {args.max_tokens} tokens; greedy, and sampled at 0.8
+  for repeated prompts): {summary.get('sequences', '?')} training sequences ({summary.get('tokens', '?')} response
+  tokens) by kind: {kinds or '?'}. Chat prompts come from task families x styles, some with a second turn;
+  schema prompts (Glaive, Github_easy) and tool conversations (Glaive functions, through the server's chat format)
+  are answered under their grammar (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions
+  bench/spec.py asks are held out entirely (it measures on them).
 - Training: {state.get('step')} steps, batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
   depth {summary.get('depth')}, sequences cut to {summary.get('max_len')} tokens, {summary.get('train_s', '?')} s.
   Loss (sum over the unrolled steps) first / last 20 steps: {_mean(losses[:20])} / {_mean(losses[-20:])}.
 - Offline acceptance length (greedy, every 50th response held out, K = 1 / 3 / 5):
-  {' / '.join(f"{v:.2f}" for v in acc.values())}.
+{rows}
 - Commands: `{summary.get('command', '?')}`, then `python -m specdec.train_head {' '.join(sys.argv[1:])}`
 """
+
+
+def _count(kinds) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in kinds:
+        out[k] = out.get(k, 0) + 1
+    return out
 
 
 def _mean(xs) -> str:

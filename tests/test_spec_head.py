@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.spec.eagle_head import EagleHead, HeadConfig, new_head, unrolled_logits
-from specdec.eagle.data import chat_texts, load_sequences, prompt_items
+from specdec.eagle.data import generate, load_records, load_sequences, prompt_items, split
+from specdec.eagle.prompts import FAMILIES, STYLES, chat_prompts
 from specdec.eagle.train import Target, evaluate, make_batch, train
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -86,21 +87,91 @@ def test_batches_mask_prompts_and_padding():
     assert attn.sum().item() == 7
 
 
-def test_prompt_items_mix_chat_and_schemas(tmp_path):
-    (tmp_path / "raw" / "Glaiveai2K").mkdir(parents=True)
-    (tmp_path / "raw" / "Glaiveai2K" / "a.json").write_text(json.dumps({"type": "object"}))
-    items = prompt_items(str(tmp_path), num_chat=3)
-    assert [("text" in i) for i in items] == [True, False, True, True]
-    assert len(set(chat_texts(500))) == 500
-    from specdec.eagle.data import TASKS, TOPICS
-    unique = len(TASKS) * len(TOPICS)
-    many = prompt_items(str(tmp_path), num_chat=unique + 2, schema_variants=3)
-    assert [i["template"] for i in many if "schema" in i] == [0, 1, 2], "each schema asked in 3 phrasings"
-    chat = [i for i in many if "text" in i]
-    assert all("temperature" not in i for i in chat[:unique]) and [i["temperature"] for i in chat[unique:]] == [0.8] * 2
+def _schema_root(tmp_path):
+    """A data root with two Glaive function schemas and one Github_easy schema."""
+    for sub, name in (("Glaiveai2K", "get_weather_1a2b"), ("Glaiveai2K", "book_table_3c4d"), ("Github_easy", "repo_9")):
+        (tmp_path / "raw" / sub).mkdir(parents=True, exist_ok=True)
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        (tmp_path / "raw" / sub / f"{name}.json").write_text(json.dumps(schema))
+    return str(tmp_path)
+
+
+def test_chat_prompts_are_distinct_varied_and_never_the_benchmark_questions():
+    from specdec.datasets import QUESTIONS
+    texts = chat_prompts(60_000)
+    assert len(texts) == len(set(texts)) == 60_000
+    assert not set(QUESTIONS) & set(chat_prompts(10 ** 6)), "the benchmarks' chat questions are held out"
+    first = chat_prompts(len(FAMILIES) + 2)
+    assert len(first) == len(FAMILIES) + 2 and len(set(first)) == len(first)
+    assert any(t.startswith("Solve for x") or "?" in t for t in first)
+    assert chat_prompts(5, seed=1) != chat_prompts(5, seed=0)
+    assert sum(t.endswith(STYLES[3]) for t in texts) > 1000, "styles vary the asked-for form"
+
+
+def test_prompt_items_spread_kinds_followups_tools_and_sampled_repeats(tmp_path):
+    root = _schema_root(tmp_path)
+    n = 200_000
+    unique = len(chat_prompts(n))                 # fewer: the families hold about 72 K
+    items = prompt_items(root, num_chat=n, schema_variants=3, followup_every=4, num_tools=4)
+    chat = [i for i in items if "text" in i and "tools" not in i]
+    schemas = [i for i in items if "schema" in i]
+    tools = [i for i in items if "tools" in i]
+    assert unique < n and len(chat) == n and len(schemas) == 9 and len(tools) == 4
+    assert sorted(i["template"] for i in schemas) == [0, 0, 0, 1, 1, 1, 2, 2, 2], "each schema asked in 3 phrasings"
+    assert all("temperature" not in i for i in chat[:unique]) and {i["temperature"] for i in chat[unique:]} == {0.8}
+    assert chat[unique]["text"] == chat[0]["text"], "past the distinct prompts, they repeat"
     assert chat[unique]["seed"] != chat[unique + 1]["seed"], "a repeated prompt is sampled with its own seed"
+    assert [("followup" in c) for c in chat[:8]] == [False, False, False, True] * 2
+    assert {t["call"] for t in tools} == {"get_weather", "book_table"}, "tools are Glaive's functions, less the hash"
+    for t in tools:
+        names = [x["function"]["name"] for x in t["tools"]]
+        assert t["call"] in names and len(names) == len(set(names))
+    # spread: the few schemas and tools are not bunched at one end
+    where = [i for i, item in enumerate(items) if "tools" in item]
+    assert where[0] < len(items) // 4 and where[-1] > 3 * len(items) // 4
+
+
+def test_records_split_holds_out_every_50th_and_the_chat_ones(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    (data / "chunk_00000.jsonl").write_text(json.dumps({"prompt": [1, 2], "output": [3, 4, 5]}) + "\n")
-    assert load_sequences(str(data), max_len=5) == [([1, 2, 3, 4, 5], 2)]
-    assert load_sequences(str(data), max_len=4) == [], "too short to score a draft"
+    lines = [{"kind": "schema" if i % 3 else "chat", "prompt": [1, 2], "output": [3, 4, 5, i]} for i in range(200)]
+    lines.append({"prompt": [1], "output": [2]})                  # too short to score a draft
+    (data / "chunk_00000.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    records = load_records(str(data), max_len=6)
+    assert len(records) == 200 and records[0] == ([1, 2, 3, 4, 5, 0], 2, "chat")
+    assert load_sequences(str(data), max_len=4) == [], "cut to 4 tokens, no response token is scored"
+    train_seqs, held = split(records)
+    assert len(train_seqs) == 196 and len(held["all"]) == 4
+    assert held["chat"] == [r[:2] for i, r in enumerate(records) if i % 50 == 0 and r[2] == "chat"]
+    assert not {tuple(s[0]) for s in held["all"]} & {tuple(s[0]) for s in train_seqs}
+
+
+def test_select_computes_the_same_logits_only_where_asked(tiny_target):
+    target = Target(tiny_target, (0, 1, 3))
+    head = new_head(TINY, torch.float32, torch.device("cpu"))
+    ids = torch.randint(3, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3))
+    feats = target.features(ids, torch.ones_like(ids))
+    select = torch.zeros(2, 10, dtype=torch.bool)
+    select[0, 2:7] = select[1, 5:] = True
+    full = unrolled_logits(head, feats, target.embed, ids, target.final_norm, target.lm_head, 3)
+    part = unrolled_logits(head, feats, target.embed, ids, target.final_norm, target.lm_head, 3, select=select)
+    for f, p in zip(full, part):
+        assert p.shape == (10, TINY["vocab_size"]) and torch.allclose(f[select], p, atol=1e-6)
+
+
+def test_generate_writes_both_turns_and_constrains_tool_calls(engine, tmp_path):
+    """The real default model: a follow-up's prompt holds the first answer; a tool call names its function
+    and parses; the tool's answer is asked after the made-up result."""
+    items = prompt_items(_schema_root(tmp_path), num_chat=2, followup_every=1, num_tools=1)
+    items = [i for i in items if "tools" in i] + [i for i in items if "followup" in i][:1]
+    generate(engine, items, str(tmp_path / "data"), chunk=8, max_tokens=40, log=lambda m: None)
+    rows = [json.loads(x) for x in (tmp_path / "data" / "chunk_00000.jsonl").read_text().splitlines()]
+    by_kind = {r["kind"]: r for r in rows}
+    assert sorted(by_kind) == ["chat", "chat_turn2", "tool", "tool_turn2"]
+    call = engine.tokenizer.decode(by_kind["tool"]["output"], skip_special_tokens=True)
+    body = call.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0]
+    assert json.loads(body)["name"] == items[0]["call"]
+    turn2 = engine.tokenizer.decode(by_kind["chat_turn2"]["prompt"])
+    first = engine.tokenizer.decode(by_kind["chat"]["output"], skip_special_tokens=True).strip()
+    assert first[:40] in turn2 and items[1]["followup"] in turn2
+    assert items[0]["result"] in engine.tokenizer.decode(by_kind["tool_turn2"]["prompt"])

@@ -111,7 +111,7 @@ def new_head(target_config: dict, dtype, device, seed: int = 0) -> EagleHead:
     return head.to(device=device, dtype=dtype)
 
 
-def unrolled_logits(head: EagleHead, features, embed, tokens, final_norm, lm_head, depth: int):
+def unrolled_logits(head: EagleHead, features, embed, tokens, final_norm, lm_head, depth: int, select=None):
     """EAGLE-3's training-time test over a batch of whole sequences.
 
     features [B, T, 3H]: the target's hidden states at each position; tokens [B, T]; embed / final_norm /
@@ -143,6 +143,6 @@ def unrolled_logits(head: EagleHead, features, embed, tokens, final_norm, lm_hea
         for m, vm in enumerate(values[1:]):
             out = out + probs[..., t + m].permute(0, 2, 1)[..., None] * vm.float()
         hidden = head.mlp_out(out.to(feature.dtype).flatten(2), feature)
-        logits.append(lm_head(final_norm(hidden)))
+        logits.append(lm_head(final_norm(hidden if select is None else hidden[select])))
         feature = hidden
     return logits

@@ -15,30 +15,8 @@ import random
 import time
 from pathlib import Path
 
-TASKS = ("Explain {t} to a beginner.", "Write a short story about {t}.", "Give five tips about {t}.",
-         "What are common mistakes people make with {t}?", "Summarize the history of {t}.",
-         "Write a haiku about {t}.", "Compare {t} with a related idea.", "Describe a typical day involving {t}.",
-         "List the pros and cons of {t}.", "Write a product description for something related to {t}.",
-         "Answer as a JSON object with keys summary and keywords: what is {t}?",
-         "Write Python code that models {t} with a small class.", "Write an email asking a colleague about {t}.",
-         "Give a step-by-step guide to getting started with {t}.", "Write three quiz questions about {t}.",
-         "Explain {t} in one paragraph, then give an example.", "What should I know before investing time in {t}?",
-         "Write a tweet about {t}.", "Draft a meeting agenda about {t}.", "Define five key terms related to {t}.",
-         "Write a JSON list of three facts about {t}.", "Describe {t} to a ten-year-old.",
-         "Write a short dialogue between two people discussing {t}.", "Suggest a weekend project involving {t}.")
-TOPICS = ("photosynthesis", "the stock market", "machine learning", "gardening", "the French revolution",
-          "climate change", "black holes", "jazz music", "sourdough bread", "electric cars", "the immune system",
-          "chess openings", "remote work", "volcanoes", "the internet", "marathon training", "coffee",
-          "quantum computing", "bees", "public speaking", "databases", "the Roman empire", "sleep", "recycling",
-          "video games", "oceans", "budgeting", "solar panels", "dinosaurs", "learning a language", "weather APIs",
-          "booking flights", "calendar scheduling", "unit conversion", "recipes", "password security",
-          "shipping packages", "hotel reservations", "currency exchange", "sports scores", "music playlists",
-          "git branches", "kubernetes", "REST APIs", "spreadsheets", "email marketing", "customer support",
-          "home insurance", "time zones", "invoices", "stock tickers", "movie recommendations", "restaurant orders",
-          "fitness tracking", "smart home devices", "translation", "news headlines", "job interviews", "mortgages",
-          "car maintenance", "birdwatching", "knitting", "photography", "podcasts", "board games", "mountains",
-          "rivers", "ancient Egypt", "the moon landing", "vaccines", "nutrition", "meditation", "cybersecurity",
-          "open source software", "cloud storage", "weather forecasts", "traffic", "electric grids", "batteries")
+from specdec.eagle import prompts
+
 SCHEMA_DIRS = ("raw/Glaiveai2K", "raw/Github_easy")
 SCHEMA_PROMPT = "Produce a JSON object that matches this schema:\n{}"
 # Phrasings of a schema request: one schema gives several distinct responses (more data per schema).
@@ -47,54 +25,78 @@ SCHEMA_PROMPTS = (SCHEMA_PROMPT, "Return only JSON that validates against this J
                   "Create an example record about {topic} for this schema. Output JSON only.\n{}")
 
 
-def chat_texts(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    pairs = [(task, topic) for task in TASKS for topic in TOPICS]
-    rng.shuffle(pairs)
-    return [task.format(t=topic) for task, topic in (pairs * (n // len(pairs) + 1))[:n]]
-
-
 def schema_items(data_root: str) -> list[dict]:
-    """Every readable schema under the training schema directories, as {"schema": ...}."""
+    """Every readable schema under the training schema directories, as {"schema", "name": file stem, "dir"}."""
     items = []
     for sub in SCHEMA_DIRS:
         for f in sorted(glob.glob(os.path.join(data_root, sub, "*.json"))):
             try:
-                items.append({"schema": json.loads(Path(f).read_text())})
+                items.append({"schema": json.loads(Path(f).read_text()), "name": Path(f).stem, "dir": sub})
             except ValueError:
                 continue
     return items
 
 
-def prompt_items(data_root: str | None, num_chat: int, seed: int = 0, schema_variants: int = 1) -> list[dict]:
-    """Work items: {"text"} chat prompts and {"schema", "template"} prompts, interleaved so any prefix mixes
-    both. Chat prompts past the distinct task x topic pairs repeat a pair sampled (temperature 0.8, their own
-    seed) so they still add new responses; each schema is asked in `schema_variants` phrasings."""
-    unique = len(TASKS) * len(TOPICS)
-    chat = [{"text": t} | ({"temperature": 0.8, "seed": seed * 1_000_003 + i} if i >= unique else {})
-            for i, t in enumerate(chat_texts(num_chat, seed))]
-    rng = random.Random(seed)
-    schemas = [s | {"template": v, "topic": rng.choice(TOPICS)}
-               for v in range(min(schema_variants, len(SCHEMA_PROMPTS)))
-               for s in (schema_items(data_root) if data_root else [])]
-    out, i, j = [], 0, 0
-    while i < len(chat) or j < len(schemas):
-        if i < len(chat):
-            out.append(chat[i])
-            i += 1
-        if j < len(schemas):
-            out.append(schemas[j])
-            j += 1
+def tool_items(schemas: list[dict], n: int, seed: int = 0) -> list[dict]:
+    """n two-turn tool conversations over Glaive's function schemas (the file name, less its hash, is the
+    function's name): a request, the call (constrained as the server constrains it), a made-up result, then
+    the answer. Each lists its tool and up to two others."""
+    rng = random.Random(seed + 7)
+    funcs = {}
+    for s in schemas:
+        name = s["name"].rsplit("_", 1)[0]
+        if isinstance(s["schema"], dict) and s["schema"].get("type", "object") == "object" and 0 < len(name) <= 64:
+            funcs.setdefault(name, s["schema"])
+    names = sorted(funcs)
+    if not names:
+        return []
+    out = []
+    for i in range(n):
+        name = names[i % len(names)]
+        others = rng.sample(names, min(2, len(names)))
+        listed = list(dict.fromkeys([name, *others]))
+        rng.shuffle(listed)
+        out.append({"tools": [{"type": "function", "function": {"name": t, "description": t.replace("_", " "),
+                                                                   "parameters": funcs[t]}} for t in listed],
+                    "call": name, "text": prompts.tool_request(name, rng.choice(prompts.TOPICS), rng),
+                    "result": prompts.tool_result(rng)})
     return out
+
+
+def prompt_items(data_root: str | None, num_chat: int, seed: int = 0, schema_variants: int = 1,
+                 followup_every: int = 0, num_tools: int = 0) -> list[dict]:
+    """Work items, interleaved so any prefix mixes all kinds: {"text"} chat prompts ({"followup"} on every
+    `followup_every`-th: a second user turn after the first answer), {"schema", "template"} prompts (each schema
+    asked in `schema_variants` phrasings) and `num_tools` {"tools", "call"} tool conversations (Glaive).
+    Chat prompts past the distinct ones repeat one, sampled (temperature 0.8, their own seed)."""
+    texts = prompts.chat_prompts(num_chat, seed)
+    unique = len(texts)
+    chat = [{"text": texts[i % unique]} | ({"temperature": 0.8, "seed": seed * 1_000_003 + i} if i >= unique else {})
+            for i in range(num_chat)] if unique else []
+    for i, c in enumerate(chat):
+        if followup_every and i % followup_every == followup_every - 1:
+            c["followup"] = prompts.FOLLOWUPS[(i // followup_every) % len(prompts.FOLLOWUPS)]
+    rng = random.Random(seed)
+    found = schema_items(data_root) if data_root else []
+    schemas = [s | {"template": v, "topic": rng.choice(prompts.TOPICS)}
+               for v in range(min(schema_variants, len(SCHEMA_PROMPTS))) for s in found]
+    tools = tool_items([s for s in found if s["dir"] == SCHEMA_DIRS[0]], num_tools, seed)
+    return spread([chat, schemas, tools])
+
+
+def spread(kinds: list[list]) -> list:
+    """The lists merged so that each is spread evenly over the result (item i of a list of n at (i + 0.5) / n)."""
+    keyed = [((i + 0.5) / len(k), j, item) for j, k in enumerate(kinds) for i, item in enumerate(k)]
+    return [item for _, _, item in sorted(keyed, key=lambda x: x[:2])]
 
 
 def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_tokens: int = 256, log=print,
              deadline: float | None = None) -> None:
-    """Responses for `items`, in chunk files out_dir/chunk_NNNNN.jsonl of {"prompt", "output"} token ids.
-    Stops before a new chunk once time.monotonic() passes `deadline` (a later call goes on from there)."""
-    from engine.sequence import SamplingParams
+    """Responses for `items`, in chunk files out_dir/chunk_NNNNN.jsonl of {"kind", "prompt", "output"} token
+    ids. A two-turn item (a follow-up, a tool conversation) adds its second response, whose prompt holds the
+    first. Stops before a new chunk once time.monotonic() passes `deadline` (a later call goes on from there)."""
     os.makedirs(out_dir, exist_ok=True)
-    n_chunks = -(-len(items) // chunk)
+    n_chunks, t0, made = -(-len(items) // chunk), time.monotonic(), 0
     for c in range(n_chunks):
         path = Path(out_dir) / f"chunk_{c:05d}.jsonl"
         if path.exists():
@@ -102,34 +104,105 @@ def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_toke
         if deadline is not None and time.monotonic() > deadline:
             log("generate: time limit; run again to go on")
             return
-        prompts, params = [], []
-        for item in items[c * chunk:(c + 1) * chunk]:
-            text = item.get("text") or SCHEMA_PROMPTS[item.get("template", 0)].replace(
-                "{topic}", item.get("topic", "")).format(json.dumps(item["schema"]))
-            ids = engine.apply_chat_template([{"role": "user", "content": text}])
-            if len(ids) + max_tokens > engine.max_model_len:
-                continue                    # a schema too long for the context
-            prompts.append(ids)
-            try:
-                params.append(SamplingParams(max_tokens=max_tokens, temperature=item.get("temperature", 0),
-                                             seed=item.get("seed"), json_schema=item.get("schema")))
-            except ValueError:              # a schema the engine refuses: answer it unguided
-                params.append(SamplingParams(max_tokens=max_tokens, temperature=0))
-        seqs = [s for s in engine.generate(prompts, params) if s.finish_reason != "error"]
+        part = items[c * chunk:(c + 1) * chunk]
+        first = _answer(engine, [(item, first_turn(engine, item, max_tokens)) for item in part])
+        second = _answer(engine, [(item, second_turn(engine, item, seq, max_tokens)) for item, seq in first
+                                  if "followup" in item or "tools" in item])
+        records = [(_kind(item, 0), s) for item, s in first] + [(_kind(item, 1), s) for item, s in second]
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps({"prompt": s.prompt_token_ids, "output": s.output_token_ids}) + "\n"
-                               for s in seqs))
+        tmp.write_text("".join(json.dumps({"kind": k, "prompt": s.prompt_token_ids, "output": s.output_token_ids})
+                               + "\n" for k, s in records))
         tmp.rename(path)                    # a chunk is there whole or not at all
-        log(f"generate: chunk {c + 1}/{n_chunks}, {len(seqs)} responses")
+        made += len(records)
+        log(f"generate: chunk {c + 1}/{n_chunks}, {len(records)} responses "
+            f"({made / (time.monotonic() - t0):.0f} responses/s in this call)")
 
 
-def load_sequences(data_dir: str, max_len: int) -> list[tuple[list[int], int]]:
-    """(prompt + output ids cut to max_len, prompt length) of every generated response."""
+def _kind(item: dict, turn: int) -> str:
+    kind = "tool" if "tools" in item else "schema" if "schema" in item else "chat"
+    return kind if turn == 0 else kind + "_turn2"
+
+
+def _answer(engine, requests) -> list[tuple[dict, object]]:
+    """(item, finished sequence) of each (item, (prompt, params)) that fits the context and did not fail. A
+    request the engine refuses (a guide it cannot enforce) is left out, not the whole chunk."""
+    added = []
+    for item, (ids, params) in requests:
+        if len(ids) + params.max_tokens > engine.max_model_len:
+            continue                        # a schema too long for the context
+        try:
+            added.append((item, engine.add_request(ids, params, retain=True)))
+        except ValueError:
+            continue
+    while engine.has_unfinished():
+        engine.step()
+    done = [(item, engine.take(rid)) for item, rid in added]
+    return [(item, s) for item, s in done if s.finish_reason != "error"]
+
+
+def first_turn(engine, item: dict, max_tokens: int):
+    """(prompt ids, SamplingParams) of an item's first request."""
+    sample = dict(max_tokens=max_tokens, temperature=item.get("temperature", 0), seed=item.get("seed"))
+    if "tools" in item:
+        from engine.server.openai.chat import chat_prompt
+        from engine.server.openai.tools import plan_tools
+        plan = plan_tools(item["tools"], {"type": "function", "function": {"name": item["call"]}}, parallel=False)
+        ids = chat_prompt(engine.tokenizer, [{"role": "user", "content": item["text"]}], plan.tools)
+        return _params(ids, sample, structural_tag=plan.guide)
+    if "schema" in item:
+        text = SCHEMA_PROMPTS[item.get("template", 0)].replace("{topic}", item.get("topic", "")).format(
+            json.dumps(item["schema"]))
+        return _params(engine.apply_chat_template([{"role": "user", "content": text}]), sample, json_schema=item["schema"])
+    return _params(engine.apply_chat_template([{"role": "user", "content": item["text"]}]), sample)
+
+
+def second_turn(engine, item: dict, first, max_tokens: int):
+    """(prompt ids, SamplingParams) of the turn after `first` (a finished sequence): the follow-up question,
+    or the tool's result to answer from."""
+    from engine.sequence import SamplingParams
+    said = engine.tokenizer.decode(first.output_token_ids, skip_special_tokens=True).strip()
+    sample = SamplingParams(max_tokens=max_tokens, temperature=item.get("temperature", 0), seed=item.get("seed"))
+    if "tools" in item:
+        from engine.server.openai.chat import chat_prompt
+        convo = [{"role": "user", "content": item["text"]}, {"role": "assistant", "content": said},
+                 {"role": "tool", "tool_call_id": "call_0", "content": item["result"]}]
+        return chat_prompt(engine.tokenizer, convo, item["tools"]), sample
+    convo = [{"role": "user", "content": item["text"]}, {"role": "assistant", "content": said},
+             {"role": "user", "content": item["followup"]}]
+    return engine.apply_chat_template(convo), sample
+
+
+def _params(ids, sample: dict, **guide):
+    """(ids, SamplingParams with the guide); a guide the engine refuses leaves the request unguided."""
+    from engine.sequence import SamplingParams
+    try:
+        return ids, SamplingParams(**sample, **guide)
+    except ValueError:
+        return ids, SamplingParams(**sample)
+
+
+def load_records(data_dir: str, max_len: int) -> list[tuple[list[int], int, str]]:
+    """(prompt + output ids cut to max_len, prompt length, kind) of every generated response with at least
+    three response tokens left (chunks written before kinds were recorded count as "chat")."""
     out = []
     for f in sorted(glob.glob(os.path.join(data_dir, "chunk_*.jsonl"))):
         for line in Path(f).read_text().splitlines():
             d = json.loads(line)
             ids = (d["prompt"] + d["output"])[:max_len]
             if len(ids) > len(d["prompt"]) + 2:
-                out.append((ids, len(d["prompt"])))
+                out.append((ids, len(d["prompt"]), d.get("kind", "chat")))
     return out
+
+
+def load_sequences(data_dir: str, max_len: int) -> list[tuple[list[int], int]]:
+    """(prompt + output ids cut to max_len, prompt length) of every generated response."""
+    return [(ids, p) for ids, p, _ in load_records(data_dir, max_len)]
+
+
+def split(records, every: int = 50, held: int = 64) -> tuple[list, dict[str, list]]:
+    """(training sequences, held-out sets): every `every`-th record is held out; the held-out sets are the
+    first `held` of them ("all") and the first `held` chat ones ("chat": first and second turns)."""
+    train = [(ids, p) for i, (ids, p, _) in enumerate(records) if i % every]
+    out = [r for r in records[::every]]
+    chat = [(ids, p) for ids, p, k in out if k.startswith("chat")]
+    return train, {"all": [(ids, p) for ids, p, _ in out][:held], "chat": chat[:held]}

@@ -53,28 +53,33 @@ def make_batch(seqs, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def step_outputs(head: EagleHead, target: Target, ids, attn, resp, depth: int):
-    """(loss, accepted counts per step-0 position [B, T] (-1 where not scored)) of one batch."""
+    """(loss, accepted counts per step-0 position [B, T] (-1 where not scored)) of one batch. Logits are
+    computed only where some step has a label (a response token 2 + i ahead)."""
     feats = target.features(ids, attn)
-    logits = unrolled_logits(head, feats.to(head.fc.weight.dtype), target.embed, ids, target.final_norm,
-                             target.lm_head, depth)
     b, t = ids.shape
-    loss, run = 0.0, torch.ones(b, t, dtype=torch.bool, device=ids.device)
-    accepted = torch.zeros(b, t, dtype=torch.long, device=ids.device)
-    for i, lg in enumerate(logits):
+    labels, valid = [], []
+    for i in range(depth):
         shift = 2 + i                                   # step i at position t predicts token t + 2 + i
-        labels = torch.full_like(ids, -100)
-        labels[:, :t - shift] = ids[:, shift:]
-        valid = torch.zeros_like(resp)
-        valid[:, :t - shift] = resp[:, shift:]
-        labels = labels.masked_fill(~valid, -100)
-        ce = F.cross_entropy(lg.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        loss = loss + (0.8 ** i) * ce / valid.sum().clamp(min=1)
-        hit = (lg.argmax(-1) == labels) & valid
-        run = run & hit
+        lab = torch.full_like(ids, -100)
+        lab[:, :t - shift] = ids[:, shift:]
+        ok = torch.zeros_like(resp)
+        ok[:, :t - shift] = resp[:, shift:]
+        labels.append(lab.masked_fill(~ok, -100))
+        valid.append(ok)
+    select = torch.stack(valid).any(0)
+    logits = unrolled_logits(head, feats.to(head.fc.weight.dtype), target.embed, ids, target.final_norm,
+                             target.lm_head, depth, select=select)
+    loss, run = 0.0, torch.ones(int(select.sum()), dtype=torch.bool, device=ids.device)
+    accepted = torch.zeros_like(run, dtype=torch.long)
+    for i, lg in enumerate(logits):
+        lab, ok = labels[i][select], valid[i][select]
+        ce = F.cross_entropy(lg.float(), lab, ignore_index=-100, reduction="sum")
+        loss = loss + (0.8 ** i) * ce / ok.sum().clamp(min=1)
+        run = run & (lg.argmax(-1) == lab) & ok
         accepted += run
-    scored = torch.zeros_like(resp)
-    scored[:, :t - 2] = resp[:, 2:]
-    return loss, torch.where(scored, accepted, -1)
+    out = torch.full_like(ids, -1)
+    out[select] = torch.where(valid[0][select], accepted, -1)   # scored: step 0 has a label there
+    return loss, out
 
 
 def acceptance_length(accepted: torch.Tensor) -> float:
@@ -86,6 +91,7 @@ def train(head: EagleHead, target: Target, seqs, held_out, *, out_dir: str, step
           depth: int, ckpt_every: int = 200, time_limit_s: float | None = None, seed: int = 0, log=print) -> dict:
     """Train (resuming from out_dir/ckpt.pt if there) until `steps` or `time_limit_s`. Returns a summary."""
     device = head.fc.weight.device
+    torch.backends.cuda.matmul.allow_tf32 = True       # the head trains in float32: TF32 matmuls on CUDA
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = os.path.join(out_dir, "ckpt.pt")
     start, losses, t0 = 0, [], time.monotonic()
