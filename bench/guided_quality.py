@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from decimal import Decimal
 
 try:                                      # imported as bench.guided_quality, or from a script in bench/
     from bench.common import note, progress, record
@@ -38,6 +37,7 @@ except ImportError:
     from common import note, progress, record
 # the schema sets live in specdec/ (studies use them too); re-exported for the benchmarks that import them here
 from specdec.datasets import DATASETS, PROMPT, load_schemas, resolve, schema_prompt  # noqa: E402, F401
+from specdec.validate import check_output, explain_output  # noqa: E402, F401
 
 
 # ---- engine, schemas, prompts ------------------------------------------------------------------------
@@ -101,43 +101,6 @@ def guided_params(schema, max_tokens: int):
 
 
 # ---- validation ---------------------------------------------------------------------------------------
-def check_output(schema, text: str) -> tuple[str, bool | None]:
-    """(status, format-valid): status valid | invalid | unparsable | schema_error | unchecked."""
-    status, fmt, _ = explain_output(schema, text)
-    return status, fmt
-
-
-def _decimal_multiple_of(validator, divisor, instance, schema):
-    """jsonschema's multipleOf divides binary floats (10000.89 / 0.01 is not whole there): compare the decimals
-    the JSON text wrote instead."""
-    import jsonschema
-    if validator.is_type(instance, "number") and Decimal(repr(instance)) % Decimal(repr(divisor)) != 0:
-        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
-
-
-def explain_output(schema, text: str) -> tuple[str, bool | None, str | None]:
-    """check_output plus the first validation error's message (invalid outputs only)."""
-    try:
-        import jsonschema
-    except ImportError:
-        return "unchecked", None, None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return "unparsable", False, None
-    try:
-        cls = jsonschema.validators.validator_for(schema)
-        cls.check_schema(schema)
-        cls = jsonschema.validators.extend(cls, {"multipleOf": _decimal_multiple_of})
-        error = next(cls(schema).iter_errors(value), None)
-        fmt = error is None and next(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value), None) is None
-    except Exception:                     # noqa: BLE001 - SchemaError, Unresolvable, re.error: the schema's fault
-        return "schema_error", None, None
-    if error is None:
-        return "valid", fmt, None
-    return "invalid", fmt, f"{error.validator} at {'/'.join(map(str, error.absolute_path)) or '(root)'}: {error.message[:120]}"
-
-
 def _frac(a: int, b: int):
     return a / b if b else None
 

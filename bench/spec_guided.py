@@ -12,9 +12,10 @@ Modes (K = --k, greedy, every request guided by its schema): none (guided, no sp
 head, drafts cut by the grammar's walk before verification); head+masks (each draft step picks under its own
 grammar mask: K host callbacks per step); head+masks+forced and head+forced (grammar-forced drafts, with and
 without draft masks); ngram (cut by the grammar).
-- acceptance: one engine per mode, --batch rows, every step speculating (spec_min_acceptance 0), eager (the
-  tokens are the graphs'); acceptance_length = tokens per verifying row-step (K + 1 at most);
-  forced_per_step = forced drafts proposed per verifying row-step; valid_frac over outputs ending "stop".
+- acceptance: specdec.acceptance's study (docs/acceptance.md), one engine per mode, --batch rows, every step
+  speculating (spec_min_acceptance 0), eager (the tokens are the graphs'); acceptance_length = tokens per
+  verifying row-step (K + 1 at most); forced_per_step = forced drafts proposed per verifying row-step;
+  valid_frac over outputs ending "stop".
 - latency: engines of every mode side by side (CUDA graphs, depth 2), one request at a time, the modes
   alternating per schema, then the peer on the same schemas; ms_per_call = mean wall per request (its
   complete tool call), speedup = tok_s over "none".
@@ -119,24 +120,23 @@ def reset(eng) -> None:
 
 
 def run_acceptance(args) -> list[dict]:
+    """specdec.acceptance's study, one per mode (guided, greedy, eager, no "none" engine), in this bench's records."""
+    from specdec.acceptance import Study, run_study
     records = []
     for mode in [m for m in args.modes if m != "none"]:
-        eng = build(args, mode, args.batch, eager=True)
-        try:
-            for dataset in args.datasets:
-                work = workload(eng, args, dataset, args.limit)
-                reset(eng)
-                t0 = time.perf_counter()
-                seqs = eng.generate([w[1] for w in work], [w[2] for w in work])
-                wall = time.perf_counter() - t0
-                tokens = sum(len(s.output_token_ids) for s in seqs)
-                rec = record("spec_guided_acceptance", mode, eng.source.name, args.dtype, args.batch, tokens, tokens / wall,
-                             1e3 * wall / max(eng.timings.steps, 1), dataset=dataset, prompts=len(work),
-                             k=args.k, **flags(mode), **draft_stats(eng), **outcome(work, seqs))
-                records.append(rec)
-                note(f"acceptance {mode} {dataset}: {rec['acceptance_length']} (forced/step {rec['forced_per_step']})")
-        finally:
-            close_engines([eng])
+        m = MODES[mode]
+        study = Study(datasets=args.datasets, drafters=[m["speculative"]], ks=[args.k], guided=[True],
+                      draft_masks=[m.get("guided_draft_masks", False)], forced_drafts=[m.get("guided_forced_drafts", False)],
+                      batch=args.batch, max_tokens=args.max_tokens, prompts=args.limit or 10 ** 6, device=args.device,
+                      dtype=args.dtype, data=args.data, baseline=False,
+                      engine=dict(enforce_eager=True, max_model_len=2048, num_kv_blocks=max(args.batch, 8) * 1024 // 16))
+        for r in run_study(study, progress=False):
+            rec = record("spec_guided_acceptance", mode, r["model"], args.dtype, args.batch, r["new_tokens"], r["tok_s"],
+                         r["ms_per_step"], dataset=r["dataset"], prompts=r["prompts"], k=args.k, **flags(mode),
+                         **{key: r[key] for key in ("forced_per_step", "acceptance_length", "valid_frac",
+                                                    "finished_frac", "errors")})
+            records.append(rec)
+            note(f"acceptance {mode} {r['dataset']}: {rec['acceptance_length']} (forced/step {rec['forced_per_step']})")
     return records
 
 

@@ -60,6 +60,8 @@ def test_guided_runs_decode_under_their_schema(tmp_path):
     assert set(by) == {False, True} and by[True]["prompts"] == 2
     assert by[True]["guided_steps"] > 0 and by[False]["guided_steps"] == 0
     assert by[True]["finished_frac"] == 1.0 and by[True]["json_frac"] == 1.0
+    assert by[True]["valid_frac"] == 1.0 and by[False]["valid_frac"] is None, "guided outputs validate"
+    assert by[True]["forced_per_step"] == 0.0, "the n-gram drafter forces nothing"
 
 
 @pytest.mark.parametrize("change, message", [

@@ -210,6 +210,9 @@ def measure(eng, ds: Dataset, guided: bool, temp: float, study: Study) -> tuple[
         eng.generate(ds.prompts, [replace(p, max_tokens=1) for p in params])
         torch.cuda.synchronize()
     eng.timings.reset()
+    drafts = _draft_masks(eng)
+    if drafts is not None:
+        drafts.forced_drafts = 0
     t0 = time.perf_counter()
     seqs = eng.generate(ds.prompts, params)
     if cuda:
@@ -218,7 +221,22 @@ def measure(eng, ds: Dataset, guided: bool, temp: float, study: Study) -> tuple[
     rec = dict(dataset=ds.name, guided=guided, temperature=temp, prompts=len(seqs), model=eng.source.name,
                dtype=str(eng.runner.dtype).replace("torch.", ""), device=_device_name(eng), batch=study.batch,
                max_tokens=study.max_tokens, wall_s=round(wall, 4)) | _counts(eng.timings, seqs, wall)
+    rec["forced_per_step"] = round(drafts.forced_drafts / eng.timings.spec_rows, 3) \
+        if drafts is not None and eng.timings.spec_rows else 0.0
+    rec["valid_frac"] = _valid_frac(seqs, ds.schemas) if guided else None
     return rec, [s.output_token_ids for s in seqs]
+
+
+def _draft_masks(eng):
+    """The guided drafts' host state (its forced-draft counter), when the engine has one."""
+    return getattr(getattr(eng.runner, "program", None), "draft_masks", None)
+
+
+def _valid_frac(seqs, schemas) -> float | None:
+    """Of the outputs that ended by EOS or the grammar's end, the share that validates against its schema."""
+    from specdec.validate import check_output
+    done = [(s, schema) for s, schema in zip(seqs, schemas) if s.finish_reason == "stop"]
+    return round(sum(check_output(schema, s.text)[0] == "valid" for s, schema in done) / len(done), 4) if done else None
 
 
 def _counts(t, seqs, wall: float) -> dict:
