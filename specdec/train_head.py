@@ -1,13 +1,16 @@
 """Train an EAGLE-3-style draft head for the engine's model by self-distillation.
 
     python -m specdec.train_head --out runs/head                 # generate, train, export, default model
-    python -m specdec.train_head --out runs/head --stage generate --num-chat 60000 --time-limit 540
-    python -m specdec.train_head --out runs/head --stage train --steps 4000 --time-limit 540
+    python -m specdec.train_head --out runs/head --stage generate --time-limit 430      # again to go on
+    python -m specdec.train_head --out runs/head --stage train --time-limit 480         # again to go on
     python -m specdec.train_head --out runs/head --stage export --ship specdec/heads/smollm2-135m
 
+The defaults are the shipped head's (its card.md): 90 K chat prompts (every fourth with a second turn),
+4 K tool conversations and every Glaive / Github_easy schema in 4 phrasings; 12 K steps of batch 32.
+
 Stages (each resumes from what --out already holds, so a 10-minute device call can stop and go on):
-- generate: our engine answers chat prompts and schema prompts (specdec/eagle/data.py) greedily, in chunks
-  of JSONL under OUT/data;
+- generate: our engine answers chat prompts, schema prompts and tool conversations (specdec/eagle/prompts.py,
+  data.py), in chunks of JSONL under OUT/data (or --data-dir);
 - train: EAGLE-3 training-time test on those responses, the target frozen; checkpoints OUT/ckpt.pt;
   a held-out slice (every 50th response) gives the offline acceptance length;
 - export: OUT/head.safetensors + head.json (config) + card.md (data, steps, time, loss, acceptance),
@@ -47,17 +50,17 @@ def parse_args(argv=None):
                    "data-size study share one")
     p.add_argument("--num-chat", type=int, default=90000, help="chat prompts (distinct ones first, then sampled repeats)")
     p.add_argument("--followup-every", type=int, default=4, help="every N-th chat prompt gets a second user turn (0: none)")
-    p.add_argument("--num-tools", type=int, default=6000, help="two-turn tool conversations (Glaive functions)")
+    p.add_argument("--num-tools", type=int, default=4000, help="two-turn tool conversations (Glaive functions)")
     p.add_argument("--schema-variants", type=int, default=4, help="phrasings each schema is asked in")
     p.add_argument("--max-sequences", type=int, default=0, help="train on the first N sequences only (0: all)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=2048, help="items per chunk file (resume unit)")
     p.add_argument("--max-seqs", type=int, default=512, help="engine batch while generating")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--steps", type=int, default=12000)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--depth", type=int, default=3, help="unrolled draft steps (training-time test)")
-    p.add_argument("--max-len", type=int, default=768)
+    p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--time-limit", type=float, default=None, help="seconds; stop cleanly (resumable) after")
     p.add_argument("--ship", default=None, help="copy the exported head here")
     return p.parse_args(argv)

@@ -178,3 +178,27 @@ def test_generate_writes_both_turns_and_constrains_tool_calls(engine, tmp_path):
     first = engine.tokenizer.decode(by_kind["chat"]["output"], skip_special_tokens=True).strip()
     assert first[:40] in turn2 and items[1]["followup"] in turn2
     assert items[0]["result"] in engine.tokenizer.decode(by_kind["tool_turn2"]["prompt"])
+
+
+def test_train_head_trains_resumes_and_exports_on_a_shared_data_dir(engine, tmp_path):
+    """python -m specdec.train_head's train and export stages on the default model (CPU, two steps), reading
+    responses from a --data-dir outside --out, as runs of a data-size study do."""
+    from specdec.train_head import main
+    data = tmp_path / "shared"
+    data.mkdir()
+    g = torch.Generator().manual_seed(4)
+    rows = [{"kind": ("chat", "schema", "chat_turn2")[i % 3], "prompt": torch.randint(10, 4000, (8,), generator=g).tolist(),
+             "output": torch.randint(10, 4000, (12,), generator=g).tolist()} for i in range(120)]
+    (data / "chunk_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--data-dir", str(data), "--device", "cpu", "--steps", "2", "--batch", "2",
+            "--max-len", "64", "--max-sequences", "40"]
+    main(args + ["--stage", "train"])
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["step"] == 2 and summary["done"] and summary["sequences"] == 40
+    assert sum(summary["kinds"].values()) == 40 and set(summary["kinds"]) == {"chat", "schema", "chat_turn2"}
+    main(args + ["--stage", "export"])
+    acc = json.loads((out / "acceptance.json").read_text())
+    assert set(acc) == {"all", "chat", "summary"} and all(1.0 <= v <= 6.0 for v in acc["chat"].values())
+    assert (out / "head.safetensors").stat().st_size > 1e6 and "chat_turn2" in (out / "card.md").read_text()
+    assert not (out / "data").exists(), "the responses stay where --data-dir is"
