@@ -64,6 +64,27 @@ def test_guided_runs_decode_under_their_schema(tmp_path):
     assert by[True]["forced_per_step"] == 0.0, "the n-gram drafter forces nothing"
 
 
+def test_heads_compared_in_one_study(tmp_path):
+    """Two head directories give two methods named after them, over one baseline; the same weights under two
+    names give the same tokens and acceptance."""
+    import shutil
+
+    from specdec.acceptance.study import Method
+    shipped = Method("eagle", 1).engine_kwargs(Study(datasets=["chat"])).get("spec_head")
+    assert shipped is None, "no --head: the engine's own shipped head"
+    from engine.spec.eagle_paged import HEADS
+    src = HEADS / "smollm2-135m"
+    heads = [str(shutil.copytree(src, tmp_path / name)) for name in ("first", "second")]
+    records = run_study(Study(datasets=["chat"], drafters=["eagle"], ks=[2], guided=[False], prompts=2, batch=2,
+                              max_tokens=16, device="cpu", dtype="float32", heads=heads), progress=False)
+    assert [r["method"] for r in records] == ["none", "eagle[first]", "eagle[second]"]
+    a, b = records[1], records[2]
+    assert a["head"] == heads[0] and b["head"] == heads[1]
+    assert a["acceptance_length"] == b["acceptance_length"] and a["same_tokens_as_none"] and b["same_tokens_as_none"]
+    twins = Study(datasets=["chat"], heads=[str(tmp_path / "x" / "head"), str(tmp_path / "y" / "head")])
+    assert list(twins.head_labels().values()) == ["x/head", "y/head"], "same names: the parent tells them apart"
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(datasets=["FOO"]), "--datasets: unknown dataset 'FOO'; choose from JME, BFCL"),
     (dict(ks=[0]), "--k: 0 is not"),
@@ -71,6 +92,7 @@ def test_guided_runs_decode_under_their_schema(tmp_path):
     (dict(drafters=["draft_model"]), "--draft-model"),
     (dict(datasets=["mine=/nonexistent"]), "no file or directory"),
     (dict(batch=0), "--batch"),
+    (dict(drafters=["eagle"], heads=["/nonexistent"]), "--head: '/nonexistent' is not a head directory"),
 ])
 def test_bad_inputs_raise(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

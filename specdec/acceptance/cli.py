@@ -48,7 +48,8 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--datasets", nargs="+", default=["JME", "BFCL", CHAT], metavar="NAME|NAME=PATH")
     p.add_argument("--data", default=None, metavar="ROOT", help="holds maskbench/ (default: tests/data)")
     p.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=["ngram"])
-    p.add_argument("--head", default=None, metavar="DIR", help="eagle: a head directory (default: the shipped one)")
+    p.add_argument("--head", nargs="+", default=[], metavar="DIR", help="eagle: head directories (default: the "
+                   "shipped one); several are compared in one run, each its own method named after its directory")
     p.add_argument("--draft-model", default=None, metavar="SPEC", help="draft_model: a model spec sharing the "
                    "tokenizer (path, 'default', 'dummy:X')")
     p.add_argument("--k", type=_positive, nargs="+", default=[1, 2, 3], help="drafts per step (each its engine)")
@@ -94,7 +95,7 @@ def study_from_args(args, p: argparse.ArgumentParser) -> Study:
                   forced_drafts=[v == "on" for v in dict.fromkeys(args.forced_drafts)],
                   temperatures=list(dict.fromkeys(args.temperature)), batch=args.batch, max_tokens=args.max_tokens,
                   prompts=args.prompts, model=args.model, device=args.device,
-                  dtype=None if args.dtype == "auto" else args.dtype, data=args.data, head=args.head,
+                  dtype=None if args.dtype == "auto" else args.dtype, data=args.data, heads=list(dict.fromkeys(args.head)),
                   draft_model=args.draft_model, baseline=not args.no_baseline, seed=args.seed,
                   engine=_engine_fields(args.engine, p))
     try:

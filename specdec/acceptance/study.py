@@ -8,9 +8,10 @@ speedup is over.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
+import os
+from dataclasses import dataclass, field
 
+from specdec.acceptance.measure import measure
 from specdec.datasets import Dataset, is_schema_set, load_dataset, parse_dataset
 
 DRAFTERS = ("ngram", "eagle", "draft_model")
@@ -32,7 +33,7 @@ class Study:
     device: str = "auto"
     dtype: str | None = None
     data: str | None = None           # root holding maskbench/ (and raw/); None: tests/data
-    head: str | None = None           # eagle: a head directory (None: the one shipped for the model)
+    heads: list[str] = field(default_factory=list)   # eagle: head directories ([]: the one shipped for the model)
     draft_model: str | None = None    # draft_model: a model spec sharing the tokenizer
     baseline: bool = True             # run "none" too: same_tokens_as_none and speedup
     seed: int = 0                     # sampled runs: prompt i has seed seed + i, in every engine
@@ -59,6 +60,9 @@ class Study:
         for option, value in (("--batch", self.batch), ("--max-tokens", self.max_tokens), ("--prompts", self.prompts)):
             if value < 1:
                 raise ValueError(f"{option}: must be >= 1, got {value}")
+        for head in self.heads:
+            if not os.path.isfile(os.path.join(head, "head.json")):
+                raise ValueError(f"--head: {head!r} is not a head directory (no head.json in it)")
         if "draft_model" in self.drafters and not self.draft_model:
             raise ValueError("--draft-model: --drafters draft_model needs a model spec (a path, 'default', 'dummy:X')")
         if not self.methods():
@@ -84,9 +88,19 @@ class Study:
         for drafter in self.drafters:
             combos = [(False, False)] if drafter == "ngram" else \
                 [(m, f) for m in self.draft_masks for f in self.forced_drafts]
-            out += [Method(drafter, k, m, f) for k in self.ks for m, f in combos
-                    if not (m or f) or self.cases(masks=True)]
+            heads = self.head_labels() if drafter == "eagle" else {None: None}
+            out += [Method(drafter, k, m, f, head, tag) for k in self.ks for head, tag in heads.items()
+                    for m, f in combos if not (m or f) or self.cases(masks=True)]
         return list(dict.fromkeys(out))
+
+    def head_labels(self) -> dict:
+        """{head directory: its label in method names}: none for one head (or the shipped one), else the
+        directory's name, with its parent's when two names are the same."""
+        if len(self.heads) < 2:
+            return {(self.heads or [None])[0]: None}
+        names = [os.path.basename(os.path.normpath(h)) for h in self.heads]
+        return {h: n if names.count(n) == 1 else os.path.join(*os.path.normpath(h).split(os.sep)[-2:])
+                for h, n in zip(self.heads, names)}
 
     def plan(self) -> list[tuple[Method, list]]:
         """(method, its cases) in run order: "none" first, over every case any method runs."""
@@ -103,10 +117,13 @@ class Method:
     k: int
     draft_masks: bool = False
     forced_drafts: bool = False
+    head: str | None = None          # eagle: the head directory (None: the shipped one)
+    head_label: str | None = None    # shown in the name when a study compares heads
 
     @property
     def name(self) -> str:
-        return self.drafter + "+masks" * self.draft_masks + "+forced" * self.forced_drafts
+        tag = f"[{self.head_label}]" if self.head_label else ""
+        return self.drafter + tag + "+masks" * self.draft_masks + "+forced" * self.forced_drafts
 
     def engine_kwargs(self, study: Study) -> dict:
         kw = dict(max_num_seqs=study.batch, device=study.device, **({"model": study.model} if study.model else {}),
@@ -115,8 +132,8 @@ class Method:
             kw.update(speculative=self.drafter, num_speculative_tokens=self.k, spec_max_batch=study.batch,
                       spec_min_acceptance=0.0, guided_draft_masks=self.draft_masks,
                       guided_forced_drafts=self.forced_drafts)
-        if self.drafter == "eagle" and study.head:
-            kw["spec_head"] = study.head
+        if self.drafter == "eagle" and self.head:
+            kw["spec_head"] = self.head
         if self.drafter == "draft_model":
             kw["spec_draft_model"] = study.draft_model
         return kw | study.engine
@@ -142,7 +159,7 @@ def run_study(study: Study, progress: bool = True) -> list[dict]:
                                         f"{' guided' * guided}{f' T={temp:g}' * bool(temp)}")
                     rec, outputs = measure(eng, datasets[item], guided, temp, study)
                     rec.update(method=method.name, drafter=method.drafter, k=method.k, draft_masks=method.draft_masks,
-                               forced_drafts=method.forced_drafts)
+                               forced_drafts=method.forced_drafts, head=method.head)
                     _compare(rec, outputs, baseline, (item, guided, temp), method)
                     records.append(rec)
                     bar.update()
@@ -195,87 +212,6 @@ def _fit(ds: Dataset, eng, study: Study) -> Dataset:
     return Dataset(ds.name, [ds.prompts[i] for i in keep], schemas)
 
 
-def _params(ds: Dataset, guided: bool, temp: float, study: Study) -> list:
-    from engine.sequence import SamplingParams
-    return [SamplingParams(max_tokens=study.max_tokens, temperature=temp, seed=study.seed + i if temp > 0 else None,
-                           json_schema=ds.schemas[i] if guided else None) for i in range(len(ds.prompts))]
-
-
-def measure(eng, ds: Dataset, guided: bool, temp: float, study: Study) -> tuple[dict, list]:
-    """One run: the dataset's prompts through `eng`, timed; -> (record, output token ids per prompt)."""
-    import torch
-    params = _params(ds, guided, temp, study)
-    cuda = eng.runner.device.type == "cuda"
-    if cuda:                                  # kernels, allocator and the grammars warm outside the timing
-        eng.generate(ds.prompts, [replace(p, max_tokens=1) for p in params])
-        torch.cuda.synchronize()
-    eng.timings.reset()
-    drafts = _draft_masks(eng)
-    if drafts is not None:
-        drafts.forced_drafts = 0
-    t0 = time.perf_counter()
-    seqs = eng.generate(ds.prompts, params)
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    rec = dict(dataset=ds.name, guided=guided, temperature=temp, prompts=len(seqs), model=eng.source.name,
-               dtype=str(eng.runner.dtype).replace("torch.", ""), device=_device_name(eng), batch=study.batch,
-               max_tokens=study.max_tokens, wall_s=round(wall, 4)) | _counts(eng.timings, seqs, wall)
-    rec["forced_per_step"] = round(drafts.forced_drafts / eng.timings.spec_rows, 3) \
-        if drafts is not None and eng.timings.spec_rows else 0.0
-    rec["valid_frac"] = _valid_frac(seqs, ds.schemas) if guided else None
-    return rec, [s.output_token_ids for s in seqs]
-
-
-def _draft_masks(eng):
-    """The guided drafts' host state (its forced-draft counter), when the engine has one."""
-    return getattr(getattr(eng.runner, "program", None), "draft_masks", None)
-
-
-def _valid_frac(seqs, schemas) -> float | None:
-    """Of the outputs that ended by EOS or the grammar's end, the share that validates against its schema."""
-    from specdec.validate import check_output
-    done = [(s, schema) for s, schema in zip(seqs, schemas) if s.finish_reason == "stop"]
-    return round(sum(check_output(schema, s.text)[0] == "valid" for s, schema in done) / len(done), 4) if done else None
-
-
-def _counts(t, seqs, wall: float) -> dict:
-    tokens = sum(len(s.output_token_ids) for s in seqs)
-    accepted, proposed = _by_position(seqs)
-    stopped = [s for s in seqs if s.finish_reason == "stop"]
-    return dict(new_tokens=tokens, steps=t.steps, rows=t.rows, spec_rows=t.spec_rows,
-                spec_frac=round(t.spec_rows / max(t.rows, 1), 4), guided_steps=t.guided_steps,
-                acceptance_length=round(t.acceptance_length, 4) if t.spec_rows else None,
-                tokens_per_step=round(tokens / max(t.steps, 1), 4),
-                accepted_by_position=accepted, proposed_by_position=proposed,
-                rate_by_position=[round(a / p, 4) for a, p in zip(accepted, proposed) if p],
-                tok_s=tokens / wall, ms_per_step=1e3 * wall / max(t.steps, 1),
-                finished_frac=round(len(stopped) / max(len(seqs), 1), 4),
-                json_frac=round(sum(_parses(s.text) for s in stopped) / len(stopped), 4) if stopped else None,
-                errors=sum(s.error is not None for s in seqs))
-
-
-def _by_position(seqs) -> tuple[list[int], list[int]]:
-    """Drafts accepted and proposed at each draft position, summed over the finished requests' SpecStats."""
-    width = max((len(s.spec.proposed_by_position) for s in seqs if s.spec is not None), default=0)
-    accepted, proposed = [0] * width, [0] * width
-    for s in seqs:
-        if s.spec is not None:
-            for i, (a, p) in enumerate(zip(s.spec.by_position, s.spec.proposed_by_position)):
-                accepted[i] += a
-                proposed[i] += p
-    return accepted, proposed
-
-
-def _parses(text: str) -> bool:
-    import json
-    try:
-        json.loads(text)
-        return True
-    except ValueError:
-        return False
-
-
 def _compare(rec: dict, outputs: list, baseline: dict, case: tuple, method: Method) -> None:
     """Keep the baseline's tokens and tok/s; fill a speculative record's same_tokens_as_none and speedup."""
     if method.drafter == "none":
@@ -287,9 +223,3 @@ def _compare(rec: dict, outputs: list, baseline: dict, case: tuple, method: Meth
     # CPU tok/s says nothing about speed (interpreted kernels, no graphs): no speedup is derived from it
     gpu = rec["device"] != "cpu"
     rec["speedup"] = round(rec["tok_s"] / base["tok_s"], 3) if base and gpu else None
-
-
-def _device_name(eng) -> str:
-    import torch
-    device = eng.runner.device
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
