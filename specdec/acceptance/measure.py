@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from specdec.datasets import Dataset
 
-if TYPE_CHECKING:
-    from specdec.acceptance.study import Study
 
-
-def _params(ds: Dataset, guided: bool, temp: float, study: Study) -> list:
+def _params(ds: Dataset, guided: bool, temp: float, max_tokens: int, seed: int) -> list:
     from engine.sequence import SamplingParams
-    return [SamplingParams(max_tokens=study.max_tokens, temperature=temp, seed=study.seed + i if temp > 0 else None,
+    return [SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed + i if temp > 0 else None,
                            json_schema=ds.schemas[i] if guided else None) for i in range(len(ds.prompts))]
 
 
-def measure(eng, ds: Dataset, guided: bool, temp: float, study: Study) -> tuple[dict, list]:
+def measure(eng, ds: Dataset, guided: bool, temp: float, *, batch: int, max_tokens: int, seed: int) -> tuple[dict, list]:
     """One run: the dataset's prompts through `eng`, timed; -> (record, output token ids per prompt)."""
     import torch
-    params = _params(ds, guided, temp, study)
+    params = _params(ds, guided, temp, max_tokens, seed)
     cuda = eng.runner.device.type == "cuda"
     if cuda:                                  # kernels, allocator and the grammars warm outside the timing
         eng.generate(ds.prompts, [replace(p, max_tokens=1) for p in params])
@@ -36,8 +32,8 @@ def measure(eng, ds: Dataset, guided: bool, temp: float, study: Study) -> tuple[
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     rec = dict(dataset=ds.name, guided=guided, temperature=temp, prompts=len(seqs), model=eng.source.name,
-               dtype=str(eng.runner.dtype).replace("torch.", ""), device=_device_name(eng), batch=study.batch,
-               max_tokens=study.max_tokens, wall_s=round(wall, 4)) | _counts(eng.timings, seqs, wall)
+               dtype=str(eng.runner.dtype).replace("torch.", ""), device=_device_name(eng), batch=batch,
+               max_tokens=max_tokens, wall_s=round(wall, 4)) | _counts(eng.timings, seqs, wall)
     rec["forced_per_step"] = round(drafts.forced_drafts / eng.timings.spec_rows, 3) \
         if drafts is not None and eng.timings.spec_rows else 0.0
     rec["valid_frac"] = _valid_frac(seqs, ds.schemas) if guided else None

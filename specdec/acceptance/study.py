@@ -157,7 +157,8 @@ def run_study(study: Study, progress: bool = True) -> list[dict]:
                 for item, guided, temp in cases:
                     bar.set_postfix_str(f"{method.name}{f' K={method.k}' * bool(method.k)} {item}"
                                         f"{' guided' * guided}{f' T={temp:g}' * bool(temp)}")
-                    rec, outputs = measure(eng, datasets[item], guided, temp, study)
+                    rec, outputs = measure(eng, datasets[item], guided, temp, batch=study.batch,
+                                          max_tokens=study.max_tokens, seed=study.seed)
                     rec.update(method=method.name, drafter=method.drafter, k=method.k, draft_masks=method.draft_masks,
                                forced_drafts=method.forced_drafts, head=method.head)
                     _compare(rec, outputs, baseline, (item, guided, temp), method)
