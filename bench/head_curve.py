@@ -4,7 +4,7 @@ same responses, each on the first N of them, then scored on the same held-out re
     python bench/head_curve.py --data-dir runs/head/data --runs 6000:3 25000:3 0:3 0:5 --steps 3000 \
         --time-limit 480 --work runs/curve --out bench/results/head_curve.json
 
-A run is SEQUENCES:DEPTH (0 sequences: all). Each is `python -m specdec.train_head --stage train` then
+A run is SEQUENCES:DEPTH[:BUCKET] (0 sequences: all; BUCKET: train_head's --bucket, 1 by default). Each is `python -m specdec.train_head --stage train` then
 `--stage export` in its own directory under --work, all at once on the one GPU (--parallel), with the same
 steps, batch, learning rate and time limit; a run stopped by the time limit resumes when the command is given
 again. Reported per run: training sequences and tokens, steps reached, seconds, and the offline acceptance
@@ -25,14 +25,14 @@ try:
 except ImportError:
     from common import command_line, device_name, git_commit, markdown_table, plot, write_results
 
-COLUMNS = ["sequences", "depth", "steps", "train_s", "tokens", "all_k1", "all_k3", "all_k5", "chat_k1", "chat_k3",
+COLUMNS = ["sequences", "depth", "bucket", "steps", "train_s", "tokens", "all_k1", "all_k3", "all_k5", "chat_k1", "chat_k3",
            "chat_k5"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True)
-    p.add_argument("--runs", nargs="+", default=["6000:3", "25000:3", "0:3", "0:5"])
+    p.add_argument("--runs", nargs="+", default=["6000:3", "25000:3", "0:3", "0:5"], help="SEQUENCES:DEPTH[:BUCKET]")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -46,62 +46,58 @@ def parse_args(argv=None):
     return args
 
 
-def parse_run(text: str) -> tuple[int, int]:
+def parse_run(text: str) -> tuple[int, int, int]:
     try:
-        n, d = (int(x) for x in text.split(":"))
+        n, d, *b = (int(x) for x in text.split(":"))
     except ValueError:
-        raise SystemExit(f"--runs takes SEQUENCES:DEPTH (e.g. 25000:3), got {text!r}") from None
-    if n < 0 or not 1 <= d <= 8:
-        raise SystemExit(f"--runs {text!r}: sequences must be >= 0 and depth 1..8")
-    return n, d
+        raise SystemExit(f"--runs takes SEQUENCES:DEPTH[:BUCKET] (e.g. 25000:3), got {text!r}") from None
+    if n < 0 or not 1 <= d <= 8 or len(b) > 1 or (b and b[0] < 1):
+        raise SystemExit(f"--runs {text!r}: sequences must be >= 0, depth 1..8 and bucket >= 1")
+    return n, d, b[0] if b else 1
 
 
-def run_dir(args, n: int, d: int) -> Path:
-    return Path(args.work) / f"n{n or 'all'}_d{d}"
+def run_dir(args, n: int, d: int, b: int = 1) -> Path:
+    return Path(args.work) / (f"n{n or 'all'}_d{d}" + (f"_b{b}" if b > 1 else ""))
 
 
-def command(args, n: int, d: int, stage: str) -> list[str]:
-    return [sys.executable, "-m", "specdec.train_head", "--out", str(run_dir(args, n, d)), "--data-dir",
-            args.data_dir, "--stage", stage, "--max-sequences", str(n), "--depth", str(d), "--steps",
-            str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr), "--max-len", str(args.max_len),
-            "--time-limit", str(args.time_limit)]
+def command(args, n: int, d: int, b: int, stage: str) -> list[str]:
+    return [sys.executable, "-m", "specdec.train_head", "--out", str(run_dir(args, n, d, b)), "--data-dir",
+            args.data_dir, "--stage", stage, "--max-sequences", str(n), "--depth", str(d), "--bucket", str(b),
+            "--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr), "--max-len",
+            str(args.max_len), "--time-limit", str(args.time_limit)]
 
 
 def train_all(args) -> None:
     """Train every run (args.parallel at a time), then export the finished ones; logs under each run's dir."""
     pending = list(args.runs)
-    live: list[tuple[subprocess.Popen, tuple[int, int]]] = []
+    live: list[tuple[subprocess.Popen, tuple[int, int, int]]] = []
     while pending or live:
         while pending and len(live) < args.parallel:
-            n, d = pending.pop(0)
-            run_dir(args, n, d).mkdir(parents=True, exist_ok=True)
-            log = open(run_dir(args, n, d) / "train.log", "a")
-            live.append((subprocess.Popen(command(args, n, d, "train"), stdout=log, stderr=log), (n, d)))
+            run = pending.pop(0)
+            run_dir(args, *run).mkdir(parents=True, exist_ok=True)
+            log = open(run_dir(args, *run) / "train.log", "a")
+            live.append((subprocess.Popen(command(args, *run, "train"), stdout=log, stderr=log), run))
         time.sleep(5)
         for proc, run in [x for x in live if x[0].poll() is not None]:
             live.remove((proc, run))
             print(f"[{time.strftime('%H:%M:%S')}] trained {run}: exit {proc.returncode}", file=sys.stderr, flush=True)
-    for n, d in args.runs:
-        if _done(args, n, d):
-            with open(run_dir(args, n, d) / "export.log", "a") as log:
-                subprocess.run(command(args, n, d, "export"), stdout=log, stderr=log, check=False)
-
-
-def _done(args, n: int, d: int) -> bool:
-    """A run stopped by the time limit is exported too: the curve compares heads at equal time."""
-    return (run_dir(args, n, d) / "ckpt.pt").exists()
+    for run in args.runs:
+        # a run stopped by the time limit is exported too: the curve compares heads at equal time
+        if (run_dir(args, *run) / "ckpt.pt").exists():
+            with open(run_dir(args, *run) / "export.log", "a") as log:
+                subprocess.run(command(args, *run, "export"), stdout=log, stderr=log, check=False)
 
 
 def rows(args) -> list[dict]:
     out = []
-    for n, d in args.runs:
-        path = run_dir(args, n, d) / "acceptance.json"
+    for n, d, b in args.runs:
+        path = run_dir(args, n, d, b) / "acceptance.json"
         if not path.exists():
-            out.append(dict(sequences=n or "all", depth=d, error="not exported"))
+            out.append(dict(sequences=n or "all", depth=d, bucket=b, error="not exported"))
             continue
         acc = json.loads(path.read_text())
         s = acc["summary"]
-        out.append(dict(sequences=s.get("sequences"), depth=d, steps=s.get("step"), train_s=s.get("train_s"),
+        out.append(dict(sequences=s.get("sequences"), depth=d, bucket=b, steps=s.get("step"), train_s=s.get("train_s"),
                         tokens=s.get("tokens"), kinds=s.get("kinds"),
                         **{f"{name}_k{k}": acc[name][str(k)] for name in ("all", "chat") if name in acc
                            for k in (1, 3, 5)},
@@ -116,7 +112,8 @@ def main(argv=None) -> None:
     out = write_results(results, args.out)
     base = str(out).rsplit(".", 1)[0]
     curve = [dict(sequences=r["sequences"], acceptance_k3=r[f"{name}_k3"], held_out=name)
-             for r in results if r.get("depth") == 3 and "all_k3" in r for name in ("all", "chat")]
+             for r in results if r.get("depth") == 3 and r.get("bucket") == 1 and "all_k3" in r
+             for name in ("all", "chat")]
     plot(curve, "sequences", "acceptance_k3", "held_out", base + ".png",
          "Draft head: offline acceptance length at K = 3 vs training data (depth 3)")
     text = (f"Command: `{command_line()}` on {device_name()}, commit {git_commit()}. Heads trained side by side "

@@ -62,6 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=3, help="unrolled draft steps (training-time test)")
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--time-limit", type=float, default=None, help="seconds; stop cleanly (resumable) after")
+    p.add_argument("--decay", choices=["time", "steps"], default="time", help="learning-rate decay over the planned "
+                   "steps or this call's time limit, whichever ends first (time), or over the planned steps only, "
+                   "for one schedule across resumed calls (steps)")
+    p.add_argument("--bucket", type=int, default=1, help="draw B batches' worth and keep one of similar lengths "
+                   "(less padding); 1: plain random batches")
     p.add_argument("--ship", default=None, help="copy the exported head here")
     return p.parse_args(argv)
 
@@ -108,11 +113,12 @@ def run_train(args) -> dict:
     # the head trains in float32 (the target runs in bfloat16 on CUDA): it is small, and bf16 rounding of its
     # residual stream stalled the loss in a first run
     summary = train(head, target, train_seqs, held_out, out_dir=args.out, steps=args.steps, batch=args.batch,
-                    lr=args.lr, depth=args.depth, time_limit_s=args.time_limit, log=log)
+                    lr=args.lr, depth=args.depth, time_limit_s=args.time_limit, decay=args.decay, bucket=args.bucket,
+                    log=log)
     summary.update(train_s=round(time.monotonic() - t0, 1), sequences=len(train_seqs),
                    tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out), batch=args.batch,
                    kinds=_count([k for i, (_, _, k) in enumerate(records) if i % 50][:args.max_sequences or None]),
-                   lr=args.lr, depth=args.depth, max_len=args.max_len,
+                   lr=args.lr, depth=args.depth, max_len=args.max_len, decay=args.decay, bucket=args.bucket,
                    command="python -m specdec.train_head " + " ".join(sys.argv[1:]))
     prev = Path(args.out) / "train_summary.json"
     if prev.exists():                      # a resumed run adds its time to the earlier calls'

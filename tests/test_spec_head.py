@@ -193,12 +193,38 @@ def test_train_head_trains_resumes_and_exports_on_a_shared_data_dir(engine, tmp_
     out = tmp_path / "run"
     args = ["--out", str(out), "--data-dir", str(data), "--device", "cpu", "--steps", "2", "--batch", "2",
             "--max-len", "64", "--max-sequences", "40"]
-    main(args + ["--stage", "train"])
+    main(args + ["--stage", "train", "--bucket", "4", "--decay", "steps"])
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["step"] == 2 and summary["done"] and summary["sequences"] == 40
+    assert summary["bucket"] == 4 and summary["decay"] == "steps"
     assert sum(summary["kinds"].values()) == 40 and set(summary["kinds"]) == {"chat", "schema", "chat_turn2"}
     main(args + ["--stage", "export"])
     acc = json.loads((out / "acceptance.json").read_text())
     assert set(acc) == {"all", "chat", "summary"} and all(1.0 <= v <= 6.0 for v in acc["chat"].values())
     assert (out / "head.safetensors").stat().st_size > 1e6 and "chat_turn2" in (out / "card.md").read_text()
     assert not (out / "data").exists(), "the responses stay where --data-dir is"
+
+
+def test_batches_by_length_and_the_learning_rate_schedule():
+    import random
+
+    from specdec.eagle.train import learning_rate, pick_batch
+    g = random.Random(5)
+    seqs = [([1] * g.randrange(20, 500), 10) for _ in range(400)]
+
+    def padding(bucket):
+        total = 0
+        for step in range(200):
+            b = pick_batch(random.Random(step), seqs, 8, bucket)
+            assert len(b) == 8 and pick_batch(random.Random(step), seqs, 8, bucket) == b, "the same draw on resume"
+            total += sum(max(len(s[0]) for s in b) - len(s[0]) for s in b)
+        return total
+
+    assert padding(8) < 0.3 * padding(1), "sorted neighbours pad far less than random batches"
+    with pytest.raises(ValueError, match="bucket"):
+        pick_batch(random.Random(0), seqs, 8, 0)
+    assert learning_rate(1.0, 0, 100, 0.0, None) == pytest.approx(1 / 50), "warm-up"
+    assert learning_rate(1.0, 50, 100, 0.0, None) == pytest.approx(0.55)
+    # a resumed call: half the steps done, the call's clock at its limit
+    assert learning_rate(1.0, 50, 100, 60.0, 60.0, "time") == pytest.approx(0.1)
+    assert learning_rate(1.0, 50, 100, 60.0, 60.0, "steps") == pytest.approx(0.55), "one schedule across calls"

@@ -88,8 +88,14 @@ def acceptance_length(accepted: torch.Tensor) -> float:
 
 
 def train(head: EagleHead, target: Target, seqs, held_out, *, out_dir: str, steps: int, batch: int, lr: float,
-          depth: int, ckpt_every: int = 200, time_limit_s: float | None = None, seed: int = 0, log=print) -> dict:
-    """Train (resuming from out_dir/ckpt.pt if there) until `steps` or `time_limit_s`. Returns a summary."""
+          depth: int, ckpt_every: int = 200, time_limit_s: float | None = None, seed: int = 0, decay: str = "time",
+          bucket: int = 1, log=print) -> dict:
+    """Train (resuming from out_dir/ckpt.pt if there) until `steps` or `time_limit_s`. Returns a summary.
+    decay "time": the learning rate decays linearly over the planned steps or over this call's time limit,
+    whichever ends first (a resumed call starts high again); "steps": over the planned steps only, so a run
+    split over calls follows one schedule. bucket: see pick_batch."""
+    if decay not in ("time", "steps"):
+        raise ValueError(f"decay must be 'time' or 'steps', got {decay!r}")
     device = head.fc.weight.device
     torch.backends.cuda.matmul.allow_tf32 = True       # the head trains in float32: TF32 matmuls on CUDA
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -105,12 +111,10 @@ def train(head: EagleHead, target: Target, seqs, held_out, *, out_dir: str, step
     step = start
     for step in range(start, steps):
         rng.seed(seed * 1_000_003 + step)              # the batch of a step is the same after a resume
-        # linear decay over the planned steps, or over the time limit if that comes first
-        done = max(step / steps, (time.monotonic() - t0) / time_limit_s if time_limit_s else 0.0)
-        lr_now = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * max(0.0, 1 - done))
+        lr_now = learning_rate(lr, step, steps, time.monotonic() - t0, time_limit_s, decay)
         for g in opt.param_groups:
             g["lr"] = lr_now
-        loss, _ = step_outputs(head, target, *make_batch(rng.sample(seqs, min(batch, len(seqs))), device), depth)
+        loss, _ = step_outputs(head, target, *make_batch(pick_batch(rng, seqs, batch, bucket), device), depth)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -126,6 +130,29 @@ def train(head: EagleHead, target: Target, seqs, held_out, *, out_dir: str, step
                 return dict(step=step + 1, done=False, losses=losses)
     save_checkpoint(ckpt, head, opt, steps, losses)
     return dict(step=steps, done=True, losses=losses, held_out_acceptance=evaluate(head, target, held_out, depth))
+
+
+def learning_rate(peak: float, step: int, steps: int, elapsed_s: float, time_limit_s: float | None,
+                  decay: str = "time") -> float:
+    """Warm-up over the first 50 steps, then linear decay to a tenth of `peak`: over the planned steps, or (decay
+    "time") over this call's time limit if that ends first."""
+    by_time = elapsed_s / time_limit_s if time_limit_s and decay == "time" else 0.0
+    done = max(step / steps, by_time)
+    return peak * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * max(0.0, 1 - done))
+
+
+def pick_batch(rng: random.Random, seqs, batch: int, bucket: int = 1) -> list:
+    """`batch` sequences drawn at random. With bucket B > 1, B batches' worth are drawn, sorted by length and
+    one batch of neighbours is kept: less padding (a batch is as long as its longest sequence) for the same
+    draws on average. The draw depends only on `rng`, so a resumed step gets the same batch."""
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1, got {bucket}")
+    pool = rng.sample(seqs, min(batch * bucket, len(seqs)))
+    if bucket == 1:
+        return pool
+    pool.sort(key=lambda s: len(s[0]))
+    i = rng.randrange(max(1, len(pool) // batch))
+    return pool[i * batch:(i + 1) * batch]
 
 
 def save_checkpoint(path: str, head, opt, step: int, losses: list) -> None:
