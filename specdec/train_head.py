@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -104,10 +105,11 @@ def run_train(args) -> dict:
     records = head_data.load_records(data_dir(args), args.max_len)
     if len(records) < 2:
         raise SystemExit(f"no training data under {data_dir(args)}: run --stage generate first")
-    train_seqs, held = head_data.split(records)
+    train_records, held = head_data.split(records)
     held_out = held["all"]
-    if args.max_sequences:                  # a data-size study: the same held-out set, less training data
-        train_seqs = train_seqs[:args.max_sequences]
+    # a data-size study trains on the first N: the same held-out set, less training data
+    train_records = train_records[:args.max_sequences or None]
+    train_seqs = [(ids, p) for ids, p, _ in train_records]
     log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
     t0 = time.monotonic()
     # the head trains in float32 (the target runs in bfloat16 on CUDA): it is small, and bf16 rounding of its
@@ -117,7 +119,7 @@ def run_train(args) -> dict:
                     log=log)
     summary.update(train_s=round(time.monotonic() - t0, 1), sequences=len(train_seqs),
                    tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out), batch=args.batch,
-                   kinds=_count([k for i, (_, _, k) in enumerate(records) if i % 50][:args.max_sequences or None]),
+                   kinds=dict(Counter(k for _, _, k in train_records)),
                    lr=args.lr, depth=args.depth, max_len=args.max_len, decay=args.decay, bucket=args.bucket,
                    command="python -m specdec.train_head " + " ".join(sys.argv[1:]))
     prev = Path(args.out) / "train_summary.json"
@@ -171,13 +173,6 @@ def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
 {rows}
 - Commands: `{summary.get('command', '?')}`, then `python -m specdec.train_head {' '.join(sys.argv[1:])}`
 """
-
-
-def _count(kinds) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in kinds:
-        out[k] = out.get(k, 0) + 1
-    return out
 
 
 def _mean(xs) -> str:

@@ -201,9 +201,10 @@ def load_sequences(data_dir: str, max_len: int) -> list[tuple[list[int], int]]:
 
 
 def split(records, every: int = 50, held: int = 64) -> tuple[list, dict[str, list]]:
-    """(training sequences, held-out sets): every `every`-th record is held out; the held-out sets are the
-    first `held` of them ("all") and the first `held` chat ones ("chat": first and second turns)."""
-    train = [(ids, p) for i, (ids, p, _) in enumerate(records) if i % every]
-    out = [r for r in records[::every]]
+    """(training records, held-out sets): every `every`-th record is held out; the held-out sets are the first
+    `held` of them ("all") and the first `held` chat ones ("chat": first and second turns), as (ids, prompt
+    length)."""
+    train = [r for i, r in enumerate(records) if i % every]
+    out = records[::every]
     chat = [(ids, p) for ids, p, k in out if k.startswith("chat")]
     return train, {"all": [(ids, p) for ids, p, _ in out][:held], "chat": chat[:held]}
