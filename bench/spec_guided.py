@@ -37,6 +37,7 @@ except ImportError:
     from common import markdown_table, note, plot, record, write_results
     from guided_quality import (DATASETS, check_output, close_engines, guided_params, hf_guided_generate,
                                 load_schemas, resolve, schema_prompt)
+from specdec.acceptance.measure import draft_masks, forced_per_step  # noqa: E402
 
 MODES = {"none": {},
          "head": dict(speculative="eagle", guided_draft_masks=False, guided_forced_drafts=False),
@@ -71,8 +72,8 @@ def parse_args(argv=None):
 
 def build(args, mode: str, rows: int, eager: bool):
     from engine.llm_engine import LLMEngine
-    kw = dict(dtype=args.dtype, max_num_seqs=rows, enforce_eager=eager, num_kv_blocks=max(rows, 8) * 1024 // 16,
-              max_model_len=2048, spec_min_acceptance=0.0, spec_max_batch=rows, num_speculative_tokens=args.k)
+    kw = dict(dtype=args.dtype, max_num_seqs=rows, enforce_eager=eager, spec_min_acceptance=0.0, spec_max_batch=rows,
+              num_speculative_tokens=args.k, **limits(rows))
     if args.device != "auto":
         kw["device"] = args.device
     return LLMEngine(**(kw | MODES[mode]))
@@ -105,16 +106,21 @@ def outcome(work, seqs) -> dict:
                 finished_frac=round(len(stopped) / len(seqs), 4), errors=sum(s.error is not None for s in seqs))
 
 
+def limits(rows: int) -> dict:
+    """Every mode's context and KV pages (1,024 tokens of pages per row)."""
+    return dict(num_kv_blocks=max(rows, 8) * 1024 // 16, max_model_len=2048)
+
+
 def draft_stats(eng) -> dict:
-    d, t = getattr(eng.runner.program, "draft_masks", None), eng.timings
-    return dict(forced_per_step=round(d.forced_drafts / t.spec_rows, 3) if d and t.spec_rows else 0.0,
+    d, t = draft_masks(eng), eng.timings
+    return dict(forced_per_step=forced_per_step(eng),
                 draft_callback_ms=round(1e3 * d.callback_s / max(t.steps, 1), 4) if d else 0.0,
                 acceptance_length=round(t.acceptance_length, 4) if t.spec_rows else None)
 
 
 def reset(eng) -> None:
     eng.timings.reset()
-    d = getattr(eng.runner.program, "draft_masks", None)
+    d = draft_masks(eng)
     if d is not None:
         d.forced_drafts, d.callback_s = 0, 0.0
 
@@ -129,7 +135,7 @@ def run_acceptance(args) -> list[dict]:
                       draft_masks=[m.get("guided_draft_masks", False)], forced_drafts=[m.get("guided_forced_drafts", False)],
                       batch=args.batch, max_tokens=args.max_tokens, prompts=args.limit or 10 ** 6, device=args.device,
                       dtype=args.dtype, data=args.data, baseline=False,
-                      engine=dict(enforce_eager=True, max_model_len=2048, num_kv_blocks=max(args.batch, 8) * 1024 // 16))
+                      engine=dict(enforce_eager=True, **limits(args.batch)))
         for r in run_study(study, progress=False):
             rec = record("spec_guided_acceptance", mode, r["model"], args.dtype, args.batch, r["new_tokens"], r["tok_s"],
                          r["ms_per_step"], dataset=r["dataset"], prompts=r["prompts"], k=args.k, **flags(mode),

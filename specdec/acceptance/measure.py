@@ -23,7 +23,7 @@ def measure(eng, ds: Dataset, guided: bool, temp: float, *, batch: int, max_toke
         eng.generate(ds.prompts, [replace(p, max_tokens=1) for p in params])
         torch.cuda.synchronize()
     eng.timings.reset()
-    drafts = _draft_masks(eng)
+    drafts = draft_masks(eng)
     if drafts is not None:
         drafts.forced_drafts = 0
     t0 = time.perf_counter()
@@ -34,15 +34,20 @@ def measure(eng, ds: Dataset, guided: bool, temp: float, *, batch: int, max_toke
     rec = dict(dataset=ds.name, guided=guided, temperature=temp, prompts=len(seqs), model=eng.source.name,
                dtype=str(eng.runner.dtype).replace("torch.", ""), device=_device_name(eng), batch=batch,
                max_tokens=max_tokens, wall_s=round(wall, 4)) | _counts(eng.timings, seqs, wall)
-    rec["forced_per_step"] = round(drafts.forced_drafts / eng.timings.spec_rows, 3) \
-        if drafts is not None and eng.timings.spec_rows else 0.0
+    rec["forced_per_step"] = forced_per_step(eng)
     rec["valid_frac"] = _valid_frac(seqs, ds.schemas) if guided else None
     return rec, [s.output_token_ids for s in seqs]
 
 
-def _draft_masks(eng):
-    """The guided drafts' host state (its forced-draft counter), when the engine has one."""
+def draft_masks(eng):
+    """The guided drafts' host state (its forced-draft counter, its callback time), when the engine has one."""
     return getattr(getattr(eng.runner, "program", None), "draft_masks", None)
+
+
+def forced_per_step(eng) -> float:
+    """Grammar-forced drafts per verifying row-step since the counters were last reset."""
+    d, rows = draft_masks(eng), eng.timings.spec_rows
+    return round(d.forced_drafts / rows, 3) if d is not None and rows else 0.0
 
 
 def _valid_frac(seqs, schemas) -> float | None:
