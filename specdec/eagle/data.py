@@ -143,7 +143,7 @@ def _answer(engine, requests) -> list[tuple[dict, object]]:
 
 def first_turn(engine, item: dict, max_tokens: int):
     """(prompt ids, SamplingParams) of an item's first request."""
-    sample = dict(max_tokens=max_tokens, temperature=item.get("temperature", 0), seed=item.get("seed"))
+    sample = _sampling(item, max_tokens)
     if "tools" in item:
         from engine.server.openai.chat import chat_prompt
         from engine.server.openai.tools import plan_tools
@@ -160,17 +160,21 @@ def first_turn(engine, item: dict, max_tokens: int):
 def second_turn(engine, item: dict, first, max_tokens: int):
     """(prompt ids, SamplingParams) of the turn after `first` (a finished sequence): the follow-up question,
     or the tool's result to answer from."""
-    from engine.sequence import SamplingParams
     said = engine.tokenizer.decode(first.output_token_ids, skip_special_tokens=True).strip()
-    sample = SamplingParams(max_tokens=max_tokens, temperature=item.get("temperature", 0), seed=item.get("seed"))
+    sample = _sampling(item, max_tokens)
     if "tools" in item:
         from engine.server.openai.chat import chat_prompt
         convo = [{"role": "user", "content": item["text"]}, {"role": "assistant", "content": said},
                  {"role": "tool", "tool_call_id": "call_0", "content": item["result"]}]
-        return chat_prompt(engine.tokenizer, convo, item["tools"]), sample
+        return _params(chat_prompt(engine.tokenizer, convo, item["tools"]), sample)
     convo = [{"role": "user", "content": item["text"]}, {"role": "assistant", "content": said},
              {"role": "user", "content": item["followup"]}]
-    return engine.apply_chat_template(convo), sample
+    return _params(engine.apply_chat_template(convo), sample)
+
+
+def _sampling(item: dict, max_tokens: int) -> dict:
+    """An item's sampling, the same in both turns: greedy, or its temperature and seed."""
+    return dict(max_tokens=max_tokens, temperature=item.get("temperature", 0), seed=item.get("seed"))
 
 
 def _params(ids, sample: dict, **guide):
