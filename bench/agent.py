@@ -1,6 +1,7 @@
 """Multi-turn tool-calling agents, with prefix caching on and off in one run.
 
     python bench/agent.py                                   # default model, CUDA: 1 / 8 / 32 agents, 4 turns
+    python bench/agent.py --model dummy:llama-1b --tokenizer default   # a larger model: random weights
     python bench/agent.py --device cpu --dtype float32 --agents 1 2 --turns 2 --system-tokens 300 --out /tmp/a.json
 
 Each agent is one conversation: a system prompt of instructions and tool schemas (BFCL function schemas from
@@ -36,6 +37,7 @@ COLUMNS = ["mode", "streams", "turns", "ttft_p50_ms", "ttft_p99_ms", "tok_s", "c
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
+    p.add_argument("--tokenizer", default="", help="a model spec whose tokenizer to use (dummy weights have none)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto")
     p.add_argument("--agents", type=int, nargs="+", default=[1, 8, 32])
@@ -129,7 +131,7 @@ def bench(args) -> list[dict]:
     from engine.llm_engine import LLMEngine
     records = []
     for caching in progress([True, False], "prefix caching on / off"):
-        eng = LLMEngine(model=args.model or "default", dtype=args.dtype, device=args.device,
+        eng = LLMEngine(model=args.model or "default", tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                         max_num_seqs=max(args.agents), max_model_len=4096, prefix_caching=caching)
         system, tools = system_prompt(eng, tools_from(args.data), args.system_tokens)
         # graphs, and each listed tool's grammar compiled once: TTFT measures serving, not compiles

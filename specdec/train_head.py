@@ -68,6 +68,8 @@ def parse_args(argv=None):
                    "for one schedule across resumed calls (steps)")
     p.add_argument("--bucket", type=int, default=1, help="draw B batches' worth and keep one of similar lengths "
                    "(less padding); 1: plain random batches")
+    p.add_argument("--init", default=None, help="start training from this exported head directory (head.json + "
+                   "head.safetensors) instead of a random head; a checkpoint under --out still wins")
     p.add_argument("--ship", default=None, help="copy the exported head here")
     return p.parse_args(argv)
 
@@ -100,7 +102,7 @@ def load_target(args):
 
 def run_train(args) -> dict:
     source, model, device, dtype = load_target(args)
-    head = new_head(source.config, torch.float32, device)
+    head = initial_head(args, source.config, device)
     target = Target(model, head.cfg.feature_layers)
     records = head_data.load_records(data_dir(args), args.max_len)
     if len(records) < 2:
@@ -121,6 +123,7 @@ def run_train(args) -> dict:
                    tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out), batch=args.batch,
                    kinds=dict(Counter(k for _, _, k in train_records)),
                    lr=args.lr, depth=args.depth, max_len=args.max_len, decay=args.decay, bucket=args.bucket,
+                   init=args.init,
                    command="python -m specdec.train_head " + " ".join(sys.argv[1:]))
     prev = Path(args.out) / "train_summary.json"
     if prev.exists():                      # a resumed run adds its time to the earlier calls'
@@ -129,6 +132,21 @@ def run_train(args) -> dict:
                                | {"last_losses": summary["losses"][-20:]}, indent=2))
     log(f"train: {summary['step']} steps, done={summary['done']}, acceptance={summary.get('held_out_acceptance')}")
     return summary
+
+
+def initial_head(args, target_config: dict, device):
+    """A random head, or (--init) an exported one to go on training: float32, trainable."""
+    if not args.init:
+        return new_head(target_config, torch.float32, device)
+    from engine.spec.eagle_paged import check_head, load_head
+    from engine.spec.eagle_head import HeadConfig
+    head = load_head(args.init, torch.float32, device).train().requires_grad_(True)
+    check_head(head, target_config)
+    if head.cfg != HeadConfig.for_target(target_config):   # export rebuilds the head from the target's config
+        raise ValueError(f"--init {args.init}: its head config {head.cfg} is not the one this trainer builds for "
+                         f"the model ({HeadConfig.for_target(target_config)})")
+    log(f"train: starting from the head in {args.init}")
+    return head
 
 
 def run_export(args) -> None:
@@ -166,7 +184,7 @@ def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
   schema prompts (Glaive, Github_easy) and tool conversations (Glaive functions, through the server's chat format)
   are answered under their grammar (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions
   bench/spec.py asks are held out entirely (it measures on them).
-- Training: {state.get('step')} steps, batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
+- Training: {f"from the head in {summary['init']}, then " if summary.get('init') else ''}{state.get('step')} steps, batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
   depth {summary.get('depth')}, sequences cut to {summary.get('max_len')} tokens, {summary.get('train_s', '?')} s.
   Loss (sum over the unrolled steps) first / last 20 steps: {_mean(losses[:20])} / {_mean(losses[-20:])}.
 - Offline acceptance length (greedy, every 50th response held out, K = 1 / 3 / 5):

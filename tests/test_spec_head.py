@@ -203,6 +203,15 @@ def test_train_head_trains_resumes_and_exports_on_a_shared_data_dir(engine, tmp_
     assert set(acc) == {"all", "chat", "summary"} and all(1.0 <= v <= 6.0 for v in acc["chat"].values())
     assert (out / "head.safetensors").stat().st_size > 1e6 and "chat_turn2" in (out / "card.md").read_text()
     assert not (out / "data").exists(), "the responses stay where --data-dir is"
+    # --init goes on from an exported head: at learning rate 0 the next export is the same head
+    again = tmp_path / "again"
+    more = ["--out", str(again), "--init", str(out), "--lr", "0"] + args[2:]
+    main(more + ["--stage", "train"])
+    main(more + ["--stage", "export"])
+    from safetensors.torch import load_file
+    first, second = load_file(str(out / "head.safetensors")), load_file(str(again / "head.safetensors"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert str(out) in (again / "card.md").read_text()
 
 
 def test_batches_by_length_and_the_learning_rate_schedule():
