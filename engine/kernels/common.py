@@ -1,4 +1,4 @@
-"""What every Triton kernel module shares: the interpreter check and the two reductions.
+"""What every Triton kernel module shares: the interpreter check, the two reductions and dependent launch.
 
 tl.max and tl.sum are @jit functions of triton.language, compiled or interpreted as TRITON_INTERPRET was
 when triton was first imported; ours follow it as it is when this module is (re)loaded. If the two disagree
@@ -9,8 +9,15 @@ reductions, the kernels use only builtins.
 """
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+# Programmatic dependent launch: read once at import (SPECDEC_PDL=0 turns it off, for A/B runs)
+_PDL_ON = os.environ.get("SPECDEC_PDL", "1") != "0"
 
 
 @triton.jit
@@ -39,3 +46,27 @@ def reduce_max(x, AXIS: tl.constexpr):
 @triton.jit
 def reduce_sum(x, AXIS: tl.constexpr):
     return tl.reduce(x, AXIS, _add_op) if _LOCAL_REDUCE else tl.sum(x, AXIS)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(fn, device: torch.device) -> dict:
+    """Launch keywords for a kernel with a USE_PDL constexpr. On Hopper and newer (compiled, CUDA) the kernel is
+    launched with programmatic dependent launch: it may start while the kernel before it on the stream finishes,
+    and its first act is gdc_wait (all of that kernel's writes visible), so it reads nothing early. CUDA graphs
+    capture the dependency as a programmatic edge. Elsewhere USE_PDL is False and the launch is plain."""
+    on = (_PDL_ON and device.type == "cuda" and not is_interpreted(fn)
+          and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """A dependent-launched kernel's first call: wait for the kernel before it, then let the next one launch
+    (it too waits before reading, so starting it early only hides its launch)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

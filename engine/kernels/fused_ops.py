@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, reduce_sum
+from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_sum
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -26,7 +26,9 @@ _MAX_ROW = 65536  # rms_norm keeps a whole row in registers; efficient up to ~81
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out,
-                     stride_new_res, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_new_res, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -59,7 +61,8 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                           stride_slot, stride_ch, stride_qot, stride_qoh, n_q_heads, n_kv_heads,
                           HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HQ_PAD: tl.constexpr,
-                          HKV_PAD: tl.constexpr):
+                          HKV_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     half = HEAD_DIM // 2
     offs_d = tl.arange(0, HEAD_PAD)
@@ -88,7 +91,8 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -162,7 +166,7 @@ def rms_norm(x, weight, eps, residual=None):
         _rms_norm_kernel[(n_rows,)](
             x, weight, res, out, new_res, x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
             n_cols, float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16, **pdl(_rms_norm_kernel, x.device))
     return out if residual is None else (out, new_res)
 
 
@@ -223,7 +227,7 @@ def rope_store_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, sl
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q_out.stride(0), q_out.stride(1), n_q_heads, n_kv_heads,
         HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim), HQ_PAD=_pow2(n_q_heads), HKV_PAD=_pow2(n_kv_heads),
-        num_warps=4 if n_q_heads * head_dim <= 4096 else 8)
+        num_warps=4 if n_q_heads * head_dim <= 4096 else 8, **pdl(_rope_store_kv_kernel, q.device))
     return q_out
 
 
@@ -257,7 +261,8 @@ def silu_mul(gate_up):
     if n_rows and inter:
         block = min(1024, _pow2(inter))
         _silu_mul_kernel[(n_rows, triton.cdiv(inter, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+            **pdl(_silu_mul_kernel, gate_up.device))
     return out
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, reduce_sum
+from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_sum
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor, rms_norm_ref, silu_mul_ref
 
 MAX_ROWS = 16  # rows per call; the kernels pad M to this for tl.dot (M > 16: use the *_ref / cuBLAS path)
@@ -63,9 +63,10 @@ def _rstd(x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, eps, HAS_RESIDU
 def _gemv_kernel(x_ptr, nw_ptr, res_ptr, w_ptr, b_ptr, out_ptr, new_res_ptr, stride_x, stride_res,
                  stride_out, stride_new_res, M, N, K, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     """PROLOGUE "none": A = x; "norm": A = rms_norm(x [+ res]); "silu": A = silu(x[:, :K]) * x[:, K:].
     out[M, N] = A @ w.T (+ b). Padded rows and columns load zeros, so they add nothing."""
+    pdl_start(USE_PDL)
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -169,7 +170,8 @@ def _launch(x, weight, prologue, k, nw=None, eps=0.0, bias=None, residual=None):
             x, x if nw is None else nw, res, weight, weight if bias is None else bias, out, new_res,
             x.stride(0), res.stride(0), out.stride(0), new_res.stride(0), m, n, k, float(eps),
             PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M,
-            PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast, **cfg)
+            PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast, **cfg,
+            **pdl(_gemv_kernel, x.device))
     return out, new_res
 
 

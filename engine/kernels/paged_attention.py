@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, reduce_max, reduce_sum
+from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 
 _LOG2E = 1.4426950408889634
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -28,7 +28,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      num_kv_heads, stride_slot, stride_ch,
-                     HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+                     HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding row
@@ -75,7 +76,9 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
                        stride_blk, stride_pos, stride_kvh,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                       TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     q_block = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
     seq = tl.program_id(1)
@@ -134,7 +137,8 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
 
 @triton.jit
 def _combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads, stride_ot, stride_oh,
-                    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     if t >= tl.load(cu_q + num_seqs):  # rows past the last sequence stay untouched
@@ -207,7 +211,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     _store_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_kv_heads, k_cache.stride(1), k_cache.stride(2),
-        HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim))
+        HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim), **pdl(_store_kv_kernel, k.device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,9 +302,10 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32: exact products, for equality tests
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: exact products, for equality tests
+        **pdl(_paged_attn_kernel, q.device))
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad)
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(_combine_kernel, q.device))
     return out
