@@ -15,11 +15,12 @@ def test_plain_launch_off_hopper_and_on_the_cpu():
     assert pdl(_rms_norm_kernel, torch.device("cpu")) == {"USE_PDL": False}
 
 
-def test_the_switch_is_read_at_import():
-    code = ("import torch; from engine.kernels.common import _PDL_ON; print(_PDL_ON)")
-    env = dict(os.environ, SPECDEC_PDL="0")
+@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True)])
+def test_the_switch_is_off_unless_asked_for(value, on):
+    code = "from engine.kernels.common import _PDL_ON; print(_PDL_ON)"
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_PDL"} | ({"SPECDEC_PDL": value} if value else {})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == str(on)
 
 
 @pytest.mark.gpu

@@ -16,8 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Programmatic dependent launch: read once at import (SPECDEC_PDL=0 turns it off, for A/B runs)
-_PDL_ON = os.environ.get("SPECDEC_PDL", "1") != "0"
+# Programmatic dependent launch, off unless SPECDEC_PDL=1 (read once, at import). Measured on an H100 it gains
+# nothing yet: the kernels around ours are cuBLAS matmuls, which are launched without it and never signal early
+# (bench/results/pdl.md). It is the plumbing for matmul kernels of our own that would.
+_PDL_ON = os.environ.get("SPECDEC_PDL", "0") == "1"
 
 
 @triton.jit
@@ -54,10 +56,10 @@ def _hopper_or_newer(index: int) -> bool:
 
 
 def pdl(fn, device: torch.device) -> dict:
-    """Launch keywords for a kernel with a USE_PDL constexpr. On Hopper and newer (compiled, CUDA) the kernel is
-    launched with programmatic dependent launch: it may start while the kernel before it on the stream finishes,
-    and its first act is gdc_wait (all of that kernel's writes visible), so it reads nothing early. CUDA graphs
-    capture the dependency as a programmatic edge. Elsewhere USE_PDL is False and the launch is plain."""
+    """Launch keywords for a kernel with a USE_PDL constexpr. With SPECDEC_PDL=1, on Hopper and newer (compiled,
+    CUDA), the kernel is launched with programmatic dependent launch: it may start while the kernel before it on
+    the stream finishes, and its first act is gdc_wait (all of that kernel's writes visible), so it reads nothing
+    early. CUDA graphs capture the dependency as a programmatic edge. Elsewhere USE_PDL is False: a plain launch."""
     on = (_PDL_ON and device.type == "cuda" and not is_interpreted(fn)
           and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
