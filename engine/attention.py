@@ -76,11 +76,17 @@ class TritonAttention:
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
-    def __init__(self):
-        from engine.kernels import bitmask, fused_ops, paged_attention
-        self._k = paged_attention
+    def __init__(self, decode_gemv: bool = False):
+        from engine.kernels import bitmask, decode_gemv as gemv, fused_ops, paged_attention
+        self._k, self._gemv = paged_attention, gemv if decode_gemv else None
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
+
+    def linear(self, x, proj):
+        """proj(x) for an nn.Linear: engine/kernels/decode_gemv.py for a few rows without bias when on, else cuBLAS."""
+        if self._gemv is not None and proj.bias is None and self._gemv.supports(x, proj.weight):
+            return self._gemv.decode_linear(x, proj.weight)
+        return proj(x)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -90,9 +96,9 @@ class TritonAttention:
                                        meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
-def make_backend(name: str):
+def make_backend(name: str, decode_gemv: bool = False):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention()
+        return TritonAttention(decode_gemv)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -28,6 +28,8 @@ class EngineConfig:
     prefix_caching: bool = True        # full KV pages shared by prompts with the same prefix, kept after their
                                        # request until evicted (engine/block_manager.py)
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
+    decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/
+                                       # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
     grammar_node: str = "native"       # who fills the masks: "native" (the grammar node: C++ through tvm-ffi,
                                        # no GIL) or "python" (xgrammar's Python API; the reference path)

@@ -29,10 +29,11 @@ def reference():
     return _tokens("torch", 1)
 
 
+@pytest.mark.parametrize("decode_gemv", [False, True], ids=["cublas", "decode_gemv"])
 @pytest.mark.parametrize("depth", [1, 2], ids=["depth1", "depth2"])
-def test_fused_path_matches_reference(reference, depth):
-    # 16 tokens a step: prompts go in chunks
-    assert _tokens("triton", depth, max_num_batched_tokens=16) == reference
+def test_fused_path_matches_reference(reference, depth, decode_gemv):
+    # 16 tokens a step: prompts go in chunks; steps of <= 4 rows take the decode GEMV when it is on
+    assert _tokens("triton", depth, max_num_batched_tokens=16, decode_gemv=decode_gemv) == reference
 
 
 def test_fused_logits_close_to_reference():

@@ -15,8 +15,8 @@ def test_plain_launch_off_hopper_and_on_the_cpu():
     assert pdl(_rms_norm_kernel, torch.device("cpu")) == {"USE_PDL": False}
 
 
-@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True)])
-def test_the_switch_is_off_unless_asked_for(value, on):
+@pytest.mark.parametrize("value,on", [(None, True), ("0", False), ("1", True)])
+def test_the_switch_is_on_unless_turned_off(value, on):
     code = "from engine.kernels.common import _PDL_ON; print(_PDL_ON)"
     env = {k: v for k, v in os.environ.items() if k != "SPECDEC_PDL"} | ({"SPECDEC_PDL": value} if value else {})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -27,11 +27,11 @@ def test_the_switch_is_off_unless_asked_for(value, on):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper or newer GPU")
 def test_graphed_chain_with_dependent_launch_matches_plain_launches():
-    """norm -> rope/KV store -> attention -> silu, each reading the last one's output, captured in a graph with
+    """norm -> rope/KV store -> attention -> silu -> decode GEMV, each reading the last one's output, captured in a graph with
     PDL; replayed after the inputs change, it must equal the same chain run in a subprocess with SPECDEC_PDL=0."""
     code = r'''
 import sys, torch
-from engine.kernels import fused_ops as F, paged_attention as A
+from engine.kernels import decode_gemv as G, fused_ops as F, paged_attention as A
 from engine.kernels.common import pdl
 torch.manual_seed(0)
 dev = torch.device("cuda")
@@ -43,12 +43,13 @@ cos = torch.rand(64, D, device=dev); sin = torch.rand(64, D, device=dev)
 pos = torch.arange(T, device=dev); slots = torch.arange(T, device=dev)
 bt = torch.arange(NB, device=dev, dtype=torch.int32)[None]; cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
 lens = torch.tensor([T], device=dev, dtype=torch.int32)
+w2 = torch.randn(96, H * D // 2, device=dev, dtype=torch.bfloat16)
 def chain():
     h = F.rms_norm(x, w, 1e-5)
     q = h.view(T, H, D); k = h[:, :KV * D].reshape(T, KV, D); v = h[:, KV * D:2 * KV * D].reshape(T, KV, D)
     q = F.rope_store_kv(q, k, v, pos, cos, sin, kc, vc, slots)
     o = A.paged_attention(q, kc, vc, cu, lens, bt, 0.125, T, num_splits=2)
-    return F.silu_mul(o.reshape(T, H * D))
+    return G.decode_linear(F.silu_mul(o.reshape(T, H * D)), w2)
 chain(); torch.cuda.synchronize()
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g):

@@ -16,10 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Programmatic dependent launch, off unless SPECDEC_PDL=1 (read once, at import). Measured on an H100 it gains
-# nothing yet: the kernels around ours are cuBLAS matmuls, which are launched without it and never signal early
-# (bench/results/pdl.md). It is the plumbing for matmul kernels of our own that would.
-_PDL_ON = os.environ.get("SPECDEC_PDL", "0") == "1"
+# Programmatic dependent launch, on unless SPECDEC_PDL=0 (read once, at import). Alone it gains nothing: next to
+# cuBLAS matmuls, which never signal early, our kernels start when they would anyway (bench/results/pdl.md). With
+# the decode GEMV (engine/kernels/decode_gemv.py) the whole decode layer is our kernels, each loading what does
+# not depend on the one before while that one finishes.
+_PDL_ON = os.environ.get("SPECDEC_PDL", "1") != "0"
 
 
 @triton.jit
@@ -56,7 +57,7 @@ def _hopper_or_newer(index: int) -> bool:
 
 
 def pdl(fn, device: torch.device) -> dict:
-    """Launch keywords for a kernel with a USE_PDL constexpr. With SPECDEC_PDL=1, on Hopper and newer (compiled,
+    """Launch keywords for a kernel with a USE_PDL constexpr. Unless SPECDEC_PDL=0, on Hopper and newer (compiled,
     CUDA), the kernel is launched with programmatic dependent launch: it may start while the kernel before it on
     the stream finishes, and its first act is gdc_wait (all of that kernel's writes visible), so it reads nothing
     early. CUDA graphs capture the dependency as a programmatic edge. Elsewhere USE_PDL is False: a plain launch."""

@@ -117,7 +117,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         q = backend.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale).view(-1, self.q_size)
-        return self.o_proj(out)
+        return backend.linear(out, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -133,7 +133,7 @@ class MLP(nn.Module):
         return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))  # fp32, rounded once
 
     def down_fused(self, gate_up, backend):
-        return self.down_proj(backend.ops.silu_mul(gate_up))
+        return backend.linear(backend.ops.silu_mul(gate_up), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -164,7 +164,7 @@ def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend):
         h, residual = backend.ops.rms_norm(h, norm.weight, norm.eps), h
     else:
         h, residual = backend.ops.rms_norm(h, norm.weight, norm.eps, residual)
-    return proj(h), residual
+    return backend.linear(h, proj), residual
 
 
 class VocabEmbedding(nn.Module):
