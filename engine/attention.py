@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -67,6 +68,9 @@ class TorchAttention:
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
 
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
     def attend(self, q, k_cache, v_cache, meta, scale):
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
@@ -82,11 +86,31 @@ class TritonAttention:
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
-    def linear(self, x, proj):
-        """proj(x) for an nn.Linear: engine/kernels/decode_gemv.py for a few rows without bias when on, else cuBLAS."""
-        if self._gemv is not None and proj.bias is None and self._gemv.supports(x, proj.weight):
-            return self._gemv.decode_linear(x, proj.weight)
-        return proj(x)
+    # The matmuls of the fused path: engine/kernels/decode_gemv.py (the op before folded in) for steps of a few
+    # rows when it is on and there is no bias, else the separate kernel and cuBLAS
+    def _gemv_for(self, x, weight, bias, k=None):
+        return self._gemv is not None and bias is None and self._gemv.supports(x, weight, k)
+
+    def linear(self, x, weight, bias=None):
+        if self._gemv_for(x, weight, bias):
+            return self._gemv.decode_linear(x, weight)
+        return F.linear(x, weight, bias)
+
+    def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x itself without one)."""
+        if self._gemv_for(x, weight, bias) and norm_weight.dtype == x.dtype and (
+                residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                     and residual.stride(-1) == 1)):
+            return self._gemv.decode_norm_linear(x, norm_weight, eps, weight, residual)
+        if residual is None:
+            return F.linear(self.ops.rms_norm(x, norm_weight, eps), weight, bias), x
+        normed, residual = self.ops.rms_norm(x, norm_weight, eps, residual)
+        return F.linear(normed, weight, bias), residual
+
+    def silu_linear(self, gate_up, weight):
+        if self._gemv_for(gate_up, weight, None, gate_up.shape[-1] // 2):
+            return self._gemv.decode_silu_linear(gate_up, weight)
+        return F.linear(self.ops.silu_mul(gate_up), weight)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)

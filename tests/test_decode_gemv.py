@@ -30,6 +30,41 @@ def test_matches_linear(m, k, n, dtype):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol * want.float().abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("residual", [False, True], ids=["first", "residual"])
+def test_norm_prologue_matches_norm_then_linear(dtype, residual):
+    from engine.kernels.fused_ops import rms_norm_ref
+    m, k, n = 3, 72, 40
+    x = randn(m, k, seed=11, dtype=dtype) * 3
+    res = randn(m, k, seed=12, dtype=dtype) if residual else None
+    nw = randn(k, seed=13, dtype=dtype)
+    w = randn(n, k, seed=14, dtype=dtype) / k ** 0.5
+    got, new_res = dg.decode_norm_linear(x, nw, 1e-5, w, res)
+    if residual:
+        normed, h = rms_norm_ref(x, nw, 1e-5, res)
+        exact = DEV == "cuda" or dtype == torch.float32     # else the interpreter's truncating cast: one ulp
+        torch.testing.assert_close(new_res, h, rtol=0 if exact else 2 ** -7, atol=0 if exact else 1e-6)
+    else:
+        normed, h = rms_norm_ref(x, nw, 1e-5), x
+        assert new_res is x
+    want = F.linear(normed.float(), w.float()).to(dtype)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got, want, rtol=2 * rtol, atol=2 * atol * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_prologue_matches_silu_then_linear(dtype):
+    from engine.kernels.fused_ops import silu_mul_ref
+    gate_up = randn(2, 2 * 48, seed=15, dtype=dtype)
+    w = randn(30, 48, seed=16, dtype=dtype) / 48 ** 0.5
+    want = F.linear(silu_mul_ref(gate_up).float(), w.float()).to(dtype)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(dg.decode_silu_linear(gate_up, w), want, rtol=2 * rtol,
+                               atol=2 * atol * want.float().abs().max().item())
+    with pytest.raises(ValueError, match="gate_up"):
+        dg.decode_silu_linear(randn(2, 95, seed=17, dtype=dtype), w)
+
+
 def test_blocks_cover_every_row_and_fit_the_register_budget():
     for n, k in [(960, 576), (49152, 576), (576, 1536), (2048, 8192), (1, 3)]:
         cfg = dg.decode_gemv_config(n, k)
@@ -43,6 +78,7 @@ def test_supports_and_refusals():
     assert not dg.supports(randn(dg.MAX_ROWS + 1, 64, seed=5, dtype=torch.float32), w)
     assert not dg.supports(x, w.t().contiguous().t())                       # a transposed view
     assert not dg.supports(x, w.to(torch.bfloat16))
+    assert dg.supports(randn(2, 128, seed=8, dtype=torch.float32), w, k=64)               # silu: K is half of x
     with pytest.raises(ValueError, match="rows"):
         dg.decode_linear(randn(dg.MAX_ROWS + 1, 64, seed=5, dtype=torch.float32), w)
     with pytest.raises(ValueError, match="does not fit"):

@@ -1,6 +1,9 @@
 """Matmuls of a decode step with a few rows: out = x @ weight.T, the weight loaded before the wait.
 
     decode_linear(x [M <= MAX_ROWS, K], weight [N, K]) -> [M, N]        (= F.linear(x, weight))
+    decode_norm_linear(x, norm_weight, eps, weight, residual=None) -> (out, new_residual)
+                                                          (= F.linear(fused_ops.rms_norm(...), weight))
+    decode_silu_linear(gate_up, weight) -> out            (= F.linear(fused_ops.silu_mul(gate_up), weight))
 
 At one stream a decode step's matmuls read 7 MB of weights per SmolLM2 layer in ~4 µs kernels whose bandwidth
 floor is ~0.5 µs: they are latency, not bandwidth. Each program here owns BLOCK_N whole weight rows and loads
@@ -8,6 +11,10 @@ them into registers first. Launched with programmatic dependent launch (engine/k
 runs while the kernel before it (the norm, the attention, SiLU * up) is still finishing, since weights never
 change during a step. Only then does it wait (gdc_wait) and read x, so what remains after the dependency is an
 L2 read of x, a row reduction and a store. Without PDL it is a plain GEMV.
+
+A program holds whole rows of x too, so the op before the matmul comes free: the residual add + RMSNorm before
+qkv and gate_up, SiLU * up before down. Each program recomputes it on its copy of x (576 or 1536 values), and
+program 0 stores the new residual; the separate norm and SiLU kernels, 90 of a step's ~310, are gone.
 
 Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype; the summation order differs
 from cuBLAS, so results agree to rounding, not bit for bit. The grid and constexprs depend only on shapes, so
@@ -28,21 +35,43 @@ _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 pe
 
 
 @triton.jit
-def _decode_gemv_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, M, N, K, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out,
+                        stride_new_res, M, N, K, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[m] = A[m] @ w.T with A = x ("none"), rms_norm(x [+ res]) ("norm"; program 0 stores the new residual)
+    or silu(x[:, :K]) * x[:, K:] ("silu"). A is rounded to the dtype as the separate kernels round it."""
+    pid = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok, k_ok = offs_n < N, offs_k < K
     # the weights do not depend on the kernel before: read them before waiting for it
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)
+    if PROLOGUE == "norm":
+        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for m in range(M):
-        x = tl.load(x_ptr + m * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        acc = reduce_sum(w * x[None, :], 1)
-        tl.store(out_ptr + m * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        x = tl.load(x_ptr + m * stride_x + offs_k, mask=k_ok, other=0.0)
+        if PROLOGUE == "norm":
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + m * stride_res + offs_k, mask=k_ok, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                if pid == 0:
+                    tl.store(new_res_ptr + m * stride_new_res + offs_k, x, mask=k_ok)
+            xf = x.to(tl.float32)
+            inv = tl.rsqrt(reduce_sum(xf * xf, 0) / K + eps)
+            a = (nw * (xf * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        elif PROLOGUE == "silu":
+            g = x.to(tl.float32)
+            u = tl.load(x_ptr + m * stride_x + K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
+        else:
+            a = x.to(tl.float32)
+        acc = reduce_sum(w * a[None, :], 1)
+        tl.store(out_ptr + m * stride_out + offs_n, acc.to(dtype), mask=n_ok)
 
 
 def interpreted() -> bool:
@@ -57,29 +86,61 @@ def decode_gemv_config(n: int, k: int) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether decode_linear takes this call (a caller falls back to F.linear otherwise)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] <= MAX_K
+def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool:
+    """Whether these kernels take a call on x with this weight (k: the matmul's K when it is not x's width, as
+    for silu's gate and up halves); a caller falls back to the separate kernels and cuBLAS otherwise."""
+    k = x.shape[-1] if k is None else k
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == k <= MAX_K
             and weight.is_contiguous() and x.stride(-1) == 1 and x.dtype == weight.dtype)
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <= MAX_K]."""
+def _check(x, weight, k):
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("weight", weight, 2, _FLOAT_DTYPES, x.device)
     _check_same("weight", weight, "x", x, shape=False)
-    m, k = x.shape
-    n = weight.shape[0]
-    if not 0 < m <= MAX_ROWS:
-        raise ValueError(f"x has {m} rows; decode_linear takes 1 to MAX_ROWS={MAX_ROWS}")
-    if weight.shape[1] != k or not 0 < k <= MAX_K or n == 0:
+    if not 0 < x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x has {x.shape[0]} rows; these kernels take 1 to MAX_ROWS={MAX_ROWS}")
+    if weight.shape[1] != k or not 0 < k <= MAX_K or weight.shape[0] == 0:
         raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (K at most {MAX_K})")
     if not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError("weight must be contiguous and x must have unit stride in K")
     if x.device.type != "cuda" and not is_interpreted(_decode_gemv_kernel):
         raise ValueError(f"x on {x.device} needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1)")
+
+
+def _launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None):
+    m, n = x.shape[0], weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_res = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
+    res = x if residual is None else residual
     cfg = decode_gemv_config(n, k)
     _decode_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, out, x.stride(0), out.stride(0), m, n, k, **cfg, **pdl(_decode_gemv_kernel, x.device))
-    return out
+        x, res, x if nw is None else nw, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
+        new_res.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, **cfg,
+        **pdl(_decode_gemv_kernel, x.device))
+    return out, new_res
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <= MAX_K]."""
+    _check(x, weight, x.shape[-1] if x.dim() == 2 else -1)
+    return _launch(x, weight, x.shape[1], "none")[0]
+
+
+def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):
+    """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
+    new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
+    _check(x, weight, x.shape[-1] if x.dim() == 2 else -1)
+    if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        raise ValueError(f"norm_weight must be [{x.shape[1]}] of x's dtype and device")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError("residual must match x's shape and dtype, with unit stride in K")
+    return _launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual)
+
+
+def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(fused_ops.silu_mul(gate_up), weight) in one kernel: gate_up [M, 2 * I] (gate, then up)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [M, 2 * I], got {tuple(gate_up.shape)}")
+    _check(gate_up, weight, gate_up.shape[1] // 2)
+    return _launch(gate_up, weight, gate_up.shape[1] // 2, "silu")[0]

@@ -117,7 +117,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         q = backend.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale).view(-1, self.q_size)
-        return backend.linear(out, self.o_proj)
+        return backend.linear(out, self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -133,7 +133,7 @@ class MLP(nn.Module):
         return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))  # fp32, rounded once
 
     def down_fused(self, gate_up, backend):
-        return backend.linear(backend.ops.silu_mul(gate_up), self.down_proj)
+        return backend.silu_linear(gate_up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -160,11 +160,7 @@ class DecoderLayer(nn.Module):
 
 def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend):
     """proj(rms_norm(h + residual)) and the new residual (h itself when there is none yet)."""
-    if residual is None:
-        h, residual = backend.ops.rms_norm(h, norm.weight, norm.eps), h
-    else:
-        h, residual = backend.ops.rms_norm(h, norm.weight, norm.eps, residual)
-    return backend.linear(h, proj), residual
+    return backend.norm_linear(h, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
 
 class VocabEmbedding(nn.Module):

@@ -94,14 +94,14 @@ class PagedHead:
         """Normed [embedding of the next token, feature] -> fused q / k / v [N, heads, head_dim]."""
         c = self.cfg
         x = self._unit_norm(torch.stack([self.target.embed_tokens(next_ids), feature.to(self.unit.dtype)], dim=1), 2)
-        q, k, v = torch.nn.functional.linear(x, self.qkv_weight).split(self.sizes, dim=-1)
+        q, k, v = self.backend.linear(x, self.qkv_weight).split(self.sizes, dim=-1)
         return (q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
                 v.view(-1, c.num_kv_heads, c.head_dim))
 
     def write_kv(self, features, next_ids, positions, slot_mapping):
         """Step-0 keys of a step's tokens (features [T, 3H] from the target's forward) into the head's cache.
         Returns (rotated queries [T, heads, head_dim], fused features [T, H]) for the rows that draft."""
-        feature = torch.nn.functional.linear(self._unit_norm(features.to(self.unit.dtype), 3), self.fc_weight)
+        feature = self.backend.linear(self._unit_norm(features.to(self.unit.dtype), 3), self.fc_weight)
         q, k, v = self._inputs(feature, next_ids)
         return self._rope_store(q, k, v, positions, slot_mapping), feature
 
@@ -112,7 +112,11 @@ class PagedHead:
         """The layer's output [N, H] for queries q [N, heads, head_dim] (one per sequence of `meta`)."""
         h = self.head
         out = self.backend.attend(q.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
-        o = torch.nn.functional.linear(out.flatten(1), h.o_proj.weight)
+        o = self.backend.linear(out.flatten(1), h.o_proj.weight)
+        if self.backend.fused:
+            gate_up, hidden = self.backend.norm_linear(o, residual, h.post_norm, self.cfg.rms_norm_eps,
+                                                       self.gate_up_weight)
+            return hidden + self.backend.silu_linear(gate_up, h.down_proj.weight)
         x, hidden = self.ops.rms_norm(o, h.post_norm, self.cfg.rms_norm_eps, residual)
         gate_up = torch.nn.functional.linear(x, self.gate_up_weight)
         return hidden + torch.nn.functional.linear(self.ops.silu_mul(gate_up), h.down_proj.weight)
