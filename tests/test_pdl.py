@@ -12,7 +12,18 @@ from engine.kernels.common import pdl
 
 def test_plain_launch_off_hopper_and_on_the_cpu():
     from engine.kernels.fused_ops import _rms_norm_kernel
-    assert pdl(_rms_norm_kernel, torch.device("cpu")) == {"USE_PDL": False}
+    assert pdl(_rms_norm_kernel, torch.device("cpu"), 1) == {"USE_PDL": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper or newer GPU")
+def test_only_steps_of_a_few_rows_launch_dependently():
+    from engine.kernels.common import PDL_MAX_ROWS
+    from engine.kernels.fused_ops import _rms_norm_kernel
+    dev = torch.device("cuda")
+    assert pdl(_rms_norm_kernel, dev, PDL_MAX_ROWS)["USE_PDL"] is True
+    assert pdl(_rms_norm_kernel, dev, PDL_MAX_ROWS + 1) == {"USE_PDL": False}
 
 
 @pytest.mark.parametrize("value,on", [(None, True), ("0", False), ("1", True)])
@@ -55,7 +66,7 @@ g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g):
     out = chain()
 x.copy_(torch.randn_like(x)); g.replay(); torch.cuda.synchronize()
-print(pdl(F._rms_norm_kernel, dev)["USE_PDL"]); torch.save(out.cpu(), sys.argv[1])
+print(pdl(F._rms_norm_kernel, dev, T)["USE_PDL"]); torch.save(out.cpu(), sys.argv[1])
 '''
     import tempfile
     results = {}

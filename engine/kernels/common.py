@@ -16,10 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Programmatic dependent launch, on unless SPECDEC_PDL=0 (read once, at import). Alone it gains nothing: next to
-# cuBLAS matmuls, which never signal early, our kernels start when they would anyway (bench/results/pdl.md). With
-# the decode GEMV (engine/kernels/decode_gemv.py) the whole decode layer is our kernels, each loading what does
-# not depend on the one before while that one finishes.
+# Programmatic dependent launch, on unless SPECDEC_PDL=0 (read once, at import), for launches of at most
+# PDL_MAX_ROWS rows: steps whose matmuls are engine/kernels/decode_gemv.py, so that a decode layer is all our
+# kernels, each loading what does not depend on the one before while that one finishes (0.93 -> 0.62 ms a step
+# at one stream on an H100). Next to cuBLAS matmuls, which never signal early, it gains nothing and cost ~2% at
+# 32 streams (bench/results/pdl.md), so larger launches are plain.
+PDL_MAX_ROWS = 4
 _PDL_ON = os.environ.get("SPECDEC_PDL", "1") != "0"
 
 
@@ -56,12 +58,13 @@ def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl(fn, device: torch.device) -> dict:
-    """Launch keywords for a kernel with a USE_PDL constexpr. Unless SPECDEC_PDL=0, on Hopper and newer (compiled,
-    CUDA), the kernel is launched with programmatic dependent launch: it may start while the kernel before it on
-    the stream finishes, and its first act is gdc_wait (all of that kernel's writes visible), so it reads nothing
-    early. CUDA graphs capture the dependency as a programmatic edge. Elsewhere USE_PDL is False: a plain launch."""
-    on = (_PDL_ON and device.type == "cuda" and not is_interpreted(fn)
+def pdl(fn, device: torch.device, rows: int) -> dict:
+    """Launch keywords for a kernel with a USE_PDL constexpr. Unless SPECDEC_PDL=0, for `rows` <= PDL_MAX_ROWS
+    on Hopper and newer (compiled, CUDA), the kernel is launched with programmatic dependent launch: it may start
+    while the kernel before it on the stream finishes, and its first act is gdc_wait (all of that kernel's writes
+    visible), so it reads nothing early. CUDA graphs capture the dependency as a programmatic edge. Elsewhere
+    USE_PDL is False: a plain launch."""
+    on = (_PDL_ON and rows <= PDL_MAX_ROWS and device.type == "cuda" and not is_interpreted(fn)
           and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 

@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, pdl, reduce_sum
+from engine.kernels.common import PDL_MAX_ROWS, is_interpreted, pdl, reduce_sum
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 
-MAX_ROWS = 4            # more rows: cuBLAS (each row here is its own pass over the registers)
+MAX_ROWS = PDL_MAX_ROWS  # more rows: cuBLAS (each row here is its own pass over the registers)
 MAX_K = 8192            # a whole weight row sits in registers
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 
@@ -117,7 +117,7 @@ def _launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None):
     _decode_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, res, x if nw is None else nw, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
         new_res.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, **cfg,
-        **pdl(_decode_gemv_kernel, x.device))
+        **pdl(_decode_gemv_kernel, x.device, m))
     return out, new_res
 
 

@@ -166,7 +166,7 @@ def rms_norm(x, weight, eps, residual=None):
         _rms_norm_kernel[(n_rows,)](
             x, weight, res, out, new_res, x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
             n_cols, float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16, **pdl(_rms_norm_kernel, x.device))
+            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16, **pdl(_rms_norm_kernel, x.device, n_rows))
     return out if residual is None else (out, new_res)
 
 
@@ -227,7 +227,7 @@ def rope_store_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, sl
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), q_out.stride(0), q_out.stride(1), n_q_heads, n_kv_heads,
         HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim), HQ_PAD=_pow2(n_q_heads), HKV_PAD=_pow2(n_kv_heads),
-        num_warps=4 if n_q_heads * head_dim <= 4096 else 8, **pdl(_rope_store_kv_kernel, q.device))
+        num_warps=4 if n_q_heads * head_dim <= 4096 else 8, **pdl(_rope_store_kv_kernel, q.device, n_tokens))
     return q_out
 
 
@@ -262,7 +262,7 @@ def silu_mul(gate_up):
         block = min(1024, _pow2(inter))
         _silu_mul_kernel[(n_rows, triton.cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
-            **pdl(_silu_mul_kernel, gate_up.device))
+            **pdl(_silu_mul_kernel, gate_up.device, n_rows))
     return out
 
 

@@ -171,7 +171,7 @@ def _launch(x, weight, prologue, k, nw=None, eps=0.0, bias=None, residual=None):
             x.stride(0), res.stride(0), out.stride(0), new_res.stride(0), m, n, k, float(eps),
             PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M,
             PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast, **cfg,
-            **pdl(_gemv_kernel, x.device))
+            **pdl(_gemv_kernel, x.device, m))
     return out, new_res
 
 

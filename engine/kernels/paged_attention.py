@@ -211,7 +211,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     _store_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_kv_heads, k_cache.stride(1), k_cache.stride(2),
-        HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim), **pdl(_store_kv_kernel, k.device))
+        HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim), **pdl(_store_kv_kernel, k.device, k.shape[0]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -303,9 +303,9 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: exact products, for equality tests
-        **pdl(_paged_attn_kernel, q.device))
+        **pdl(_paged_attn_kernel, q.device, num_tokens))
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(_combine_kernel, q.device))
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(_combine_kernel, q.device, num_tokens))
     return out
