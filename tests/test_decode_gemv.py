@@ -85,3 +85,29 @@ def test_supports_and_refusals():
         dg.decode_linear(x, randn(32, 63, seed=6, dtype=torch.float32))
     with pytest.raises(ValueError, match="stride"):
         dg.decode_linear(x, randn(64, 32, seed=7, dtype=torch.float32).t())
+
+
+def test_backend_takes_the_gemv_for_a_few_rows_and_falls_back_otherwise(monkeypatch):
+    """TritonAttention's linears: a few rows without bias go to the decode GEMV, with the results of the separate
+    kernels and F.linear; more rows, a bias or the switch off go to those."""
+    from engine.attention import TritonAttention
+    calls = []
+    for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
+        real = getattr(dg, name)
+        monkeypatch.setattr(dg, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    on, off = TritonAttention(decode_gemv=True), TritonAttention(decode_gemv=False)
+    on._gemv = dg                                     # the interpreter-built module of this test file
+    x, w = randn(2, 64, seed=20, dtype=torch.float32), randn(24, 64, seed=21, dtype=torch.float32)
+    nw, res = randn(64, seed=22, dtype=torch.float32), randn(2, 64, seed=23, dtype=torch.float32)
+    gu, wd = randn(2, 128, seed=24, dtype=torch.float32), randn(24, 64, seed=25, dtype=torch.float32)
+    close = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(on.linear(x, w), off.linear(x, w), **close)
+    for a, b in zip(on.norm_linear(x, res, nw, 1e-5, w), off.norm_linear(x, res, nw, 1e-5, w)):
+        torch.testing.assert_close(a, b, **close)
+    torch.testing.assert_close(on.silu_linear(gu, wd), off.silu_linear(gu, wd), **close)
+    assert calls == ["decode_linear", "decode_norm_linear", "decode_silu_linear"]
+    calls.clear()
+    on.linear(randn(dg.MAX_ROWS + 1, 64, seed=26, dtype=torch.float32), w)               # too many rows
+    on.linear(x, w, bias=randn(24, seed=27, dtype=torch.float32))                         # a bias
+    off.linear(x, w)
+    assert calls == []
