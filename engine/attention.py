@@ -10,6 +10,7 @@ write, used by padding rows), then attention reads everything from the pages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -60,22 +61,42 @@ def paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     return out
 
 
-class TorchAttention:
+class _Matmuls:
+    """The matmuls of a layer with the op before them, on `self.ops` (the fused-op kernels or their torch
+    references) and cuBLAS."""
+
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x itself without one)."""
+        if residual is None:
+            return F.linear(self.ops.rms_norm(x, norm_weight, eps), weight, bias), x
+        normed, residual = self.ops.rms_norm(x, norm_weight, eps, residual)
+        return F.linear(normed, weight, bias), residual
+
+    def silu_linear(self, gate_up, weight):
+        return F.linear(self.ops.silu_mul(gate_up), weight)
+
+
+class TorchAttention(_Matmuls):
     """Runs anywhere; the correctness reference for every other backend."""
     name = "torch"
     fused = False      # the model takes its reference path (torch ops)
 
+    def __init__(self):
+        from engine.kernels import fused_ops
+        self.ops = SimpleNamespace(rms_norm=fused_ops.rms_norm_ref, rope_store_kv=fused_ops.rope_store_kv_ref,
+                                   silu_mul=fused_ops.silu_mul_ref)
+
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
-
-    def linear(self, x, weight, bias=None):
-        return F.linear(x, weight, bias)
 
     def attend(self, q, k_cache, v_cache, meta, scale):
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-class TritonAttention:
+class TritonAttention(_Matmuls):
     """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
@@ -86,31 +107,25 @@ class TritonAttention:
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
-    # The matmuls of the fused path: engine/kernels/decode_gemv.py (the op before folded in) for steps of a few
-    # rows when it is on and there is no bias, else the separate kernel and cuBLAS
-    def _gemv_for(self, x, weight, bias, k=None):
-        return self._gemv is not None and bias is None and self._gemv.supports(x, weight, k)
+    # engine/kernels/decode_gemv.py (the op before folded in) for steps of a few rows when it is on and there is
+    # no bias, else the separate kernel and cuBLAS
+    def _gemv_for(self, x, weight, bias, **kw):
+        return self._gemv is not None and bias is None and self._gemv.supports(x, weight, **kw)
 
     def linear(self, x, weight, bias=None):
         if self._gemv_for(x, weight, bias):
             return self._gemv.decode_linear(x, weight)
-        return F.linear(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
-        """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x itself without one)."""
-        if self._gemv_for(x, weight, bias) and norm_weight.dtype == x.dtype and (
-                residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                     and residual.stride(-1) == 1)):
+        if self._gemv_for(x, weight, bias, norm_weight=norm_weight, residual=residual):
             return self._gemv.decode_norm_linear(x, norm_weight, eps, weight, residual)
-        if residual is None:
-            return F.linear(self.ops.rms_norm(x, norm_weight, eps), weight, bias), x
-        normed, residual = self.ops.rms_norm(x, norm_weight, eps, residual)
-        return F.linear(normed, weight, bias), residual
+        return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def silu_linear(self, gate_up, weight):
-        if self._gemv_for(gate_up, weight, None, gate_up.shape[-1] // 2):
+        if self._gemv_for(gate_up, weight, None, k=gate_up.shape[-1] // 2):
             return self._gemv.decode_silu_linear(gate_up, weight)
-        return F.linear(self.ops.silu_mul(gate_up), weight)
+        return super().silu_linear(gate_up, weight)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)

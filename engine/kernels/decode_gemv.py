@@ -86,26 +86,42 @@ def decode_gemv_config(n: int, k: int) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool:
+def _problem(x, weight, k, norm_weight=None, residual=None) -> str | None:
+    """Why these kernels cannot take a call, or None: one list of conditions for supports() and the checks."""
+    if x.dim() != 2 or weight.dim() != 2:
+        return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
+    if not 0 < x.shape[0] <= MAX_ROWS:
+        return f"x has {x.shape[0]} rows; these kernels take 1 to MAX_ROWS={MAX_ROWS}"
+    if weight.shape[1] != k or not 0 < k <= MAX_K or weight.shape[0] == 0:
+        return f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (K at most {MAX_K})"
+    if not weight.is_contiguous() or x.stride(1) != 1:
+        return "weight must be contiguous and x must have unit stride in K"
+    if x.dtype != weight.dtype:
+        return f"weight dtype {weight.dtype} != x dtype {x.dtype}"
+    if x.device.type != "cuda" and not is_interpreted(_decode_gemv_kernel):
+        return f"x on {x.device} needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1)"
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
+                                    or norm_weight.device != x.device):
+        return f"norm_weight must be [{k}] of x's dtype and device"
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        return "residual must match x's shape and dtype, with unit stride in K"
+    return None
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None) -> bool:
     """Whether these kernels take a call on x with this weight (k: the matmul's K when it is not x's width, as
-    for silu's gate and up halves); a caller falls back to the separate kernels and cuBLAS otherwise."""
-    k = x.shape[-1] if k is None else k
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == k <= MAX_K
-            and weight.is_contiguous() and x.stride(-1) == 1 and x.dtype == weight.dtype)
+    for silu's gate and up halves; norm_weight / residual: decode_norm_linear's); a caller falls back to the
+    separate kernels and cuBLAS otherwise."""
+    return _problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual) is None
 
 
-def _check(x, weight, k):
+def _check(x, weight, k=None, norm_weight=None, residual=None):
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("weight", weight, 2, _FLOAT_DTYPES, x.device)
     _check_same("weight", weight, "x", x, shape=False)
-    if not 0 < x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x has {x.shape[0]} rows; these kernels take 1 to MAX_ROWS={MAX_ROWS}")
-    if weight.shape[1] != k or not 0 < k <= MAX_K or weight.shape[0] == 0:
-        raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (K at most {MAX_K})")
-    if not weight.is_contiguous() or x.stride(1) != 1:
-        raise ValueError("weight must be contiguous and x must have unit stride in K")
-    if x.device.type != "cuda" and not is_interpreted(_decode_gemv_kernel):
-        raise ValueError(f"x on {x.device} needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1)")
+    problem = _problem(x, weight, x.shape[1] if k is None else k, norm_weight, residual)
+    if problem:
+        raise ValueError(problem)
 
 
 def _launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None):
@@ -123,18 +139,14 @@ def _launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None):
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <= MAX_K]."""
-    _check(x, weight, x.shape[-1] if x.dim() == 2 else -1)
+    _check(x, weight)
     return _launch(x, weight, x.shape[1], "none")[0]
 
 
 def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
     new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
-    _check(x, weight, x.shape[-1] if x.dim() == 2 else -1)
-    if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
-        raise ValueError(f"norm_weight must be [{x.shape[1]}] of x's dtype and device")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError("residual must match x's shape and dtype, with unit stride in K")
+    _check(x, weight, norm_weight=norm_weight, residual=residual)
     return _launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual)
 
 

@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
-
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.kernels import fused_ops
 from engine.models.llama import rope_inv_freq, rope_tables
 from engine.spec.eagle_head import EagleHead, HeadConfig
 
 # The shipped heads live with the training code that writes them (`specdec.train_head --ship`); the engine only
 # reads them as files, found beside the engine package (repository root, or site-packages), never by importing specdec.
 HEADS = Path(__file__).resolve().parents[2] / "specdec" / "heads"
-REF_OPS = SimpleNamespace(rms_norm=fused_ops.rms_norm_ref, rope_store_kv=fused_ops.rope_store_kv_ref,
-                          silu_mul=fused_ops.silu_mul_ref)
 
 
 def head_config(path: str | Path) -> HeadConfig:
@@ -68,7 +63,7 @@ class PagedHead:
     def __init__(self, head: EagleHead, target, backend, num_blocks: int, block_size: int, max_positions: int):
         c = head.cfg
         self.head, self.cfg, self.target, self.backend = head, c, target, backend
-        self.ops = backend.ops if backend.fused else REF_OPS
+        self.ops = backend.ops
         w = head.fc.weight
         # Each input RMSNorm's weight is folded into the matmul after it: the norms then run with unit weights,
         # all pieces of one input in one kernel (fewer small kernels in every step)
@@ -113,13 +108,8 @@ class PagedHead:
         h = self.head
         out = self.backend.attend(q.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
         o = self.backend.linear(out.flatten(1), h.o_proj.weight)
-        if self.backend.fused:
-            gate_up, hidden = self.backend.norm_linear(o, residual, h.post_norm, self.cfg.rms_norm_eps,
-                                                       self.gate_up_weight)
-            return hidden + self.backend.silu_linear(gate_up, h.down_proj.weight)
-        x, hidden = self.ops.rms_norm(o, h.post_norm, self.cfg.rms_norm_eps, residual)
-        gate_up = torch.nn.functional.linear(x, self.gate_up_weight)
-        return hidden + torch.nn.functional.linear(self.ops.silu_mul(gate_up), h.down_proj.weight)
+        gate_up, hidden = self.backend.norm_linear(o, residual, h.post_norm, self.cfg.rms_norm_eps, self.gate_up_weight)
+        return hidden + self.backend.silu_linear(gate_up, h.down_proj.weight)
 
     def step(self, hidden, token, positions, meta: AttentionMetadata):
         """Draft step i >= 1: the previous hidden state and draft token at `positions` (one per sequence)."""
