@@ -1,5 +1,6 @@
 """bench/agent.py end to end on the CPU: a two-layer model with the default model's vocabulary and tokenizer
 (`--model dummy:smollm2-tiny --tokenizer default`, the way a larger dummy shape is measured), caching on and off."""
+import importlib.util
 import json
 
 from bench.agent import main
@@ -18,4 +19,6 @@ def test_agents_with_dummy_weights_and_a_borrowed_tokenizer(tmp_path):
     assert on["requests"] == off["requests"] == 4
     # the second turn's prompt extends the first, and the two agents share the system prompt
     assert on["cached_frac"] > 0.5 and off["cached_frac"] == 0
-    assert (tmp_path / "agent.md").exists() and (tmp_path / "agent.png").exists()
+    assert (tmp_path / "agent.md").exists()
+    # the plot needs the bench extra (matplotlib), which `make test` does not install
+    assert (tmp_path / "agent.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
