@@ -75,8 +75,15 @@ class _Matmuls:
         normed, residual = self.ops.rms_norm(x, norm_weight, eps, residual)
         return F.linear(normed, weight, bias), residual
 
-    def silu_linear(self, gate_up, weight):
-        return F.linear(self.ops.silu_mul(gate_up), weight)
+    def silu_linear(self, gate_up, weight, residual=None):
+        """linear(silu_mul(gate_up)), plus the residual when one is given."""
+        out = F.linear(self.ops.silu_mul(gate_up), weight)
+        return out if residual is None else residual + out
+
+    def norm_linear_argmax(self, x, norm_weight, eps, weight):
+        """linear(rms_norm(x)).argmax(-1) (int64, the first maximum) in kernels of the backend's, or None where it
+        has none for the call: the caller computes the logits."""
+        return None
 
 
 class TorchAttention(_Matmuls):
@@ -101,9 +108,12 @@ class TritonAttention(_Matmuls):
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
-    def __init__(self, decode_gemv: bool = False):
-        from engine.kernels import bitmask, decode_gemv as gemv, fused_ops, paged_attention
+    def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False):
+        from engine.kernels import bitmask, decode_gemv as gemv, draft_gemv as draft, fused_ops, paged_attention
+        if draft_gemv and not decode_gemv:
+            raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv")
         self._k, self._gemv = paged_attention, gemv if decode_gemv else None
+        self._draft = draft if draft_gemv else None     # the draft steps' argmax and residual epilogues
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
@@ -122,10 +132,17 @@ class TritonAttention(_Matmuls):
             return self._gemv.decode_norm_linear(x, norm_weight, eps, weight, residual)
         return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
 
-    def silu_linear(self, gate_up, weight):
-        if self._gemv_for(gate_up, weight, None, k=gate_up.shape[-1] // 2):
-            return self._gemv.decode_silu_linear(gate_up, weight)
-        return super().silu_linear(gate_up, weight)
+    def silu_linear(self, gate_up, weight, residual=None):
+        if residual is not None and self._draft is None:        # the residual epilogue is draft_gemv's
+            return residual + self.silu_linear(gate_up, weight)
+        if self._gemv_for(gate_up, weight, None, k=gate_up.shape[-1] // 2, add=residual):
+            return self._gemv.decode_silu_linear(gate_up, weight, residual)
+        return super().silu_linear(gate_up, weight, residual)
+
+    def norm_linear_argmax(self, x, norm_weight, eps, weight):
+        if self._draft is not None and self._draft.supports(x, norm_weight, weight):
+            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight)
+        return None
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -135,9 +152,9 @@ class TritonAttention(_Matmuls):
                                        meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
-def make_backend(name: str, decode_gemv: bool = False):
+def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention(decode_gemv)
+        return TritonAttention(decode_gemv, draft_gemv)
     raise ValueError(f"unknown attention backend {name!r}")

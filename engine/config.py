@@ -30,6 +30,8 @@ class EngineConfig:
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
     decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/
                                        # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
+    draft_gemv: bool = False           # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
+                                       # (engine/kernels/draft_gemv.py; needs decode_gemv); off until measured on a GPU
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
     grammar_node: str = "native"       # who fills the masks: "native" (the grammar node: C++ through tvm-ffi,
                                        # no GIL) or "python" (xgrammar's Python API; the reference path)
@@ -91,6 +93,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.draft_gemv and not self.decode_gemv:
+            raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv=True")
         if self.depth not in (1, 2):
             raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
         if self.speculative not in SPECULATIVE:

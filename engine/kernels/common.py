@@ -1,10 +1,10 @@
-"""What every Triton kernel module shares: the interpreter check, the two reductions and dependent launch.
+"""What every Triton kernel module shares: the interpreter check, the reductions, rounding and dependent launch.
 
 tl.max and tl.sum are @jit functions of triton.language, compiled or interpreted as TRITON_INTERPRET was
 when triton was first imported; ours follow it as it is when this module is (re)loaded. If the two disagree
 (interpreter enabled after triton's import), the interpreter cannot call the compiled stdlib reductions:
 reduce with local combiners instead (correct, but slow to interpret). A kernel module reloaded for the
-interpreter must reload this one first (tests/conftest.py's triton_module does). Apart from these two
+interpreter must reload this one first (tests/conftest.py's triton_module does). Apart from these
 reductions, the kernels use only builtins.
 """
 from __future__ import annotations
@@ -31,6 +31,11 @@ def _max_op(a, b):
 
 
 @triton.jit
+def _min_op(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
 def _add_op(a, b):
     return a + b
 
@@ -49,8 +54,28 @@ def reduce_max(x, AXIS: tl.constexpr):
 
 
 @triton.jit
+def reduce_min(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, _min_op) if _LOCAL_REDUCE else tl.min(x, AXIS)
+
+
+@triton.jit
 def reduce_sum(x, AXIS: tl.constexpr):
     return tl.reduce(x, AXIS, _add_op) if _LOCAL_REDUCE else tl.sum(x, AXIS)
+
+
+# The interpreter casts fp32 -> bf16 by truncation (triton/runtime/interpreter.py cast_impl); compiled kernels
+# and torch round to nearest even
+_CAST_TRUNCATES = tl.constexpr(is_interpreted(_max_op))
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE to nearest even, as torch rounds an op's fp32 result (the interpreter too: there
+    the bf16 rounding is done on the bits, then the truncating cast is exact)."""
+    if _CAST_TRUNCATES and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,7 +3,8 @@
     decode_linear(x [M <= MAX_ROWS, K], weight [N, K]) -> [M, N]        (= F.linear(x, weight))
     decode_norm_linear(x, norm_weight, eps, weight, residual=None) -> (out, new_residual)
                                                           (= F.linear(fused_ops.rms_norm(...), weight))
-    decode_silu_linear(gate_up, weight) -> out            (= F.linear(fused_ops.silu_mul(gate_up), weight))
+    decode_silu_linear(gate_up, weight, residual=None) -> out
+                                                  (= [residual +] F.linear(fused_ops.silu_mul(gate_up), weight))
 
 At one stream a decode step's matmuls read 7 MB of weights per SmolLM2 layer in ~4 µs kernels whose bandwidth
 floor is ~0.5 µs: they are latency, not bandwidth. Each program here owns BLOCK_N whole weight rows and loads
@@ -16,9 +17,13 @@ A program holds whole rows of x too, so the op before the matmul comes free: the
 qkv and gate_up, SiLU * up before down. Each program recomputes it on its copy of x (576 or 1536 values), and
 program 0 stores the new residual; the separate norm and SiLU kernels, 90 of a step's ~310, are gone.
 
-Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype; the summation order differs
-from cuBLAS, so results agree to rounding, not bit for bit. The grid and constexprs depend only on shapes, so
-every call can be captured in a CUDA graph.
+The op after comes free too (EPILOGUE): the EAGLE head's residual add after its down projection, or the argmax
+of each row over the program's outputs, the LM head's first half of a greedy draft (engine/kernels/draft_gemv.py).
+
+Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype to nearest even, as torch rounds
+(common.round_to, the interpreter included); the summation order differs from cuBLAS, so results agree to
+rounding, not bit for bit. The grid and constexprs depend only on shapes, so every call can be captured in a
+CUDA graph.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import PDL_MAX_ROWS, is_interpreted, pdl, reduce_sum
+from engine.kernels.common import PDL_MAX_ROWS, is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 
 MAX_ROWS = PDL_MAX_ROWS  # more rows: cuBLAS (each row here is its own pass over the registers)
@@ -35,11 +40,14 @@ _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 pe
 
 
 @triton.jit
-def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out,
-                        stride_new_res, M, N, K, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[m] = A[m] @ w.T with A = x ("none"), rms_norm(x [+ res]) ("norm"; program 0 stores the new residual)
-    or silu(x[:, :K]) * x[:, K:] ("silu"). A is rounded to the dtype as the separate kernels round it."""
+def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res,
+                        stride_out, stride_new_res, stride_add, M, N, K, eps, PROLOGUE: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[m] = A[m] @ w.T with A = x ("none"), rms_norm(x [+ res]) ("norm"; program 0 stores the new residual)
+    or silu(x[:, :K]) * x[:, K:] ("silu"). A is rounded to the dtype as the separate kernels round it, y as
+    F.linear rounds it. The epilogue stores out[m] = y[m] ("store"), y[m] + add[m] rounded as torch's add
+    ("add"), or this program's largest y[m, n] and its first n at out[m, pid] / idx[m, pid] ("argmax")."""
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,8 +78,20 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, str
             a = (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
         else:
             a = x.to(tl.float32)
-        acc = reduce_sum(w * a[None, :], 1)
-        tl.store(out_ptr + m * stride_out + offs_n, acc.to(dtype), mask=n_ok)
+        y = round_to(reduce_sum(w * a[None, :], 1), dtype)
+        if EPILOGUE == "argmax":
+            # masked rows sit at -inf after every real row of the block, so the first maximum is a real row;
+            # NaN ranks above every number (one row's draft is a guess either way)
+            v = tl.where(n_ok, y.to(tl.float32), float("-inf"))
+            v = tl.where(v != v, float("inf"), v)
+            top = reduce_max(v, 0)
+            tl.store(out_ptr + m * stride_out + pid, top)
+            tl.store(idx_ptr + m * stride_out + pid, reduce_min(tl.where(v == top, offs_n, N), 0))
+        else:
+            if EPILOGUE == "add":
+                r = tl.load(add_ptr + m * stride_add + offs_n, mask=n_ok, other=0.0)
+                y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
+            tl.store(out_ptr + m * stride_out + offs_n, y, mask=n_ok)
 
 
 def interpreted() -> bool:
@@ -86,7 +106,7 @@ def decode_gemv_config(n: int, k: int) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
 
 
-def _problem(x, weight, k, norm_weight=None, residual=None) -> str | None:
+def _problem(x, weight, k, norm_weight=None, residual=None, add=None) -> str | None:
     """Why these kernels cannot take a call, or None: one list of conditions for supports() and the checks."""
     if x.dim() != 2 or weight.dim() != 2:
         return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -105,54 +125,70 @@ def _problem(x, weight, k, norm_weight=None, residual=None) -> str | None:
         return f"norm_weight must be [{k}] of x's dtype and device"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
         return "residual must match x's shape and dtype, with unit stride in K"
+    if add is not None and (add.shape != (x.shape[0], weight.shape[0]) or add.dtype != x.dtype
+                            or add.device != x.device or add.stride(1) != 1):
+        return f"the added residual must be [{x.shape[0]}, {weight.shape[0]}] of x's dtype and device, unit stride in N"
     return None
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,
+             add=None) -> bool:
     """Whether these kernels take a call on x with this weight (k: the matmul's K when it is not x's width, as
-    for silu's gate and up halves; norm_weight / residual: decode_norm_linear's); a caller falls back to the
-    separate kernels and cuBLAS otherwise."""
-    return _problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual) is None
+    for silu's gate and up halves; norm_weight / residual: decode_norm_linear's; add: decode_silu_linear's
+    residual); a caller falls back to the separate kernels and cuBLAS otherwise."""
+    return _problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add) is None
 
 
-def _check(x, weight, k=None, norm_weight=None, residual=None):
+def _check(x, weight, k=None, norm_weight=None, residual=None, add=None):
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("weight", weight, 2, _FLOAT_DTYPES, x.device)
     _check_same("weight", weight, "x", x, shape=False)
-    problem = _problem(x, weight, x.shape[1] if k is None else k, norm_weight, residual)
+    if add is not None:
+        _check_tensor("residual", add, 2, _FLOAT_DTYPES, x.device)
+    problem = _problem(x, weight, x.shape[1] if k is None else k, norm_weight, residual, add)
     if problem:
         raise ValueError(problem)
 
 
-def _launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None):
+def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store"):
+    """The kernel on checked inputs -> (out, new_residual, idx): out [M, N] and idx = x, or with "argmax" each
+    program's maximum [M, programs] (fp32) and its row idx (int32)."""
     m, n = x.shape[0], weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = decode_gemv_config(n, k)
+    grid = triton.cdiv(n, cfg["BLOCK_N"])
+    if epilogue == "argmax":
+        out = torch.empty((m, grid), dtype=torch.float32, device=x.device)
+        idx = torch.empty((m, grid), dtype=torch.int32, device=x.device)
+    else:
+        out, idx = torch.empty((m, n), dtype=x.dtype, device=x.device), x
     new_res = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
     res = x if residual is None else residual
-    cfg = decode_gemv_config(n, k)
-    _decode_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, res, x if nw is None else nw, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
-        new_res.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, **cfg,
-        **pdl(_decode_gemv_kernel, x.device, m))
-    return out, new_res
+    add = x if add is None else add
+    _decode_gemv_kernel[(grid,)](
+        x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),
+        new_res.stride(0), add.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        EPILOGUE=epilogue, **cfg, **pdl(_decode_gemv_kernel, x.device, m))
+    return out, new_res, idx
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <= MAX_K]."""
     _check(x, weight)
-    return _launch(x, weight, x.shape[1], "none")[0]
+    return launch(x, weight, x.shape[1], "none")[0]
 
 
 def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
     new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
     _check(x, weight, norm_weight=norm_weight, residual=residual)
-    return _launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual)
+    return launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual)[:2]
 
 
-def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(fused_ops.silu_mul(gate_up), weight) in one kernel: gate_up [M, 2 * I] (gate, then up)."""
+def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=None) -> torch.Tensor:
+    """F.linear(fused_ops.silu_mul(gate_up), weight) in one kernel: gate_up [M, 2 * I] (gate, then up). With a
+    residual [M, N]: residual + that, rounded as the two torch ops round it."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [M, 2 * I], got {tuple(gate_up.shape)}")
-    _check(gate_up, weight, gate_up.shape[1] // 2)
-    return _launch(gate_up, weight, gate_up.shape[1] // 2, "silu")[0]
+    _check(gate_up, weight, gate_up.shape[1] // 2, add=residual)
+    return launch(gate_up, weight, gate_up.shape[1] // 2, "silu", add=residual,
+                  epilogue="store" if residual is None else "add")[0]

@@ -109,7 +109,7 @@ class PagedHead:
         out = self.backend.attend(q.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
         o = self.backend.linear(out.flatten(1), h.o_proj.weight)
         gate_up, hidden = self.backend.norm_linear(o, residual, h.post_norm, self.cfg.rms_norm_eps, self.gate_up_weight)
-        return hidden + self.backend.silu_linear(gate_up, h.down_proj.weight)
+        return self.backend.silu_linear(gate_up, h.down_proj.weight, residual=hidden)
 
     def step(self, hidden, token, positions, meta: AttentionMetadata):
         """Draft step i >= 1: the previous hidden state and draft token at `positions` (one per sequence)."""
@@ -119,3 +119,11 @@ class PagedHead:
     def logits(self, hidden):
         """The target's final norm and LM head on the head's hidden states -> float logits [N, V]."""
         return self.target.compute_logits(self.target.final_norm(hidden, self.backend))
+
+    def greedy(self, hidden):
+        """logits(hidden).argmax(-1) in the backend's norm + LM head + argmax kernels (int64 [N]), or None where it
+        has none for the call. A target split over ranks keeps the logits: its vocabulary is gathered."""
+        t = self.target
+        if t.tp.world > 1:
+            return None
+        return self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, t.head_weight)

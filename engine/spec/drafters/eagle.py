@@ -5,7 +5,9 @@ Every step, the head writes its KV for the step's tokens from the target's hidde
 (`PagedHead.write_kv`). A row that drafts then runs K single-token layers from its last verified input t:
 step 0 queries at t, step i >= 1 at t + i, and each hidden state's argmax under the target's LM head is the
 next draft (under the row's grammar mask, or grammar-forced, in a guided step: FeatureContext.pick). Drafts are greedy, so verification takes them as one-hot proposals, which
-keeps rejection sampling lossless.
+keeps rejection sampling lossless. With EngineConfig.draft_gemv an unguided draft of a few rows takes no logits:
+the final norm, LM head and argmax are two kernels of the decode GEMV's dependent-launch chain
+(engine/kernels/draft_gemv.py), and the layer's residual add is its down projection's epilogue.
 
 Draft step i writes its key at position t + i, which may lie past the step's inputs: the scheduler reserves
 K - 1 tokens of pages ahead when it can (`Drafter.lookahead`), and a write that would land past a
@@ -41,9 +43,15 @@ class EagleDrafter(Drafter):
         start = ctx.positions[ctx.last]
         pos, metas = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size, self.max_model_len)
         hidden = self.head.attend(q[ctx.last], metas[0], feature[ctx.last])
-        drafts = [ctx.pick(0, self.head.logits(hidden))]
+        drafts = [self._pick(ctx, 0, hidden)]
         for i in range(1, self.num_speculative_tokens):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
-            drafts.append(ctx.pick(i, self.head.logits(hidden)))
+            drafts.append(self._pick(ctx, i, hidden))
         tokens = torch.stack(drafts, dim=1)
         return Proposal(tokens, ctx.num_drafts(tokens))
+
+    def _pick(self, ctx: FeatureContext, j: int, hidden):
+        """Draft j from the head's hidden states: unguided, the backend's argmax kernels where it has them
+        (draft_gemv), else ctx.pick on the logits."""
+        tokens = self.head.greedy(hidden) if ctx.guide is None else None
+        return tokens if tokens is not None else ctx.pick(j, self.head.logits(hidden))

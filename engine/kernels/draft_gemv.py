@@ -1,0 +1,72 @@
+"""A greedy draft step's LM head on the decode GEMV: token ids straight from the draft head's hidden state.
+
+    norm_linear_argmax(x [M <= MAX_ROWS, K], norm_weight [K], eps, weight [V, K]) -> int64 [M]
+                        (= F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1))
+
+Through the target's final norm and LM head, a draft step's token is a norm kernel, a cuBLAS GEMM, a cast and
+torch's argmax, none launched dependently, so the next draft step's kernels cannot start early. Here it is two
+kernels of the dependent-launch chain. Kernel 1 is decode_gemv's with the norm prologue and the argmax
+epilogue: each program loads its BLOCK_N vocabulary rows before the wait, rounds their logits to the dtype as
+F.linear does and keeps, per row of x, their maximum and its first vocabulary row. Kernel 2 reduces the
+partials of each row to its first maximal vocabulary row, torch.argmax's tie rule: the partials come in
+vocabulary order, and a later one wins only if strictly larger.
+
+The logits' summation order differs from cuBLAS (decode_gemv.py), so on a GPU a near-tie may pick another
+token than the torch ops; a draft is a guess, verified either way.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import decode_gemv
+from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_min
+from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
+
+MAX_ROWS = decode_gemv.MAX_ROWS
+_BLOCK_P = 1024  # partials of a row kernel 2 reads at a time (6144 for SmolLM2's 49152-row LM head)
+
+
+@triton.jit
+def _first_max_kernel(val_ptr, idx_ptr, tok_ptr, stride, P, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
+    """tok[m] = the vocabulary row of the first of row m's largest partials val[m, :P] (their rows idx[m, :P])."""
+    pdl_start(USE_PDL)
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_P)
+    best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for start in range(0, P, BLOCK_P):
+        ok = start + offs < P
+        v = tl.load(val_ptr + m * stride + start + offs, mask=ok, other=float("-inf"))
+        i = tl.load(idx_ptr + m * stride + start + offs, mask=ok, other=0)
+        take = v > best  # a tie keeps the earlier partial: the lower vocabulary row
+        best, best_idx = tl.where(take, v, best), tl.where(take, i, best_idx)
+    # a lane never taken holds (-inf, 0): it wins only when every logit is -inf, where row 0 is torch's answer
+    top = reduce_max(best, 0)
+    tl.store(tok_ptr + m, reduce_min(tl.where(best == top, best_idx, 2147483647), 0).to(tl.int64))
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return is_interpreted(_first_max_kernel) and decode_gemv.interpreted()
+
+
+def supports(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether norm_linear_argmax takes a call; a caller computes the logits and their argmax otherwise."""
+    return norm_weight is not None and decode_gemv.supports(x, weight, norm_weight=norm_weight)
+
+
+def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1) in two kernels: x [M <=
+    MAX_ROWS, K] (unit stride in K), weight [V, K] contiguous, of x's dtype (the LM head, or the tied
+    embedding). Returns int64 [M], the first maximal row on ties."""
+    _check_tensor("x", x, 2, _FLOAT_DTYPES)
+    _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES, x.device)
+    decode_gemv._check(x, weight, norm_weight=norm_weight)
+    val, _, idx = decode_gemv.launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, epilogue="argmax")
+    m, p = val.shape
+    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    _first_max_kernel[(m,)](val, idx, tokens, val.stride(0), p, BLOCK_P=min(triton.next_power_of_2(p), _BLOCK_P),
+                            num_warps=4, **pdl(_first_max_kernel, x.device, m))
+    return tokens
