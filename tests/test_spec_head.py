@@ -237,3 +237,40 @@ def test_batches_by_length_and_the_learning_rate_schedule():
     # a resumed call: half the steps done, the call's clock at its limit
     assert learning_rate(1.0, 50, 100, 60.0, 60.0, "time") == pytest.approx(0.1)
     assert learning_rate(1.0, 50, 100, 60.0, 60.0, "steps") == pytest.approx(0.55), "one schedule across calls"
+
+
+def test_a_small_targets_head_reads_its_layers_in_order_and_twice():
+    """A target of 2 layers gives the head layers (1, 0, 0): the engine's features are those layers' outputs in
+    that order, one of them twice, as the head was trained on them (HF's hidden_states[i + 1])."""
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import SamplingParams
+    eng = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2,
+                    speculative="eagle", num_speculative_tokens=2, spec_head="random", spec_min_acceptance=0.0)
+    plain = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2)
+    try:
+        layers = HeadConfig.for_target(eng.source.config).feature_layers
+        assert len(set(layers)) < 3 and list(layers) != sorted(layers), layers
+        prompts = [[5, 9, 14, 3, 7], [11, 2, 8]]
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        spec = [s.output_token_ids for s in eng.generate(prompts, params)]
+        assert spec == [s.output_token_ids for s in plain.generate(prompts, params)]
+        model, runner = eng.runner.model, eng.runner
+        ids = torch.tensor(prompts[0])
+        out = {}
+        for layer in sorted(set(layers)):
+            out[layer] = _features(runner, model, ids, (layer,))
+        assert torch.equal(_features(runner, model, ids, layers), torch.cat([out[i] for i in layers], dim=-1))
+    finally:
+        eng.close()
+        plain.close()
+
+
+def _features(runner, model, ids, layers):
+    """The model's aux features of one prompt, one-shot prefill into scratch KV pages."""
+    from engine.attention import AttentionMetadata
+    n = ids.shape[0]
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             block_tables=torch.zeros(1, 1, dtype=torch.int32), max_query_len=n, max_seq_len=n)
+    kv = [tuple(torch.zeros_like(t) for t in pair) for pair in runner.kv_caches]
+    return model(ids, torch.arange(n), meta, kv, runner.backend, layers)[1]

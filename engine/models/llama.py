@@ -182,6 +182,12 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(x)
 
 
+def _in_order(outputs: dict, layers) -> torch.Tensor:
+    """The requested layers' outputs concatenated in the order asked, a layer asked twice given twice (a small
+    target's head may read one layer for two of its inputs), as HF's hidden_states[i + 1] are indexed."""
+    return torch.cat([outputs[i] for i in layers], dim=-1)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: dict, tp=SINGLE):
         super().__init__()
@@ -204,31 +210,35 @@ class LlamaForCausalLM(nn.Module):
         draft head (engine/spec/eagle_paged.py)."""
         if backend.fused:
             return self._forward_fused(input_ids, positions, meta, kv_caches, backend, aux_layers)
-        x, aux = self.embed_tokens(input_ids), []
+        x, aux = self.embed_tokens(input_ids), {}
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, meta, kv, backend)
             if i in aux_layers:
-                aux.append(x)
-        return (self.norm(x), torch.cat(aux, dim=-1)) if aux_layers else self.norm(x)
+                aux[i] = x
+        return (self.norm(x), _in_order(aux, aux_layers)) if aux_layers else self.norm(x)
 
     def _forward_fused(self, input_ids, positions, meta, kv_caches, backend, aux_layers=()):
-        h, residual, aux = self.embed_tokens(input_ids), None, []
+        h, residual, aux = self.embed_tokens(input_ids), None, {}
         rope_cache = (self.cos_cache, self.sin_cache)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             h, residual = layer.forward_fused(h, residual, positions, rope_cache, meta, kv, backend)
             if i in aux_layers:
-                aux.append(h + residual)
+                aux[i] = h + residual
         h, _ = backend.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
-        return (h, torch.cat(aux, dim=-1)) if aux_layers else h
+        return (h, _in_order(aux, aux_layers)) if aux_layers else h
 
     def final_norm(self, x, backend):
         return backend.ops.rms_norm(x, self.norm.weight, self.norm.eps) if backend.fused else self.norm(x)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight (this rank's vocabulary rows): the embedding's when tied."""
+        return self.embed_tokens.weight if self.tied else self.lm_head.weight
+
     def compute_logits(self, hidden):
         """float32 logits [N, V]; with several ranks each computes its vocabulary rows and all gather them."""
-        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = F.linear(hidden, self.head_weight)
         if self.tp.world > 1:
             logits = self.tp.gather_vocab(logits)
             if logits.shape[1] != self.vocab:                  # padding rows of the last rank
