@@ -97,33 +97,34 @@ def head_ranks(args, device, responses: dict):
         yield name, out
 
 
-def collect(args, device) -> tuple[dict, dict]:
-    """({dataset: responses}, {dataset: ranks}), each dataset's kept under --cache as soon as it is done, so
-    that a rerun (another --nodes, an interrupted run) computes only what is missing."""
+def collect(args, device) -> dict[str, list[torch.Tensor]]:
+    """{dataset: ranks per response}, each dataset's responses and ranks kept under --cache as soon as they are
+    done, so that a rerun (another --nodes, a shallower --depth, an interrupted run) computes only what is
+    missing."""
     from specdec.datasets import parse_dataset
     cache = Path(args.cache) if args.cache else None
     if cache:
         cache.mkdir(parents=True, exist_ok=True)
     names = {item: parse_dataset(item, args.data)[0] for item in args.datasets}
-    responses = {n: json.loads((cache / f"{n}.responses.json").read_text()) for n in names.values()
+    ranks = {}
+    for n in names.values():
+        f = cache / f"{n}.ranks.pt" if cache else None
+        saved = torch.load(f) if f and f.exists() else None
+        if saved and saved["depth"] >= args.depth:
+            ranks[n] = [r[:, :args.depth] for r in saved["ranks"]]
+    need = {item: n for item, n in names.items() if n not in ranks}
+    responses = {n: json.loads((cache / f"{n}.responses.json").read_text()) for n in need.values()
                  if cache and (cache / f"{n}.responses.json").exists()}
-    todo = [item for item, n in names.items() if n not in responses]
+    todo = [item for item, n in need.items() if n not in responses]
     for name, pairs in generate(args, device, todo) if todo else ():
         responses[name] = pairs
         if cache:
             (cache / f"{name}.responses.json").write_text(json.dumps(pairs))
-    ranks = {}
-    for n in names.values():
-        f = cache / f"{n}.ranks.pt" if cache else None
-        if f and f.exists() and torch.load(f)["depth"] >= args.depth:
-            ranks[n] = [r[:, :args.depth] for r in torch.load(f)["ranks"]]
-    missing = {n: responses[n] for n in names.values() if n not in ranks}
-    for name, rs in head_ranks(args, device, missing) if missing else ():
+    for name, rs in head_ranks(args, device, responses) if responses else ():
         ranks[name] = rs
         if cache:
             torch.save(dict(ranks=rs, depth=args.depth), cache / f"{name}.ranks.pt")
-    order = list(names.values())
-    return {n: responses[n] for n in order}, {n: ranks[n] for n in order}
+    return {n: ranks[n] for n in names.values()}
 
 
 @torch.no_grad()
@@ -195,10 +196,10 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     device = _device(args.device)
     t0 = time.monotonic()
-    responses, ranks = collect(args, device)
+    ranks = collect(args, device)
     meta = dict(device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-                git_commit=git_commit(), responses={n: len(r) for n, r in responses.items()},
-                tokens={n: sum(len(x[1]) for x in r) for n, r in responses.items()})
+                git_commit=git_commit(), responses={n: len(r) for n, r in ranks.items()},
+                tokens={n: sum(x.shape[0] for x in r) for n, r in ranks.items()})
     rows, shapes = evaluate(ranks, args.depth, args.nodes, args.max_tokens)
     meta.update(command="python -m specdec.acceptance.tree_study " + " ".join(sys.argv[1:] if argv is None else argv),
                 depth=args.depth, seconds=round(time.monotonic() - t0, 1), head=args.head or "shipped")
