@@ -3,13 +3,15 @@
     python bench/profile_step.py                                   # default model, 1 and 32 streams
     PYTHONPATH=.old python bench/profile_step.py --tag before       # another tree's engine, same script
     python bench/profile_step.py --device cpu --dtype float32 --streams 2 --steps 4 --out /tmp/p.json   # smoke
+    python bench/profile_step.py --streams 1 --tag eagle --engine speculative=eagle num_speculative_tokens=3 \
+        spec_min_acceptance=0      # the speculative step (any EngineConfig field: --engine KEY=VALUE ...)
 
 Per stream count: one engine, every stream a chat prompt decoding with EOS ignored. After --warmup-steps, the
 engine's own counters (engine/timings.py) time --steps steps unprofiled: the host's plan, launch, wait and
 commit per step, the forward's and the sampling's GPU time, and the compute stream's idle time between steps.
 Then torch.profiler records only device activity (no host ops, so the loop runs at its own pace) for
-another --steps steps: kernels and copies per step, their time per step by kind, and how much of the window
-the GPU was busy. Kernels inside CUDA graph replays are traced like any other.
+another --steps steps: kernels and copies per step, their time per step by kind, the kernels taking the most
+time, and how much of the window the GPU was busy. Kernels inside CUDA graph replays are traced like any other.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import re
 
 try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
     from common import markdown_table, note, record, write_results
+    from guided_quality import engine_overrides
     from throughput import build_engine
 except ImportError:
     from bench.common import markdown_table, note, record, write_results
+    from bench.guided_quality import engine_overrides
     from bench.throughput import build_engine
 
 KINDS = (("matmul", r"gemm|gemv|matmul|cutlass|nvjet|cublas|sm90_xmma|splitk"),
@@ -46,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
     p.add_argument("--out", default="bench/results/profile_step.json")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE", help="further EngineConfig fields")
+    p.add_argument("--top", type=int, default=15, help="kernels listed by time per step")
     return p.parse_args(argv)
 
 
@@ -73,21 +79,27 @@ def busy_fraction(events) -> float:
     return busy / max(spans[-1][1] - spans[0][0], 1e-9)
 
 
-def kernel_summary(events, steps: int) -> dict:
-    by_kind: dict[str, list] = {}
+def _per_step(events, key, steps: int) -> dict:
+    """{key(event): {per_step, us_per_step}}."""
+    acc: dict[str, list] = {}
     for e in events:
-        entry = by_kind.setdefault(kind_of(e.name), [0, 0.0])
+        entry = acc.setdefault(key(e), [0, 0.0])
         entry[0] += 1
         entry[1] += e.time_range.end - e.time_range.start
-    kinds = {k: dict(per_step=n / steps, us_per_step=t / steps) for k, (n, t) in sorted(by_kind.items())}
+    return {k: dict(per_step=n / steps, us_per_step=t / steps) for k, (n, t) in acc.items()}
+
+
+def kernel_summary(events, steps: int, top: int = 15) -> dict:
+    kinds = dict(sorted(_per_step(events, lambda e: kind_of(e.name), steps).items()))
+    names = sorted(_per_step(events, lambda e: e.name[:90], steps).items(), key=lambda kv: -kv[1]["us_per_step"])
     return dict(kernels=len(events) / steps, kernel_us=sum(v["us_per_step"] for v in kinds.values()),
-                busy_frac=busy_fraction(events), kinds=kinds)
+                busy_frac=busy_fraction(events), kinds=kinds, top_kernels=dict(names[:top]))
 
 
 def profile(args, streams: int) -> dict:
     import torch
     from engine.sequence import SamplingParams
-    eng = build_engine(args, 2, streams)
+    eng = build_engine(args, 2, streams, **engine_overrides(args))
     total = args.warmup_steps + 2 * args.steps + 8
     for i in range(streams):        # chat prompts through the template every tree's engine has
         ids = eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {i}."}])
@@ -105,9 +117,9 @@ def profile(args, streams: int) -> dict:
             for _ in range(args.steps):
                 eng.step()
             torch.cuda.synchronize()
-        kernels = kernel_summary(device_events(prof), args.steps)
+        kernels = kernel_summary(device_events(prof), args.steps, args.top)
     rec = record("profile_step", args.tag or "plain", eng.source.name, args.dtype, streams, None, None,
-                 host["period_ms"], tag=args.tag, steps=args.steps, **host, **kernels)
+                 host["period_ms"], tag=args.tag, steps=args.steps, engine=engine_overrides(args), **host, **kernels)
     eng.close()
     return rec
 
@@ -127,6 +139,9 @@ def main(argv=None):
             rows = [dict(kind=k, **v) for k, v in r["kinds"].items()]
             text += f"\n\n{r['streams']} streams, per step by kernel kind:\n\n" + markdown_table(
                 rows, ["kind", "per_step", "us_per_step"])
+            rows = [dict(kernel=f"`{k}`", **v) for k, v in r["top_kernels"].items()]
+            text += f"\n\n{r['streams']} streams, the kernels taking the most time per step:\n\n" + markdown_table(
+                rows, ["kernel", "per_step", "us_per_step"])
     with open(str(out).rsplit(".", 1)[0] + ".md", "w") as f:
         f.write(text + "\n")
     print(text)

@@ -46,7 +46,8 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def build_engine(args, depth: int, streams: int):
+def build_engine(args, depth: int, streams: int, **extra):
+    """extra: further EngineConfig fields."""
     from engine.llm_engine import LLMEngine
     kw = dict(model=args.model, dtype=args.dtype, depth=depth, max_num_seqs=streams,
               enforce_eager=args.enforce_eager)
@@ -54,7 +55,7 @@ def build_engine(args, depth: int, streams: int):
         kw["device"] = args.device
     if kw["model"] is None:
         kw.pop("model")                   # EngineConfig's default (SPECDEC_MODEL or the default model)
-    return LLMEngine(**kw)
+    return LLMEngine(**(kw | extra))
 
 
 def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: int) -> dict:

@@ -1,0 +1,34 @@
+"""bench/profile_step.py: the per-kind and per-kernel summary of a trace, and a CPU run of the speculative step
+(host phases only: the kernel tables need CUDA)."""
+import json
+from types import SimpleNamespace as NS
+
+import pytest
+
+from bench.profile_step import busy_fraction, kernel_summary, main
+
+
+def _event(name, start, end):
+    return NS(name=name, time_range=NS(start=start, end=end))
+
+
+def test_kernel_summary_by_kind_and_by_name():
+    events = [_event("nvjet_tst_64x8_gemm", 0, 4), _event("_paged_attn_kernel", 4, 7), _event("nvjet_tst_64x8_gemm", 9, 13),
+              _event("_rms_norm_kernel", 13, 14)]
+    s = kernel_summary(events, steps=2, top=2)
+    assert s["kernels"] == 2 and s["kernel_us"] == pytest.approx(6.0)
+    assert s["kinds"]["matmul"] == dict(per_step=1.0, us_per_step=4.0)
+    assert s["kinds"]["attention"]["us_per_step"] == pytest.approx(1.5)
+    assert list(s["top_kernels"]) == ["nvjet_tst_64x8_gemm", "_paged_attn_kernel"]
+    assert s["busy_frac"] == pytest.approx(12 / 14) == busy_fraction(events)
+
+
+def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):
+    out = tmp_path / "p.json"
+    main(["--device", "cpu", "--dtype", "float32", "--streams", "1", "--steps", "2", "--warmup-steps", "1",
+          "--tag", "eagle", "--engine", "speculative=eagle", "num_speculative_tokens=2", "spec_min_acceptance=0",
+          "--out", str(out)])
+    (rec,) = json.loads(out.read_text())
+    assert rec["tag"] == "eagle" and rec["streams"] == 1 and rec["period_ms"] > 0
+    assert rec["engine"] == dict(speculative="eagle", num_speculative_tokens=2, spec_min_acceptance=0)
+    assert out.with_suffix(".md").read_text().count("| eagle |") == 1
