@@ -108,35 +108,46 @@ class TritonAttention(_Matmuls):
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
-    def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False):
-        from engine.kernels import bitmask, decode_gemv as gemv, draft_gemv as draft, fused_ops, paged_attention
+    def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0):
+        from engine.kernels import bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, fused_ops
+        from engine.kernels import paged_attention
         if draft_gemv and not decode_gemv:
             raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv")
+        if decode_gemm_rows and not (decode_gemv and gemm.MIN_ROWS <= decode_gemm_rows <= gemm.MAX_ROWS):
+            raise ValueError(f"decode_gemm_rows must be 0 or {gemm.MIN_ROWS} to {gemm.MAX_ROWS}, with decode_gemv; "
+                             f"got {decode_gemm_rows}")
         self._k, self._gemv = paged_attention, gemv if decode_gemv else None
+        self._gemm = gemm if decode_gemm_rows else None     # steps of MIN_ROWS .. _gemm_rows rows
+        self._gemm_rows = decode_gemm_rows
         self._draft = draft if draft_gemv else None     # the draft steps' argmax and residual epilogues
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
     # engine/kernels/decode_gemv.py (the op before folded in) for steps of a few rows when it is on and there is
-    # no bias, else the separate kernel and cuBLAS
+    # no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
     def _gemv_for(self, x, weight, bias, **kw):
-        return self._gemv is not None and bias is None and self._gemv.supports(x, weight, **kw)
+        """The kernel module taking this call, or None."""
+        if self._gemv is None or bias is not None:
+            return None
+        gemm = self._gemm is not None and self._gemv.MAX_ROWS < x.shape[0] <= self._gemm_rows
+        kernels = self._gemm if gemm else self._gemv
+        return kernels if kernels.supports(x, weight, **kw) else None
 
     def linear(self, x, weight, bias=None):
-        if self._gemv_for(x, weight, bias):
-            return self._gemv.decode_linear(x, weight)
+        if kernels := self._gemv_for(x, weight, bias):
+            return kernels.decode_linear(x, weight)
         return super().linear(x, weight, bias)
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
-        if self._gemv_for(x, weight, bias, norm_weight=norm_weight, residual=residual):
-            return self._gemv.decode_norm_linear(x, norm_weight, eps, weight, residual)
+        if kernels := self._gemv_for(x, weight, bias, norm_weight=norm_weight, residual=residual):
+            return kernels.decode_norm_linear(x, norm_weight, eps, weight, residual)
         return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def silu_linear(self, gate_up, weight, residual=None):
         if residual is not None and self._draft is None:        # the residual epilogue is draft_gemv's
             return residual + self.silu_linear(gate_up, weight)
-        if self._gemv_for(gate_up, weight, None, k=gate_up.shape[-1] // 2, add=residual):
-            return self._gemv.decode_silu_linear(gate_up, weight, residual)
+        if kernels := self._gemv_for(gate_up, weight, None, k=gate_up.shape[-1] // 2, add=residual):
+            return kernels.decode_silu_linear(gate_up, weight, residual)
         return super().silu_linear(gate_up, weight, residual)
 
     def norm_linear_argmax(self, x, norm_weight, eps, weight):
@@ -152,9 +163,9 @@ class TritonAttention(_Matmuls):
                                        meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
-def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False):
+def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention(decode_gemv, draft_gemv)
+        return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -32,6 +32,9 @@ class EngineConfig:
                                        # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
     draft_gemv: bool = False           # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
                                        # (engine/kernels/draft_gemv.py; needs decode_gemv); off until measured on a GPU
+    decode_gemm_rows: int = 0          # steps of 5 to this many rows (at most 32; 0: none): the fused path's matmuls
+                                       # are engine/kernels/decode_gemm.py (tensor cores, weights read before the
+                                       # wait) not cuBLAS; needs decode_gemv; off until measured on a GPU
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
     grammar_node: str = "native"       # who fills the masks: "native" (the grammar node: C++ through tvm-ffi,
                                        # no GIL) or "python" (xgrammar's Python API; the reference path)
@@ -95,6 +98,10 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.draft_gemv and not self.decode_gemv:
             raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv=True")
+        if self.decode_gemm_rows and not 5 <= self.decode_gemm_rows <= 32:     # decode_gemv takes up to 4 rows
+            raise ValueError(f"decode_gemm_rows must be 0 (off) or 5 to 32, got {self.decode_gemm_rows}")
+        if self.decode_gemm_rows and not self.decode_gemv:
+            raise ValueError("decode_gemm_rows extends the decode GEMV to more rows: it needs decode_gemv=True")
         if self.depth not in (1, 2):
             raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
         if self.speculative not in SPECULATIVE:

@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import PDL_MAX_ROWS, is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
+from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 
-MAX_ROWS = PDL_MAX_ROWS  # more rows: cuBLAS (each row here is its own pass over the registers)
+MAX_ROWS = 4            # more rows: decode_gemm.py or cuBLAS (each row here is its own pass over the registers)
 MAX_K = 8192            # a whole weight row sits in registers
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 
@@ -106,14 +106,15 @@ def decode_gemv_config(n: int, k: int) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
 
 
-def _problem(x, weight, k, norm_weight=None, residual=None, add=None) -> str | None:
-    """Why these kernels cannot take a call, or None: one list of conditions for supports() and the checks."""
+def _problem(x, weight, k, norm_weight=None, residual=None, add=None, rows=(1, MAX_ROWS), max_k=MAX_K) -> str | None:
+    """Why these kernels cannot take a call, or None: one list of conditions for supports() and the checks
+    (rows, max_k: the limits of the kernel asking, decode_gemm.py's too)."""
     if x.dim() != 2 or weight.dim() != 2:
         return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
-    if not 0 < x.shape[0] <= MAX_ROWS:
-        return f"x has {x.shape[0]} rows; these kernels take 1 to MAX_ROWS={MAX_ROWS}"
-    if weight.shape[1] != k or not 0 < k <= MAX_K or weight.shape[0] == 0:
-        return f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (K at most {MAX_K})"
+    if not rows[0] <= x.shape[0] <= rows[1]:
+        return f"x has {x.shape[0]} rows; these kernels take {rows[0]} to {rows[1]}"
+    if weight.shape[1] != k or not 0 < k <= max_k or weight.shape[0] == 0:
+        return f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (K at most {max_k})"
     if not weight.is_contiguous() or x.stride(1) != 1:
         return "weight must be contiguous and x must have unit stride in K"
     if x.dtype != weight.dtype:
@@ -139,13 +140,13 @@ def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_w
     return _problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add) is None
 
 
-def _check(x, weight, k=None, norm_weight=None, residual=None, add=None):
+def _check(x, weight, k=None, norm_weight=None, residual=None, add=None, **limits):
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("weight", weight, 2, _FLOAT_DTYPES, x.device)
     _check_same("weight", weight, "x", x, shape=False)
     if add is not None:
         _check_tensor("residual", add, 2, _FLOAT_DTYPES, x.device)
-    problem = _problem(x, weight, x.shape[1] if k is None else k, norm_weight, residual, add)
+    problem = _problem(x, weight, x.shape[1] if k is None else k, norm_weight, residual, add, **limits)
     if problem:
         raise ValueError(problem)
 

@@ -1,0 +1,259 @@
+"""Matmuls of a decode step with 5 to 32 rows on tensor cores, the weight loaded before the wait.
+
+    decode_linear(x [MIN_ROWS <= M <= MAX_ROWS, K], weight [N, K]) -> [M, N]    (= F.linear(x, weight))
+    decode_norm_linear(x, norm_weight, eps, weight, residual=None) -> (out, new_residual)
+                                                          (= F.linear(fused_ops.rms_norm(...), weight))
+    decode_silu_linear(gate_up, weight, residual=None) -> out
+                                                  (= [residual +] F.linear(fused_ops.silu_mul(gate_up), weight))
+
+engine/kernels/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens for several streams or a
+tree of 8-32 tokens, where its loop over rows (a pass over the registers each) would cost more than cuBLAS. The
+same idea: each program owns BLOCK_N whole weight rows and loads all of them into registers before gdc_wait, so
+under programmatic dependent launch the HBM read overlaps the kernel before; after the wait it reads x (L2),
+recomputes the op before (the norm or SiLU * up), multiplies and stores. The same prologues, epilogues ("store",
+"add", "argmax") and rounding as decode_gemv (common.round_to, the interpreter included).
+
+Why the whole K before the wait, not K chunks of which only the first are prefetched: SmolLM2's K is 576 or 1536,
+so a tile of 16-32 rows is 18-48 KB, 36-96 registers a thread, and with all of it loaded nothing after the wait
+goes to HBM; a chunk left for after the wait costs an HBM round trip there, the latency this kernel removes.
+Hence MAX_K = 2048 (16 rows of it: 64 registers a thread at 8 warps); larger K takes cuBLAS.
+
+Layout. tl.arange widths are powers of two, so K is two pieces, K0 the largest power of two <= K and K1 the rest
+rounded up to one (or none): 576 = 512 + 64 and 1536 = 1024 + 512 pad nothing. Each piece is C chunks of BLOCK_K
+columns on the batch axis of a 3-D tl.dot, weight [C, BLOCK_N, BLOCK_K] x rows [C, BLOCK_K, BLOCK_M], summed over
+the chunks: the weight rows are the MMA's M side and the tokens its N side (swap-AB, no padding of a row count to
+64), and K is split over independent MMA chains and warps, where one 2-D dot over K = 1536 would be a chain of 96
+dependent MMAs. Tokens go in groups of BLOCK_M, unrolled (16 a group up to K = 1024: M padded to 16 or 32 by
+masked rows; 8 past it): a group's x tile [K, BLOCK_M] is what sits in registers beside the weight. The norm's sum of squares needs the whole row: a first
+pass over the group's x (both pieces) gives it, then a second (L1) computes A.
+
+Accumulation is fp32, rounded once to x.dtype, in another order than cuBLAS: results agree to rounding, not bit
+for bit. Grid and constexprs depend only on shapes, so every call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import decode_gemv
+from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
+
+MIN_ROWS = decode_gemv.MAX_ROWS + 1
+MAX_ROWS = 32
+MAX_K = 2048
+_LIMITS = dict(rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
+_ELEMS = 16384  # weight elements per program at 4 warps (64 registers a thread in bf16); 8 warps above
+
+
+@triton.jit
+def _cols(START: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns START .. START + WIDTH as [WIDTH // BLOCK_K chunks, BLOCK_K]."""
+    return START + tl.arange(0, WIDTH // BLOCK_K)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+
+
+@triton.jit
+def _load_w(w_ptr, offs_n, n_ok, K, START: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The piece's weight tile [chunk, n, k]."""
+    kk = _cols(START, WIDTH, BLOCK_K)
+    return tl.load(w_ptr + offs_n.to(tl.int64)[None, :, None] * K + kk[:, None, :],
+                   mask=n_ok[None, :, None] & (kk < K)[:, None, :], other=0.0)
+
+
+@triton.jit
+def _load_x(ptr, stride, offs_m, m_ok, K, START: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
+            HALF: tl.constexpr):
+    """Rows offs_m of x's piece as [chunk, k, m] (HALF = 1: the up half of a gate_up row), and its pointers' mask."""
+    kk = _cols(START, WIDTH, BLOCK_K)
+    ok = (kk < K)[:, :, None] & m_ok[None, None, :]
+    return tl.load(ptr + offs_m[None, None, :] * stride + HALF * K + kk[:, :, None], mask=ok, other=0.0), ok
+
+
+@triton.jit
+def _load_h(x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, START: tl.constexpr, WIDTH: tl.constexpr,
+            BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """x [+ residual] of the piece, the sum rounded to the dtype as torch's add (the new residual, the norm's input)."""
+    h, ok = _load_x(x_ptr, stride_x, offs_m, m_ok, K, START, WIDTH, BLOCK_K, 0)
+    if HAS_RESIDUAL:
+        r, _ = _load_x(res_ptr, stride_res, offs_m, m_ok, K, START, WIDTH, BLOCK_K, 0)
+        h = round_to(h.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)
+    return h, ok
+
+
+@triton.jit
+def _sum_sq(x_ptr, res_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, offs_m, m_ok, K, store,
+            START: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The piece's share of each row's sum of squares [BLOCK_M]; `store`: this program stores the new residual."""
+    h, ok = _load_h(x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, START, WIDTH, BLOCK_K, HAS_RESIDUAL)
+    if HAS_RESIDUAL:
+        if store:
+            kk = _cols(START, WIDTH, BLOCK_K)
+            tl.store(new_res_ptr + offs_m[None, None, :] * stride_new_res + kk[:, :, None], h, mask=ok)
+    hf = h.to(tl.float32)
+    return reduce_sum(reduce_sum(hf * hf, 1), 0)
+
+
+@triton.jit
+def _piece(w, nw, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, START: tl.constexpr,
+           WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+           UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The piece's share of acc[n, m] = w[n, :] . A[m, :], A = the prologue of x rounded as the separate kernels
+    round it: rms_norm ("norm", inv = each row's 1 / rms), silu_mul ("silu") or x itself. Masked lanes are 0."""
+    dtype = x_ptr.dtype.element_ty
+    if PROLOGUE == "norm":
+        h, _ = _load_h(x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, START, WIDTH, BLOCK_K, HAS_RESIDUAL)
+        normed = round_to(h.to(tl.float32) * inv[None, None, :], dtype)
+        a = round_to(nw.to(tl.float32)[:, :, None] * normed.to(tl.float32), dtype)
+    elif PROLOGUE == "silu":
+        g, _ = _load_x(x_ptr, stride_x, offs_m, m_ok, K, START, WIDTH, BLOCK_K, 0)
+        u, _ = _load_x(x_ptr, stride_x, offs_m, m_ok, K, START, WIDTH, BLOCK_K, 1)
+        g = g.to(tl.float32)
+        a = round_to(g / (1.0 + tl.exp(-g)) * u.to(tl.float32), dtype)
+    else:
+        a, _ = _load_x(x_ptr, stride_x, offs_m, m_ok, K, START, WIDTH, BLOCK_K, 0)
+    if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns; bf16 products are exact in fp32
+        w, a = w.to(tl.float32), a.to(tl.float32)
+    return reduce_sum(tl.dot(w, a, input_precision=PRECISION), 0)
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, add_ptr, idx_ptr, stride_out, stride_add, offs_n, n_ok, offs_m, m_ok, pid, N,
+              dtype: tl.constexpr, EPILOGUE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] rounded once to y, then decode_gemv's epilogues, transposed."""
+    y = round_to(acc, dtype)
+    if EPILOGUE == "argmax":
+        # masked weight rows sit at -inf after every real row; NaN ranks above every number (as decode_gemv)
+        v = tl.where(n_ok[:, None], y.to(tl.float32), float("-inf"))
+        v = tl.where(v != v, float("inf"), v)
+        top = reduce_max(v, 0)
+        tl.store(out_ptr + offs_m * stride_out + pid, top, mask=m_ok)
+        tl.store(idx_ptr + offs_m * stride_out + pid, reduce_min(tl.where(v == top[None, :], offs_n[:, None], N), 0),
+                 mask=m_ok)
+    else:
+        ok = n_ok[:, None] & m_ok[None, :]
+        if EPILOGUE == "add":
+            r = tl.load(add_ptr + offs_m[None, :] * stride_add + offs_n[:, None], mask=ok, other=0.0)
+            y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
+        tl.store(out_ptr + offs_m[None, :] * stride_out + offs_n[:, None], y, mask=ok)
+
+
+@triton.jit
+def _decode_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res,
+                        stride_out, stride_new_res, stride_add, M, N, K, eps, PROLOGUE: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, K0: tl.constexpr, BK0: tl.constexpr,
+                        K1: tl.constexpr, BK1: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    """decode_gemv's kernel for GROUPS * BLOCK_M rows on tensor cores: y = A @ w.T over pieces K0 (+ K1) of K."""
+    pid = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    # the weights do not depend on the kernel before: read them before waiting for it
+    w0 = _load_w(w_ptr, offs_n, n_ok, K, 0, K0, BK0)
+    nw0, nw1, inv = 0.0, 0.0, 0.0               # the norm's; other prologues pass them unread
+    if K1 > 0:
+        w1 = _load_w(w_ptr, offs_n, n_ok, K, K0, K1, BK1)
+    if PROLOGUE == "norm":
+        kk0 = _cols(0, K0, BK0)
+        nw0 = tl.load(nw_ptr + kk0, mask=kk0 < K, other=0.0)
+        if K1 > 0:
+            kk1 = _cols(K0, K1, BK1)
+            nw1 = tl.load(nw_ptr + kk1, mask=kk1 < K, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for g in tl.static_range(GROUPS):
+        offs_m = g * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        if PROLOGUE == "norm":
+            ss = _sum_sq(x_ptr, res_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, offs_m, m_ok, K, pid == 0,
+                         0, K0, BK0, HAS_RESIDUAL)
+            if K1 > 0:
+                ss += _sum_sq(x_ptr, res_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, offs_m, m_ok, K,
+                              pid == 0, K0, K1, BK1, HAS_RESIDUAL)
+            inv = tl.rsqrt(tl.where(m_ok, ss / K + eps, 1.0))      # padded rows stay finite (eps may be 0)
+        acc = _piece(w0, nw0, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, 0, K0, BK0, PROLOGUE,
+                     HAS_RESIDUAL, UPCAST, PRECISION)
+        if K1 > 0:
+            acc += _piece(w1, nw1, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, K0, K1, BK1, PROLOGUE,
+                          HAS_RESIDUAL, UPCAST, PRECISION)
+        _epilogue(acc, out_ptr, add_ptr, idx_ptr, stride_out, stride_add, offs_n, n_ok, offs_m, m_ok, pid, N, dtype,
+                  EPILOGUE)
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return is_interpreted(_decode_gemm_kernel) and decode_gemv.interpreted()
+
+
+def pieces(k: int) -> tuple[int, int]:
+    """K as (K0, K1): K0 the largest power of two <= K, K1 the rest rounded up to one or 0; tl.dot's K >= 16."""
+    k0 = max(16, 1 << (k.bit_length() - 1))
+    return k0, (max(16, triton.next_power_of_2(k - k0)) if k > k0 else 0)
+
+
+def decode_gemm_config(m: int, n: int, k: int) -> dict:
+    """Launch parameters by shape (a bench may replace this function). BLOCK_N: 32 rows where that still leaves
+    >= 64 programs and fits 2 * _ELEMS weights, else 16; BLOCK_M: tokens a group (the x tile beside the weight,
+    8 for K > 1024); BLOCK_K: columns a chunk; 8 warps past _ELEMS. No loop to pipeline: num_stages 1."""
+    width = sum(pieces(k))
+    block_n = 32 if n >= 64 * 32 and 32 * width <= 2 * _ELEMS else 16
+    return dict(BLOCK_M=16 if width <= 1024 else 8, BLOCK_N=block_n, BLOCK_K=64,
+                num_warps=4 if block_n * width <= _ELEMS else 8, num_stages=1)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,
+             add=None) -> bool:
+    """Whether these kernels take a call (the arguments as decode_gemv.supports'); a caller falls back to the
+    separate kernels and cuBLAS otherwise."""
+    return decode_gemv._problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add,
+                                **_LIMITS) is None
+
+
+def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store"):
+    """The kernel on checked inputs -> (out, new_residual, idx), as decode_gemv.launch."""
+    m, n = x.shape[0], weight.shape[0]
+    cfg = dict(decode_gemm_config(m, n, k))
+    block_m, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K")
+    k0, k1 = pieces(k)
+    grid = triton.cdiv(n, cfg["BLOCK_N"])
+    if epilogue == "argmax":
+        out = torch.empty((m, grid), dtype=torch.float32, device=x.device)
+        idx = torch.empty((m, grid), dtype=torch.int32, device=x.device)
+    else:
+        out, idx = torch.empty((m, n), dtype=x.dtype, device=x.device), x
+    new_res = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
+    res = x if residual is None else residual
+    add = x if add is None else add
+    upcast = x.dtype == torch.bfloat16 and interpreted()
+    _decode_gemm_kernel[(grid,)](
+        x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),
+        new_res.stride(0), add.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        EPILOGUE=epilogue, BLOCK_M=block_m, GROUPS=triton.cdiv(m, block_m), K0=k0, BK0=min(block_k, k0), K1=k1,
+        BK1=min(block_k, max(k1, 16)), UPCAST=upcast, PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
+        **cfg, **pdl(_decode_gemm_kernel, x.device, m))
+    return out, new_res, idx
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for x [MIN_ROWS <= M <= MAX_ROWS, K] (unit stride in K), weight [N, K <= MAX_K]."""
+    decode_gemv._check(x, weight, **_LIMITS)
+    return launch(x, weight, x.shape[1], "none")[0]
+
+
+def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):
+    """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
+    new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
+    decode_gemv._check(x, weight, norm_weight=norm_weight, residual=residual, **_LIMITS)
+    return launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual)[:2]
+
+
+def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=None) -> torch.Tensor:
+    """F.linear(fused_ops.silu_mul(gate_up), weight) in one kernel: gate_up [M, 2 * I] (gate, then up). With a
+    residual [M, N]: residual + that, rounded as the two torch ops round it."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [M, 2 * I], got {tuple(gate_up.shape)}")
+    decode_gemv._check(gate_up, weight, gate_up.shape[1] // 2, add=residual, **_LIMITS)
+    return launch(gate_up, weight, gate_up.shape[1] // 2, "silu", add=residual,
+                  epilogue="store" if residual is None else "add")[0]

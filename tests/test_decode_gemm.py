@@ -1,0 +1,199 @@
+"""engine.kernels.decode_gemm (5 to 32 rows on tensor cores, weights read before the dependent-launch wait) against
+the torch ops it replaces, the backend's routing by row count and an engine with it on and off. Without CUDA the
+kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_no_leak, triton_module
+
+dg = triton_module("decode_gemv")
+gm = triton_module("decode_gemm")
+DEV = "cpu" if gm.interpreted() else "cuda"
+EPS = 1e-5
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# (M, K, N): K = 64 (one piece), 96 (64 + 32), 192 (128 + 64); N never a multiple of BLOCK_N
+SHAPES = pytest.mark.parametrize("m,k,n", [(5, 64, 40), (8, 96, 100), (17, 192, 33), (32, 96, 70)])
+# fp32: summation order only; bf16: one output rounding apart
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 * 2 ** -7, 2 * 2 ** -8)}
+
+
+def randn(*shape, seed, dtype=torch.float32):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=DEV).to(dtype)
+
+
+def randint(*shape, seed, high=16, dtype=torch.float32):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randint(-high, high + 1, shape, generator=g, device=DEV).to(dtype)
+
+
+def close(got, want):
+    rtol, atol = TOL[want.dtype]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=2 * rtol, atol=2 * atol * want.float().abs().max().item())
+
+
+@DTYPES
+@SHAPES
+def test_entry_points_match_the_separate_ops(m, k, n, dtype):
+    from engine.kernels.fused_ops import rms_norm_ref, silu_mul_ref
+    x = (randn(m, k + 5, seed=1, dtype=dtype) * 3)[:, 2:2 + k]          # strided rows, unit stride in K
+    res, nw = randn(m, k, seed=2, dtype=dtype), randn(k, seed=3, dtype=dtype)
+    w = randn(n, k, seed=4, dtype=dtype) / k ** 0.5
+    close(gm.decode_linear(x, w), F.linear(x.float(), w.float()).to(dtype))
+    got, h = gm.decode_norm_linear(x, nw, EPS, w, res)
+    normed, want_h = rms_norm_ref(x, nw, EPS, res)
+    assert torch.equal(h, want_h)                                         # the new residual: bit for bit
+    close(got, F.linear(normed.float(), w.float()).to(dtype))
+    got, h = gm.decode_norm_linear(x, nw, EPS, w)
+    assert h is x
+    close(got, F.linear(rms_norm_ref(x, nw, EPS).float(), w.float()).to(dtype))
+    gu, r = randn(m, 2 * k, seed=5, dtype=dtype) * 2, randn(m, n, seed=6, dtype=dtype)
+    out = gm.decode_silu_linear(gu, w)
+    close(out, F.linear(silu_mul_ref(gu).float(), w.float()).to(dtype))
+    assert torch.equal(gm.decode_silu_linear(gu, w, residual=r), r + out)   # the residual epilogue: torch's add
+
+
+@DTYPES
+@pytest.mark.parametrize("m,k", [(5, 64), (17, 192), (32, 96)])
+def test_exact_where_the_products_are(m, k, dtype):
+    """Integer operands: every fp32 sum is exact in any order, so the outputs are torch's bit for bit. The norm:
+    rows of one magnitude 2^j (signs random) and eps = 0 make 1 / rms = 2^-j exact, A = +-norm_weight."""
+    from engine.kernels.fused_ops import rms_norm_ref
+    n = 70
+    x, w = randint(m, k, seed=7, dtype=dtype), randint(n, k, seed=8, dtype=dtype)
+    assert torch.equal(gm.decode_linear(x, w), F.linear(x, w))
+    signs = torch.where(randn(m, k, seed=9) > 0, 1.0, -1.0)
+    mag = 2.0 ** torch.arange(m, device=DEV).remainder(5)[:, None]
+    x, nw = (signs * mag).to(dtype), randint(k, seed=10, dtype=dtype)
+    want = F.linear(rms_norm_ref(x, nw, 0.0), w)
+    assert torch.equal(gm.decode_norm_linear(x, nw, 0.0, w)[0], want)
+    got, h = gm.decode_norm_linear(x, nw, 0.0, w, residual=x)             # h = 2x
+    assert torch.equal(got, want) and torch.equal(h, 2 * x)
+
+
+@DTYPES
+def test_argmax_epilogue(dtype):
+    """Each program's largest logit of a row and its first vocabulary row: their first maximum is the argmax."""
+    from engine.kernels.fused_ops import rms_norm_ref
+    m, k, v = 9, 96, 300
+    x, nw, w = randn(m, k, seed=11, dtype=dtype) * 3, randn(k, seed=12, dtype=dtype), randn(v, k, seed=13, dtype=dtype)
+    val, _, idx = gm.launch(x, w, k, "norm", nw=nw, eps=EPS, epilogue="argmax")
+    block_n = gm.decode_gemm_config(m, v, k)["BLOCK_N"]
+    assert val.shape == idx.shape == (m, (v + block_n - 1) // block_n)
+    got = idx.gather(1, val.argmax(1, keepdim=True))[:, 0].long()
+    assert torch.equal(got, F.linear(rms_norm_ref(x, nw, EPS), w).float().argmax(-1))
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=8, BLOCK_N=8, BLOCK_K=16, num_warps=4, num_stages=1),
+                                 dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=1)],
+                         ids=["small", "large"])
+def test_any_config_gives_the_same_bits(cfg, monkeypatch):
+    """What a bench's sweep may pass: other groups, tiles and chunks give the exact integer results."""
+    monkeypatch.setattr(gm, "decode_gemm_config", lambda m, n, k: dict(cfg))
+    x, w, nw = randint(17, 96, seed=14), randint(70, 96, seed=15), torch.ones(96, device=DEV)
+    assert torch.equal(gm.decode_linear(x, w), F.linear(x, w))
+    gu = torch.cat([torch.full((17, 96), 30.0, device=DEV), x], 1)       # silu(30) = 30 in fp32
+    assert torch.equal(gm.decode_silu_linear(gu, w), F.linear(30 * x, w))
+    x = torch.where(randn(17, 96, seed=16) > 0, 4.0, -4.0)
+    assert torch.equal(gm.decode_norm_linear(x, nw, 0.0, w)[0], F.linear(x / 4, w))
+
+
+def test_pieces_and_default_configs():
+    assert [gm.pieces(k) for k in (576, 1536, 2048, 192, 100, 10)] == [(512, 64), (1024, 512), (2048, 0), (128, 64),
+                                                                       (64, 64), (16, 0)]
+    for n, k in [(960, 576), (3072, 576), (576, 1536), (576, 576), (2048, 2048)]:
+        cfg = gm.decode_gemm_config(32, n, k)
+        assert cfg["BLOCK_N"] * sum(gm.pieces(k)) <= gm._ELEMS * cfg["num_warps"] // 4
+
+
+def test_refusals():
+    x, w = randn(8, 64, seed=1), randn(40, 64, seed=2)
+    assert gm.supports(x, w) and gm.supports(randn(gm.MAX_ROWS, 64, seed=3), w)
+    for rows in (gm.MIN_ROWS - 1, gm.MAX_ROWS + 1):
+        assert not gm.supports(randn(rows, 64, seed=3), w)
+        with pytest.raises(ValueError, match="rows"):
+            gm.decode_linear(randn(rows, 64, seed=3), w)
+    bad = [(lambda: gm.decode_linear(x, randn(40, 63, seed=4)), "does not fit"),
+           (lambda: gm.decode_linear(randn(8, gm.MAX_K + 64, seed=4), randn(4, gm.MAX_K + 64, seed=4)), "K at most"),
+           (lambda: gm.decode_linear(x, randn(64, 40, seed=5).t()), "stride"),
+           (lambda: gm.decode_linear(x, randn(40, 70, seed=5)[:, :64]), "contiguous"),
+           (lambda: gm.decode_linear(x[0], w), "2-D"),
+           (lambda: gm.decode_norm_linear(x, randn(65, seed=6), EPS, w), "norm_weight"),
+           (lambda: gm.decode_norm_linear(x, randn(64, seed=6), EPS, w, randn(8, 65, seed=7)), "residual"),
+           (lambda: gm.decode_silu_linear(randn(8, 127, seed=8), w), "gate_up"),
+           (lambda: gm.decode_silu_linear(randn(8, 128, seed=8), w, randn(8, 41, seed=9)), "residual")]
+    for call, match in bad:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_backend_routes_by_row_count(monkeypatch):
+    """decode_gemv up to 4 rows, decode_gemm from 5 to decode_gemm_rows, cuBLAS past them or with the switch off;
+    the results are the separate kernels' and F.linear's."""
+    from engine.attention import TritonAttention
+    calls = []
+    for module in (dg, gm):
+        for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _r=real, _m=module, **kw: calls.append(_m) or _r(*a, **kw))
+
+    def backend(rows):
+        b = TritonAttention(decode_gemv=True, decode_gemm_rows=rows)
+        b._gemv, b._gemm = dg, gm if rows else None          # the interpreter-built modules of this test file
+        return b
+
+    w, wd, nw = randn(24, 64, seed=20), randn(24, 64, seed=21), randn(64, seed=22)
+    on, off = backend(16), TritonAttention(decode_gemv=False)
+    for m, want in [(2, dg), (5, gm), (16, gm), (17, None)]:
+        x, res, gu = randn(m, 64, seed=23), randn(m, 64, seed=24), randn(m, 128, seed=25)
+        torch.testing.assert_close(on.linear(x, w), off.linear(x, w), rtol=1e-5, atol=1e-5)
+        for a, b in zip(on.norm_linear(x, res, nw, EPS, w), off.norm_linear(x, res, nw, EPS, w)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(on.silu_linear(gu, wd), off.silu_linear(gu, wd), rtol=1e-5, atol=1e-5)
+        assert calls == ([want] * 3 if want else []), m
+        calls.clear()
+    backend(0).linear(randn(8, 64, seed=26), w)
+    on.linear(randn(8, 64, seed=26), w, bias=randn(24, seed=27))
+    assert calls == []
+    for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemv=False, decode_gemm_rows=8)):
+        with pytest.raises(ValueError, match="decode_gemm_rows"):
+            TritonAttention(**{"decode_gemv": True, **kw})
+
+
+def test_the_switch_and_the_dependent_launch_limit():
+    from engine.config import EngineConfig
+    assert EngineConfig().decode_gemm_rows == 0 and EngineConfig(decode_gemm_rows=32).decode_gemm_rows == 32
+    for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemm_rows=8, decode_gemv=False)):
+        with pytest.raises(ValueError, match="decode_gemm_rows"):
+            EngineConfig(**kw)
+    code = "from engine.kernels import common, decode_gemv; print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SPECDEC_PDL_MAX_ROWS="32"),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["32", "4"]          # the GEMV's row limit does not follow the launch's
+
+
+def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
+    """A whole engine (Triton backend, a 2-layer dummy model): decode_gemm_rows=32 gives the greedy tokens of 0,
+    its prefill and decode steps of 6 rows taking the kernel."""
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import SamplingParams
+    calls = []
+    for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
+        real = getattr(gm, name)
+        monkeypatch.setattr(gm, name, lambda *a, _r=real, **kw: calls.append(a[0].shape[0]) or _r(*a, **kw))
+    prompts = [[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8], [42], [11, 400, 13], [256, 255]]
+    runs = {}
+    for rows in (0, 32):
+        eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=1,
+                        max_num_seqs=8, max_model_len=64, enforce_eager=True, decode_gemm_rows=rows)
+        seqs = eng.generate(prompts, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * len(prompts))
+        assert_no_leak(eng)
+        runs[rows] = [s.output_token_ids for s in seqs]
+        assert (len(calls) > 0) == (rows > 0)
+    assert runs[32] == runs[0] and 6 in calls and all(gm.MIN_ROWS <= c <= gm.MAX_ROWS for c in calls)
