@@ -71,26 +71,22 @@ def gemm_config(cfg: dict):
 
 def make_impls(op, M, K, N, copies, dev, dtype):
     """{impl: fn(i)} for "cublas", "gemm", "gemv" and "ref" (torch ops); the weights cycle over `copies`."""
-    import torch
     import torch.nn.functional as F
 
+    from bench.gemv_kernels import operands
     from engine.kernels import decode_gemm as gm, decode_gemv as dg, fused_ops as ops
-    g = torch.Generator(device=dev).manual_seed(M * 7919 + N)
-    rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(dtype)  # noqa: E731
-    ws = [rnd(N, K) / math.sqrt(K) for _ in range(copies)]
+    a = operands(op, M, K, N, copies, dev, dtype)
+    ws, x, res, nw, gu = a["ws"], a.get("x"), a.get("res"), a.get("nw"), a.get("gu")
     if op.startswith("norm"):
-        x, res, nw = rnd(M, K), rnd(M, K), rnd(K)
         return dict(cublas=lambda i: F.linear(ops.rms_norm(x, nw, EPS, res)[0], ws[i % copies]),
                     gemm=lambda i: gm.decode_norm_linear(x, nw, EPS, ws[i % copies], res)[0],
                     gemv=lambda i: dg.launch(x, ws[i % copies], K, "norm", nw=nw, eps=EPS, residual=res)[0],
                     ref=lambda i: F.linear(ops.rms_norm_ref(x, nw, EPS, res)[0], ws[i % copies]))
     if op == "silu_down":
-        gu = rnd(M, 2 * K) * 2
         return dict(cublas=lambda i: F.linear(ops.silu_mul(gu), ws[i % copies]),
                     gemm=lambda i: gm.decode_silu_linear(gu, ws[i % copies]),
                     gemv=lambda i: dg.launch(gu, ws[i % copies], K, "silu")[0],
                     ref=lambda i: F.linear(ops.silu_mul_ref(gu), ws[i % copies]))
-    x = rnd(M, K)
     return dict(cublas=lambda i: F.linear(x, ws[i % copies]), gemm=lambda i: gm.decode_linear(x, ws[i % copies]),
                 gemv=lambda i: dg.launch(x, ws[i % copies], K, "none")[0], ref=lambda i: F.linear(x, ws[i % copies]))
 

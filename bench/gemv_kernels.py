@@ -59,27 +59,36 @@ def cases(models, rows):
             yield name, "o_proj", M, m["heads"] * m["head_dim"], m["hidden"]
 
 
+def operands(op, M, K, N, copies, dev, dtype) -> dict:
+    """Random inputs of one op: the weight copies `ws` the calls cycle over, and x / residual / norm weight
+    ("norm" ops), gate_up ("silu_down") or x (o_proj)."""
+    import torch
+    g = torch.Generator(device=dev).manual_seed(M * 7919 + N)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(dtype)  # noqa: E731
+    out = dict(ws=[rnd(N, K) / math.sqrt(K) for _ in range(copies)])
+    if op.startswith("norm"):
+        return out | dict(x=rnd(M, K), res=rnd(M, K), nw=rnd(K))
+    if op == "silu_down":
+        return out | dict(gu=rnd(M, 2 * K) * 2)
+    return out | dict(x=rnd(M, K))
+
+
 def make_impls(op, M, K, N, copies, dev, dtype):
     """(unfused, fused, ref): callables of the call index i (weights cycle over `copies`)."""
-    import torch
     import torch.nn.functional as F
 
     from engine.kernels import gemv as gv
     from engine.kernels import fused_ops as ops
-    g = torch.Generator(device=dev).manual_seed(M * 7919 + N)
-    rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(dtype)  # noqa: E731
-    ws = [rnd(N, K) / math.sqrt(K) for _ in range(copies)]
+    a = operands(op, M, K, N, copies, dev, dtype)
+    ws, x, res, nw, gu = a["ws"], a.get("x"), a.get("res"), a.get("nw"), a.get("gu")
     if op.startswith("norm"):
-        x, res, nw = rnd(M, K), rnd(M, K), rnd(K)
         return (lambda i: F.linear(ops.rms_norm(x, nw, EPS, res)[0], ws[i % copies]),
                 lambda i: gv.norm_linear(x, nw, EPS, ws[i % copies], residual=res)[0],
                 lambda i: gv.norm_linear_ref(x, nw, EPS, ws[i % copies], residual=res)[0])
     if op == "silu_down":
-        gu = rnd(M, 2 * K) * 2
         return (lambda i: F.linear(ops.silu_mul(gu), ws[i % copies]),
                 lambda i: gv.silu_mul_linear(gu, ws[i % copies]),
                 lambda i: gv.silu_mul_linear_ref(gu, ws[i % copies]))
-    x = rnd(M, K)
     return (lambda i: F.linear(x, ws[i % copies]), lambda i: gv.linear(x, ws[i % copies]),
             lambda i: gv.linear_ref(x, ws[i % copies]))
 

@@ -218,14 +218,7 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     block_m, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K")
     k0, k1 = pieces(k)
     grid = triton.cdiv(n, cfg["BLOCK_N"])
-    if epilogue == "argmax":
-        out = torch.empty((m, grid), dtype=torch.float32, device=x.device)
-        idx = torch.empty((m, grid), dtype=torch.int32, device=x.device)
-    else:
-        out, idx = torch.empty((m, n), dtype=x.dtype, device=x.device), x
-    new_res = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
-    res = x if residual is None else residual
-    add = x if add is None else add
+    out, idx, new_res, res, add = decode_gemv.buffers(x, n, k, grid, epilogue, residual, add)
     upcast = x.dtype == torch.bfloat16 and interpreted()
     _decode_gemm_kernel[(grid,)](
         x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),

@@ -151,20 +151,26 @@ def _check(x, weight, k=None, norm_weight=None, residual=None, add=None, **limit
         raise ValueError(problem)
 
 
-def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store"):
-    """The kernel on checked inputs -> (out, new_residual, idx): out [M, N] and idx = x, or with "argmax" each
-    program's maximum [M, programs] (fp32) and its row idx (int32)."""
-    m, n = x.shape[0], weight.shape[0]
-    cfg = decode_gemv_config(n, k)
-    grid = triton.cdiv(n, cfg["BLOCK_N"])
+def buffers(x, n: int, k: int, grid: int, epilogue: str, residual=None, add=None):
+    """(out, idx, new_residual, residual, add) of a launch of `grid` programs over N = n: the outputs ("argmax":
+    each program's maximum and its row), with x standing in for the pointers the launch does not use."""
+    m = x.shape[0]
     if epilogue == "argmax":
         out = torch.empty((m, grid), dtype=torch.float32, device=x.device)
         idx = torch.empty((m, grid), dtype=torch.int32, device=x.device)
     else:
         out, idx = torch.empty((m, n), dtype=x.dtype, device=x.device), x
     new_res = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
-    res = x if residual is None else residual
-    add = x if add is None else add
+    return out, idx, new_res, x if residual is None else residual, x if add is None else add
+
+
+def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store"):
+    """The kernel on checked inputs -> (out, new_residual, idx): out [M, N] and idx = x, or with "argmax" each
+    program's maximum [M, programs] (fp32) and its row idx (int32)."""
+    m, n = x.shape[0], weight.shape[0]
+    cfg = decode_gemv_config(n, k)
+    grid = triton.cdiv(n, cfg["BLOCK_N"])
+    out, idx, new_res, res, add = buffers(x, n, k, grid, epilogue, residual, add)
     _decode_gemv_kernel[(grid,)](
         x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),
         new_res.stride(0), add.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
