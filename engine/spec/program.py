@@ -28,7 +28,8 @@ from engine.spec.verify import PAD, greedy_accept, rejection_sample
 
 
 class SpecStepProgram(StepProgram):
-    def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None, **kwargs):
+    def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None,
+                 spec_kernels: bool = False, **kwargs):
         super().__init__(*args, pool=state, **kwargs)
         self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
@@ -36,6 +37,10 @@ class SpecStepProgram(StepProgram):
         self.block_size = block_size
         self.draft_max_rows = draft_max_rows    # steps with more sampling rows skip drafting
         self.aux_layers = tuple(drafter.feature_layers)
+        self.spec_ops = None                    # EngineConfig.spec_kernels: correct in one kernel
+        if spec_kernels:
+            from engine.kernels import spec_ops
+            self.spec_ops = spec_ops
 
     def sizes(self, slot, key) -> tuple[int, int, int, int]:
         """(tokens, sequences, sampling rows, K) of a step at its exact size (key None) or padded to a key."""
@@ -71,6 +76,8 @@ class SpecStepProgram(StepProgram):
     # ---- 1. correct ----------------------------------------------------------------------------
     def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
         d, st, bs = slot.dev, self.state, self.block_size
+        if self.spec_ops is not None:
+            return self.spec_ops.correct(d, st, T, B, S, bs, self.drafter.uses_history)
         tok_rows = d["tok_row"][:T]
         pos = d["positions"][:T]
         pos.sub_(torch.where(d["shift"][:T] > 0, st.rejected[tok_rows], 0))

@@ -117,19 +117,30 @@ class Drafter(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r}, k={self.num_speculative_tokens})"
 
 
-def draft_layout(ctx: FeatureContext, start, offset: int, k: int, block_size: int, max_model_len: int):
+def draft_layout(ctx: FeatureContext, start, offset: int, k: int, block_size: int, max_model_len: int,
+                 kernels: bool = False):
     """Where a paged drafter's K single-token forwards sit: (positions [K, S], [AttentionMetadata] * K), forward
     i of every sampling row at position start + offset + i, writing its KV slot and attending to its sequence
     up to there. A row whose pages (kv_cap) or context do not reach the position writes nothing (slot -1) and
-    attends to what its pages hold up to `start` (always written); so do padding rows (last_valid False)."""
+    attends to what its pages hold up to `start` (always written); so do padding rows (last_valid False).
+    kernels (EngineConfig.spec_kernels): the tensors in one launch (engine/kernels/spec_ops.py), else torch ops."""
+    if kernels:
+        from engine.kernels import spec_ops
+        pos, mapping, seq_lens, table, cu = spec_ops.draft_layout(ctx, start, offset, k, block_size, max_model_len)
+    else:
+        pos, mapping, seq_lens, table, cu = _layout(ctx, start, offset, k, block_size, max_model_len)
+    metas = [AttentionMetadata(mapping[i], cu, seq_lens[i], table, 1, ctx.meta.max_seq_len) for i in range(k)]
+    return pos, metas
+
+
+def _layout(ctx: FeatureContext, start, offset: int, k: int, block_size: int, max_model_len: int):
+    """draft_layout's tensors in torch ops: (positions, slot mappings, seq_lens, block tables, cu_seqlens)."""
     table = ctx.meta.block_tables[ctx.last_seq]
     cap = ctx.kv_cap[ctx.last_seq].clamp(max=max_model_len)
     pos = start[:, None] + offset + torch.arange(k, device=start.device)[None, :]
     ok = ctx.last_valid[:, None] & (pos < cap[:, None])
     page = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1)).long()
-    mapping = torch.where(ok, page * block_size + pos % block_size, -1)
+    mapping = torch.where(ok, page * block_size + pos % block_size, -1).t().contiguous()
     seq_lens = torch.where(ok, pos + 1, start[:, None] + 1).int().t().contiguous()
-    mapping = mapping.t().contiguous()
     cu = torch.arange(start.shape[0] + 1, dtype=torch.int32, device=start.device)
-    metas = [AttentionMetadata(mapping[i], cu, seq_lens[i], table, 1, ctx.meta.max_seq_len) for i in range(k)]
-    return pos.clamp(max=max_model_len).t().contiguous(), metas
+    return pos.clamp(max=max_model_len).t().contiguous(), mapping, seq_lens, table, cu

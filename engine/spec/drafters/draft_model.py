@@ -35,12 +35,14 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
     uses_history = False
 
-    def __init__(self, k: int, model, backend, num_blocks: int, block_size: int, max_model_len: int):
+    def __init__(self, k: int, model, backend, num_blocks: int, block_size: int, max_model_len: int,
+                 spec_kernels: bool = False):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         self.num_speculative_tokens = self.lookahead = k
         self.model, self.backend = model, backend
         self.block_size, self.max_model_len = block_size, max_model_len
+        self.spec_kernels = spec_kernels        # draft_layout in one kernel
         attn = model.layers[0].self_attn
         w = model.embed_tokens.weight
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
@@ -53,7 +55,8 @@ class DraftModelDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         self.observe(ctx)
         start = ctx.positions[ctx.last]
-        pos, metas = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size, self.max_model_len)
+        pos, metas = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size, self.max_model_len,
+                                  self.spec_kernels)
         token, drafts = ctx.next_ids[ctx.last], []
         for j in range(self.num_speculative_tokens):
             hidden = self.model(token, pos[j], metas[j], self.kv_caches, self.backend)
