@@ -1,0 +1,121 @@
+"""Compile the decode-step kernels that are still off by default for Hopper (sm_90), without a GPU.
+
+    python bench/compile_check.py            # prints one line per variant; exit status 1 if any fails
+
+The CPU interpreter runs a kernel's semantics but never lowers it: layouts, register pressure, and PDL
+instructions are only met when compiling. This compiles each variant at the default model's shapes, through
+Triton's own ptxas. Per variant it reports the registers a thread, local memory (spills), shared memory, and
+whether the PTX holds the dependent-launch instructions (griddepcontrol) exactly when USE_PDL is on. The
+installed Triton may differ from the GPU machine's, so a pass here is a first check, not a GPU run.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"        # JIT functions, not the interpreter's
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.kernels import decode_gemm, decode_gemv, draft_gemv, spec_ops  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+_BF16_PTRS = ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "out_ptr", "new_res_ptr", "add_ptr")
+_GEMV_ARGS = dict(idx_ptr="*i32", stride_x="i32", stride_res="i32", stride_out="i32", stride_new_res="i32",
+                  stride_add="i32", M="i32", N="i32", K="i32", eps="fp32")
+
+
+def _gemv_types(epilogue: str) -> dict:
+    types = {p: "*bf16" for p in _BF16_PTRS} | _GEMV_ARGS
+    return types | ({"out_ptr": "*fp32"} if epilogue == "argmax" else {})
+
+
+def _gemm(m, k, n, prologue, epilogue, pdl):
+    cfg = decode_gemm.decode_gemm_config(m, n, k)
+    k0, k1 = decode_gemm.pieces(k)
+    consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, BLOCK_M=cfg["BLOCK_M"],
+                  GROUPS=triton.cdiv(m, cfg["BLOCK_M"]), BLOCK_N=cfg["BLOCK_N"], K0=k0, BK0=min(cfg["BLOCK_K"], k0),
+                  K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl)
+    return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}", decode_gemm._decode_gemm_kernel,
+            _gemv_types(epilogue), consts, cfg["num_warps"])
+
+
+def _gemv(k, n, prologue, epilogue, pdl):
+    cfg = decode_gemv.decode_gemv_config(n, k)
+    consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, BLOCK_N=cfg["BLOCK_N"],
+                  BLOCK_K=cfg["BLOCK_K"], USE_PDL=pdl)
+    return (f"decode_gemv K={k} N={n} {prologue}/{epilogue}", decode_gemv._decode_gemv_kernel,
+            _gemv_types(epilogue), consts, cfg["num_warps"])
+
+
+def variants(pdl: bool) -> list[tuple]:
+    """(label, kernel, argument types, constexprs, warps) at SmolLM2-135M's shapes (hidden 576, MLP 1536,
+    vocabulary 49152)."""
+    i64 = ("pos_ptr", "shift_ptr", "tok_row_ptr", "tok_seq_ptr", "map_ptr", "in_ptr", "carry_ptr", "ids_ptr",
+           "seq_shift_ptr", "steps_ptr", "smp_shift_ptr", "smp_row_ptr", "rejected_ptr", "last_ptr", "drafts_ptr",
+           "hist_ptr")
+    correct = {p: "*i64" for p in i64} | dict(bt_ptr="*i32", seq_lens_ptr="*i32", stride_bt="i32",
+                                              stride_drafts="i32", stride_hist="i32", draft_cols="i32", n_rows="i32",
+                                              max_model_len="i32", T="i32", B="i32", S="i32")
+    layout = dict(start_ptr="*i64", seq_ptr="*i64", valid_ptr="*u8", cap_ptr="*i64", bt_ptr="*i32", pos_ptr="*i64",
+                  map_ptr="*i64", lens_ptr="*i32", table_ptr="*i32", cu_ptr="*i32", stride_bt="i32",
+                  max_blocks="i32", offset="i32", max_model_len="i32", S="i32")
+    return [
+        _gemm(32, 576, 960, "norm", "store", pdl), _gemm(32, 576, 3072, "norm", "store", pdl),
+        _gemm(32, 1536, 576, "silu", "store", pdl), _gemm(8, 576, 576, "none", "store", pdl),
+        _gemm(16, 576, 49152, "norm", "argmax", pdl),
+        _gemv(576, 49152, "norm", "argmax", pdl), _gemv(1536, 576, "silu", "add", pdl),
+        ("draft_gemv first max", draft_gemv._first_max_kernel, dict(val_ptr="*fp32", idx_ptr="*i32", tok_ptr="*i64",
+                                                                     stride="i32", P="i32"),
+         dict(BLOCK_P=1024, USE_PDL=pdl), 4),
+        ("spec_ops correct", spec_ops._correct_kernel, correct,
+         dict(BLOCK_SIZE=16, DRAFTS=True, HISTORY=True, BLOCK=32, USE_PDL=pdl), 4),
+        ("spec_ops draft_layout", spec_ops._draft_layout_kernel, layout,
+         dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, USE_PDL=pdl), 1),
+    ]
+
+
+def compile_one(kernel, types: dict, consts: dict, warps: int) -> dict:
+    """Compile for TARGET -> {registers, local, shared, pdl} (pdl: griddepcontrol in the PTX)."""
+    src = ASTSource(fn=kernel, signature=types | {name: "constexpr" for name in consts}, constexprs=consts)
+    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=warps))
+    usage = _resource_usage(compiled.asm["cubin"])
+    return dict(usage, shared=compiled.metadata.shared, pdl="griddepcontrol" in compiled.asm["ptx"])
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
+    return dict(registers=int(found[1]), local=int(found[2])) if found else dict(registers=None, local=None)
+
+
+def main() -> int:
+    failed = 0
+    for pdl in (True, False):
+        for label, kernel, types, consts, warps in variants(pdl):
+            try:
+                r = compile_one(kernel, types, dict(consts), warps)
+            except Exception as e:      # report every variant, then fail
+                failed += 1
+                print(f"FAIL {label} pdl={pdl}: {type(e).__name__}: {str(e).strip().splitlines()[:1]}")
+                continue
+            bad = r["pdl"] != pdl
+            failed += bad
+            print(f"{'FAIL' if bad else 'ok  '} {label} pdl={pdl}: {r['registers']} registers, {r['local']} B local, "
+                  f"{r['shared']} B shared, griddepcontrol {r['pdl']}")
+    print(f"triton {triton.__version__}, target sm_{TARGET.arch}: {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
