@@ -91,11 +91,11 @@ def data_dir(args) -> str:
 
 def load_target(args):
     from transformers import AutoModelForCausalLM
+    from engine.config import EngineConfig
     from engine.models.loader import resolve_model
     source = resolve_model(args.model or os.environ.get("SPECDEC_MODEL", "default"))
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = EngineConfig(device=args.device)           # the engine's rule for "auto": bf16 on CUDA, else fp32
+    device, dtype = config.torch_device(), config.torch_dtype()
     model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype).to(device)
     return source, model, device, dtype
 

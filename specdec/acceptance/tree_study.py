@@ -56,11 +56,6 @@ def parse_args(argv=None):
     return args
 
 
-def _device(name: str) -> torch.device:
-    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
-                        "cpu" if name == "auto" else name)
-
-
 def generate(args, device, items: list[str]):
     """Yields (dataset name, [(prompt ids, greedy response ids)]) from the engine without speculation."""
     from engine.llm_engine import LLMEngine
@@ -165,14 +160,10 @@ def evaluate(ranks: dict[str, list[torch.Tensor]], depth: int, nodes: list[int],
     halves = [{n: r[h::2] for n, r in ranks.items()} for h in (0, 1)]
     fitted = [_pooled_counts(h) for h in halves]
     for n in nodes:
+        folds = [(trees.best_tree(fitted[0], n, depth), halves[1]), (trees.best_tree(fitted[1], n, depth), halves[0])]
         for name in ranks:
-            tokens = steps = 0
-            for fit, test in ((fitted[0], halves[1]), (fitted[1], halves[0])):
-                tree = trees.best_tree(fit, n, depth)
-                for r in test[name]:
-                    t, s = trees.walk(r, tree, max_tokens)
-                    tokens, steps = tokens + t, steps + s
-            rows.append(dict(dataset=name, method="tree", nodes=n, depth=trees.tree_depth(trees.best_tree(fitted[0], n, depth)),
+            tokens, steps = map(sum, zip(*(trees.totals(test[name], tree, max_tokens) for tree, test in folds)))
+            rows.append(dict(dataset=name, method="tree", nodes=n, depth=trees.tree_depth(folds[0][0]),
                              acceptance=round(tokens / max(steps, 1), 3)))
     full = _pooled_counts(ranks)
     shapes = {n: sorted(trees.best_tree(full, n, depth), key=lambda p: (len(p), p)) for n in nodes}
@@ -192,9 +183,10 @@ def _note(msg: str) -> None:
 
 
 def main(argv=None) -> list[dict]:
+    from engine.config import EngineConfig
     from specdec.acceptance.tree_report import write_report
     args = parse_args(argv)
-    device = _device(args.device)
+    device = EngineConfig(device=args.device).torch_device()      # the engine's rule for "auto"
     t0 = time.monotonic()
     ranks = collect(args, device)
     meta = dict(device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),

@@ -91,12 +91,18 @@ def walk(ranks: torch.Tensor, tree: frozenset, max_tokens: int | None = None) ->
     return tokens, steps
 
 
-def acceptance(responses: list[torch.Tensor], tree: frozenset, max_tokens: int | None = None) -> float:
-    """Tokens per verifying step over responses (each a ranks [T, D] tensor), as the engine counts it."""
+def totals(responses: list[torch.Tensor], tree: frozenset, max_tokens: int | None = None) -> tuple[int, int]:
+    """(tokens emitted, verifying steps) summed over responses (each a ranks [T, D] tensor)."""
     tokens = steps = 0
     for ranks in responses:
         t, s = walk(ranks, tree, max_tokens)
         tokens, steps = tokens + t, steps + s
+    return tokens, steps
+
+
+def acceptance(responses: list[torch.Tensor], tree: frozenset, max_tokens: int | None = None) -> float:
+    """Tokens per verifying step over responses, as the engine counts it."""
+    tokens, steps = totals(responses, tree, max_tokens)
     return tokens / steps if steps else 0.0
 
 
