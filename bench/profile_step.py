@@ -99,7 +99,8 @@ def kernel_summary(events, steps: int, top: int = 15) -> dict:
 def profile(args, streams: int) -> dict:
     import torch
     from engine.sequence import SamplingParams
-    eng = build_engine(args, 2, streams, **engine_overrides(args))
+    extra = engine_overrides(args)
+    eng = build_engine(args, 2, streams, **extra)
     total = args.warmup_steps + 2 * args.steps + 8
     for i in range(streams):        # chat prompts through the template every tree's engine has
         ids = eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {i}."}])
@@ -119,7 +120,7 @@ def profile(args, streams: int) -> dict:
             torch.cuda.synchronize()
         kernels = kernel_summary(device_events(prof), args.steps, args.top)
     rec = record("profile_step", args.tag or "plain", eng.source.name, args.dtype, streams, None, None,
-                 host["period_ms"], tag=args.tag, steps=args.steps, engine=engine_overrides(args), **host, **kernels)
+                 host["period_ms"], tag=args.tag, steps=args.steps, engine=extra, **host, **kernels)
     eng.close()
     return rec
 
