@@ -101,7 +101,8 @@ def profile(args, streams: int) -> dict:
     from engine.sequence import SamplingParams
     extra = engine_overrides(args)
     eng = build_engine(args, 2, streams, **extra)
-    total = args.warmup_steps + 2 * args.steps + 8
+    # a speculating step may emit K + 1 tokens: every stream must outlive the timed and the profiled steps
+    total = (args.warmup_steps + 2 * args.steps + 8) * (eng.config.spec_k + 1)
     for i in range(streams):        # chat prompts through the template every tree's engine has
         ids = eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {i}."}])
         eng.add_request(ids, SamplingParams(max_tokens=total, temperature=0, ignore_eos=True))

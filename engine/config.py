@@ -30,14 +30,13 @@ class EngineConfig:
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
     decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/
                                        # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
-    draft_gemv: bool = False           # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
-                                       # (engine/kernels/draft_gemv.py; needs decode_gemv); off until measured on a GPU
+    draft_gemv: bool = True            # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
+                                       # (engine/kernels/draft_gemv.py; needs decode_gemv)
     decode_gemm_rows: int = 0          # steps of 5 to this many rows (at most 32; 0: none): the fused path's matmuls
                                        # are engine/kernels/decode_gemm.py (tensor cores, weights read before the
                                        # wait) not cuBLAS; needs decode_gemv; off until measured on a GPU
-    spec_kernels: bool = False         # the speculative step's correction and draft layout in one Triton kernel each
-                                       # (engine/kernels/spec_ops.py; needs the Triton backend); off until measured
-                                       # on a GPU
+    spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
+                                       # (engine/kernels/spec_ops.py) where the backend is Triton
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
     grammar_node: str = "native"       # who fills the masks: "native" (the grammar node: C++ through tvm-ffi,
                                        # no GIL) or "python" (xgrammar's Python API; the reference path)
@@ -105,9 +104,6 @@ class EngineConfig:
             raise ValueError(f"decode_gemm_rows must be 0 (off) or 5 to 32, got {self.decode_gemm_rows}")
         if self.decode_gemm_rows and not self.decode_gemv:
             raise ValueError("decode_gemm_rows extends the decode GEMV to more rows: it needs decode_gemv=True")
-        if self.spec_kernels and self.backend_name() != "triton":
-            raise ValueError(f"spec_kernels are Triton kernels: they need attention_backend='triton', not "
-                             f"{self.backend_name()!r}")
         if self.depth not in (1, 2):
             raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
         if self.speculative not in SPECULATIVE:
@@ -146,6 +142,10 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def use_spec_kernels(self) -> bool:
+        """spec_kernels where they can run: Triton kernels, so on the Triton backend only."""
+        return self.spec_kernels and self.backend_name() == "triton"
 
     def backend_name(self) -> str:
         if self.attention_backend == "auto":

@@ -176,10 +176,11 @@ def test_refusals():
     ctx.meta.block_tables = ctx.meta.block_tables[:, :0]
     with pytest.raises(ValueError, match="no columns"):
         so.draft_layout(ctx, start, 0, 2, BS, MML)
-    with pytest.raises(ValueError, match="spec_kernels"):
-        EngineConfig(spec_kernels=True, attention_backend="torch")
-    with pytest.raises(ValueError, match="spec_kernels"):
-        EngineConfig(spec_kernels=True, attention_backend="auto", device="cpu")
+    # Triton kernels: on where the backend is Triton, off (not an error) on the torch backend
+    assert not EngineConfig(spec_kernels=True, attention_backend="torch").use_spec_kernels()
+    assert not EngineConfig(spec_kernels=True, attention_backend="auto", device="cpu").use_spec_kernels()
+    assert EngineConfig(attention_backend="triton").use_spec_kernels()
+    assert not EngineConfig(spec_kernels=False, attention_backend="triton").use_spec_kernels()
 
 
 def _counting(monkeypatch):

@@ -39,12 +39,12 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         check_head(head, source.config)
         k = config.num_speculative_tokens
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
-        return EagleDrafter(k, paged, config.block_size, max_model_len, config.spec_kernels)
+        return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels())
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
         from engine.spec.drafters.draft_model import DraftModelDrafter
         return DraftModelDrafter(config.num_speculative_tokens, build_model(draft, dtype, device, max_model_len + 1),
-                                 backend, num_blocks, config.block_size, max_model_len, config.spec_kernels)
+                                 backend, num_blocks, config.block_size, max_model_len, config.use_spec_kernels())
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
 
 
