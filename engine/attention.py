@@ -108,29 +108,38 @@ class TritonAttention(_Matmuls):
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
-    def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0):
+    def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
+                 decode_gemv_rows: int = 4):
         from engine.kernels import bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, fused_ops
         from engine.kernels import paged_attention
         if draft_gemv and not decode_gemv:
             raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv")
-        if decode_gemm_rows and not (decode_gemv and gemm.MIN_ROWS <= decode_gemm_rows <= gemm.MAX_ROWS):
-            raise ValueError(f"decode_gemm_rows must be 0 or {gemm.MIN_ROWS} to {gemm.MAX_ROWS}, with decode_gemv; "
-                             f"got {decode_gemm_rows}")
+        if not 1 <= decode_gemv_rows <= gemv.MAX_ROWS:
+            raise ValueError(f"decode_gemv_rows must be 1 to {gemv.MAX_ROWS}, got {decode_gemv_rows}")
+        if decode_gemm_rows and not (decode_gemv and decode_gemv_rows < decode_gemm_rows <= gemm.MAX_ROWS):
+            raise ValueError(f"decode_gemm_rows must be 0 or {decode_gemv_rows + 1} to {gemm.MAX_ROWS}, with "
+                             f"decode_gemv; got {decode_gemm_rows}")
         self._k, self._gemv = paged_attention, gemv if decode_gemv else None
-        self._gemm = gemm if decode_gemm_rows else None     # steps of MIN_ROWS .. _gemm_rows rows
+        self._gemv_rows = decode_gemv_rows                  # steps of 1 .. _gemv_rows rows: the GEMV
+        self._gemm = gemm if decode_gemm_rows else None     # steps of _gemv_rows + 1 .. _gemm_rows rows
         self._gemm_rows = decode_gemm_rows
         self._draft = draft if draft_gemv else None     # the draft steps' argmax and residual epilogues
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
     # engine/kernels/decode_gemv.py (the op before folded in) for steps of a few rows when it is on and there is
-    # no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
+    # no bias (up to decode_gemv_rows rows), decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
     def _gemv_for(self, x, weight, bias, **kw):
         """The kernel module taking this call, or None."""
         if self._gemv is None or bias is not None:
             return None
-        gemm = self._gemm is not None and self._gemv.MAX_ROWS < x.shape[0] <= self._gemm_rows
-        kernels = self._gemm if gemm else self._gemv
+        rows = x.shape[0]
+        if rows <= self._gemv_rows:
+            kernels = self._gemv
+        elif self._gemm is not None and rows <= self._gemm_rows:
+            kernels = self._gemm
+        else:
+            return None
         return kernels if kernels.supports(x, weight, **kw) else None
 
     def linear(self, x, weight, bias=None):
@@ -163,9 +172,10 @@ class TritonAttention(_Matmuls):
                                        meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
-def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0):
+def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
+                 decode_gemv_rows: int = 4):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows)
+        return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows, decode_gemv_rows)
     raise ValueError(f"unknown attention backend {name!r}")

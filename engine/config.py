@@ -31,10 +31,11 @@ class EngineConfig:
     decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/
                                        # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
     draft_gemv: bool = True            # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
-                                       # (engine/kernels/draft_gemv.py; needs decode_gemv)
-    decode_gemm_rows: int = 0          # steps of 5 to this many rows (at most 32; 0: none): the fused path's matmuls
-                                       # are engine/kernels/decode_gemm.py (tensor cores, weights read before the
-                                       # wait) not cuBLAS; needs decode_gemv; off until measured on a GPU
+                                       # (engine/kernels/draft_gemv.py) where decode_gemv is on
+    decode_gemv_rows: int = 4          # the decode GEMV takes steps of at most this many rows (1 to 4)
+    decode_gemm_rows: int = 0          # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
+                                       # fused path's matmuls are engine/kernels/decode_gemm.py (tensor cores,
+                                       # weights read before the wait) not cuBLAS; needs decode_gemv
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec_ops.py) where the backend is Triton
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
@@ -98,10 +99,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
-        if self.draft_gemv and not self.decode_gemv:
-            raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv=True")
-        if self.decode_gemm_rows and not 5 <= self.decode_gemm_rows <= 32:     # decode_gemv takes up to 4 rows
-            raise ValueError(f"decode_gemm_rows must be 0 (off) or 5 to 32, got {self.decode_gemm_rows}")
+        if not 1 <= self.decode_gemv_rows <= 4:                               # decode_gemv.MAX_ROWS
+            raise ValueError(f"decode_gemv_rows must be 1 to 4, got {self.decode_gemv_rows}")
+        if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:
+            raise ValueError(f"decode_gemm_rows must be 0 (off) or decode_gemv_rows + 1 "
+                             f"({self.decode_gemv_rows + 1}) to 32, got {self.decode_gemm_rows}")
         if self.decode_gemm_rows and not self.decode_gemv:
             raise ValueError("decode_gemm_rows extends the decode GEMV to more rows: it needs decode_gemv=True")
         if self.depth not in (1, 2):

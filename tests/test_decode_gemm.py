@@ -169,9 +169,13 @@ def test_backend_routes_by_row_count(monkeypatch):
 def test_the_switch_and_the_dependent_launch_limit():
     from engine.config import EngineConfig
     assert EngineConfig().decode_gemm_rows == 0 and EngineConfig(decode_gemm_rows=32).decode_gemm_rows == 32
-    for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemm_rows=8, decode_gemv=False)):
+    for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemm_rows=8, decode_gemv=False),
+               dict(decode_gemv_rows=2, decode_gemm_rows=2)):
         with pytest.raises(ValueError, match="decode_gemm_rows"):
             EngineConfig(**kw)
+    assert EngineConfig(decode_gemv_rows=1, decode_gemm_rows=2).decode_gemm_rows == 2
+    with pytest.raises(ValueError, match="decode_gemv_rows"):
+        EngineConfig(decode_gemv_rows=5)
     code = "from engine.kernels import common, decode_gemv; print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)"
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SPECDEC_PDL_MAX_ROWS="32"),
                          capture_output=True, text=True, check=True)
@@ -180,20 +184,30 @@ def test_the_switch_and_the_dependent_launch_limit():
 
 def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     """A whole engine (Triton backend, a 2-layer dummy model): decode_gemm_rows=32 gives the greedy tokens of 0,
-    its prefill and decode steps of 6 rows taking the kernel."""
+    its prefill and decode steps of 6 rows taking the kernel; with decode_gemv_rows=1 and decode_gemm_rows=4 the
+    steps of 2-4 rows take it (a verification of 1 + K tokens from one stream) and those of one row the GEMV."""
+    from engine.kernels import decode_gemv as dg
     from engine.llm_engine import LLMEngine
     from engine.sequence import SamplingParams
-    calls = []
-    for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
-        real = getattr(gm, name)
-        monkeypatch.setattr(gm, name, lambda *a, _r=real, **kw: calls.append(a[0].shape[0]) or _r(*a, **kw))
+    calls = {gm: [], dg: []}
+    for mod in calls:
+        for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
+            real = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _r=real, _c=calls[mod], **kw: _c.append(a[0].shape[0])
+                                or _r(*a, **kw))
     prompts = [[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8], [42], [11, 400, 13], [256, 255]]
-    runs = {}
-    for rows in (0, 32):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 3, 4, 5, 6, 7)]
+    runs, seen = {}, {}
+    for rows in ((4, 0), (4, 32), (1, 4)):
+        for c in calls.values():
+            c.clear()
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=1,
-                        max_num_seqs=8, max_model_len=64, enforce_eager=True, decode_gemm_rows=rows)
-        seqs = eng.generate(prompts, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * len(prompts))
+                        max_num_seqs=8, max_model_len=64, enforce_eager=True, decode_gemv_rows=rows[0],
+                        decode_gemm_rows=rows[1])
+        runs[rows] = [s.output_token_ids for s in eng.generate(prompts, params)]
         assert_no_leak(eng)
-        runs[rows] = [s.output_token_ids for s in seqs]
-        assert (len(calls) > 0) == (rows > 0)
-    assert runs[32] == runs[0] and 6 in calls and all(gm.MIN_ROWS <= c <= gm.MAX_ROWS for c in calls)
+        seen[rows] = set(calls[gm]), set(calls[dg])
+    assert runs[(4, 32)] == runs[(4, 0)] and runs[(1, 4)] == runs[(4, 0)]
+    assert not seen[(4, 0)][0] and seen[(4, 0)][1] <= {1, 2, 3, 4}
+    assert 6 in seen[(4, 32)][0] and seen[(4, 32)][0] <= set(range(5, 33))
+    assert seen[(1, 4)][0] == {2, 3, 4} and seen[(1, 4)][1] == {1}

@@ -1,4 +1,4 @@
-"""Matmuls of a decode step with 5 to 32 rows on tensor cores, the weight loaded before the wait.
+"""Matmuls of a decode step with up to 32 rows on tensor cores, the weight loaded before the wait.
 
     decode_linear(x [MIN_ROWS <= M <= MAX_ROWS, K], weight [N, K]) -> [M, N]    (= F.linear(x, weight))
     decode_norm_linear(x, norm_weight, eps, weight, residual=None) -> (out, new_residual)
@@ -6,8 +6,8 @@
     decode_silu_linear(gate_up, weight, residual=None) -> out
                                                   (= [residual +] F.linear(fused_ops.silu_mul(gate_up), weight))
 
-engine/kernels/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens for several streams or a
-tree of 8-32 tokens, where its loop over rows (a pass over the registers each) would cost more than cuBLAS. The
+engine/kernels/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens (from one stream: the
+engine takes it past EngineConfig.decode_gemv_rows) or a tree of 8-32 tokens, where its loop over rows (a pass over the registers each) would cost more than cuBLAS. The
 same idea: each program owns BLOCK_N whole weight rows and loads all of them into registers before gdc_wait, so
 under programmatic dependent launch the HBM read overlaps the kernel before; after the wait it reads x (L2),
 recomputes the op before (the norm or SiLU * up), multiplies and stores. The same prologues, epilogues ("store",
@@ -39,7 +39,7 @@ import triton.language as tl
 from engine.kernels import decode_gemv
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 
-MIN_ROWS = decode_gemv.MAX_ROWS + 1
+MIN_ROWS = 1
 MAX_ROWS = 32
 MAX_K = 2048
 _LIMITS = dict(rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
