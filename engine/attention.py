@@ -85,6 +85,11 @@ class _Matmuls:
         has none for the call: the caller computes the logits."""
         return None
 
+    def linear_argmax(self, x, weight):
+        """linear(x).argmax(-1) (int64, the first maximum) in kernels of the backend's, or None where it has none
+        for the call: the caller computes the logits."""
+        return None
+
 
 class TorchAttention(_Matmuls):
     """Runs anywhere; the correctness reference for every other backend."""
@@ -123,7 +128,7 @@ class TritonAttention(_Matmuls):
         self._gemv_rows = decode_gemv_rows                  # steps of 1 .. _gemv_rows rows: the GEMV
         self._gemm = gemm if decode_gemm_rows else None     # steps of _gemv_rows + 1 .. _gemm_rows rows
         self._gemm_rows = decode_gemm_rows
-        self._draft = draft if draft_gemv else None     # the draft steps' argmax and residual epilogues
+        self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
@@ -162,6 +167,11 @@ class TritonAttention(_Matmuls):
     def norm_linear_argmax(self, x, norm_weight, eps, weight):
         if self._draft is not None and self._draft.supports(x, norm_weight, weight):
             return self._draft.norm_linear_argmax(x, norm_weight, eps, weight)
+        return None
+
+    def linear_argmax(self, x, weight):
+        if self._draft is not None and self._draft.supports_linear(x, weight):
+            return self._draft.linear_argmax(x, weight)
         return None
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):

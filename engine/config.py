@@ -32,6 +32,9 @@ class EngineConfig:
                                        # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
     draft_gemv: bool = True            # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
                                        # (engine/kernels/draft_gemv.py) where decode_gemv is on
+    verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= 4 rows) takes the target's
+                                       # LM head argmax from draft_gemv's kernels, no logits, where those run; off
+                                       # until measured on a GPU
     decode_gemv_rows: int = 4          # the decode GEMV takes steps of at most this many rows (1 to 4)
     decode_gemm_rows: int = 0          # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/decode_gemm.py (tensor cores,

@@ -1,7 +1,8 @@
-"""A greedy draft step's LM head on the decode GEMV: token ids straight from the draft head's hidden state.
+"""A greedy step's LM head on the decode GEMV: token ids straight from a draft head's (or the target's) hidden state.
 
     norm_linear_argmax(x [M <= MAX_ROWS, K], norm_weight [K], eps, weight [V, K]) -> int64 [M]
                         (= F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1))
+    linear_argmax(x [M <= MAX_ROWS, K], weight [V, K]) -> int64 [M]     (= F.linear(x, weight).float().argmax(-1))
 
 Through the target's final norm and LM head, a draft step's token is a norm kernel, a cuBLAS GEMM, a cast and
 torch's argmax, none launched dependently, so the next draft step's kernels cannot start early. Here it is two
@@ -11,8 +12,11 @@ F.linear does and keeps, per row of x, their maximum and its first vocabulary ro
 partials of each row to its first maximal vocabulary row, torch.argmax's tie rule: the partials come in
 vocabulary order, and a later one wins only if strictly larger.
 
+linear_argmax is the same two kernels without the norm (decode_gemv's "none" prologue), for a greedy
+verification of a few rows on the target's already normed hidden states (EngineConfig.verify_gemv).
+
 The logits' summation order differs from cuBLAS (decode_gemv.py), so on a GPU a near-tie may pick another
-token than the torch ops; a draft is a guess, verified either way.
+token than the torch ops: a draft is a guess, verified either way; a verification then emits the other token.
 """
 from __future__ import annotations
 
@@ -57,6 +61,11 @@ def supports(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -
     return norm_weight is not None and decode_gemv.supports(x, weight, norm_weight=norm_weight)
 
 
+def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear_argmax takes a call; a caller computes the logits and their argmax otherwise."""
+    return decode_gemv.supports(x, weight)
+
+
 def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1) in two kernels: x [M <=
     MAX_ROWS, K] (unit stride in K), weight [V, K] contiguous, of x's dtype (the LM head, or the tied
@@ -64,7 +73,18 @@ def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES, x.device)
     decode_gemv._check(x, weight, norm_weight=norm_weight)
-    val, _, idx = decode_gemv.launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, epilogue="argmax")
+    return _argmax(x, weight, "norm", norm_weight, eps)
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight).float().argmax(-1) in two kernels, for x and weight as norm_linear_argmax's."""
+    decode_gemv._check(x, weight)
+    return _argmax(x, weight, "none")
+
+
+def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
+    """The two kernels on checked inputs."""
+    val, _, idx = decode_gemv.launch(x, weight, x.shape[1], prologue, nw=norm_weight, eps=eps, epilogue="argmax")
     m, p = val.shape
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     _first_max_kernel[(m,)](val, idx, tokens, val.stride(0), p, BLOCK_P=min(triton.next_power_of_2(p), _BLOCK_P),

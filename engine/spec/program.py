@@ -7,7 +7,9 @@ Every step of a speculating engine (spec steps and plain ones) runs:
    (SpecState.rejected). Carried inputs come from SpecState (last token, drafts), and the step's inputs are
    recorded in the sequences' token histories.
 2. forward + logits: a spec step ("spec" graph key, or eager with slot.spec_k = K) has 1 + K query tokens in
-   every row (the last token, then K drafts) and scores all of them.
+   every row (the last token, then K drafts) and scores all of them. With EngineConfig.verify_gemv a greedy
+   spec step that nothing else reads the logits of (unguided, no extras) takes only their argmax, from the
+   backend's kernels where it has them for the step (target_ids).
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
    logprobs step records the target's logprobs of the tokens at every scored position (engine/logprobs.py):
@@ -24,12 +26,12 @@ from engine.logprobs import record
 from engine.sampler import NO_TOKEN
 from engine.step import StepProgram, mark
 from engine.spec.drafters.base import DraftContext, FeatureContext
-from engine.spec.verify import PAD, greedy_accept, rejection_sample
+from engine.spec.verify import PAD, greedy_accept, greedy_accept_ids, rejection_sample
 
 
 class SpecStepProgram(StepProgram):
     def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None,
-                 spec_kernels: bool = False, **kwargs):
+                 spec_kernels: bool = False, verify_gemv: bool = False, **kwargs):
         super().__init__(*args, pool=state, **kwargs)
         self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
@@ -41,6 +43,7 @@ class SpecStepProgram(StepProgram):
         if spec_kernels:
             from engine.kernels import spec_ops
             self.spec_ops = spec_ops
+        self.verify_gemv = verify_gemv          # EngineConfig.verify_gemv: greedy verification from argmax kernels
 
     def sizes(self, slot, key) -> tuple[int, int, int, int]:
         """(tokens, sequences, sampling rows, K) of a step at its exact size (key None) or padded to a key."""
@@ -61,13 +64,14 @@ class SpecStepProgram(StepProgram):
         meta = self.step_meta(slot, key, T, B, K)
         out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
         hidden, features = out if self.aux_layers else (out, None)
-        logits = self.spec_logits(slot, hidden, key, T, S, K)
+        target = self.target_ids(hidden, variant, T, S, K)
+        logits = self.spec_logits(slot, hidden, key, T, S, K) if target is None else None
         mark(slot, "forward_done")
         grammar = self.masks.join(slot, prev, S, self.compute_stream, K + 1) if guided else None
         mark(slot, "mask_waited")
         tokens = accepted = None
         if S:
-            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras)
+            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras, target)
             if extras and K and slot.logprobs is not None:  # `logits` as verified: the grammar's masks applied
                 record(slot.logprobs[:S, :K + 1], logits, tokens)
             self.finish(slot, tokens, accepted, drafted, S, K)
@@ -109,6 +113,16 @@ class SpecStepProgram(StepProgram):
             return self.model.compute_logits(hidden[:T])
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:S]]) if S else None
 
+    def target_ids(self, hidden, variant, T: int, S: int, K: int):
+        """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels (verify_gemv), or
+        None where the step computes its logits: a sampled step draws from them, a guided one masks them, an
+        extras one records their logprobs; a target split over ranks gathers its vocabulary."""
+        guided, greedy, extras = variant
+        if not (self.verify_gemv and K and S and greedy) or guided or extras or self.model.tp.world > 1:
+            return None
+        ids = self.backend.linear_argmax(hidden[:T], self.model.head_weight)
+        return None if ids is None else ids.view(S, K + 1)
+
     # ---- 3. verify or sample -------------------------------------------------------------------
     def drafted(self, slot, ids, S: int, K: int, guided: bool):
         """Drafts each row verifies (the host's cap and what the drafter proposed); a guided step hands its
@@ -123,10 +137,11 @@ class SpecStepProgram(StepProgram):
             out[:S, K] = drafted
         return drafted
 
-    def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, grammar, drafted, extras: bool = False):
+    def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, grammar, drafted, extras: bool = False,
+               target=None):
         """-> (tokens [S, K + 1] with PAD after the emitted ones, accepted [S], drafts verified [S]).
-        grammar: (masks [S * (K + 1)], drafts the grammar accepts [S]) of a guided step. Penalized rows never
-        speculate (engine/penalties.py): only plain steps apply penalties."""
+        grammar: (masks [S * (K + 1)], drafts the grammar accepts [S]) of a guided step; target: target_ids (logits
+        None then). Penalized rows never speculate (engine/penalties.py): only plain steps apply penalties."""
         d = slot.dev
         params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
         if not K:
@@ -134,6 +149,9 @@ class SpecStepProgram(StepProgram):
             zeros = torch.zeros_like(tokens)
             return tokens[:, None], zeros, zeros
         drafts = ids.view(S, K + 1)[:, 1:]
+        if target is not None:
+            accepted, tokens = greedy_accept_ids(drafts, target, drafted)
+            return tokens, accepted, drafted
         lead = None
         if grammar is not None:
             # masks in place; a position whose mask allows nothing (unmasked then) emits no token: the drafts

@@ -35,13 +35,7 @@ _RESIDUAL_SALT = 0x27D4EB2F
 
 def _check(draft_tokens, target_logits, num_drafts, draft_probs=None, per_row=()):
     """Validate shapes (host metadata only, no sync). Returns N, K, V."""
-    if draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be [N, K], got shape {tuple(draft_tokens.shape)}")
-    if draft_tokens.dtype.is_floating_point or draft_tokens.dtype == torch.bool:
-        raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    n, k = draft_tokens.shape
-    if k < 1:
-        raise ValueError(f"need K >= 1 draft positions, got K = {k}")
+    n, k = _check_drafts(draft_tokens)
     if target_logits.dim() != 3 or target_logits.shape[:2] != (n, k + 1):
         raise ValueError(f"target_logits must be [N, K + 1, V] = [{n}, {k + 1}, V], "
                          f"got shape {tuple(target_logits.shape)}")
@@ -50,10 +44,29 @@ def _check(draft_tokens, target_logits, num_drafts, draft_probs=None, per_row=()
         raise ValueError("target_logits has an empty vocab")
     if draft_probs is not None and tuple(draft_probs.shape) != (n, k, v):
         raise ValueError(f"draft_probs must be [N, K, V] = [{n}, {k}, {v}], got shape {tuple(draft_probs.shape)}")
-    for name, t in (("num_drafts", num_drafts),) + tuple(per_row):
+    _check_rows(n, (("num_drafts", num_drafts),) + tuple(per_row))
+    return n, k, v
+
+
+def _check_drafts(draft_tokens) -> tuple[int, int]:
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [N, K], got shape {tuple(draft_tokens.shape)}")
+    if not _is_int(draft_tokens):
+        raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
+    n, k = draft_tokens.shape
+    if k < 1:
+        raise ValueError(f"need K >= 1 draft positions, got K = {k}")
+    return n, k
+
+
+def _check_rows(n: int, per_row) -> None:
+    for name, t in per_row:
         if tuple(t.shape) != (n,):
             raise ValueError(f"{name} must be [N] = [{n}], got shape {tuple(t.shape)}")
-    return n, k, v
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype == torch.bool)
 
 
 def _accepted(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
@@ -74,14 +87,25 @@ def _emit(draft_tokens, num_accepted, final):
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_drafts: torch.Tensor):
     """draft_tokens [N, K] int64, target_logits [N, K + 1, V], num_drafts [N] int64 in [0, K]
-    -> (num_accepted [N] int64, tokens [N, K + 1] int64).
+    -> (num_accepted [N] int64, tokens [N, K + 1] int64): greedy_accept_ids on the logits' argmax."""
+    _check(draft_tokens, target_logits, num_drafts)
+    return greedy_accept_ids(draft_tokens, target_logits.argmax(dim=-1), num_drafts)
+
+
+def greedy_accept_ids(draft_tokens: torch.Tensor, target_ids: torch.Tensor, num_drafts: torch.Tensor):
+    """draft_tokens [N, K] int64, target_ids [N, K + 1] int64 (the target's argmax at each position),
+    num_drafts [N] int64 in [0, K] -> (num_accepted [N] int64, tokens [N, K + 1] int64).
 
     A draft is accepted while it equals the target's argmax; tokens[:, a] is the target's argmax at the first
     mismatch, or the bonus token after num_drafts accepted drafts. num_drafts 0 gives plain argmax of
     position 0."""
-    _, k, _ = _check(draft_tokens, target_logits, num_drafts)
+    n, k = _check_drafts(draft_tokens)
+    if tuple(target_ids.shape) != (n, k + 1) or not _is_int(target_ids):
+        raise ValueError(f"target_ids must be an integer [N, K + 1] = [{n}, {k + 1}], got {target_ids.dtype} "
+                         f"of shape {tuple(target_ids.shape)}")
+    _check_rows(n, (("num_drafts", num_drafts),))
     num_drafts = num_drafts.clamp(0, k)
-    target = target_logits.argmax(dim=-1)                                   # [N, K + 1]
+    target = target_ids.long()
     num_accepted = _accepted(draft_tokens == target[:, :k], num_drafts)
     return num_accepted, _emit(draft_tokens, num_accepted, target)
 
