@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.kernels import decode_gemm, decode_gemv, draft_gemv, spec_ops  # noqa: E402
+from engine.kernels import decode_gemm, decode_gemv, draft_gemv, spec_finish, spec_ops  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BF16_PTRS = ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "out_ptr", "new_res_ptr", "add_ptr")
@@ -63,6 +63,11 @@ def variants(pdl: bool) -> list[tuple]:
     correct = {p: "*i64" for p in i64} | dict(bt_ptr="*i32", seq_lens_ptr="*i32", stride_bt="i32",
                                               stride_drafts="i32", stride_hist="i32", draft_cols="i32", n_rows="i32",
                                               max_model_len="i32", T="i32", B="i32", S="i32")
+    finish = {p: "*i64" for p in ("ids_ptr", "drafts_ptr", "target_ptr", "drafted_ptr", "tokens_ptr", "acc_ptr",
+                                   "smp_row_ptr", "last_ptr", "rejected_ptr", "out_ptr", "sampled_ptr", "li_ptr",
+                                   "pos_ptr", "src_ptr", "next_ptr")}
+    finish |= dict(hist_ptr="*i32") | {n: "i32" for n in ("stride_out", "stride_hist", "n_rows", "n_pos", "k_max",
+                                                          "max_model_len", "T", "S")}
     layout = dict(start_ptr="*i64", seq_ptr="*i64", valid_ptr="*u8", cap_ptr="*i64", bt_ptr="*i32", pos_ptr="*i64",
                   map_ptr="*i64", lens_ptr="*i32", table_ptr="*i32", cu_ptr="*i32", stride_bt="i32",
                   max_blocks="i32", offset="i32", max_model_len="i32", S="i32")
@@ -79,6 +84,10 @@ def variants(pdl: bool) -> list[tuple]:
          dict(BLOCK_SIZE=16, DRAFTS=True, HISTORY=True, BLOCK=32, USE_PDL=pdl), 4),
         ("spec_ops draft_layout", spec_ops._draft_layout_kernel, layout,
          dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, USE_PDL=pdl), 1),
+        ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
+         dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, BLOCK=4, USE_PDL=pdl), 4),
+        ("spec_finish greedy_finish history", spec_finish._greedy_finish_kernel, finish,
+         dict(K=3, J=4, W=8, HISTORY=True, NEXT=False, BLOCK=1, USE_PDL=pdl), 4),
     ]
 
 

@@ -32,6 +32,9 @@ class EngineConfig:
                                        # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
     draft_gemv: bool = True            # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
                                        # (engine/kernels/draft_gemv.py) where decode_gemv is on
+    spec_finish_kernel: bool = False   # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
+                                       # head's next ids in one kernel (engine/kernels/spec_finish.py); off until
+                                       # measured on a GPU
     verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= 4 rows) takes the target's
                                        # LM head argmax from draft_gemv's kernels, no logits, where those run; off
                                        # until measured on a GPU

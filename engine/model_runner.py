@@ -84,7 +84,8 @@ class ModelRunner:
             self.program = SpecStepProgram(*args, state=self.pool, drafter=drafter,
                                            block_size=config.block_size, draft_max_rows=self.spec_rows,
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties,
-                                           spec_kernels=config.use_spec_kernels(), verify_gemv=config.verify_gemv)
+                                           spec_kernels=config.use_spec_kernels(), verify_gemv=config.verify_gemv,
+                                           finish_kernel=config.use_spec_kernels() and config.spec_finish_kernel)
         else:
             self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool)
         # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)

@@ -1,4 +1,5 @@
-"""What every Triton kernel module shares: the interpreter check, the reductions, rounding and dependent launch.
+"""What every Triton kernel module shares: the interpreter check, the reductions, rounding, pool-row indexing and
+dependent launch.
 
 tl.max and tl.sum are @jit functions of triton.language, compiled or interpreted as TRITON_INTERPRET was
 when triton was first imported; ours follow it as it is when this module is (re)loaded. If the two disagree
@@ -63,6 +64,12 @@ def reduce_min(x, AXIS: tl.constexpr):
 @triton.jit
 def reduce_sum(x, AXIS: tl.constexpr):
     return tl.reduce(x, AXIS, _add_op) if _LOCAL_REDUCE else tl.sum(x, AXIS)
+
+
+@triton.jit
+def wrap_row(row, n_rows):
+    """A row index as torch indexing reads it: -1 (a graph padding row's pool row) is the last, dummy row."""
+    return tl.where(row < 0, row + n_rows, row)
 
 
 # The interpreter casts fp32 -> bf16 by truncation (triton/runtime/interpreter.py cast_impl); compiled kernels

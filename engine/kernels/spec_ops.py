@@ -18,18 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, pdl, pdl_start
+from engine.kernels.common import is_interpreted, pdl, pdl_start, wrap_row as _wrap
 from engine.kernels.fused_ops import _check_device, _check_tensor
 
 _I32, _I64 = (torch.int32,), (torch.int64,)
 _MAX_BLOCK = 1024       # elements of each section one program of `correct` takes
 _TABLE_COLS = 256       # block-table columns draft_layout copies at a time
-
-
-@triton.jit
-def _wrap(row, n_rows):
-    """A pool row as torch indexing reads it: -1 (padding) is the last, dummy row."""
-    return tl.where(row < 0, row + n_rows, row)
 
 
 @triton.jit

@@ -13,7 +13,8 @@ Every step of a speculating engine (spec steps and plain ones) runs:
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
    logprobs step records the target's logprobs of the tokens at every scored position (engine/logprobs.py):
-   the host keeps those of the emitted ones.
+   the host keeps those of the emitted ones. With EngineConfig.spec_finish_kernel a greedy spec step without
+   grammar does all of it (and the draft head's next_tokens) in one kernel, on the target's argmax.
 4. draft: the drafter guesses the next K tokens of each sampling row into SpecState.drafts, if the step
    has few enough rows that its sequences may speculate next.
 All of it is enqueue-only tensor code with shapes fixed by the step's key, so it is captured with the rest.
@@ -31,7 +32,7 @@ from engine.spec.verify import PAD, greedy_accept, greedy_accept_ids, rejection_
 
 class SpecStepProgram(StepProgram):
     def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None,
-                 spec_kernels: bool = False, verify_gemv: bool = False, **kwargs):
+                 spec_kernels: bool = False, verify_gemv: bool = False, finish_kernel: bool = False, **kwargs):
         super().__init__(*args, pool=state, **kwargs)
         self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
@@ -39,10 +40,13 @@ class SpecStepProgram(StepProgram):
         self.block_size = block_size
         self.draft_max_rows = draft_max_rows    # steps with more sampling rows skip drafting
         self.aux_layers = tuple(drafter.feature_layers)
-        self.spec_ops = None                    # EngineConfig.spec_kernels: correct in one kernel
+        self.spec_ops = self.spec_finish = None  # EngineConfig.spec_kernels: correct in one kernel
         if spec_kernels:
             from engine.kernels import spec_ops
             self.spec_ops = spec_ops
+        if finish_kernel:                        # EngineConfig.spec_finish_kernel: the greedy finish in one kernel
+            from engine.kernels import spec_finish
+            self.spec_finish = spec_finish
         self.verify_gemv = verify_gemv          # EngineConfig.verify_gemv: greedy verification from argmax kernels
 
     def sizes(self, slot, key) -> tuple[int, int, int, int]:
@@ -54,7 +58,7 @@ class SpecStepProgram(StepProgram):
     def step(self, slot, prev, variant, key=None) -> None:
         """The whole speculative step (variant: engine.step.StepVariant; key: an engine.graphs.GraphKey or None
         for an eager step at its exact size)."""
-        guided, greedy, extras = variant
+        guided, _, extras = variant
         T, B, S, K = self.sizes(slot, key)
         ids = self.correct(slot, T, B, S)
         self.observe(slot, ids, B, extras)
@@ -69,13 +73,10 @@ class SpecStepProgram(StepProgram):
         mark(slot, "forward_done")
         grammar = self.masks.join(slot, prev, S, self.compute_stream, K + 1) if guided else None
         mark(slot, "mask_waited")
-        tokens = accepted = None
+        tokens = accepted = next_ids = None
         if S:
-            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras, target)
-            if extras and K and slot.logprobs is not None:  # `logits` as verified: the grammar's masks applied
-                record(slot.logprobs[:S, :K + 1], logits, tokens)
-            self.finish(slot, tokens, accepted, drafted, S, K)
-        self.draft(slot, ids, features, meta, tokens, accepted, T, S, K, guided)
+            tokens, accepted, next_ids = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K)
+        self.draft(slot, ids, features, meta, tokens, accepted, next_ids, T, S, K, guided)
 
     # ---- 1. correct ----------------------------------------------------------------------------
     def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
@@ -124,6 +125,23 @@ class SpecStepProgram(StepProgram):
         return None if ids is None else ids.view(S, K + 1)
 
     # ---- 3. verify or sample -------------------------------------------------------------------
+    def verify_finish(self, slot, ids, logits, target, drafted, variant, grammar, S: int, K: int):
+        """verify, record an extras step's logprobs, finish -> (tokens, accepted, next_tokens of the inputs or None).
+        spec_kernels: a greedy spec step without grammar takes one kernel for all but the logits' argmax."""
+        _, greedy, extras = variant
+        next_ids = None
+        if self.spec_finish is not None and K and greedy and grammar is None:
+            target = logits.view(S, K + 1, -1).argmax(dim=-1) if target is None else target
+            history = self.drafter.uses_history
+            tokens, accepted, next_ids = self.spec_finish.greedy_finish(slot, self.state, ids, target, drafted, K,
+                                                                         history, not history)
+        else:
+            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras, target)
+            self.finish(slot, tokens, accepted, drafted, S, K)
+        if extras and K and slot.logprobs is not None:  # `logits` as verified: the grammar's masks applied
+            record(slot.logprobs[:S, :K + 1], logits, tokens)
+        return tokens, accepted, next_ids
+
     def drafted(self, slot, ids, S: int, K: int, guided: bool):
         """Drafts each row verifies (the host's cap and what the drafter proposed); a guided step hands its
         drafts and these counts to the grammar callback, which walks them before verification."""
@@ -187,9 +205,11 @@ class SpecStepProgram(StepProgram):
         out[:S, st.k + 1] = drafted
         slot.sampled[:S] = tokens[:, 0]
 
-    def draft(self, slot, ids, features, meta, tokens, accepted, T: int, S: int, K: int, guided: bool) -> None:
+    def draft(self, slot, ids, features, meta, tokens, accepted, next_ids, T: int, S: int, K: int,
+              guided: bool) -> None:
         """Drafts for the next step into SpecState, if the step has few enough sampling rows that its
-        sequences may speculate next; a drafter with state (the EAGLE head's KV) sees every step's tokens."""
+        sequences may speculate next; a drafter with state (the EAGLE head's KV) sees every step's tokens.
+        next_ids: next_tokens, if the step computed them already."""
         d, st = slot.dev, self.state
         rows = d["smp_row"][:S]
         drafting = 0 < S <= self.draft_max_rows
@@ -199,7 +219,9 @@ class SpecStepProgram(StepProgram):
                 ctx = DraftContext(st.history[rows], first + 2 + accepted)
         else:
             last = d["logits_indices"][:S] + (accepted if S else 0)    # each row's last verified input
-            ctx = FeatureContext(input_ids=ids, features=features, next_ids=self.next_tokens(slot, ids, tokens, T),
+            if next_ids is None:
+                next_ids = self.next_tokens(slot, ids, tokens, T)
+            ctx = FeatureContext(input_ids=ids, features=features, next_ids=next_ids,
                                  positions=d["positions"][:T], meta=meta, last=last, last_seq=d["tok_seq"][last],
                                  last_valid=d["smp_row"][:S] >= 0, kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]])
             if not drafting:

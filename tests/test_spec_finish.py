@@ -1,0 +1,237 @@
+"""engine.kernels.spec_finish (a greedy speculative step's verification, finish and next tokens in one kernel)
+against the torch code it replaces (verify.greedy_accept_ids, SpecStepProgram.finish with TokenPool.emit,
+SpecStepProgram.next_tokens), bit for bit, and whole engines with EngineConfig.spec_kernels and spec_finish_kernel on against off. Without
+CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import assert_no_leak, triton_module
+
+sf = triton_module("spec_finish")
+dr = triton_module("draft_gemv")
+DEV = "cpu" if sf.interpreted() else "cuda"
+MML, ROWS, VOCAB = 40, 160, 50      # max_model_len, pool rows, token ids
+
+
+def _ints(g, low, high, *shape):
+    return torch.randint(low, high, shape, generator=g)
+
+
+def _pool(g, k):
+    from engine.spec.state import SpecState
+    st = SpecState(ROWS, MML, k, torch.device("cpu"))
+    st.last_token.copy_(_ints(g, 0, VOCAB, ROWS + 1))
+    st.rejected.copy_(_ints(g, 0, k + 1, ROWS + 1))
+    st.history.copy_(_ints(g, 0, VOCAB, *st.history.shape).int())
+    return st
+
+
+def _case(seed, S, K, k_max, pads, dtype=torch.int64):
+    """A step of S rows (the last `pads` of them graph padding: pool row -1) verifying K drafts with a pool of
+    k_max. Drafts mostly equal the target's ids, drafted counts run from -1 to K + 1, first positions reach past
+    max_model_len, and the next-token sources name host ids, the next input and emitted tokens (some past the
+    last one). Buffers are longer than the step and hold noise: writes past it would show."""
+    g = torch.Generator().manual_seed(seed)
+    st, T, w = _pool(g, k_max), S * (K + 1), K + 1
+    target = _ints(g, 0, VOCAB, S, w)
+    ids = _ints(g, 0, VOCAB, S, w)
+    hit = _ints(g, 0, 4, S, K) > 0
+    ids[:, 1:] = torch.where(hit, target[:, :K], ids[:, 1:])
+    drafted = _ints(g, -1, K + 2, S)
+    real = S - pads
+    smp_row = torch.cat([torch.randperm(ROWS, generator=g)[:real], torch.full((pads + 2,), -1)])
+    src = torch.where(_ints(g, 0, 3, T + 3) > 0, -2 - _ints(g, 0, T + 2, T + 3), _ints(g, -1, VOCAB, T + 3))
+    dev = dict(smp_row=smp_row, logits_indices=torch.cat([torch.arange(0, T, w), _ints(g, 0, T + 3, 2)]),
+               positions=_ints(g, 0, MML + 2, T + 3), next_ids=src, temperature=torch.zeros(S + 2),
+               top_k=torch.zeros(S + 2, dtype=torch.int64), top_p=torch.ones(S + 2),
+               seeds=torch.zeros(S + 2, dtype=torch.int64), steps=torch.zeros(S + 2, dtype=torch.int64))
+    slot = SimpleNamespace(dev={n: x.to(DEV) for n, x in dev.items()}, spec_out=_ints(g, -5, 99, S + 2, k_max + 2).to(DEV),
+                           sampled=_ints(g, -5, 99, S + 2).to(DEV))
+    for name in ("last_token", "rejected", "history"):
+        setattr(st, name, getattr(st, name).to(DEV))
+    return slot, st, ids.flatten().to(DEV), target.to(dtype).to(DEV), drafted.to(dtype).to(DEV)
+
+
+def _clone(slot, st):
+    st2 = copy.copy(st)
+    for name in ("last_token", "rejected", "history"):
+        setattr(st2, name, getattr(st, name).clone())
+    return SimpleNamespace(dev={n: x.clone() for n, x in slot.dev.items()}, spec_out=slot.spec_out.clone(),
+                           sampled=slot.sampled.clone()), st2
+
+
+def _reference(slot, st, ids, target, drafted, K, history):
+    """The torch path: SpecStepProgram.verify's greedy route on target ids, finish and next_tokens."""
+    from engine.spec.program import SpecStepProgram
+    from engine.spec.verify import greedy_accept_ids
+    S = target.shape[0]
+    accepted, tokens = greedy_accept_ids(ids.view(S, K + 1)[:, 1:], target, drafted)
+    program = SimpleNamespace(state=st, drafter=SimpleNamespace(uses_history=history))
+    SpecStepProgram.finish(program, slot, tokens, accepted, drafted, S, K)
+    return tokens, accepted, SpecStepProgram.next_tokens(slot, ids, tokens, ids.shape[0])
+
+
+def _assert_same_writes(slot, st, slot2, st2, pads, where):
+    """Every write equal; the dummy row (and history's dummy column) take colliding writes of several padding
+    rows (and of positions past max_model_len): compared only where one row writes them."""
+    assert torch.equal(slot2.spec_out, slot.spec_out) and torch.equal(slot2.sampled, slot.sampled), where
+    for name in slot.dev:
+        assert torch.equal(slot2.dev[name], slot.dev[name]), (name, where)
+    rows = ROWS + (pads <= 1)
+    for name in ("last_token", "rejected"):
+        assert torch.equal(getattr(st2, name)[:rows], getattr(st, name)[:rows]), (name, where)
+    assert torch.equal(st2.history[:ROWS, :MML], st.history[:ROWS, :MML]), where
+
+
+CASES = [(1, 0), (1, 1), (2, 0), (3, 1), (4, 2), (6, 3), (40, 5), (150, 4)]       # (S, padding rows)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("history", [True, False], ids=["history", "next_ids"])
+def test_greedy_finish_equals_torch(K, dtype, history):
+    seen = set()
+    for seed, (S, pads) in enumerate(CASES):
+        for k_max in (K, K + 2):
+            slot, st, ids, target, drafted = _case(seed * 7 + K, S, K, k_max, pads, dtype)
+            slot2, st2 = _clone(slot, st)
+            want = _reference(slot, st, ids, target, drafted, K, history)
+            got = sf.greedy_finish(slot2, st2, ids, target, drafted, K, history, not history)
+            for name, x, y in zip(("tokens", "accepted"), got, want):
+                assert x.dtype == y.dtype == torch.int64 and torch.equal(x, y), (name, S, k_max)
+            assert (got[2] is None) == history and (history or torch.equal(got[2], want[2])), (S, k_max)
+            _assert_same_writes(slot, st, slot2, st2, pads, (S, k_max))
+            seen |= set(want[1].tolist())
+    assert seen == set(range(K + 1))        # every acceptance count, none to all
+
+
+def _program(on, history):
+    """A SpecStepProgram with what verify_finish reads."""
+    from engine.spec.program import SpecStepProgram
+    program = SpecStepProgram.__new__(SpecStepProgram)
+    program.state, program.drafter = None, SimpleNamespace(uses_history=history)
+    program.spec_finish = sf if on else None
+    return program
+
+
+@pytest.mark.parametrize("history", [True, False], ids=["history", "next_ids"])
+@pytest.mark.parametrize("source", ["logits", "target_ids"])
+def test_verify_finish_routes_greedy_steps_through_the_kernel(source, history, monkeypatch):
+    """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or verify_gemv's ids:
+    the same tokens and writes on and off; guided and sampled steps keep the torch path."""
+    from engine.spec.program import SpecStepProgram
+    from engine.step import StepVariant
+    calls = []
+    real = sf.greedy_finish
+    monkeypatch.setattr(sf, "greedy_finish", lambda *a: calls.append(1) or real(*a))
+    K, S = 3, 4
+    slot, st, ids, target, drafted = _case(5, S, K, K, 1)
+    logits = torch.randn(S * (K + 1), VOCAB, generator=torch.Generator().manual_seed(0)).to(DEV)
+    logits[torch.arange(S * (K + 1)), target.flatten()] = 9.0
+    logits, target = (logits, None) if source == "logits" else (None, target)
+    runs = []
+    for on in (False, True):
+        s, state = _clone(slot, st)
+        program = _program(on, history)
+        program.state = state
+        out = program.verify_finish(s, ids, logits, target, drafted, StepVariant(False, True, False), None, S, K)
+        runs.append((s, state, out))
+    (s0, st0, want), (s1, st1, got) = runs
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and want[2] is None
+    assert history or torch.equal(got[2], SpecStepProgram.next_tokens(s0, ids, want[0], ids.shape[0]))
+    _assert_same_writes(s0, st0, s1, st1, 1, source)
+    assert calls == [1]
+
+
+def test_refusals():
+    slot, st, ids, target, drafted = _case(1, 3, 2, 3, 1)
+    args = (slot, st, ids, target, drafted, 2, True, True)
+
+    def refused(err, i, value, match=None):
+        bad = list(args)
+        bad[i] = value
+        with pytest.raises(err, match=match):
+            sf.greedy_finish(*bad)
+
+    refused(ValueError, 5, 0)                                       # K >= 1
+    refused(ValueError, 5, 4, "state.k")                            # K <= the pool's k
+    refused(ValueError, 5, 2.0)
+    refused(ValueError, 2, ids[:-1], "ids has")
+    refused(TypeError, 2, ids.int())
+    refused(TypeError, 3, target.float())
+    refused(ValueError, 3, target[:, :2])
+    refused(ValueError, 3, torch.cat([target, target], dim=1)[:, :3], "contiguous")
+    refused(ValueError, 4, drafted[:2], "drafted has")
+    refused(TypeError, 4, drafted.bool())
+    refused(TypeError, 4, None)
+    refused(TypeError, 6, 1)
+    refused(TypeError, 7, None)
+    for name, value, err in [("spec_out", slot.spec_out[:, :4], ValueError), ("sampled", slot.sampled[:2], ValueError),
+                             ("spec_out", slot.spec_out.int(), TypeError)]:
+        refused(err, 0, SimpleNamespace(**{**vars(slot), name: value}), name)
+    for name, value, err in [("smp_row", slot.dev["smp_row"][:2], ValueError), ("next_ids", None, TypeError),
+                             ("logits_indices", slot.dev["logits_indices"].int(), TypeError)]:
+        refused(err, 0, SimpleNamespace(**{**vars(slot), "dev": {**slot.dev, name: value}}), name)
+    with pytest.raises(ValueError, match="no 'next_ids'"):
+        sf.greedy_finish(SimpleNamespace(**{**vars(slot), "dev": {n: x for n, x in slot.dev.items() if n != "next_ids"}}),
+                         st, ids, target, drafted, 2, True, True)
+    short = SimpleNamespace(**{**vars(st), "history": st.history[:, :-1]})
+    refused(ValueError, 1, short, "history")
+    sf.greedy_finish(slot, short, ids, target, drafted, 2, False, True)      # no history: not read
+
+
+# ---- whole engines ----
+
+def _engine(speculative, depth, on, k=2, verify_gemv=False):
+    from engine.llm_engine import LLMEngine
+    return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=depth,
+                     max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
+                     spec_head="random", num_speculative_tokens=k, spec_min_acceptance=0.0, spec_kernels=on,
+                     spec_finish_kernel=on, verify_gemv=verify_gemv)
+
+
+def _run(eng, prompts, lengths):
+    """-> (outputs, drafts) of greedy requests, with no KV left behind."""
+    from engine.sequence import SamplingParams
+    drafter, drafts = eng.runner.program.drafter, []
+    propose = drafter.propose
+    drafter.propose = lambda ctx: drafts.append(propose(ctx)) or drafts[-1]
+    seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    assert_no_leak(eng)
+    assert drafts
+    return [s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]
+
+
+def _counting(monkeypatch):
+    calls = []
+    real = sf.greedy_finish
+    monkeypatch.setattr(sf, "greedy_finish", lambda *a: calls.append(a[3].shape) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("speculative,depth", [("eagle", 1), ("eagle", 2), ("ngram", 1), ("ngram", 2)])
+def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch):
+    """Three greedy streams (an untrained EAGLE head, or n-gram drafting, which writes the history): the kernels
+    on gives the drafts and outputs of the kernels off, and its spec steps take the kernel."""
+    calls = _counting(monkeypatch)
+    prompts = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99], [300, 1, 2, 300, 1], [8, 9, 8, 9, 8]]
+    runs = {}
+    for on in (False, True):
+        runs[on] = _run(_engine(speculative, depth, on), prompts, (6, 5, 7))
+        assert bool(calls) == on
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("speculative", ["eagle", "ngram"])
+def test_engine_with_verify_gemv_and_spec_kernels(speculative, monkeypatch):
+    """One stream, K = 3, verify_gemv: the kernel verifies the argmax kernels' ids, as the torch path does."""
+    calls, argmax = _counting(monkeypatch), []
+    real = dr.linear_argmax
+    monkeypatch.setattr(dr, "linear_argmax", lambda x, w: argmax.append(x.shape[0]) or real(x, w))
+    prompt = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99]]
+    runs = {on: _run(_engine(speculative, 1, on, k=3, verify_gemv=True), prompt, (8,)) for on in (False, True)}
+    assert runs[True] == runs[False] and calls and set(calls) == {(1, 4)} and set(argmax) == {4}
+    assert len(argmax) == 2 * len(calls)      # each spec step of both engines: the kernel on the kernels' ids
