@@ -1,7 +1,7 @@
 """engine.kernels.spec_finish (a greedy speculative step's verification, finish and next tokens in one kernel)
 against the torch code it replaces (verify.greedy_accept_ids, SpecStepProgram.finish with TokenPool.emit,
-SpecStepProgram.next_tokens), bit for bit, and whole engines with EngineConfig.spec_kernels and spec_finish_kernel on against off. Without
-CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
+SpecStepProgram.next_tokens), bit for bit, and whole engines with EngineConfig.spec_kernels and
+spec_finish_kernel on against off. Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import copy
 from types import SimpleNamespace
 
@@ -48,7 +48,8 @@ def _case(seed, S, K, k_max, pads, dtype=torch.int64):
                positions=_ints(g, 0, MML + 2, T + 3), next_ids=src, temperature=torch.zeros(S + 2),
                top_k=torch.zeros(S + 2, dtype=torch.int64), top_p=torch.ones(S + 2),
                seeds=torch.zeros(S + 2, dtype=torch.int64), steps=torch.zeros(S + 2, dtype=torch.int64))
-    slot = SimpleNamespace(dev={n: x.to(DEV) for n, x in dev.items()}, spec_out=_ints(g, -5, 99, S + 2, k_max + 2).to(DEV),
+    slot = SimpleNamespace(dev={n: x.to(DEV) for n, x in dev.items()},
+                           spec_out=_ints(g, -5, 99, S + 2, k_max + 2).to(DEV),
                            sampled=_ints(g, -5, 99, S + 2).to(DEV))
     for name in ("last_token", "rejected", "history"):
         setattr(st, name, getattr(st, name).to(DEV))
@@ -176,8 +177,8 @@ def test_refusals():
                              ("logits_indices", slot.dev["logits_indices"].int(), TypeError)]:
         refused(err, 0, SimpleNamespace(**{**vars(slot), "dev": {**slot.dev, name: value}}), name)
     with pytest.raises(ValueError, match="no 'next_ids'"):
-        sf.greedy_finish(SimpleNamespace(**{**vars(slot), "dev": {n: x for n, x in slot.dev.items() if n != "next_ids"}}),
-                         st, ids, target, drafted, 2, True, True)
+        no_next = {n: x for n, x in slot.dev.items() if n != "next_ids"}
+        sf.greedy_finish(SimpleNamespace(**{**vars(slot), "dev": no_next}), st, ids, target, drafted, 2, True, True)
     short = SimpleNamespace(**{**vars(st), "history": st.history[:, :-1]})
     refused(ValueError, 1, short, "history")
     sf.greedy_finish(slot, short, ids, target, drafted, 2, False, True)      # no history: not read

@@ -117,7 +117,8 @@ def test_greedy_accept_ids_equals_greedy_accept():
         n, k, v = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g)), 7
         logits = torch.randint(-3, 4, (n, k + 1, v), generator=g).float()        # small integers: many ties
         target = logits.argmax(-1)
-        drafts = torch.where(torch.rand(n, k, generator=g) < 0.7, target[:, :k], torch.randint(0, v, (n, k), generator=g))
+        other = torch.randint(0, v, (n, k), generator=g)
+        drafts = torch.where(torch.rand(n, k, generator=g) < 0.7, target[:, :k], other)
         num_drafts = torch.randint(-1, k + 2, (n,), generator=g)                  # clamped to [0, K]
         want = greedy_accept(drafts, logits, num_drafts)
         got = greedy_accept_ids(drafts, target, num_drafts)
