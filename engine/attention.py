@@ -132,8 +132,8 @@ class TritonAttention(_Matmuls):
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
-    # engine/kernels/decode_gemv.py (the op before folded in) for steps of a few rows when it is on and there is
-    # no bias (up to decode_gemv_rows rows), decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
+    # engine/kernels/decode_gemv.py (the op before folded in) for steps of up to decode_gemv_rows rows when it is on
+    # and there is no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
     def _gemv_for(self, x, weight, bias, **kw):
         """The kernel module taking this call, or None."""
         if self._gemv is None or bias is not None:

@@ -1,4 +1,4 @@
-"""One Triton kernel for the end of a greedy speculative step (engine/spec/program.py, EngineConfig.spec_kernels):
+"""One Triton kernel for the end of a greedy speculative step (engine/spec/program.py, EngineConfig.spec_finish_kernel):
 
 - `greedy_finish`: engine/spec/verify.py greedy_accept_ids on the target's argmax ids, then what
   SpecStepProgram.finish writes (the emitted tokens into `slot.spec_out` and `slot.sampled`, each row's last
