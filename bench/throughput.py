@@ -4,10 +4,12 @@
     python bench/throughput.py --depth 1 2 --streams 1 8 32 --new-tokens 128
     python bench/throughput.py --device cpu --dtype float32 --streams 1 2 --new-tokens 8 --out /tmp/t.json
 
-One engine per (depth, streams) with max_num_seqs=streams; a short warm-up generate (other prompts,
-    python bench/throughput.py --device cpu --dtype float32 --streams 1 2 --new-tokens 8 --out /tmp/t.json
+One engine per (depth, streams) with max_num_seqs=streams; a short warm-up generate (other prompts)
+resets nothing but the counters before the timed one.
 ms_per_step = wall / engine steps (prefill steps included). The per-step breakdown (plan, launch,
 wait, commit on the CPU; forward and sampling on the GPU) comes from `engine.timings`.
+On CUDA, read_floor_ms is the time to read the weights a decode step touches (every parameter but an
+untied input embedding) at this GPU's copy bandwidth, measured here; floor_x = ms_per_step / read_floor_ms.
 Writes JSON (`--out`) and a PNG of tok/s vs streams beside it; prints a markdown table last.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ except ImportError:
 
 MODES = {1: "blocking", 2: "pipelined"}
 COLUMNS = ["mode", "streams", "new_tokens", "tok_s", "ms_per_step", "steps"]   # + the *_ms breakdown found
+FLOOR_COLUMNS = ["weight_mb", "floor_x"]
 
 
 def parse_args(argv=None):
@@ -81,6 +84,42 @@ def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: in
     return out
 
 
+def step_weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: all parameters, less an untied input embedding."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not getattr(model, "tied", True):
+        w = model.embed_tokens.weight
+        total -= w.numel() * w.element_size()
+    return total
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float | None:
+    """Device-to-device copy bandwidth, (read + write) bytes / s, in GB/s; None without CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * reps / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def floor_fields(eng, ms_per_step: float, bandwidth_gbs: float | None) -> dict:
+    model = getattr(getattr(eng, "runner", None), "model", None)
+    if bandwidth_gbs is None or model is None:
+        return {}
+    nbytes = step_weight_bytes(model)
+    floor_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
+    return dict(weight_mb=nbytes / 1e6, copy_gbs=bandwidth_gbs, read_floor_ms=floor_ms,
+                floor_x=ms_per_step / floor_ms)
+
+
 def run_one(args, depth: int, streams: int) -> dict:
     mode = MODES[depth]
     model, dtype = args.model or "default", args.dtype
@@ -92,6 +131,7 @@ def run_one(args, depth: int, streams: int) -> dict:
         prompts = chat_prompts(eng, 2 * streams)             # timed: [:streams] (as bench/peers_hf.py)
         fields = time_generate(eng, prompts[:streams], prompts[streams:], args.new_tokens, args.warmup_tokens)
         tok_s, ms = fields.pop("tok_s"), fields.pop("ms_per_step")
+        fields.update(floor_fields(eng, ms, copy_bandwidth_gbs()))
         rec = record("throughput", mode, model, dtype, streams, args.new_tokens, tok_s, ms, **extra, **fields)
         note(f"{mode} streams={streams}: {tok_s:,.1f} tok/s, {ms:.2f} ms/step")
     except Exception as e:                # noqa: BLE001 - one failing config must not end the sweep
@@ -113,7 +153,7 @@ def _free_cuda():
 
 def table_columns(records) -> list[str]:
     ms = [k for r in records for k in r if k.endswith("_ms")]
-    cols = COLUMNS + list(dict.fromkeys(ms))
+    cols = COLUMNS + list(dict.fromkeys(ms)) + [c for c in FLOOR_COLUMNS if any(c in r for r in records)]
     return cols + ["error"] if any(r.get("error") for r in records) else cols
 
 
