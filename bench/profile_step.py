@@ -96,6 +96,14 @@ def kernel_summary(events, steps: int, top: int = 15) -> dict:
                 busy_frac=busy_fraction(events), kinds=kinds, top_kernels=dict(names[:top]))
 
 
+def _prompt(eng, text: str) -> list[int]:
+    """Through the chat template where the model has one (dummy weights have none: 32 fixed ids)."""
+    try:
+        return eng.apply_chat_template([{"role": "user", "content": text}])
+    except ValueError:
+        return [(7 * i + len(text)) % 1000 + 1 for i in range(32)]
+
+
 def profile(args, streams: int) -> dict:
     import torch
     from engine.sequence import SamplingParams
@@ -104,7 +112,7 @@ def profile(args, streams: int) -> dict:
     # a speculating step may emit K + 1 tokens: every stream must outlive the timed and the profiled steps
     total = (args.warmup_steps + 2 * args.steps + 8) * (eng.config.spec_k + 1)
     for i in range(streams):        # chat prompts through the template every tree's engine has
-        ids = eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {i}."}])
+        ids = _prompt(eng, f"Tell me about the sea, part {i}.")
         eng.add_request(ids, SamplingParams(max_tokens=total, temperature=0, ignore_eos=True))
     for _ in range(args.warmup_steps):
         eng.step()

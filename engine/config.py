@@ -32,12 +32,11 @@ class EngineConfig:
                                        # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
     draft_gemv: bool = True            # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
                                        # (engine/kernels/draft_gemv.py) where decode_gemv is on
-    spec_finish_kernel: bool = False   # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
-                                       # head's next ids in one kernel (engine/kernels/spec_finish.py); off until
-                                       # measured on a GPU
+    spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
+                                       # head's next ids in one kernel (engine/kernels/spec_finish.py)
     verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= 4 rows) takes the target's
-                                       # LM head argmax from draft_gemv's kernels, no logits, where those run; off
-                                       # until measured on a GPU
+                                       # LM head argmax from draft_gemv's kernels, no logits, where those run; off:
+                                       # no faster than cuBLAS + argmax at 4 rows on an H100
     decode_gemv_rows: int = 4          # the decode GEMV takes steps of at most this many rows (1 to 4)
     decode_gemm_rows: int = 0          # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/decode_gemm.py (tensor cores,
