@@ -87,7 +87,7 @@ class ModelRunner:
                                            spec_kernels=config.use_spec_kernels(), verify_gemv=config.verify_gemv,
                                            finish_kernel=config.use_spec_kernels() and config.spec_finish_kernel)
         else:
-            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool)
+            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool, head_gemv=config.head_gemv)
         # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)
         self.draft_lookahead = self.program.drafter.lookahead if self.spec_k else 0
         max_blocks = -(-max_model_len // config.block_size)

@@ -11,7 +11,8 @@ fork the grammar branch (engine/guided/masks.py) at their start and wait for its
 sampling; greedy steps (every sampling row at temperature 0) skip the random-sampling kernels; extras steps
 (some row asks for logprobs, penalties, min_p or min_tokens) count the inputs of penalized rows, penalize the
 logits, filter by min_p and record the logprobs of the sampled tokens (engine/penalties.py, engine/logprobs.py);
-no other step runs a kernel for them. Logits go: penalties and min_tokens, grammar mask (logprobs are taken
+no other step runs a kernel for them. With EngineConfig.head_gemv a greedy step that is neither guided nor
+extras computes no logits: its tokens come from the backend's LM head argmax kernels. Logits go: penalties and min_tokens, grammar mask (logprobs are taken
 here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
@@ -37,7 +38,7 @@ class StepVariant(NamedTuple):
 
 class StepProgram:
     def __init__(self, model, kv_caches, backend, max_model_len: int, compute_stream=None, masks=None,
-                 penalties=None, pool=None):
+                 penalties=None, pool=None, head_gemv: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -47,6 +48,7 @@ class StepProgram:
         self.masker = getattr(backend, "apply_bitmask", apply_bitmask)
         self.penalties = penalties              # PenaltyState (None: the engine has no penalties)
         self.pool = pool                        # TokenPool (engine/token_pool.py): carried inputs, emitted tokens
+        self.head_gemv = head_gemv              # EngineConfig.head_gemv: greedy tokens from the head's argmax kernels
 
     def input_ids(self, slot: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
         ids = slot.dev["input_ids"][:size]
@@ -69,23 +71,32 @@ class StepProgram:
         if extras and self.penalties is not None:
             self.penalties.observe(slot.dev, ids, ids.shape[0], num_seqs)
 
-    def logits(self, slot: DecodeSlot, extras: bool = False):
-        """An eager step at its exact size: logits of the rows that sample (None if none do)."""
+    def hidden(self, slot: DecodeSlot, extras: bool = False):
+        """An eager step at its exact size: the final hidden states of the rows that sample (None if none do)."""
         n = slot.num_sample
         ids = self.input_ids(slot, slot.num_tokens, carry=slot.num_carry > 0)
         self.observe(slot, ids, slot.num_seqs, extras)
         hidden = self.forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
-        return self.model.compute_logits(hidden[slot.dev["logits_indices"][:n]]) if n else None
+        return hidden[slot.dev["logits_indices"][:n]] if n else None
 
-    def graph_logits(self, slot: DecodeSlot, key, extras: bool = False):
-        """Carry-over, then the forward and the logits of a step padded to `key` (a "decode" or "mixed"
-        engine.graphs.GraphKey)."""
+    def graph_hidden(self, slot: DecodeSlot, key, extras: bool = False):
+        """Carry-over, then the forward of a step padded to `key` (a "decode" or "mixed" engine.graphs.GraphKey):
+        the final hidden states of its sampling rows."""
         ids = self.input_ids(slot, key.tokens)
         self.observe(slot, ids, key.seqs, extras)
         if key.kind == "decode":
-            return self.model.compute_logits(self.forward(slot, ids, key.seqs, 1, key.context))
+            return self.forward(slot, ids, key.seqs, 1, key.context)
         hidden = self.forward(slot, ids, key.seqs, key.tokens, key.context)
-        return self.model.compute_logits(hidden[slot.dev["logits_indices"][:key.seqs]])
+        return hidden[slot.dev["logits_indices"][:key.seqs]]
+
+    def head_ids(self, hidden, variant: StepVariant):
+        """A greedy step's tokens straight from the backend's LM head argmax kernels (head_gemv), or None where
+        the step needs its logits: a sampled step draws from them, a guided one masks them, an extras one
+        penalizes them or records their logprobs; a head split over ranks gathers its vocabulary."""
+        guided, greedy, extras = variant
+        if not (self.head_gemv and greedy) or guided or extras or hidden is None or self.model.tp.world > 1:
+            return None
+        return self.backend.linear_argmax(hidden, self.model.head_weight)
 
     def step(self, slot: DecodeSlot, prev: DecodeSlot, variant: StepVariant, key=None) -> None:
         """The whole step into `slot.sampled`: at its exact size (key None, eager) or padded to a graph key."""
@@ -93,12 +104,20 @@ class StepProgram:
         rows = slot.num_sample if key is None else key.seqs
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, rows, self.compute_stream)
-        logits = self.logits(slot, extras) if key is None else self.graph_logits(slot, key, extras)
+        hidden = self.hidden(slot, extras) if key is None else self.graph_hidden(slot, key, extras)
+        tokens = self.head_ids(hidden, variant)
+        logits = self.model.compute_logits(hidden) if tokens is None and hidden is not None else None
         mark(slot, "forward_done")
         mask = self.masks.join(slot, prev, rows, self.compute_stream)[0] if guided else None
         mark(slot, "mask_waited")
-        if rows:
+        if rows and tokens is not None:
+            self.emit(slot, tokens, rows)
+        elif rows:
             self.sample(slot, logits, rows, greedy, mask, extras)
+
+    def emit(self, slot: DecodeSlot, tokens, rows: int) -> None:
+        slot.sampled[:rows] = tokens
+        self.pool.emit(slot.dev["smp_row"][:rows], tokens)
 
     def sample(self, slot: DecodeSlot, logits, rows: int, greedy: bool, mask=None, extras: bool = False):
         """Tokens [rows] from `logits` (penalized and masked in place) into `slot.sampled`; returns them."""
@@ -109,8 +128,7 @@ class StepProgram:
             min_p = d["min_p"][:rows]
         tokens = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows], d["seeds"][:rows],
                         d["steps"][:rows], bitmask=mask, all_greedy=greedy, masker=self.masker, min_p=min_p)
-        slot.sampled[:rows] = tokens
-        self.pool.emit(d["smp_row"][:rows], tokens)
+        self.emit(slot, tokens, rows)
         if extras and slot.logprobs is not None:
             record(slot.logprobs[:rows, :1], logits, tokens[:, None])
         return tokens
