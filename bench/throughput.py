@@ -21,8 +21,10 @@ import traceback
 
 try:                                      # imported as bench.throughput, or run as a script
     from bench.common import chat_prompts, markdown_table, note, plot, progress, record, write_results
+    from bench.guided_quality import engine_overrides
 except ImportError:
     from common import chat_prompts, markdown_table, note, plot, progress, record, write_results
+    from guided_quality import engine_overrides
 
 MODES = {1: "blocking", 2: "pipelined"}
 COLUMNS = ["mode", "streams", "new_tokens", "tok_s", "ms_per_step", "steps"]   # + the *_ms breakdown found
@@ -39,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, nargs="+", default=[1], choices=sorted(MODES))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE", help="further EngineConfig fields")
     p.add_argument("--out", default="bench/results/throughput.json")
     return p.parse_args(argv)
 
@@ -58,7 +61,7 @@ def build_engine(args, depth: int, streams: int, **extra):
         kw["device"] = args.device
     if kw["model"] is None:
         kw.pop("model")                   # EngineConfig's default (SPECDEC_MODEL or the default model)
-    return LLMEngine(**(kw | extra))
+    return LLMEngine(**(kw | engine_overrides(args) | extra))
 
 
 def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: int) -> dict:
@@ -123,7 +126,7 @@ def floor_fields(eng, ms_per_step: float, bandwidth_gbs: float | None) -> dict:
 def run_one(args, depth: int, streams: int) -> dict:
     mode = MODES[depth]
     model, dtype = args.model or "default", args.dtype
-    extra = dict(depth=depth, enforce_eager=args.enforce_eager)
+    extra = dict(depth=depth, enforce_eager=args.enforce_eager, **engine_overrides(args))
     try:
         eng = build_engine(args, depth, streams)
         model = eng.source.name
