@@ -37,7 +37,7 @@ class EngineConfig:
     verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= 4 rows) takes the target's
                                        # LM head argmax from draft_gemv's kernels, no logits, where those run; off:
                                        # no faster than cuBLAS + argmax at 4 rows on an H100
-    head_gemv: bool = False            # a greedy plain step (unguided, no extras, <= 4 rows) takes its tokens from
+    head_gemv: bool = True             # a greedy plain step (unguided, no extras, <= 4 rows) takes its tokens from
                                        # draft_gemv's LM head argmax kernels, no logits, where those run
     decode_gemv_rows: int = 4          # the decode GEMV takes steps of at most this many rows (1 to 4)
     decode_gemm_rows: int = 0          # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the

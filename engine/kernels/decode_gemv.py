@@ -35,11 +35,8 @@ from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, r
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 
 MAX_ROWS = 4            # more rows: decode_gemm.py or cuBLAS (each row here is its own pass over the registers)
-MAX_K = 16384           # a whole weight row sits in registers (16 warps: 32 elements a thread at the most)
+MAX_K = 8192            # a whole weight row sits in registers
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
-# From this many weight elements and K (Llama 1B's 2048 x 2048 o_proj and up) a program of 16 warps reads the
-# weight 10-20% faster than one of 4 or 8 (H100, bench/results/gemv_bandwidth.md); SmolLM2's K is below it.
-_WIDE, _WIDE_K = 1 << 22, 2048
 
 
 @triton.jit
@@ -103,12 +100,10 @@ def interpreted() -> bool:
 
 
 def decode_gemv_config(n: int, k: int) -> dict:
-    """BLOCK_K: the whole row (a power of two); BLOCK_N: as many rows as fit _ELEMS, at least one; 16 warps for
-    weights of at least _WIDE elements and _WIDE_K columns."""
+    """BLOCK_K: the whole row (a power of two); BLOCK_N: as many rows as fit _ELEMS, at least one."""
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(_ELEMS // block_k, triton.next_power_of_2(n)))
-    warps = 16 if n * k >= _WIDE and k >= _WIDE_K else 4 if block_k <= 2048 else 8
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
 
 
 def _problem(x, weight, k, norm_weight=None, residual=None, add=None, rows=(1, MAX_ROWS), max_k=MAX_K) -> str | None:
