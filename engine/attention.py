@@ -108,13 +108,16 @@ class TorchAttention(_Matmuls):
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
+SPLIT_MIN_ROWS, SPLIT_MIN_WORK, SPLIT_WIDE = 3, 2304, 4     # TritonAttention._split_to_gemm
+
+
 class TritonAttention(_Matmuls):
     """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
-                 decode_gemv_rows: int = 4):
+                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False):
         from engine.kernels import bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, fused_ops
         from engine.kernels import paged_attention
         if draft_gemv and not decode_gemv:
@@ -124,10 +127,13 @@ class TritonAttention(_Matmuls):
         if decode_gemm_rows and not (decode_gemv and decode_gemv_rows < decode_gemm_rows <= gemm.MAX_ROWS):
             raise ValueError(f"decode_gemm_rows must be 0 or {decode_gemv_rows + 1} to {gemm.MAX_ROWS}, with "
                              f"decode_gemv; got {decode_gemm_rows}")
+        if decode_gemm_split and not decode_gemv:
+            raise ValueError("decode_gemm_split shares the decode GEMV's rows with decode_gemm: it needs decode_gemv")
         self._k, self._gemv = paged_attention, gemv if decode_gemv else None
         self._gemv_rows = decode_gemv_rows                  # steps of 1 .. _gemv_rows rows: the GEMV
-        self._gemm = gemm if decode_gemm_rows else None     # steps of _gemv_rows + 1 .. _gemm_rows rows
-        self._gemm_rows = decode_gemm_rows
+        self._gemm = gemm if decode_gemm_rows or decode_gemm_split else None
+        self._gemm_rows = decode_gemm_rows                  # steps of _gemv_rows + 1 .. _gemm_rows rows: decode_gemm
+        self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
         self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
@@ -141,11 +147,23 @@ class TritonAttention(_Matmuls):
         rows = x.shape[0]
         if rows <= self._gemv_rows:
             kernels = self._gemv
+            if (self._split and self._split_to_gemm(rows, weight.shape[0], kw.get("k") or x.shape[-1])
+                    and self._gemm.supports(x, weight, **kw)):
+                kernels = self._gemm
         elif self._gemm is not None and rows <= self._gemm_rows:
             kernels = self._gemm
         else:
             return None
         return kernels if kernels.supports(x, weight, **kw) else None
+
+    @staticmethod
+    def _split_to_gemm(rows: int, n: int, k: int) -> bool:
+        """decode_gemm_split: whether decode_gemm takes a matmul of the GEMV's rows. The GEMV's time grows with
+        rows x K (a pass over its registers per row); decode_gemm's does not, but it wastes a 16-row tile at a
+        few rows and fills few programs when N is wide. On an H100 at SmolLM2's shapes decode_gemm wins from 3
+        rows at K = 1536 (down) and from 4 rows at K = 576 (qkv, o), never on gate_up (N = 5.3 K)
+        (bench/results/decode_gemm_small.md)."""
+        return rows >= SPLIT_MIN_ROWS and rows * k >= SPLIT_MIN_WORK and n < SPLIT_WIDE * k
 
     def linear(self, x, weight, bias=None):
         if kernels := self._gemv_for(x, weight, bias):
@@ -183,9 +201,9 @@ class TritonAttention(_Matmuls):
 
 
 def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
-                 decode_gemv_rows: int = 4):
+                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows, decode_gemv_rows)
+        return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows, decode_gemv_rows, decode_gemm_split)
     raise ValueError(f"unknown attention backend {name!r}")

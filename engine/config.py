@@ -43,6 +43,8 @@ class EngineConfig:
     decode_gemm_rows: int = 0          # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/decode_gemm.py (tensor cores,
                                        # weights read before the wait) not cuBLAS; needs decode_gemv
+    decode_gemm_split: bool = False    # steps of 3 to decode_gemv_rows rows: decode_gemm takes the matmuls the GEMV
+                                       # is slow at (narrow, long rows), the GEMV the wide ones (engine/attention.py)
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec_ops.py) where the backend is Triton
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
@@ -111,6 +113,9 @@ class EngineConfig:
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:
             raise ValueError(f"decode_gemm_rows must be 0 (off) or decode_gemv_rows + 1 "
                              f"({self.decode_gemv_rows + 1}) to 32, got {self.decode_gemm_rows}")
+        if self.decode_gemm_split and not self.decode_gemv:
+            raise ValueError("decode_gemm_split shares the decode GEMV's rows with decode_gemm: it needs "
+                             "decode_gemv=True")
         if self.decode_gemm_rows and not self.decode_gemv:
             raise ValueError("decode_gemm_rows extends the decode GEMV to more rows: it needs decode_gemv=True")
         if self.depth not in (1, 2):

@@ -12,8 +12,8 @@ sampling; greedy steps (every sampling row at temperature 0) skip the random-sam
 (some row asks for logprobs, penalties, min_p or min_tokens) count the inputs of penalized rows, penalize the
 logits, filter by min_p and record the logprobs of the sampled tokens (engine/penalties.py, engine/logprobs.py);
 no other step runs a kernel for them. With EngineConfig.head_gemv a greedy step that is neither guided nor
-extras computes no logits: its tokens come from the backend's LM head argmax kernels. Logits go: penalties and min_tokens, grammar mask (logprobs are taken
-here), temperature, top-k, top-p, min_p.
+extras computes no logits: its tokens come from the backend's LM head argmax kernels. Logits go: penalties and
+min_tokens, grammar mask (logprobs are taken here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
 from __future__ import annotations

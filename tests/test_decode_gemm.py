@@ -166,6 +166,36 @@ def test_backend_routes_by_row_count(monkeypatch):
             TritonAttention(**{"decode_gemv": True, **kw})
 
 
+def test_split_routes_narrow_long_matmuls_of_the_gemv_rows_to_gemm(monkeypatch):
+    """decode_gemm_split: from 3 rows, a matmul of rows x K >= SPLIT_MIN_WORK and N < SPLIT_WIDE x K goes to
+    decode_gemm (the down projection from 3 rows, qkv and o from 4 at SmolLM2's shapes), a wide one (gate_up) and
+    one decode_gemm cannot take stay on the GEMV; the results are F.linear's."""
+    import engine.attention as attention
+    calls = []
+    for module in (dg, gm):
+        real = module.decode_linear
+        monkeypatch.setattr(module, "decode_linear", lambda *a, _r=real, _m=module: calls.append(_m) or _r(*a))
+    # SmolLM2's rule at 1/8 of its K: SPLIT_MIN_WORK 2304 -> 288 (qkv / o K 576 -> 72, down 1536 -> 192)
+    monkeypatch.setattr(attention, "SPLIT_MIN_WORK", 288)
+    split = attention.TritonAttention(decode_gemv=True, decode_gemm_split=True)
+    split._gemv, split._gemm = dg, gm
+    off = attention.TritonAttention(decode_gemv=False)
+    cases = [(2, 120, 192, dg), (3, 120, 192, gm), (4, 120, 192, gm),   # down: N 72, K 192
+             (3, 120, 72, dg), (4, 120, 72, gm),                           # qkv: N 120, K 72
+             (4, 384, 72, dg), (4, 120, gm.MAX_K + 8, dg)]                 # gate_up (N 5.3 K); K past decode_gemm
+    for m, n, k, want in cases:
+        x, w = randn(m, k, seed=m + k), randn(n, k, seed=n + k)
+        torch.testing.assert_close(split.linear(x, w), off.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert calls == [want], (m, n, k)
+        calls.clear()
+    assert split.linear(randn(5, 72, seed=1), randn(120, 72, seed=2)) is not None and calls == []   # past 4: cuBLAS
+    with pytest.raises(ValueError, match="decode_gemm_split"):
+        attention.TritonAttention(decode_gemm_split=True)
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="decode_gemm_split"):
+        EngineConfig(decode_gemm_split=True, decode_gemv=False)
+
+
 def test_the_switch_and_the_dependent_launch_limit():
     from engine.config import EngineConfig
     assert EngineConfig().decode_gemm_rows == 0 and EngineConfig(decode_gemm_rows=32).decode_gemm_rows == 32
@@ -185,7 +215,10 @@ def test_the_switch_and_the_dependent_launch_limit():
 def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     """A whole engine (Triton backend, a 2-layer dummy model): decode_gemm_rows=32 gives the greedy tokens of 0,
     its prefill and decode steps of 6 rows taking the kernel; with decode_gemv_rows=1 and decode_gemm_rows=4 the
-    steps of 2-4 rows take it (a verification of 1 + K tokens from one stream) and those of one row the GEMV."""
+    steps of 2-4 rows take it (a verification of 1 + K tokens from one stream) and those of one row the GEMV; with
+    decode_gemm_split (its work threshold at 1 for the tiny shapes) steps of 3-4 rows take it for their narrow
+    matmuls."""
+    import engine.attention as attention
     from engine.kernels import decode_gemv as dg
     from engine.llm_engine import LLMEngine
     from engine.sequence import SamplingParams
@@ -198,16 +231,18 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     prompts = [[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8], [42], [11, 400, 13], [256, 255]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 3, 4, 5, 6, 7)]
     runs, seen = {}, {}
-    for rows in ((4, 0), (4, 32), (1, 4)):
+    monkeypatch.setattr(attention, "SPLIT_MIN_WORK", 1)
+    for rows in ((4, 0), (4, 32), (1, 4), (4, 0, True)):
         for c in calls.values():
             c.clear()
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=1,
                         max_num_seqs=8, max_model_len=64, enforce_eager=True, decode_gemv_rows=rows[0],
-                        decode_gemm_rows=rows[1])
+                        decode_gemm_rows=rows[1], decode_gemm_split=len(rows) > 2)
         runs[rows] = [s.output_token_ids for s in eng.generate(prompts, params)]
         assert_no_leak(eng)
         seen[rows] = set(calls[gm]), set(calls[dg])
-    assert runs[(4, 32)] == runs[(4, 0)] and runs[(1, 4)] == runs[(4, 0)]
+    assert runs[(4, 32)] == runs[(4, 0)] and runs[(1, 4)] == runs[(4, 0)] and runs[(4, 0, True)] == runs[(4, 0)]
+    assert seen[(4, 0, True)][0] == {3, 4} and 1 in seen[(4, 0, True)][1]
     assert not seen[(4, 0)][0] and seen[(4, 0)][1] <= {1, 2, 3, 4}
     assert 6 in seen[(4, 32)][0] and seen[(4, 32)][0] <= set(range(5, 33))
     assert seen[(1, 4)][0] == {2, 3, 4} and seen[(1, 4)][1] == {1}

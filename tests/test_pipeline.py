@@ -5,10 +5,12 @@ arrive while others run, a seeded sampled request, and a KV pool small enough to
 CPU each launch runs synchronously, but the host still plans step t+1 before it has seen step t's tokens:
 carry-over, pending tokens, zombies and deferred page release all run for real.
 """
+import math
+
 import pytest
 import torch
 
-from conftest import assert_no_leak
+from conftest import assert_no_leak, prefill_logits
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from helpers import PREEMPTING, ROOMY, EagerGraphs, drive
@@ -31,6 +33,25 @@ def _run(depth, workload, graph_layout=False, **cfg):
     return eng, seqs
 
 
+def _parted_at_near_ties(eng, workload, got, ref) -> dict:
+    """{index: divergence} of the greedy sequences whose tokens part; each must part at a near-tie: the two
+    tokens' logits (a one-shot prefill of the common prefix on `eng`) within 2 bf16 ulps, not before token 4.
+    A sampled sequence must not part."""
+    parted = {}
+    for i, ((_, prompt, params), g, r) in enumerate(zip(workload, got, ref)):
+        gi, ri = g.output_token_ids, r.output_token_ids
+        j = next((j for j, (a, b) in enumerate(zip(gi, ri)) if a != b), None)
+        if j is None:
+            continue
+        assert params.temperature == 0, f"sampled sequence {i} parted at token {j}"
+        logits = prefill_logits(eng, list(prompt) + ri[:j])
+        gap, top = float(logits[ri[j]] - logits[gi[j]]), float(logits[ri[j]])
+        ulp = 2.0 ** (math.floor(math.log2(abs(top))) - 7)
+        parted[i] = dict(index=j, gap=gap, ulp=ulp)
+        assert j >= 4 and abs(gap) <= 2 * ulp, (i, parted[i])
+    return parted
+
+
 GPU_BF16_GRAPHS = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=1024)
 
 
@@ -45,6 +66,13 @@ UNCACHED = dict(PREEMPTING, prefix_caching=False)
 def test_pipelined_equals_blocking(workload, cfg):
     blocking, ref = _run(1, workload, **cfg)
     pipelined, got = _run(2, workload, **cfg)
+    if cfg.get("dtype") == "bfloat16" and cfg.get("prefix_caching") is False:
+        # preemption gives the two loops other step compositions, so a row's matmuls run at other row counts
+        # (the decode GEMV up to 4 rows, cuBLAS past them) and bf16 rounds differently: a greedy sequence may part
+        # at a near-tie, after which the workload's timing differs too. Every other sequence stays exact.
+        parted = _parted_at_near_ties(blocking, workload, got, ref)
+        assert len(parted) <= len(ref) // 4, parted
+        got, ref = ([s for i, s in enumerate(seqs) if i not in parted] for seqs in (got, ref))
     assert [s.output_token_ids for s in got] == [s.output_token_ids for s in ref]
     assert [s.finish_reason for s in got] == [s.finish_reason for s in ref]
     assert [s.text for s in got] == [s.text for s in ref]
