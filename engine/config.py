@@ -56,6 +56,10 @@ class EngineConfig:
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
     speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (engine/spec/drafters)
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
+    spec_draft_vocab: str = ""         # eagle: a JSON list of token ids, most frequent first (specdec.eagle.
+                                       # token_ranks); unguided drafts come from its first spec_draft_vocab_size
+                                       # (0: all) only, a smaller LM head. "": the whole vocabulary
+    spec_draft_vocab_size: int = 0
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
     grammar_compile_threads: int = 4   # threads compiling grammars (engine/guided/compiler.py)
     grammar_compile_queue: int = 64    # a server's compiles unfinished at once before it answers 429 (a client
@@ -118,6 +122,10 @@ class EngineConfig:
                              "decode_gemv=True")
         if self.decode_gemm_rows and not self.decode_gemv:
             raise ValueError("decode_gemm_rows extends the decode GEMV to more rows: it needs decode_gemv=True")
+        if self.spec_draft_vocab_size < 0:
+            raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
+        if self.spec_draft_vocab_size and not self.spec_draft_vocab:
+            raise ValueError("spec_draft_vocab_size needs spec_draft_vocab (the ranked token ids)")
         if self.depth not in (1, 2):
             raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
         if self.speculative not in SPECULATIVE:

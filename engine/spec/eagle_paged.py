@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import torch
+import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import rope_inv_freq, rope_tables
@@ -79,6 +80,7 @@ class PagedHead:
         self.cos, self.sin = rope_tables(rope_inv_freq({"rope_theta": c.rope_theta}, c.head_dim), max_positions,
                                          w.device)
         self.scale = c.head_dim ** -0.5
+        self.draft_ids = self.draft_weight = None       # restrict(): a draft vocabulary
 
     def _unit_norm(self, x, parts: int):
         """RMS-norm each of the `parts` H-wide pieces of x [N, parts * H] (unit weight)."""
@@ -120,10 +122,29 @@ class PagedHead:
         """The target's final norm and LM head on the head's hidden states -> float logits [N, V]."""
         return self.target.compute_logits(self.target.final_norm(hidden, self.backend))
 
+    def restrict(self, token_ids) -> None:
+        """Unguided drafts from these token ids only (EngineConfig.spec_draft_vocab): their rows of the LM head
+        are gathered once, so a draft step reads len(token_ids) rows instead of the vocabulary. Guided drafts keep
+        the whole vocabulary (the grammar's mask is over it); so does a target split over ranks."""
+        vocab = self.target.head_weight.shape[0]
+        ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.target.head_weight.device)
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError("the draft vocabulary must be a non-empty list of token ids")
+        if ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != ids.numel():
+            raise ValueError(f"the draft vocabulary's ids must be distinct, in [0, {vocab})")
+        if self.target.tp.world == 1:
+            self.draft_ids, self.draft_weight = ids, self.target.head_weight[ids].contiguous()
+
     def greedy(self, hidden):
         """logits(hidden).argmax(-1) in the backend's norm + LM head + argmax kernels (int64 [N]), or None where it
-        has none for the call. A target split over ranks keeps the logits: its vocabulary is gathered."""
+        has none for the call. A target split over ranks keeps the logits: its vocabulary is gathered. With a
+        draft vocabulary, the argmax over its rows (by kernels or torch), as a token id."""
         t = self.target
         if t.tp.world > 1:
             return None
-        return self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, t.head_weight)
+        if self.draft_ids is None:
+            return self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, t.head_weight)
+        rows = self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, self.draft_weight)
+        if rows is None:
+            rows = F.linear(t.final_norm(hidden, self.backend), self.draft_weight).float().argmax(-1)
+        return self.draft_ids[rows]

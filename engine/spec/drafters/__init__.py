@@ -39,6 +39,8 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         check_head(head, source.config)
         k = config.num_speculative_tokens
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
+        if config.spec_draft_vocab:
+            paged.restrict(load_draft_vocab(config.spec_draft_vocab, config.spec_draft_vocab_size))
         return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels())
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
@@ -46,6 +48,20 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         return DraftModelDrafter(config.num_speculative_tokens, build_model(draft, dtype, device, max_model_len + 1),
                                  backend, num_blocks, config.block_size, max_model_len, config.use_spec_kernels())
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
+
+
+def load_draft_vocab(path: str, size: int = 0) -> list[int]:
+    """The first `size` (0: all) token ids of a JSON list (or {"token_ids": [...]}, as specdec.eagle.token_ranks
+    writes it)."""
+    import json
+    with open(path) as f:
+        data = json.load(f)
+    ids = data["token_ids"] if isinstance(data, dict) else data
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"draft vocabulary {path}: expected a list of token ids")
+    if size > len(ids):
+        raise ValueError(f"draft vocabulary {path} has {len(ids)} ids; spec_draft_vocab_size asks for {size}")
+    return ids[:size] if size else ids
 
 
 def head_dir(config, source) -> str:
