@@ -126,10 +126,10 @@ class PagedHead:
         """Unguided drafts from these token ids only (EngineConfig.spec_draft_vocab): their rows of the LM head
         are gathered once, so a draft step reads len(token_ids) rows instead of the vocabulary. Guided drafts keep
         the whole vocabulary (the grammar's mask is over it); so does a target split over ranks."""
-        vocab = self.target.head_weight.shape[0]
         ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.target.head_weight.device)
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError("the draft vocabulary must be a non-empty list of token ids")
+        vocab = self.target.vocab
         if ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != ids.numel():
             raise ValueError(f"the draft vocabulary's ids must be distinct, in [0, {vocab})")
         if self.target.tp.world == 1:
