@@ -123,7 +123,7 @@ def floor_fields(eng, ms_per_step: float, bandwidth_gbs: float | None) -> dict:
                 floor_x=ms_per_step / floor_ms)
 
 
-def run_one(args, depth: int, streams: int) -> dict:
+def run_one(args, depth: int, streams: int, bandwidth_gbs: float | None = None) -> dict:
     mode = MODES[depth]
     model, dtype = args.model or "default", args.dtype
     extra = dict(depth=depth, enforce_eager=args.enforce_eager, **engine_overrides(args))
@@ -134,7 +134,7 @@ def run_one(args, depth: int, streams: int) -> dict:
         prompts = chat_prompts(eng, 2 * streams)             # timed: [:streams] (as bench/peers_hf.py)
         fields = time_generate(eng, prompts[:streams], prompts[streams:], args.new_tokens, args.warmup_tokens)
         tok_s, ms = fields.pop("tok_s"), fields.pop("ms_per_step")
-        fields.update(floor_fields(eng, ms, copy_bandwidth_gbs()))
+        fields.update(floor_fields(eng, ms, bandwidth_gbs))
         rec = record("throughput", mode, model, dtype, streams, args.new_tokens, tok_s, ms, **extra, **fields)
         note(f"{mode} streams={streams}: {tok_s:,.1f} tok/s, {ms:.2f} ms/step")
     except Exception as e:                # noqa: BLE001 - one failing config must not end the sweep
@@ -163,7 +163,8 @@ def table_columns(records) -> list[str]:
 def main(argv=None):
     args = parse_args(argv)
     cases = [(d, s) for d in args.depth for s in args.streams]
-    records = [run_one(args, d, s) for d, s in progress(cases, "throughput (depth, streams)")]
+    bandwidth = copy_bandwidth_gbs()      # once, before any engine holds the GPU's memory
+    records = [run_one(args, d, s, bandwidth) for d, s in progress(cases, "throughput (depth, streams)")]
     write_results(records, args.out)
     plot(records, "streams", "tok_s", "mode", str(args.out).rsplit(".", 1)[0] + ".png",
          f"specdec throughput ({records[0]['model']}, {args.dtype}, {args.new_tokens} new tokens)")

@@ -91,12 +91,10 @@ class StepProgram:
 
     def head_ids(self, hidden, variant: StepVariant):
         """A greedy step's tokens straight from the backend's LM head argmax kernels (head_gemv), or None where
-        the step needs its logits: a sampled step draws from them, a guided one masks them, an extras one
-        penalizes them or records their logprobs; a head split over ranks gathers its vocabulary."""
-        guided, greedy, extras = variant
-        if not (self.head_gemv and greedy) or guided or extras or hidden is None or self.model.tp.world > 1:
+        the step needs its logits (head_argmax)."""
+        if not self.head_gemv or hidden is None:
             return None
-        return self.backend.linear_argmax(hidden, self.model.head_weight)
+        return head_argmax(self.model, self.backend, hidden, variant)
 
     def step(self, slot: DecodeSlot, prev: DecodeSlot, variant: StepVariant, key=None) -> None:
         """The whole step into `slot.sampled`: at its exact size (key None, eager) or padded to a graph key."""
@@ -132,6 +130,16 @@ class StepProgram:
         if extras and slot.logprobs is not None:
             record(slot.logprobs[:rows, :1], logits, tokens[:, None])
         return tokens
+
+
+def head_argmax(model, backend, hidden, variant: StepVariant):
+    """The LM head's argmax of `hidden` from the backend's kernels (int64), or None where the step needs its
+    logits: a sampled step draws from them, a guided one masks them, an extras one penalizes them or records
+    their logprobs; a head split over ranks gathers its vocabulary; the backend may have no kernels for it."""
+    guided, greedy, extras = variant
+    if not greedy or guided or extras or model.tp.world > 1:
+        return None
+    return backend.linear_argmax(hidden, model.head_weight)
 
 
 def mark(slot: DecodeSlot, name: str) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from engine.logprobs import record
 from engine.sampler import NO_TOKEN
-from engine.step import StepProgram, mark
+from engine.step import StepProgram, head_argmax, mark
 from engine.spec.drafters.base import DraftContext, FeatureContext
 from engine.spec.verify import PAD, greedy_accept, greedy_accept_ids, rejection_sample
 
@@ -116,12 +116,10 @@ class SpecStepProgram(StepProgram):
 
     def target_ids(self, hidden, variant, T: int, S: int, K: int):
         """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels (verify_gemv), or
-        None where the step computes its logits: a sampled step draws from them, a guided one masks them, an
-        extras one records their logprobs; a target split over ranks gathers its vocabulary."""
-        guided, greedy, extras = variant
-        if not (self.verify_gemv and K and S and greedy) or guided or extras or self.model.tp.world > 1:
+        None where the step computes its logits (engine.step.head_argmax)."""
+        if not (self.verify_gemv and K and S):
             return None
-        ids = self.backend.linear_argmax(hidden[:T], self.model.head_weight)
+        ids = head_argmax(self.model, self.backend, hidden[:T], variant)
         return None if ids is None else ids.view(S, K + 1)
 
     # ---- 3. verify or sample -------------------------------------------------------------------
