@@ -63,7 +63,13 @@ def paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 class _Matmuls:
     """The matmuls of a layer with the op before them, on `self.ops` (the fused-op kernels or their torch
-    references) and cuBLAS."""
+    references) and cuBLAS; attention with RoPE and the KV store before it."""
+
+    def rope_attend(self, q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale):
+        """attend() on q and the step's new keys k and values v (q, k not yet rotated, k, v not yet cached), as
+        ops.rope_store_kv then attend()."""
+        q = self.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
 
     def linear(self, x, weight, bias=None):
         return F.linear(x, weight, bias)
@@ -117,7 +123,7 @@ class TritonAttention(_Matmuls):
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
-                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False):
+                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False):
         from engine.kernels import bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, fused_ops
         from engine.kernels import paged_attention
         if draft_gemv and not decode_gemv:
@@ -135,6 +141,7 @@ class TritonAttention(_Matmuls):
         self._gemm_rows = decode_gemm_rows                  # steps of _gemv_rows + 1 .. _gemm_rows rows: decode_gemm
         self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
         self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
+        self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
@@ -195,15 +202,22 @@ class TritonAttention(_Matmuls):
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta, scale):
-        return self._k.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                                       meta.block_tables, scale, meta.max_query_len, max_seq_len=meta.max_seq_len)
+    def attend(self, q, k_cache, v_cache, meta, scale, rope=None):
+        return self._k.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                       scale, meta.max_query_len, max_seq_len=meta.max_seq_len, rope=rope)
+
+    def rope_attend(self, q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale):
+        if self._rope_attention and self._k.fuses_rope(q.shape[1], k_cache.shape[2], meta.max_query_len,
+                                                       k_cache.shape[1]):
+            return self.attend(q, k_cache, v_cache, meta, scale, rope=(k, v, positions, *rope_cache, meta.slot_mapping))
+        return super().rope_attend(q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale)
 
 
 def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
-                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False):
+                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows, decode_gemv_rows, decode_gemm_split)
+        return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows, decode_gemv_rows, decode_gemm_split,
+                               rope_attention)
     raise ValueError(f"unknown attention backend {name!r}")

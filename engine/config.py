@@ -45,6 +45,9 @@ class EngineConfig:
                                        # weights read before the wait) not cuBLAS; needs decode_gemv
     decode_gemm_split: bool = False    # steps of 3 to decode_gemv_rows rows: decode_gemm takes the matmuls the GEMV
                                        # is slow at (narrow, long rows), the GEMV the wide ones (engine/attention.py)
+    rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
+                                       # verification): RoPE and the KV store inside the attention kernel, not a
+                                       # kernel of their own (engine/kernels/rope_kv.py), where the backend is Triton
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec_ops.py) where the backend is Triton
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch

@@ -43,3 +43,8 @@ def test_fused_logits_close_to_reference():
               for backend in ("torch", "triton")}
     ref, got = logits["torch"], logits["triton"]
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_fused_path_with_rope_as_its_own_kernel(reference):
+    """rope_attention off: RoPE + KV store run as their own kernel before attention, with the same tokens."""
+    assert _tokens("triton", 2, max_num_batched_tokens=16, rope_attention=False) == reference

@@ -178,7 +178,7 @@ def rms_norm_ref(x, weight, eps, residual=None):
     return out if residual is None else (out, h)
 
 
-def _check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping):
+def check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping):
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     dev, (n_tokens, _, head_dim) = q.device, q.shape
     for name, x in (("k", k), ("v", v)):
@@ -215,7 +215,7 @@ def rope_store_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, sl
     (block * block_size + offset); slot -1 writes nothing. q/k/v may be strided views (unit stride in D).
     Returns the rotated q as a new contiguous [T, Hq, D] tensor. Positions are not range-checked (no sync).
     """
-    _check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
+    check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
     _check_device(q.device)
     n_tokens, n_q_heads, head_dim = q.shape
     n_kv_heads = k.shape[1]

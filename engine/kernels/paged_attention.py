@@ -1,5 +1,6 @@
 """Triton kernels over the paged KV cache: store_kv, and one attention kernel for decode, prefill and
-mixed steps (semantics: engine.attention.paged_attention_torch).
+mixed steps (semantics: engine.attention.paged_attention_torch), optionally with RoPE and the KV store of the
+step's new tokens folded in (`rope=`: engine.kernels.fused_ops.rope_store_kv, then this).
 
 A program owns (query block, sequence, kv head[, KV split]). Its tile of BLOCK_M rows packs BLOCK_Q
 query tokens x the GROUP q heads that share the kv head (row m = token m // GROUP, head m % GROUP), so
@@ -9,6 +10,12 @@ tiles every query row may see (no mask), then the causal tail. When the grid is 
 GPU (decode at low batch) the KV range is split over NUM_SPLITS programs and a second kernel merges
 their partial (acc, max, sum). Grid and constexprs depend only on shapes and host ints: no
 device->host sync, so both entry points can be captured in CUDA graphs.
+
+With `rope=` (steps whose every sequence's new tokens fit one query block: decode, verification, small trees),
+the program rotates its q rows itself and, before walking KV, rotates and stores the new keys (and values) of its
+kv head that fall in its split's range, then a CTA barrier makes them visible to its own loads. Each new key
+lies in exactly one split's range and is read by no other program, so no other program waits on it: one kernel a
+layer fewer. Rotation and rounding are rope_store_kv's, so the two paths give the same bits.
 """
 from __future__ import annotations
 
@@ -19,10 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import fused_ops
+from engine.kernels.attention_checks import check_attention, check_cache, check_index, check_rows
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
+from engine.kernels.rope_kv import rope_rows, store_new_kv
 
 _LOG2E = 1.4426950408889634
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
@@ -73,11 +82,12 @@ def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, sta
 @triton.jit
 def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l, cu_q, seq_lens, bt_ptr,
                        qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt_b, stride_bt_n,
-                       stride_blk, stride_pos, stride_kvh,
+                       stride_blk, stride_pos, stride_kvh, kn_ptr, vn_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
+                       stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       ROPE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     q_block = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
@@ -97,8 +107,12 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
     q_row = q_start + q_idx
-    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:
+        q = rope_rows(q_ptr, q_row, head, stride_qt, stride_qh, row_ok, pos_ptr, cos_ptr, sin_ptr, stride_cos, offs_d,
+                       HEAD_DIM).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx + q_idx
 
     # This block needs keys [0, kv_end); this split takes [lo, hi) of them, TILE_N-aligned.
@@ -114,6 +128,11 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     acc = tl.full((BLOCK_M, HEAD_PAD), 0.0, tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
     kv_off_head = kv_head * stride_kvh
+    if ROPE:  # one query block (the wrapper checks): this program's new keys are all this sequence's in [lo, hi)
+        store_new_kv(kn_ptr, vn_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, stride_knt, stride_knh,
+                      stride_vnt, stride_vnh, stride_cos, stride_pos, kv_off_head, kv_head, q_start, q_len, ctx, lo,
+                      hi, offs_d, BLOCK_M, HEAD_DIM)
+        tl.debug_barrier()  # the CTA's stores above are visible to its loads below
     for start in range(lo, full_hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
                                    kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
@@ -164,45 +183,14 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _check_cache(k_cache, v_cache):
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache dtype {k_cache.dtype} != v_cache dtype {v_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    block_size = k_cache.shape[1]
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-
-
-def _check_rows(name, x, cache, device):
-    """x: [T, heads, head_dim] rows with unit stride in head_dim, on the cache's device."""
-    if x.dim() != 3:
-        raise ValueError(f"{name} must be [T, heads, head_dim], got shape {tuple(x.shape)}")
-    if x.shape[2] != cache.shape[3]:
-        raise ValueError(f"{name} head_dim {x.shape[2]} != cache head_dim {cache.shape[3]}")
-    if x.stride(2) != 1:
-        raise ValueError(f"{name} must have unit stride in head_dim")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device}, the cache on {device}")
-
-
-def _check_index(name, x, dim, device):
-    if x.dim() != dim or x.dtype not in _INDEX_DTYPES or x.device != device:
-        raise ValueError(f"{name} must be a {dim}-D int32/int64 tensor on {device}, "
-                         f"got {x.dim()}-D {x.dtype} on {x.device}")
-
-
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     """Write k/v [T, num_kv_heads, head_dim] into flat cache slots slot_mapping [T]; slot -1 writes nothing."""
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     for name, x in (("k", k), ("v", v)):
-        _check_rows(name, x, k_cache, k_cache.device)
+        check_rows(name, x, k_cache, k_cache.device)
         if x.shape[1] != k_cache.shape[2]:
             raise ValueError(f"{name} has {x.shape[1]} kv heads, the cache {k_cache.shape[2]}")
-    _check_index("slot_mapping", slot_mapping, 1, k_cache.device)
+    check_index("slot_mapping", slot_mapping, 1, k_cache.device)
     if not (k.shape[0] == v.shape[0] == slot_mapping.shape[0]):
         raise ValueError(f"k, v, slot_mapping disagree on T: {k.shape[0]}, {v.shape[0]}, {slot_mapping.shape[0]}")
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -241,43 +229,34 @@ def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
     return max(1, min(32, 1 << (min(want, cap).bit_length() - 1)))
 
 
-def _check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
-    _check_cache(k_cache, v_cache)
-    dev = k_cache.device
-    _check_rows("q", q, k_cache, dev)
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
-    if q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
-    _check_index("cu_seqlens_q", cu_seqlens_q, 1, dev)
-    _check_index("seq_lens", seq_lens, 1, dev)
-    _check_index("block_tables", block_tables, 2, dev)
-    b = seq_lens.shape[0]
-    if cu_seqlens_q.shape[0] != b + 1 or block_tables.shape[0] != b:
-        raise ValueError(f"batch mismatch: cu_seqlens_q {cu_seqlens_q.shape[0]} (want {b + 1}), "
-                         f"block_tables {block_tables.shape[0]} (want {b})")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev
-                            or out.stride(2) != 1):
-        raise ValueError("out must match q's shape, dtype and device, with unit stride in head_dim")
+def fuses_rope(num_heads: int, num_kv_heads: int, max_query_len: int, block_size: int) -> bool:
+    """Whether paged_attention takes `rope=` for steps of up to max_query_len new tokens a sequence: all of a
+    sequence's queries in one block (no other program may need the keys one stores)."""
+    return max_query_len <= _tile_config(num_heads // num_kv_heads, max_query_len, block_size)[1]
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len,
-                    *, out=None, num_splits=None, max_seq_len=None):
+                    *, out=None, num_splits=None, max_seq_len=None, rope=None):
     """Causal attention of q [T, num_heads, head_dim] over the paged cache; returns out [T, num_heads, head_dim].
 
     max_query_len: host int >= every sequence's query length. out: optional buffer to write into (rows
     past cu_seqlens_q[-1] are left as they are). num_splits: KV splits (power of two), default by grid size
     and max_seq_len (a host bound on seq_lens; default: the block tables' capacity). Any split count is
     correct for any seq_lens: the bound only sizes the parallelism.
+    rope: (k, v, positions, cos_cache, sin_cache, slot_mapping), rope_store_kv's arguments: q and k are not yet
+    rotated, and the new keys and values are not yet cached; the kernel does both, as rope_store_kv would
+    (q / k / v may be strided views). Needs fuses_rope(...) for max_query_len.
     """
-    _check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
+    check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     if isinstance(max_query_len, torch.Tensor) or isinstance(scale, torch.Tensor):
         raise ValueError("max_query_len and scale must be host numbers (a tensor would need a sync)")
     max_query_len = operator.index(max_query_len)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if rope is not None:
+        _check_rope(q, rope, k_cache, v_cache, max_query_len)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
@@ -296,16 +275,28 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
         part_m, part_l = torch.empty((2, num_tokens, num_heads, num_splits), dtype=torch.float32,
                                      device=q.device).unbind(0)
+    k, v, positions, cos, sin, slots = rope if rope is not None else (q, q, seq_lens, q, q, seq_lens)  # unread
     _paged_attn_kernel[(q_blocks * num_splits, num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables,
         float(scale) * _LOG2E, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k, v, positions, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: exact products, for equality tests
-        **pdl(_paged_attn_kernel, q.device, num_tokens))
+        ROPE=rope is not None, **pdl(_paged_attn_kernel, q.device, num_tokens))
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(_combine_kernel, q.device, num_tokens))
     return out
+
+
+def _check_rope(q, rope, k_cache, v_cache, max_query_len: int) -> None:
+    if not isinstance(rope, (tuple, list)) or len(rope) != 6:
+        raise ValueError("rope must be (k, v, positions, cos_cache, sin_cache, slot_mapping)")
+    k, v, positions, cos, sin, slots = rope
+    fused_ops.check_rope(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    if not fuses_rope(q.shape[1], k_cache.shape[2], max_query_len, k_cache.shape[1]):
+        raise ValueError(f"rope= needs every sequence's queries in one block; max_query_len {max_query_len} is "
+                         "too many (fuses_rope): run fused_ops.rope_store_kv, then paged_attention")

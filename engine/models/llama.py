@@ -114,9 +114,7 @@ class Attention(nn.Module):
     def forward_fused(self, qkv, positions, rope_cache, meta: AttentionMetadata, kv_cache, backend):
         """From the fused QKV projection's output to o_proj's."""
         q, k, v = self._qkv(qkv)
-        k_cache, v_cache = kv_cache
-        q = backend.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
-        out = backend.attend(q, k_cache, v_cache, meta, self.scale).view(-1, self.q_size)
+        out = backend.rope_attend(q, k, v, positions, rope_cache, *kv_cache, meta, self.scale).view(-1, self.q_size)
         return backend.linear(out, self.o_proj.weight)
 
 

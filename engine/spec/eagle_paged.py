@@ -107,8 +107,12 @@ class PagedHead:
 
     def attend(self, q, meta: AttentionMetadata, residual):
         """The layer's output [N, H] for queries q [N, heads, head_dim] (one per sequence of `meta`)."""
+        return self._finish(self.backend.attend(q.contiguous(), self.k_cache, self.v_cache, meta, self.scale),
+                            residual)
+
+    def _finish(self, out, residual):
+        """o_proj, the residual, the post-attention norm and the MLP on the attention output [N, heads, head_dim]."""
         h = self.head
-        out = self.backend.attend(q.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
         o = self.backend.linear(out.flatten(1), h.o_proj.weight)
         gate_up, hidden = self.backend.norm_linear(o, residual, h.post_norm, self.cfg.rms_norm_eps, self.gate_up_weight)
         return self.backend.silu_linear(gate_up, h.down_proj.weight, residual=hidden)
@@ -116,7 +120,9 @@ class PagedHead:
     def step(self, hidden, token, positions, meta: AttentionMetadata):
         """Draft step i >= 1: the previous hidden state and draft token at `positions` (one per sequence)."""
         q, k, v = self._inputs(hidden, token)
-        return self.attend(self._rope_store(q, k, v, positions, meta.slot_mapping), meta, hidden)
+        out = self.backend.rope_attend(q, k, v, positions, (self.cos, self.sin), self.k_cache, self.v_cache, meta,
+                                       self.scale)
+        return self._finish(out, hidden)
 
     def logits(self, hidden):
         """The target's final norm and LM head on the head's hidden states -> float logits [N, V]."""

@@ -1,0 +1,57 @@
+"""Argument checks of engine/kernels/paged_attention.py's entry points: each raises ValueError naming the problem."""
+from __future__ import annotations
+
+import torch
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_cache(k_cache, v_cache):
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} != v_cache dtype {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+def check_rows(name, x, cache, device):
+    """x: [T, heads, head_dim] rows with unit stride in head_dim, on the cache's device."""
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [T, heads, head_dim], got shape {tuple(x.shape)}")
+    if x.shape[2] != cache.shape[3]:
+        raise ValueError(f"{name} head_dim {x.shape[2]} != cache head_dim {cache.shape[3]}")
+    if x.stride(2) != 1:
+        raise ValueError(f"{name} must have unit stride in head_dim")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, the cache on {device}")
+
+
+def check_index(name, x, dim, device):
+    if x.dim() != dim or x.dtype not in _INDEX_DTYPES or x.device != device:
+        raise ValueError(f"{name} must be a {dim}-D int32/int64 tensor on {device}, "
+                         f"got {x.dim()}-D {x.dtype} on {x.device}")
+
+
+def check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
+    check_cache(k_cache, v_cache)
+    dev = k_cache.device
+    check_rows("q", q, k_cache, dev)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    check_index("cu_seqlens_q", cu_seqlens_q, 1, dev)
+    check_index("seq_lens", seq_lens, 1, dev)
+    check_index("block_tables", block_tables, 2, dev)
+    b = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != b + 1 or block_tables.shape[0] != b:
+        raise ValueError(f"batch mismatch: cu_seqlens_q {cu_seqlens_q.shape[0]} (want {b + 1}), "
+                         f"block_tables {block_tables.shape[0]} (want {b})")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev
+                            or out.stride(2) != 1):
+        raise ValueError("out must match q's shape, dtype and device, with unit stride in head_dim")
