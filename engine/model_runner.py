@@ -60,7 +60,8 @@ class ModelRunner:
         self.model = build_model(source, self.dtype, self.device, max_model_len, tp)
         self.vocab = source.config["vocab_size"]
         self.backend = make_backend(config.backend_name(), config.decode_gemv, config.draft_gemv and config.decode_gemv,
-                                    config.decode_gemm_rows, config.decode_gemv_rows, config.decode_gemm_split,
+                                    config.decode_gemm_rows, config.decode_gemv_rows,
+                                    config.decode_gemm_split and config.decode_gemv,
                                     config.rope_attention)
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)

@@ -192,8 +192,7 @@ def test_split_routes_narrow_long_matmuls_of_the_gemv_rows_to_gemm(monkeypatch):
     with pytest.raises(ValueError, match="decode_gemm_split"):
         attention.TritonAttention(decode_gemm_split=True)
     from engine.config import EngineConfig
-    with pytest.raises(ValueError, match="decode_gemm_split"):
-        EngineConfig(decode_gemm_split=True, decode_gemv=False)
+    assert EngineConfig(decode_gemv=False).decode_gemm_split      # on by default, where decode_gemv is on
 
 
 def test_the_switch_and_the_dependent_launch_limit():
