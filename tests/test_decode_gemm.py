@@ -185,7 +185,7 @@ def test_split_routes_narrow_long_matmuls_of_the_gemv_rows_to_gemm(monkeypatch):
              (4, 384, 72, dg), (4, 120, gm.MAX_K + 8, dg)]                 # gate_up (N 5.3 K); K past decode_gemm
     for m, n, k, want in cases:
         x, w = randn(m, k, seed=m + k), randn(n, k, seed=n + k)
-        torch.testing.assert_close(split.linear(x, w), off.linear(x, w), rtol=1e-5, atol=1e-5)
+        close(split.linear(x, w), off.linear(x, w))                  # fp32: summation order only
         assert calls == [want], (m, n, k)
         calls.clear()
     assert split.linear(randn(5, 72, seed=1), randn(120, 72, seed=2)) is not None and calls == []   # past 4: cuBLAS
