@@ -91,10 +91,12 @@ def test_argmax_epilogue(dtype):
 
 
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=8, BLOCK_N=8, BLOCK_K=16, num_warps=4, num_stages=1),
+                                 dict(BLOCK_M=8, GROUPS=2, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
                                  dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=1)],
-                         ids=["small", "large"])
+                         ids=["small", "two-groups-a-program", "large"])
 def test_any_config_gives_the_same_bits(cfg, monkeypatch):
-    """What a bench's sweep may pass: other groups, tiles and chunks give the exact integer results."""
+    """What a bench's sweep may pass: other groups, groups a program (all of them without GROUPS), tiles and
+    chunks give the exact integer results."""
     monkeypatch.setattr(gm, "decode_gemm_config", lambda m, n, k: dict(cfg))
     x, w, nw = randint(17, 96, seed=14), randint(70, 96, seed=15), torch.ones(96, device=DEV)
     assert torch.equal(gm.decode_linear(x, w), F.linear(x, w))
@@ -102,6 +104,9 @@ def test_any_config_gives_the_same_bits(cfg, monkeypatch):
     assert torch.equal(gm.decode_silu_linear(gu, w), F.linear(30 * x, w))
     x = torch.where(randn(17, 96, seed=16) > 0, 4.0, -4.0)
     assert torch.equal(gm.decode_norm_linear(x, nw, 0.0, w)[0], F.linear(x / 4, w))
+    h = torch.where(randn(17, 96, seed=17) > 0, 1.0, -1.0)            # x + residual: every row's new residual
+    out, new_res = gm.decode_norm_linear(x - h, nw, 0.0, w, residual=h)
+    assert torch.equal(new_res, x) and torch.equal(out, F.linear(x / 4, w))
 
 
 def test_pieces_and_default_configs():

@@ -144,8 +144,10 @@ def _decode_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
                         GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, K0: tl.constexpr, BK0: tl.constexpr,
                         K1: tl.constexpr, BK1: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                         USE_PDL: tl.constexpr):
-    """decode_gemv's kernel for GROUPS * BLOCK_M rows on tensor cores: y = A @ w.T over pieces K0 (+ K1) of K."""
+    """decode_gemv's kernel on tensor cores: y = A @ w.T over pieces K0 (+ K1) of K, for the GROUPS groups of
+    BLOCK_M rows from program_id(1) * GROUPS * BLOCK_M."""
     pid = tl.program_id(0)
+    first = tl.program_id(1) * (GROUPS * BLOCK_M)
     dtype = x_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -164,9 +166,9 @@ def _decode_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for g in tl.static_range(GROUPS):
-        offs_m = g * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = first + g * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
-        if PROLOGUE == "norm":
+        if PROLOGUE == "norm":   # the programs of the first weight rows store their rows' new residual
             ss = _sum_sq(x_ptr, res_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, offs_m, m_ok, K, pid == 0,
                          0, K0, BK0, HAS_RESIDUAL)
             if K1 > 0:
@@ -196,10 +198,12 @@ def pieces(k: int) -> tuple[int, int]:
 def decode_gemm_config(m: int, n: int, k: int) -> dict:
     """Launch parameters by shape (a bench may replace this function). BLOCK_N: 32 rows where that still leaves
     >= 64 programs and fits 2 * _ELEMS weights, else 16; BLOCK_M: tokens a group (the x tile beside the weight,
-    8 for K > 1024); BLOCK_K: columns a chunk; 8 warps past _ELEMS. No loop to pipeline: num_stages 1."""
+    8 for K > 1024); GROUPS: groups a program (1: the groups of a step's rows are programs of their own, each
+    reading the weight tile again, from L2 after the first, so that 17-32 rows fill twice to four times the SMs);
+    BLOCK_K: columns a chunk; 8 warps past _ELEMS. No loop to pipeline: num_stages 1."""
     width = sum(pieces(k))
     block_n = 32 if n >= 64 * 32 and 32 * width <= 2 * _ELEMS else 16
-    return dict(BLOCK_M=16 if width <= 1024 else 8, BLOCK_N=block_n, BLOCK_K=64,
+    return dict(BLOCK_M=16 if width <= 1024 else 8, GROUPS=1, BLOCK_N=block_n, BLOCK_K=64,
                 num_warps=4 if block_n * width <= _ELEMS else 8, num_stages=1)
 
 
@@ -216,14 +220,15 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     m, n = x.shape[0], weight.shape[0]
     cfg = dict(decode_gemm_config(m, n, k))
     block_m, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K")
+    groups = min(cfg.pop("GROUPS", triton.cdiv(m, block_m)), triton.cdiv(m, block_m))
     k0, k1 = pieces(k)
     grid = triton.cdiv(n, cfg["BLOCK_N"])
     out, idx, new_res, res, add = decode_gemv.buffers(x, n, k, grid, epilogue, residual, add)
     upcast = x.dtype == torch.bfloat16 and interpreted()
-    _decode_gemm_kernel[(grid,)](
+    _decode_gemm_kernel[(grid, triton.cdiv(m, groups * block_m))](
         x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),
         new_res.stride(0), add.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        EPILOGUE=epilogue, BLOCK_M=block_m, GROUPS=triton.cdiv(m, block_m), K0=k0, BK0=min(block_k, k0), K1=k1,
+        EPILOGUE=epilogue, BLOCK_M=block_m, GROUPS=groups, K0=k0, BK0=min(block_k, k0), K1=k1,
         BK1=min(block_k, max(k1, 16)), UPCAST=upcast, PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
         **cfg, **pdl(_decode_gemm_kernel, x.device, m))
     return out, new_res, idx
