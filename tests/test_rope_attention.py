@@ -8,6 +8,7 @@ import torch
 
 from conftest import triton_module
 from engine.models.llama import rope_inv_freq, rope_tables
+from test_triton_attention import make_batch
 
 ta = triton_module("paged_attention")
 fo = triton_module("fused_ops")
@@ -19,35 +20,22 @@ DTYPES = [torch.float32] if DEV == "cpu" else [torch.float32, torch.bfloat16]
 def make_step(q_lens, seq_lens, num_heads, num_kv_heads, head_dim=64, block_size=16, dtype=torch.float32, seed=0):
     """A step whose sequences' last q_lens[i] positions are new: older positions cached, the new slots NaN
     (a kernel reading a new key before storing it gives NaN), q / k / v views of one fused projection."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
-    num_blocks = len(seq_lens) * max_blocks + 2
-    tables = torch.randperm(num_blocks, generator=g, device=DEV)[:len(seq_lens) * max_blocks]
-    tables = tables.reshape(len(seq_lens), max_blocks).to(torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
-    positions, slots = [], []
-    for i, (n, q_len) in enumerate(zip(seq_lens, q_lens)):
-        pos = torch.arange(n, device=DEV)
-        slot = tables[i, pos // block_size].long() * block_size + pos % block_size
-        old = slot[:n - q_len]
-        k_cache.view(-1, num_kv_heads, head_dim)[old] = torch.randn(len(old), num_kv_heads, head_dim, generator=g,
-                                                                     device=DEV).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[old] = torch.randn(len(old), num_kv_heads, head_dim, generator=g,
-                                                                     device=DEV).to(dtype)
-        positions.append(pos[n - q_len:])
-        slots.append(slot[n - q_len:])
-    positions, slots = torch.cat(positions), torch.cat(slots)
+    _, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                           DEV, seed=seed)
+    positions = torch.cat([torch.arange(n - q, n, device=DEV) for q, n in zip(q_lens, seq_lens)])
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=DEV), torch.tensor(q_lens, device=DEV))
+    slots = meta.block_tables[seq, positions // block_size].long() * block_size + positions % block_size
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, head_dim)[slots] = float("nan")
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(len(positions), width + 8, generator=g, device=DEV).to(dtype)    # + 8: rows not contiguous
     q, k, v = qkv[:, :width].split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
-    cu = torch.tensor([0] + list(q_lens), device=DEV).cumsum(0).to(torch.int32)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     cos, sin = rope_tables(rope_inv_freq({"rope_theta": 10000.0}, head_dim), max(seq_lens) + 1, DEV)
     return dict(q=q.view(-1, num_heads, head_dim), k=k.view(-1, num_kv_heads, head_dim),
                 v=v.view(-1, num_kv_heads, head_dim), positions=positions, slots=slots, cos=cos, sin=sin,
-                k_cache=k_cache, v_cache=v_cache, cu=cu, seq_lens=seq_lens_t, tables=tables, max_q=max(q_lens))
+                k_cache=k_cache, v_cache=v_cache, cu=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
+                tables=meta.block_tables, max_q=max(q_lens))
 
 
 def both_paths(s, num_splits):
