@@ -115,6 +115,7 @@ class TorchAttention(_Matmuls):
 
 
 SPLIT_MIN_ROWS, SPLIT_MIN_WORK, SPLIT_WIDE = 3, 2304, 4     # TritonAttention._split_to_gemm
+SEMAPHORES = 1024   # split_merge's counters: KV splits only where a launch has fewer groups than half the SMs
 
 
 class TritonAttention(_Matmuls):
@@ -123,7 +124,8 @@ class TritonAttention(_Matmuls):
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
-                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False):
+                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
+                 split_merge: bool = False, device=None):
         from engine.kernels import bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, fused_ops
         from engine.kernels import paged_attention
         if draft_gemv and not decode_gemv:
@@ -142,6 +144,9 @@ class TritonAttention(_Matmuls):
         self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
         self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
+        # split_merge: the counters of split attention's groups, zero between kernels (each launch leaves them so);
+        # the kernels that use them run one after another on the compute stream
+        self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self.ops = fused_ops
 
@@ -204,7 +209,8 @@ class TritonAttention(_Matmuls):
 
     def attend(self, q, k_cache, v_cache, meta, scale, rope=None):
         return self._k.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                                       scale, meta.max_query_len, max_seq_len=meta.max_seq_len, rope=rope)
+                                       scale, meta.max_query_len, max_seq_len=meta.max_seq_len, rope=rope,
+                                       semaphores=self._semaphores)
 
     def rope_attend(self, q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale):
         if self._rope_attention and self._k.fuses_rope(q.shape[1], k_cache.shape[2], meta.max_query_len,
@@ -214,10 +220,11 @@ class TritonAttention(_Matmuls):
 
 
 def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
-                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False):
+                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
+                 split_merge: bool = False, device=None):
     if name == "torch":
         return TorchAttention()
     if name == "triton":
         return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows, decode_gemv_rows, decode_gemm_split,
-                               rope_attention)
+                               rope_attention, split_merge, device)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -49,6 +49,9 @@ class EngineConfig:
     rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
                                        # verification): RoPE and the KV store inside the attention kernel, not a
                                        # kernel of their own (engine/kernels/rope_kv.py), where the backend is Triton
+    split_merge: bool = False          # attention split over KV (small batches) merges its splits in the attention
+                                       # kernel (a counter per group, engine/kernels/split_merge.py), not in a
+                                       # combine kernel of its own, where the backend is Triton
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec_ops.py) where the backend is Triton
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch

@@ -62,7 +62,7 @@ class ModelRunner:
         self.backend = make_backend(config.backend_name(), config.decode_gemv, config.draft_gemv and config.decode_gemv,
                                     config.decode_gemm_rows, config.decode_gemv_rows,
                                     config.decode_gemm_split and config.decode_gemv,
-                                    config.rope_attention)
+                                    config.rope_attention, config.split_merge, self.device)
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)
         self.num_blocks = tp.agree_min(self._num_kv_blocks())    # block tables index every rank's

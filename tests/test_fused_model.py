@@ -48,3 +48,9 @@ def test_fused_logits_close_to_reference():
 def test_fused_path_with_rope_as_its_own_kernel(reference):
     """rope_attention off: RoPE + KV store run as their own kernel before attention, with the same tokens."""
     assert _tokens("triton", 2, max_num_batched_tokens=16, rope_attention=False) == reference
+
+
+@pytest.mark.gpu
+def test_fused_path_with_splits_merged_in_the_attention_kernel(reference):
+    """split_merge: split attention (small batches on a GPU; the CPU never splits) merges in its own kernel."""
+    assert _tokens("triton", 2, max_num_batched_tokens=16, split_merge=True) == reference

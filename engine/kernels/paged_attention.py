@@ -30,6 +30,7 @@ from engine.kernels import fused_ops
 from engine.kernels.attention_checks import check_attention, check_cache, check_index, check_rows
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.rope_kv import rope_rows, store_new_kv
+from engine.kernels.split_merge import merge_if_last
 
 _LOG2E = 1.4426950408889634
 
@@ -83,11 +84,11 @@ def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, sta
 def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l, cu_q, seq_lens, bt_ptr,
                        qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt_b, stride_bt_n,
                        stride_blk, stride_pos, stride_kvh, kn_ptr, vn_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
-                       stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
+                       stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos, sem_ptr,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                       ROPE: tl.constexpr, USE_PDL: tl.constexpr):
+                       ROPE: tl.constexpr, MERGE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     q_block = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
@@ -152,6 +153,11 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
         tl.store(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_m + row, m_i, mask=row_ok)
         tl.store(part_l + row, l_i, mask=row_ok)
+        if MERGE:  # the group's last split program merges (engine/kernels/split_merge.py), no combine kernel
+            group_index = (q_block * tl.num_programs(1) + seq) * tl.num_programs(2) + kv_head
+            merge_if_last(sem_ptr, group_index, part_acc, part_m, part_l, out_ptr, q_row * num_heads + head, row_ok,
+                          q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], offs_d, d_ok,
+                          NUM_SPLITS, BLOCK_M, HEAD_PAD)
 
 
 @triton.jit
@@ -236,7 +242,7 @@ def fuses_rope(num_heads: int, num_kv_heads: int, max_query_len: int, block_size
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len,
-                    *, out=None, num_splits=None, max_seq_len=None, rope=None):
+                    *, out=None, num_splits=None, max_seq_len=None, rope=None, semaphores=None):
     """Causal attention of q [T, num_heads, head_dim] over the paged cache; returns out [T, num_heads, head_dim].
 
     max_query_len: host int >= every sequence's query length. out: optional buffer to write into (rows
@@ -246,6 +252,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     rope: (k, v, positions, cos_cache, sin_cache, slot_mapping), rope_store_kv's arguments: q and k are not yet
     rotated, and the new keys and values are not yet cached; the kernel does both, as rope_store_kv would
     (q / k / v may be strided views). Needs fuses_rope(...) for max_query_len.
+    semaphores: a zeroed int32 buffer (left zeroed) of at least one counter per (query block, sequence, kv head):
+    with it a split launch merges its splits itself (engine/kernels/split_merge.py), not in a second kernel.
     """
     check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     if isinstance(max_query_len, torch.Tensor) or isinstance(scale, torch.Tensor):
@@ -276,16 +284,19 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         part_m, part_l = torch.empty((2, num_tokens, num_heads, num_splits), dtype=torch.float32,
                                      device=q.device).unbind(0)
     k, v, positions, cos, sin, slots = rope if rope is not None else (q, q, seq_lens, q, q, seq_lens)  # unread
+    groups = q_blocks * num_seqs * num_kv_heads
+    merge = num_splits > 1 and semaphores is not None and _check_semaphores(semaphores, q.device) >= groups
     _paged_attn_kernel[(q_blocks * num_splits, num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables,
         float(scale) * _LOG2E, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k, v, positions, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        semaphores if merge else seq_lens,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: exact products, for equality tests
-        ROPE=rope is not None, **pdl(_paged_attn_kernel, q.device, num_tokens))
-    if num_splits > 1:
+        ROPE=rope is not None, MERGE=merge, **pdl(_paged_attn_kernel, q.device, num_tokens))
+    if num_splits > 1 and not merge:
         _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(_combine_kernel, q.device, num_tokens))
@@ -300,3 +311,11 @@ def _check_rope(q, rope, k_cache, v_cache, max_query_len: int) -> None:
     if not fuses_rope(q.shape[1], k_cache.shape[2], max_query_len, k_cache.shape[1]):
         raise ValueError(f"rope= needs every sequence's queries in one block; max_query_len {max_query_len} is "
                          "too many (fuses_rope): run fused_ops.rope_store_kv, then paged_attention")
+
+
+def _check_semaphores(sem, device) -> int:
+    """The counters a semaphore buffer holds (a split launch needing more merges in the combine kernel)."""
+    if sem.dtype != torch.int32 or sem.dim() != 1 or sem.device != device:
+        raise ValueError(f"semaphores must be a 1-D int32 tensor on {device}, got {sem.dim()}-D {sem.dtype} on "
+                         f"{sem.device}")
+    return sem.numel()

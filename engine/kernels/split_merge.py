@@ -1,0 +1,50 @@
+"""The merge of engine/kernels/paged_attention.py's KV splits inside the attention kernel (its `semaphores=`), in
+place of the separate combine kernel: each split program stores its partial (acc, max, sum) as before, then takes
+a ticket from its (query block, sequence, kv head)'s counter; the program that takes the last one merges the
+partials of all splits and resets the counter to 0 for the next launch (so a counter buffer stays zero between
+kernels, CUDA graph replays included).
+
+Ordering: a CTA barrier after the partial stores, then the ticket as one acq_rel atomic at GPU scope (release:
+this CTA's partials are visible before the count says so; acquire: the last program sees every other's), and the
+partials are read past L1 (.cg). The merge is the combine kernel's math (max, weights exp2(m - max), weighted sums)
+over the splits in order; its sum order differs from the combine kernel's reduction, so fp32 results agree to
+rounding.
+"""
+import triton
+import triton.language as tl
+
+from engine.kernels.common import reduce_max
+
+
+@triton.jit
+def merge_if_last(sem_ptr, index, part_acc, part_m, part_l, out_ptr, first, row_ok, out_off, offs_d, d_ok,
+                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """After this program stored its partials: take a ticket from counter `index`; the last of the group's
+    NUM_SPLITS programs merges them into out[rows] and resets the counter. first [BLOCK_M]: each row's
+    (token * num_heads + head); out_off: each row's out offsets [BLOCK_M, HEAD_PAD]; rows not `row_ok` are
+    neither read nor written."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(sem_ptr + index, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:
+        _merge(part_acc, part_m, part_l, out_ptr, first, row_ok, out_off, offs_d, d_ok, NUM_SPLITS, BLOCK_M, HEAD_PAD)
+        tl.atomic_xchg(sem_ptr + index, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge(part_acc, part_m, part_l, out_ptr, first, row_ok, out_off, offs_d, d_ok,
+           NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """The combine kernel's math for this program's rows, the splits summed in order."""
+    base = first * NUM_SPLITS
+    m = tl.load(part_m + base[:, None] + tl.arange(0, NUM_SPLITS)[None, :], mask=row_ok[:, None],
+                other=float("-inf"), cache_modifier=".cg")
+    m_max = reduce_max(m, 1)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    acc = tl.zeros((BLOCK_M, HEAD_PAD), dtype=tl.float32)
+    l_tot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp2(tl.load(part_m + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+        l_tot += w * tl.load(part_l + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * tl.load(part_acc + (base + s)[:, None] * HEAD_PAD + offs_d[None, :],
+                                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+    o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+    tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
