@@ -54,3 +54,34 @@ def test_fused_path_with_rope_as_its_own_kernel(reference):
 def test_fused_path_with_splits_merged_in_the_attention_kernel(reference):
     """split_merge: split attention (small batches on a GPU; the CPU never splits) merges in its own kernel."""
     assert _tokens("triton", 2, max_num_batched_tokens=16, split_merge=True) == reference
+
+
+def _prefill_features(engine, ids, aux_layers):
+    """(final hidden states, the aux layers' outputs) of a one-shot prefill of `ids`, as an EAGLE step reads them."""
+    from engine.scheduler import ScheduledRow
+    from engine.sequence import SamplingParams, Sequence
+    seq = Sequence(10**6, list(ids), SamplingParams(max_tokens=1), seed=0,
+                   block_table=engine.blocks.allocate(engine.blocks.blocks_needed(len(ids), 0)))
+    runner, slot, n = engine.runner, engine.runner.slots[0], len(ids)
+    try:
+        runner.prepare(slot, [ScheduledRow(seq, 0, n, True)])
+        slot.upload()
+        with torch.inference_mode():
+            meta = runner.program.meta(slot, n, 1, n, n)
+            return runner.model(slot.dev["input_ids"][:n], slot.dev["positions"][:n], meta, runner.kv_caches,
+                                runner.backend, aux_layers)
+    finally:
+        engine.blocks.free(seq.block_table)
+
+
+def test_fused_path_gives_the_reference_aux_layers():
+    """The layers' outputs an EAGLE head reads (the fused path takes them from the next layer's norm and the
+    final norm, which add them anyway): the reference path's, in the order asked, a layer asked twice."""
+    aux = (1, 0, 1)
+    out = {backend: _prefill_features(LLMEngine(model="dummy:tiny", device=DEVICE, dtype="float32",
+                                                attention_backend=backend, max_model_len=256), PROMPTS[2], aux)
+           for backend in ("torch", "triton")}
+    (ref_h, ref_aux), (h, got) = out["torch"], out["triton"]
+    assert got.shape == ref_aux.shape == (len(PROMPTS[2]), 3 * ref_h.shape[1])
+    for a, b in ((h, ref_h), (got, ref_aux)):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5

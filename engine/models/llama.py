@@ -149,12 +149,14 @@ class DecoderLayer(nn.Module):
         return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
     def forward_fused(self, h, residual, positions, rope_cache, meta, kv_cache, backend):
-        """h: the previous layer's output, not yet added to `residual` (None at the first layer)."""
+        """h: the previous layer's output, not yet added to `residual` (None at the first layer). Returns this
+        layer's (h, residual) likewise, and its input: h + residual as given (the previous layer's output), which
+        the input norm's kernel writes anyway."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend)
+        qkv, layer_input = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend)
         h = self.tp.all_reduce(attn.forward_fused(qkv, positions, rope_cache, meta, kv_cache, backend))
-        gate_up, residual = _norm_proj(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, backend)
-        return self.tp.all_reduce(mlp.down_fused(gate_up, backend)), residual
+        gate_up, residual = _norm_proj(h, layer_input, self.post_attention_layernorm, mlp.gate_up_proj, backend)
+        return self.tp.all_reduce(mlp.down_fused(gate_up, backend)), residual, layer_input
 
 
 def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend):
@@ -220,11 +222,10 @@ class LlamaForCausalLM(nn.Module):
     def _forward_fused(self, input_ids, positions, meta, kv_caches, backend, aux_layers=()):
         h, residual, aux = self.embed_tokens(input_ids), None, {}
         rope_cache = (self.cos_cache, self.sin_cache)
+        # a layer's output (h + residual) is the next one's input, and the final norm's: taken from there, no add
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            h, residual = layer.forward_fused(h, residual, positions, rope_cache, meta, kv, backend)
-            if i in aux_layers:
-                aux[i] = h + residual
-        h, _ = backend.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
+            h, residual, aux[i - 1] = layer.forward_fused(h, residual, positions, rope_cache, meta, kv, backend)
+        h, aux[len(self.layers) - 1] = backend.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
         return (h, _in_order(aux, aux_layers)) if aux_layers else h
 
     def final_norm(self, x, backend):
