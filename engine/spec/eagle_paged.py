@@ -81,6 +81,12 @@ class PagedHead:
                                          w.device)
         self.scale = c.head_dim ** -0.5
         self.draft_ids = self.draft_weight = None       # restrict(): a draft vocabulary
+        # the embedding, both norms and their stack in one kernel (engine/kernels/head_ops.py) on the fused path
+        # with the whole vocabulary here (one rank)
+        self._pair_norm = None
+        if backend.fused and target.tp.world == 1:
+            from engine.kernels import head_ops
+            self._pair_norm = head_ops.embed_pair_norm
 
     def _unit_norm(self, x, parts: int):
         """RMS-norm each of the `parts` H-wide pieces of x [N, parts * H] (unit weight)."""
@@ -90,7 +96,11 @@ class PagedHead:
     def _inputs(self, feature, next_ids):
         """Normed [embedding of the next token, feature] -> fused q / k / v [N, heads, head_dim]."""
         c = self.cfg
-        x = self._unit_norm(torch.stack([self.target.embed_tokens(next_ids), feature.to(self.unit.dtype)], dim=1), 2)
+        if self._pair_norm is not None:
+            x = self._pair_norm(next_ids, self.target.embed_tokens.weight, feature.to(self.unit.dtype), self.unit,
+                                c.rms_norm_eps)
+        else:
+            x = self._unit_norm(torch.stack([self.target.embed_tokens(next_ids), feature.to(self.unit.dtype)], 1), 2)
         q, k, v = self.backend.linear(x, self.qkv_weight).split(self.sizes, dim=-1)
         return (q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
                 v.view(-1, c.num_kv_heads, c.head_dim))
