@@ -219,12 +219,10 @@ class TritonAttention(_Matmuls):
         return super().rope_attend(q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale)
 
 
-def make_backend(name: str, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
-                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
-                 split_merge: bool = False, device=None):
+def make_backend(name: str, **switches):
+    """The attention backend `name`; `switches` (TritonAttention's keywords) configure the Triton one."""
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention(decode_gemv, draft_gemv, decode_gemm_rows, decode_gemv_rows, decode_gemm_split,
-                               rope_attention, split_merge, device)
+        return TritonAttention(**switches)
     raise ValueError(f"unknown attention backend {name!r}")

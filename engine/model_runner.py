@@ -59,10 +59,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = build_model(source, self.dtype, self.device, max_model_len, tp)
         self.vocab = source.config["vocab_size"]
-        self.backend = make_backend(config.backend_name(), config.decode_gemv, config.draft_gemv and config.decode_gemv,
-                                    config.decode_gemm_rows, config.decode_gemv_rows,
-                                    config.decode_gemm_split and config.decode_gemv,
-                                    config.rope_attention, config.split_merge, self.device)
+        self.backend = make_backend(
+            config.backend_name(), decode_gemv=config.decode_gemv, draft_gemv=config.draft_gemv and config.decode_gemv,
+            decode_gemm_rows=config.decode_gemm_rows, decode_gemv_rows=config.decode_gemv_rows,
+            decode_gemm_split=config.decode_gemm_split and config.decode_gemv, rope_attention=config.rope_attention,
+            split_merge=config.split_merge, device=self.device)
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)
         self.num_blocks = tp.agree_min(self._num_kv_blocks())    # block tables index every rank's
