@@ -1,4 +1,4 @@
-"""Compile the decode-step kernels that are still off by default for Hopper (sm_90), without a GPU.
+"""Compile the decode-step kernels that are off by default or new for Hopper (sm_90), without a GPU.
 
     python bench/compile_check.py            # prints one line per variant; exit status 1 if any fails
 
@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.kernels import decode_gemm, decode_gemv, draft_gemv, spec_finish, spec_ops  # noqa: E402
+from engine.kernels import decode_gemm, decode_gemv, draft_gemv, head_ops, paged_attention, spec_finish, spec_ops  # noqa: E402,E501
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BF16_PTRS = ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "out_ptr", "new_res_ptr", "add_ptr")
@@ -40,7 +40,7 @@ def _gemm(m, k, n, prologue, epilogue, pdl):
     cfg = decode_gemm.decode_gemm_config(m, n, k)
     k0, k1 = decode_gemm.pieces(k)
     consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, BLOCK_M=cfg["BLOCK_M"],
-                  GROUPS=triton.cdiv(m, cfg["BLOCK_M"]), BLOCK_N=cfg["BLOCK_N"], K0=k0, BK0=min(cfg["BLOCK_K"], k0),
+                  GROUPS=cfg["GROUPS"], BLOCK_N=cfg["BLOCK_N"], K0=k0, BK0=min(cfg["BLOCK_K"], k0),
                   K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl)
     return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}", decode_gemm._decode_gemm_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"])
@@ -52,6 +52,20 @@ def _gemv(k, n, prologue, epilogue, pdl):
                   BLOCK_K=cfg["BLOCK_K"], USE_PDL=pdl)
     return (f"decode_gemv K={k} N={n} {prologue}/{epilogue}", decode_gemv._decode_gemv_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"])
+
+
+def _attention(splits: int, rope: bool, merge: bool, pdl: bool):
+    """The paged-attention kernel of a SmolLM2 decode step (9 q heads on 3 kv heads, head_dim 64, pages of 16)."""
+    types = {p: "*bf16" for p in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
+    types |= {p: "*fp32" for p in ("part_acc", "part_m", "part_l", "cos_ptr", "sin_ptr")}
+    types |= {p: "*i32" for p in ("cu_q", "seq_lens", "bt_ptr", "sem_ptr")} | dict(pos_ptr="*i64", slot_ptr="*i64")
+    types |= {n: "i32" for n in ("num_heads", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt_b",
+                                 "stride_bt_n", "stride_blk", "stride_pos", "stride_kvh", "stride_knt", "stride_knh",
+                                 "stride_vnt", "stride_vnh", "stride_cos")} | dict(qk_scale="fp32")
+    consts = dict(GROUP=3, BLOCK_M=16, BLOCK_Q=5, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16, TILE_N=64,
+                  NUM_SPLITS=splits, PRECISION="tf32", ROPE=rope, MERGE=merge, USE_PDL=pdl)
+    return (f"paged_attention splits={splits} rope={rope} merge={merge}", paged_attention._paged_attn_kernel, types,
+            consts, 4)
 
 
 def variants(pdl: bool) -> list[tuple]:
@@ -86,6 +100,11 @@ def variants(pdl: bool) -> list[tuple]:
          dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, USE_PDL=pdl), 1),
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, BLOCK=4, USE_PDL=pdl), 4),
+        _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),
+        ("head_ops embed_pair_norm", head_ops._embed_pair_norm_kernel,
+         dict(ids_ptr="*i64", emb_ptr="*bf16", feat_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_emb="i32",
+              stride_feat="i32", stride_out="i32", n_cols="i32", vocab="i32", eps="fp32"),
+         dict(BLOCK=1024, USE_PDL=pdl), 4),
         ("spec_finish greedy_finish history", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=True, NEXT=False, BLOCK=1, USE_PDL=pdl), 4),
     ]
