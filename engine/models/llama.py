@@ -223,9 +223,14 @@ class LlamaForCausalLM(nn.Module):
         h, residual, aux = self.embed_tokens(input_ids), None, {}
         rope_cache = (self.cos_cache, self.sin_cache)
         # a layer's output (h + residual) is the next one's input, and the final norm's: taken from there, no add
+        # (and only the asked layers' kept: the others' memory goes back as the forward moves on)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            h, residual, aux[i - 1] = layer.forward_fused(h, residual, positions, rope_cache, meta, kv, backend)
-        h, aux[len(self.layers) - 1] = backend.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
+            h, residual, layer_input = layer.forward_fused(h, residual, positions, rope_cache, meta, kv, backend)
+            if i - 1 in aux_layers:
+                aux[i - 1] = layer_input
+        h, last = backend.ops.rms_norm(h, self.norm.weight, self.norm.eps, residual)
+        if len(self.layers) - 1 in aux_layers:
+            aux[len(self.layers) - 1] = last
         return (h, _in_order(aux, aux_layers)) if aux_layers else h
 
     def final_norm(self, x, backend):
