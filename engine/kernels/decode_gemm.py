@@ -220,7 +220,8 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     m, n = x.shape[0], weight.shape[0]
     cfg = dict(decode_gemm_config(m, n, k))
     block_m, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K")
-    groups = min(cfg.pop("GROUPS", triton.cdiv(m, block_m)), triton.cdiv(m, block_m))
+    row_groups = triton.cdiv(m, block_m)
+    groups = min(cfg.pop("GROUPS", row_groups), row_groups)
     k0, k1 = pieces(k)
     grid = triton.cdiv(n, cfg["BLOCK_N"])
     out, idx, new_res, res, add = decode_gemv.buffers(x, n, k, grid, epilogue, residual, add)

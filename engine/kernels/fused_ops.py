@@ -38,22 +38,39 @@ def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, new_res_ptr, stride_x, stri
         h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * stride_new_res + cols, h, mask=ok)
     # The norm reads the residual as rounded to the dtype, exactly as the unfused x = x + f(x); norm(x).
-    hf = h.to(tl.float32)
-    inv = tl.rsqrt(reduce_sum(hf * hf, 0) / n_cols + eps)
-    normed = (hf * inv).to(x_ptr.dtype.element_ty)  # rounded before the weight multiply, like RMSNorm
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    # bf16/fp16 products are exact in fp32, so this rounds like torch's same-dtype multiply.
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, out, mask=ok)
+    tl.store(out_ptr + row * stride_out + cols, rms_norm_row(h, w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty),
+             mask=ok)
 
 
 @triton.jit
-def _rotate(ptr, stride_h, n_heads, c, s, partner, sign, offs_h, offs_d, HEAD_DIM: tl.constexpr):
-    """x * cos + rotate_half(x) * sin in fp32, rotate_half(x)[d] = sign[d] * x[partner[d]]."""
+def rms_norm_row(h, w_ptr, cols, ok, n_cols, eps, DTYPE: tl.constexpr):
+    """RMSNorm of one row h [BLOCK] (columns `cols`, `ok` of them real) with weight w_ptr, rounded to DTYPE where
+    engine.models.llama.RMSNorm rounds (rms_norm's kernel, and engine/kernels/head_ops.py's)."""
+    hf = h.to(tl.float32)
+    inv = tl.rsqrt(reduce_sum(hf * hf, 0) / n_cols + eps)
+    normed = (hf * inv).to(DTYPE)  # rounded before the weight multiply, like RMSNorm
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    # bf16/fp16 products are exact in fp32, so this rounds like torch's same-dtype multiply.
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def rotate_rows(base, offs_d, mask, c, s, HEAD_DIM: tl.constexpr):
+    """x * cos + rotate_half(x) * sin in fp32 for the rows whose pointers are base [R, 1] (rope_store_kv's kernel,
+    and engine/kernels/rope_kv.py's): rotate_half(x)[d] = sign[d] * x[partner[d]]; c, s broadcast to [R, D]."""
+    half = HEAD_DIM // 2
+    partner = tl.where(offs_d < HEAD_DIM, tl.where(offs_d < half, offs_d + half, offs_d - half), 0)  # masked lanes
+    sign = tl.where(offs_d < half, -1.0, 1.0)                                                      # stay in range
+    x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x * c + sign[None, :] * xp * s
+
+
+@triton.jit
+def _rotate(ptr, stride_h, n_heads, c, s, offs_h, offs_d, HEAD_DIM: tl.constexpr):
+    """The heads of one token, at one position (c, s: [D])."""
     ok = (offs_h[:, None] < n_heads) & (offs_d[None, :] < HEAD_DIM)
-    x = tl.load(ptr + offs_h[:, None] * stride_h + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-    xp = tl.load(ptr + offs_h[:, None] * stride_h + partner[None, :], mask=ok, other=0.0).to(tl.float32)
-    return x * c[None, :] + sign[None, :] * xp * s[None, :], ok
+    return rotate_rows(ptr + offs_h[:, None] * stride_h, offs_d, ok, c[None, :], s[None, :], HEAD_DIM), ok
 
 
 @triton.jit
@@ -64,26 +81,21 @@ def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr
                           HKV_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    half = HEAD_DIM // 2
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
-    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
-    partner = tl.where(d_ok, partner, 0)  # keep masked lanes' addresses in range
-    sign = tl.where(offs_d < half, -1.0, 1.0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
     s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
 
     offs_hq = tl.arange(0, HQ_PAD)
-    q, q_ok = _rotate(q_ptr + t * stride_qt, stride_qh, n_q_heads, c, s, partner, sign, offs_hq, offs_d, HEAD_DIM)
+    q, q_ok = _rotate(q_ptr + t * stride_qt, stride_qh, n_q_heads, c, s, offs_hq, offs_d, HEAD_DIM)
     tl.store(q_out_ptr + t * stride_qot + offs_hq[:, None] * stride_qoh + offs_d[None, :],
              q.to(q_out_ptr.dtype.element_ty), mask=q_ok)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # -1: padding row, its q is still rotated but nothing is cached
         offs_hk = tl.arange(0, HKV_PAD)
-        k, kv_ok = _rotate(k_ptr + t * stride_kt, stride_kh, n_kv_heads, c, s, partner, sign, offs_hk, offs_d,
-                           HEAD_DIM)
+        k, kv_ok = _rotate(k_ptr + t * stride_kt, stride_kh, n_kv_heads, c, s, offs_hk, offs_d, HEAD_DIM)
         dst = slot * stride_slot + offs_hk[:, None] * stride_ch + offs_d[None, :]
         tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=kv_ok)
         v = tl.load(v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_d[None, :], mask=kv_ok)

@@ -4,7 +4,7 @@ side by side (engine/spec/eagle_paged.py), where torch launches an embedding, a 
     embed_pair_norm(ids [N], emb [V, H], feature [N, H], weight [H], eps) -> [N, 2H]
         = fused_ops.rms_norm(stack([emb[ids], feature], 1).reshape(2N, H), weight, eps).view(N, 2H)
 
-The norm is fused_ops' _rms_norm_kernel's math, rounded where it rounds: the same bits. An id outside [0, V) reads
+The norm is fused_ops.rms_norm's (rms_norm_row): the same bits. An id outside [0, V) reads
 row 0 or V - 1 (a graph padding row's garbage id; torch's embedding would fault on it).
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_sum
+from engine.kernels.common import is_interpreted, pdl, pdl_start
+from engine.kernels.fused_ops import rms_norm_row
 
 
 @triton.jit
@@ -31,11 +32,7 @@ def _embed_pair_norm_kernel(ids_ptr, emb_ptr, feat_ptr, w_ptr, out_ptr, stride_e
         h = tl.load(emb_ptr + tok * stride_emb + cols, mask=ok, other=0.0)
     else:
         h = tl.load(feat_ptr + row * stride_feat + cols, mask=ok, other=0.0)
-    hf = h.to(tl.float32)
-    inv = tl.rsqrt(reduce_sum(hf * hf, 0) / n_cols + eps)
-    normed = (hf * inv).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = rms_norm_row(h, w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + piece * n_cols + cols, out, mask=ok)
 
 

@@ -8,8 +8,9 @@ decode with a small GQA group still feeds tl.dot with M >= 16 and each K/V tile 
 group. KV is walked in TILE_N-key tiles (a multiple of the page size) through block_tables: first the
 tiles every query row may see (no mask), then the causal tail. When the grid is too small to fill the
 GPU (decode at low batch) the KV range is split over NUM_SPLITS programs and a second kernel merges
-their partial (acc, max, sum), or with `semaphores=` the last of them (engine/kernels/split_merge.py). Grid and constexprs depend only on shapes and host ints: no
-device->host sync, so both entry points can be captured in CUDA graphs.
+their partial (acc, max, sum), or with `semaphores=` the last of them (engine/kernels/split_merge.py). Grid
+and constexprs depend only on shapes and host ints: no device->host sync, so both entry points can be captured
+in CUDA graphs.
 
 With `rope=` (steps whose every sequence's new tokens fit one query block: decode, verification, small trees),
 the program rotates its q rows itself and, before walking KV, rotates and stores the new keys (and values) of its

@@ -4,24 +4,20 @@ bits."""
 import triton
 import triton.language as tl
 
+from engine.kernels.fused_ops import rotate_rows
+
 
 @triton.jit
 def rope_rows(ptr, rows, heads, stride_t, stride_h, ok, pos_ptr, cos_ptr, sin_ptr, stride_cos, offs_d,
                HEAD_DIM: tl.constexpr):
-    """RoPE of x[rows, heads] (each row at positions[row]) in fp32, as fused_ops.rope_store_kv computes it:
-    x * cos + rotate_half(x) * sin, rotate_half(x)[d] = sign[d] * x[partner[d]]. Rows not `ok` give 0."""
-    half = HEAD_DIM // 2
-    d_ok = offs_d < HEAD_DIM
-    partner = tl.where(d_ok, tl.where(offs_d < half, offs_d + half, offs_d - half), 0)
-    sign = tl.where(offs_d < half, -1.0, 1.0)
-    m = ok[:, None] & d_ok[None, :]
+    """RoPE of x[rows, heads] (each row at positions[row]) in fp32, by rope_store_kv's rotation
+    (fused_ops.rotate_rows). Rows not `ok` give 0."""
+    m = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     pos = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.int64)
     c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_d[None, :], mask=m, other=0.0)
     s = tl.load(sin_ptr + pos[:, None] * stride_cos + offs_d[None, :], mask=m, other=0.0)
-    base = ptr + rows.to(tl.int64)[:, None] * stride_t + heads[:, None] * stride_h
-    x = tl.load(base + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    return x * c + sign[None, :] * xp * s
+    return rotate_rows(ptr + rows.to(tl.int64)[:, None] * stride_t + heads[:, None] * stride_h, offs_d, m, c, s,
+                       HEAD_DIM)
 
 
 @triton.jit
