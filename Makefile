@@ -7,6 +7,7 @@ SCHEMA ?= docs/examples/get_weather.schema.json
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
+TEST_WORKERS ?= 2   # pytest-xdist workers (a worker loads the model and takes up to ~7 GB)
 
 .PHONY: run test setup bench serve clean
 
@@ -24,7 +25,7 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 serve: setup
 	$(BIN)/specdec serve --host $(HOST) --port $(PORT)

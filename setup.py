@@ -24,7 +24,7 @@ setup(
         "pyzmq>=25", "msgspec>=0.18",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "accelerate", "jsonschema", "triton>=3.2", "openai>=1.40", "httpx"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff>=0.6", "accelerate", "jsonschema", "triton>=3.2", "openai>=1.40", "httpx"],
         "bench": ["matplotlib"],
         # client libraries checked against `specdec serve` (tests/test_clients.py; not in `make test`: ~350 MB)
         "clients": ["openai-agents==0.24.0", "pydantic-ai-slim[openai]==2.38.0", "langchain-openai==1.7.4",

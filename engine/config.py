@@ -51,7 +51,8 @@ class EngineConfig:
                                        # kernel of their own (engine/kernels/rope_kv.py), where the backend is Triton
     split_merge: bool = False          # attention split over KV (small batches) merges its splits in the attention
                                        # kernel (a counter per group, engine/kernels/split_merge.py), not in a
-                                       # combine kernel of its own, where the backend is Triton
+                                       # combine kernel of its own, where the backend is Triton; off: 30 kernels
+                                       # fewer a step, no time saved on an H100 (bench/results/switches/)
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec_ops.py) where the backend is Triton
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch

@@ -10,6 +10,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist (`make test` runs a worker a core) each worker takes its share of the cores: torch's default
+# of one thread a core per worker oversubscribes the machine and every CPU forward slows down.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
