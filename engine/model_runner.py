@@ -14,7 +14,7 @@ import torch
 from engine.attention import make_backend
 from engine.config import EngineConfig
 from engine.graphs import StepGraphs
-from engine.kv_cache import KVBudget, PagedCache
+from engine.kv_cache import KVBudget, PagedCache, kv_pages
 from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks
 from engine import penalties
@@ -131,9 +131,7 @@ class ModelRunner:
 
     def _allocate_kv(self, cfg):
         shape, layers = self._kv_shape(cfg)
-        return [(torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device),
-                 torch.zeros((self.num_blocks, *shape), dtype=self.dtype, device=self.device))
-                for _ in range(layers)]
+        return kv_pages(layers, (self.num_blocks, *shape), self.dtype, self.device)
 
     def _draft_masks(self, drafter, encode):
         """Grammar masks / forced tokens for the draft steps of a drafter that picks tokens (not n-gram)."""

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.kv_cache import kv_pages
 from engine.models.llama import rope_inv_freq, rope_tables
 from engine.spec.eagle_head import EagleHead, HeadConfig
 
@@ -75,8 +76,7 @@ class PagedHead:
         self.gate_up_weight = torch.cat([head.gate_proj.weight, head.up_proj.weight])
         self.sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        self.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        [(self.k_cache, self.v_cache)] = kv_pages(1, shape, w.dtype, w.device)
         self.cos, self.sin = rope_tables(rope_inv_freq({"rope_theta": c.rope_theta}, c.head_dim), max_positions,
                                          w.device)
         self.scale = c.head_dim ** -0.5

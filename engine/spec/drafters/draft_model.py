@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_cache import kv_pages
 from engine.spec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
 
 
@@ -46,8 +47,7 @@ class DraftModelDrafter(Drafter):
         attn = model.layers[0].self_attn
         w = model.embed_tokens.weight
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=w.dtype, device=w.device),
-                           torch.zeros(shape, dtype=w.dtype, device=w.device)) for _ in model.layers]
+        self.kv_caches = kv_pages(len(model.layers), shape, w.dtype, w.device)
 
     def observe(self, ctx: FeatureContext) -> None:
         self.model(ctx.input_ids, ctx.positions, ctx.meta, self.kv_caches, self.backend)
