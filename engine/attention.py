@@ -194,13 +194,14 @@ class TritonAttention(_Matmuls):
             return kernels.decode_silu_linear(gate_up, weight, residual)
         return super().silu_linear(gate_up, weight, residual)
 
+    # draft_gemv's argmax kernels run the GEMV's loop over rows: they take the GEMV's steps only
     def norm_linear_argmax(self, x, norm_weight, eps, weight):
-        if self._draft is not None and self._draft.supports(x, norm_weight, weight):
+        if self._draft is not None and x.shape[0] <= self._gemv_rows and self._draft.supports(x, norm_weight, weight):
             return self._draft.norm_linear_argmax(x, norm_weight, eps, weight)
         return None
 
     def linear_argmax(self, x, weight):
-        if self._draft is not None and self._draft.supports_linear(x, weight):
+        if self._draft is not None and x.shape[0] <= self._gemv_rows and self._draft.supports_linear(x, weight):
             return self._draft.linear_argmax(x, weight)
         return None
 

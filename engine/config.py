@@ -39,7 +39,8 @@ class EngineConfig:
                                        # no faster than cuBLAS + argmax at 4 rows on an H100
     head_gemv: bool = True             # a greedy plain step (unguided, no extras, <= 4 rows) takes its tokens from
                                        # draft_gemv's LM head argmax kernels, no logits, where those run
-    decode_gemv_rows: int = 4          # the decode GEMV takes steps of at most this many rows (1 to 4)
+    decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
+                                       # rows (1 to 8; past 4 not yet timed: with SPECDEC_PDL_MAX_ROWS raised too)
     decode_gemm_rows: int = 0          # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/decode_gemm.py (tensor cores,
                                        # weights read before the wait) not cuBLAS; needs decode_gemv
@@ -120,8 +121,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
-        if not 1 <= self.decode_gemv_rows <= 4:                               # decode_gemv.MAX_ROWS
-            raise ValueError(f"decode_gemv_rows must be 1 to 4, got {self.decode_gemv_rows}")
+        if not 1 <= self.decode_gemv_rows <= 8:                               # decode_gemv.MAX_ROWS
+            raise ValueError(f"decode_gemv_rows must be 1 to 8, got {self.decode_gemv_rows}")
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:
             raise ValueError(f"decode_gemm_rows must be 0 (off) or decode_gemv_rows + 1 "
                              f"({self.decode_gemv_rows + 1}) to 32, got {self.decode_gemm_rows}")

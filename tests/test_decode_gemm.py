@@ -209,19 +209,19 @@ def test_the_switch_and_the_dependent_launch_limit():
             EngineConfig(**kw)
     assert EngineConfig(decode_gemv_rows=1, decode_gemm_rows=2).decode_gemm_rows == 2
     with pytest.raises(ValueError, match="decode_gemv_rows"):
-        EngineConfig(decode_gemv_rows=5)
+        EngineConfig(decode_gemv_rows=9)
     code = "from engine.kernels import common, decode_gemv; print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)"
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SPECDEC_PDL_MAX_ROWS="32"),
                          capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["32", "4"]          # the GEMV's row limit does not follow the launch's
+    assert out.stdout.split() == ["32", "8"]          # the GEMV's row limit does not follow the launch's
 
 
 def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     """A whole engine (Triton backend, a 2-layer dummy model): decode_gemm_rows=32 gives the greedy tokens of 0,
-    its prefill and decode steps of 6 rows taking the kernel; with decode_gemv_rows=1 and decode_gemm_rows=4 the
-    steps of 2-4 rows take it (a verification of 1 + K tokens from one stream) and those of one row the GEMV; with
-    decode_gemm_split (its work threshold at 1 for the tiny shapes) steps of 3-4 rows take it for their narrow
-    matmuls."""
+    its prefill and decode steps of 6 rows taking the kernel (the GEMV with decode_gemv_rows=8); with
+    decode_gemv_rows=1 and decode_gemm_rows=4 the steps of 2-4 rows take it (a verification of 1 + K tokens from
+    one stream) and those of one row the GEMV; with decode_gemm_split (its work threshold at 1 for the tiny
+    shapes) steps of 3-4 rows take it for their narrow matmuls."""
     import engine.attention as attention
     from engine.kernels import decode_gemv as dg
     from engine.llm_engine import LLMEngine
@@ -236,7 +236,7 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 3, 4, 5, 6, 7)]
     runs, seen = {}, {}
     monkeypatch.setattr(attention, "SPLIT_MIN_WORK", 1)
-    for rows in ((4, 0), (4, 32), (1, 4), (4, 0, True)):
+    for rows in ((4, 0), (4, 32), (1, 4), (4, 0, True), (8, 0)):
         for c in calls.values():
             c.clear()
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=1,
@@ -246,6 +246,7 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
         assert_no_leak(eng)
         seen[rows] = set(calls[gm]), set(calls[dg])
     assert runs[(4, 32)] == runs[(4, 0)] and runs[(1, 4)] == runs[(4, 0)] and runs[(4, 0, True)] == runs[(4, 0)]
+    assert runs[(8, 0)] == runs[(4, 0)] and not seen[(8, 0)][0] and 6 in seen[(8, 0)][1]
     assert seen[(4, 0, True)][0] == {3, 4} and 1 in seen[(4, 0, True)][1]
     assert not seen[(4, 0)][0] and seen[(4, 0)][1] <= {1, 2, 3, 4}
     assert 6 in seen[(4, 32)][0] and seen[(4, 32)][0] <= set(range(5, 33))

@@ -145,13 +145,17 @@ def test_the_switch():
     x, nw, w = randn(2, 64, seed=1), randn(64, seed=2), randn(100, 64, seed=3)
     assert torch.equal(_backend(True).norm_linear_argmax(x, nw, EPS, w), torch_argmax(x, nw, w))
     assert _backend(True).norm_linear_argmax(randn(dr.MAX_ROWS + 1, 64, seed=4), nw, EPS, w) is None
+    five = randn(5, 64, seed=6)                          # past the engine's decode_gemv_rows (4): no argmax kernel
+    assert _backend(True).norm_linear_argmax(five, nw, EPS, w) is None and _backend(True).linear_argmax(five, w) is None
+    wide = _backend(True, rows=8)
+    assert torch.equal(wide.norm_linear_argmax(five, nw, EPS, w), torch_argmax(five, nw, w))
     assert _backend(False).norm_linear_argmax(x, nw, EPS, w) is None
     assert TorchAttention().norm_linear_argmax(x, nw, EPS, w) is None
 
 
-def _backend(draft: bool):
+def _backend(draft: bool, rows: int = 4):
     from engine.attention import TritonAttention
-    backend = TritonAttention(decode_gemv=True, draft_gemv=draft)
+    backend = TritonAttention(decode_gemv=True, draft_gemv=draft, decode_gemv_rows=rows)
     backend._gemv, backend.ops = dg, ops               # the interpreter-built modules of this test file
     backend._draft = dr if draft else None
     return backend

@@ -34,7 +34,8 @@ import triton.language as tl
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 
-MAX_ROWS = 4            # more rows: decode_gemm.py or cuBLAS (each row here is its own pass over the registers)
+MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (each row here is its own pass over the registers);
+                        # the engine hands it steps of up to EngineConfig.decode_gemv_rows (4 unless raised)
 MAX_K = 8192            # a whole weight row sits in registers
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 
