@@ -16,9 +16,13 @@ $(BIN)/activate:
 	$(BIN)/pip install -q --upgrade pip
 	@# torch first: CPU machines take the local 2.13 CPU wheel; GPU machines keep the torch they have
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q torch
-	$(BIN)/pip install -q -e ".[test]"
 
-setup: $(BIN)/activate
+# installed again whenever setup.py changes (a new test dependency reaches an existing .venv)
+$(VENV)/.installed: $(BIN)/activate setup.py
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
 
 run: setup
 	$(BIN)/specdec generate --prompt "$(PROMPT)" --json-schema $(SCHEMA) --max-tokens 128
