@@ -7,7 +7,8 @@ SCHEMA ?= docs/examples/get_weather.schema.json
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
-TEST_WORKERS ?= 2   # pytest-xdist workers (a worker loads the model and takes up to ~7 GB)
+# pytest-xdist workers for `make test` (each loads the model: a few GB)
+TEST_WORKERS ?= 2
 
 .PHONY: run test setup bench serve clean
 
