@@ -34,11 +34,12 @@ class EngineConfig:
                                        # (engine/kernels/draft_gemv.py) where decode_gemv is on
     spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
                                        # head's next ids in one kernel (engine/kernels/spec_finish.py)
-    verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= 4 rows) takes the target's
-                                       # LM head argmax from draft_gemv's kernels, no logits, where those run; off:
-                                       # no faster than cuBLAS + argmax at 4 rows on an H100
-    head_gemv: bool = True             # a greedy plain step (unguided, no extras, <= 4 rows) takes its tokens from
-                                       # draft_gemv's LM head argmax kernels, no logits, where those run
+    verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= decode_gemv_rows rows) takes
+                                       # the target's LM head argmax from draft_gemv's kernels, no logits, where
+                                       # those run; off: no faster than cuBLAS + argmax at 4 rows on an H100
+    head_gemv: bool = True             # a greedy plain step (unguided, no extras, <= decode_gemv_rows rows) takes
+                                       # its tokens from draft_gemv's LM head argmax kernels, no logits, where
+                                       # those run
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8; past 4 not yet timed: with SPECDEC_PDL_MAX_ROWS raised too)
     decode_gemm_rows: int = 0          # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the

@@ -57,7 +57,7 @@ def kv_pages(layers: int, shape: tuple[int, ...], dtype: torch.dtype,
     On the CPU they are views of one buffer from the C allocator's zeroed allocation (numpy's zeros: calloc, an
     anonymous mapping at this size), whose pages the OS maps on first touch: a CPU engine sized for 8 sequences
     of 4K tokens (1.5 GB for the default model in float32) starts at once and holds only the pages its
-    sequences write, where torch.zeros writes every byte first (~4 s on a 2-core machine)."""
+    sequences write, where torch.zeros writes every byte before the first step."""
     device = torch.device(device)
     if device.type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
