@@ -23,7 +23,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.kernels import decode_gemm, decode_gemv, draft_gemv, head_ops, paged_attention, spec_finish, spec_ops  # noqa: E402,E501
+from engine.kernels import (decode_gemm, decode_gemv, draft_gemv, head_ops, paged_attention,  # noqa: E402
+                            spec_finish, spec_ops)
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BF16_PTRS = ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "out_ptr", "new_res_ptr", "add_ptr")
