@@ -114,7 +114,7 @@ class TorchAttention(_Matmuls):
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-SPLIT_MIN_ROWS, SPLIT_MIN_WORK, SPLIT_WIDE = 3, 2304, 4     # TritonAttention._split_to_gemm
+SPLIT_MIN_ROWS, SPLIT_MIN_WORK, SPLIT_WIDE = 3, 1728, 4     # TritonAttention._split_to_gemm
 SEMAPHORES = 1024   # split_merge's counters: KV splits only where a launch has fewer groups than half the SMs
 
 
@@ -172,9 +172,9 @@ class TritonAttention(_Matmuls):
     def _split_to_gemm(rows: int, n: int, k: int) -> bool:
         """decode_gemm_split: whether decode_gemm takes a matmul of the GEMV's rows. The GEMV's time grows with
         rows x K (a pass over its registers per row); decode_gemm's does not, but it wastes a 16-row tile at a
-        few rows and fills few programs when N is wide. On an H100 at SmolLM2's shapes decode_gemm wins from 3
-        rows at K = 1536 (down) and from 4 rows at K = 576 (qkv, o), never on gate_up (N = 5.3 K)
-        (bench/results/decode_gemm_small.md)."""
+        few rows and fills few programs when N is wide. In the step (H100, SmolLM2, bench/results/decode_rows/)
+        decode_gemm wins from 3 rows at K = 576 (qkv, o) and 1536 (down): 3 streams 0.92 -> 0.75 ms a step, the
+        GEMV keeping gate_up (N = 5.3 K) at 4 rows (0.78 against 0.79 ms with decode_gemm taking it too)."""
         return rows >= SPLIT_MIN_ROWS and rows * k >= SPLIT_MIN_WORK and n < SPLIT_WIDE * k
 
     def linear(self, x, weight, bias=None):

@@ -42,9 +42,11 @@ class EngineConfig:
                                        # those run
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8; past 4 not yet timed: with SPECDEC_PDL_MAX_ROWS raised too)
-    decode_gemm_rows: int = 0          # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
+    decode_gemm_rows: int = 16         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/decode_gemm.py (tensor cores,
-                                       # weights read before the wait) not cuBLAS; needs decode_gemv
+                                       # weights read before the wait) not cuBLAS, where decode_gemv is on; under
+                                       # dependent launch (SPECDEC_PDL_MAX_ROWS, 16) 8 streams 0.97 -> 0.83 ms a
+                                       # step on an H100, past 16 rows slower than cuBLAS (bench/results/switches/)
     decode_gemm_split: bool = True     # steps of 3 to decode_gemv_rows rows where decode_gemv is on: decode_gemm takes
                                        # the matmuls the GEMV is slow at (narrow, long rows), the GEMV the wide ones
                                        # (engine/attention.py); an EAGLE K = 3 step 1.03 -> 0.94 ms on an H100
@@ -127,8 +129,6 @@ class EngineConfig:
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:
             raise ValueError(f"decode_gemm_rows must be 0 (off) or decode_gemv_rows + 1 "
                              f"({self.decode_gemv_rows + 1}) to 32, got {self.decode_gemm_rows}")
-        if self.decode_gemm_rows and not self.decode_gemv:
-            raise ValueError("decode_gemm_rows extends the decode GEMV to more rows: it needs decode_gemv=True")
         if self.spec_draft_vocab_size < 0:
             raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
         if self.spec_draft_vocab_size and not self.spec_draft_vocab:

@@ -173,20 +173,20 @@ def test_backend_routes_by_row_count(monkeypatch):
 
 def test_split_routes_narrow_long_matmuls_of_the_gemv_rows_to_gemm(monkeypatch):
     """decode_gemm_split: from 3 rows, a matmul of rows x K >= SPLIT_MIN_WORK and N < SPLIT_WIDE x K goes to
-    decode_gemm (the down projection from 3 rows, qkv and o from 4 at SmolLM2's shapes), a wide one (gate_up) and
+    decode_gemm (qkv, o and down from 3 rows at SmolLM2's shapes), a wide one (gate_up) and
     one decode_gemm cannot take stay on the GEMV; the results are F.linear's."""
     import engine.attention as attention
     calls = []
     for module in (dg, gm):
         real = module.decode_linear
         monkeypatch.setattr(module, "decode_linear", lambda *a, _r=real, _m=module: calls.append(_m) or _r(*a))
-    # SmolLM2's rule at 1/8 of its K: SPLIT_MIN_WORK 2304 -> 288 (qkv / o K 576 -> 72, down 1536 -> 192)
-    monkeypatch.setattr(attention, "SPLIT_MIN_WORK", 288)
+    # SmolLM2's rule at 1/8 of its K: SPLIT_MIN_WORK 1728 -> 216 (qkv / o K 576 -> 72, down 1536 -> 192)
+    monkeypatch.setattr(attention, "SPLIT_MIN_WORK", attention.SPLIT_MIN_WORK // 8)
     split = attention.TritonAttention(decode_gemv=True, decode_gemm_split=True)
     split._gemv, split._gemm = dg, gm
     off = attention.TritonAttention(decode_gemv=False)
     cases = [(2, 120, 192, dg), (3, 120, 192, gm), (4, 120, 192, gm),   # down: N 72, K 192
-             (3, 120, 72, dg), (4, 120, 72, gm),                           # qkv: N 120, K 72
+             (2, 120, 72, dg), (3, 120, 72, gm), (4, 120, 72, gm),         # qkv: N 120, K 72
              (4, 384, 72, dg), (4, 120, gm.MAX_K + 8, dg)]                 # gate_up (N 5.3 K); K past decode_gemm
     for m, n, k, want in cases:
         x, w = randn(m, k, seed=m + k), randn(n, k, seed=n + k)
@@ -202,18 +202,28 @@ def test_split_routes_narrow_long_matmuls_of_the_gemv_rows_to_gemm(monkeypatch):
 
 def test_the_switch_and_the_dependent_launch_limit():
     from engine.config import EngineConfig
-    assert EngineConfig().decode_gemm_rows == 0 and EngineConfig(decode_gemm_rows=32).decode_gemm_rows == 32
-    for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemm_rows=8, decode_gemv=False),
-               dict(decode_gemv_rows=2, decode_gemm_rows=2)):
+    assert EngineConfig().decode_gemm_rows == 16 and EngineConfig(decode_gemm_rows=32).decode_gemm_rows == 32
+    for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemv_rows=2, decode_gemm_rows=2)):
         with pytest.raises(ValueError, match="decode_gemm_rows"):
             EngineConfig(**kw)
     assert EngineConfig(decode_gemv_rows=1, decode_gemm_rows=2).decode_gemm_rows == 2
+    assert not EngineConfig(decode_gemv=False).decode_gemv      # the default decode_gemm_rows then takes nothing
     with pytest.raises(ValueError, match="decode_gemv_rows"):
         EngineConfig(decode_gemv_rows=9)
     code = "from engine.kernels import common, decode_gemv; print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)"
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, SPECDEC_PDL_MAX_ROWS="32"),
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["32", "8"]          # the GEMV's row limit does not follow the launch's
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_PDL_MAX_ROWS"}
+    for limit, want in ((None, "16"), ("32", "32")):
+        out = subprocess.run([sys.executable, "-c", code], env=env | ({"SPECDEC_PDL_MAX_ROWS": limit} if limit else {}),
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.split() == [want, "8"]      # the default decode_gemm_rows; the GEMV's limit stays
+
+
+def test_an_engine_without_the_gemv_takes_no_decode_gemm():
+    """decode_gemv=False means cuBLAS for every matmul: the default decode_gemm_rows is not handed to the backend."""
+    from engine.llm_engine import LLMEngine
+    eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", max_num_seqs=2,
+                    max_model_len=64, enforce_eager=True, decode_gemv=False)
+    assert eng.runner.backend._gemm is None and eng.runner.backend._gemv is None
 
 
 def test_engine_outputs_equal_with_decode_gemm(monkeypatch):

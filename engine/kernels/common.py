@@ -18,13 +18,13 @@ import triton
 import triton.language as tl
 
 # Programmatic dependent launch, on unless SPECDEC_PDL=0 (read once, at import), for launches of at most
-# PDL_MAX_ROWS rows: steps whose matmuls are engine/kernels/decode_gemv.py, so that a decode layer is all our
-# kernels, each loading what does not depend on the one before while that one finishes (0.93 -> 0.62 ms a step
-# at one stream on an H100). Next to cuBLAS matmuls, which never signal early, it gains nothing and cost ~2% at
-# 32 streams (bench/results/pdl.md), so larger launches are plain. Steps of up to 32 rows are all our kernels too
-# where their matmuls are engine/kernels/decode_gemm.py (EngineConfig.decode_gemm_rows): SPECDEC_PDL_MAX_ROWS
-# (read once, at import; default 4) raises the limit, e.g. to 32 for them.
-PDL_MAX_ROWS = int(os.environ.get("SPECDEC_PDL_MAX_ROWS", "4"))
+# PDL_MAX_ROWS rows: steps whose matmuls are ours (engine/kernels/decode_gemv.py, then decode_gemm.py up to
+# EngineConfig.decode_gemm_rows, 16), so that a decode layer is all our kernels, each loading what does not depend on
+# the one before while that one finishes (0.93 -> 0.62 ms a step at one stream on an H100; decode_gemm gains only
+# under it). Next to cuBLAS matmuls, which never signal early, it gains nothing and cost ~2% at 32 streams
+# (bench/results/pdl.md), so larger launches are plain. SPECDEC_PDL_MAX_ROWS (read once, at import; default 16, the
+# default decode_gemm_rows) moves the limit, e.g. to 32 with decode_gemm_rows=32.
+PDL_MAX_ROWS = int(os.environ.get("SPECDEC_PDL_MAX_ROWS", "16"))
 _PDL_ON = os.environ.get("SPECDEC_PDL", "1") != "0"
 
 
