@@ -11,6 +11,13 @@ from engine.guided.compiler import GrammarService
 from engine.sequence import SamplingParams
 
 CPU = dict(device="cpu", dtype="float32", attention_backend="torch")
+# Engines on the Triton backend without CUDA run every kernel in the interpreter, where decode_gemm's tiles (steps of
+# 3-16 rows) cost seconds a step; the engine tests of the other kernels leave it to test_decode_gemm.py's, which run
+# it there. With CUDA they keep the default.
+INTERPRETER_SETTINGS = {} if torch.cuda.is_available() else dict(decode_gemm_rows=0)
+# (drafter, depth) of the kernels' engine tests: all four with CUDA; in the interpreter each costs ~half a minute,
+# so there one depth a drafter (each drafter and each depth still run)
+SPEC_DEPTHS = [("eagle", 2), ("ngram", 1)] + ([("eagle", 1), ("ngram", 2)] if torch.cuda.is_available() else [])
 ROOMY, PREEMPTING = dict(), dict(num_kv_blocks=6, max_num_batched_tokens=64)
 
 # ---- guides ---------------------------------------------------------------------------------------------------

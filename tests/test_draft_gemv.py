@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_no_leak, triton_module
+from helpers import INTERPRETER_SETTINGS
 
 dg = triton_module("decode_gemv")
 dr = triton_module("draft_gemv")
@@ -263,7 +264,8 @@ def test_engine_drafts_and_outputs_equal_with_draft_gemv(tmp_path, monkeypatch):
     calls = _counting(monkeypatch)
     runs = {}
     for draft in (False, True):
-        eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton", depth=1,
+        eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton",
+                        **INTERPRETER_SETTINGS, depth=1,
                         max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
                         spec_head=str(tmp_path), draft_gemv=draft)
         drafter, drafts = eng.runner.program.drafter, []

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak, triton_module
+from helpers import INTERPRETER_SETTINGS
 
 dr = triton_module("draft_gemv")
 DEV = "cpu" if dr.interpreted() else "cuda"
@@ -32,7 +33,8 @@ def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, worl
 
 def _engine(on: bool, depth: int, eager: bool):
     from engine.llm_engine import LLMEngine
-    return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=depth,
+    return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
+                     **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=len(PROMPTS), max_model_len=64, enforce_eager=eager, head_gemv=on)
 
 

@@ -40,8 +40,9 @@ def test_fifty_concurrent_streaming_clients_all_finish():
 def test_a_full_queue_answers_429_and_recovers():
     async def run(url, model):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-        # long enough that all six overlap: three get in, the others find the queue full
-        return await asyncio.gather(*(_stream(client, model, i, 400) for i in range(6)), return_exceptions=True)
+        # long enough that all six overlap (tens of ms a token through the server): three get in, the others find
+        # the queue full
+        return await asyncio.gather(*(_stream(client, model, i, 160) for i in range(6)), return_exceptions=True)
 
     with serve(*DUMMY, "--max-num-seqs", "2", "--max-queued", "1") as server:
         results = asyncio.run(run(server.url, server.model))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak, triton_module
+from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 
 sf = triton_module("spec_finish")
 dr = triton_module("draft_gemv")
@@ -188,7 +189,8 @@ def test_refusals():
 
 def _engine(speculative, depth, on, k=2, verify_gemv=False):
     from engine.llm_engine import LLMEngine
-    return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=depth,
+    return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
+                     **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                      spec_head="random", num_speculative_tokens=k, spec_min_acceptance=0.0, spec_kernels=on,
                      spec_finish_kernel=on, verify_gemv=verify_gemv)
@@ -213,7 +215,7 @@ def _counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("speculative,depth", [("eagle", 1), ("eagle", 2), ("ngram", 1), ("ngram", 2)])
+@pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
 def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch):
     """Three greedy streams (an untrained EAGLE head, or n-gram drafting, which writes the history): the kernels
     on gives the drafts and outputs of the kernels off, and its spec steps take the kernel."""

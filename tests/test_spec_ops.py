@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak, triton_module
+from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 
 so = triton_module("spec_ops")
 DEV = "cpu" if so.interpreted() else "cuda"
@@ -194,7 +195,7 @@ def _counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("speculative,depth", [("eagle", 1), ("eagle", 2), ("ngram", 1), ("ngram", 2)])
+@pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
 def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch):
     """A whole engine (Triton backend; an untrained EAGLE head, or n-gram drafting, which writes the history):
     spec_kernels on gives the drafts and greedy outputs of spec_kernels off, and its steps take the kernels."""
@@ -204,7 +205,8 @@ def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch)
     prompts = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99], [300, 1, 2, 300, 1]]
     runs = {}
     for on in (False, True):
-        eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=depth,
+        eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
+                        **INTERPRETER_SETTINGS, depth=depth,
                         max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                         spec_head="random", num_speculative_tokens=2, spec_min_acceptance=0.0, spec_kernels=on)
         drafter, drafts = eng.runner.program.drafter, []

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_no_leak, triton_module
+from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 
 dg = triton_module("decode_gemv")
 dr = triton_module("draft_gemv")
@@ -176,7 +177,8 @@ def _counting(monkeypatch):
 
 def _engine(speculative, depth, on):
     from engine.llm_engine import LLMEngine
-    return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=depth,
+    return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
+                     **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                      spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0, verify_gemv=on)
 
@@ -190,7 +192,7 @@ def _spying(eng):
     return drafts, logit_ks
 
 
-@pytest.mark.parametrize("speculative,depth", [("eagle", 1), ("eagle", 2), ("ngram", 1), ("ngram", 2)])
+@pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
 def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
     """One stream, K = 3 (4 rows a verification): verify_gemv on gives the drafts and greedy outputs of verify_gemv
     off, and its greedy spec steps take the kernels, computing no logits. A sampled stream and a greedy one with
