@@ -56,11 +56,21 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     sorted_logits = sorted_logits.masked_fill(pos[None, :] >= k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs            # mass of strictly higher-ranked tokens
-    keep = (before < top_p[:, None]) & (pos[None, :] < k[:, None])
+    # top_p >= 1 keeps the whole top-k: in float32 the cumulative mass reaches 1 before the tail's last tokens
+    keep = ((before < top_p[:, None]) | (top_p[:, None] >= 1.0)) & (pos[None, :] < k[:, None])
     keep[:, 0] = True
     num_keep = keep.sum(dim=-1, keepdim=True)
     threshold = sorted_logits.gather(1, num_keep - 1)
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _may_filter(top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """Whether some row keeps less than the whole vocabulary. Asked only on the host (the CPU device): on CUDA the
+    answer would be a sync, so the filter always runs there (for such rows an exact no-op) and can be captured.
+    On the CPU the sort it skips is a third of a sampled step of a small model."""
+    if top_k.device.type != "cpu":
+        return True
+    return bool((top_k > 0).any() or (top_p < 1.0).any())
 
 
 def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_greedy=False, masker=apply_bitmask,
@@ -73,7 +83,8 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_gr
     tokens = logits.argmax(dim=-1)
     if not all_greedy:
         scaled = logits / temperature.clamp(min=1e-6)[:, None]
-        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+        if _may_filter(top_k, top_p):
+            scaled = filter_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         if min_p is not None:
             probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)

@@ -86,6 +86,35 @@ def test_top_k_top_p_filter_keeps_at_least_one():
     assert torch.isfinite(out).sum() == 1 and torch.isfinite(out[0, 0])
 
 
+def test_top_p_one_keeps_the_tail_the_float_cumsum_saturates_on():
+    """One dominant logit: float32's cumulative mass reaches 1 before the tail; p = 1 (and k = 0) keeps every token,
+    so skipping the filter where no row filters changes no draw."""
+    logits = torch.tensor([[30.0] + [0.0] * 63])
+    probs = logits.softmax(-1)
+    assert (probs.cumsum(-1) - probs)[0, -1] >= 1.0                     # the case the rule is for
+    out = filter_top_k_top_p(logits, torch.tensor([0]), torch.tensor([1.0]))
+    assert torch.equal(out, logits)
+    assert torch.isinf(filter_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.999]))[0, 1:]).all()
+
+
+def test_sampling_without_filtering_rows_skips_the_filter_and_draws_the_same(monkeypatch):
+    import engine.sampler as sampler
+    torch.manual_seed(0)
+    logits, temp = torch.randn(4, 500) * 3, torch.full((4,), 0.9)
+    seeds, steps = torch.arange(4), torch.arange(4) + 10
+    with monkeypatch.context() as m:                  # the filter forced, as on CUDA
+        m.setattr(sampler, "_may_filter", lambda *a: True)
+        filtered = sample(logits.clone(), temp, torch.zeros(4, dtype=torch.long), torch.ones(4), seeds, steps)
+    calls = []
+    real = sampler.filter_top_k_top_p
+    monkeypatch.setattr(sampler, "filter_top_k_top_p", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(sample(logits.clone(), temp, torch.zeros(4, dtype=torch.long), torch.ones(4), seeds, steps),
+                       filtered) and calls == []
+    sample(logits.clone(), temp, torch.tensor([0, 0, 5, 0]), torch.ones(4), seeds, steps)
+    sample(logits.clone(), temp, torch.zeros(4, dtype=torch.long), torch.tensor([1.0, 0.9, 1.0, 1.0]), seeds, steps)
+    assert calls == [1, 1]
+
+
 def test_greedy_rows_ignore_noise():
     logits = torch.randn(3, 100)
     temp = torch.tensor([0.0, 0.0, 0.0])
