@@ -64,7 +64,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _may_filter(top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
+def may_filter(top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
     """Whether some row keeps less than the whole vocabulary. Asked only on the host (the CPU device): on CUDA the
     answer would be a sync, so the filter always runs there (for such rows an exact no-op) and can be captured.
     On the CPU the sort it skips is a third of a sampled step of a small model."""
@@ -83,7 +83,7 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_gr
     tokens = logits.argmax(dim=-1)
     if not all_greedy:
         scaled = logits / temperature.clamp(min=1e-6)[:, None]
-        if _may_filter(top_k, top_p):
+        if may_filter(top_k, top_p):
             scaled = filter_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         if min_p is not None:

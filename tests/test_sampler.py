@@ -103,7 +103,7 @@ def test_sampling_without_filtering_rows_skips_the_filter_and_draws_the_same(mon
     logits, temp = torch.randn(4, 500) * 3, torch.full((4,), 0.9)
     seeds, steps = torch.arange(4), torch.arange(4) + 10
     with monkeypatch.context() as m:                  # the filter forced, as on CUDA
-        m.setattr(sampler, "_may_filter", lambda *a: True)
+        m.setattr(sampler, "may_filter", lambda *a: True)
         filtered = sample(logits.clone(), temp, torch.zeros(4, dtype=torch.long), torch.ones(4), seeds, steps)
     calls = []
     real = sampler.filter_top_k_top_p

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import NO_TOKEN, filter_top_k_top_p, uniform_noise
+from engine.sampler import NO_TOKEN, filter_top_k_top_p, may_filter, uniform_noise
 
 PAD = NO_TOKEN                  # -1, in tokens[:, num_accepted + 1:]
 _ACCEPT_SALT = 0x5BD1E995       # seed ^ salt picks a hash stream apart from sample()'s and from each other
@@ -116,8 +116,9 @@ def target_probs(target_logits, temperature, top_k, top_p):
     temperature 0 rows, which are greedy)."""
     n, p, v = target_logits.shape
     scaled = target_logits.float().reshape(n * p, v) / _per_position(temperature.clamp(min=1e-6), p)[:, None]
-    filtered = filter_top_k_top_p(scaled, _per_position(top_k, p), _per_position(top_p, p))
-    return filtered.softmax(dim=-1).view(n, p, v)
+    if may_filter(top_k, top_p):
+        scaled = filter_top_k_top_p(scaled, _per_position(top_k, p), _per_position(top_p, p))
+    return scaled.softmax(dim=-1).view(n, p, v)
 
 
 def _per_position(t: torch.Tensor, positions: int) -> torch.Tensor:
