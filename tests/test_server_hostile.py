@@ -95,8 +95,12 @@ def test_a_hostile_request_gets_its_error_and_slows_nobody(server, solo_s, case)
     error = r.json()["error"]
     assert word in error["message"] and error["type"] == "invalid_request_error", error
     assert normal["status"] == 200
-    assert normal["s"] <= 2 * solo_s + 0.25, f"the request beside it took {normal['s']:.2f} s, {solo_s:.2f} s alone"
     server.wait_idle()
+    # alone again right after, under the machine's load of the moment (other test workers come and go)
+    t0 = time.perf_counter()
+    assert post(server, NORMAL).status_code == 200
+    alone = max(solo_s, time.perf_counter() - t0)
+    assert normal["s"] <= 2 * alone + 0.25, f"the request beside it took {normal['s']:.2f} s, {alone:.2f} s alone"
 
 
 def test_the_declared_length_is_refused_before_the_body_is_read(server):
