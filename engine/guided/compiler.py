@@ -22,6 +22,7 @@ end a completed grammar.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 import threading
@@ -68,7 +69,13 @@ def _schema_problem(guide: Guide) -> str | None:
 
 
 def tokenizer_info(tokenizer, vocab_size: int, eos_ids) -> xgr.TokenizerInfo:
-    hf = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_ids))
+    """Immutable once built (~0.7 s): the engines of a process that share a tokenizer share it too."""
+    return _tokenizer_info(tokenizer, vocab_size, tuple(sorted(eos_ids)))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_info(tokenizer, vocab_size: int, eos_ids: tuple) -> xgr.TokenizerInfo:
+    hf = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids))
     vocab = [""] * vocab_size
     for text, i in tokenizer.get_vocab().items():
         if i < vocab_size:
@@ -76,7 +83,7 @@ def tokenizer_info(tokenizer, vocab_size: int, eos_ids) -> xgr.TokenizerInfo:
     for i, added in tokenizer.added_tokens_decoder.items():
         if added.special and i < vocab_size:
             vocab[i] = ""
-    return xgr.TokenizerInfo(vocab, hf.vocab_type, vocab_size=vocab_size, stop_token_ids=sorted(eos_ids),
+    return xgr.TokenizerInfo(vocab, hf.vocab_type, vocab_size=vocab_size, stop_token_ids=list(eos_ids),
                              add_prefix_space=hf.add_prefix_space)
 
 

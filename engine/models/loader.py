@@ -5,6 +5,7 @@ tokenizer (None for dummy weights), and a display name.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -68,8 +69,15 @@ def _fetch_default_gguf() -> Path:
     return target
 
 
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """A file's sha256, once per process while its size and time stay (~0.1 s for the default GGUF)."""
+    return sha256_file(Path(path))
+
+
 def _converted_dir(gguf_path: Path, expected_sha: str | None) -> Path:
-    digest = sha256_file(gguf_path)
+    stat = gguf_path.stat()
+    digest = _digest(str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns)
     if expected_sha and digest != expected_sha:
         raise ValueError(f"{gguf_path}: sha256 {digest} does not match the expected {expected_sha}")
     out = cache_dir() / "converted" / f"{gguf_path.stem}-{digest[:12]}"
@@ -119,10 +127,16 @@ def resolve_model(spec: str | None = None) -> ModelSource:
 
 
 def load_tokenizer(source: ModelSource):
-    """The tokenizer (with chat template) from the same source as the weights; None for dummy."""
+    """The tokenizer (with chat template) from the same source as the weights; None for dummy. Engines of one
+    process share it (they only read it; loading one costs ~0.7 s)."""
     if source.path is None:
         return None
+    return _tokenizer(str(source.path.resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    if (source.path / "tokenizer.json").exists():   # direct: AutoTokenizer's resolution costs seconds
-        return PreTrainedTokenizerFast.from_pretrained(str(source.path))
-    return AutoTokenizer.from_pretrained(str(source.path))
+    if (Path(path) / "tokenizer.json").exists():   # direct: AutoTokenizer's resolution costs seconds
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
