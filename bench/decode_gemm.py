@@ -29,8 +29,9 @@ EPS = 1e-5
 IMPLS = ("cublas", "cublas_pdl", "gemm", "gemm_pdl", "gemv_pdl")
 COLUMNS = ["model", "mode", "streams", "K", "N", *(f"{i}_us" for i in IMPLS), "speedup", "max_abs_diff", "ref_max",
            "config", "best_us", "best_config"]
-SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=1)
-         for bm, bn, bk, w in itertools.product((8, 16), (16, 32), (32, 64, 128), (4, 8))]
+# GROUPS 2: one program takes two row groups with the weight tile it holds (17-32 rows read it once, not twice)
+SWEEP = [dict(BLOCK_M=bm, GROUPS=g, BLOCK_N=bn, BLOCK_K=64, num_warps=w, num_stages=1)
+         for bm, g, bn, w in itertools.product((8, 16, 32), (1, 2), (16, 32, 64), (4, 8))]
 
 
 def parse_args(argv=None):
@@ -42,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--hot", action="store_true", help="one weight copy (L2-resident) instead of cycling copies")
     p.add_argument("--sweep", action="store_true", help="also time decode_gemm (PDL on) over SWEEP configs")
+    p.add_argument("--quick-sweep", action="store_true", help="only SWEEP's configs of one group a program and 4 warps")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/decode_gemm.json on cuda, "
                                                 "none on cpu); the markdown goes beside it")
     return p.parse_args(argv)
@@ -91,10 +93,13 @@ def make_impls(op, M, K, N, copies, dev, dtype):
                 gemv=lambda i: dg.launch(x, ws[i % copies], K, "none")[0], ref=lambda i: F.linear(x, ws[i % copies]))
 
 
-def sweep(fn, want, timer, calls, replays):
-    """(best us, its config) of decode_gemm over SWEEP, each config's result checked against `want`."""
-    best = (float("inf"), None)
+def sweep(fn, want, timer, calls, replays, quick=False):
+    """(best us, its config, every (us, config)) of decode_gemm over SWEEP, each config's result checked against
+    `want`."""
+    best, timed = (float("inf"), None), []
     for cfg in SWEEP:
+        if quick and (cfg["GROUPS"] != 1 or cfg["num_warps"] != 4):
+            continue
         with gemm_config(cfg):
             try:
                 bad = diff(fn(0), want) > 2 ** -6 * want.float().abs().max().item()
@@ -105,7 +110,8 @@ def sweep(fn, want, timer, calls, replays):
         if bad:
             raise AssertionError(f"config {cfg} disagrees with the torch ops")
         best = min(best, (us, cfg), key=lambda t: t[0])
-    return best
+        timed.append((us, cfg))
+    return (*best, timed)
 
 
 def diff(got, want) -> float:
@@ -134,10 +140,10 @@ def run(args):
             with pdl_rows(gm.MAX_ROWS if impl.endswith("_pdl") else 0):
                 us[impl] = timer(impls[impl.removesuffix("_pdl")], calls, args.replays)
         extra = {}
-        if args.sweep:
+        if args.sweep or args.quick_sweep:
             with pdl_rows(gm.MAX_ROWS):
-                best_us, best_cfg = sweep(impls["gemm"], want, timer, calls, args.replays)
-            extra = dict(best_us=best_us, best_config=best_cfg)
+                best_us, best_cfg, timed = sweep(impls["gemm"], want, timer, calls, args.replays, args.quick_sweep)
+            extra = dict(best_us=best_us, best_config=best_cfg, sweep=timed)
         records.append(record("decode_gemm", op, model, "bfloat16", M, None, None, None, K=K, N=N,
                               **{f"{i}_us": t for i, t in us.items()}, speedup=us["cublas"] / us["gemm_pdl"],
                               max_abs_diff=d, ref_max=want.float().abs().max().item(),
@@ -162,7 +168,7 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("decode_gemm.py needs a CUDA GPU (or --device cpu for the interpreter smoke test)")
     records, failed = run(args)
-    table = markdown_table(records, COLUMNS if args.sweep else COLUMNS[:-2])
+    table = markdown_table(records, COLUMNS if args.sweep or args.quick_sweep else COLUMNS[:-2])
     out = args.out or (REPO / "bench" / "results" / "decode_gemm.json" if args.device == "cuda" else None)
     if out:
         path = write_results(records, out)

@@ -42,11 +42,11 @@ class EngineConfig:
                                        # those run
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8; at 5-8 slower than decode_gemm: bench/results/decode_rows/)
-    decode_gemm_rows: int = 16         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
+    decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/decode_gemm.py (tensor cores,
                                        # weights read before the wait) not cuBLAS, where decode_gemv is on; under
-                                       # dependent launch (SPECDEC_PDL_MAX_ROWS, 16) 8 streams 0.97 -> 0.83 ms a
-                                       # step on an H100, past 16 rows slower than cuBLAS (bench/results/decode_rows/)
+                                       # dependent launch (SPECDEC_PDL_MAX_ROWS, 32) on an H100 8 streams 0.97 ->
+                                       # 0.83 ms a step, 32 streams 1.05 -> 0.90 (bench/results/decode_rows/)
     decode_gemm_split: bool = True     # steps of 3 to decode_gemv_rows rows where decode_gemv is on: decode_gemm takes
                                        # the matmuls the GEMV is slow at (narrow, long rows), the GEMV the wide ones
                                        # (engine/attention.py); an EAGLE K = 3 step 1.03 -> 0.94 ms on an H100

@@ -112,9 +112,14 @@ def test_any_config_gives_the_same_bits(cfg, monkeypatch):
 def test_pieces_and_default_configs():
     assert [gm.pieces(k) for k in (576, 1536, 2048, 192, 100, 10)] == [(512, 64), (1024, 512), (2048, 0), (128, 64),
                                                                        (64, 64), (16, 0)]
+    picks = {}
     for n, k in [(960, 576), (3072, 576), (576, 1536), (576, 576), (2048, 2048)]:
-        cfg = gm.decode_gemm_config(32, n, k)
-        assert cfg["BLOCK_N"] * sum(gm.pieces(k)) <= gm._ELEMS * cfg["num_warps"] // 4
+        for m in (5, 16, 32):
+            cfg = gm.decode_gemm_config(m, n, k)
+            bn = picks[n, k, m] = cfg["BLOCK_N"]
+            assert cfg["BLOCK_M"] == 8 and bn * sum(gm.pieces(k)) <= 3 * gm._ELEMS * cfg["num_warps"] // 4
+            assert bn == 16 or -(-n // bn) * -(-m // 8) >= gm._PROGRAMS      # a wider tile leaves enough programs
+    assert picks[3072, 576, 32] == 64 and picks[960, 576, 32] == 32 and picks[576, 576, 32] == 16
 
 
 def test_refusals():
@@ -202,7 +207,7 @@ def test_split_routes_narrow_long_matmuls_of_the_gemv_rows_to_gemm(monkeypatch):
 
 def test_the_switch_and_the_dependent_launch_limit():
     from engine.config import EngineConfig
-    assert EngineConfig().decode_gemm_rows == 16 and EngineConfig(decode_gemm_rows=32).decode_gemm_rows == 32
+    assert EngineConfig().decode_gemm_rows == 32 and EngineConfig(decode_gemm_rows=16).decode_gemm_rows == 16
     for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemv_rows=2, decode_gemm_rows=2)):
         with pytest.raises(ValueError, match="decode_gemm_rows"):
             EngineConfig(**kw)
@@ -212,7 +217,7 @@ def test_the_switch_and_the_dependent_launch_limit():
         EngineConfig(decode_gemv_rows=9)
     code = "from engine.kernels import common, decode_gemv; print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)"
     env = {k: v for k, v in os.environ.items() if k != "SPECDEC_PDL_MAX_ROWS"}
-    for limit, want in ((None, "16"), ("32", "32")):
+    for limit, want in ((None, "32"), ("16", "16")):
         out = subprocess.run([sys.executable, "-c", code], env=env | ({"SPECDEC_PDL_MAX_ROWS": limit} if limit else {}),
                              capture_output=True, text=True, check=True)
         assert out.stdout.split() == [want, "8"]      # the default decode_gemm_rows; the GEMV's limit stays

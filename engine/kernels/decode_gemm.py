@@ -23,9 +23,10 @@ rounded up to one (or none): 576 = 512 + 64 and 1536 = 1024 + 512 pad nothing. E
 columns on the batch axis of a 3-D tl.dot, weight [C, BLOCK_N, BLOCK_K] x rows [C, BLOCK_K, BLOCK_M], summed over
 the chunks: the weight rows are the MMA's M side and the tokens its N side (swap-AB, no padding of a row count to
 64), and K is split over independent MMA chains and warps, where one 2-D dot over K = 1536 would be a chain of 96
-dependent MMAs. Tokens go in groups of BLOCK_M, unrolled (16 a group up to K = 1024: M padded to 16 or 32 by
-masked rows; 8 past it): a group's x tile [K, BLOCK_M] is what sits in registers beside the weight. The norm's sum of squares needs the whole row: a first
-pass over the group's x (both pieces) gives it, then a second (L1) computes A.
+dependent MMAs. Tokens go in groups of BLOCK_M (8: M padded to a multiple of 8 by masked rows), unrolled when a
+program takes several: a group's x tile [K, BLOCK_M] is what sits in registers beside the weight. The norm's sum
+of squares needs the whole row: a first pass over the group's x (both pieces) gives it, then a second (L1)
+computes A.
 
 Accumulation is fp32, rounded once to x.dtype, in another order than cuBLAS: results agree to rounding, not bit
 for bit. Grid and constexprs depend only on shapes, so every call can be captured in a CUDA graph.
@@ -43,7 +44,8 @@ MIN_ROWS = 1
 MAX_ROWS = 32
 MAX_K = 2048
 _LIMITS = dict(rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
-_ELEMS = 16384  # weight elements per program at 4 warps (64 registers a thread in bf16); 8 warps above
+_ELEMS = 16384  # weight elements: a tile of up to 3 * _ELEMS runs at 4 warps, 8 warps above
+_PROGRAMS = 90  # the fewest programs a wider weight tile may leave (an H100 has 132 SMs)
 
 
 @triton.jit
@@ -196,15 +198,16 @@ def pieces(k: int) -> tuple[int, int]:
 
 
 def decode_gemm_config(m: int, n: int, k: int) -> dict:
-    """Launch parameters by shape (a bench may replace this function). BLOCK_N: 32 rows where that still leaves
-    >= 64 programs and fits 2 * _ELEMS weights, else 16; BLOCK_M: tokens a group (the x tile beside the weight,
-    8 for K > 1024); GROUPS: groups a program (1: the groups of a step's rows are programs of their own, each
-    reading the weight tile again, from L2 after the first, so that 17-32 rows fill twice to four times the SMs);
-    BLOCK_K: columns a chunk; 8 warps past _ELEMS. No loop to pipeline: num_stages 1."""
-    width = sum(pieces(k))
-    block_n = 32 if n >= 64 * 32 and 32 * width <= 2 * _ELEMS else 16
-    return dict(BLOCK_M=16 if width <= 1024 else 8, GROUPS=1, BLOCK_N=block_n, BLOCK_K=64,
-                num_warps=4 if block_n * width <= _ELEMS else 8, num_stages=1)
+    """Launch parameters by shape (a bench may replace this function). Groups of BLOCK_M = 8 tokens, one a
+    program: the programs of a step's row groups each read the weight tile again (from L2 after the first), and
+    that parallelism beats reusing the tile in registers (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows,
+    bench/results/decode_rows/). BLOCK_N: the widest of 64 / 32 weight rows that still gives >= _PROGRAMS
+    programs and fits 3 * _ELEMS weights, else 16. BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1."""
+    width, groups = sum(pieces(k)), triton.cdiv(m, 8)
+    block_n = next((bn for bn in (64, 32) if bn * width <= 3 * _ELEMS and triton.cdiv(n, bn) * groups >= _PROGRAMS),
+                   16)
+    return dict(BLOCK_M=8, GROUPS=1, BLOCK_N=block_n, BLOCK_K=64,
+                num_warps=4 if block_n * width <= 3 * _ELEMS else 8, num_stages=1)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,
