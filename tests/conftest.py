@@ -115,8 +115,10 @@ def assert_no_leak(engine):
         assert len(pool) == pool.num_rows, f"{pool.field} rows leaked"
 
 
-def prefill_logits(engine, ids):
-    """Logits of the last position after a one-shot prefill of `ids` (float32, on the host)."""
+def prefill_logits(engine, ids, last: int = 0):
+    """Logits of the last position after a one-shot prefill of `ids` (float32, on the host); with `last` = n, those
+    of the last n positions [n, V] (position i's logits score token i + 1: one prefill of prompt + outputs[:-1]
+    scores every output token)."""
     from engine.scheduler import ScheduledRow
     from engine.sequence import SamplingParams, Sequence
     seq = Sequence(10**6, list(ids), SamplingParams(max_tokens=1), seed=0,
@@ -127,6 +129,7 @@ def prefill_logits(engine, ids):
         slot.upload()
         with torch.inference_mode():
             hidden = runner.program.forward(slot, slot.dev["input_ids"][:len(ids)], 1, len(ids), len(ids))
-            return runner.model.compute_logits(hidden[-1:])[0].float().cpu()
+            logits = runner.model.compute_logits(hidden[-max(last, 1):]).float().cpu()
+            return logits if last else logits[0]
     finally:
         engine.blocks.free(seq.block_table)

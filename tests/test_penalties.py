@@ -24,17 +24,18 @@ def penalized(logits, prompt, out, p):
     return logits
 
 
-def reference_tokens(engine, prompt, p, n):
-    out = []
-    for i in range(n):
-        logits = penalized(prefill_logits(engine, prompt + out), prompt, out, p)
+def reference_tokens(engine, prompt, p, out):
+    """For each position i of `out`: the token the spec draws after prompt + out[:i] and its logprob. Teacher-forced
+    (one prefill scores every position): the same token at every position means the same sequence."""
+    scores = prefill_logits(engine, prompt + out[:-1], last=len(out)) if out else []
+    for i, raw in enumerate(scores):
+        logits = penalized(raw.clone(), prompt, out[:i], p)
         if i < p.min_tokens:
             logits[sorted(engine.eos_ids | set(p.stop_token_ids))] = float("-inf")
         lp = torch.log_softmax(logits, -1)
         token = sample(logits[None].clone(), torch.tensor([p.temperature]), torch.tensor([p.top_k]),
                        torch.tensor([p.top_p]), torch.tensor([p.seed or 0]), torch.tensor([i]),
                        min_p=torch.tensor([p.min_p]))[0].item()
-        out.append(token)
         yield token, lp[token].item()
 
 
@@ -55,7 +56,7 @@ def test_each_option_equals_the_reference(engine, chat_prompts):
         max_tokens=n + 6, min_tokens=n + 2, temperature=0, stop_token_ids=[28], logprobs=0)]
     seqs = engine.generate(prompts, params)
     for prompt, p, seq in zip(prompts, params, seqs):
-        want = list(reference_tokens(engine, prompt, p, len(seq.output_token_ids)))
+        want = list(reference_tokens(engine, prompt, p, seq.output_token_ids))
         assert seq.output_token_ids == [t for t, _ in want], p
         assert [lp for lp, _ in seq.logprobs] == pytest.approx([lp for _, lp in want], abs=2e-3)
     assert len(seqs[-1].output_token_ids) >= n + 2, "min_tokens held EOS back"
@@ -119,9 +120,10 @@ def ask(engine, text):
 def test_pipelined_graph_layout_preemption_and_speculation_equal_blocking(engine, chat_prompts):
     workload = _workload(engine, chat_prompts)
     ref = drive(LLMEngine(**CPU, depth=1), workload)
-    # preempting: without the prefix cache (requests sharing cached pages would leave the small pool enough room)
-    # and with it (tests/test_prefix_cache.py covers a penalized recompute that maps its own outputs)
-    for cfg, graphs in (({}, False), ({}, True), (dict(PREEMPTING, prefix_caching=False), False), (PREEMPTING, False),
+    # preempting: without the prefix cache (requests sharing cached pages would leave the small pool enough room),
+    # there in the graphs' padded layouts, and with it (tests/test_prefix_cache.py covers a penalized recompute that
+    # maps its own outputs)
+    for cfg, graphs in ((dict(PREEMPTING, prefix_caching=False), True), (PREEMPTING, False),
                         (dict(speculative="ngram", num_speculative_tokens=2, penalty_rows=2, spec_min_acceptance=0.0), False)):
         eng = LLMEngine(**CPU, depth=2, **cfg)
         if graphs:
