@@ -16,7 +16,7 @@ CPU = ["--device", "cpu", "--dtype", "float32"]
 def study(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("study") / "study"
     main(["--datasets", "JME", "chat", "--drafters", "ngram", "--k", "1", "2", "--guided", "off", "--prompts", "2",
-          "--max-tokens", "24", "--batch", "4", *CPU, "--out", str(prefix)])
+          "--max-tokens", "16", "--batch", "4", *CPU, "--out", str(prefix)])
     return prefix, json.loads(prefix.with_name("study.json").read_text())
 
 

@@ -99,12 +99,13 @@ def test_tiny_prefix_cache_hits_equal_tp1_without_it():
 
 @pytest.mark.slow
 def test_default_model_guided_and_eagle_equal_tp1(chat_prompts):
-    """SmolLM2-135M: 9 query / 3 KV heads split 6+3 / 2+1, tied embeddings; guided masks from rank 0, the
-    shipped draft head with grammar-masked and grammar-forced drafts."""
+    """SmolLM2-135M: 9 query / 3 KV heads split 6+3 / 2+1, tied embeddings; guided masks from rank 0 (rows of
+    plain and guided requests in one step, then verifications), the shipped draft head with grammar-masked and
+    grammar-forced drafts."""
     prompts = chat_prompts[:3]
-    same_as_tp1(prompts, SamplingParams(max_tokens=12, temperature=0), **DEFAULT)
     guided = SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMA)
-    same_as_tp1(prompts, guided, **DEFAULT)
+    short = SamplingParams(max_tokens=24, temperature=0, json_schema=SCHEMA)
+    same_as_tp1(prompts, [SamplingParams(max_tokens=12, temperature=0), short, short], **DEFAULT)
     _, (rows, _) = same_as_tp1(prompts, guided, speculative="eagle", guided_draft_masks=True,
                                guided_forced_drafts=True, **DEFAULT)
     assert rows > 0
