@@ -162,8 +162,7 @@ def test_abort_while_pages_are_shared(reference):
     assert_no_leak(eng)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "eagle", "draft_model"])
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("drafter,k", [("ngram", 2), ("eagle", 1), ("draft_model", 2)])   # each drafter, each K
 def test_speculation_after_a_cache_hit(reference, drafter, k):
     cfg = dict(speculative=drafter, num_speculative_tokens=k)
     if drafter == "draft_model":

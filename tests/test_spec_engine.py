@@ -58,8 +58,8 @@ def _same(got, ref):
     assert [s.text for s in got] == [s.text for s in ref]
 
 
-CASES = [(1, 2, "roomy"), (3, 1, "roomy"), (3, 2, "roomy"), (5, 2, "roomy"), (3, 1, "preempting"),
-         (3, 2, "preempting")]
+# (K, depth, pool) of n-gram; K = 3 pipelined and roomy is EAGLE's and the draft model's main case
+CASES = [(1, 2, "roomy"), (3, 1, "roomy"), (5, 2, "roomy"), (3, 1, "preempting"), (3, 2, "preempting")]
 
 
 # draft_model drafts with the default model itself (so nearly every draft passes, and stops land inside long
