@@ -160,3 +160,22 @@ def test_a_killed_supervisor_leaves_no_process_behind():
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         assert _gone(children), "a server process outlived the one that started it"
+
+
+def test_an_engine_that_fails_to_start_stops_the_api_processes_waiting_for_it():
+    """The API processes start beside the engine process and wait for its model info: an engine that fails (here a
+    model path that does not exist) ends the server with its error, and nothing it started is left."""
+    import subprocess
+    import sys
+
+    from serving import ROOT
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--model", "/no/such/dir",
+                             "--api-server-count", "2", *CPU_ARGS], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    children: set[int] = set()
+    while proc.poll() is None and len(children) < 3:          # the engine process and both API processes
+        children |= {pid for pid, _ in descendants(proc.pid)}
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "does not exist" in err and "listening" not in out
+    assert children and _gone(children), "a process of the failed server was left"

@@ -10,15 +10,20 @@ import socket
 from engine.server.processes import ipc
 
 
-def main(options: dict, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int, port: int, alive, ready) -> None:
-    """Process entry. `ready` gets the client index once this process serves; `alive` reads EOF once the engine
-    process is gone."""
+def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int, alive, ready) -> None:
+    """Process entry. `infos` brings the engine's ModelInfo once the engine serves (these imports overlap its
+    start-up; EOF: it failed, nothing to serve); `ready` gets the client index once this process serves; `alive`
+    reads EOF once the engine process is gone."""
     from engine.server.processes.engine_process import die_with_parent
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the supervisor stops this process (SIGTERM)
     import uvicorn
 
     from engine.server.api.app import create_app
+    try:
+        info = infos.recv()
+    except EOFError:
+        return
     args = argparse.Namespace(**options)
     state = build_state(args, info, addresses, client, alive)
     state.on_ready = lambda: ready.send(client)

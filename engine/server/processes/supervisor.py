@@ -1,5 +1,6 @@
-"""`specdec serve`'s first process: starts the engine process, then --api-server-count API processes on one port,
-prints the "listening" line once all serve, and stops them all on SIGINT/SIGTERM.
+"""`specdec serve`'s first process: starts the engine process and --api-server-count API processes on one port
+(these import and wait for the engine's model info, so both start-ups overlap), prints the "listening" line once
+all serve, and stops them all on SIGINT/SIGTERM.
 
 Failure handling: the engine process ending (a bug, a lost tensor-parallel worker, a kill) leaves the API
 processes up, answering 503 that names it (they see it on the `alive` pipe); an API process ending stops the
@@ -31,13 +32,20 @@ def run(args) -> int:
     metrics_dir = _metrics_dir(args.api_server_count)
     engine = apis = None
     try:
-        engine, info, alive = _start_engine(ctx, config, args, addresses)
-        if info is None:
-            return 2
         reservation = _reserve(args.host, args.port)
         host, port = reservation.getsockname()[:2]
-        apis, ready = _start_apis(ctx, args, info, addresses, port, alive)
-        alive.close()
+        engine, engine_ready, alive = _spawn_engine(ctx, config, args, addresses)
+        apis, infos, ready = _start_apis(ctx, args, addresses, port, alive)
+        alive.close()                     # the API processes hold its read end
+        info = _engine_info(engine, engine_ready)
+        if info is None:
+            return 2
+        for conn in infos:
+            try:
+                conn.send(info)
+            except OSError:               # that API process died starting: _wait_ready reports it
+                pass
+            conn.close()
         if not _wait_ready(apis, ready, engine, stopping):
             return 1
         reservation.close()
@@ -54,7 +62,7 @@ def run(args) -> int:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _start_engine(ctx, config, args, addresses):
+def _spawn_engine(ctx, config, args, addresses):
     ready_r, ready_w = ctx.Pipe(duplex=False)
     alive_r, alive_w = ctx.Pipe(duplex=False)
     engine = ctx.Process(target=engine_process.main, name="specdec-engine",
@@ -62,6 +70,11 @@ def _start_engine(ctx, config, args, addresses):
     engine.start()
     ready_w.close()
     alive_w.close()                   # from now on only the engine process holds the write end
+    return engine, ready_r, alive_r
+
+
+def _engine_info(engine, ready_r):
+    """The engine process's ModelInfo once it serves; None (the error printed) if it failed to start."""
     try:
         kind, value = ready_r.recv()
     except EOFError:
@@ -69,20 +82,24 @@ def _start_engine(ctx, config, args, addresses):
         kind, value = "error", f"the engine process exited during start-up (exit code {engine.exitcode})"
     if kind != "ready":
         print(f"specdec: error: {value}", file=sys.stderr)
-        return engine, None, alive_r
-    return engine, value, alive_r
+        return None
+    return value
 
 
-def _start_apis(ctx, args, info, addresses, port, alive):
+def _start_apis(ctx, args, addresses, port, alive):
+    """The API processes, each waiting on its pipe of `infos` for the engine's ModelInfo."""
     ready_r, ready_w = ctx.Pipe(duplex=False)
-    apis = []
+    apis, infos = [], []
     for client in range(args.api_server_count):
+        info_r, info_w = ctx.Pipe(duplex=False)
         p = ctx.Process(target=api_process.main, name=f"specdec-api-{client}",
-                        args=(vars(args), info, addresses, client, port, alive, ready_w))
+                        args=(vars(args), info_r, addresses, client, port, alive, ready_w))
         p.start()
+        info_r.close()
         apis.append(p)
+        infos.append(info_w)
     ready_w.close()
-    return apis, ready_r
+    return apis, infos, ready_r
 
 
 def _wait_ready(apis, ready_r, engine, stopping) -> bool:
