@@ -5,7 +5,7 @@ import torch
 from conftest import assert_no_leak, hf_greedy, prefill_logits
 from engine.sequence import SamplingParams
 
-NEW = 64
+NEW = 48
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
