@@ -223,6 +223,8 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     m, n = x.shape[0], weight.shape[0]
     cfg = dict(decode_gemm_config(m, n, k))
     block_m, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K")
+    if interpreted():       # programs run one after another there: all rows in one group (the same bits, any config)
+        block_m = max(block_m, min(MAX_ROWS, triton.next_power_of_2(m)))
     row_groups = triton.cdiv(m, block_m)
     groups = min(cfg.pop("GROUPS", row_groups), row_groups)
     k0, k1 = pieces(k)
