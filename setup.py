@@ -1,5 +1,8 @@
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
+
+# the extensions' C++ files compile in parallel, one job a core (SPECDEC_BUILD_JOBS sets another count)
+ParallelCompile("SPECDEC_BUILD_JOBS").install()
 
 # The hostfunc extension needs only the Python and pybind11 headers: the CUDA driver entry points are
 # resolved at run time (dlopen libcuda), so it builds on machines with no CUDA toolkit or GPU.
