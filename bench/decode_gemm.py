@@ -46,7 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--quick-sweep", action="store_true", help="only SWEEP's configs of one group a program and 4 warps")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/decode_gemm.json on cuda, "
                                                 "none on cpu); the markdown goes beside it")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.sweep = args.sweep or args.quick_sweep
+    return args
 
 
 @contextlib.contextmanager
@@ -140,7 +142,7 @@ def run(args):
             with pdl_rows(gm.MAX_ROWS if impl.endswith("_pdl") else 0):
                 us[impl] = timer(impls[impl.removesuffix("_pdl")], calls, args.replays)
         extra = {}
-        if args.sweep or args.quick_sweep:
+        if args.sweep:
             with pdl_rows(gm.MAX_ROWS):
                 best_us, best_cfg, timed = sweep(impls["gemm"], want, timer, calls, args.replays, args.quick_sweep)
             extra = dict(best_us=best_us, best_config=best_cfg, sweep=timed)
@@ -168,7 +170,7 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("decode_gemm.py needs a CUDA GPU (or --device cpu for the interpreter smoke test)")
     records, failed = run(args)
-    table = markdown_table(records, COLUMNS if args.sweep or args.quick_sweep else COLUMNS[:-2])
+    table = markdown_table(records, COLUMNS if args.sweep else COLUMNS[:-2])
     out = args.out or (REPO / "bench" / "results" / "decode_gemm.json" if args.device == "cuda" else None)
     if out:
         path = write_results(records, out)

@@ -117,7 +117,7 @@ def test_pieces_and_default_configs():
         for m in (5, 16, 32):
             cfg = gm.decode_gemm_config(m, n, k)
             bn = picks[n, k, m] = cfg["BLOCK_N"]
-            assert cfg["BLOCK_M"] == 8 and bn * sum(gm.pieces(k)) <= 3 * gm._ELEMS * cfg["num_warps"] // 4
+            assert cfg["BLOCK_M"] == 8 and cfg["num_warps"] == 4 and bn * sum(gm.pieces(k)) <= gm._TILE
             assert bn == 16 or -(-n // bn) * -(-m // 8) >= gm._PROGRAMS      # a wider tile leaves enough programs
     assert picks[3072, 576, 32] == 64 and picks[960, 576, 32] == 32 and picks[576, 576, 32] == 16
 

@@ -44,7 +44,7 @@ MIN_ROWS = 1
 MAX_ROWS = 32
 MAX_K = 2048
 _LIMITS = dict(rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
-_ELEMS = 16384  # weight elements: a tile of up to 3 * _ELEMS runs at 4 warps, 8 warps above
+_TILE = 49152  # weight elements a program may hold (64 x 576); 16 rows of any K <= MAX_K fit, so 4 warps always
 _PROGRAMS = 90  # the fewest programs a wider weight tile may leave (an H100 has 132 SMs)
 
 
@@ -202,12 +202,10 @@ def decode_gemm_config(m: int, n: int, k: int) -> dict:
     program: the programs of a step's row groups each read the weight tile again (from L2 after the first), and
     that parallelism beats reusing the tile in registers (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows,
     bench/results/decode_rows/). BLOCK_N: the widest of 64 / 32 weight rows that still gives >= _PROGRAMS
-    programs and fits 3 * _ELEMS weights, else 16. BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1."""
+    programs and fits _TILE weights, else 16. BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1."""
     width, groups = sum(pieces(k)), triton.cdiv(m, 8)
-    block_n = next((bn for bn in (64, 32) if bn * width <= 3 * _ELEMS and triton.cdiv(n, bn) * groups >= _PROGRAMS),
-                   16)
-    return dict(BLOCK_M=8, GROUPS=1, BLOCK_N=block_n, BLOCK_K=64,
-                num_warps=4 if block_n * width <= 3 * _ELEMS else 8, num_stages=1)
+    block_n = next((bn for bn in (64, 32) if bn * width <= _TILE and triton.cdiv(n, bn) * groups >= _PROGRAMS), 16)
+    return dict(BLOCK_M=8, GROUPS=1, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=1)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,
