@@ -13,6 +13,9 @@ ext_modules = [
     Pybind11Extension("engine.guided._native", ["engine/guided/csrc/grammar_node.cpp", "engine/guided/csrc/node.cpp",
                                                  "engine/guided/csrc/llg.cpp", "engine/guided/csrc/llg_py.cpp"],
                       cxx_std=17, libraries=["dl"], extra_compile_args=["-O2"]),
+    # CPU matmuls of a few rows (AVX2 + FMA, chosen at run time): needs only the pybind11 headers
+    Pybind11Extension("engine.kernels._cpu_gemm", ["engine/kernels/csrc/cpu_gemm.cpp"], cxx_std=17,
+                      extra_compile_args=["-O3"], extra_link_args=["-pthread"]),
 ]
 
 setup(

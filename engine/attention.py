@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
+
+from engine.kernels.cpu_gemm import linear
 
 
 @dataclass
@@ -35,29 +36,32 @@ def store_kv_torch(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """Reference: gathers each sequence's pages and runs dense causal attention in float32."""
+    """Reference: gathers each sequence's pages and runs dense causal attention in float32, one sequence at a time
+    (a row's result does not depend on the sequences beside it). The query heads sharing a KV head are one
+    matmul against it (no copies of the keys per query head)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     cu = meta.cu_seqlens_q.tolist()
     lens = meta.seq_lens.tolist()
+    tables = meta.block_tables.long()
     for i, kv_len in enumerate(lens):
         q_start, q_end = cu[i], cu[i + 1]
-        if q_end == q_start:
+        n = q_end - q_start
+        if n == 0:
             continue
-        n_blocks = (kv_len + block_size - 1) // block_size
-        blocks = meta.block_tables[i, :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        qi = q[q_start:q_end].float()
-        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        q_pos = torch.arange(kv_len - (q_end - q_start), kv_len, device=q.device)
-        k_pos = torch.arange(kv_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        blocks = tables[i, :(kv_len + block_size - 1) // block_size]
+        k = k_cache[blocks].flatten(0, 1)[:kv_len].float().permute(1, 2, 0)       # [kv heads, head_dim, kv_len]
+        v = v_cache[blocks].flatten(0, 1)[:kv_len].float().transpose(0, 1)        # [kv heads, kv_len, head_dim]
+        # [kv heads, group * n, head_dim]: query row r of a KV head is its head r // n, token r % n
+        qi = q[q_start:q_end].float().view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.bmm(qi.reshape(num_kv_heads, group * n, head_dim), k) * scale
+        if n > 1:                   # token t sees keys up to its position kv_len - n + t: among the last n keys
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+            scores.view(num_kv_heads, group, n, kv_len)[..., kv_len - n:].masked_fill_(causal, float("-inf"))
+        o = torch.bmm(scores.softmax(-1), v).view(num_kv_heads, group, n, head_dim)
+        out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
     return out
 
 
@@ -72,18 +76,18 @@ class _Matmuls:
         return self.attend(q, k_cache, v_cache, meta, scale)
 
     def linear(self, x, weight, bias=None):
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
         """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x itself without one)."""
         if residual is None:
-            return F.linear(self.ops.rms_norm(x, norm_weight, eps), weight, bias), x
+            return linear(self.ops.rms_norm(x, norm_weight, eps), weight, bias), x
         normed, residual = self.ops.rms_norm(x, norm_weight, eps, residual)
-        return F.linear(normed, weight, bias), residual
+        return linear(normed, weight, bias), residual
 
     def silu_linear(self, gate_up, weight, residual=None):
         """linear(silu_mul(gate_up)), plus the residual when one is given."""
-        out = F.linear(self.ops.silu_mul(gate_up), weight)
+        out = linear(self.ops.silu_mul(gate_up), weight)
         return out if residual is None else residual + out
 
     def norm_linear_argmax(self, x, norm_weight, eps, weight):

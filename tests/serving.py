@@ -88,6 +88,7 @@ def serve(*args: str, timeout: float = 300.0):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.unlink(missing_ok=True)
 
 
 def descendants(root: int) -> list[tuple[int, bytes]]:

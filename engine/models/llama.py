@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.kernels.cpu_gemm import Linear, linear
 from engine.parallel.group import SINGLE
 from engine.parallel.sharding import attention_heads, split, vocab_rows
 
@@ -85,8 +86,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(cfg.get("attention_bias", cfg["model_type"] == "qwen2"))
-        self.qkv_proj = nn.Linear(cfg["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg["hidden_size"], bias=False)
+        self.qkv_proj = Linear(cfg["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg["hidden_size"], bias=False)
         self.qk_norm = cfg["model_type"] == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
@@ -124,8 +125,8 @@ class MLP(nn.Module):
         super().__init__()
         start, stop = split(cfg["intermediate_size"], tp.rank, tp.world)
         self.inter = stop - start
-        self.gate_up_proj = nn.Linear(cfg["hidden_size"], 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg["hidden_size"], bias=False)
+        self.gate_up_proj = Linear(cfg["hidden_size"], 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, cfg["hidden_size"], bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -159,7 +160,7 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(mlp.down_fused(gate_up, backend)), residual, layer_input
 
 
-def _norm_proj(h, residual, norm: RMSNorm, proj: nn.Linear, backend):
+def _norm_proj(h, residual, norm: RMSNorm, proj: Linear, backend):
     """proj(rms_norm(h + residual)) and the new residual (h itself when there is none yet)."""
     return backend.norm_linear(h, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
@@ -198,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.tied = bool(cfg.get("tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = nn.Linear(cfg["hidden_size"], self.embed_tokens.weight.shape[0], bias=False)
+            self.lm_head = Linear(cfg["hidden_size"], self.embed_tokens.weight.shape[0], bias=False)
 
     def init_rope(self, max_positions: int, device) -> None:
         """Built after the weights land (the module may have been created on the meta device)."""
@@ -243,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden):
         """float32 logits [N, V]; with several ranks each computes its vocabulary rows and all gather them."""
-        logits = F.linear(hidden, self.head_weight)
+        logits = linear(hidden, self.head_weight)
         if self.tp.world > 1:
             logits = self.tp.gather_vocab(logits)
             if logits.shape[1] != self.vocab:                  # padding rows of the last rank

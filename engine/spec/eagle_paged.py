@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import torch
-import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
+from engine.kernels.cpu_gemm import linear
 from engine.kv_cache import kv_pages
 from engine.models.llama import rope_inv_freq, rope_tables
 from engine.spec.eagle_head import EagleHead, HeadConfig
@@ -162,5 +162,5 @@ class PagedHead:
             return self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, t.head_weight)
         rows = self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, self.draft_weight)
         if rows is None:
-            rows = F.linear(t.final_norm(hidden, self.backend), self.draft_weight).float().argmax(-1)
+            rows = linear(t.final_norm(hidden, self.backend), self.draft_weight).float().argmax(-1)
         return self.draft_ids[rows]
