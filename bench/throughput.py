@@ -3,6 +3,7 @@
     python bench/throughput.py                                  # default model, bf16, CUDA, 1/8/32 streams
     python bench/throughput.py --depth 1 2 --streams 1 8 32 --new-tokens 128
     python bench/throughput.py --device cpu --dtype float32 --streams 1 2 --new-tokens 8 --out /tmp/t.json
+    python bench/throughput.py --depth 2 --streams 8 32 64 --prompt-tokens 1024   # agent-length contexts
 
 One engine per (depth, streams) with max_num_seqs=streams; a short warm-up generate (other prompts)
 resets nothing but the counters before the timed one.
@@ -38,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="lengthen every prompt to about this many tokens by one shared prefix (an agent's system "
+                        "prompt and tool schemas; prefix caching prefills it once); 0: the chat prompts as they are")
     p.add_argument("--depth", type=int, nargs="+", default=[1], choices=sorted(MODES))
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--warmup-tokens", type=int, default=8)
@@ -87,6 +91,18 @@ def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: in
     return out
 
 
+def shared_prefix(prompts: list[list[int]], total: int) -> list[list[int]]:
+    """The prompts behind one shared prefix that brings the longest to `total` tokens (none if it is as long): the
+    prompts' own ids repeated, which decode as well as any text. The warm-up prompts share it, so the timed
+    generate finds it in the prefix cache and its steps are decode steps over the long context."""
+    pad = total - max(len(p) for p in prompts)
+    if pad <= 0:
+        return prompts
+    ids = [t for p in prompts for t in p]
+    prefix = (ids * (pad // len(ids) + 1))[:pad]
+    return [prefix + p for p in prompts]
+
+
 def step_weight_bytes(model) -> int:
     """Bytes of the weights one decode step reads: all parameters, less an untied input embedding."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -127,11 +143,13 @@ def run_one(args, depth: int, streams: int, bandwidth_gbs: float | None = None) 
     mode = MODES[depth]
     model, dtype = args.model or "default", args.dtype
     extra = dict(depth=depth, enforce_eager=args.enforce_eager, **engine_overrides(args))
+    if args.prompt_tokens:
+        extra["shared_prompt_tokens"] = args.prompt_tokens
     try:
         eng = build_engine(args, depth, streams)
         model = eng.source.name
         dtype = str(eng.runner.dtype).replace("torch.", "") if hasattr(eng.runner, "dtype") else dtype
-        prompts = chat_prompts(eng, 2 * streams)             # timed: [:streams] (as bench/peers_hf.py)
+        prompts = shared_prefix(chat_prompts(eng, 2 * streams), args.prompt_tokens)  # timed: [:streams]
         fields = time_generate(eng, prompts[:streams], prompts[streams:], args.new_tokens, args.warmup_tokens)
         tok_s, ms = fields.pop("tok_s"), fields.pop("ms_per_step")
         fields.update(floor_fields(eng, ms, bandwidth_gbs))

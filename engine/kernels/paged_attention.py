@@ -34,6 +34,7 @@ from engine.kernels.rope_kv import rope_rows, store_new_kv
 from engine.kernels.split_merge import merge_if_last
 
 _LOG2E = 1.4426950408889634
+LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
 
 
 @triton.jit
@@ -223,17 +224,24 @@ def _tile_config(group: int, max_query_len: int, block_size: int):
 
 
 def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
-    """Split KV only when the grid leaves SMs idle; at most one split per 2 tiles of the context bound.
-    (Measured on an H100, SmolLM2 at one stream: even ~170-key contexts decode faster split 3 ways plus the
-    merge kernel than unsplit, whose tiles run one after another.)"""
+    """KV splits (a power of two) for a grid of `programs` (query block, sequence, kv head) and a context bound.
+
+    A grid under half an SM a program: splits up to one program an SM, at most one per 2 tiles of the bound (at
+    one stream even ~170-key contexts decode faster split 3 ways plus the merge than unsplit). A fuller grid
+    splits only for long bounds (>= LONG_TILES tiles: the decode graphs of the model's whole context, eager long
+    steps), up to ~3 programs an SM: several are resident on an SM at once. Measured on an H200, SmolLM2 heads,
+    decode (bench/results/attention_splits.md): 32 streams at 1024 keys 18.8 -> 12.9 us (4 splits), 64 streams
+    29.8 -> 21.6 (2); at 256 keys splits lose (6.7 -> 6.9 us), so the 512-key graphs keep one."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= sms // 2:
-        return 1
-    want = triton.cdiv(sms, programs)
-    cap = max(1, triton.cdiv(max_kv, tile_n) // 2)
-    return max(1, min(32, 1 << (min(want, cap).bit_length() - 1)))
+    tiles = triton.cdiv(max_kv, tile_n)
+    if programs < sms // 2:
+        want = triton.cdiv(sms, programs)
+    else:
+        want = (3 * sms) // programs if tiles >= LONG_TILES else 1
+    splits = min(32, want, tiles // 2)
+    return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
 
 def fuses_rope(num_heads: int, num_kv_heads: int, max_query_len: int, block_size: int) -> bool:
