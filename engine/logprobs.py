@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-MAX_LOGPROBS = 20           # top entries a request may ask for (OpenAI's bound)
+from engine.sequence import MAX_LOGPROBS
+
 ENTRY_WIDTH = 1 + 2 * MAX_LOGPROBS  # floats per (sampling row, position) in a slot's buffer
 
 Entry = tuple[float, list[tuple[int, float]]]     # (the token's logprob, [(token id, logprob), ...] best first)

@@ -7,12 +7,12 @@ import numbers
 from dataclasses import dataclass, field
 
 from engine.guided.spec import GUIDE_FIELDS, Guide, make_guide
-from engine.logprobs import MAX_LOGPROBS
 from engine.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_TOKENS_LIMIT = 2 ** 31 - 1      # counters that reach the device are int64; keep far from overflow
 MAX_LOGIT_BIAS = 1024               # tokens one request may bias (OpenAI allows 300)
+MAX_LOGPROBS = 20                   # top entries a request may ask for (OpenAI's bound)
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:

@@ -64,3 +64,8 @@ def _check_json(node, kind: str, path: str, depth: int, bounds: tuple[int, int, 
         if key == "regex" and isinstance(value, str) and kind == "structural_tag":
             _check_repeat(value, f"{kind} regex at {where[:200]}", max_repeat)
         _check_json(value, kind, where, depth + 1, bounds)
+
+
+def timeout_message(guide, timeout_s: float) -> str:
+    return (f"compiling the {guide.kind} took longer than {timeout_s:g} s (grammar_compile_timeout_s); "
+            "it was abandoned")

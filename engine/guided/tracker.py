@@ -10,6 +10,7 @@ import xgrammar as xgr
 
 import hostfunc
 from engine.guided import limits
+from engine.guided.limits import timeout_message
 from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.masks import Snapshot
 
@@ -118,8 +119,3 @@ class GuidedTracker:
     def close(self) -> None:
         if self.service is not None:
             self.service.close()
-
-
-def timeout_message(guide, timeout_s: float) -> str:
-    return (f"compiling the {guide.kind} took longer than {timeout_s:g} s (grammar_compile_timeout_s); "
-            "it was abandoned")

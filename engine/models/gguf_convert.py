@@ -5,7 +5,6 @@ with the chat template), so the engine has one loading path for everything it ru
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,14 +23,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _field(reader, key, default=None):

