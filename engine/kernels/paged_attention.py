@@ -6,9 +6,10 @@ A program owns (query block, sequence, kv head[, KV split]). Its tile of BLOCK_M
 query tokens x the GROUP q heads that share the kv head (row m = token m // GROUP, head m % GROUP), so
 decode with a small GQA group still feeds tl.dot with M >= 16 and each K/V tile is loaded once per
 group. KV is walked in TILE_N-key tiles (a multiple of the page size) through block_tables: first the
-tiles every query row may see (no mask), then the causal tail. When the grid is too small to fill the
-GPU (decode at low batch) the KV range is split over NUM_SPLITS programs and a second kernel merges
-their partial (acc, max, sum), or with `semaphores=` the last of them (engine/kernels/split_merge.py). Grid
+tiles every query row may see (no mask), then the causal tail. When the grid leaves the GPU mostly idle
+(decode at low batch, or a fuller grid over a long context: _auto_splits) the KV range is split over
+NUM_SPLITS programs and a second kernel merges their partial (acc, max, sum), or with `semaphores=` the last
+of them (engine/kernels/split_merge.py). Grid
 and constexprs depend only on shapes and host ints: no device->host sync, so both entry points can be captured
 in CUDA graphs.
 
@@ -230,7 +231,7 @@ def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
     one stream even ~170-key contexts decode faster split 3 ways plus the merge than unsplit). A fuller grid
     splits only for long bounds (>= LONG_TILES tiles: the decode graphs of the model's whole context, eager long
     steps), up to ~3 programs an SM: several are resident on an SM at once. Measured on an H200, SmolLM2 heads,
-    decode (bench/results/attention_splits.md): 32 streams at 1024 keys 18.8 -> 12.9 us (4 splits), 64 streams
+    decode (bench/results/attention_splits/): 32 streams at 1024 keys 18.8 -> 12.9 us (4 splits), 64 streams
     29.8 -> 21.6 (2); at 256 keys splits lose (6.7 -> 6.9 us), so the 512-key graphs keep one."""
     if device.type != "cuda":
         return 1
