@@ -13,10 +13,9 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from common import (QUESTIONS, REPO, command_line, git_commit, markdown_table, note, plot,  # noqa: I001
-                    record, write_results)
+from common import (QUESTIONS, REPO, command_line, cpu_model, git_commit, markdown_table, note,  # noqa: I001
+                    plot, record, write_results)
 from engine.output import OutputProcessor
 from engine.sequence import SamplingParams, Sequence
 
@@ -29,16 +28,6 @@ LENGTHS = (100, 500, 1000, 2000, 4000)
 STOPS = ("The capital of Spain", "\n\nUser:")    # "The capital of" and "\n\n" occur: the hold-back works
 FILLER = ("The capital of France is Paris; the capital of Japan is Tokyo (東京), naïve café au lait ☕.\n\n"
           "Answer: {q} It depends on the details, so let us go through them one by one.\n")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def output_tokens(tokenizer, n: int) -> list[int]:

@@ -28,15 +28,15 @@ def device_name() -> str:
             return torch.cuda.get_device_name()
     except Exception:                      # noqa: BLE001 - a record must never fail on this
         pass
-    return f"cpu ({_cpu_model()}, {os.cpu_count()} cores)"
+    return f"cpu ({cpu_model()}, {os.cpu_count()} cores)"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        return "unknown model"
+        return "unknown CPU"
 
 
 def git_commit() -> str:
