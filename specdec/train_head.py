@@ -4,6 +4,7 @@
     python -m specdec.train_head --out runs/head --stage generate --time-limit 430      # again to go on
     python -m specdec.train_head --out runs/head --stage train --time-limit 480         # again to go on
     python -m specdec.train_head --out runs/head --stage export --ship specdec/heads/smollm2-135m
+    CUDA_VISIBLE_DEVICES=$i python -m specdec.train_head --out runs/head --stage generate --shard $i/4   # 4 GPUs
 
 The defaults are the shipped head's (its card.md): 90 K chat prompts (every fourth with a second turn),
 4 K tool conversations and every Glaive / Github_easy schema in 4 phrasings; 12 K steps of batch 32.
@@ -52,8 +53,14 @@ def parse_args(argv=None):
     p.add_argument("--num-chat", type=int, default=90000, help="chat prompts (distinct ones first, then sampled repeats)")
     p.add_argument("--followup-every", type=int, default=4, help="every N-th chat prompt gets a second user turn (0: none)")
     p.add_argument("--num-tools", type=int, default=4000, help="two-turn tool conversations (Glaive functions)")
-    p.add_argument("--schema-variants", type=int, default=4, help="phrasings each schema is asked in")
+    p.add_argument("--schema-variants", type=int, default=4, help="phrasings each schema is asked in, under its grammar")
+    p.add_argument("--free-schema-variants", type=int, default=0, help="phrasings each schema is also asked in "
+                   "without its grammar (the unguided answers that unguided JSON requests draft over)")
     p.add_argument("--max-sequences", type=int, default=0, help="train on the first N sequences only (0: all)")
+    p.add_argument("--skip-kinds", nargs="*", default=[], metavar="KIND", help="train without these kinds of "
+                   "response (chat, chat_turn2, schema, schema_free, tool, tool_turn2); the held-out set keeps them")
+    p.add_argument("--shard", default="0/1", metavar="I/N", help="generate: only every N-th chunk from the I-th, "
+                   "so N processes (one a GPU: CUDA_VISIBLE_DEVICES) share one --data-dir")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--chunk", type=int, default=2048, help="items per chunk file (resume unit)")
     p.add_argument("--max-seqs", type=int, default=512, help="engine batch while generating")
@@ -76,13 +83,26 @@ def parse_args(argv=None):
 
 def run_generate(args) -> None:
     from engine.llm_engine import LLMEngine
+    part = shard(args.shard)
     kw = dict(max_num_seqs=args.max_seqs) | ({"model": args.model} if args.model else {})
     eng = LLMEngine(**kw, **({} if args.device == "auto" else {"device": args.device}))
     items = head_data.prompt_items(args.data or None, args.num_chat, schema_variants=args.schema_variants,
-                                   followup_every=args.followup_every, num_tools=args.num_tools)
+                                   followup_every=args.followup_every, num_tools=args.num_tools,
+                                   free_schema_variants=args.free_schema_variants)
     deadline = time.monotonic() + args.time_limit if args.time_limit else None
-    head_data.generate(eng, items, data_dir(args), args.chunk, args.max_tokens, log, deadline)
+    head_data.generate(eng, items, data_dir(args), args.chunk, args.max_tokens, log, deadline, part)
     eng.close()
+
+
+def shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard {text!r}: give I/N with 0 <= I < N")
+    return i, n
 
 
 def data_dir(args) -> str:
@@ -110,7 +130,7 @@ def run_train(args) -> dict:
     train_records, held = head_data.split(records)
     held_out = held["all"]
     # a data-size study trains on the first N: the same held-out set, less training data
-    train_records = train_records[:args.max_sequences or None]
+    train_records = [r for r in train_records if r[2] not in args.skip_kinds][:args.max_sequences or None]
     train_seqs = [(ids, p) for ids, p, _ in train_records]
     log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
     t0 = time.monotonic()
@@ -123,7 +143,7 @@ def run_train(args) -> dict:
                    tokens=sum(len(s) - p for s, p in train_seqs), held_out=len(held_out), batch=args.batch,
                    kinds=dict(Counter(k for _, _, k in train_records)),
                    lr=args.lr, depth=args.depth, max_len=args.max_len, decay=args.decay, bucket=args.bucket,
-                   init=args.init,
+                   init=args.init, skip_kinds=args.skip_kinds,
                    command="python -m specdec.train_head " + " ".join(sys.argv[1:]))
     prev = Path(args.out) / "train_summary.json"
     if prev.exists():                      # a resumed run adds its time to the earlier calls'
@@ -174,6 +194,8 @@ def run_export(args) -> None:
 def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
     losses = state.get("losses", [])
     kinds = ", ".join(f"{k} {v:,}" for k, v in sorted(summary.get("kinds", {}).items()))
+    if summary.get("skip_kinds"):
+        kinds += f" (left out of training: {', '.join(summary['skip_kinds'])})"
     rows = "\n".join(f"  - {name}: {' / '.join(f'{v:.2f}' for v in by_k.values())}" for name, by_k in acc.items())
     return f"""# EAGLE-3-style draft head for {target}
 
@@ -181,8 +203,8 @@ def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
   for repeated prompts): {summary.get('sequences', '?')} training sequences ({summary.get('tokens', '?')} response
   tokens) by kind: {kinds or '?'}. Chat prompts come from task families x styles, some with a second turn;
   schema prompts (Glaive, Github_easy) and tool conversations (Glaive functions, through the server's chat format)
-  are answered under their grammar (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions
-  bench/spec.py asks are held out entirely (it measures on them).
+  are answered under their grammar; schema_free are the same schema prompts answered without it
+  (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions bench/spec.py asks are held out entirely (it measures on them).
 - Training: {f"from the head in {summary['init']}, then " if summary.get('init') else ''}{state.get('step')} steps, batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
   depth {summary.get('depth')}, sequences cut to {summary.get('max_len')} tokens, {summary.get('train_s', '?')} s.
   Loss (sum over the unrolled steps) first / last 20 steps: {_mean(losses[:20])} / {_mean(losses[-20:])}.

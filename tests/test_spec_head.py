@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.spec.eagle_head import EagleHead, HeadConfig, new_head, unrolled_logits
-from specdec.eagle.data import generate, load_records, load_sequences, prompt_items, split, tool_items
+from specdec.eagle.data import first_turn, generate, load_records, load_sequences, prompt_items, split, tool_items
 from specdec.eagle.prompts import FAMILIES, STYLES, chat_prompts
 from specdec.eagle.train import Target, evaluate, make_batch, train
 
@@ -112,12 +112,14 @@ def test_prompt_items_spread_kinds_followups_tools_and_sampled_repeats(tmp_path)
     root = _schema_root(tmp_path)
     n = 200_000
     unique = len(chat_prompts(n))                 # fewer: the families hold about 72 K
-    items = prompt_items(root, num_chat=n, schema_variants=3, followup_every=4, num_tools=4)
+    items = prompt_items(root, num_chat=n, schema_variants=3, followup_every=4, num_tools=4, free_schema_variants=2)
     chat = [i for i in items if "text" in i and "tools" not in i]
-    schemas = [i for i in items if "schema" in i]
+    schemas = [i for i in items if "schema" in i and not i.get("free")]
+    free = [i for i in items if "schema" in i and i.get("free")]
     tools = [i for i in items if "tools" in i]
     assert unique < n and len(chat) == n and len(schemas) == 9 and len(tools) == 4
     assert sorted(i["template"] for i in schemas) == [0, 0, 0, 1, 1, 1, 2, 2, 2], "each schema asked in 3 phrasings"
+    assert sorted(i["template"] for i in free) == [0, 0, 0, 1, 1, 1], "and in 2 more without its grammar"
     assert all("temperature" not in i for i in chat[:unique]) and {i["temperature"] for i in chat[unique:]} == {0.8}
     assert chat[unique]["text"] == chat[0]["text"], "past the distinct prompts, they repeat"
     assert chat[unique]["seed"] != chat[unique + 1]["seed"], "a repeated prompt is sampled with its own seed"
@@ -165,12 +167,17 @@ def test_select_computes_the_same_logits_only_where_asked(tiny_target):
 def test_generate_writes_both_turns_and_constrains_tool_calls(engine, tmp_path):
     """The real default model: a follow-up's prompt holds the first answer; a tool call names its function
     and parses; the tool's answer is asked after the made-up result."""
-    items = prompt_items(_schema_root(tmp_path), num_chat=2, followup_every=1, num_tools=1)
-    items = [i for i in items if "tools" in i] + [i for i in items if "followup" in i][:1]
+    items = prompt_items(_schema_root(tmp_path), num_chat=2, followup_every=1, num_tools=1, free_schema_variants=1)
+    guided = next(i for i in items if "schema" in i and not i.get("free"))
+    free = next(i for i in items if "schema" in i and i.get("free") and i["name"] == guided["name"])
+    items = [i for i in items if "tools" in i] + [i for i in items if "followup" in i][:1] + [guided, free]
+    assert first_turn(engine, free, 40)[1].json_schema is None, "a free schema prompt is asked without its grammar"
+    assert first_turn(engine, free, 40)[0] == first_turn(engine, guided, 40)[0], "the same words (phrasing 0)"
     generate(engine, items, str(tmp_path / "data"), chunk=8, max_tokens=40, log=lambda m: None)
     rows = [json.loads(x) for x in (tmp_path / "data" / "chunk_00000.jsonl").read_text().splitlines()]
     by_kind = {r["kind"]: r for r in rows}
-    assert sorted(by_kind) == ["chat", "chat_turn2", "tool", "tool_turn2"]
+    assert sorted(by_kind) == ["chat", "chat_turn2", "schema", "schema_free", "tool", "tool_turn2"]
+    assert "city" in json.loads(engine.tokenizer.decode(by_kind["schema"]["output"], skip_special_tokens=True))
     call = engine.tokenizer.decode(by_kind["tool"]["output"], skip_special_tokens=True)
     body = call.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0]
     assert json.loads(body)["name"] == items[0]["call"]
@@ -178,6 +185,17 @@ def test_generate_writes_both_turns_and_constrains_tool_calls(engine, tmp_path):
     first = engine.tokenizer.decode(by_kind["chat"]["output"], skip_special_tokens=True).strip()
     assert first[:40] in turn2 and items[1]["followup"] in turn2
     assert items[0]["result"] in engine.tokenizer.decode(by_kind["tool_turn2"]["prompt"])
+
+
+def test_generate_shards_take_every_nth_chunk(engine, tmp_path):
+    """Two processes with --shard 0/2 and 1/2 on one data dir write disjoint chunks that together make all."""
+    items = [{"text": f"Say the number {i}."} for i in range(5)]
+    out = tmp_path / "data"
+    generate(engine, items, str(out), chunk=2, max_tokens=2, log=lambda m: None, shard=(1, 2))
+    assert sorted(p.name for p in out.iterdir()) == ["chunk_00001.jsonl"]
+    generate(engine, items, str(out), chunk=2, max_tokens=2, log=lambda m: None, shard=(0, 2))
+    assert sorted(p.name for p in out.iterdir()) == [f"chunk_{c:05d}.jsonl" for c in range(3)]
+    assert sum(len(p.read_text().splitlines()) for p in out.iterdir()) == 5
 
 
 def test_train_head_trains_resumes_and_exports_on_a_shared_data_dir(engine, tmp_path):
@@ -193,15 +211,15 @@ def test_train_head_trains_resumes_and_exports_on_a_shared_data_dir(engine, tmp_
     out = tmp_path / "run"
     args = ["--out", str(out), "--data-dir", str(data), "--device", "cpu", "--steps", "2", "--batch", "2",
             "--max-len", "64", "--max-sequences", "40"]
-    main(args + ["--stage", "train", "--bucket", "4", "--decay", "steps"])
+    main(args + ["--stage", "train", "--bucket", "4", "--decay", "steps", "--skip-kinds", "chat_turn2"])
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["step"] == 2 and summary["done"] and summary["sequences"] == 40
     assert summary["bucket"] == 4 and summary["decay"] == "steps"
-    assert sum(summary["kinds"].values()) == 40 and set(summary["kinds"]) == {"chat", "schema", "chat_turn2"}
+    assert sum(summary["kinds"].values()) == 40 and set(summary["kinds"]) == {"chat", "schema"}
     main(args + ["--stage", "export"])
     acc = json.loads((out / "acceptance.json").read_text())
     assert set(acc) == {"all", "chat", "summary"} and all(1.0 <= v <= 6.0 for v in acc["chat"].values())
-    assert (out / "head.safetensors").stat().st_size > 1e6 and "chat_turn2" in (out / "card.md").read_text()
+    assert (out / "head.safetensors").stat().st_size > 1e6 and "left out of training: chat_turn2" in (out / "card.md").read_text()
     assert not (out / "data").exists(), "the responses stay where --data-dir is"
     # --init goes on from an exported head: at learning rate 0 the next export is the same head
     again = tmp_path / "again"

@@ -65,10 +65,11 @@ def tool_items(schemas: list[dict], n: int, seed: int = 0, others: int = 0) -> l
 
 
 def prompt_items(data_root: str | None, num_chat: int, seed: int = 0, schema_variants: int = 1,
-                 followup_every: int = 0, num_tools: int = 0) -> list[dict]:
+                 followup_every: int = 0, num_tools: int = 0, free_schema_variants: int = 0) -> list[dict]:
     """Work items, interleaved so any prefix mixes all kinds: {"text"} chat prompts ({"followup"} on every
     `followup_every`-th: a second user turn after the first answer), {"schema", "template"} prompts (each schema
-    asked in `schema_variants` phrasings) and `num_tools` {"tools", "call"} tool conversations (Glaive).
+    asked in `schema_variants` phrasings under its grammar, and in `free_schema_variants` phrasings without it:
+    {"free": True}) and `num_tools` {"tools", "call"} tool conversations (Glaive).
     Chat prompts past the distinct ones repeat one, sampled (temperature 0.8, their own seed)."""
     texts = prompts.chat_prompts(num_chat, seed)
     unique = len(texts)
@@ -81,6 +82,10 @@ def prompt_items(data_root: str | None, num_chat: int, seed: int = 0, schema_var
     found = schema_items(data_root) if data_root else []
     schemas = [s | {"template": v, "topic": rng.choice(prompts.TOPICS)}
                for v in range(min(schema_variants, len(SCHEMA_PROMPTS))) for s in found]
+    # unguided, the model answers a schema prompt its own way (the schema echoed, fenced JSON, prose): what an
+    # unguided JSON request decodes, and what a head trained on guided answers alone drafts worst
+    schemas += [s | {"template": v, "topic": rng.choice(prompts.TOPICS), "free": True}
+                for v in range(min(free_schema_variants, len(SCHEMA_PROMPTS))) for s in found]
     tools = tool_items([s for s in found if s["dir"] == SCHEMA_DIRS[0]], num_tools, seed)
     return spread([chat, schemas, tools])
 
@@ -92,13 +97,15 @@ def spread(kinds: list[list]) -> list:
 
 
 def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_tokens: int = 256, log=print,
-             deadline: float | None = None) -> None:
+             deadline: float | None = None, shard: tuple[int, int] = (0, 1)) -> None:
     """Responses for `items`, in chunk files out_dir/chunk_NNNNN.jsonl of {"kind", "prompt", "output"} token
     ids. A two-turn item (a follow-up, a tool conversation) adds its second response, whose prompt holds the
-    first. Stops before a new chunk once time.monotonic() passes `deadline` (a later call goes on from there)."""
+    first. Stops before a new chunk once time.monotonic() passes `deadline` (a later call goes on from there).
+    shard (i, n): only chunks c with c % n == i, so n processes (one a GPU) share the work."""
     os.makedirs(out_dir, exist_ok=True)
     n_chunks, t0, made = -(-len(items) // chunk), time.monotonic(), 0
-    for c in range(n_chunks):
+    index, count = shard
+    for c in range(index, n_chunks, count):
         path = Path(out_dir) / f"chunk_{c:05d}.jsonl"
         if path.exists():
             continue
@@ -121,6 +128,7 @@ def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_toke
 
 def _kind(item: dict, turn: int) -> str:
     kind = "tool" if "tools" in item else "schema" if "schema" in item else "chat"
+    kind += "_free" if item.get("free") else ""
     return kind if turn == 0 else kind + "_turn2"
 
 
@@ -153,7 +161,8 @@ def first_turn(engine, item: dict, max_tokens: int):
     if "schema" in item:
         text = SCHEMA_PROMPTS[item.get("template", 0)].replace("{topic}", item.get("topic", "")).format(
             json.dumps(item["schema"]))
-        return _params(engine.apply_chat_template([{"role": "user", "content": text}]), sample, json_schema=item["schema"])
+        guide = {} if item.get("free") else {"json_schema": item["schema"]}
+        return _params(engine.apply_chat_template([{"role": "user", "content": text}]), sample, **guide)
     return _params(engine.apply_chat_template([{"role": "user", "content": item["text"]}]), sample)
 
 
