@@ -6,8 +6,10 @@
     python -m specdec.train_head --out runs/head --stage export --ship specdec/heads/smollm2-135m
     CUDA_VISIBLE_DEVICES=$i python -m specdec.train_head --out runs/head --stage generate --shard $i/4   # 4 GPUs
 
-The defaults are the shipped head's (its card.md): 90 K chat prompts (every fourth with a second turn),
-4 K tool conversations and every Glaive / Github_easy schema in 4 phrasings; 12 K steps of batch 32.
+The defaults train a head from scratch: 90 K chat prompts (every fourth with a second turn), 4 K tool
+conversations and every Glaive / Github_easy schema in 4 phrasings, each answered under its grammar and, as the
+fourth head's data added, without it; 12 K steps of batch 32. The shipped head's card.md lists the exact runs
+behind each version (each later one continues the one before with --init).
 
 Stages (each resumes from what --out already holds, so a 10-minute device call can stop and go on):
 - generate: our engine answers chat prompts, schema prompts and tool conversations (specdec/eagle/prompts.py,
@@ -54,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--followup-every", type=int, default=4, help="every N-th chat prompt gets a second user turn (0: none)")
     p.add_argument("--num-tools", type=int, default=4000, help="two-turn tool conversations (Glaive functions)")
     p.add_argument("--schema-variants", type=int, default=4, help="phrasings each schema is asked in, under its grammar")
-    p.add_argument("--free-schema-variants", type=int, default=0, help="phrasings each schema is also asked in "
+    p.add_argument("--free-schema-variants", type=int, default=4, help="phrasings each schema is also asked in "
                    "without its grammar (the unguided answers that unguided JSON requests draft over)")
     p.add_argument("--max-sequences", type=int, default=0, help="train on the first N sequences only (0: all)")
     p.add_argument("--skip-kinds", nargs="*", default=[], metavar="KIND", help="train without these kinds of "
