@@ -141,7 +141,8 @@ def load_tokenizer(source: ModelSource):
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path: str):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    if (Path(path) / "tokenizer.json").exists():   # direct: AutoTokenizer's resolution costs seconds
-        return PreTrainedTokenizerFast.from_pretrained(path)
+    if (Path(path) / "tokenizer.json").exists():   # direct: AutoTokenizer's resolution costs seconds, and its
+        from transformers import PreTrainedTokenizerFast     # module imports torch (a server's API processes
+        return PreTrainedTokenizerFast.from_pretrained(path)  # need none)
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
