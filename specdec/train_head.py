@@ -60,7 +60,7 @@ def parse_args(argv=None):
                    "without its grammar (the unguided answers that unguided JSON requests draft over)")
     p.add_argument("--max-sequences", type=int, default=0, help="train on the first N sequences only (0: all)")
     p.add_argument("--skip-kinds", nargs="*", default=[], metavar="KIND", help="train without these kinds of "
-                   "response (chat, chat_turn2, schema, schema_free, tool, tool_turn2); the held-out set keeps them")
+                   f"response ({', '.join(sorted(head_data.KINDS))}); the held-out set keeps them")
     p.add_argument("--shard", default="0/1", metavar="I/N", help="generate: only every N-th chunk from the I-th, "
                    "so N processes (one a GPU: CUDA_VISIBLE_DEVICES) share one --data-dir")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -132,6 +132,10 @@ def run_train(args) -> dict:
     train_records, held = head_data.split(records)
     held_out = held["all"]
     # a data-size study trains on the first N: the same held-out set, less training data
+    unknown = set(args.skip_kinds) - head_data.KINDS
+    if unknown:
+        raise SystemExit(f"--skip-kinds: unknown kind(s) {', '.join(sorted(unknown))}; the kinds are "
+                         f"{', '.join(sorted(head_data.KINDS))}")
     train_records = [r for r in train_records if r[2] not in args.skip_kinds][:args.max_sequences or None]
     train_seqs = [(ids, p) for ids, p, _ in train_records]
     log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
@@ -206,7 +210,8 @@ def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
   tokens) by kind: {kinds or '?'}. Chat prompts come from task families x styles, some with a second turn;
   schema prompts (Glaive, Github_easy) and tool conversations (Glaive functions, through the server's chat format)
   are answered under their grammar; schema_free are the same schema prompts answered without it
-  (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions bench/spec.py asks are held out entirely (it measures on them).
+  (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions bench/spec.py asks are held
+  out entirely (it measures on them).
 - Training: {f"from the head in {summary['init']}, then " if summary.get('init') else ''}{state.get('step')} steps, batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
   depth {summary.get('depth')}, sequences cut to {summary.get('max_len')} tokens, {summary.get('train_s', '?')} s.
   Loss (sum over the unrolled steps) first / last 20 steps: {_mean(losses[:20])} / {_mean(losses[-20:])}.

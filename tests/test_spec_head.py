@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.spec.eagle_head import EagleHead, HeadConfig, new_head, unrolled_logits
-from specdec.eagle.data import first_turn, generate, load_records, load_sequences, prompt_items, split, tool_items
+from specdec.eagle.data import KINDS, first_turn, generate, load_records, load_sequences, prompt_items, split, tool_items
 from specdec.eagle.prompts import FAMILIES, STYLES, chat_prompts
 from specdec.eagle.train import Target, evaluate, make_batch, train
 
@@ -177,6 +177,7 @@ def test_generate_writes_both_turns_and_constrains_tool_calls(engine, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "data" / "chunk_00000.jsonl").read_text().splitlines()]
     by_kind = {r["kind"]: r for r in rows}
     assert sorted(by_kind) == ["chat", "chat_turn2", "schema", "schema_free", "tool", "tool_turn2"]
+    assert set(by_kind) == KINDS, "--skip-kinds checks its arguments against KINDS"
     assert "city" in json.loads(engine.tokenizer.decode(by_kind["schema"]["output"], skip_special_tokens=True))
     call = engine.tokenizer.decode(by_kind["tool"]["output"], skip_special_tokens=True)
     body = call.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0]
@@ -211,6 +212,8 @@ def test_train_head_trains_resumes_and_exports_on_a_shared_data_dir(engine, tmp_
     out = tmp_path / "run"
     args = ["--out", str(out), "--data-dir", str(data), "--device", "cpu", "--steps", "2", "--batch", "2",
             "--max-len", "64", "--max-sequences", "40"]
+    with pytest.raises(SystemExit, match="unknown kind.*chat_turn3"):
+        main(args + ["--stage", "train", "--skip-kinds", "chat_turn3"])
     main(args + ["--stage", "train", "--bucket", "4", "--decay", "steps", "--skip-kinds", "chat_turn2"])
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["step"] == 2 and summary["done"] and summary["sequences"] == 40

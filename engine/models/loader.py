@@ -141,8 +141,10 @@ def load_tokenizer(source: ModelSource):
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path: str):
-    if (Path(path) / "tokenizer.json").exists():   # direct: AutoTokenizer's resolution costs seconds, and its
-        from transformers import PreTrainedTokenizerFast     # module imports torch (a server's API processes
-        return PreTrainedTokenizerFast.from_pretrained(path)  # need none)
+    # direct from tokenizer.json: AutoTokenizer's resolution costs seconds, and its module imports torch, which a
+    # server's API processes otherwise never load
+    if (Path(path) / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)

@@ -126,6 +126,9 @@ def generate(engine, items: list[dict], out_dir: str, chunk: int = 512, max_toke
             f"({made / (time.monotonic() - t0):.0f} responses/s in this call)")
 
 
+KINDS = frozenset({"chat", "chat_turn2", "schema", "schema_free", "tool", "tool_turn2"})   # what _kind writes
+
+
 def _kind(item: dict, turn: int) -> str:
     kind = "tool" if "tools" in item else "schema" if "schema" in item else "chat"
     kind += "_free" if item.get("free") else ""
