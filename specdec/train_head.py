@@ -123,6 +123,10 @@ def load_target(args):
 
 
 def run_train(args) -> dict:
+    unknown = set(args.skip_kinds) - head_data.KINDS          # before seconds of loading
+    if unknown:
+        raise SystemExit(f"--skip-kinds: unknown kind(s) {', '.join(sorted(unknown))}; the kinds are "
+                         f"{', '.join(sorted(head_data.KINDS))}")
     source, model, device, dtype = load_target(args)
     head = initial_head(args, source.config, device)
     target = Target(model, head.cfg.feature_layers)
@@ -132,10 +136,6 @@ def run_train(args) -> dict:
     train_records, held = head_data.split(records)
     held_out = held["all"]
     # a data-size study trains on the first N: the same held-out set, less training data
-    unknown = set(args.skip_kinds) - head_data.KINDS
-    if unknown:
-        raise SystemExit(f"--skip-kinds: unknown kind(s) {', '.join(sorted(unknown))}; the kinds are "
-                         f"{', '.join(sorted(head_data.KINDS))}")
     train_records = [r for r in train_records if r[2] not in args.skip_kinds][:args.max_sequences or None]
     train_seqs = [(ids, p) for ids, p, _ in train_records]
     log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
