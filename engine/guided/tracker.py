@@ -10,7 +10,6 @@ import xgrammar as xgr
 
 import hostfunc
 from engine.guided import limits
-from engine.guided.limits import timeout_message
 from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.masks import Snapshot
 
@@ -69,7 +68,7 @@ class GuidedTracker:
             raise ValueError(f"{request.guide.kind} allows no output at all (unsatisfiable)")
 
     def timeout_message(self, guide) -> str:
-        return timeout_message(guide, self.timeout_s)
+        return limits.timeout_message(guide, self.timeout_s)
 
     def poll(self) -> list[tuple]:
         """Loop thread, before planning: (seq, message) for each grammar that failed to compile."""
