@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:            # `python bench/x.py` from anywhere finds `engine`
-    sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:            # `python bench/x.py` from anywhere finds `engine`, after PYTHONPATH's
+    sys.path.append(str(REPO))          # (PYTHONPATH=<another tree> runs that tree's engine under this script)
 
 # the prompt sets live in specdec/ (studies use them too; a package never imports bench/); re-exported here
 from specdec.datasets import QUESTIONS, chat_prompts, random_prompts  # noqa: E402, F401

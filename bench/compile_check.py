@@ -47,11 +47,11 @@ def _gemm(m, k, n, prologue, epilogue, pdl):
             _gemv_types(epilogue), consts, cfg["num_warps"])
 
 
-def _gemv(k, n, prologue, epilogue, pdl):
-    cfg = decode_gemv.decode_gemv_config(n, k)
+def _gemv(k, n, prologue, epilogue, pdl, m=1):
+    cfg = decode_gemv.decode_gemv_config(n, k, m)
     consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, BLOCK_N=cfg["BLOCK_N"],
-                  BLOCK_K=cfg["BLOCK_K"], USE_PDL=pdl)
-    return (f"decode_gemv K={k} N={n} {prologue}/{epilogue}", decode_gemv._decode_gemv_kernel,
+                  BLOCK_K=cfg["BLOCK_K"], ROWS=cfg["ROWS"], USE_PDL=pdl)
+    return (f"decode_gemv M={m} K={k} N={n} {prologue}/{epilogue}", decode_gemv._decode_gemv_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"])
 
 
@@ -91,7 +91,8 @@ def variants(pdl: bool) -> list[tuple]:
         _gemm(32, 1536, 576, "silu", "store", pdl), _gemm(8, 576, 576, "none", "store", pdl),
         _gemm(16, 576, 49152, "norm", "argmax", pdl),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
-        _gemv(1536, 576, "silu", "add", pdl),
+        _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
+        _gemv(1536, 576, "silu", "store", pdl, m=4), _gemv(576, 49152, "none", "argmax", pdl, m=4),
         ("draft_gemv first max", draft_gemv._first_max_kernel, dict(val_ptr="*fp32", idx_ptr="*i32", tok_ptr="*i64",
                                                                      stride="i32", P="i32"),
          dict(BLOCK_P=1024, USE_PDL=pdl), 4),

@@ -7,8 +7,8 @@ with and without programmatic dependent launch.
 
 Ops per decoder layer (bench/gemv_kernels.py's cases): norm_qkv (residual add + rms_norm, then qkv),
 norm_gate_up, silu_down (silu_mul, then down), o_proj (plain). Impls: "cublas" (fused_ops' kernels + F.linear,
-the path of steps over 4 rows), "gemm" (decode_gemm), "gemv" (decode_gemv's row loop forced past its 4 rows, for
-scale); "_pdl" with dependent launch up to 32 rows (common.PDL_MAX_ROWS, as SPECDEC_PDL_MAX_ROWS=32 sets it),
+the path of steps over 4 rows), "gemm" (decode_gemm), "gemv" (decode_gemv as it picks: all rows at once at 2-4
+rows, else its row loop, forced past its 4 rows for scale), "gemv_loop" (the row loop at any rows); "_pdl" with dependent launch up to 32 rows (common.PDL_MAX_ROWS, as SPECDEC_PDL_MAX_ROWS=32 sets it),
 else none. Timing is gemv_kernels.time_graph's: back-to-back calls in one CUDA graph, the weights cycling over
 ~256 MB of copies so that they come from HBM (`--hot`: one copy), us = median replay / calls; each call is the
 dependent of the one before, as each matmul of a step is of the kernel before it. max_abs_diff: gemm vs the
@@ -26,7 +26,7 @@ import sys
 
 ROWS = (8, 16, 32)
 EPS = 1e-5
-IMPLS = ("cublas", "cublas_pdl", "gemm", "gemm_pdl", "gemv_pdl")
+IMPLS = ("cublas", "cublas_pdl", "gemm", "gemm_pdl", "gemv_pdl", "gemv_loop_pdl")
 COLUMNS = ["model", "mode", "streams", "K", "N", *(f"{i}_us" for i in IMPLS), "speedup", "max_abs_diff", "ref_max",
            "config", "best_us", "best_config"]
 # GROUPS 2: one program takes two row groups with the weight tile it holds (17-32 rows read it once, not twice)
@@ -85,14 +85,19 @@ def make_impls(op, M, K, N, copies, dev, dtype):
         return dict(cublas=lambda i: F.linear(ops.rms_norm(x, nw, EPS, res)[0], ws[i % copies]),
                     gemm=lambda i: gm.decode_norm_linear(x, nw, EPS, ws[i % copies], res)[0],
                     gemv=lambda i: dg.launch(x, ws[i % copies], K, "norm", nw=nw, eps=EPS, residual=res)[0],
+                    gemv_loop=lambda i: dg.launch(x, ws[i % copies], K, "norm", nw=nw, eps=EPS, residual=res,
+                                                  at_once=False)[0],
                     ref=lambda i: F.linear(ops.rms_norm_ref(x, nw, EPS, res)[0], ws[i % copies]))
     if op == "silu_down":
         return dict(cublas=lambda i: F.linear(ops.silu_mul(gu), ws[i % copies]),
                     gemm=lambda i: gm.decode_silu_linear(gu, ws[i % copies]),
                     gemv=lambda i: dg.launch(gu, ws[i % copies], K, "silu")[0],
+                    gemv_loop=lambda i: dg.launch(gu, ws[i % copies], K, "silu", at_once=False)[0],
                     ref=lambda i: F.linear(ops.silu_mul_ref(gu), ws[i % copies]))
     return dict(cublas=lambda i: F.linear(x, ws[i % copies]), gemm=lambda i: gm.decode_linear(x, ws[i % copies]),
-                gemv=lambda i: dg.launch(x, ws[i % copies], K, "none")[0], ref=lambda i: F.linear(x, ws[i % copies]))
+                gemv=lambda i: dg.launch(x, ws[i % copies], K, "none")[0],
+                gemv_loop=lambda i: dg.launch(x, ws[i % copies], K, "none", at_once=False)[0],
+                ref=lambda i: F.linear(x, ws[i % copies]))
 
 
 def sweep(fn, want, timer, calls, replays, quick=False):

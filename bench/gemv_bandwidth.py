@@ -71,7 +71,7 @@ def reg_gemv(x, w, out, cfg):
     block_n = max(1, min(cfg["elems"] // block_k, triton.next_power_of_2(n)))
     decode_gemv._decode_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x, x, w, out, x, x, x, x.stride(0), x.stride(0), out.stride(0), x.stride(0), x.stride(0), 1, n, k, 0.0,
-        PROLOGUE="none", HAS_RESIDUAL=False, EPILOGUE="store", BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=False,
+        PROLOGUE="none", HAS_RESIDUAL=False, EPILOGUE="store", BLOCK_N=block_n, BLOCK_K=block_k, ROWS=0, USE_PDL=False,
         num_warps=cfg["num_warps"])
 
 

@@ -118,7 +118,7 @@ class TorchAttention(_Matmuls):
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-SPLIT_MIN_ROWS, SPLIT_MIN_WORK, SPLIT_WIDE = 3, 1728, 4     # TritonAttention._split_to_gemm
+SPLIT_MIN_ROWS, SPLIT_WIDE, SPLIT_MAX_K = 3, 4, 1024     # TritonAttention._split_to_gemm
 SEMAPHORES = 1024   # split_merge's counters: KV splits only where a launch has fewer groups than half the SMs
 
 
@@ -174,12 +174,12 @@ class TritonAttention(_Matmuls):
 
     @staticmethod
     def _split_to_gemm(rows: int, n: int, k: int) -> bool:
-        """decode_gemm_split: whether decode_gemm takes a matmul of the GEMV's rows. The GEMV's time grows with
-        rows x K (a pass over its registers per row); decode_gemm's does not, but it wastes a 16-row tile at a
-        few rows and fills few programs when N is wide. In the step (H100, SmolLM2, bench/results/decode_rows/)
-        decode_gemm wins from 3 rows at K = 576 (qkv, o) and 1536 (down): 3 streams 0.92 -> 0.75 ms a step, the
-        GEMV keeping gate_up (N = 5.3 K) at 4 rows (0.78 against 0.79 ms with decode_gemm taking it too)."""
-        return rows >= SPLIT_MIN_ROWS and rows * k >= SPLIT_MIN_WORK and n < SPLIT_WIDE * k
+        """decode_gemm_split: whether decode_gemm takes a matmul of the GEMV's rows. The GEMV takes 2-4 rows at
+        once (decode_gemv.AT_ONCE_ROWS), as fast as decode_gemm or faster for SmolLM2's qkv, o and down, but its
+        product's registers grow with rows x BLOCK_N x the padded K: a wide matmul of short rows (SmolLM2's
+        gate_up, N = 5.3 K, K = 576 padded to 1024) is faster on decode_gemm from 3 rows
+        (bench/results/gemv_rows.md); Llama 1B's (K = 2048) is not."""
+        return rows >= SPLIT_MIN_ROWS and n >= SPLIT_WIDE * k and k <= SPLIT_MAX_K
 
     def linear(self, x, weight, bias=None):
         if kernels := self._gemv_for(x, weight, bias):
@@ -198,7 +198,7 @@ class TritonAttention(_Matmuls):
             return kernels.decode_silu_linear(gate_up, weight, residual)
         return super().silu_linear(gate_up, weight, residual)
 
-    # draft_gemv's argmax kernels run the GEMV's loop over rows: they take the GEMV's steps only
+    # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only
     def norm_linear_argmax(self, x, norm_weight, eps, weight):
         if self._draft is not None and x.shape[0] <= self._gemv_rows and self._draft.supports(x, norm_weight, weight):
             return self._draft.norm_linear_argmax(x, norm_weight, eps, weight)

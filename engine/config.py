@@ -52,8 +52,8 @@ class EngineConfig:
                                        # dependent launch (SPECDEC_PDL_MAX_ROWS, 32) on an H100 8 streams 0.97 ->
                                        # 0.83 ms a step, 32 streams 1.05 -> 0.90 (bench/results/decode_rows/)
     decode_gemm_split: bool = True     # steps of 3 to decode_gemv_rows rows where decode_gemv is on: decode_gemm takes
-                                       # the matmuls the GEMV is slow at (narrow, long rows), the GEMV the wide ones
-                                       # (engine/attention.py); an EAGLE K = 3 step 1.03 -> 0.94 ms on an H100
+                                       # the matmuls the GEMV is slow at (wide, short rows: SmolLM2's gate_up), the
+                                       # GEMV the rest, all rows at once (engine/attention.py, bench/results/gemv_rows/)
     rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
                                        # verification): RoPE and the KV store inside the attention kernel, not a
                                        # kernel of their own (engine/kernels/rope_kv.py), where the backend is Triton

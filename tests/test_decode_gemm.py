@@ -176,23 +176,22 @@ def test_backend_routes_by_row_count(monkeypatch):
             TritonAttention(**{"decode_gemv": True, **kw})
 
 
-def test_split_routes_narrow_long_matmuls_of_the_gemv_rows_to_gemm(monkeypatch):
-    """decode_gemm_split: from 3 rows, a matmul of rows x K >= SPLIT_MIN_WORK and N < SPLIT_WIDE x K goes to
-    decode_gemm (qkv, o and down from 3 rows at SmolLM2's shapes), a wide one (gate_up) and
-    one decode_gemm cannot take stay on the GEMV; the results are F.linear's."""
+def test_split_routes_wide_matmuls_of_short_rows_to_gemm(monkeypatch):
+    """decode_gemm_split: from 3 rows, a matmul with N >= SPLIT_WIDE x K and K <= SPLIT_MAX_K goes to decode_gemm
+    (SmolLM2's gate_up from 3 rows), the rest (qkv, o, down; a wide one of longer rows) stay on the GEMV, which
+    takes them all rows at once; the results are F.linear's."""
     import engine.attention as attention
     calls = []
     for module in (dg, gm):
         real = module.decode_linear
         monkeypatch.setattr(module, "decode_linear", lambda *a, _r=real, _m=module: calls.append(_m) or _r(*a))
-    # SmolLM2's rule at 1/8 of its K: SPLIT_MIN_WORK 1728 -> 216 (qkv / o K 576 -> 72, down 1536 -> 192)
-    monkeypatch.setattr(attention, "SPLIT_MIN_WORK", attention.SPLIT_MIN_WORK // 8)
+    monkeypatch.setattr(attention, "SPLIT_MAX_K", 128)               # SmolLM2's 1024 at 1/8
     split = attention.TritonAttention(decode_gemv=True, decode_gemm_split=True)
     split._gemv, split._gemm = dg, gm
     off = attention.TritonAttention(decode_gemv=False)
-    cases = [(2, 120, 192, dg), (3, 120, 192, gm), (4, 120, 192, gm),   # down: N 72, K 192
-             (2, 120, 72, dg), (3, 120, 72, gm), (4, 120, 72, gm),         # qkv: N 120, K 72
-             (4, 384, 72, dg), (4, 120, gm.MAX_K + 8, dg)]                 # gate_up (N 5.3 K); K past decode_gemm
+    cases = [(2, 384, 72, dg), (3, 384, 72, gm), (4, 384, 72, gm),     # gate_up: N 5.3 K, K 72
+             (4, 120, 72, dg), (4, 72, 192, dg), (3, 72, 72, dg),       # qkv, down, o
+             (4, 800, 192, dg)]                                         # wide, but K past SPLIT_MAX_K
     for m, n, k, want in cases:
         x, w = randn(m, k, seed=m + k), randn(n, k, seed=n + k)
         close(split.linear(x, w), off.linear(x, w))                  # fp32: summation order only
@@ -235,8 +234,8 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     """A whole engine (Triton backend, a 2-layer dummy model): decode_gemm_rows=32 gives the greedy tokens of 0,
     its prefill and decode steps of 6 rows taking the kernel (the GEMV with decode_gemv_rows=8); with
     decode_gemv_rows=1 and decode_gemm_rows=4 the steps of 2-4 rows take it (a verification of 1 + K tokens from
-    one stream) and those of one row the GEMV; with decode_gemm_split (its work threshold at 1 for the tiny
-    shapes) steps of 3-4 rows take it for their narrow matmuls."""
+    one stream) and those of one row the GEMV; with decode_gemm_split (SPLIT_WIDE at 1 for the tiny shapes)
+    steps of 3-4 rows take it for their wide matmuls."""
     import engine.attention as attention
     from engine.kernels import decode_gemv as dg
     from engine.llm_engine import LLMEngine
@@ -250,7 +249,7 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     prompts = [[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8], [42], [11, 400, 13], [256, 255]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 3, 4, 5, 6, 7)]
     runs, seen = {}, {}
-    monkeypatch.setattr(attention, "SPLIT_MIN_WORK", 1)
+    monkeypatch.setattr(attention, "SPLIT_WIDE", 1)      # the tiny shapes' qkv and gate_up count as wide
     for rows in ((4, 0), (4, 32), (1, 4), (4, 0, True), (8, 0)):
         for c in calls.values():
             c.clear()

@@ -111,3 +111,32 @@ def test_backend_takes_the_gemv_for_a_few_rows_and_falls_back_otherwise(monkeypa
     on.linear(x, w, bias=randn(24, seed=27, dtype=torch.float32))                         # a bias
     off.linear(x, w)
     assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [2, 3, 4, 8])
+@pytest.mark.parametrize("op", ["norm", "silu", "none", "add", "argmax"])
+def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
+    """The at-once path (steps of 2-4 rows by default) and the loop over rows give the same bits for every
+    prologue and epilogue, so a row's result does not depend on how many rows share its step."""
+    k, n = 96, 40
+    w = randn(n, k, seed=21, dtype=dtype) / k ** 0.5
+    x = randn(m, 2 * k if op == "silu" else k, seed=22, dtype=dtype) * 2
+    kw = {}
+    if op == "norm":
+        kw = dict(nw=randn(k, seed=23, dtype=dtype), eps=1e-5, residual=randn(m, k, seed=24, dtype=dtype))
+    elif op == "add":
+        kw = dict(add=randn(m, n, seed=25, dtype=dtype), epilogue="add")
+    elif op == "argmax":
+        w[7] = w[30]                                   # a tie across programs: the first row must win in both
+        kw = dict(epilogue="argmax")
+    prologue = op if op in ("norm", "silu") else "none"
+    assert dg.decode_gemv_config(n, k, m)["ROWS"] == (triton_pow2(m) if m <= 4 else 0)
+    loop = dg.launch(x, w, k, prologue, at_once=False, **kw)
+    once = dg.launch(x, w, k, prologue, at_once=True, **kw)
+    for a, b in zip(loop, once):
+        assert torch.equal(a, b)
+
+
+def triton_pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()

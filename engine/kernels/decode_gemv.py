@@ -20,6 +20,12 @@ program 0 stores the new residual; the separate norm and SiLU kernels, 90 of a s
 The op after comes free too (EPILOGUE): the EAGLE head's residual add after its down projection, or the argmax
 of each row over the program's outputs, the LM head's first half of a greedy draft (engine/kernels/draft_gemv.py).
 
+Rows. A loop over rows makes each row a pass that waits on the one before (its x load, its reductions, its
+stores): ~0.4-1.6 us a row at SmolLM2's shapes. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at
+K = 3 is 4) load every row's x at once and reduce one [rows, BLOCK_N, BLOCK_K] product, with each row's value the
+loop's, rounding included (bench/results/gemv_rows/). Past 4 rows or K > 2048 that product's registers spill, and
+single rows gain nothing: those keep the loop.
+
 Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype to nearest even, as torch rounds
 (common.round_to, the interpreter included); the summation order differs from cuBLAS, so results agree to
 rounding, not bit for bit. The grid and constexprs depend only on shapes, so every call can be captured in a
@@ -34,21 +40,24 @@ import triton.language as tl
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 
-MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (each row here is its own pass over the registers);
+MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (past AT_ONCE_ROWS a row is a pass over the registers);
                         # the engine hands it steps of up to EngineConfig.decode_gemv_rows (4 unless raised)
 MAX_K = 8192            # a whole weight row sits in registers
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
+AT_ONCE_ROWS = (2, 4)   # steps of these many rows take all rows at once (_rows_at_once) where BLOCK_K <=
+AT_ONCE_MAX_K = 2048    # AT_ONCE_MAX_K: faster than the loop there; past them the product's registers spill
 
 
 @triton.jit
 def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res,
                         stride_out, stride_new_res, stride_add, M, N, K, eps, PROLOGUE: tl.constexpr,
                         HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr):
     """y[m] = A[m] @ w.T with A = x ("none"), rms_norm(x [+ res]) ("norm"; program 0 stores the new residual)
     or silu(x[:, :K]) * x[:, K:] ("silu"). A is rounded to the dtype as the separate kernels round it, y as
     F.linear rounds it. The epilogue stores out[m] = y[m] ("store"), y[m] + add[m] rounded as torch's add
-    ("add"), or this program's largest y[m, n] and its first n at out[m, pid] / idx[m, pid] ("argmax")."""
+    ("add"), or this program's largest y[m, n] and its first n at out[m, pid] / idx[m, pid] ("argmax").
+    ROWS = 0: a pass over the registers per row; ROWS >= M: every row at once (_rows_at_once)."""
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,42 +66,92 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
     # the weights do not depend on the kernel before: read them before waiting for it
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)
+    nw = w                      # unused unless "norm"
     if PROLOGUE == "norm":
         nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    for m in range(M):
-        x = tl.load(x_ptr + m * stride_x + offs_k, mask=k_ok, other=0.0)
-        if PROLOGUE == "norm":
-            if HAS_RESIDUAL:
-                r = tl.load(res_ptr + m * stride_res + offs_k, mask=k_ok, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-                if pid == 0:
-                    tl.store(new_res_ptr + m * stride_new_res + offs_k, x, mask=k_ok)
-            xf = x.to(tl.float32)
-            inv = tl.rsqrt(reduce_sum(xf * xf, 0) / K + eps)
-            a = (nw * (xf * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        elif PROLOGUE == "silu":
-            g = x.to(tl.float32)
-            u = tl.load(x_ptr + m * stride_x + K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
-        else:
-            a = x.to(tl.float32)
-        y = round_to(reduce_sum(w * a[None, :], 1), dtype)
-        if EPILOGUE == "argmax":
-            # masked rows sit at -inf after every real row of the block, so the first maximum is a real row;
-            # NaN ranks above every number (one row's draft is a guess either way)
-            v = tl.where(n_ok, y.to(tl.float32), float("-inf"))
-            v = tl.where(v != v, float("inf"), v)
-            top = reduce_max(v, 0)
-            tl.store(out_ptr + m * stride_out + pid, top)
-            tl.store(idx_ptr + m * stride_out + pid, reduce_min(tl.where(v == top, offs_n, N), 0))
-        else:
-            if EPILOGUE == "add":
-                r = tl.load(add_ptr + m * stride_add + offs_n, mask=n_ok, other=0.0)
-                y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
-            tl.store(out_ptr + m * stride_out + offs_n, y, mask=n_ok)
+    if ROWS:
+        _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res, stride_out,
+                      stride_new_res, stride_add, M, N, K, eps, pid, offs_n, offs_k, n_ok, k_ok, PROLOGUE,
+                      HAS_RESIDUAL, EPILOGUE, ROWS)
+    else:
+        for m in range(M):
+            x = tl.load(x_ptr + m * stride_x + offs_k, mask=k_ok, other=0.0)
+            if PROLOGUE == "norm":
+                if HAS_RESIDUAL:
+                    r = tl.load(res_ptr + m * stride_res + offs_k, mask=k_ok, other=0.0)
+                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                    if pid == 0:
+                        tl.store(new_res_ptr + m * stride_new_res + offs_k, x, mask=k_ok)
+                xf = x.to(tl.float32)
+                inv = tl.rsqrt(reduce_sum(xf * xf, 0) / K + eps)
+                a = (nw * (xf * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            elif PROLOGUE == "silu":
+                g = x.to(tl.float32)
+                u = tl.load(x_ptr + m * stride_x + K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
+            else:
+                a = x.to(tl.float32)
+            y = round_to(reduce_sum(w * a[None, :], 1), dtype)
+            if EPILOGUE == "argmax":
+                # masked rows sit at -inf after every real row of the block, so the first maximum is a real row;
+                # NaN ranks above every number (one row's draft is a guess either way)
+                v = tl.where(n_ok, y.to(tl.float32), float("-inf"))
+                v = tl.where(v != v, float("inf"), v)
+                top = reduce_max(v, 0)
+                tl.store(out_ptr + m * stride_out + pid, top)
+                tl.store(idx_ptr + m * stride_out + pid, reduce_min(tl.where(v == top, offs_n, N), 0))
+            else:
+                if EPILOGUE == "add":
+                    r = tl.load(add_ptr + m * stride_add + offs_n, mask=n_ok, other=0.0)
+                    y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
+                tl.store(out_ptr + m * stride_out + offs_n, y, mask=n_ok)
+
+
+@triton.jit
+def _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res, stride_out,
+                  stride_new_res, stride_add, M, N, K, eps, pid, offs_n, offs_k, n_ok, k_ok,
+                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr):
+    """The kernel's work after the wait for all M <= ROWS rows together: one load of x [ROWS, BLOCK_K], the
+    prologue on all of it, one product [ROWS, BLOCK_N, BLOCK_K] reduced over K. The row loop's passes wait on
+    each other (a row's x load, its reductions and stores, then the next row's); here those latencies overlap.
+    Each row's value is the loop's, rounding included."""
+    dtype = x_ptr.dtype.element_ty
+    offs_m = tl.arange(0, ROWS)
+    m_ok = offs_m < M
+    xm = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=xm, other=0.0)
+    if PROLOGUE == "norm":
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_k[None, :], mask=xm, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            if pid == 0:
+                tl.store(new_res_ptr + offs_m[:, None] * stride_new_res + offs_k[None, :], x, mask=xm)
+        xf = x.to(tl.float32)
+        inv = tl.rsqrt(reduce_sum(xf * xf, 1) / K + eps)
+        a = (nw[None, :] * (xf * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    elif PROLOGUE == "silu":
+        g = x.to(tl.float32)
+        u = tl.load(x_ptr + offs_m[:, None] * stride_x + K + offs_k[None, :], mask=xm, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
+    else:
+        a = x.to(tl.float32)
+    y = round_to(reduce_sum(w[None, :, :] * a[:, None, :], 2), dtype)          # [ROWS, BLOCK_N]
+    if EPILOGUE == "argmax":   # as the loop's: masked vocabulary rows at -inf, NaN above every number
+        v = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
+        v = tl.where(v != v, float("inf"), v)
+        top = reduce_max(v, 1)
+        tl.store(out_ptr + offs_m * stride_out + pid, top, mask=m_ok)
+        first = reduce_min(tl.where(v == top[:, None], offs_n[None, :], N), 1)
+        tl.store(idx_ptr + offs_m * stride_out + pid, first, mask=m_ok)
+    else:
+        ym = m_ok[:, None] & n_ok[None, :]
+        if EPILOGUE == "add":
+            r = tl.load(add_ptr + offs_m[:, None] * stride_add + offs_n[None, :], mask=ym, other=0.0)
+            y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
+        tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], y, mask=ym)
 
 
 def interpreted() -> bool:
@@ -100,11 +159,16 @@ def interpreted() -> bool:
     return is_interpreted(_decode_gemv_kernel)
 
 
-def decode_gemv_config(n: int, k: int) -> dict:
-    """BLOCK_K: the whole row (a power of two); BLOCK_N: as many rows as fit _ELEMS, at least one."""
+def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None) -> dict:
+    """BLOCK_K: the whole row (a power of two); BLOCK_N: as many rows as fit _ELEMS, at least one; ROWS: m
+    rounded up to a power of two where all rows go at once (at_once None: AT_ONCE_ROWS and AT_ONCE_MAX_K say
+    where that is faster than the loop), else 0 (the loop)."""
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(_ELEMS // block_k, triton.next_power_of_2(n)))
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
+    if at_once is None:
+        at_once = AT_ONCE_ROWS[0] <= m <= AT_ONCE_ROWS[1] and block_k <= AT_ONCE_MAX_K
+    rows = triton.next_power_of_2(m) if at_once else 0
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=4 if block_k <= 2048 else 8)
 
 
 def _problem(x, weight, k, norm_weight=None, residual=None, add=None, rows=(1, MAX_ROWS), max_k=MAX_K) -> str | None:
@@ -165,11 +229,11 @@ def buffers(x, n: int, k: int, grid: int, epilogue: str, residual=None, add=None
     return out, idx, new_res, x if residual is None else residual, x if add is None else add
 
 
-def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store"):
+def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store", at_once=None):
     """The kernel on checked inputs -> (out, new_residual, idx): out [M, N] and idx = x, or with "argmax" each
-    program's maximum [M, programs] (fp32) and its row idx (int32)."""
+    program's maximum [M, programs] (fp32) and its row idx (int32). at_once: decode_gemv_config's (benches)."""
     m, n = x.shape[0], weight.shape[0]
-    cfg = decode_gemv_config(n, k)
+    cfg = decode_gemv_config(n, k, m, at_once)
     grid = triton.cdiv(n, cfg["BLOCK_N"])
     out, idx, new_res, res, add = buffers(x, n, k, grid, epilogue, residual, add)
     _decode_gemv_kernel[(grid,)](
