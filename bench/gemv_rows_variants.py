@@ -21,6 +21,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.kernels.common import reduce_sum, round_to  # noqa: E402
+from engine.kernels.decode_gemv import _rows_prologue  # noqa: E402
 
 
 @triton.jit
@@ -32,36 +33,21 @@ def _rows_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, 
     dtype = x_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, ROWS)
-    n_ok, k_ok, m_ok = offs_n < N, offs_k < K, offs_m < M
+    n_ok, k_ok = offs_n < N, offs_k < K
     if MODE == "3d":
         w = tl.load(w_ptr + offs_n.to(tl.int64)[None, :, None] * K + offs_k[None, None, :],
                     mask=n_ok[None, :, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
     else:
         w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
+    nw = w
     if PROLOGUE == "norm":
         nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    xm = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=xm, other=0.0)
-    if PROLOGUE == "norm":
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_k[None, :], mask=xm, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            if pid == 0:
-                tl.store(new_res_ptr + offs_m[:, None] * stride_new_res + offs_k[None, :], x, mask=xm)
-        xf = x.to(tl.float32)
-        inv = tl.rsqrt(reduce_sum(xf * xf, 1) / K + eps)
-        a = (nw[None, :] * (xf * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    elif PROLOGUE == "silu":
-        g = x.to(tl.float32)
-        u = tl.load(x_ptr + offs_m[:, None] * stride_x + K + offs_k[None, :], mask=xm, other=0.0).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
-    else:
-        a = x.to(tl.float32)
+    a, offs_m, m_ok = _rows_prologue(x_ptr, res_ptr, nw, new_res_ptr, stride_x, stride_res, stride_new_res, M, K,
+                                     eps, pid, offs_k, k_ok, PROLOGUE, HAS_RESIDUAL, ROWS)
     if MODE == "3d":
         y = round_to(reduce_sum(w * a[:, None, :], 2), dtype)                    # [ROWS, BLOCK_N]
         tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])

@@ -117,8 +117,9 @@ def test_backend_takes_the_gemv_for_a_few_rows_and_falls_back_otherwise(monkeypa
 @pytest.mark.parametrize("m", [2, 3, 4, 8])
 @pytest.mark.parametrize("op", ["norm", "silu", "none", "add", "argmax"])
 def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
-    """The at-once path (steps of 2-4 rows by default) and the loop over rows give the same bits for every
-    prologue and epilogue, so a row's result does not depend on how many rows share its step."""
+    """The at-once path (steps of 2-4 rows by default) and the loop over rows agree for every prologue and
+    epilogue: the same bits in the interpreter; compiled, the product's reduction may sum K in another order, so
+    to fp32 rounding (the argmax's rows exactly: the tie sits on a copied weight row)."""
     k, n = 96, 40
     w = randn(n, k, seed=21, dtype=dtype) / k ** 0.5
     x = randn(m, 2 * k if op == "silu" else k, seed=22, dtype=dtype) * 2
@@ -135,7 +136,10 @@ def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
     loop = dg.launch(x, w, k, prologue, at_once=False, **kw)
     once = dg.launch(x, w, k, prologue, at_once=True, **kw)
     for a, b in zip(loop, once):
-        assert torch.equal(a, b)
+        if DEV == "cpu" or a.dtype not in TOL:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=TOL[a.dtype][0], atol=TOL[a.dtype][1] * a.abs().max().item())
 
 
 def triton_pow2(m: int) -> int:

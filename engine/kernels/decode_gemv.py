@@ -23,7 +23,7 @@ of each row over the program's outputs, the LM head's first half of a greedy dra
 Rows. A loop over rows makes each row a pass that waits on the one before (its x load, its reductions, its
 stores): ~0.4-1.6 us a row at SmolLM2's shapes. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at
 K = 3 is 4) load every row's x at once and reduce one [rows, BLOCK_N, BLOCK_K] product, with each row's value the
-loop's, rounding included (bench/results/gemv_rows/). Past 4 rows or K > 2048 that product's registers spill, and
+loop's up to the summation order of K (bench/results/gemv_rows/). Past 4 rows or K > 2048 that product's registers spill, and
 single rows gain nothing: those keep the loop.
 
 Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype to nearest even, as torch rounds
@@ -117,7 +117,32 @@ def _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr,
     """The kernel's work after the wait for all M <= ROWS rows together: one load of x [ROWS, BLOCK_K], the
     prologue on all of it, one product [ROWS, BLOCK_N, BLOCK_K] reduced over K. The row loop's passes wait on
     each other (a row's x load, its reductions and stores, then the next row's); here those latencies overlap.
-    Each row's value is the loop's, rounding included."""
+    Each row's value is the loop's, rounding included, up to the order in which the compiled reduction sums K
+    (the same bits in the interpreter, and in bf16 on an H200 at SmolLM2's and Llama 1B's K <= 2048)."""
+    a, offs_m, m_ok = _rows_prologue(x_ptr, res_ptr, nw, new_res_ptr, stride_x, stride_res, stride_new_res, M, K,
+                                     eps, pid, offs_k, k_ok, PROLOGUE, HAS_RESIDUAL, ROWS)
+    dtype = x_ptr.dtype.element_ty
+    y = round_to(reduce_sum(w[None, :, :] * a[:, None, :], 2), dtype)          # [ROWS, BLOCK_N]
+    if EPILOGUE == "argmax":   # as the loop's: masked vocabulary rows at -inf, NaN above every number
+        v = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
+        v = tl.where(v != v, float("inf"), v)
+        top = reduce_max(v, 1)
+        tl.store(out_ptr + offs_m * stride_out + pid, top, mask=m_ok)
+        first = reduce_min(tl.where(v == top[:, None], offs_n[None, :], N), 1)
+        tl.store(idx_ptr + offs_m * stride_out + pid, first, mask=m_ok)
+    else:
+        ym = m_ok[:, None] & n_ok[None, :]
+        if EPILOGUE == "add":
+            r = tl.load(add_ptr + offs_m[:, None] * stride_add + offs_n[None, :], mask=ym, other=0.0)
+            y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
+        tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], y, mask=ym)
+
+
+@triton.jit
+def _rows_prologue(x_ptr, res_ptr, nw, new_res_ptr, stride_x, stride_res, stride_new_res, M, K, eps, pid, offs_k,
+                   k_ok, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr):
+    """(A [ROWS, BLOCK_K] in fp32, the rows, their mask): every row's x in one load and the prologue on all of
+    it, rounded as the loop rounds it; program 0 stores the new residual."""
     dtype = x_ptr.dtype.element_ty
     offs_m = tl.arange(0, ROWS)
     m_ok = offs_m < M
@@ -138,20 +163,7 @@ def _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr,
         a = (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
     else:
         a = x.to(tl.float32)
-    y = round_to(reduce_sum(w[None, :, :] * a[:, None, :], 2), dtype)          # [ROWS, BLOCK_N]
-    if EPILOGUE == "argmax":   # as the loop's: masked vocabulary rows at -inf, NaN above every number
-        v = tl.where(n_ok[None, :], y.to(tl.float32), float("-inf"))
-        v = tl.where(v != v, float("inf"), v)
-        top = reduce_max(v, 1)
-        tl.store(out_ptr + offs_m * stride_out + pid, top, mask=m_ok)
-        first = reduce_min(tl.where(v == top[:, None], offs_n[None, :], N), 1)
-        tl.store(idx_ptr + offs_m * stride_out + pid, first, mask=m_ok)
-    else:
-        ym = m_ok[:, None] & n_ok[None, :]
-        if EPILOGUE == "add":
-            r = tl.load(add_ptr + offs_m[:, None] * stride_add + offs_n[None, :], mask=ym, other=0.0)
-            y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
-        tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], y, mask=ym)
+    return a, offs_m, m_ok
 
 
 def interpreted() -> bool:
