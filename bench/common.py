@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ if str(REPO) not in sys.path:            # `python bench/x.py` from anywhere fin
 
 # the prompt sets live in specdec/ (studies use them too; a package never imports bench/); re-exported here
 from specdec.datasets import QUESTIONS, chat_prompts, random_prompts  # noqa: E402, F401
+from specdec.revision import git_commit  # noqa: E402, F401
 
 
 # ---- records ---------------------------------------------------------------------------------------
@@ -37,20 +37,6 @@ def cpu_model() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return "unknown CPU"
-
-
-def git_commit() -> str:
-    """HEAD of the checkout, or $SPECDEC_GIT_COMMIT: the GPU machine's copy of the tree can carry a stale
-    .git, so pass the commit there (`SPECDEC_GIT_COMMIT=$(git rev-parse HEAD)` where the run is planned)."""
-    if os.environ.get("SPECDEC_GIT_COMMIT"):
-        return os.environ["SPECDEC_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=REPO).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def command_line() -> str:

@@ -4,32 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
 from pathlib import Path
 
-from specdec.datasets import REPO
+from specdec.revision import git_commit
 
 RUN_COLUMNS = ["dataset", "method", "k", "guided", "temperature", "prompts", "new_tokens", "steps",
                "tokens_per_step", "acceptance_length", "spec_frac", "tok_s", "speedup", "same_tokens_as_none",
                "finished_frac", "json_frac", "valid_frac", "errors"]
 CSV_COLUMNS = RUN_COLUMNS + ["forced_per_step", "draft_masks", "forced_drafts", "drafter", "rows", "spec_rows", "guided_steps",
                              "wall_s", "ms_per_step", "batch", "max_tokens", "model", "dtype", "device"]
-
-
-def git_commit() -> str:
-    """HEAD's short hash (+ "-dirty" with uncommitted changes to tracked files), or $SPECDEC_GIT_COMMIT: a copy
-    of the tree on another machine can carry a stale .git."""
-    if os.environ.get("SPECDEC_GIT_COMMIT"):
-        return os.environ["SPECDEC_GIT_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=REPO).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=REPO).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def label(r: dict) -> str:

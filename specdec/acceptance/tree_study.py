@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from specdec.acceptance import trees
-from specdec.acceptance.report import git_commit, table
+from specdec.acceptance.report import table
+from specdec.revision import git_commit
 from specdec.datasets import CHAT
 
 NODES = [3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
