@@ -178,7 +178,7 @@ class TritonAttention(_Matmuls):
         once (decode_gemv.AT_ONCE_ROWS), as fast as decode_gemm or faster for SmolLM2's qkv, o and down, but its
         product's registers grow with rows x BLOCK_N x the padded K: a wide matmul of short rows (SmolLM2's
         gate_up, N = 5.3 K, K = 576 padded to 1024) is faster on decode_gemm from 3 rows
-        (bench/results/gemv_rows.md); Llama 1B's (K = 2048) is not."""
+        (bench/results/gemv_rows/); Llama 1B's (K = 2048) is not."""
         return rows >= SPLIT_MIN_ROWS and n >= SPLIT_WIDE * k and k <= SPLIT_MAX_K
 
     def linear(self, x, weight, bias=None):

@@ -22,9 +22,9 @@ of each row over the program's outputs, the LM head's first half of a greedy dra
 
 Rows. A loop over rows makes each row a pass that waits on the one before (its x load, its reductions, its
 stores): ~0.4-1.6 us a row at SmolLM2's shapes. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at
-K = 3 is 4) load every row's x at once and reduce one [rows, BLOCK_N, BLOCK_K] product, with each row's value the
-loop's up to the summation order of K (bench/results/gemv_rows/). Past 4 rows or K > 2048 that product's registers spill, and
-single rows gain nothing: those keep the loop.
+K = 3 is 4) load every row's x at once and reduce one [rows, BLOCK_N, BLOCK_K] product, each row's value the
+loop's up to the summation order of K (bench/results/gemv_rows/). Past 4 rows or K > 2048 that product's
+registers spill, and single rows gain nothing: those keep the loop.
 
 Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype to nearest even, as torch rounds
 (common.round_to, the interpreter included); the summation order differs from cuBLAS, so results agree to
@@ -44,8 +44,8 @@ MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (past AT_ONCE_ROWS
                         # the engine hands it steps of up to EngineConfig.decode_gemv_rows (4 unless raised)
 MAX_K = 8192            # a whole weight row sits in registers
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
-AT_ONCE_ROWS = (2, 4)   # steps of these many rows take all rows at once (_rows_at_once) where BLOCK_K <=
-AT_ONCE_MAX_K = 2048    # AT_ONCE_MAX_K: faster than the loop there; past them the product's registers spill
+AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
+AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
 
 
 @triton.jit
