@@ -75,34 +75,30 @@ def rows_launch(x, weight, k, prologue, mode, nw=None, eps=0.0, residual=None, e
     return out
 
 
-def impls(op, M, K, N, copies, dev, dtype, eps=1e-5):
+VARIANTS = ("hoist:4", "hoist:8", "3d:4", "3d:8")    # mode:warps[:weight elements a program, default 8192]
+
+
+def impls(op, M, K, N, copies, dev, dtype, variants=VARIANTS, eps=1e-5):
+    """{name: fn(i)}: the shipped GEMV ("gemv"), decode_gemm ("gemm") and each variant, weights cycling."""
     from bench.gemv_kernels import operands
     from engine.kernels import decode_gemm as gm, decode_gemv as dg
     a = operands(op, M, K, N, copies, dev, dtype)
     ws, x, res, nw, gu = a["ws"], a.get("x"), a.get("res"), a.get("nw"), a.get("gu")
-    out = {}
     if op.startswith("norm"):
-        out["gemv"] = lambda i: dg.launch(x, ws[i % copies], K, "norm", nw=nw, eps=eps, residual=res)[0]
-        out["gemm"] = lambda i: gm.decode_norm_linear(x, nw, eps, ws[i % copies], res)[0]
-        for mode in ("hoist", "3d"):
-            for wp in (4, 8):
-                out[f"{mode}{wp}"] = (lambda mode, wp: lambda i: rows_launch(
-                    x, ws[i % copies], K, "norm", mode, nw=nw, eps=eps, residual=res, warps=wp))(mode, wp)
-        return out
-    if op == "silu_down":
-        out["gemv"] = lambda i: dg.launch(gu, ws[i % copies], K, "silu")[0]
-        out["gemm"] = lambda i: gm.decode_silu_linear(gu, ws[i % copies])
-        src = gu
-        pro = "silu"
+        src, pro, kw = x, "norm", dict(nw=nw, eps=eps, residual=res)
+        out = dict(gemm=lambda i: gm.decode_norm_linear(x, nw, eps, ws[i % copies], res)[0])
+    elif op == "silu_down":
+        src, pro, kw = gu, "silu", {}
+        out = dict(gemm=lambda i: gm.decode_silu_linear(gu, ws[i % copies]))
     else:
-        out["gemv"] = lambda i: dg.launch(x, ws[i % copies], K, "none")[0]
-        out["gemm"] = lambda i: gm.decode_linear(x, ws[i % copies])
-        src = x
-        pro = "none"
-    for mode in ("hoist", "3d"):
-        for wp in (4, 8):
-            out[f"{mode}{wp}"] = (lambda mode, wp: lambda i: rows_launch(src, ws[i % copies], K, pro, mode,
-                                                                          warps=wp))(mode, wp)
+        src, pro, kw = x, "none", {}
+        out = dict(gemm=lambda i: gm.decode_linear(x, ws[i % copies]))
+    out["gemv"] = lambda i: dg.launch(src, ws[i % copies], K, pro, **kw)[0]
+    for v in variants:
+        mode, warps, *elems = v.split(":")
+        cfg = dict(warps=int(warps), elems=int(elems[0]) if elems else 8192)
+        out[v.replace(":", "_")] = (lambda mode, cfg: lambda i: rows_launch(
+            src, ws[i % copies], K, pro, mode, **kw, **cfg))(mode, cfg)
     return out
 
 
@@ -110,6 +106,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     p.add_argument("--models", nargs="+", default=["smollm2", "llama1b"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help="mode:warps[:elements], e.g. 3d:4:4096")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import json
@@ -121,7 +118,7 @@ def main():
     recs = []
     for model, op, M, K, N in cases({m: MODELS[m] for m in args.models}, args.rows):
         copies = min(MAX_COPIES, math.ceil(COLD_BYTES / (N * K * 2)))
-        fns = impls(op, M, K, N, copies, dev, dtype)
+        fns = impls(op, M, K, N, copies, dev, dtype, args.variants)
         want = fns["gemv"](0).float()
         rec = dict(model=model, op=op, M=M, K=K, N=N)
         for name, fn in fns.items():
