@@ -3,6 +3,7 @@ against F.linear. Without CUDA the kernel runs in the Triton CPU interpreter (te
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from conftest import triton_module
 
@@ -132,7 +133,7 @@ def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
         w[7] = w[30]                                   # a tie across programs: the first row must win in both
         kw = dict(epilogue="argmax")
     prologue = op if op in ("norm", "silu") else "none"
-    assert dg.decode_gemv_config(n, k, m)["ROWS"] == (triton_pow2(m) if m <= 4 else 0)
+    assert dg.decode_gemv_config(n, k, m)["ROWS"] == (triton.next_power_of_2(m) if m <= 4 else 0)
     loop = dg.launch(x, w, k, prologue, at_once=False, **kw)
     once = dg.launch(x, w, k, prologue, at_once=True, **kw)
     for a, b in zip(loop, once):
@@ -140,7 +141,3 @@ def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=TOL[a.dtype][0], atol=TOL[a.dtype][1] * a.abs().max().item())
-
-
-def triton_pow2(m: int) -> int:
-    return 1 << (m - 1).bit_length()

@@ -80,12 +80,11 @@ def prompt_items(data_root: str | None, num_chat: int, seed: int = 0, schema_var
             c["followup"] = prompts.FOLLOWUPS[(i // followup_every) % len(prompts.FOLLOWUPS)]
     rng = random.Random(seed)
     found = schema_items(data_root) if data_root else []
-    schemas = [s | {"template": v, "topic": rng.choice(prompts.TOPICS)}
-               for v in range(min(schema_variants, len(SCHEMA_PROMPTS))) for s in found]
-    # unguided, the model answers a schema prompt its own way (the schema echoed, fenced JSON, prose): what an
-    # unguided JSON request decodes, and what a head trained on guided answers alone drafts worst
-    schemas += [s | {"template": v, "topic": rng.choice(prompts.TOPICS), "free": True}
-                for v in range(min(free_schema_variants, len(SCHEMA_PROMPTS))) for s in found]
+    # unguided ("free"), the model answers a schema prompt its own way (the schema echoed, fenced JSON, prose): what
+    # an unguided JSON request decodes, and what a head trained on guided answers alone drafts worst
+    schemas = [s | {"template": v, "topic": rng.choice(prompts.TOPICS)} | ({"free": True} if free else {})
+               for free, variants in ((False, schema_variants), (True, free_schema_variants))
+               for v in range(min(variants, len(SCHEMA_PROMPTS))) for s in found]
     tools = tool_items([s for s in found if s["dir"] == SCHEMA_DIRS[0]], num_tools, seed)
     return spread([chat, schemas, tools])
 
