@@ -74,7 +74,7 @@ def variants(pdl: bool) -> list[tuple]:
     vocabulary 49152)."""
     i64 = ("pos_ptr", "shift_ptr", "tok_row_ptr", "tok_seq_ptr", "map_ptr", "in_ptr", "carry_ptr", "ids_ptr",
            "seq_shift_ptr", "steps_ptr", "smp_shift_ptr", "smp_row_ptr", "rejected_ptr", "last_ptr", "drafts_ptr",
-           "hist_ptr", "num_drafts_ptr", "count_ptr", "drafted_ptr")
+           "hist_ptr")
     correct = {p: "*i64" for p in i64} | dict(bt_ptr="*i32", seq_lens_ptr="*i32", stride_bt="i32",
                                               stride_drafts="i32", stride_hist="i32", draft_cols="i32", n_rows="i32",
                                               max_model_len="i32", T="i32", B="i32", S="i32")
@@ -94,10 +94,10 @@ def variants(pdl: bool) -> list[tuple]:
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
         _gemv(1536, 576, "silu", "store", pdl, m=4), _gemv(576, 49152, "none", "argmax", pdl, m=4),
         ("draft_gemv first max", draft_gemv._first_max_kernel, dict(val_ptr="*fp32", idx_ptr="*i32", tok_ptr="*i64",
-                                                                     ids_ptr="*i64", stride="i32", P="i32"),
-         dict(BLOCK_P=1024, IDS=True, USE_PDL=pdl), 4),
+                                                                     stride="i32", P="i32"),
+         dict(BLOCK_P=1024, USE_PDL=pdl), 4),
         ("spec_ops correct", spec_ops._correct_kernel, correct,
-         dict(BLOCK_SIZE=16, DRAFTS=True, HISTORY=True, DRAFTED=True, BLOCK=32, USE_PDL=pdl), 4),
+         dict(BLOCK_SIZE=16, DRAFTS=True, HISTORY=True, BLOCK=32, USE_PDL=pdl), 4),
         ("spec_ops draft_layout", spec_ops._draft_layout_kernel, layout,
          dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, USE_PDL=pdl), 1),
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,

@@ -90,10 +90,9 @@ class _Matmuls:
         out = linear(self.ops.silu_mul(gate_up), weight)
         return out if residual is None else residual + out
 
-    def norm_linear_argmax(self, x, norm_weight, eps, weight, ids=None, out=None):
-        """linear(rms_norm(x)).argmax(-1) (int64, the first maximum; ids[it] with a draft vocabulary's ids, into
-        `out` if given) in kernels of the backend's, or None where it has none for the call: the caller computes
-        the logits."""
+    def norm_linear_argmax(self, x, norm_weight, eps, weight):
+        """linear(rms_norm(x)).argmax(-1) (int64, the first maximum) in kernels of the backend's, or None where it
+        has none for the call: the caller computes the logits."""
         return None
 
     def linear_argmax(self, x, weight):
@@ -200,9 +199,9 @@ class TritonAttention(_Matmuls):
         return super().silu_linear(gate_up, weight, residual)
 
     # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only
-    def norm_linear_argmax(self, x, norm_weight, eps, weight, ids=None, out=None):
+    def norm_linear_argmax(self, x, norm_weight, eps, weight):
         if self._draft is not None and x.shape[0] <= self._gemv_rows and self._draft.supports(x, norm_weight, weight):
-            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids=ids, out=out)
+            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight)
         return None
 
     def linear_argmax(self, x, weight):

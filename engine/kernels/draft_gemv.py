@@ -33,10 +33,8 @@ _BLOCK_P = 1024  # partials of a row kernel 2 reads at a time (6144 for SmolLM2'
 
 
 @triton.jit
-def _first_max_kernel(val_ptr, idx_ptr, tok_ptr, ids_ptr, stride, P, BLOCK_P: tl.constexpr, IDS: tl.constexpr,
-                      USE_PDL: tl.constexpr):
-    """tok[m] = the vocabulary row of the first of row m's largest partials val[m, :P] (their rows idx[m, :P]);
-    with IDS, ids[that row] (a draft vocabulary's token id)."""
+def _first_max_kernel(val_ptr, idx_ptr, tok_ptr, stride, P, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
+    """tok[m] = the vocabulary row of the first of row m's largest partials val[m, :P] (their rows idx[m, :P])."""
     pdl_start(USE_PDL)
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
@@ -50,10 +48,7 @@ def _first_max_kernel(val_ptr, idx_ptr, tok_ptr, ids_ptr, stride, P, BLOCK_P: tl
         best, best_idx = tl.where(take, v, best), tl.where(take, i, best_idx)
     # a lane never taken holds (-inf, 0): it wins only when every logit is -inf, where row 0 is torch's answer
     top = reduce_max(best, 0)
-    tok = reduce_min(tl.where(best == top, best_idx, 2147483647), 0)
-    if IDS:
-        tok = tl.load(ids_ptr + tok)
-    tl.store(tok_ptr + m, tok.to(tl.int64))
+    tl.store(tok_ptr + m, reduce_min(tl.where(best == top, best_idx, 2147483647), 0).to(tl.int64))
 
 
 def interpreted() -> bool:
@@ -71,18 +66,14 @@ def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return decode_gemv.supports(x, weight)
 
 
-def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
-                       ids: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1) in two kernels: x [M <=
     MAX_ROWS, K] (unit stride in K), weight [V, K] contiguous, of x's dtype (the LM head, or the tied
-    embedding). Returns int64 [M], the first maximal row on ties; with ids ([V] int64, the token id of each
-    weight row: a draft vocabulary), ids[that row], as ids[argmax] gives it without a kernel of its own. out: a
-    contiguous int64 [M] to write into (returned)."""
+    embedding). Returns int64 [M], the first maximal row on ties."""
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES, x.device)
     decode_gemv._check(x, weight, norm_weight=norm_weight)
-    _check_ids_out(x, weight, ids, out)
-    return _argmax(x, weight, "norm", norm_weight, eps, ids, out)
+    return _argmax(x, weight, "norm", norm_weight, eps)
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,20 +82,11 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _argmax(x, weight, "none")
 
 
-def _check_ids_out(x, weight, ids, out) -> None:
-    if ids is not None and (ids.shape != (weight.shape[0],) or ids.dtype != torch.int64 or ids.device != x.device):
-        raise ValueError(f"ids must be int64 [{weight.shape[0]}] (one per weight row) on {x.device}")
-    if out is not None and (out.shape != (x.shape[0],) or out.dtype != torch.int64 or out.device != x.device
-                            or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous int64 [{x.shape[0]}] on {x.device}")
-
-
-def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0, ids=None, out=None) -> torch.Tensor:
+def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
     """The two kernels on checked inputs."""
     val, _, idx = decode_gemv.launch(x, weight, x.shape[1], prologue, nw=norm_weight, eps=eps, epilogue="argmax")
     m, p = val.shape
-    tokens = torch.empty(m, dtype=torch.int64, device=x.device) if out is None else out
-    _first_max_kernel[(m,)](val, idx, tokens, tokens if ids is None else ids, val.stride(0), p,
-                            BLOCK_P=min(triton.next_power_of_2(p), _BLOCK_P), IDS=ids is not None, num_warps=4,
-                            **pdl(_first_max_kernel, x.device, m))
+    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    _first_max_kernel[(m,)](val, idx, tokens, val.stride(0), p, BLOCK_P=min(triton.next_power_of_2(p), _BLOCK_P),
+                            num_warps=4, **pdl(_first_max_kernel, x.device, m))
     return tokens

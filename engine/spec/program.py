@@ -60,9 +60,9 @@ class SpecStepProgram(StepProgram):
         for an eager step at its exact size)."""
         guided, _, extras = variant
         T, B, S, K = self.sizes(slot, key)
-        ids, drafted = self.correct(slot, T, B, S, K)
+        ids = self.correct(slot, T, B, S)
         self.observe(slot, ids, B, extras)
-        drafted = self.drafted(slot, ids, S, K, guided, drafted)
+        drafted = self.drafted(slot, ids, S, K, guided)
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, S, self.compute_stream, K + 1)
         meta = self.step_meta(slot, key, T, B, K)
@@ -79,13 +79,10 @@ class SpecStepProgram(StepProgram):
         self.draft(slot, ids, features, meta, tokens, accepted, next_ids, T, S, K, guided)
 
     # ---- 1. correct ----------------------------------------------------------------------------
-    def correct(self, slot, T: int, B: int, S: int, K: int = 0):
-        """-> (the step's input ids, the drafts each row verifies where the kernel computed them, else None)."""
+    def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
         d, st, bs = slot.dev, self.state, self.block_size
         if self.spec_ops is not None:
-            if K and S:
-                return self.spec_ops.correct(d, st, T, B, S, bs, self.drafter.uses_history, drafted=True)
-            return self.spec_ops.correct(d, st, T, B, S, bs, self.drafter.uses_history), None
+            return self.spec_ops.correct(d, st, T, B, S, bs, self.drafter.uses_history)
         tok_rows = d["tok_row"][:T]
         pos = d["positions"][:T]
         pos.sub_(torch.where(d["shift"][:T] > 0, st.rejected[tok_rows], 0))
@@ -99,7 +96,7 @@ class SpecStepProgram(StepProgram):
         ids = st.carried(d["input_ids"][:T], d["carry_src"][:T], tok_rows)
         if self.drafter.uses_history:
             st.history[tok_rows, pos.clamp(max=st.max_model_len)] = ids.int()
-        return ids, None
+        return ids
 
     # ---- 2. forward + logits -------------------------------------------------------------------
     def step_meta(self, slot, key, T: int, B: int, K: int):
@@ -143,14 +140,13 @@ class SpecStepProgram(StepProgram):
             record(slot.logprobs[:S, :K + 1], logits, tokens)
         return tokens, accepted, next_ids
 
-    def drafted(self, slot, ids, S: int, K: int, guided: bool, drafted=None):
-        """Drafts each row verifies (the host's cap and what the drafter proposed; `drafted` where the correction
-        kernel computed them); a guided step hands its drafts and these counts to the grammar callback, which
-        walks them before verification."""
+    def drafted(self, slot, ids, S: int, K: int, guided: bool):
+        """Drafts each row verifies (the host's cap and what the drafter proposed); a guided step hands its
+        drafts and these counts to the grammar callback, which walks them before verification."""
         if not (S and K):
             return None
-        if drafted is None:
-            drafted = torch.minimum(slot.dev["num_drafts"][:S], self.state.draft_count[slot.dev["smp_row"][:S]])
+        rows = slot.dev["smp_row"][:S]
+        drafted = torch.minimum(slot.dev["num_drafts"][:S], self.state.draft_count[rows])
         if guided:
             out = self.masks.drafts_dev[slot.index]
             out[:S, :K] = ids.view(S, K + 1)[:, 1:]

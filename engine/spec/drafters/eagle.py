@@ -45,18 +45,15 @@ class EagleDrafter(Drafter):
         pos, metas = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size, self.max_model_len,
                                   self.spec_kernels)
         hidden = self.head.attend(q[ctx.last], metas[0], feature[ctx.last])
-        # draft j goes to row j of `out` where the argmax kernels write it there (no stack kernel after them)
-        out = torch.empty((self.num_speculative_tokens, hidden.shape[0]), dtype=torch.int64, device=hidden.device)
-        drafts = [self._pick(ctx, 0, hidden, out[0])]
+        drafts = [self._pick(ctx, 0, hidden)]
         for i in range(1, self.num_speculative_tokens):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
-            drafts.append(self._pick(ctx, i, hidden, out[i]))
-        written = all(d.data_ptr() == o.data_ptr() for d, o in zip(drafts, out))
-        tokens = out.t() if written else torch.stack(drafts, dim=1)
+            drafts.append(self._pick(ctx, i, hidden))
+        tokens = torch.stack(drafts, dim=1)
         return Proposal(tokens, ctx.num_drafts(tokens))
 
-    def _pick(self, ctx: FeatureContext, j: int, hidden, out):
+    def _pick(self, ctx: FeatureContext, j: int, hidden):
         """Draft j from the head's hidden states: unguided, the backend's argmax kernels where it has them
-        (draft_gemv, into `out`), else ctx.pick on the logits."""
-        tokens = self.head.greedy(hidden, out) if ctx.guide is None else None
+        (draft_gemv), else ctx.pick on the logits."""
+        tokens = self.head.greedy(hidden) if ctx.guide is None else None
         return tokens if tokens is not None else ctx.pick(j, self.head.logits(hidden))
