@@ -1,4 +1,5 @@
-"""The engine: requests in, outputs out, through scheduler -> model runner -> commit -> output processor.
+"""The engine: requests in, outputs out, through scheduler -> model runner -> commit
+(engine/commit.py) -> output processor.
 
 `depth=1` is the blocking loop: plan, launch, wait, commit, one step at a time; `depth=2` launches step t+1
 before committing step t (docs/pipeline.md). Per-step timings are kept as counters (`self.timings`).
@@ -19,11 +20,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.commit import Commits, describe
 from engine.config import EngineConfig
 from engine.frontend import EngineFrontend
 from engine.guided.masks import Snapshot, build_snapshot
 from engine.guided.tracker import GuidedTracker
-from engine.logprobs import HostLogprobs
 from engine.model_runner import RowError
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.output import OutputProcessor, RequestOutput
@@ -31,13 +32,12 @@ from engine.workers.cluster import start_runner
 from engine.parallel.group import TensorParallelError
 from engine.request_handle import RequestHandle
 from engine.row_pool import RowPool
-from engine.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence
 from engine.slots import DecodeSlot
 from engine.timings import StepTimings
 from engine.validation import check_request, prompt_ids
-from engine.spec.plan import SpecPolicy, commit_row
+from engine.spec.plan import SpecPolicy
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestHandle", "TensorParallelError"]
 
@@ -48,10 +48,6 @@ class InflightStep:
     slot: DecodeSlot    # holds the step's rows until its commit (a slot is prepared again only after it)
     snapshot: Snapshot | None   # its guided rows, as its grammar callback saw them
     launched: float     # perf_counter when it was enqueued
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 class LLMEngine(EngineFrontend):
@@ -90,6 +86,7 @@ class LLMEngine(EngineFrontend):
         self._finished: dict[int, Sequence] = {}      # finished requests added with retain=True
         self._listeners: dict[int, deque] = {}        # request id -> its handle's output queue
         self._outbox: list[RequestOutput] = []        # outputs made between steps (aborts), sent by the next
+        self.commits = Commits(self.scheduler, self.output, self.timings, self.spec_k, self._seqs, self._finished)
         self._inflight: deque[InflightStep] = deque()
         self._step_index = 0
         self._last_committed: int | None = None
@@ -157,8 +154,8 @@ class LLMEngine(EngineFrontend):
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, "abort")
-        self._outbox.append(self._final_output(seq, "abort"))
+        self.commits.finish(seq, "abort")
+        self._outbox.append(self.commits.final_output(seq, "abort"))
         return True
 
     def take(self, request_id: int) -> Sequence:
@@ -187,7 +184,7 @@ class LLMEngine(EngineFrontend):
         if self.cluster is not None:
             self.cluster.check()                # a lost worker ended the engine: say so on every call
         outputs, self._outbox = self._outbox, []
-        outputs += [self._fail(seq, message) for seq, message in self.guided.poll()]
+        outputs += [self.commits.fail(seq, message) for seq, message in self.guided.poll()]
         launched = self._plan_and_launch(outputs)
         while self._inflight and (len(self._inflight) >= self.config.depth or not launched):
             outputs += self._wait_and_commit(self._inflight.popleft())
@@ -218,7 +215,7 @@ class LLMEngine(EngineFrontend):
                 rows = self.scheduler.schedule()
             except Exception as exc:
                 doomed = list(self.scheduler.running) + list(self.scheduler.waiting)
-                outputs += [self._fail(s, f"scheduling failed: {_describe(exc)}") for s in doomed]
+                outputs += [self.commits.fail(s, f"scheduling failed: {describe(exc)}") for s in doomed]
                 return None
             if not rows:
                 return None
@@ -226,7 +223,7 @@ class LLMEngine(EngineFrontend):
                 self.runner.prepare(slot, rows)
                 return rows, slot
             except RowError as err:
-                outputs.append(self._fail(rows[err.index].seq, f"could not prepare its step inputs: {err}"))
+                outputs.append(self.commits.fail(rows[err.index].seq, f"could not prepare its step inputs: {err}"))
 
     def _plan_and_launch(self, outputs) -> bool:
         t0 = time.perf_counter()
@@ -247,7 +244,7 @@ class LLMEngine(EngineFrontend):
         except TensorParallelError:
             raise
         except Exception as exc:
-            outputs += self._unlaunch(rows, f"launching its step failed: {_describe(exc)}")
+            outputs += self._unlaunch(rows, f"launching its step failed: {describe(exc)}")
             return False
         self._inflight.append(InflightStep(self._step_index, slot, snapshot, t1))
         if self._restart:
@@ -270,7 +267,7 @@ class LLMEngine(EngineFrontend):
         outputs = []
         for row in rows:
             if self.scheduler.landed(row):
-                outputs.append(self._fail(row.seq, message))
+                outputs.append(self.commits.fail(row.seq, message))
         return outputs
 
     def _wait_and_commit(self, step: InflightStep) -> list[RequestOutput]:
@@ -278,7 +275,7 @@ class LLMEngine(EngineFrontend):
         with self._tp_watch():
             tokens = self.runner.wait(step.slot)
         t1 = time.perf_counter()
-        outputs = self._commit(step.slot.rows, tokens, self.guided.step_failure(step.snapshot),
+        outputs = self.commits.step(step.slot.rows, tokens, self.guided.step_failure(step.snapshot),
                                self.runner.logprobs(step.slot))
         fwd, mask, smp, idle = self.runner.gpu_times_ms(step.slot, step.index, self._last_committed)
         cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
@@ -290,71 +287,3 @@ class LLMEngine(EngineFrontend):
                               extra=dict(period=t2 - self._last_commit_time, decode=step.slot.max_query_len == 1))
         self._last_commit_time = t2
         return outputs
-
-    def _commit(self, rows, tokens: list[int], guided_failure: str | None = None,
-                logprobs: HostLogprobs | None = None) -> list[RequestOutput]:
-        outputs = []
-        now = time.perf_counter()
-        spec_rows = spec_accepted = 0
-        for row in rows:
-            seq = row.seq
-            if not self.scheduler.landed(row):    # zombie: rode along, commits nothing
-                self.timings.zombie_rows += 1
-                continue
-            if not row.sample:
-                continue
-            guided_error = seq.guided and (seq.guided.error or guided_failure)
-            if guided_error:
-                outputs.append(self._fail(seq, guided_error))
-                continue
-            try:
-                new = commit_row(seq, row, tokens[row.sample_idx], self.spec_k) if self.spec_k \
-                    else tokens[row.sample_idx:row.sample_idx + 1]
-                self.scheduler.rejected(row, len(new) - 1)
-                if row.spec_k:
-                    spec_rows, spec_accepted = spec_rows + 1, spec_accepted + len(new) - 1
-                    self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
-                lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
-                    if seq.logprobs is not None else None
-                outputs.append(self._commit_tokens(seq, new, now, lps))
-            except Exception as exc:
-                outputs.append(self._fail(seq, f"committing its tokens failed: {_describe(exc)}"))
-        if spec_rows:
-            self.scheduler.spec.observe(spec_accepted, spec_rows)
-        return outputs
-
-    def _commit_tokens(self, seq: Sequence, new: list[int], now: float, logprobs: list | None = None) -> RequestOutput:
-        """Append a step's tokens for one request (several with speculation); it may stop inside them.
-        `logprobs`: an entry per token of `new`, for a request that asked for them."""
-        if NO_TOKEN in new:
-            return self._fail(seq, "no token was allowed here (the request's token mask was empty)")
-        before = len(seq.output_token_ids)
-        reason = self.output.commit(seq, new)
-        if logprobs is not None:
-            seq.logprobs.extend(logprobs[:len(seq.output_token_ids) - before])
-        seq.first_token_time = seq.first_token_time or now
-        if reason:
-            self._finish(seq, reason, now)
-        out = self.output.output(seq, len(seq.output_token_ids) - before, seq.finalized, reason)
-        if not reason:
-            return out
-        return out._replace(spec=seq.spec.as_dict() if seq.spec is not None else None, cached_tokens=seq.num_cached_tokens)
-
-    def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
-        seq.finish_time = now or time.perf_counter()
-        self.scheduler.finish(seq, reason)
-        self._seqs.pop(seq.seq_id, None)
-        if seq.retain:
-            self._finished[seq.seq_id] = seq
-
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        seq.error = message
-        if not seq.finalized:
-            self._finish(seq, "error")
-        return self._final_output(seq, "error", message)
-
-    def _final_output(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
-        try:
-            return self.output.fail(seq, reason, error)
-        except Exception:                     # the request's output state is what broke: report it bare
-            return RequestOutput(seq.seq_id, (), "", True, reason, error, tuple(seq.output_token_ids), seq.text)

@@ -1,0 +1,97 @@
+"""What a waited step's tokens do to its requests: append them (several with speculation), stop, finish or fail a
+request, and make their outputs. One per engine (LLMEngine.commits); it shares the engine's maps of live requests
+and of finished ones added with retain=True.
+
+A request that breaks while its tokens are committed fails alone: the others of the step commit as usual.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.logprobs import HostLogprobs
+from engine.output import OutputProcessor, RequestOutput
+from engine.sampler import NO_TOKEN
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.spec.plan import commit_row
+from engine.timings import StepTimings
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Commits:
+    def __init__(self, scheduler: Scheduler, output: OutputProcessor, timings: StepTimings, spec_k: int,
+                 live: dict[int, Sequence], retained: dict[int, Sequence]):
+        self.scheduler, self.output, self.timings, self.spec_k = scheduler, output, timings, spec_k
+        self.live, self.retained = live, retained
+
+    def step(self, rows, tokens: list, guided_failure: str | None = None,
+             logprobs: HostLogprobs | None = None) -> list[RequestOutput]:
+        """A step's rows with the tokens its device work sampled (a list per sampling row with speculation)."""
+        outputs = []
+        now = time.perf_counter()
+        spec_rows = spec_accepted = 0
+        for row in rows:
+            seq = row.seq
+            if not self.scheduler.landed(row):    # zombie: rode along, commits nothing
+                self.timings.zombie_rows += 1
+                continue
+            if not row.sample:
+                continue
+            guided_error = seq.guided and (seq.guided.error or guided_failure)
+            if guided_error:
+                outputs.append(self.fail(seq, guided_error))
+                continue
+            try:
+                new = commit_row(seq, row, tokens[row.sample_idx], self.spec_k) if self.spec_k \
+                    else tokens[row.sample_idx:row.sample_idx + 1]
+                self.scheduler.rejected(row, len(new) - 1)
+                if row.spec_k:
+                    spec_rows, spec_accepted = spec_rows + 1, spec_accepted + len(new) - 1
+                    self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
+                lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
+                    if seq.logprobs is not None else None
+                outputs.append(self.tokens(seq, new, now, lps))
+            except Exception as exc:
+                outputs.append(self.fail(seq, f"committing its tokens failed: {describe(exc)}"))
+        if spec_rows:
+            self.scheduler.spec.observe(spec_accepted, spec_rows)
+        return outputs
+
+    def tokens(self, seq: Sequence, new: list[int], now: float, logprobs: list | None = None) -> RequestOutput:
+        """Append a step's tokens for one request (several with speculation); it may stop inside them.
+        `logprobs`: an entry per token of `new`, for a request that asked for them."""
+        if NO_TOKEN in new:
+            return self.fail(seq, "no token was allowed here (the request's token mask was empty)")
+        before = len(seq.output_token_ids)
+        reason = self.output.commit(seq, new)
+        if logprobs is not None:
+            seq.logprobs.extend(logprobs[:len(seq.output_token_ids) - before])
+        seq.first_token_time = seq.first_token_time or now
+        if reason:
+            self.finish(seq, reason, now)
+        out = self.output.output(seq, len(seq.output_token_ids) - before, seq.finalized, reason)
+        if not reason:
+            return out
+        return out._replace(spec=seq.spec.as_dict() if seq.spec is not None else None, cached_tokens=seq.num_cached_tokens)
+
+    def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        seq.finish_time = now or time.perf_counter()
+        self.scheduler.finish(seq, reason)
+        self.live.pop(seq.seq_id, None)
+        if seq.retain:
+            self.retained[seq.seq_id] = seq
+
+    def fail(self, seq: Sequence, message: str) -> RequestOutput:
+        seq.error = message
+        if not seq.finalized:
+            self.finish(seq, "error")
+        return self.final_output(seq, "error", message)
+
+    def final_output(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        try:
+            return self.output.fail(seq, reason, error)
+        except Exception:                     # the request's output state is what broke: report it bare
+            return RequestOutput(seq.seq_id, (), "", True, reason, error, tuple(seq.output_token_ids), seq.text)
