@@ -53,14 +53,14 @@ class Commits:
                     self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
                 lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
                     if seq.logprobs is not None else None
-                outputs.append(self.tokens(seq, new, now, lps))
+                outputs.append(self.append(seq, new, now, lps))
             except Exception as exc:
                 outputs.append(self.fail(seq, f"committing its tokens failed: {describe(exc)}"))
         if spec_rows:
             self.scheduler.spec.observe(spec_accepted, spec_rows)
         return outputs
 
-    def tokens(self, seq: Sequence, new: list[int], now: float, logprobs: list | None = None) -> RequestOutput:
+    def append(self, seq: Sequence, new: list[int], now: float, logprobs: list | None = None) -> RequestOutput:
         """Append a step's tokens for one request (several with speculation); it may stop inside them.
         `logprobs`: an entry per token of `new`, for a request that asked for them."""
         if NO_TOKEN in new:
