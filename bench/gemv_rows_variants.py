@@ -5,20 +5,22 @@
 Variants of the work after the dependent-launch wait, each with 4 or 8 warps: "hoist" loads every row's x in one
 load, then reduces the rows one by one; "3d" reduces one [rows, BLOCK_N, BLOCK_K] product (what
 engine/kernels/decode_gemv.py ships for 2-4 rows). Each record: us per call (bench/gemv_kernels.time_graph,
-weights cycling through HBM) and the largest difference from the shipped kernel's output.
+weights cycling through HBM) and the largest difference from the shipped kernel's output, with bench/common.record's
+device, commit and command.
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:        # this script's own folder first: it puts the repository on the path after PYTHONPATH's
+    from common import record, write_results
+except ImportError:
+    from bench.common import record, write_results
 
 from engine.kernels.common import reduce_sum, round_to  # noqa: E402
 from engine.kernels.decode_gemv import _rows_prologue  # noqa: E402
@@ -120,7 +122,7 @@ def main():
         copies = min(MAX_COPIES, math.ceil(COLD_BYTES / (N * K * 2)))
         fns = impls(op, M, K, N, copies, dev, dtype, args.variants)
         want = fns["gemv"](0).float()
-        rec = dict(model=model, op=op, M=M, K=K, N=N)
+        rec = record("gemv_rows_variants", op, model, "bfloat16", M, None, None, None, op=op, M=M, K=K, N=N)
         for name, fn in fns.items():
             try:
                 got = fn(0).float()
@@ -134,8 +136,7 @@ def main():
         del fns
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(recs, f, indent=1)
+        write_results(recs, args.out)
 
 
 if __name__ == "__main__":
