@@ -95,11 +95,9 @@ def _hopper_or_newer(index: int) -> bool:
 def pdl(fn, device: torch.device, rows: int) -> dict:
     """Launch keywords for a kernel with a USE_PDL constexpr. Unless SPECDEC_PDL=0, for `rows` <= PDL_MAX_ROWS
     on Hopper and newer (compiled, CUDA), the kernel is launched with programmatic dependent launch: it may start
-    while the kernel before it on the stream finishes; gdc_wait makes all of that kernel's writes visible. Before
-    its wait a kernel reads only what the kernel before cannot be writing: weights, and what kernels two or more
-    launches back wrote (the step's metadata, earlier tokens' KV), since every kernel here lets the next one launch
-    only after its own wait, so the one before it is done. CUDA graphs capture the dependency as a programmatic
-    edge. Elsewhere USE_PDL is False: a plain launch."""
+    while the kernel before it on the stream finishes, and its first act is gdc_wait (all of that kernel's writes
+    visible), so it reads nothing early. CUDA graphs capture the dependency as a programmatic edge. Elsewhere
+    USE_PDL is False: a plain launch."""
     on = (_PDL_ON and rows <= PDL_MAX_ROWS and device.type == "cuda" and not is_interpreted(fn)
           and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}

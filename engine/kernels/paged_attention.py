@@ -9,19 +9,15 @@ group. KV is walked in TILE_N-key tiles (a multiple of the page size) through bl
 tiles every query row may see (no mask), then the causal tail. When the grid leaves the GPU mostly idle
 (decode at low batch, or a fuller grid over a long context: _auto_splits) the KV range is split over
 NUM_SPLITS programs and a second kernel merges their partial (acc, max, sum), or with `semaphores=` the last
-of them (engine/kernels/split_merge.py). Grid and constexprs depend only on shapes and host ints: no
-device->host sync, so both entry points can be captured in CUDA graphs.
-
-Under dependent launch a program reads its metadata and loads its first tile's cached keys before it waits for
-the kernel before it (engine/kernels/attention_tiles.py): after the wait, a one-tile split at one stream only
-reads q and the new keys.
+of them (engine/kernels/split_merge.py). Grid
+and constexprs depend only on shapes and host ints: no device->host sync, so both entry points can be captured
+in CUDA graphs.
 
 With `rope=` (steps whose every sequence's new tokens fit one query block: decode, verification, small trees),
 the program rotates its q rows itself and, before walking KV, rotates and stores the new keys (and values) of its
-kv head that fall in its split's range; they go into its first tile from registers, and a CTA barrier makes them
-visible to its own loads of later tiles. Each new key lies in exactly one split's range and is read by no other
-program, so no other program waits on it: one kernel a layer fewer. Rotation and rounding are rope_store_kv's,
-so the two paths give the same bits.
+kv head that fall in its split's range, then a CTA barrier makes them visible to its own loads. Each new key
+lies in exactly one split's range and is read by no other program, so no other program waits on it: one kernel a
+layer fewer. Rotation and rounding are rope_store_kv's, so the two paths give the same bits.
 """
 from __future__ import annotations
 
@@ -34,10 +30,9 @@ import triton.language as tl
 
 from engine.kernels import fused_ops
 from engine.kernels.attention_checks import check_attention, check_cache, check_index, check_rows
-from engine.kernels.attention_tiles import attend_tile, load_tile, put_new_keys, tile_update
-from engine.kernels.common import is_interpreted, pdl, pdl_start
-from engine.kernels.rope_kv import new_kv_slots, rope_cos_sin, rope_rows, store_new_kv
-from engine.kernels.split_merge import combine_kernel, merge_if_last
+from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
+from engine.kernels.rope_kv import rope_rows, store_new_kv
+from engine.kernels.split_merge import merge_if_last
 
 _LOG2E = 1.4426950408889634
 LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
@@ -63,6 +58,32 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
 
 
 @triton.jit
+def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi, kv_off_head,
+               stride_blk, stride_pos, offs_d, d_ok, qk_scale,
+               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    offs_n = start + tl.arange(0, TILE_N)
+    n_ok = offs_n < hi
+    page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_n, mask=n_ok, other=0).to(tl.int64)
+    kv_off = page * stride_blk + (offs_n % BLOCK_SIZE) * stride_pos + kv_off_head
+    k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # log2 domain
+    if MASKED:
+        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        # Slots past the sequence end may hold NaN garbage, and 0 * NaN = NaN: zero them.
+        v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    m_new = tl.maximum(m_i, reduce_max(s, 1))
+    # A row may have seen no key yet (split ranges): keep exp2 away from -inf - -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + reduce_sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l, cu_q, seq_lens, bt_ptr,
                        qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt_b, stride_bt_n,
                        stride_blk, stride_pos, stride_kvh, kn_ptr, vn_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
@@ -71,8 +92,7 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
                        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
                        ROPE: tl.constexpr, MERGE: tl.constexpr, USE_PDL: tl.constexpr):
-    # Before the wait: only what no kernel of the last two launches writes (the step's metadata, RoPE tables,
-    # earlier tokens' KV). The kernel before this one has passed its own wait, so the one before it is done.
+    pdl_start(USE_PDL)
     q_block = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
     seq = tl.program_id(1)
@@ -80,6 +100,8 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     q_start = tl.load(cu_q + seq)
     q_len = tl.load(cu_q + seq + 1) - q_start
     q_lo = q_block * BLOCK_Q
+    if q_lo >= q_len:
+        return
     ctx = tl.load(seq_lens + seq) - q_len  # position of the sequence's first new token
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -89,6 +111,12 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
     q_row = q_start + q_idx
+    if ROPE:
+        q = rope_rows(q_ptr, q_row, head, stride_qt, stride_qh, row_ok, pos_ptr, cos_ptr, sin_ptr, stride_cos, offs_d,
+                       HEAD_DIM).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx + q_idx
 
     # This block needs keys [0, kv_end); this split takes [lo, hi) of them, TILE_N-aligned.
@@ -98,47 +126,25 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
     hi = tl.minimum(kv_end, lo + chunk)
     # Keys below ctx + q_lo + 1 are visible to every row of the block: those tiles skip the mask.
     full_hi = lo + tl.maximum(tl.minimum(hi, ctx + q_lo + 1) - lo, 0) // TILE_N * TILE_N
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
-    kv_off_head = kv_head * stride_kvh
-    k0, v0 = load_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, lo, tl.minimum(hi, ctx), kv_off_head, stride_blk,
-                       stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N, True)  # the first tile's cached keys
-    if ROPE:
-        cq, sq = rope_cos_sin(pos_ptr, q_row, row_ok, cos_ptr, sin_ptr, stride_cos, offs_d, HEAD_DIM)
-        # one query block (the wrapper checks): this program's new keys are all this sequence's in [lo, hi)
-        new_rows, new_ok, new_slot, cn, sn = new_kv_slots(slot_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, q_start,
-                                                          q_len, ctx, lo, hi, offs_d, BLOCK_M, HEAD_DIM)
-    pdl_start(USE_PDL)
-    if q_lo >= q_len:
-        return
-
-    if ROPE:
-        q = rope_rows(q_ptr, q_row, head, stride_qt, stride_qh, row_ok, cq, sq, offs_d, HEAD_DIM)
-        q = q.to(q_ptr.dtype.element_ty)
-        kn, vn = store_new_kv(kn_ptr, vn_ptr, kc_ptr, vc_ptr, new_rows, new_ok, new_slot, cn, sn, stride_knt,
-                              stride_knh, stride_vnt, stride_vnh, stride_pos, kv_off_head, kv_head, offs_d, HEAD_DIM)
-        k0, v0 = put_new_keys(k0, v0, kn, vn, tl.where(new_ok, ctx + new_rows - q_start, -1), lo, TILE_N,
-                              PRECISION)
-        tl.debug_barrier()  # the CTA's stores above are visible to its loads of later tiles
-    else:
-        q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        kn, vn = load_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, ctx, hi, kv_off_head, stride_blk, stride_pos,
-                           offs_d, d_ok, BLOCK_SIZE, TILE_N, True)  # the new keys the kernel before stored
-        is_new = (lo + tl.arange(0, TILE_N)) >= ctx
-        k0, v0 = tl.where(is_new[None, :], kn, k0), tl.where(is_new[:, None], vn, v0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
     acc = tl.full((BLOCK_M, HEAD_PAD), 0.0, tl.float32)
-    acc, l_i, m_i = tile_update(acc, l_i, m_i, q, q_pos, k0, v0, lo, hi, qk_scale, TILE_N, True, PRECISION)
-    for start in range(lo + TILE_N, full_hi, TILE_N):
-        acc, l_i, m_i = attend_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
-                                    kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-                                    BLOCK_SIZE, TILE_N, False, PRECISION)
-    for start in range(tl.maximum(full_hi, lo + TILE_N), hi, TILE_N):
-        acc, l_i, m_i = attend_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
-                                    kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-                                    BLOCK_SIZE, TILE_N, True, PRECISION)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
+    kv_off_head = kv_head * stride_kvh
+    if ROPE:  # one query block (the wrapper checks): this program's new keys are all this sequence's in [lo, hi)
+        store_new_kv(kn_ptr, vn_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, stride_knt, stride_knh,
+                      stride_vnt, stride_vnh, stride_cos, stride_pos, kv_off_head, kv_head, q_start, q_len, ctx, lo,
+                      hi, offs_d, BLOCK_M, HEAD_DIM)
+        tl.debug_barrier()  # the CTA's stores above are visible to its loads below
+    for start in range(lo, full_hi, TILE_N):
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
+                                   BLOCK_SIZE, TILE_N, False, PRECISION)
+    for start in range(full_hi, hi, TILE_N):
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
+                                   BLOCK_SIZE, TILE_N, True, PRECISION)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows with no visible key (bad metadata) give 0, not NaN
@@ -155,6 +161,26 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
             merge_if_last(sem_ptr, group_index, part_acc, part_m, part_l, out_ptr, q_row * num_heads + head, row_ok,
                           q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], offs_d, d_ok,
                           NUM_SPLITS, BLOCK_M, HEAD_PAD)
+
+
+@triton.jit
+def _combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads, stride_ot, stride_oh,
+                    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(cu_q + num_seqs):  # rows past the last sequence stay untouched
+        return
+    row = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_m + row)
+    m_max = reduce_max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    l_tot = reduce_sum(w * tl.load(part_l + row), 0)
+    acc = reduce_sum(tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :]) * w[:, None], 0)
+    o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 def interpreted() -> bool:
@@ -281,9 +307,9 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: exact products, for equality tests
         ROPE=rope is not None, MERGE=merge, **pdl(_paged_attn_kernel, q.device, num_tokens))
     if num_splits > 1 and not merge:
-        combine_kernel[(num_tokens, num_heads)](
+        _combine_kernel[(num_tokens, num_heads)](
             part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(combine_kernel, q.device, num_tokens))
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(_combine_kernel, q.device, num_tokens))
     return out
 
 
