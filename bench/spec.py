@@ -192,6 +192,12 @@ def main(argv=None):
     if speed:
         md += ["### Tokens/s with and without speculation (same prompts, same run)", "",
                markdown_table(speed, SPEED_COLUMNS), ""]
+        drafted = [r for r in speed if r["drafter"] != "none"]
+        if len({r["k"] for r in drafted}) > 1:
+            for r in drafted:
+                r["curve"] = f"{r['drafter']} {r['dataset']}, {r['streams']} streams"
+            plot(drafted, "k", "speedup", "curve", out.with_name(out.stem + "_speedup.png"),
+                 "tokens/s over no speculation vs K (same run)")
     text = "\n".join(md)
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
