@@ -82,7 +82,7 @@ class Agent:
         self.turn = 0
 
     def next_request(self, eng, max_tokens: int):
-        from engine.sequence import SamplingParams
+        from engine.requests.sequence import SamplingParams
         name, schema = self.tools[(self.index + self.turn) % len(self.tools)]
         self.messages.append({"role": "user", "content": f"Request {self.turn + 1}: use {name} for case "
                                                          f"{self.index * 100 + self.turn}."})

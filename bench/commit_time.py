@@ -1,4 +1,4 @@
-"""Host time per committed token: engine/output.py's OutputProcessor vs the old whole-output decode.
+"""Host time per committed token: engine/requests/output.py's OutputProcessor vs the old whole-output decode.
 
 One request at a time, one token per commit, two stop strings that never complete (so every request runs to
 its length), the default model's tokenizer, on the CPU. "new" is OutputProcessor.commit + output (incremental
@@ -16,8 +16,8 @@ import time
 
 from common import (QUESTIONS, REPO, command_line, cpu_model, git_commit, markdown_table, note,  # noqa: I001
                     plot, record, write_results)
-from engine.output import OutputProcessor
-from engine.sequence import SamplingParams, Sequence
+from engine.requests.output import OutputProcessor
+from engine.requests.sequence import SamplingParams, Sequence
 
 try:
     from engine.models.loader import load_tokenizer, resolve_model

@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH (another tree: its engine)
 from engine.kernels import (decode_gemm, decode_gemv, draft_gemv, head_ops, paged_attention,  # noqa: E402
                             spec_finish, spec_ops)
 

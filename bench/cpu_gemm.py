@@ -56,7 +56,7 @@ def matmul_records(rows_list, reps: int) -> list[dict]:
 def step_records(streams_list, tokens: int, reps: int) -> list[dict]:
     from engine.kernels import cpu_gemm
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=max(streams_list))
     prompt = eng.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     native, out = cpu_gemm.NATIVE, []

@@ -171,7 +171,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH (another tree: its engine)
     import torch
 
     from bench.common import REPO, markdown_table, write_results

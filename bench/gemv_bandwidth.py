@@ -18,7 +18,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # after PYTHONPATH (another tree: its engine)
 
 import torch                      # noqa: E402
 import triton                     # noqa: E402

@@ -124,7 +124,7 @@ def _quantile(xs, q):
 
 
 def run_round(eng, work, mode: str, streams: int, args, lengths: dict) -> dict:
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     free = {}
 
     def params(k):

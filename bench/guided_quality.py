@@ -96,7 +96,7 @@ def dataset_spec(item: str, root: str) -> tuple[str, str]:
 
 
 def guided_params(schema, max_tokens: int):
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, json_schema=schema)
 
 

@@ -144,7 +144,7 @@ def vllm_refuses(node) -> bool:
 
 def build_plan(args) -> dict:
     from engine.models.loader import load_tokenizer, resolve_model
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     src = resolve_model(args.model)
     if src.path is None:
         raise SystemExit(f"{src.name} has no checkpoint directory (dummy weights): vLLM needs one")

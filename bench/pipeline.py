@@ -26,7 +26,7 @@ import torch
 
 from common import chat_prompts, markdown_table, note, plot, progress, record, write_results  # noqa: I001
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 BENCH = "pipeline"
 

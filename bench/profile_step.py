@@ -106,7 +106,7 @@ def _prompt(eng, text: str) -> list[int]:
 
 def profile(args, streams: int) -> dict:
     import torch
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     extra = engine_overrides(args)
     eng = build_engine(args, 2, streams, **extra)
     # a speculating step may emit K + 1 tokens: every stream must outlive the timed and the profiled steps

@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH (another tree: its engine)
 
 FAMILIES = {"JME": "maskbench/JME_*.json", "BFCL_simple": "maskbench/BFCL_simple_*.json",
             "BFCL_multiple": "maskbench/BFCL_multiple_*.json", "Glaive": "raw/Glaiveai2K/*.json",
@@ -102,7 +102,7 @@ def family(pattern: str) -> dict:
 def backends(pattern: str, service) -> dict:
     """Which backend runs each schema (as SamplingParams chooses), whether it compiles there with the model's
     tokenizer, and the compile times per backend."""
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     c, took, refused = Counter(), {"xgrammar": [], "llguidance": []}, Counter()
     for _, schema, _ in load(pattern):
         c["schemas"] += 1

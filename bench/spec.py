@@ -94,7 +94,7 @@ def build(args, streams: int, drafter: str, k: int, **extra):
 
 
 def timed_generate(eng, prompts, max_tokens: int) -> dict:
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     import torch
     eng.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))     # warm-up (kernels, allocator)
     eng.timings.reset()

@@ -70,7 +70,7 @@ def build_engine(args, depth: int, streams: int, **extra):
 
 def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: int) -> dict:
     """Warm up on other prompts, reset the counters, time one generate of all prompts."""
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     eng.generate(warm_prompts, SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True))
     _sync()
     eng.timings.reset()

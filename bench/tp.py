@@ -20,7 +20,7 @@ import torch
 from common import markdown_table, note, plot, random_prompts, record, write_results  # noqa: I001
 from pipeline import closed_loop, steady
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 BENCH = "tp"
 COLUMNS = ["tp", "streams", "tok_s", "period_ms", "forward_ms", "idle_ms", "idle_frac", "step_vs_tp1", "cpu_launch_ms",

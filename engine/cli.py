@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from engine.options import engine_config, engine_options
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 
 def _request_options(p: argparse.ArgumentParser) -> None:

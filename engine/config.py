@@ -30,7 +30,7 @@ class EngineConfig:
     max_model_len: int = 0             # 0 -> the model's context length
     depth: int = 2                     # 1 = blocking loop, 2 = pipelined (step t+1 launched before t commits)
     prefix_caching: bool = True        # full KV pages shared by prompts with the same prefix, kept after their
-                                       # request until evicted (engine/block_manager.py)
+                                       # request until evicted (engine/memory/block_manager.py)
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
     decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/
                                        # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
@@ -94,10 +94,10 @@ class EngineConfig:
     guided_forced_drafts: bool = False  # guided + speculative: where the grammar allows one continuing text, draft
                                        # its tokens in place of the drafter's (engine/guided/draft_masks.py); off
                                        # for the same reason (one callback per step for +0.07 acceptance)
-    logprobs: bool = True              # requests may ask for logprobs (engine/logprobs.py); on CUDA every step
+    logprobs: bool = True              # requests may ask for logprobs (engine/sampling/logprobs.py); on CUDA every step
                                        # graph is captured twice, with and without them (False: refused)
     penalty_rows: int = 64             # requests with presence / frequency / repetition penalties holding pages at
-                                       # once (engine/penalties.py: a [rows, vocab] count table; admission waits
+                                       # once (engine/sampling/penalties.py: a [rows, vocab] count table; admission waits
                                        # for a row); 0: no penalties, min_p or min_tokens (refused)
     num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
     spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than

@@ -1,5 +1,5 @@
 """The engine: requests in, outputs out, through scheduler -> model runner -> commit
-(engine/commit.py) -> output processor.
+(engine/requests/commit.py) -> output processor.
 
 `depth=1` is the blocking loop: plan, launch, wait, commit, one step at a time; `depth=2` launches step t+1
 before committing step t (docs/pipeline.md). Per-step timings are kept as counters (`self.timings`).
@@ -19,24 +19,24 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.commit import Commits, describe
+from engine.memory.block_manager import BlockManager
+from engine.requests.commit import Commits, describe
 from engine.config import EngineConfig
-from engine.frontend import EngineFrontend
+from engine.requests.frontend import EngineFrontend
 from engine.guided.masks import Snapshot, build_snapshot
 from engine.guided.tracker import GuidedTracker
-from engine.model_runner import RowError
+from engine.runner.model_runner import RowError
 from engine.models.loader import load_tokenizer, resolve_model
-from engine.output import OutputProcessor, RequestOutput
+from engine.requests.output import OutputProcessor, RequestOutput
 from engine.workers.cluster import start_runner
 from engine.parallel.group import TensorParallelError
-from engine.request_handle import RequestHandle
-from engine.row_pool import RowPool
+from engine.requests.request_handle import RequestHandle
+from engine.memory.row_pool import RowPool
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence
-from engine.slots import DecodeSlot
+from engine.requests.sequence import SamplingParams, Sequence
+from engine.runner.slots import DecodeSlot
 from engine.timings import StepTimings
-from engine.validation import check_request, prompt_ids
+from engine.requests.validation import check_request, prompt_ids
 from engine.spec.plan import SpecPolicy
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestHandle", "TensorParallelError"]

@@ -12,7 +12,7 @@ already in flight (`capped`) is not scheduled again: it ends at that token's com
 whose grammar is still compiling prefills all but its last prompt token (`schedule_target`).
 A sequence's in-flight counters (`inflight_refs`, `num_pending`, `pending_src`, and `num_computed_tokens` as
 steps launch and land) change only here: `launched`, `landed`, `rejected`, preemption and release.
-Prefix caching (engine/block_manager.py): an admitted sequence maps the cached pages of its longest known
+Prefix caching (engine/memory/block_manager.py): an admitted sequence maps the cached pages of its longest known
 prefix (all but its last token: one is left to compute) and starts computing after them; its own full pages are
 registered as soon as their tokens are known and their step is launched.
 Preemption frees pages at once even if a launched step still writes them: every KV writer runs on the
@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import ROOT, BlockManager, prefix_digests
-from engine.sequence import Sequence, Status
+from engine.memory.block_manager import ROOT, BlockManager, prefix_digests
+from engine.requests.sequence import Sequence, Status
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Scheduler:
         self.blocks = block_manager
         self.spec = spec            # SpecPolicy (engine/spec/plan.py) when the engine speculates
         # RowPools of per-sequence device rows, handed out with pages and taken back with them: the token
-        # pool's (engine/token_pool.py; every sequence), the penalties' (engine/penalties.py; penalized ones)
+        # pool's (engine/memory/token_pool.py; every sequence), the penalties' (engine/sampling/penalties.py; penalized ones)
         self.row_pools = list(row_pools)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -78,7 +78,7 @@ def workload(engine, chat_prompts):
     """helpers.pipeline_workload on the chat prompts and three more, its stop word and token taken from the
     free outputs."""
     import helpers
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     prompts = chat_prompts + [engine.apply_chat_template([{"role": "user", "content": p}])
                               for p in helpers.EXTRA_PROMPTS]
     free = engine.generate([prompts[2]], SamplingParams(max_tokens=24, temperature=0))[0]
@@ -120,7 +120,7 @@ def prefill_logits(engine, ids, last: int = 0):
     of the last n positions [n, V] (position i's logits score token i + 1: one prefill of prompt + outputs[:-1]
     scores every output token)."""
     from engine.scheduler import ScheduledRow
-    from engine.sequence import SamplingParams, Sequence
+    from engine.requests.sequence import SamplingParams, Sequence
     seq = Sequence(10**6, list(ids), SamplingParams(max_tokens=1), seed=0,
                    block_table=engine.blocks.allocate(engine.blocks.blocks_needed(len(ids), 0)))
     runner, slot = engine.runner, engine.runner.slots[0]

@@ -239,7 +239,7 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     import engine.attention as attention
     from engine.kernels import decode_gemv as dg
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     calls = {gm: [], dg: []}
     for mod in calls:
         for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):

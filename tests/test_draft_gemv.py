@@ -254,7 +254,7 @@ def test_engine_drafts_and_outputs_equal_with_draft_gemv(tmp_path, monkeypatch):
     and greedy outputs of draft_gemv off, and its draft steps take the kernels."""
     from engine.llm_engine import LLMEngine
     from engine.models import loader
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     from safetensors.torch import save_file
     cfg = dict(loader._TINY, num_hidden_layers=3)
     monkeypatch.setitem(loader.DUMMY_SHAPES, "tiny3", cfg)

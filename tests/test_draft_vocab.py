@@ -41,7 +41,7 @@ def test_greedy_is_the_argmax_over_the_subset(backend, tmp_path):
 def test_drafts_stay_in_the_subset_and_outputs_do_not_change(tmp_path):
     """Unguided drafts come from the first spec_draft_vocab_size ids only; greedy outputs are the engine's
     without a draft vocabulary (verification is lossless), and the pages are all returned."""
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     ranked = _subset(512)
     (tmp_path / "ranks.json").write_text(json.dumps({"token_ids": ranked}))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

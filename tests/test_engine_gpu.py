@@ -14,7 +14,7 @@ import torch
 
 from conftest import CHAT_PROMPTS, assert_no_leak, prefill_logits
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 MODEL = os.environ.get("SPECDEC_MODEL", "default")

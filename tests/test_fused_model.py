@@ -8,7 +8,7 @@ import torch
 
 from conftest import assert_no_leak, prefill_logits
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,7 +60,7 @@ def test_fused_path_with_splits_merged_in_the_attention_kernel(reference):
 def _prefill_features(engine, ids, aux_layers):
     """(final hidden states, the aux layers' outputs) of a one-shot prefill of `ids`, as an EAGLE step reads them."""
     from engine.scheduler import ScheduledRow
-    from engine.sequence import SamplingParams, Sequence
+    from engine.requests.sequence import SamplingParams, Sequence
     seq = Sequence(10**6, list(ids), SamplingParams(max_tokens=1), seed=0,
                    block_table=engine.blocks.allocate(engine.blocks.blocks_needed(len(ids), 0)))
     runner, slot, n = engine.runner, engine.runner.slots[0], len(ids)

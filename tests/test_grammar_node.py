@@ -20,7 +20,7 @@ from engine.guided.masks import GrammarMasks, Snapshot
 from engine.guided.matching import GuidedRow
 from engine.guided.tracker import GuidedTracker
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import CPU, drive_hooked, staggered
 
 INFO = xgr.TokenizerInfo([chr(97 + i) for i in range(26)] + ["</s>"], stop_token_ids=[26])

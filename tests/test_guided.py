@@ -15,7 +15,7 @@ from conftest import assert_no_leak
 from engine.guided.compiler import GrammarService, GuidedRequest
 from engine.guided.masks import GrammarMasks, GuidedRow, Snapshot
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import CAT, CPU, UNGUIDED, Exploding, allowed, drive_hooked, service
 
 _alone: dict = {}

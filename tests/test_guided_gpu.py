@@ -18,7 +18,7 @@ import hostfunc
 from conftest import CHAT_PROMPTS, assert_no_leak
 from engine.guided.masks import GrammarMasks
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import CAT, PRIMES, Exploding, allowed, drive_hooked, staggered
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_no_leak
 from engine.guided.llg import LLGMatcher, prepare
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import CAT, CPU, allowed, drive, service
 
 NUM = {"type": "integer", "minimum": 0, "maximum": 99}

@@ -15,7 +15,7 @@ import xgrammar as xgr
 from conftest import assert_no_leak
 from engine.guided.compiler import compile_guide
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import CPU, EagerGraphs, allowed, drive_hooked, staggered
 
 DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[1] / "../shared/data"))

@@ -9,7 +9,7 @@ import xgrammar as xgr
 
 from engine.guided.compiler import tokenizer_info
 from engine.guided.schema_check import unenforced_keywords
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 INT = {"type": "integer"}
 OBJ_AB = {"type": "object", "properties": {"a": INT, "b": INT}}

@@ -21,7 +21,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [8, 1, 64, 64, 2], [300, 301, 302], [9, 9
     ((False, True, False), 2, True, False), ((False, True, False), 1, False, False)],
     ids=["greedy", "guided", "sampled", "extras", "tp2", "off"])
 def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, on, taken):
-    from engine.step import StepProgram, StepVariant
+    from engine.runner.step import StepProgram, StepVariant
     calls = []
     backend = SimpleNamespace(linear_argmax=lambda x, w: calls.append(x.shape[0]) or torch.zeros(x.shape[0]).long())
     model = SimpleNamespace(tp=SimpleNamespace(world=world), head_weight=torch.zeros(10, 8))
@@ -40,7 +40,7 @@ def _engine(on: bool, depth: int, eager: bool):
 
 def _run(eng, calls, logit_rows):
     """Each request alone (one row a step), then all prompts together (5 rows: past the kernels' 4)."""
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     alone = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
              SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True),

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak, hf_greedy, prefill_logits
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 NEW = 48
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

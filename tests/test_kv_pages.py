@@ -1,10 +1,10 @@
-"""engine.kv_cache.kv_pages: zeroed K and V arrays per layer, on the CPU views of one lazily mapped buffer."""
+"""engine.memory.kv_cache.kv_pages: zeroed K and V arrays per layer, on the CPU views of one lazily mapped buffer."""
 import os
 
 import pytest
 import torch
 
-from engine.kv_cache import kv_pages
+from engine.memory.kv_cache import kv_pages
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

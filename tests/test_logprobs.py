@@ -1,4 +1,4 @@
-"""Logprobs (engine/logprobs.py): every output token's entry equals torch.log_softmax of the simple path's logits
+"""Logprobs (engine/sampling/logprobs.py): every output token's entry equals torch.log_softmax of the simple path's logits
 (one prefill of the prompt and the outputs, conftest.prefill_logits, scores every output token), grammar-masked
 for guided requests, for plain greedy and sampled rows, guided rows and n-gram speculation; the pipelined loop, the
 graphs' padded layouts and preemption give the blocking loop's numbers."""
@@ -11,9 +11,9 @@ import xgrammar as xgr
 from conftest import assert_no_leak, prefill_logits
 from engine.guided.compiler import compile_guide
 from engine.llm_engine import LLMEngine
-from engine.logprobs import MAX_LOGPROBS
-from engine.sequence import SamplingParams
-from engine.validation import check_request
+from engine.sampling.logprobs import MAX_LOGPROBS
+from engine.requests.sequence import SamplingParams
+from engine.requests.validation import check_request
 from helpers import CAT, CPU, PREEMPTING, REPEATING, EagerGraphs, allowed, drive
 
 TOL = 2e-3

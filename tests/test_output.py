@@ -1,10 +1,10 @@
-"""engine/output.py: incremental detokenization, stops and streamed text, on the CPU with real tokenizers."""
+"""engine/requests/output.py: incremental detokenization, stops and streamed text, on the CPU with real tokenizers."""
 import random
 
 import pytest
 
-from engine.output import IncrementalDetokenizer, OutputProcessor, RequestOutput
-from engine.sequence import SamplingParams, Sequence
+from engine.requests.output import IncrementalDetokenizer, OutputProcessor, RequestOutput
+from engine.requests.sequence import SamplingParams, Sequence
 
 try:
     from engine.models.loader import load_tokenizer, resolve_model

@@ -36,7 +36,7 @@ class LLM:
 
     def generate(self, prompts, params, use_tqdm=True):
         from types import SimpleNamespace as NS
-        from engine.sequence import SamplingParams as SP
+        from engine.requests.sequence import SamplingParams as SP
         sp = [SP(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=p.ignore_eos,
                  json_schema=p.so.json if p.so else None) for p in params]
         seqs = self.eng.generate([p["prompt_token_ids"] for p in prompts], sp)

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias, min_p and min_tokens (engine/penalties.py) equal a plain reference over the full token history on
+"""Penalties, logit_bias, min_p and min_tokens (engine/sampling/penalties.py) equal a plain reference over the full token history on
 the simple path's logits (conftest.prefill_logits) for greedy and seeded sampled rows; the pipelined loop, the
 graphs' padded layouts, preemption and a speculating engine give the blocking loop's tokens."""
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from conftest import assert_no_leak, prefill_logits
 from engine.llm_engine import LLMEngine
-from engine.sampler import sample
-from engine.sequence import SamplingParams
+from engine.sampling.sampler import sample
+from engine.requests.sequence import SamplingParams
 from helpers import CPU, PREEMPTING, REPEATING, EagerGraphs, drive
 
 

@@ -12,7 +12,7 @@ import torch
 
 from conftest import assert_no_leak, prefill_logits
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import PREEMPTING, ROOMY, EagerGraphs, drive
 
 
@@ -131,7 +131,7 @@ def test_abort_while_in_flight_frees_pages_after_the_step(chat_prompts):
 def test_the_token_pool_carries_last_tokens_and_drafts_by_row():
     """carry_src -1 keeps the host's id, 0 takes the row's last token, j its draft j; padding rows (-1) read and
     write the dummy row; a NO_TOKEN (a failed row) is written as 0 so the next step's embedding stays in range."""
-    from engine.token_pool import TokenPool
+    from engine.memory.token_pool import TokenPool
     pool = TokenPool(3, 2, torch.device("cpu"))
     pool.emit(torch.tensor([2, 0, -1]), torch.tensor([11, -1, 99]))        # -1: indexing wraps to the dummy
     pool.drafts[2] = torch.tensor([21, 22])

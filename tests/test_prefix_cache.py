@@ -3,9 +3,9 @@ after their request, evicted least recently freed first. Greedy outputs with cac
 import pytest
 
 from conftest import assert_no_leak
-from engine.block_manager import ROOT, BlockManager, prefix_digests
+from engine.memory.block_manager import ROOT, BlockManager, prefix_digests
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import CAT, CPU, drive
 
 SYSTEM = ("You are a tool-calling assistant. Tools: get_weather(city, unit), search(query), "
@@ -123,7 +123,7 @@ def test_a_burst_behind_one_head_waits_for_it_and_is_looked_up_a_batch_at_a_time
     its pages instead of computing them too, and a step looks up at most a batch of them (each lookup digests
     the whole head)."""
     from engine.scheduler import Scheduler
-    from engine.sequence import Sequence
+    from engine.requests.sequence import Sequence
     sched = Scheduler(BlockManager(4096, 16, caching=True), max_num_seqs=8, max_num_batched_tokens=256)
     head = list(range(1, 641))
     seqs = [Sequence(i, head + [1000 + i], SamplingParams(max_tokens=2), seed=0, max_len=700) for i in range(200)]

@@ -3,8 +3,8 @@ launch or commit (the request it belongs to ends "error", its pages come back, e
 import pytest
 
 from conftest import assert_no_leak
-from engine.sampler import NO_TOKEN
-from engine.sequence import SamplingParams
+from engine.sampling.sampler import NO_TOKEN
+from engine.requests.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.sampler import NO_TOKEN, apply_bitmask, filter_top_k_top_p, sample, uniform_noise, unit_interval
-from engine.sequence import SamplingParams
+from engine.sampling.sampler import NO_TOKEN, apply_bitmask, filter_top_k_top_p, sample, uniform_noise, unit_interval
+from engine.requests.sequence import SamplingParams
 
 
 def _args(n, temp=1.0, k=0, p=1.0, seed=7, step=0):
@@ -98,7 +98,7 @@ def test_top_p_one_keeps_the_tail_the_float_cumsum_saturates_on():
 
 
 def test_sampling_without_filtering_rows_skips_the_filter_and_draws_the_same(monkeypatch):
-    import engine.sampler as sampler
+    import engine.sampling.sampler as sampler
     torch.manual_seed(0)
     logits, temp = torch.randn(4, 500) * 3, torch.full((4,), 0.9)
     seeds, steps = torch.arange(4), torch.arange(4) + 10

@@ -1,9 +1,9 @@
 """Scheduler and block manager in isolation (no model)."""
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.memory.block_manager import BlockManager
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, Status
+from engine.requests.sequence import SamplingParams, Sequence, Status
 
 
 def _seq(i, n):

@@ -10,7 +10,7 @@ import xgrammar as xgr
 from engine.guided.compiler import tokenizer_info
 from engine.guided.schema_rewrite import MAX_MERGES, rewrite_schema
 from engine.guided.spec import grammar_schema
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 INT, STR = {"type": "integer"}, {"type": "string"}
 BASE = {"type": "object", "properties": {"id": STR, "tags": {"type": "array", "items": STR, "maxItems": 8}},

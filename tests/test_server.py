@@ -6,7 +6,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from serving import CPU_ARGS, serve
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},

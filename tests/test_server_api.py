@@ -97,7 +97,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server, client, extra, word)
 
 
 def test_penalties_min_p_and_min_tokens_are_honoured(server, client, engine):
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     fields = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.2, min_p=0.05, min_tokens=6)
     r = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=12, temperature=0,
                                        presence_penalty=0.8, frequency_penalty=0.5,
@@ -110,7 +110,7 @@ def test_penalties_min_p_and_min_tokens_are_honoured(server, client, engine):
 
 
 def test_logit_bias_is_honoured(server, client, engine):
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     bias = {"28": 100, "30": -100}
     r = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=5, temperature=0, logit_bias=bias)
     [seq] = engine.generate([engine.apply_chat_template(ASK)], SamplingParams(

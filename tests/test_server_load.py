@@ -57,7 +57,7 @@ def test_a_full_queue_answers_429_and_recovers():
 
 def test_speculative_server_reports_acceptance_and_keeps_greedy_tokens():
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     prompt = [int(t) for t in (list(range(100, 140)) * 3)]       # repeats, so prompt lookup finds drafts
     plain = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device="cpu", dtype="float32", attention_backend="torch")
     [want] = plain.generate([prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
@@ -79,7 +79,7 @@ def test_an_engine_thread_that_dies_fails_its_requests_and_answers_503():
     import pytest
 
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     from engine.server.processes.async_engine import AsyncEngine, EngineDead
 
     engine = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", attention_backend="torch")
@@ -120,7 +120,7 @@ def test_tensor_parallel_server_equals_one_rank_and_stops_when_a_worker_dies():
 
     import httpx
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     prompt = list(range(200, 240))
     plain = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device="cpu", dtype="float32", attention_backend="torch")
     [want] = plain.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))

@@ -4,7 +4,7 @@ frames; --single-process hands them over in memory); each entry equals the engin
 import openai
 import pytest
 
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from engine.server.openai.logprobs import token_table
 from serving import CPU_ARGS, serve
 

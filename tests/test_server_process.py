@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from serving import CPU_ARGS, ROOT, descendants, serve
 
 DUMMY = ("--model", "dummy:smollm2-tiny", "--tokenizer", "default", *CPU_ARGS)

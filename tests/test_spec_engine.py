@@ -8,7 +8,7 @@ import pytest
 
 from conftest import assert_no_leak
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import CPU, PREEMPTING, REPEATING, ROOMY, EagerGraphs, drive
 
 # float32: in bfloat16 scoring 1 + K tokens at once rounds differently from scoring one, and a near-tie argmax
@@ -210,7 +210,7 @@ def test_abort_while_speculating_frees_everything(spec_workload):
 def test_the_kv_page_budget_counts_every_cache_the_block_tables_index():
     """A speculating engine's page costs the target's KV plus its drafter's (a head's one layer, a draft
     model's layers), so the memory fraction holds for all of them together."""
-    from engine.kv_cache import KVBudget, PagedCache
+    from engine.memory.kv_cache import KVBudget, PagedCache
     plain = LLMEngine(**CPU, max_num_seqs=2).runner.kv_budget
     head = LLMEngine(**CPU, max_num_seqs=2, speculative="eagle").runner.kv_budget
     draft = LLMEngine(**CPU, max_num_seqs=2, speculative="draft_model", spec_draft_model="default").runner.kv_budget

@@ -125,7 +125,7 @@ def test_verify_finish_routes_greedy_steps_through_the_kernel(source, history, m
     """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or verify_gemv's ids:
     the same tokens and writes on and off; guided and sampled steps keep the torch path."""
     from engine.spec.program import SpecStepProgram
-    from engine.step import StepVariant
+    from engine.runner.step import StepVariant
     calls = []
     real = sf.greedy_finish
     monkeypatch.setattr(sf, "greedy_finish", lambda *a: calls.append(1) or real(*a))
@@ -198,7 +198,7 @@ def _engine(speculative, depth, on, k=2, verify_gemv=False):
 
 def _run(eng, prompts, lengths):
     """-> (outputs, drafts) of greedy requests, with no KV left behind."""
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     drafter, drafts = eng.runner.program.drafter, []
     propose = drafter.propose
     drafter.propose = lambda ctx: drafts.append(propose(ctx)) or drafts[-1]

@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_no_leak
 from engine.guided.draft_masks import DraftMasks
 from engine.llm_engine import LLMEngine
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from helpers import ASK, PEOPLE, WEATHER, EagerGraphs, allowed, drive
 
 CPU = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, spec_min_acceptance=0.0)

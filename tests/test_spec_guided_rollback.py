@@ -16,8 +16,8 @@ from engine.guided.compiler import GuidedRequest
 from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks, Snapshot
 from engine.guided.matching import GuidedRow
-from engine.sampler import apply_bitmask
-from engine.sequence import SamplingParams
+from engine.sampling.sampler import apply_bitmask
+from engine.requests.sequence import SamplingParams
 from helpers import service
 
 K = 3

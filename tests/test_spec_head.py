@@ -264,7 +264,7 @@ def test_a_small_targets_head_reads_its_layers_in_order_and_twice():
     """A target of 2 layers gives the head layers (1, 0, 0): the engine's features are those layers' outputs in
     that order, one of them twice, as the head was trained on them (HF's hidden_states[i + 1])."""
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     eng = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2,
                     speculative="eagle", num_speculative_tokens=2, spec_head="random", spec_min_acceptance=0.0)
     plain = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2)

@@ -200,7 +200,7 @@ def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch)
     """A whole engine (Triton backend; an untrained EAGLE head, or n-gram drafting, which writes the history):
     spec_kernels on gives the drafts and greedy outputs of spec_kernels off, and its steps take the kernels."""
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     calls = _counting(monkeypatch)
     prompts = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99], [300, 1, 2, 300, 1]]
     runs = {}

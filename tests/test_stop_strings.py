@@ -1,11 +1,11 @@
-"""engine/stop_strings.py: the automaton against a brute-force search, on random texts split at random."""
+"""engine/requests/stop_strings.py: the automaton against a brute-force search, on random texts split at random."""
 import random
 import time
 
 import pytest
 
-from engine.sequence import SamplingParams
-from engine.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS, StopStrings
+from engine.requests.sequence import SamplingParams
+from engine.requests.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS, StopStrings
 
 
 def brute_cut(text: str, stops) -> int | None:
@@ -99,7 +99,7 @@ def test_sampling_params_bound_stop_strings(stop, message):
 
 
 def test_only_small_automata_are_shared():
-    from engine.stop_strings import CACHED_CHARS, stop_strings
+    from engine.requests.stop_strings import CACHED_CHARS, stop_strings
     small = ("\n\n", "</s>")
     assert stop_strings(small) is stop_strings(small)
     big = ("x" * (CACHED_CHARS + 1),)

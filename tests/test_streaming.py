@@ -5,7 +5,7 @@ import random
 import pytest
 
 from conftest import assert_no_leak
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 GREEDY = dict(temperature=0.0)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.llm_engine import LLMEngine, TensorParallelError
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

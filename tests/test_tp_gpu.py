@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from conftest import CHAT_PROMPTS
-from engine import model_runner
+from engine.runner import model_runner
 from engine.llm_engine import LLMEngine
 from engine.parallel.group import DistGroup
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 MODEL = os.environ.get("SPECDEC_MODEL", "default")

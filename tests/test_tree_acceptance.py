@@ -60,7 +60,7 @@ def test_offline_chain_matches_the_engines_eagle_acceptance(chat_prompts):
     """The teacher-forced ranks walked with a chain of K reproduce the engine's own greedy EAGLE steps, one
     request at a time (responses ending by EOS and by max_tokens)."""
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     from specdec.acceptance import tree_study
     k, prompts, max_tokens = 3, chat_prompts[:3], 40
     eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=1,

@@ -1,10 +1,10 @@
-"""engine.kernels.bitmask against engine.sampler.apply_bitmask (its torch twin). Without CUDA the kernel runs
+"""engine.kernels.bitmask against engine.sampling.sampler.apply_bitmask (its torch twin). Without CUDA the kernel runs
 in the Triton CPU interpreter (tests/conftest.py: triton_module)."""
 import pytest
 import torch
 
 from conftest import triton_module
-from engine.sampler import apply_bitmask as reference
+from engine.sampling.sampler import apply_bitmask as reference
 
 kernel = triton_module("bitmask")
 DEV = "cpu" if kernel.interpreted() else "cuda"

@@ -154,7 +154,7 @@ def _program(on: bool, world: int = 1):
     ids=["greedy", "guided", "sampled", "extras", "tp2", "plain_step", "off"])
 def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, k, on):
     from engine.spec.program import SpecStepProgram
-    from engine.step import StepVariant
+    from engine.runner.step import StepVariant
     program, calls = _program(on, world)
     got = SpecStepProgram.target_ids(program, torch.zeros(k + 1, 8), StepVariant(*variant), k + 1, 1, k)
     taken = variant == (False, True, False) and world == 1 and k and on
@@ -197,7 +197,7 @@ def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
     """One stream, K = 3 (4 rows a verification): verify_gemv on gives the drafts and greedy outputs of verify_gemv
     off, and its greedy spec steps take the kernels, computing no logits. A sampled stream and a greedy one with
     logprobs keep their logits on spec steps, with the same tokens and logprobs."""
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     calls = _counting(monkeypatch)
     requests = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                 SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True),

@@ -48,7 +48,7 @@ class Specdec:
                     verify_rows=t.spec_rows)
 
     def generate(self, prompts, specs):
-        from engine.sequence import SamplingParams
+        from engine.requests.sequence import SamplingParams
         params = [SamplingParams(max_tokens=s["max_tokens"], temperature=0.0, ignore_eos=s["ignore_eos"],
                                  json_schema=s.get("schema")) for s in specs]
         seqs = self.eng.generate(prompts, params)

@@ -34,7 +34,7 @@ import torch
 import hostfunc
 from engine.guided import native
 from engine.guided.matching import ALL, accept_each, accept_rows, failed, fill, live, rollback_each
-from engine.sampler import NO_TOKEN
+from engine.sampling.sampler import NO_TOKEN
 
 FREE, STOP = -1, -2
 _ENCODE_CACHE = 4096

@@ -1,4 +1,4 @@
-"""Grammar bitmask applied to logits in one Triton kernel (engine.sampler.apply_bitmask is its torch twin).
+"""Grammar bitmask applied to logits in one Triton kernel (engine.sampling.sampler.apply_bitmask is its torch twin).
 
 The torch version unpacks the bitmask into a [N, V] bool tensor, reduces it and fills: ~7 kernels per
 guided step, ~20 us of a ~1 ms step at one stream. Here one program per row first ORs the row's words
@@ -46,7 +46,7 @@ def interpreted() -> bool:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """In place, as engine.sampler.apply_bitmask: logits [N, V] float, bitmask int32 [N, >= ceil(V/32)]
+    """In place, as engine.sampling.sampler.apply_bitmask: logits [N, V] float, bitmask int32 [N, >= ceil(V/32)]
     (xgrammar's layout). Returns the rows that allow some token (bool [N])."""
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
         raise ValueError(f"logits {tuple(logits.shape)} and bitmask {tuple(bitmask.shape)} must be [N, V] and [N, W]")

@@ -9,7 +9,7 @@ group. KV is walked in TILE_N-key tiles (a multiple of the page size) through bl
 tiles every query row may see (no mask), then the causal tail. When the grid leaves the GPU mostly idle
 (decode at low batch, or a fuller grid over a long context: _auto_splits) the KV range is split over
 NUM_SPLITS programs and a second kernel merges their partial (acc, max, sum), or with `semaphores=` the last
-of them (engine/kernels/split_merge.py). Grid
+of them (both in engine/kernels/split_merge.py). Grid
 and constexprs depend only on shapes and host ints: no device->host sync, so both entry points can be captured
 in CUDA graphs.
 
@@ -32,7 +32,7 @@ from engine.kernels import fused_ops
 from engine.kernels.attention_checks import check_attention, check_cache, check_index, check_rows
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.rope_kv import rope_rows, store_new_kv
-from engine.kernels.split_merge import merge_if_last
+from engine.kernels.split_merge import combine_kernel, merge_if_last
 
 _LOG2E = 1.4426950408889634
 LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
@@ -163,26 +163,6 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
                           NUM_SPLITS, BLOCK_M, HEAD_PAD)
 
 
-@triton.jit
-def _combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads, stride_ot, stride_oh,
-                    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_start(USE_PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    if t >= tl.load(cu_q + num_seqs):  # rows past the last sequence stay untouched
-        return
-    row = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_PAD)
-    m = tl.load(part_m + row)
-    m_max = reduce_max(m, 0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    l_tot = reduce_sum(w * tl.load(part_l + row), 0)
-    acc = reduce_sum(tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :]) * w[:, None], 0)
-    o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-
-
 def interpreted() -> bool:
     """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return is_interpreted(_paged_attn_kernel)
@@ -307,9 +287,9 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: exact products, for equality tests
         ROPE=rope is not None, MERGE=merge, **pdl(_paged_attn_kernel, q.device, num_tokens))
     if num_splits > 1 and not merge:
-        _combine_kernel[(num_tokens, num_heads)](
+        combine_kernel[(num_tokens, num_heads)](
             part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(_combine_kernel, q.device, num_tokens))
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(combine_kernel, q.device, num_tokens))
     return out
 
 

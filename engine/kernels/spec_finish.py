@@ -11,7 +11,7 @@ the step's CUDA graph.
 Each program takes a block of the step's S rows and a block of its T = S * (K + 1) inputs. An input's next token
 may be an emitted token of any row, so the token section recomputes that row's acceptance from the inputs
 instead of reading another program's writes. Pool rows are read as torch indexing reads them: -1 (a graph
-padding row) is the last, dummy row (engine/token_pool.py).
+padding row) is the last, dummy row (engine/memory/token_pool.py).
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def greedy_finish(slot, state, ids, target, drafted, K: int, history: bool, next
     """A greedy spec step's verification and finish in one launch. ids [T = S * (K + 1)] int64: the step's inputs,
     each row's last token then its K drafts; target [S, K + 1] int32 / int64: the target's argmax at each
     position; drafted [S]: the drafts each row verifies. Writes what SpecStepProgram.finish writes into `slot`
-    (spec_out, sampled; its dev tensors named as engine/slots.py) and the SpecState `state` (last_token,
+    (spec_out, sampled; its dev tensors named as engine/runner/slots.py) and the SpecState `state` (last_token,
     rejected; history with `history`), and returns (tokens [S, K + 1], accepted [S], next ids [T] or None) as
     new int64 tensors, as greedy_accept_ids and, with `next_ids`, SpecStepProgram.next_tokens return them."""
     _check_finish(slot, state, ids, target, drafted, K, history, next_ids)

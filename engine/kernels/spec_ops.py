@@ -9,7 +9,7 @@ only), so the torch code stays the reference path and the test oracle. Grids dep
 captured in the step's CUDA graph.
 
 Pool rows are read as torch indexing reads them: -1 (a graph padding row) is the last, dummy row
-(engine/token_pool.py). Positions are never negative (a sequence's rejected drafts sit past its committed
+(engine/memory/token_pool.py). Positions are never negative (a sequence's rejected drafts sit past its committed
 tokens), so `//` and `%` by the block size are torch's floor ops.
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _check_correct(dev, state, T, B, S, block_size, history):
 
 def correct(dev, state, T: int, B: int, S: int, block_size: int, history: bool) -> torch.Tensor:
     """SpecStepProgram.correct in one launch: for the step's T tokens, B sequences and S sampling rows of the
-    slot's device tensors `dev` (engine/slots.py names) and the SpecState `state`, positions, slot_mapping,
+    slot's device tensors `dev` (engine/runner/slots.py names) and the SpecState `state`, positions, slot_mapping,
     seq_lens and steps move back by each one's rejected drafts (in place), and the step's input ids
     (TokenPool.carried) are returned as a new [T] int64 tensor; with `history` they are written to
     state.history at the corrected positions (clamped to max_model_len, the dummy column)."""

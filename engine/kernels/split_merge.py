@@ -1,8 +1,8 @@
-"""The merge of engine/kernels/paged_attention.py's KV splits inside the attention kernel (its `semaphores=`), in
-place of the separate combine kernel: each split program stores its partial (acc, max, sum) as before, then takes
-a ticket from its (query block, sequence, kv head)'s counter; the program that takes the last one merges the
-partials of all splits and resets the counter to 0 for the next launch (so a counter buffer stays zero between
-kernels, CUDA graph replays included).
+"""The merge of engine/kernels/paged_attention.py's KV splits: a combine kernel after the attention kernel, or
+(its `semaphores=`) the attention kernel itself. There each split program stores its partial (acc, max, sum) as
+before, then takes a ticket from its (query block, sequence, kv head)'s counter; the program that takes the last
+one merges the partials of all splits and resets the counter to 0 for the next launch (so a counter buffer stays
+zero between kernels, CUDA graph replays included).
 
 Ordering: a CTA barrier after the partial stores, then the ticket as one acq_rel atomic at GPU scope (release:
 this CTA's partials are visible before the count says so; acquire: the last program sees every other's), and the
@@ -13,7 +13,7 @@ rounding.
 import triton
 import triton.language as tl
 
-from engine.kernels.common import reduce_max
+from engine.kernels.common import pdl_start, reduce_max, reduce_sum
 
 
 @triton.jit
@@ -48,3 +48,24 @@ def _merge(part_acc, part_m, part_l, out_ptr, first, row_ok, out_off, offs_d, d_
                                     mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
     o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
     tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads, stride_ot, stride_oh,
+                   NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """The splits' partials of token t, head h merged into out (tokens past the last sequence: untouched)."""
+    pdl_start(USE_PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(cu_q + num_seqs):  # rows past the last sequence stay untouched
+        return
+    row = (t * num_heads + h) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_m + row)
+    m_max = reduce_max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    l_tot = reduce_sum(w * tl.load(part_l + row), 0)
+    acc = reduce_sum(tl.load(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :]) * w[:, None], 0)
+    o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)

@@ -20,7 +20,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels.cpu_gemm import linear
-from engine.kv_cache import kv_pages
+from engine.memory.kv_cache import kv_pages
 from engine.models.llama import rope_inv_freq, rope_tables
 from engine.spec.eagle_head import EagleHead, HeadConfig
 

@@ -1,5 +1,5 @@
 """Host side of speculation: which steps speculate and how far (SpecPolicy), and what a row's step inputs hold
-besides its tokens (fill_spec_row, fill_spec_sampling; engine/rows.py writes the tokens), for
+besides its tokens (fill_spec_row, fill_spec_sampling; engine/runner/rows.py writes the tokens), for
 engine/spec/program.py.
 
 A step speculates (every row gets 1 + K query tokens: its last token, then K drafts) only when all its
@@ -78,7 +78,7 @@ class SpecPolicy:
 
 
 def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:
-    """What a speculating engine's step reads of row i besides its tokens (engine/rows.py wrote those, positions
+    """What a speculating engine's step reads of row i besides its tokens (engine/runner/rows.py wrote those, positions
     and slot mapping as the host plans them: as if the sequence's in-flight drafts all passed): `shift` marks
     that the device must correct them, the next token of each input the host knows, the pages' capacity."""
     h, seq, n, start = slot.np, row.seq, row.num_tokens, row.start
@@ -95,7 +95,7 @@ def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:
 
 
 def fill_spec_sampling(slot, s: int, row, t: int) -> None:
-    """Sampling row s of a speculating engine's step whose row starts at token t (engine/rows.py wrote the rest)."""
+    """Sampling row s of a speculating engine's step whose row starts at token t (engine/runner/rows.py wrote the rest)."""
     h, seq = slot.np, row.seq
     h["smp_shift"][s] = int(seq.num_pending > 0)
     h["num_drafts"][s] = row.num_drafts

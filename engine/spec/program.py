@@ -1,4 +1,4 @@
-"""The step program with speculation: engine/step.py's order, plus on-device correction, verification and
+"""The step program with speculation: engine/runner/step.py's order, plus on-device correction, verification and
 drafting.
 
 Every step of a speculating engine (spec steps and plain ones) runs:
@@ -12,7 +12,7 @@ Every step of a speculating engine (spec steps and plain ones) runs:
    backend's kernels where it has them for the step (target_ids).
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
-   logprobs step records the target's logprobs of the tokens at every scored position (engine/logprobs.py):
+   logprobs step records the target's logprobs of the tokens at every scored position (engine/sampling/logprobs.py):
    the host keeps those of the emitted ones. With EngineConfig.spec_finish_kernel a greedy spec step without
    grammar does all of it (and the draft head's next_tokens) in one kernel, on the target's argmax.
 4. draft: the drafter guesses the next K tokens of each sampling row into SpecState.drafts, if the step
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.logprobs import record
-from engine.sampler import NO_TOKEN
-from engine.step import StepProgram, head_argmax, mark
+from engine.sampling.logprobs import record
+from engine.sampling.sampler import NO_TOKEN
+from engine.runner.step import StepProgram, head_argmax, mark
 from engine.spec.drafters.base import DraftContext, FeatureContext
 from engine.spec.verify import PAD, greedy_accept, greedy_accept_ids, rejection_sample
 
@@ -56,7 +56,7 @@ class SpecStepProgram(StepProgram):
         return key.tokens, key.seqs, key.seqs, self.state.k if key.kind == "spec" else 0
 
     def step(self, slot, prev, variant, key=None) -> None:
-        """The whole speculative step (variant: engine.step.StepVariant; key: an engine.graphs.GraphKey or None
+        """The whole speculative step (variant: engine.runner.step.StepVariant; key: an engine.runner.graphs.GraphKey or None
         for an eager step at its exact size)."""
         guided, _, extras = variant
         T, B, S, K = self.sizes(slot, key)
@@ -116,7 +116,7 @@ class SpecStepProgram(StepProgram):
 
     def target_ids(self, hidden, variant, T: int, S: int, K: int):
         """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels (verify_gemv), or
-        None where the step computes its logits (engine.step.head_argmax)."""
+        None where the step computes its logits (engine.runner.step.head_argmax)."""
         if not (self.verify_gemv and K and S):
             return None
         ids = head_argmax(self.model, self.backend, hidden[:T], variant)
@@ -157,7 +157,7 @@ class SpecStepProgram(StepProgram):
                target=None):
         """-> (tokens [S, K + 1] with PAD after the emitted ones, accepted [S], drafts verified [S]).
         grammar: (masks [S * (K + 1)], drafts the grammar accepts [S]) of a guided step; target: target_ids (logits
-        None then). Penalized rows never speculate (engine/penalties.py): only plain steps apply penalties."""
+        None then). Penalized rows never speculate (engine/sampling/penalties.py): only plain steps apply penalties."""
         d = slot.dev
         params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
         if not K:

@@ -1,4 +1,4 @@
-"""Device-side speculation state: the token pool's rows (engine/token_pool.py: last token, drafts) and what
+"""Device-side speculation state: the token pool's rows (engine/memory/token_pool.py: last token, drafts) and what
 only speculation needs besides, and per-request statistics.
 
 A step learns how many drafts were accepted only on the device, and the host plans the next step before it
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.penalties import to_device
-from engine.token_pool import TokenPool
+from engine.sampling.penalties import to_device
+from engine.memory.token_pool import TokenPool
 
 
 class SpecState(TokenPool):

@@ -7,7 +7,7 @@ the row's context plus drafts[:i]. Each row emits num_accepted + 1 tokens: its a
 target's token at the first rejection (or the bonus token after the last draft). Positions after those hold
 PAD. All of it is batched tensor code with no host sync, so it can live inside a CUDA graph.
 
-Randomness (rejection_sample) is engine.sampler's counter hash of (seed, output index, token id) on two
+Randomness (rejection_sample) is engine.sampling.sampler's counter hash of (seed, output index, token id) on two
 streams of its own, picked by salting the seed: one uniform per position for accept / reject, and one
 exponential per (position, token) for the race that samples the residual or bonus token.
 Invariant: a row's outputs are a pure function of its own inputs, seed and step: they do not depend on the
@@ -15,18 +15,18 @@ other rows of the batch, on its place in it, or on K (a row padded to a larger K
 gives the same tokens). Inputs past a row's num_drafts (drafts, draft probs, target positions > num_drafts)
 are never read. Position i draws at output index steps + i, so the tokens up to the first rejection at
 position i are the same whatever is drafted after position i.
-Not invariant: the emitted tokens are not those engine.sampler.sample would draw for the same seed and
+Not invariant: the emitted tokens are not those engine.sampling.sampler.sample would draw for the same seed and
 step (only their distribution is the same), and they change with the drafter's proposals, hence with K or
 num_drafts whenever the row would have accepted past the shorter draft.
 Drafters must not draw from the two salted streams here: the accept / residual draws have to be
-independent of the drafts for the sampling to be lossless. engine.sampler.sample on the request's own
+independent of the drafts for the sampling to be lossless. engine.sampling.sampler.sample on the request's own
 seed is a different stream.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.sampler import NO_TOKEN, filter_top_k_top_p, may_filter, uniform_noise
+from engine.sampling.sampler import NO_TOKEN, filter_top_k_top_p, may_filter, uniform_noise
 
 PAD = NO_TOKEN                  # -1, in tokens[:, num_accepted + 1:]
 _ACCEPT_SALT = 0x5BD1E995       # seed ^ salt picks a hash stream apart from sample()'s and from each other
@@ -112,7 +112,7 @@ def greedy_accept_ids(draft_tokens: torch.Tensor, target_ids: torch.Tensor, num_
 
 def target_probs(target_logits, temperature, top_k, top_p):
     """target_logits [N, P, V] -> [N, P, V] float32: softmax(filter_top_k_top_p(logits / temperature)), the
-    distribution engine.sampler.sample draws from (temperature clamped like there; meaningless for
+    distribution engine.sampling.sampler.sample draws from (temperature clamped like there; meaningless for
     temperature 0 rows, which are greedy)."""
     n, p, v = target_logits.shape
     scaled = target_logits.float().reshape(n * p, v) / _per_position(temperature.clamp(min=1e-6), p)[:, None]
@@ -136,7 +136,7 @@ def _draws(seeds, steps, positions, vocab, salt):
 def rejection_sample(draft_tokens, draft_probs, target_logits, num_drafts, temperature, top_k, top_p, seeds,
                      steps):
     """Lossless speculative sampling: each row's emitted tokens are distributed exactly as sampling the
-    target one token at a time with engine.sampler.sample's distribution.
+    target one token at a time with engine.sampling.sampler.sample's distribution.
 
     draft_tokens [N, K] int64; draft_probs [N, K, V] float, the distribution each draft was drawn from (after
     the drafter's own temperature / top-k / top-p), or None for a deterministic drafter (n-gram, greedy draft
@@ -178,7 +178,7 @@ def rejection_sample(draft_tokens, draft_probs, target_logits, num_drafts, tempe
     residual = torch.where(empty, p[:, :k], residual)
     pos = torch.arange(k + 1, device=p.device)[None, :, None]
     dist = torch.where(pos < num_drafts[:, None, None], torch.cat([residual, p[:, k:]], dim=1), p)
-    # Exponential race == Gumbel-max, as engine.sampler.sample; the hash uniforms lie strictly inside (0, 1),
+    # Exponential race == Gumbel-max, as engine.sampling.sampler.sample; the hash uniforms lie strictly inside (0, 1),
     # so every exponential is finite and > 0. Zero-probability tokens score -1 so they can never win, not
     # even against a positive probability whose quotient underflows to 0.
     exp_noise = -torch.log(_draws(seeds, steps, k + 1, v, _RESIDUAL_SALT))

@@ -1,7 +1,7 @@
 """Step messages from rank 0 to the other ranks, on the control group (gloo, CPU tensors).
 
 A message is a fixed header (which slot, the step's variant, graph key and sizes) and then the bytes of the
-slot's host buffer that the step reads (engine/slots.py: every input field and the used block-table rows,
+slot's host buffer that the step reads (engine/runner/slots.py: every input field and the used block-table rows,
 graph padding included), received straight into the worker's own slot. A worker then launches the same step
 on its shard: same graph, same inputs, same collectives in the same order.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.graphs import GraphKey, StepGraphs
+from engine.runner.graphs import GraphKey, StepGraphs
 
 STOP, STEP = 0, 1
 _KINDS = (None, "decode", "mixed", "spec")

@@ -51,7 +51,7 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 def _serve(spec: WorkerSpec, store) -> None:
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     from engine.workers.channel import StepChannel
     from engine.parallel.group import DistGroup
     c = spec.config

@@ -9,7 +9,7 @@ from specdec.datasets import Dataset
 
 
 def _params(ds: Dataset, guided: bool, temp: float, max_tokens: int, seed: int) -> list:
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     return [SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed + i if temp > 0 else None,
                            json_schema=ds.schemas[i] if guided else None) for i in range(len(ds.prompts))]
 

@@ -196,7 +196,7 @@ def _close(eng) -> None:
 
 def _fit(ds: Dataset, eng, study: Study) -> Dataset:
     """Drop the prompts that cannot run: too long for the context, or a schema SamplingParams refuses."""
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     keep = []
     for i, prompt in enumerate(ds.prompts):
         if len(prompt) + study.max_tokens > eng.max_model_len:

@@ -60,7 +60,7 @@ def parse_args(argv=None):
 def generate(args, device, items: list[str]):
     """Yields (dataset name, [(prompt ids, greedy response ids)]) from the engine without speculation."""
     from engine.llm_engine import LLMEngine
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     from specdec.datasets import load_dataset
     kw = {"model": args.model} if args.model else {}
     eng = LLMEngine(device=str(device), max_num_seqs=min(args.prompts, 32), **kw)

@@ -190,7 +190,7 @@ def _sampling(item: dict, max_tokens: int) -> dict:
 
 def _params(ids, sample: dict, **guide):
     """(ids, SamplingParams with the guide); a guide the engine refuses leaves the request unguided."""
-    from engine.sequence import SamplingParams
+    from engine.requests.sequence import SamplingParams
     try:
         return ids, SamplingParams(**sample, **guide)
     except ValueError:

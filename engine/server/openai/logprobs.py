@@ -1,5 +1,5 @@
 """Logprobs in OpenAI's shapes: chat's `logprobs.content[]`, the legacy completions object, and the Responses
-API's `output_text.logprobs`, built from the engine's per-token entries (engine/logprobs.py: (the token's
+API's `output_text.logprobs`, built from the engine's per-token entries (engine/sampling/logprobs.py: (the token's
 logprob, [(token id, logprob), ...] best first)); an entry that crossed the engine process's IPC frames is the
 same as lists.
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.sequence import MAX_LOGPROBS
+from engine.requests.sequence import MAX_LOGPROBS
 
 
 class APIError(Exception):

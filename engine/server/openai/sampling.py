@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.guided.spec import BACKENDS
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 from engine.server.openai.protocol import APIError
 
 

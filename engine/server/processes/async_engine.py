@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 
-from engine.output import RequestOutput
+from engine.requests.output import RequestOutput
 from engine.server.api.guides import LocalGuides
 from engine.server.metrics import engine_stats
 from engine.server.processes.ipc import model_info

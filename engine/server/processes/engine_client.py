@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from engine.guided.compile_pool import CompileBusy
-from engine.output import IncrementalDetokenizer, RequestOutput
+from engine.requests.output import IncrementalDetokenizer, RequestOutput
 from engine.server.metrics import DEAD_STATS
 from engine.server.processes import ipc
 from engine.server.processes.submission import ENGINE_STOPPED, EngineDead, Overloaded, Router, Submission

@@ -16,7 +16,7 @@ import time
 import msgspec
 
 from engine.guided.spec import Guide
-from engine.sequence import SamplingParams
+from engine.requests.sequence import SamplingParams
 
 
 # ---- API process -> engine -----------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ class Out(msgspec.Struct, array_like=True):
     reason: str | None = None
     error: str | None = None
     spec: dict | None = None
-    logprobs: list | None = None    # an entry per new id (engine/logprobs.py), for choices that asked
+    logprobs: list | None = None    # an entry per new id (engine/sampling/logprobs.py), for choices that asked
     cached: int = 0                 # prompt tokens found in the prefix cache (final output)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.output import RequestOutput
+from engine.requests.output import RequestOutput
 
 ENGINE_STOPPED = "the engine stopped"     # the start of the error of a request the engine's end cut short
 CHUNKS_PER_STEP = 4        # stream chunks the event loop sends per engine step before chunks grow (auto)

@@ -7,9 +7,9 @@ __all__ = ["DraftContext", "Drafter", "FeatureContext", "NgramDrafter", "Proposa
 
 
 def drafter_caches(config, source, draft=None) -> list:
-    """The paged KV caches the drafter `config` names keeps beside the target's (engine/kv_cache.py), known
+    """The paged KV caches the drafter `config` names keeps beside the target's (engine/memory/kv_cache.py), known
     before anything is loaded so the page budget counts them: a head's one layer, a draft model's layers."""
-    from engine.kv_cache import PagedCache
+    from engine.memory.kv_cache import PagedCache
     if config.speculative == "eagle":
         from engine.spec.eagle_head import HeadConfig
         from engine.spec.eagle_paged import head_config

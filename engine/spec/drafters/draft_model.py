@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import kv_pages
+from engine.memory.kv_cache import kv_pages
 from engine.spec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
 
 

@@ -1,16 +1,16 @@
 """The device work of one step, in order: carry-over, forward, logits, (grammar mask), sampling.
 
-Carry-over and sampling go through the token pool (engine/token_pool.py): a step takes the inputs the host has
+Carry-over and sampling go through the token pool (engine/memory/token_pool.py): a step takes the inputs the host has
 not seen from its sequences' rows and writes each sampling row's token back to its row, for the next step.
 A plain step is a speculative step with K = 0 in this respect (engine/spec/program.py reads and writes the same
 rows, drafts included).
 
-Eager steps and CUDA graph captures (engine/graphs.py) run these same methods, so a graph holds exactly
+Eager steps and CUDA graph captures (engine/runner/graphs.py) run these same methods, so a graph holds exactly
 what an eager step computes, sampling included. A step's variant is (guided, greedy, extras): guided steps
 fork the grammar branch (engine/guided/masks.py) at their start and wait for its `mask_ready` only before
 sampling; greedy steps (every sampling row at temperature 0) skip the random-sampling kernels; extras steps
 (some row asks for logprobs, penalties, min_p or min_tokens) count the inputs of penalized rows, penalize the
-logits, filter by min_p and record the logprobs of the sampled tokens (engine/penalties.py, engine/logprobs.py);
+logits, filter by min_p and record the logprobs of the sampled tokens (engine/sampling/penalties.py, engine/sampling/logprobs.py);
 no other step runs a kernel for them. With EngineConfig.head_gemv a greedy step that is neither guided nor
 extras computes no logits: its tokens come from the backend's LM head argmax kernels. Logits go: penalties and
 min_tokens, grammar mask (logprobs are taken here), temperature, top-k, top-p, min_p.
@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.logprobs import record
-from engine.sampler import apply_bitmask, sample
-from engine.slots import DecodeSlot
+from engine.sampling.logprobs import record
+from engine.sampling.sampler import apply_bitmask, sample
+from engine.runner.slots import DecodeSlot
 
 
 class StepVariant(NamedTuple):
@@ -47,7 +47,7 @@ class StepProgram:
         self.masks = masks                      # GrammarMasks (None: no guided steps)
         self.masker = getattr(backend, "apply_bitmask", apply_bitmask)
         self.penalties = penalties              # PenaltyState (None: the engine has no penalties)
-        self.pool = pool                        # TokenPool (engine/token_pool.py): carried inputs, emitted tokens
+        self.pool = pool                        # TokenPool (engine/memory/token_pool.py): carried inputs, emitted tokens
         self.head_gemv = head_gemv              # EngineConfig.head_gemv: greedy tokens from the head's argmax kernels
 
     def input_ids(self, slot: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
@@ -80,7 +80,7 @@ class StepProgram:
         return hidden[slot.dev["logits_indices"][:n]] if n else None
 
     def graph_hidden(self, slot: DecodeSlot, key, extras: bool = False):
-        """Carry-over, then the forward of a step padded to `key` (a "decode" or "mixed" engine.graphs.GraphKey):
+        """Carry-over, then the forward of a step padded to `key` (a "decode" or "mixed" engine.runner.graphs.GraphKey):
         the final hidden states of its sampling rows."""
         ids = self.input_ids(slot, key.tokens)
         self.observe(slot, ids, key.seqs, extras)

@@ -9,16 +9,16 @@ every emitted token (accepted drafts, the correction and the bonus token) has th
 it, whatever the drafter proposed.
 
 Device side: `record` is enqueue-only tensor code (log_softmax, gather, topk), run only by the steps whose
-graph variant asks for logprobs (engine/step.py). It writes a slot's `logprobs` buffer, [rows, positions,
+graph variant asks for logprobs (engine/runner/step.py). It writes a slot's `logprobs` buffer, [rows, positions,
 1 + 2 * MAX_LOGPROBS] float32 per sampling row and position: the token's logprob, the top MAX_LOGPROBS
 logprobs, then their token ids stored as int32 bits. The buffer comes back beside the sampled tokens, on the
-same stream and event (engine/slots.py download_sampled).
+same stream and event (engine/runner/slots.py download_sampled).
 """
 from __future__ import annotations
 
 import torch
 
-from engine.sequence import MAX_LOGPROBS
+from engine.requests.sequence import MAX_LOGPROBS
 
 ENTRY_WIDTH = 1 + 2 * MAX_LOGPROBS  # floats per (sampling row, position) in a slot's buffer
 

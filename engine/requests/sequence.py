@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from engine.guided.spec import GUIDE_FIELDS, Guide, make_guide
-from engine.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from engine.requests.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_TOKENS_LIMIT = 2 ** 31 - 1      # counters that reach the device are int64; keep far from overflow
@@ -60,11 +60,11 @@ class SamplingParams:
     # "auto": xgrammar, or llguidance for a JSON schema only it enforces; or name one (engine/guided/spec.py)
     guided_backend: str = "auto"
     num_speculative_tokens: int | None = None   # drafts per step: None = the engine's K, 0 = no speculation
-    # Logprobs of each output token (engine/logprobs.py: log_softmax of the logits the token was chosen from,
+    # Logprobs of each output token (engine/sampling/logprobs.py: log_softmax of the logits the token was chosen from,
     # after penalties, logit_bias and the grammar mask, before temperature / top-k / top-p): None = off, 0 = the
     # token's own only, 1..MAX_LOGPROBS = also that many of the most likely tokens.
     logprobs: int | None = None
-    # engine/penalties.py: OpenAI's presence / frequency penalties (over output tokens), vLLM's repetition penalty
+    # engine/sampling/penalties.py: OpenAI's presence / frequency penalties (over output tokens), vLLM's repetition penalty
     # (over prompt and output), min_p (after temperature / top-k / top-p), min_tokens (EOS and stop ids masked)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -120,7 +120,7 @@ class SamplingParams:
 
     @property
     def penalty_row(self) -> bool:
-        """It holds a PenaltyState row (engine/penalties.py): a penalty reads its token counts, or it sets
+        """It holds a PenaltyState row (engine/sampling/penalties.py): a penalty reads its token counts, or it sets
         logit_bias."""
         return self._penalty_row
 
@@ -148,7 +148,7 @@ class SamplingParams:
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
     """{id: bias} or (id, bias) pairs -> sorted pairs (None if empty); ids are checked against the vocabulary
-    by the engine (engine/validation.py)."""
+    by the engine (engine/requests/validation.py)."""
     if value is None:
         return None
     if isinstance(value, dict):
@@ -198,16 +198,16 @@ class Sequence:
     num_pending: int = 0                        # sampled on the device, not yet committed (0 or 1; with
                                                 # speculation up to 1 + K, counted as if every draft passed)
     pending_src: int = -1                       # its row in the in-flight step's `sampled` buffer
-    text: str = ""                              # detokenized output, cut at a stop string (engine/output.py)
+    text: str = ""                              # detokenized output, cut at a stop string (engine/requests/output.py)
     out: object = None                          # output state: incremental detokenizer, streamed text
     error: str | None = None                    # why the request failed (finish_reason "error")
     guided: object = None                       # GuidedRequest (engine/guided/compiler.py) of a guided request
     retain: bool = False                        # keep it after it finishes, until LLMEngine.take()
     num_preemptions: int = 0
-    pool_row: int = -1                          # its row of the device-side token pool (engine/token_pool.py)
+    pool_row: int = -1                          # its row of the device-side token pool (engine/memory/token_pool.py)
     spec: object = None                         # SpecStats of a request that speculated
-    logprobs: list | None = None                # one engine.logprobs.Entry per output token (params.logprobs set)
-    pen_row: int = -1                           # its row of the device-side penalty state (engine/penalties.py)
+    logprobs: list | None = None                # one engine.sampling.logprobs.Entry per output token (params.logprobs set)
+    pen_row: int = -1                           # its row of the device-side penalty state (engine/sampling/penalties.py)
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numbers
 
-from engine.block_manager import BlockManager
-from engine.penalties import MAX_STOPS
-from engine.sequence import SamplingParams
+from engine.memory.block_manager import BlockManager
+from engine.sampling.penalties import MAX_STOPS
+from engine.requests.sequence import SamplingParams
 
 
 def prompt_ids(prompt, encode) -> list[int]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 
-from engine.logprobs import HostLogprobs
-from engine.output import OutputProcessor, RequestOutput
-from engine.sampler import NO_TOKEN
+from engine.sampling.logprobs import HostLogprobs
+from engine.requests.output import OutputProcessor, RequestOutput
+from engine.sampling.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.requests.sequence import Sequence
 from engine.spec.plan import commit_row
 from engine.timings import StepTimings
 

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 
 import hostfunc
-from engine.penalties import neutral
-from engine.slots import DecodeSlot
-from engine.step import StepVariant
+from engine.sampling.penalties import neutral
+from engine.runner.slots import DecodeSlot
+from engine.runner.step import StepVariant
 
 SHORT_CONTEXT = 512
 
@@ -122,7 +122,7 @@ def pad_spec(slot: DecodeSlot, start: int, end: int, k: int) -> None:
 
 
 class StepGraphs:
-    """Graphs by (slot, key, variant); variant = (guided, greedy, extras), see engine/step.py. Guided variants
+    """Graphs by (slot, key, variant); variant = (guided, greedy, extras), see engine/runner/step.py. Guided variants
     hold the grammar branch with its host callback node; their hostfunc handles are freed by `close()`.
     Extras variants exist only with `EngineConfig.logprobs` or `penalty_rows` (they double the captures)."""
 

@@ -6,7 +6,7 @@ input-copy stream), the step runs on the device side, and the sampled tokens com
 
 Carry-over: a token sampled by an earlier step but not yet seen by the host is an input of this step. Its
 input id is a placeholder; `carry_src[t]` says where the device takes it from before the forward: -1 the host's
-id stands, 0 the last token of token-pool row `tok_row[t]`, j >= 1 that row's draft j (engine/token_pool.py).
+id stands, 0 the last token of token-pool row `tok_row[t]`, j >= 1 that row's draft j (engine/memory/token_pool.py).
 Each sampling row writes its token to pool row `smp_row[s]`. Plain and speculative steps read these fields
 the same way.
 """
@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from engine.logprobs import ENTRY_WIDTH
-from engine.penalties import MAX_STOPS
+from engine.sampling.logprobs import ENTRY_WIDTH
+from engine.sampling.penalties import MAX_STOPS
 
 _FIELDS = {  # name -> (dtype, shape key)
     "input_ids": (torch.int64, "tokens"), "positions": (torch.int64, "tokens"),
@@ -37,7 +37,7 @@ _SPEC_FIELDS = {
     "num_drafts": (torch.int64, "seqs"), "next_ids": (torch.int64, "tokens"), "kv_cap": (torch.int64, "seqs"),
 }
 
-# With penalties (engine/penalties.py): each token's penalty row and kind, the rows to zero, each sampling row's
+# With penalties (engine/sampling/penalties.py): each token's penalty row and kind, the rows to zero, each sampling row's
 # parameters and the ids min_tokens masks. Written only for steps with `extras` (graph padding always).
 _PENALTY_FIELDS = {
     "pen_tok": (torch.int64, "tokens"), "pen_reset": (torch.int64, "seqs"), "pen_row": (torch.int64, "seqs"),
@@ -81,13 +81,13 @@ class DecodeSlot:
         self.spec_out = torch.zeros(max_seqs, spec_k + 2, dtype=torch.int64, device=device) if spec_k else None
         self.spec_out_host = torch.zeros(max_seqs, spec_k + 2, dtype=torch.int64, pin_memory=pin) if spec_k \
             else None
-        # logprobs of each sampling row's tokens at each scored position (engine/logprobs.py), filled and read
+        # logprobs of each sampling row's tokens at each scored position (engine/sampling/logprobs.py), filled and read
         # back only by steps that ask for them (`want_logprobs`)
         shape = (max_seqs, spec_k + 1, ENTRY_WIDTH)
         self.logprobs = torch.zeros(shape, dtype=torch.float32, device=device) if logprobs else None
         self.logprobs_host = torch.zeros(shape, dtype=torch.float32, pin_memory=pin) if logprobs else None
         self.want_logprobs = False
-        self.extras = False                                             # logprobs / penalties: engine/step.py
+        self.extras = False                                             # logprobs / penalties: engine/runner/step.py
         self.bias_writes = []                                           # logit_bias rows set before the step
         self.span_writes = []                                           # penalty counts of cached prefixes
         self.history_writes = []                                        # n-gram history of cached prefixes

@@ -2,7 +2,7 @@
 
 A commit costs O(new tokens), not O(output length): each token is decoded in a window of a few tokens
 (IncrementalDetokenizer) and stop strings are matched by an automaton fed only the new text
-(engine/stop_strings.py). Streamed text holds back what may still turn into a stop string, so a stop string (or
+(engine/requests/stop_strings.py). Streamed text holds back what may still turn into a stop string, so a stop string (or
 a prefix of one that ends up cut) is never released.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from engine.stop_strings import stop_strings
+from engine.requests.stop_strings import stop_strings
 
 REPLACEMENT = "\ufffd"      # what decode yields for bytes that are not (yet) a whole UTF-8 character
 MAX_PENDING = 16            # tokens a window may hold undecodable before it is forced on (bounds the cost)
@@ -29,7 +29,7 @@ class RequestOutput(NamedTuple):
     token_ids: tuple[int, ...] | None = None    # whole output, only on the final output
     text: str | None = None                     # whole output text, only on the final output
     spec: dict | None = None                    # speculation statistics (engine/spec/state.py), final output only
-    logprobs: tuple | None = None               # an engine.logprobs.Entry per new token (params.logprobs set):
+    logprobs: tuple | None = None               # an engine.sampling.logprobs.Entry per new token (params.logprobs set):
                                                 # (its logprob, [(token id, logprob), ...] best first)
     cached_tokens: int = 0                      # prompt tokens found in the prefix cache, final output only
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.request_handle import RequestHandle
-from engine.sequence import SamplingParams
+from engine.requests.request_handle import RequestHandle
+from engine.requests.sequence import SamplingParams
 
 
 class EngineFrontend:
