@@ -1,5 +1,5 @@
 """The engine: requests in, outputs out, through scheduler -> model runner -> commit
-(engine/requests/commit.py) -> output processor.
+(engine/commit.py) -> output processor.
 
 `depth=1` is the blocking loop: plan, launch, wait, commit, one step at a time; `depth=2` launches step t+1
 before committing step t (docs/pipeline.md). Per-step timings are kept as counters (`self.timings`).
@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.memory.block_manager import BlockManager
-from engine.requests.commit import Commits, describe
+from engine.commit import Commits, describe
 from engine.config import EngineConfig
 from engine.requests.frontend import EngineFrontend
 from engine.guided.masks import Snapshot, build_snapshot
