@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 
-from engine.sampling.logprobs import HostLogprobs
 from engine.requests.output import OutputProcessor, RequestOutput
+from engine.requests.sequence import Sequence
+from engine.sampling.logprobs import HostLogprobs
 from engine.sampling.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
-from engine.requests.sequence import Sequence
 from engine.spec.plan import commit_row
 from engine.timings import StepTimings
 

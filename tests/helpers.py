@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from engine.runner.graphs import StepGraphs
 from engine.guided.compiler import GrammarService
 from engine.requests.sequence import SamplingParams
+from engine.runner.graphs import StepGraphs
 
 CPU = dict(device="cpu", dtype="float32", attention_backend="torch")
 # Engines on the Triton backend without CUDA run every kernel in the interpreter, where decode_gemm's tiles (steps of

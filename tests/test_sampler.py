@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.sampling.sampler import NO_TOKEN, apply_bitmask, filter_top_k_top_p, sample, uniform_noise, unit_interval
 from engine.requests.sequence import SamplingParams
+from engine.sampling.sampler import NO_TOKEN, apply_bitmask, filter_top_k_top_p, sample, uniform_noise, unit_interval
 
 
 def _args(n, temp=1.0, k=0, p=1.0, seed=7, step=0):

@@ -2,8 +2,8 @@
 import pytest
 
 from engine.memory.block_manager import BlockManager
-from engine.scheduler import Scheduler
 from engine.requests.sequence import SamplingParams, Sequence, Status
+from engine.scheduler import Scheduler
 
 
 def _seq(i, n):

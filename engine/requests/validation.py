@@ -6,8 +6,8 @@ from __future__ import annotations
 import numbers
 
 from engine.memory.block_manager import BlockManager
-from engine.sampling.penalties import MAX_STOPS
 from engine.requests.sequence import SamplingParams
+from engine.sampling.penalties import MAX_STOPS
 
 
 def prompt_ids(prompt, encode) -> list[int]:

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 
 import hostfunc
-from engine.sampling.penalties import neutral
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepVariant
+from engine.sampling.penalties import neutral
 
 SHORT_CONTEXT = 512
 

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.runner.slots import DecodeSlot
 from engine.sampling.logprobs import record
 from engine.sampling.sampler import apply_bitmask, sample
-from engine.runner.slots import DecodeSlot
 
 
 class StepVariant(NamedTuple):

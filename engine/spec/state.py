@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling.penalties import to_device
 from engine.memory.token_pool import TokenPool
+from engine.sampling.penalties import to_device
 
 
 class SpecState(TokenPool):
