@@ -19,25 +19,25 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.memory.block_manager import BlockManager
 from engine.commit import Commits, describe
 from engine.config import EngineConfig
-from engine.requests.frontend import EngineFrontend
 from engine.guided.masks import Snapshot, build_snapshot
 from engine.guided.tracker import GuidedTracker
-from engine.runner.model_runner import RowError
-from engine.models.loader import load_tokenizer, resolve_model
-from engine.requests.output import OutputProcessor, RequestOutput
-from engine.workers.cluster import start_runner
-from engine.parallel.group import TensorParallelError
-from engine.requests.request_handle import RequestHandle
+from engine.memory.block_manager import BlockManager
 from engine.memory.row_pool import RowPool
-from engine.scheduler import Scheduler
+from engine.models.loader import load_tokenizer, resolve_model
+from engine.parallel.group import TensorParallelError
+from engine.requests.frontend import EngineFrontend
+from engine.requests.output import OutputProcessor, RequestOutput
+from engine.requests.request_handle import RequestHandle
 from engine.requests.sequence import SamplingParams, Sequence
-from engine.runner.slots import DecodeSlot
-from engine.timings import StepTimings
 from engine.requests.validation import check_request, prompt_ids
+from engine.runner.model_runner import RowError
+from engine.runner.slots import DecodeSlot
+from engine.scheduler import Scheduler
 from engine.spec.plan import SpecPolicy
+from engine.timings import StepTimings
+from engine.workers.cluster import start_runner
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestHandle", "TensorParallelError"]
 
@@ -276,7 +276,7 @@ class LLMEngine(EngineFrontend):
             tokens = self.runner.wait(step.slot)
         t1 = time.perf_counter()
         outputs = self.commits.step(step.slot.rows, tokens, self.guided.step_failure(step.snapshot),
-                               self.runner.logprobs(step.slot))
+                                    self.runner.logprobs(step.slot))
         fwd, mask, smp, idle = self.runner.gpu_times_ms(step.slot, step.index, self._last_committed)
         cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
         self._last_committed, self._tokens_landed = step.index, t1

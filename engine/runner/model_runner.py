@@ -13,26 +13,26 @@ import torch
 
 from engine.attention import make_backend
 from engine.config import EngineConfig
-from engine.runner.graphs import StepGraphs
-from engine.memory.kv_cache import KVBudget, PagedCache, kv_pages
 from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks
-from engine.sampling import penalties
-from engine.runner.rows import fill_sampling, fill_tokens, write_block_table
-from engine.sampling.logprobs import HostLogprobs
-from engine.sampling.penalties import PenaltyState
-from engine.requests.validation import min_tokens_stops
+from engine.memory.kv_cache import KVBudget, PagedCache, kv_pages
+from engine.memory.token_pool import TokenPool
 from engine.models.loader import ModelSource
 from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
-from engine.sampling.sampler import apply_bitmask
+from engine.requests.validation import min_tokens_stops
+from engine.runner.graphs import StepGraphs
+from engine.runner.rows import fill_sampling, fill_tokens, write_block_table
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepProgram, StepVariant
+from engine.sampling import penalties
+from engine.sampling.logprobs import HostLogprobs
+from engine.sampling.penalties import PenaltyState
+from engine.sampling.sampler import apply_bitmask
 from engine.spec import plan as spec_plan
 from engine.spec.drafters import drafter_caches, make_drafter
 from engine.spec.program import SpecStepProgram
 from engine.spec.state import SpecState
-from engine.memory.token_pool import TokenPool
 
 _EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.runner.step import StepProgram, head_argmax, mark
 from engine.sampling.logprobs import record
 from engine.sampling.sampler import NO_TOKEN
-from engine.runner.step import StepProgram, head_argmax, mark
 from engine.spec.drafters.base import DraftContext, FeatureContext
 from engine.spec.verify import PAD, greedy_accept, greedy_accept_ids, rejection_sample
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.workers.channel import StepChannel
 from engine.parallel.group import DistGroup, TensorParallelError
 from engine.parallel.sharding import param_shards
+from engine.workers.channel import StepChannel
 from engine.workers.worker import WorkerSpec
 
 

@@ -51,9 +51,9 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 def _serve(spec: WorkerSpec, store) -> None:
+    from engine.parallel.group import DistGroup
     from engine.runner.model_runner import ModelRunner
     from engine.workers.channel import StepChannel
-    from engine.parallel.group import DistGroup
     c = spec.config
     device = c.torch_device()
     if device.type == "cuda":
