@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH (another tree: its engine)
-from engine.kernels import (decode_gemm, decode_gemv, draft_gemv, head_ops, paged_attention,  # noqa: E402
+from engine.kernels import (argmax, decode_gemm, decode_gemv, head_ops, paged_attention,  # noqa: E402
                             spec_finish, spec_ops)
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -93,9 +93,12 @@ def variants(pdl: bool) -> list[tuple]:
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
         _gemv(1536, 576, "silu", "store", pdl, m=4), _gemv(576, 49152, "none", "argmax", pdl, m=4),
-        ("draft_gemv first max", draft_gemv._first_max_kernel, dict(val_ptr="*fp32", idx_ptr="*i32", tok_ptr="*i64",
-                                                                     stride="i32", P="i32"),
+        ("argmax first max", argmax._first_max_kernel, dict(val_ptr="*fp32", idx_ptr="*i32", tok_ptr="*i64",
+                                                             stride="i32", P="i32"),
          dict(BLOCK_P=1024, USE_PDL=pdl), 4),
+        ("argmax block max", argmax._block_max_kernel, dict(x_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32",
+                                                             stride_x="i32", stride_p="i32", V="i32"),
+         dict(BLOCK_V=1024, USE_PDL=pdl), 4),
         ("spec_ops correct", spec_ops._correct_kernel, correct,
          dict(BLOCK_SIZE=16, DRAFTS=True, HISTORY=True, BLOCK=32, USE_PDL=pdl), 4),
         ("spec_ops draft_layout", spec_ops._draft_layout_kernel, layout,

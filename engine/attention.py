@@ -90,14 +90,14 @@ class _Matmuls:
         out = linear(self.ops.silu_mul(gate_up), weight)
         return out if residual is None else residual + out
 
-    def norm_linear_argmax(self, x, norm_weight, eps, weight):
-        """linear(rms_norm(x)).argmax(-1) (int64, the first maximum) in kernels of the backend's, or None where it
-        has none for the call: the caller computes the logits."""
+    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True):
+        """linear(rms_norm(x)).float().argmax(-1) (int64, the first maximum) in kernels of the backend's (`gemv`:
+        the decode GEMV's too), or None where it has none for the call: the caller computes the logits."""
         return None
 
-    def linear_argmax(self, x, weight):
-        """linear(x).argmax(-1) (int64, the first maximum) in kernels of the backend's, or None where it has none
-        for the call: the caller computes the logits."""
+    def linear_argmax(self, x, weight, gemv: bool = True):
+        """linear(x).float().argmax(-1) (int64, the first maximum) in kernels of the backend's (`gemv`: the
+        decode GEMV's too), or None where it has none for the call: the caller computes the logits."""
         return None
 
 
@@ -130,8 +130,8 @@ class TritonAttention(_Matmuls):
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, device=None):
-        from engine.kernels import bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, fused_ops
-        from engine.kernels import paged_attention
+        from engine.kernels import argmax, bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
+        from engine.kernels import fused_ops, paged_attention
         if draft_gemv and not decode_gemv:
             raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv")
         if not 1 <= decode_gemv_rows <= gemv.MAX_ROWS:
@@ -152,6 +152,7 @@ class TritonAttention(_Matmuls):
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
+        self._argmax = argmax
         self.ops = fused_ops
 
     # engine/kernels/decode_gemv.py (the op before folded in) for steps of up to decode_gemv_rows rows when it is on
@@ -198,16 +199,22 @@ class TritonAttention(_Matmuls):
             return kernels.decode_silu_linear(gate_up, weight, residual)
         return super().silu_linear(gate_up, weight, residual)
 
-    # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only
-    def norm_linear_argmax(self, x, norm_weight, eps, weight):
-        if self._draft is not None and x.shape[0] <= self._gemv_rows and self._draft.supports(x, norm_weight, weight):
+    # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only (`gemv` False: none); other
+    # steps take the logits' argmax in engine/kernels/argmax.py, on the logits of the reference path (cuBLAS),
+    # without their float32 copy
+    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True):
+        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
+                self._draft.supports(x, norm_weight, weight):
             return self._draft.norm_linear_argmax(x, norm_weight, eps, weight)
-        return None
+        return self._logits_argmax(linear(self.ops.rms_norm(x, norm_weight, eps), weight))
 
-    def linear_argmax(self, x, weight):
-        if self._draft is not None and x.shape[0] <= self._gemv_rows and self._draft.supports_linear(x, weight):
+    def linear_argmax(self, x, weight, gemv: bool = True):
+        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and self._draft.supports_linear(x, weight):
             return self._draft.linear_argmax(x, weight)
-        return None
+        return self._logits_argmax(linear(x, weight))
+
+    def _logits_argmax(self, logits):
+        return self._argmax.argmax_rows(logits) if self._argmax.supports(logits) else logits.float().argmax(-1)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -41,9 +41,10 @@ class EngineConfig:
     verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= decode_gemv_rows rows) takes
                                        # the target's LM head argmax from draft_gemv's kernels, no logits, where
                                        # those run; off: no faster than cuBLAS + argmax at 4 rows on an H100
-    head_gemv: bool = True             # a greedy plain step (unguided, no extras, <= decode_gemv_rows rows) takes
-                                       # its tokens from draft_gemv's LM head argmax kernels, no logits, where
-                                       # those run
+    head_gemv: bool = True             # a greedy step (plain or verifying; unguided, no extras) takes its tokens
+                                       # without float32 logits: from draft_gemv's LM head argmax kernels (plain
+                                       # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
+                                       # kernels/argmax.py, where those run (the Triton backend)
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8; at 5-8 slower than decode_gemm: bench/results/decode_rows/)
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the

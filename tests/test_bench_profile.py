@@ -17,10 +17,20 @@ def test_kernel_summary_by_kind_and_by_name():
               _event("_rms_norm_kernel", 13, 14)]
     s = kernel_summary(events, steps=2, top=2)
     assert s["kernels"] == 2 and s["kernel_us"] == pytest.approx(6.0)
-    assert s["kinds"]["matmul"] == dict(per_step=1.0, us_per_step=4.0)
+    assert s["kinds"]["matmul"] == dict(per_step=1.0, us_per_step=4.0, path_us_per_step=4.0)
     assert s["kinds"]["attention"]["us_per_step"] == pytest.approx(1.5)
     assert list(s["top_kernels"]) == ["nvjet_tst_64x8_gemm", "_paged_attn_kernel"]
     assert s["busy_frac"] == pytest.approx(12 / 14) == busy_fraction(events)
+
+
+def test_path_time_counts_what_a_kernel_adds_to_the_latest_end():
+    """Dependent launch: B starts 1 us before A ends and holds 2 us of the path, not its 3; C ends with A (0);
+    D starts after a gap (its whole duration). The path times sum to the busy time."""
+    events = [_event("A", 0, 4), _event("B", 3, 6), _event("C", 1, 4), _event("D", 8, 9)]
+    s = kernel_summary(events, steps=1, top=4)
+    path = {k: v["path_us_per_step"] for k, v in s["top_kernels"].items()}
+    assert path == dict(A=4.0, B=2.0, D=1.0, C=0.0) and list(path) == ["A", "B", "D", "C"]
+    assert sum(path.values()) == pytest.approx(busy_fraction(events) * 9)
 
 
 def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):

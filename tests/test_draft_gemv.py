@@ -36,7 +36,7 @@ def torch_argmax(x, nw, w, eps=EPS):
 def block_p(request, monkeypatch):
     """"chunks": kernel 2 reads 2 partials at a time, so its loop runs several times with a ragged tail."""
     if request.param == "chunks":
-        monkeypatch.setattr(dr, "_BLOCK_P", 2)
+        monkeypatch.setattr(triton_module("argmax"), "BLOCK_P", 2)
 
 
 @DTYPES
@@ -135,22 +135,27 @@ def test_refusals():
             dg.decode_silu_linear(gu, wd, residual=res)
 
 
-def test_the_switch():
+def test_the_switch(monkeypatch):
     """The backend's draft_gemv needs decode_gemv (EngineConfig's applies where decode_gemv is on, so turning the
-    GEMV off alone is no error); off (and on the torch backend) there is no argmax kernel for the head."""
+    GEMV off alone is no error). The GEMV's kernels take up to decode_gemv_rows rows with draft_gemv; past them,
+    and with draft_gemv off, the head's tokens are the argmax kernels' on cuBLAS's logits; the torch backend has
+    no argmax kernel (None: the caller computes the logits)."""
     from engine.attention import TorchAttention, TritonAttention
     from engine.config import EngineConfig
     with pytest.raises(ValueError, match="decode_gemv"):
         TritonAttention(decode_gemv=False, draft_gemv=True)
     assert EngineConfig(decode_gemv=False).draft_gemv
     x, nw, w = randn(2, 64, seed=1), randn(64, seed=2), randn(100, 64, seed=3)
-    assert torch.equal(_backend(True).norm_linear_argmax(x, nw, EPS, w), torch_argmax(x, nw, w))
-    assert _backend(True).norm_linear_argmax(randn(dr.MAX_ROWS + 1, 64, seed=4), nw, EPS, w) is None
-    five = randn(5, 64, seed=6)                          # past the engine's decode_gemv_rows (4): no argmax kernel
-    assert _backend(True).norm_linear_argmax(five, nw, EPS, w) is None and _backend(True).linear_argmax(five, w) is None
+    calls = _counting(monkeypatch)
+    backend = _backend(True)
+    assert torch.equal(backend.norm_linear_argmax(x, nw, EPS, w), torch_argmax(x, nw, w)) and calls == [2]
+    five = randn(5, 64, seed=6)                          # past the engine's decode_gemv_rows (4): not the GEMV
+    for rows in (randn(dr.MAX_ROWS + 1, 64, seed=4), five):
+        assert torch.equal(backend.norm_linear_argmax(rows, nw, EPS, w), torch_argmax(rows, nw, w))
+    assert calls == [2]
     wide = _backend(True, rows=8)
     assert torch.equal(wide.norm_linear_argmax(five, nw, EPS, w), torch_argmax(five, nw, w))
-    assert _backend(False).norm_linear_argmax(x, nw, EPS, w) is None
+    assert torch.equal(_backend(False).norm_linear_argmax(x, nw, EPS, w), torch_argmax(x, nw, w))
     assert TorchAttention().norm_linear_argmax(x, nw, EPS, w) is None
 
 
@@ -227,7 +232,8 @@ def test_head_greedy_equals_the_logits_argmax(dtype, tied, monkeypatch):
     hidden = randn(3, TINY["hidden_size"], seed=12, dtype=dtype) * 2
     head = drafter.head
     assert torch.equal(head.greedy(hidden), head.logits(hidden).argmax(-1))
-    assert head.greedy(randn(dr.MAX_ROWS + 1, TINY["hidden_size"], seed=13, dtype=dtype)) is None
+    wide = randn(dr.MAX_ROWS + 1, TINY["hidden_size"], seed=13, dtype=dtype)    # past the GEMV: the argmax kernels
+    assert torch.equal(head.greedy(wide), head.logits(wide).argmax(-1))
     monkeypatch.setattr(target, "tp", SimpleNamespace(world=2))        # the vocabulary gathered over ranks
     assert head.greedy(hidden) is None
 

@@ -34,7 +34,7 @@ def torch_argmax(x, w):
 def block_p(request, monkeypatch):
     """"chunks": kernel 2 reads 2 partials at a time, so its loop runs several times with a ragged tail."""
     if request.param == "chunks":
-        monkeypatch.setattr(dr, "_BLOCK_P", 2)
+        monkeypatch.setattr(triton_module("argmax"), "BLOCK_P", 2)
 
 
 @DTYPES
@@ -97,15 +97,18 @@ def _backend(draft: bool):
     return backend
 
 
-def test_backend_dispatch():
-    """The kernels on a Triton backend with draft_gemv, for up to MAX_ROWS rows; None elsewhere (the caller
-    computes the logits)."""
+def test_backend_dispatch(monkeypatch):
+    """The GEMV kernels on a Triton backend with draft_gemv, for up to decode_gemv_rows rows; cuBLAS's logits and
+    engine/kernels/argmax.py past them, without draft_gemv and with gemv=False; None on the torch backend (the
+    caller computes the logits)."""
     from engine.attention import TorchAttention
-    x, w = randn(4, 64, seed=1), randn(100, 64, seed=3)
-    assert torch.equal(_backend(True).linear_argmax(x, w), torch_argmax(x, w))
-    assert _backend(True).linear_argmax(randn(dr.MAX_ROWS + 1, 64, seed=4), w) is None
-    assert _backend(True).linear_argmax(x, w.to(torch.bfloat16)) is None
-    assert _backend(False).linear_argmax(x, w) is None
+    calls, real = [], dr.linear_argmax
+    monkeypatch.setattr(dr, "linear_argmax", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    x, w, five = randn(4, 64, seed=1), randn(100, 64, seed=3), randn(5, 64, seed=4)
+    assert torch.equal(_backend(True).linear_argmax(x, w), torch_argmax(x, w)) and calls == [4]
+    for backend, rows, gemv in [(_backend(True), five, True), (_backend(False), x, True), (_backend(True), x, False)]:
+        assert torch.equal(backend.linear_argmax(rows, w, gemv), torch_argmax(rows, w))
+    assert calls == [4]
     assert TorchAttention().linear_argmax(x, w) is None
 
 
@@ -139,26 +142,30 @@ def test_greedy_accept_ids_refuses_bad_shapes():
 
 # ---- which steps take the kernels ----
 
-def _program(on: bool, world: int = 1):
+def _program(verify: bool, head: bool, world: int = 1):
     """SpecStepProgram's attributes target_ids reads, with a backend counting its linear_argmax calls."""
     calls = []
-    backend = SimpleNamespace(linear_argmax=lambda x, w: calls.append(x.shape[0]) or torch.zeros(x.shape[0]).long())
+    backend = SimpleNamespace(linear_argmax=lambda x, w, gemv: calls.append((x.shape[0], gemv)) or
+                              torch.zeros(x.shape[0]).long())
     model = SimpleNamespace(tp=SimpleNamespace(world=world), head_weight=torch.zeros(10, 8))
-    return SimpleNamespace(verify_gemv=on, backend=backend, model=model), calls
+    return SimpleNamespace(verify_gemv=verify, head_gemv=head, backend=backend, model=model), calls
 
 
-@pytest.mark.parametrize("variant,world,k,on", [
-    ((False, True, False), 1, 3, True), ((True, True, False), 1, 3, True), ((False, False, False), 1, 3, True),
-    ((False, True, True), 1, 3, True), ((False, True, False), 2, 3, True), ((False, True, False), 1, 0, True),
-    ((False, True, False), 1, 3, False)],
-    ids=["greedy", "guided", "sampled", "extras", "tp2", "plain_step", "off"])
-def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, k, on):
+@pytest.mark.parametrize("variant,world,k,verify,head", [
+    ((False, True, False), 1, 3, True, True), ((False, True, False), 1, 3, False, True),
+    ((False, True, False), 1, 3, True, False), ((True, True, False), 1, 3, True, True),
+    ((False, False, False), 1, 3, True, True), ((False, True, True), 1, 3, True, True),
+    ((False, True, False), 2, 3, True, True), ((False, True, False), 1, 0, True, True),
+    ((False, True, False), 1, 3, False, False)],
+    ids=["greedy", "head_only", "verify_only", "guided", "sampled", "extras", "tp2", "plain_step", "off"])
+def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, k, verify, head):
+    """head_gemv: the argmax kernels on cuBLAS's logits (gemv False); verify_gemv: the GEMV's (gemv True)."""
     from engine.spec.program import SpecStepProgram
     from engine.runner.step import StepVariant
-    program, calls = _program(on, world)
+    program, calls = _program(verify, head, world)
     got = SpecStepProgram.target_ids(program, torch.zeros(k + 1, 8), StepVariant(*variant), k + 1, 1, k)
-    taken = variant == (False, True, False) and world == 1 and k and on
-    assert (got is not None) == bool(taken) and calls == ([k + 1] if taken else [])
+    taken = variant == (False, True, False) and world == 1 and k and (verify or head)
+    assert (got is not None) == bool(taken) and calls == ([(k + 1, verify)] if taken else [])
     if taken:
         assert got.shape == (1, k + 1)
 
@@ -175,12 +182,13 @@ def _counting(monkeypatch):
     return calls
 
 
-def _engine(speculative, depth, on):
+def _engine(speculative, depth, verify, head):
     from engine.llm_engine import LLMEngine
     return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                      **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
-                     spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0, verify_gemv=on)
+                     spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0, verify_gemv=verify,
+                     head_gemv=head)
 
 
 def _spying(eng):
@@ -194,17 +202,18 @@ def _spying(eng):
 
 @pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
 def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
-    """One stream, K = 3 (4 rows a verification): verify_gemv on gives the drafts and greedy outputs of verify_gemv
-    off, and its greedy spec steps take the kernels, computing no logits. A sampled stream and a greedy one with
-    logprobs keep their logits on spec steps, with the same tokens and logprobs."""
+    """One stream, K = 3 (4 rows a verification): verify_gemv (the GEMV's argmax) and head_gemv alone (cuBLAS's
+    logits, engine/kernels/argmax.py) give the drafts and greedy outputs of both off, and their greedy spec steps
+    compute no float32 logits; only verify_gemv's take the GEMV. A sampled stream and a greedy one with logprobs
+    keep their logits on spec steps, with the same tokens and logprobs."""
     from engine.requests.sequence import SamplingParams
     calls = _counting(monkeypatch)
     requests = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                 SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True),
                 SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)]
     runs = {}
-    for on in (False, True):
-        eng = _engine(speculative, depth, on)
+    for verify, head in ((False, False), (True, False), (False, True)):
+        eng = _engine(speculative, depth, verify, head)
         drafts, logit_ks = _spying(eng)
         outs, taken, spec_logits = [], [], []
         for params in requests:                 # one stream at a time: each verification has 4 rows
@@ -214,6 +223,7 @@ def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
             spec_logits.append(sum(k > 0 for k in logit_ks[ks:]))
         assert_no_leak(eng)
         assert drafts and spec_logits[1] and spec_logits[2] and taken[1:] == [0, 0]
-        assert (taken[0] > 0, spec_logits[0] > 0) == (on, not on)
-        runs[on] = [s.output_token_ids for s in outs], outs[2].logprobs, [d.draft_tokens.tolist() for d in drafts]
-    assert runs[True] == runs[False] and set(calls) == {4}
+        assert (taken[0] > 0, spec_logits[0] > 0) == (verify, not (verify or head))
+        runs[verify, head] = ([s.output_token_ids for s in outs], outs[2].logprobs,
+                              [d.draft_tokens.tolist() for d in drafts])
+    assert runs[True, False] == runs[False, False] == runs[False, True] and set(calls) == {4}

@@ -8,9 +8,9 @@ Through the target's final norm and LM head, a draft step's token is a norm kern
 torch's argmax, none launched dependently, so the next draft step's kernels cannot start early. Here it is two
 kernels of the dependent-launch chain. Kernel 1 is decode_gemv's with the norm prologue and the argmax
 epilogue: each program loads its BLOCK_N vocabulary rows before the wait, rounds their logits to the dtype as
-F.linear does and keeps, per row of x, their maximum and its first vocabulary row. Kernel 2 reduces the
-partials of each row to its first maximal vocabulary row, torch.argmax's tie rule: the partials come in
-vocabulary order, and a later one wins only if strictly larger.
+F.linear does and keeps, per row of x, their maximum and its first vocabulary row. Kernel 2 (engine/kernels/
+argmax.py's first_max) reduces the partials of each row to its first maximal vocabulary row, torch.argmax's tie
+rule: the partials come in vocabulary order, and a later one wins only if strictly larger.
 
 linear_argmax is the same two kernels without the norm (decode_gemv's "none" prologue), for a greedy
 verification of a few rows on the target's already normed hidden states (EngineConfig.verify_gemv).
@@ -21,39 +21,16 @@ token than the torch ops: a draft is a guess, verified either way; a verificatio
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from engine.kernels import decode_gemv
-from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_min
+from engine.kernels import argmax, decode_gemv
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
 
 MAX_ROWS = decode_gemv.MAX_ROWS
-_BLOCK_P = 1024  # partials of a row kernel 2 reads at a time (6144 for SmolLM2's 49152-row LM head)
-
-
-@triton.jit
-def _first_max_kernel(val_ptr, idx_ptr, tok_ptr, stride, P, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
-    """tok[m] = the vocabulary row of the first of row m's largest partials val[m, :P] (their rows idx[m, :P])."""
-    pdl_start(USE_PDL)
-    m = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_P)
-    best = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_P], dtype=tl.int32)
-    for start in range(0, P, BLOCK_P):
-        ok = start + offs < P
-        v = tl.load(val_ptr + m * stride + start + offs, mask=ok, other=float("-inf"))
-        i = tl.load(idx_ptr + m * stride + start + offs, mask=ok, other=0)
-        take = v > best  # a tie keeps the earlier partial: the lower vocabulary row
-        best, best_idx = tl.where(take, v, best), tl.where(take, i, best_idx)
-    # a lane never taken holds (-inf, 0): it wins only when every logit is -inf, where row 0 is torch's answer
-    top = reduce_max(best, 0)
-    tl.store(tok_ptr + m, reduce_min(tl.where(best == top, best_idx, 2147483647), 0).to(tl.int64))
 
 
 def interpreted() -> bool:
     """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return is_interpreted(_first_max_kernel) and decode_gemv.interpreted()
+    return argmax.interpreted() and decode_gemv.interpreted()
 
 
 def supports(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -85,8 +62,4 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
     """The two kernels on checked inputs."""
     val, _, idx = decode_gemv.launch(x, weight, x.shape[1], prologue, nw=norm_weight, eps=eps, epilogue="argmax")
-    m, p = val.shape
-    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
-    _first_max_kernel[(m,)](val, idx, tokens, val.stride(0), p, BLOCK_P=min(triton.next_power_of_2(p), _BLOCK_P),
-                            num_warps=4, **pdl(_first_max_kernel, x.device, m))
-    return tokens
+    return argmax.first_max(val, idx, torch.empty(val.shape[0], dtype=torch.int64, device=x.device))

@@ -88,7 +88,8 @@ class ModelRunner:
                                            block_size=config.block_size, draft_max_rows=self.spec_rows,
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties,
                                            spec_kernels=config.use_spec_kernels(), verify_gemv=config.verify_gemv,
-                                           finish_kernel=config.use_spec_kernels() and config.spec_finish_kernel)
+                                           finish_kernel=config.use_spec_kernels() and config.spec_finish_kernel,
+                                           head_gemv=config.head_gemv)
         else:
             self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool, head_gemv=config.head_gemv)
         # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)

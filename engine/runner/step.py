@@ -12,7 +12,8 @@ sampling; greedy steps (every sampling row at temperature 0) skip the random-sam
 (some row asks for logprobs, penalties, min_p or min_tokens) count the inputs of penalized rows, penalize the
 logits, filter by min_p and record the logprobs of the sampled tokens (engine/sampling/penalties.py, engine/sampling/logprobs.py);
 no other step runs a kernel for them. With EngineConfig.head_gemv a greedy step that is neither guided nor
-extras computes no logits: its tokens come from the backend's LM head argmax kernels. Logits go: penalties and
+extras computes no float32 logits: its tokens come from the backend's LM head argmax kernels (the decode GEMV's,
+or cuBLAS's logits and engine/kernels/argmax.py). Logits go: penalties and
 min_tokens, grammar mask (logprobs are taken here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
@@ -132,14 +133,15 @@ class StepProgram:
         return tokens
 
 
-def head_argmax(model, backend, hidden, variant: StepVariant):
-    """The LM head's argmax of `hidden` from the backend's kernels (int64), or None where the step needs its
-    logits: a sampled step draws from them, a guided one masks them, an extras one penalizes them or records
-    their logprobs; a head split over ranks gathers its vocabulary; the backend may have no kernels for it."""
+def head_argmax(model, backend, hidden, variant: StepVariant, gemv: bool = True):
+    """The LM head's argmax of `hidden` from the backend's kernels (int64; `gemv`: the decode GEMV's where they take
+    the rows), or None where the step needs its logits: a sampled step draws from them, a guided one masks them,
+    an extras one penalizes them or records their logprobs; a head split over ranks gathers its vocabulary; the
+    backend may have no kernels for it."""
     guided, greedy, extras = variant
     if not greedy or guided or extras or model.tp.world > 1:
         return None
-    return backend.linear_argmax(hidden, model.head_weight)
+    return backend.linear_argmax(hidden, model.head_weight, gemv)
 
 
 def mark(slot: DecodeSlot, name: str) -> None:

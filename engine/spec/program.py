@@ -7,9 +7,9 @@ Every step of a speculating engine (spec steps and plain ones) runs:
    (SpecState.rejected). Carried inputs come from SpecState (last token, drafts), and the step's inputs are
    recorded in the sequences' token histories.
 2. forward + logits: a spec step ("spec" graph key, or eager with slot.spec_k = K) has 1 + K query tokens in
-   every row (the last token, then K drafts) and scores all of them. With EngineConfig.verify_gemv a greedy
-   spec step that nothing else reads the logits of (unguided, no extras) takes only their argmax, from the
-   backend's kernels where it has them for the step (target_ids).
+   every row (the last token, then K drafts) and scores all of them. A greedy spec step that nothing else reads
+   the logits of (unguided, no extras) takes only their argmax, from the backend's kernels where it has them
+   (target_ids: EngineConfig.head_gemv on cuBLAS's logits, verify_gemv on the decode GEMV).
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
    logprobs step records the target's logprobs of the tokens at every scored position (engine/sampling/logprobs.py):
@@ -115,11 +115,12 @@ class SpecStepProgram(StepProgram):
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:S]]) if S else None
 
     def target_ids(self, hidden, variant, T: int, S: int, K: int):
-        """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels (verify_gemv), or
-        None where the step computes its logits (engine.runner.step.head_argmax)."""
-        if not (self.verify_gemv and K and S):
+        """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels (head_gemv: on
+        cuBLAS's logits; verify_gemv: on the decode GEMV where it takes the rows), or None where the step computes
+        its float32 logits (engine.runner.step.head_argmax)."""
+        if not (K and S and (self.head_gemv or self.verify_gemv)):
             return None
-        ids = head_argmax(self.model, self.backend, hidden[:T], variant)
+        ids = head_argmax(self.model, self.backend, hidden[:T], variant, gemv=self.verify_gemv)
         return None if ids is None else ids.view(S, K + 1)
 
     # ---- 3. verify or sample -------------------------------------------------------------------

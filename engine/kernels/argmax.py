@@ -1,0 +1,102 @@
+"""torch.argmax over the rows of a step's logits, in two kernels of the dependent-launch chain.
+
+    argmax_rows(x [M, V] float, unit stride in V) -> int64 [M]      (= x.argmax(-1), NaN counted as largest)
+
+A greedy step's tokens were the LM head's cuBLAS GEMM, a cast of its [M, V] logits to float32 and torch's argmax
+(one block-wide reduce per row: ~13 us for 4 x 49152 logits on an H100). Here the cast is gone (the argmax of
+the dtype's logits is that of their float32 copy: the cast is exact) and the reduction is spread: kernel 1 gives
+each program BLOCK_V logits of one row and keeps their maximum and its first column; kernel 2 reduces a row's
+partials to its first maximal column. draft_gemv.py's GEMV argmax epilogue writes the same partials and ends
+with the same kernel 2.
+
+Tie rule, as torch.argmax: the first maximal column wins; a row holding a NaN gives its first NaN.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_min
+from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
+
+BLOCK_V = 1024    # logits of a row per kernel-1 program (4 rows of SmolLM2's 49152: 192 programs)
+BLOCK_P = 1024    # partials of a row kernel 2 reads at a time
+_NO_COLUMN = 2147483647
+
+
+@triton.jit
+def _block_max_kernel(x_ptr, val_ptr, idx_ptr, stride_x, stride_p, V, BLOCK_V: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """val[m, p], idx[m, p] = the largest of x[m, p * BLOCK_V:(p + 1) * BLOCK_V] and its first column (a NaN and
+    the first NaN's column where there is one)."""
+    pdl_start(USE_PDL)
+    m, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = p * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(x_ptr + m * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    nan = x != x
+    top = reduce_max(tl.where(nan, float("-inf"), x), 0)
+    has_nan = reduce_max(nan.to(tl.int32), 0) > 0
+    # columns past V hold -inf: a row of -inf picks its first real column, which comes before them
+    col = reduce_min(tl.where(tl.where(has_nan, nan, x == top), cols, _NO_COLUMN), 0)
+    tl.store(val_ptr + m * stride_p + p, tl.where(has_nan, float("nan"), top))
+    tl.store(idx_ptr + m * stride_p + p, col)
+
+
+@triton.jit
+def _first_max_kernel(val_ptr, idx_ptr, tok_ptr, stride, P, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
+    """tok[m] = the column of the first of row m's largest partials val[m, :P] (their columns idx[m, :P], in
+    increasing order); a NaN partial is larger than any number, the first NaN the largest."""
+    pdl_start(USE_PDL)
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_P)
+    best = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for start in range(0, P, BLOCK_P):
+        ok = start + offs < P
+        v = tl.load(val_ptr + m * stride + start + offs, mask=ok, other=float("-inf"))
+        i = tl.load(idx_ptr + m * stride + start + offs, mask=ok, other=0)
+        # a tie keeps the earlier partial (the lower column); a NaN replaces anything but a NaN
+        take = (v > best) | ((v != v) & (best == best))
+        best, best_idx = tl.where(take, v, best), tl.where(take, i, best_idx)
+    # a lane never taken holds (-inf, 0): it wins only when every logit is -inf, where column 0 is torch's answer
+    nan = best != best
+    has_nan = reduce_max(nan.to(tl.int32), 0) > 0
+    top = reduce_max(tl.where(nan, float("-inf"), best), 0)
+    first = reduce_min(tl.where(tl.where(has_nan, nan, best == top), best_idx, _NO_COLUMN), 0)
+    tl.store(tok_ptr + m, first.to(tl.int64))
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return is_interpreted(_block_max_kernel)
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether argmax_rows takes x: on CUDA, or on the CPU where the kernels run in the interpreter."""
+    return x.device.type == "cuda" or interpreted()
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, V] (float16, bfloat16 or float32; unit stride in V) -> int64 [M], x.argmax(-1)."""
+    _check_tensor("x", x, 2, _FLOAT_DTYPES)
+    m, v = x.shape
+    if v == 0:
+        raise ValueError("argmax_rows: x has no columns")
+    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    if m == 0:
+        return tokens
+    p = triton.cdiv(v, BLOCK_V)
+    val = torch.empty((m, p), dtype=torch.float32, device=x.device)
+    idx = torch.empty((m, p), dtype=torch.int32, device=x.device)
+    _block_max_kernel[(m, p)](x, val, idx, x.stride(0), p, v, BLOCK_V=BLOCK_V, num_warps=4,
+                              **pdl(_block_max_kernel, x.device, m))
+    return first_max(val, idx, tokens)
+
+
+def first_max(val: torch.Tensor, idx: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Kernel 2 on partials val [M, P] float32 and idx [M, P] int32 (contiguous) into tokens [M] int64."""
+    m, p = val.shape
+    _first_max_kernel[(m,)](val, idx, tokens, val.stride(0), p, BLOCK_P=min(triton.next_power_of_2(p), BLOCK_P),
+                            num_warps=4, **pdl(_first_max_kernel, val.device, m))
+    return tokens
