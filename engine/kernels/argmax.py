@@ -22,7 +22,7 @@ from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
 
 BLOCK_V = 1024    # logits of a row per kernel-1 program (4 rows of SmolLM2's 49152: 192 programs)
 BLOCK_P = 1024    # partials of a row kernel 2 reads at a time
-_NO_COLUMN = 2147483647
+_NO_COLUMN = tl.constexpr(2147483647)
 
 
 @triton.jit
