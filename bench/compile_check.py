@@ -80,9 +80,10 @@ def variants(pdl: bool) -> list[tuple]:
                                               max_model_len="i32", T="i32", B="i32", S="i32")
     finish = {p: "*i64" for p in ("ids_ptr", "drafts_ptr", "target_ptr", "drafted_ptr", "tokens_ptr", "acc_ptr",
                                    "smp_row_ptr", "last_ptr", "rejected_ptr", "out_ptr", "sampled_ptr", "li_ptr",
-                                   "pos_ptr", "src_ptr", "next_ptr")}
-    finish |= dict(hist_ptr="*i32") | {n: "i32" for n in ("stride_out", "stride_hist", "n_rows", "n_pos", "k_max",
-                                                          "max_model_len", "T", "S")}
+                                   "pos_ptr", "src_ptr", "next_ptr", "tok_seq_ptr", "row_last_ptr", "row_seq_ptr",
+                                   "row_start_ptr")}
+    finish |= dict(hist_ptr="*i32", row_valid_ptr="*u8") | {n: "i32" for n in (
+        "stride_out", "stride_hist", "n_rows", "n_pos", "n_tok_seq", "k_max", "max_model_len", "T", "S")}
     layout = dict(start_ptr="*i64", seq_ptr="*i64", valid_ptr="*u8", cap_ptr="*i64", bt_ptr="*i32", pos_ptr="*i64",
                   map_ptr="*i64", lens_ptr="*i32", table_ptr="*i32", cu_ptr="*i32", stride_bt="i32",
                   max_blocks="i32", offset="i32", max_model_len="i32", S="i32")
@@ -104,14 +105,14 @@ def variants(pdl: bool) -> list[tuple]:
         ("spec_ops draft_layout", spec_ops._draft_layout_kernel, layout,
          dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, USE_PDL=pdl), 1),
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
-         dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, BLOCK=4, USE_PDL=pdl), 4),
+         dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=4, USE_PDL=pdl), 4),
         _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),
         ("head_ops embed_pair_norm", head_ops._embed_pair_norm_kernel,
          dict(ids_ptr="*i64", emb_ptr="*bf16", feat_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_emb="i32",
               stride_feat="i32", stride_out="i32", n_cols="i32", vocab="i32", eps="fp32"),
          dict(BLOCK=1024, USE_PDL=pdl), 4),
         ("spec_finish greedy_finish history", spec_finish._greedy_finish_kernel, finish,
-         dict(K=3, J=4, W=8, HISTORY=True, NEXT=False, BLOCK=1, USE_PDL=pdl), 4),
+         dict(K=3, J=4, W=8, HISTORY=True, NEXT=False, ROWS=False, BLOCK=1, USE_PDL=pdl), 4),
     ]
 
 

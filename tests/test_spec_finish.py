@@ -45,7 +45,9 @@ def _case(seed, S, K, k_max, pads, dtype=torch.int64):
     real = S - pads
     smp_row = torch.cat([torch.randperm(ROWS, generator=g)[:real], torch.full((pads + 2,), -1)])
     src = torch.where(_ints(g, 0, 3, T + 3) > 0, -2 - _ints(g, 0, T + 2, T + 3), _ints(g, -1, VOCAB, T + 3))
-    dev = dict(smp_row=smp_row, logits_indices=torch.cat([torch.arange(0, T, w), _ints(g, 0, T + 3, 2)]),
+    # a padding row's first input -1: its draft row reads the buffers' last entries, as torch indexing does
+    li = torch.cat([torch.arange(0, real * w, w), torch.full((pads,), -1), _ints(g, 0, T + 3, 2)])
+    dev = dict(smp_row=smp_row, logits_indices=li, tok_seq=_ints(g, 0, S + 2, T + 3),
                positions=_ints(g, 0, MML + 2, T + 3), next_ids=src, temperature=torch.zeros(S + 2),
                top_k=torch.zeros(S + 2, dtype=torch.int64), top_p=torch.ones(S + 2),
                seeds=torch.zeros(S + 2, dtype=torch.int64), steps=torch.zeros(S + 2, dtype=torch.int64))
@@ -73,7 +75,15 @@ def _reference(slot, st, ids, target, drafted, K, history):
     accepted, tokens = greedy_accept_ids(ids.view(S, K + 1)[:, 1:], target, drafted)
     program = SimpleNamespace(state=st, drafter=SimpleNamespace(uses_history=history))
     SpecStepProgram.finish(program, slot, tokens, accepted, drafted, S, K)
-    return tokens, accepted, SpecStepProgram.next_tokens(slot, ids, tokens, ids.shape[0])
+    return tokens, accepted, SpecStepProgram.next_tokens(slot, ids, tokens, ids.shape[0]), _draft_rows(slot, accepted,
+                                                                                                      ids.shape[0])
+
+
+def _draft_rows(slot, accepted, T):
+    """SpecStepProgram.draft's torch route to each row's (last, last_seq, start, last_valid)."""
+    d = slot.dev
+    last = d["logits_indices"][:accepted.shape[0]] + accepted
+    return last, d["tok_seq"][last], d["positions"][:T][last], d["smp_row"][:accepted.shape[0]] >= 0
 
 
 def _assert_same_writes(slot, st, slot2, st2, pads, where):
@@ -101,10 +111,13 @@ def test_greedy_finish_equals_torch(K, dtype, history):
             slot, st, ids, target, drafted = _case(seed * 7 + K, S, K, k_max, pads, dtype)
             slot2, st2 = _clone(slot, st)
             want = _reference(slot, st, ids, target, drafted, K, history)
-            got = sf.greedy_finish(slot2, st2, ids, target, drafted, K, history, not history)
+            got = sf.greedy_finish(slot2, st2, ids, target, drafted, K, history, not history, not history)
             for name, x, y in zip(("tokens", "accepted"), got, want):
                 assert x.dtype == y.dtype == torch.int64 and torch.equal(x, y), (name, S, k_max)
             assert (got[2] is None) == history and (history or torch.equal(got[2], want[2])), (S, k_max)
+            assert (got[3] is None) == history, (S, k_max)
+            for name, x, y in zip(("last", "last_seq", "start", "last_valid"), got[3] or (), want[3]):
+                assert x.dtype == y.dtype and torch.equal(x, y), (name, S, k_max)
             _assert_same_writes(slot, st, slot2, st2, pads, (S, k_max))
             seen |= set(want[1].tolist())
     assert seen == set(range(K + 1))        # every acceptance count, none to all
@@ -116,6 +129,7 @@ def _program(on, history):
     program = SpecStepProgram.__new__(SpecStepProgram)
     program.state, program.drafter = None, SimpleNamespace(uses_history=history)
     program.spec_finish = sf if on else None
+    program.draft_max_rows = 32
     return program
 
 
@@ -143,14 +157,17 @@ def test_verify_finish_routes_greedy_steps_through_the_kernel(source, history, m
         runs.append((s, state, out))
     (s0, st0, want), (s1, st1, got) = runs
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and want[2] is None
-    assert history or torch.equal(got[2], SpecStepProgram.next_tokens(s0, ids, want[0], ids.shape[0]))
+    assert (got[2] is None) == history
+    if not history:     # the draft's inputs: next tokens and the rows' (last, last_seq, start, last_valid)
+        assert torch.equal(got[2][0], SpecStepProgram.next_tokens(s0, ids, want[0], ids.shape[0]))
+        assert all(torch.equal(x, y) for x, y in zip(got[2][1], _draft_rows(s0, want[1], ids.shape[0])))
     _assert_same_writes(s0, st0, s1, st1, 1, source)
     assert calls == [1]
 
 
 def test_refusals():
     slot, st, ids, target, drafted = _case(1, 3, 2, 3, 1)
-    args = (slot, st, ids, target, drafted, 2, True, True)
+    args = (slot, st, ids, target, drafted, 2, True, True, False)
 
     def refused(err, i, value, match=None):
         bad = list(args)
@@ -171,6 +188,7 @@ def test_refusals():
     refused(TypeError, 4, None)
     refused(TypeError, 6, 1)
     refused(TypeError, 7, None)
+    refused(ValueError, 8, True, "history")                         # draft rows are a draft head's
     for name, value, err in [("spec_out", slot.spec_out[:, :4], ValueError), ("sampled", slot.sampled[:2], ValueError),
                              ("spec_out", slot.spec_out.int(), TypeError)]:
         refused(err, 0, SimpleNamespace(**{**vars(slot), name: value}), name)

@@ -75,6 +75,20 @@ def _finish_rows(i, S, drafts_ptr, target_ptr, drafted_ptr, stride, tokens_ptr, 
         col = tl.where((c <= a[:, None]) & (col < max_model_len), col, max_model_len)
         tl.store(hist_ptr + row[:, None] * stride_hist + col, tl.maximum(tok, 0).to(tl.int32),
                  mask=ok[:, None] & (c <= K))
+    return a
+
+
+@triton.jit
+def _draft_rows(i, S, T, a, li_ptr, pos_ptr, smp_row_ptr, tok_seq_ptr, last_ptr, seq_ptr, start_ptr, valid_ptr,
+                n_tok_seq):
+    """What a draft head reads of each row (SpecStepProgram.draft): its last verified input li + a, that input's
+    sequence and corrected position, and whether the row is real; indices wrap as torch indexing wraps them."""
+    ok = i < S
+    last = tl.load(li_ptr + i, mask=ok, other=0) + a
+    tl.store(last_ptr + i, last, mask=ok)
+    tl.store(seq_ptr + i, tl.load(tok_seq_ptr + _wrap(last, n_tok_seq), mask=ok, other=0), mask=ok)
+    tl.store(start_ptr + i, tl.load(pos_ptr + _wrap(last, T), mask=ok, other=0), mask=ok)
+    tl.store(valid_ptr + i, (tl.load(smp_row_ptr + i, mask=ok, other=0) >= 0).to(tl.uint8), mask=ok)
 
 
 @triton.jit
@@ -93,15 +107,19 @@ def _next_tokens(i, T, S, ids_ptr, src_ptr, next_ptr, drafts_ptr, target_ptr, dr
 
 @triton.jit
 def _greedy_finish_kernel(ids_ptr, drafts_ptr, target_ptr, drafted_ptr, tokens_ptr, acc_ptr, smp_row_ptr, last_ptr,
-                          rejected_ptr, out_ptr, sampled_ptr, li_ptr, pos_ptr, hist_ptr, src_ptr, next_ptr, stride_out,
-                          stride_hist, n_rows, n_pos, k_max, max_model_len, T, S, K: tl.constexpr, J: tl.constexpr,
-                          W: tl.constexpr, HISTORY: tl.constexpr, NEXT: tl.constexpr, BLOCK: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          rejected_ptr, out_ptr, sampled_ptr, li_ptr, pos_ptr, hist_ptr, src_ptr, next_ptr, tok_seq_ptr,
+                          row_last_ptr, row_seq_ptr, row_start_ptr, row_valid_ptr, stride_out, stride_hist, n_rows,
+                          n_pos, n_tok_seq, k_max, max_model_len, T, S, K: tl.constexpr, J: tl.constexpr,
+                          W: tl.constexpr, HISTORY: tl.constexpr, NEXT: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _finish_rows(i, S, drafts_ptr, target_ptr, drafted_ptr, K + 1, tokens_ptr, acc_ptr, smp_row_ptr, last_ptr,
-                 rejected_ptr, out_ptr, stride_out, sampled_ptr, li_ptr, pos_ptr, hist_ptr, stride_hist, n_rows, n_pos,
-                 k_max, max_model_len, K, J, W, HISTORY)
+    a = _finish_rows(i, S, drafts_ptr, target_ptr, drafted_ptr, K + 1, tokens_ptr, acc_ptr, smp_row_ptr, last_ptr,
+                     rejected_ptr, out_ptr, stride_out, sampled_ptr, li_ptr, pos_ptr, hist_ptr, stride_hist, n_rows,
+                     n_pos, k_max, max_model_len, K, J, W, HISTORY)
+    if ROWS:
+        _draft_rows(i, S, T, a, li_ptr, pos_ptr, smp_row_ptr, tok_seq_ptr, row_last_ptr, row_seq_ptr, row_start_ptr,
+                    row_valid_ptr, n_tok_seq)
     if NEXT:
         _next_tokens(i, T, S, ids_ptr, src_ptr, next_ptr, drafts_ptr, target_ptr, drafted_ptr, K + 1, K, J)
 
@@ -125,9 +143,12 @@ def _check_state(state, K, history):
                              f"{state.max_model_len + 1})")
 
 
-def _check_slot(slot, state, S, T, history, next_ids):
+def _check_slot(slot, state, S, T, history, next_ids, rows):
     device, width = state.rejected.device, state.k + 2
-    _check_rows(slot.dev, ("smp_row",) + (("logits_indices", "positions") if history else ()), S, _I64, device)
+    _check_rows(slot.dev, ("smp_row",) + (("logits_indices", "positions") if history or rows else ()), S, _I64,
+                device)
+    if rows:
+        _check_rows(slot.dev, ("tok_seq", "positions"), T, _I64, device)
     if next_ids:
         _check_rows(slot.dev, ("next_ids",), T, _I64, device)
     _check_tensor("spec_out", slot.spec_out, 2, _I64, device)
@@ -138,11 +159,13 @@ def _check_slot(slot, state, S, T, history, next_ids):
         raise ValueError(f"sampled has {slot.sampled.shape[0]} entries, the step uses {S}")
 
 
-def _check_finish(slot, state, ids, target, drafted, K, history, next_ids):
+def _check_finish(slot, state, ids, target, drafted, K, history, next_ids, rows):
     _check_int("K", K, 1)
-    for name, flag in (("history", history), ("next_ids", next_ids)):
+    for name, flag in (("history", history), ("next_ids", next_ids), ("rows", rows)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if history and rows:
+        raise ValueError("rows are a draft head's: a drafter with a history has none")
     _check_state(state, K, history)
     device = state.rejected.device
     _check_tensor("ids", ids, 1, _I64, device)
@@ -155,33 +178,40 @@ def _check_finish(slot, state, ids, target, drafted, K, history, next_ids):
     _check_tensor("drafted", drafted, 1, _INT, device)
     if drafted.shape[0] != S:
         raise ValueError(f"drafted has {drafted.shape[0]} rows, target {S}")
-    _check_slot(slot, state, S, T, history, next_ids)
+    _check_slot(slot, state, S, T, history, next_ids, rows)
     _check_device(device)
 
 
-def greedy_finish(slot, state, ids, target, drafted, K: int, history: bool, next_ids: bool):
+def greedy_finish(slot, state, ids, target, drafted, K: int, history: bool, next_ids: bool, rows: bool = False):
     """A greedy spec step's verification and finish in one launch. ids [T = S * (K + 1)] int64: the step's inputs,
     each row's last token then its K drafts; target [S, K + 1] int32 / int64: the target's argmax at each
     position; drafted [S]: the drafts each row verifies. Writes what SpecStepProgram.finish writes into `slot`
     (spec_out, sampled; its dev tensors named as engine/runner/slots.py) and the SpecState `state` (last_token,
-    rejected; history with `history`), and returns (tokens [S, K + 1], accepted [S], next ids [T] or None) as
-    new int64 tensors, as greedy_accept_ids and, with `next_ids`, SpecStepProgram.next_tokens return them."""
-    _check_finish(slot, state, ids, target, drafted, K, history, next_ids)
+    rejected; history with `history`), and returns (tokens [S, K + 1], accepted [S], next ids [T] or None, draft
+    rows or None) as new tensors: the first three as greedy_accept_ids and, with `next_ids`, SpecStepProgram.
+    next_tokens return them; with `rows` (a draft head's step, not with `history`) what SpecStepProgram.draft
+    reads of each row: (last [S] int64, last_seq [S] int64, start [S] int64, last_valid [S] bool)."""
+    _check_finish(slot, state, ids, target, drafted, K, history, next_ids, rows)
     S, T, device = target.shape[0], ids.shape[0], ids.device
     tokens = torch.empty(S, K + 1, dtype=torch.int64, device=device)
     accepted = torch.empty(S, dtype=torch.int64, device=device)
     nxt = torch.empty(T, dtype=torch.int64, device=device) if next_ids else None
+    out = [torch.empty(S, dtype=torch.int64, device=device) for _ in range(3)] if rows else None
+    if rows:
+        out.append(torch.empty(S, dtype=torch.bool, device=device))
     if not S:
-        return tokens, accepted, nxt
+        return tokens, accepted, nxt, out and tuple(out)
     d = slot.dev
     block = min(_MAX_BLOCK, triton.next_power_of_2(T if next_ids else S))
     hist = state.history if history else tokens
+    rows_at = (*out[:3], out[3].view(torch.uint8)) if rows else (accepted,) * 4
     _greedy_finish_kernel[(triton.cdiv(T if next_ids else S, block),)](
         ids, ids[1:], target, drafted, tokens, accepted, d["smp_row"], state.last_token, state.rejected,
-        slot.spec_out, slot.sampled, d["logits_indices"] if history else accepted,
-        d["positions"] if history else accepted, hist, d["next_ids"] if next_ids else accepted,
-        nxt if next_ids else accepted, slot.spec_out.stride(0), hist.stride(0), state.rejected.shape[0],
-        d["positions"].shape[0] if history else 1, state.k, state.max_model_len if history else 0, T, S,
+        slot.spec_out, slot.sampled, d["logits_indices"] if history or rows else accepted,
+        d["positions"] if history or rows else accepted, hist, d["next_ids"] if next_ids else accepted,
+        nxt if next_ids else accepted, d["tok_seq"] if rows else accepted, *rows_at, slot.spec_out.stride(0),
+        hist.stride(0), state.rejected.shape[0], d["positions"].shape[0] if history else 1,
+        d["tok_seq"].shape[0] if rows else 1, state.k, state.max_model_len if history else 0, T, S,
         K=K, J=triton.next_power_of_2(K + 1), W=triton.next_power_of_2(state.k + 2), HISTORY=history,
-        NEXT=next_ids, BLOCK=block, num_warps=4, **pdl(_greedy_finish_kernel, device, T))
-    return tokens, accepted, nxt
+        NEXT=next_ids, ROWS=rows, BLOCK=block, num_warps=4, **pdl(_greedy_finish_kernel, device, T))
+    return tokens, accepted, nxt, out and tuple(out)

@@ -73,10 +73,10 @@ class SpecStepProgram(StepProgram):
         mark(slot, "forward_done")
         grammar = self.masks.join(slot, prev, S, self.compute_stream, K + 1) if guided else None
         mark(slot, "mask_waited")
-        tokens = accepted = next_ids = None
+        tokens = accepted = finished = None
         if S:
-            tokens, accepted, next_ids = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K)
-        self.draft(slot, ids, features, meta, tokens, accepted, next_ids, T, S, K, guided)
+            tokens, accepted, finished = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K)
+        self.draft(slot, ids, features, meta, tokens, accepted, finished, T, S, K, guided)
 
     # ---- 1. correct ----------------------------------------------------------------------------
     def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
@@ -125,21 +125,24 @@ class SpecStepProgram(StepProgram):
 
     # ---- 3. verify or sample -------------------------------------------------------------------
     def verify_finish(self, slot, ids, logits, target, drafted, variant, grammar, S: int, K: int):
-        """verify, record an extras step's logprobs, finish -> (tokens, accepted, next_tokens of the inputs or None).
-        spec_kernels: a greedy spec step without grammar takes one kernel for all but the logits' argmax."""
+        """verify, record an extras step's logprobs, finish -> (tokens, accepted, what the finish kernel computed for
+        the draft or None: (next_tokens of the inputs, its draft rows or None)). spec_kernels: a greedy spec step
+        without grammar takes one kernel for all but the logits' argmax."""
         _, greedy, extras = variant
-        next_ids = None
+        finished = None
         if self.spec_finish is not None and K and greedy and grammar is None:
             target = logits.view(S, K + 1, -1).argmax(dim=-1) if target is None else target
             history = self.drafter.uses_history
-            tokens, accepted, next_ids = self.spec_finish.greedy_finish(slot, self.state, ids, target, drafted, K,
-                                                                         history, not history)
+            rows = not history and S <= self.draft_max_rows
+            tokens, accepted, next_ids, draft_rows = self.spec_finish.greedy_finish(
+                slot, self.state, ids, target, drafted, K, history, not history, rows)
+            finished = None if history else (next_ids, draft_rows)
         else:
             tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras, target)
             self.finish(slot, tokens, accepted, drafted, S, K)
         if extras and K and slot.logprobs is not None:  # `logits` as verified: the grammar's masks applied
             record(slot.logprobs[:S, :K + 1], logits, tokens)
-        return tokens, accepted, next_ids
+        return tokens, accepted, finished
 
     def drafted(self, slot, ids, S: int, K: int, guided: bool):
         """Drafts each row verifies (the host's cap and what the drafter proposed); a guided step hands its
@@ -204,11 +207,12 @@ class SpecStepProgram(StepProgram):
         out[:S, st.k + 1] = drafted
         slot.sampled[:S] = tokens[:, 0]
 
-    def draft(self, slot, ids, features, meta, tokens, accepted, next_ids, T: int, S: int, K: int,
+    def draft(self, slot, ids, features, meta, tokens, accepted, finished, T: int, S: int, K: int,
               guided: bool) -> None:
         """Drafts for the next step into SpecState, if the step has few enough sampling rows that its
         sequences may speculate next; a drafter with state (the EAGLE head's KV) sees every step's tokens.
-        next_ids: next_tokens, if the step computed them already."""
+        finished: (next_tokens, the rows' (last, last_seq, start, last_valid) or None), if the step's finish
+        kernel computed them already."""
         d, st = slot.dev, self.state
         rows = d["smp_row"][:S]
         drafting = 0 < S <= self.draft_max_rows
@@ -217,12 +221,16 @@ class SpecStepProgram(StepProgram):
                 first = d["positions"][d["logits_indices"][:S]]
                 ctx = DraftContext(st.history[rows], first + 2 + accepted)
         else:
-            last = d["logits_indices"][:S] + (accepted if S else 0)    # each row's last verified input
+            next_ids, draft_rows = finished or (None, None)
             if next_ids is None:
                 next_ids = self.next_tokens(slot, ids, tokens, T)
-            ctx = FeatureContext(input_ids=ids, features=features, next_ids=next_ids,
-                                 positions=d["positions"][:T], meta=meta, last=last, last_seq=d["tok_seq"][last],
-                                 last_valid=d["smp_row"][:S] >= 0, kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]])
+            if draft_rows is None:
+                last = d["logits_indices"][:S] + (accepted if S else 0)     # each row's last verified input
+                draft_rows = last, d["tok_seq"][last], None, d["smp_row"][:S] >= 0
+            last, last_seq, start, last_valid = draft_rows
+            ctx = FeatureContext(input_ids=ids, features=features, next_ids=next_ids, positions=d["positions"][:T],
+                                 meta=meta, last=last, last_seq=last_seq, last_valid=last_valid, start=start,
+                                 kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]])
             if not drafting:
                 self.drafter.observe(ctx)
             elif guided and self.draft_masks is not None:

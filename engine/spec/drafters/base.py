@@ -55,6 +55,7 @@ class FeatureContext:
     guide: DraftMasks (engine/guided/draft_masks.py) when the step has guided rows and draft masks or forced
         drafts are on: draft j is then `guide.pick(j, logits)` (masked, maybe forced) instead of the argmax,
         and `guide.num_drafts()` counts each row's drafts (a row stops where its grammar ends or fails).
+    start: [S] int64, positions[last], or None (last_position() indexes it).
     """
     next_ids: torch.Tensor
     positions: torch.Tensor
@@ -66,6 +67,11 @@ class FeatureContext:
     input_ids: torch.Tensor | None = None
     features: torch.Tensor | None = None
     guide: object = None
+    start: torch.Tensor | None = None
+
+    def last_position(self) -> torch.Tensor:
+        """[S] int64, positions[last]: `start` where the step computed it already."""
+        return self.positions[self.last] if self.start is None else self.start
 
     def pick(self, j: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft token j of every row from the drafter's logits [S, V] (under the grammar if guided)."""

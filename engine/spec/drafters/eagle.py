@@ -41,7 +41,7 @@ class EagleDrafter(Drafter):
 
     def propose(self, ctx: FeatureContext) -> Proposal:
         q, feature = self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
-        start = ctx.positions[ctx.last]
+        start = ctx.last_position()
         pos, metas = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size, self.max_model_len,
                                   self.spec_kernels)
         hidden = self.head.attend(q[ctx.last], metas[0], feature[ctx.last])
