@@ -20,12 +20,10 @@ from engine.memory.token_pool import TokenPool
 from engine.models.loader import ModelSource
 from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
-from engine.requests.validation import min_tokens_stops
 from engine.runner.graphs import StepGraphs
-from engine.runner.rows import fill_sampling, fill_tokens, write_block_table
+from engine.runner.rows import fill_extras, fill_sampling, fill_tokens, write_block_table
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepProgram, StepVariant
-from engine.sampling import penalties
 from engine.sampling.logprobs import HostLogprobs
 from engine.sampling.penalties import PenaltyState
 from engine.sampling.sampler import apply_bitmask
@@ -173,35 +171,12 @@ class ModelRunner:
         slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, carries
         slot.spec_k = rows[0].spec_k if rows else 0
         slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
-        self._prepare_extras(slot, rows)
+        fill_extras(slot, rows, self.penalties, self.eos_ids)
         slot.history_writes = [(r.seq.pool_row, r.seq.tokens(0, r.cached)) for r in rows if r.cached] \
             if self.spec_k and self.program.drafter.uses_history else []
         slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
         if slot.graph_key:
             self.graphs.pad(slot, slot.graph_key)
-
-    def _prepare_extras(self, slot: DecodeSlot, rows) -> None:
-        """Whether the step runs its extras variant (logprobs, penalties), and the penalty inputs if so."""
-        sampling = [r.seq.params for r in rows if r.sample]
-        slot.want_logprobs = slot.logprobs is not None and any(p.logprobs is not None for p in sampling)
-        penalized = self.penalties is not None and any(r.seq.params.penalized for r in rows)
-        slot.extras = slot.want_logprobs or penalized
-        slot.bias_writes, slot.span_writes = [], []
-        if not slot.extras or self.penalties is None:
-            return
-        h = slot.np
-        for i, row in enumerate(rows):
-            seq = row.seq
-            first = row.start == row.cached         # an admission: position 0, or the end of its cached prefix
-            h["pen_reset"][i] = seq.pen_row if first and not row.cached else -1
-            if first and seq.pen_row >= 0:          # a new owner: its bias replaces the last one's
-                slot.bias_writes.append((seq.pen_row, seq.params.logit_bias))
-                if row.cached:                      # the cached span's counts, which no step of its own sees
-                    slot.span_writes.append((seq.pen_row, *penalties.span(seq, row.cached)))
-            penalties.fill_tokens(h, row, int(h["cu_seqlens_q"][i]))
-            if row.sample:
-                stops = min_tokens_stops(seq.params, self.eos_ids) if seq.params.min_tokens else ()
-                penalties.fill_sampling(h, row.sample_idx, seq, stops)
 
     def _prepare_row(self, slot: DecodeSlot, i: int, row, t: int, s: int) -> tuple[int, int]:
         """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""

@@ -4,9 +4,13 @@ A row covers positions [start, start + n) of its sequence. Its tokens are the ho
 a sequence with a token in flight (`num_pending`) starts or ends at that token, which the device carries from
 the sequence's token-pool row (carry_src 0), and a speculating row's K drafts follow it (carry_src 1..K):
 [last token, draft 1, ..., draft K]. A plain row is a speculating row with K = 0. engine/spec/plan.py adds
-what only speculation reads (corrections for rejected drafts, the next token of each input, page caps).
+what only speculation reads (corrections for rejected drafts, the next token of each input, page caps);
+engine/sampling/penalties.py what only penalized rows read (fill_extras).
 """
 from __future__ import annotations
+
+from engine.requests.validation import min_tokens_stops
+from engine.sampling import penalties
 
 
 def fill_tokens(h, row, t: int, block_size: int) -> None:
@@ -57,3 +61,28 @@ def write_block_table(slot, i: int, seq) -> None:
     if start < len(bt):
         slot.np["block_tables"][i, start:len(bt)] = bt[start:]
     slot.bt_rows[i] = (bt, len(bt))
+
+
+def fill_extras(slot, rows, penalty_state, eos_ids) -> None:
+    """Whether the step runs its extras variant (logprobs, penalties), and the penalty inputs if so (penalty_state:
+    the engine's PenaltyState, None without penalties; eos_ids: what min_tokens masks besides stop ids)."""
+    sampling = [r.seq.params for r in rows if r.sample]
+    slot.want_logprobs = slot.logprobs is not None and any(p.logprobs is not None for p in sampling)
+    penalized = penalty_state is not None and any(r.seq.params.penalized for r in rows)
+    slot.extras = slot.want_logprobs or penalized
+    slot.bias_writes, slot.span_writes = [], []
+    if not slot.extras or penalty_state is None:
+        return
+    h = slot.np
+    for i, row in enumerate(rows):
+        seq = row.seq
+        first = row.start == row.cached         # an admission: position 0, or the end of its cached prefix
+        h["pen_reset"][i] = seq.pen_row if first and not row.cached else -1
+        if first and seq.pen_row >= 0:          # a new owner: its bias replaces the last one's
+            slot.bias_writes.append((seq.pen_row, seq.params.logit_bias))
+            if row.cached:                      # the cached span's counts, which no step of its own sees
+                slot.span_writes.append((seq.pen_row, *penalties.span(seq, row.cached)))
+        penalties.fill_tokens(h, row, int(h["cu_seqlens_q"][i]))
+        if row.sample:
+            stops = min_tokens_stops(seq.params, eos_ids) if seq.params.min_tokens else ()
+            penalties.fill_sampling(h, row.sample_idx, seq, stops)
