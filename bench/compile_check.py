@@ -85,8 +85,10 @@ def variants(pdl: bool) -> list[tuple]:
     finish |= dict(hist_ptr="*i32", row_valid_ptr="*u8") | {n: "i32" for n in (
         "stride_out", "stride_hist", "n_rows", "n_pos", "n_tok_seq", "k_max", "max_model_len", "T", "S")}
     layout = dict(start_ptr="*i64", seq_ptr="*i64", valid_ptr="*u8", cap_ptr="*i64", bt_ptr="*i32", pos_ptr="*i64",
-                  map_ptr="*i64", lens_ptr="*i32", table_ptr="*i32", cu_ptr="*i32", stride_bt="i32",
-                  max_blocks="i32", offset="i32", max_model_len="i32", S="i32")
+                  map_ptr="*i64", lens_ptr="*i32", table_ptr="*i32", cu_ptr="*i32", last_ptr="*i64", a_ptr="*bf16",
+                  a_out_ptr="*bf16", b_ptr="*bf16", b_out_ptr="*bf16", stride_bt="i32", stride_a="i32",
+                  stride_b="i32", width_a="i32", width_b="i32", n_last="i32", max_blocks="i32", offset="i32",
+                  max_model_len="i32", S="i32")
     return [
         _gemm(32, 576, 960, "norm", "store", pdl), _gemm(32, 576, 3072, "norm", "store", pdl),
         _gemm(32, 1536, 576, "silu", "store", pdl), _gemm(8, 576, 576, "none", "store", pdl),
@@ -103,7 +105,9 @@ def variants(pdl: bool) -> list[tuple]:
         ("spec_ops correct", spec_ops._correct_kernel, correct,
          dict(BLOCK_SIZE=16, DRAFTS=True, HISTORY=True, BLOCK=32, USE_PDL=pdl), 4),
         ("spec_ops draft_layout", spec_ops._draft_layout_kernel, layout,
-         dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, USE_PDL=pdl), 1),
+         dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, GATHER=False, WIDTH=1, USE_PDL=pdl), 1),
+        ("spec_ops draft_layout gather", spec_ops._draft_layout_kernel, layout,
+         dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, GATHER=True, WIDTH=1024, USE_PDL=pdl), 1),
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=4, USE_PDL=pdl), 4),
         _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),

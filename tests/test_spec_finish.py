@@ -211,7 +211,7 @@ def _engine(speculative, depth, on, k=2, verify_gemv=False):
                      **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                      spec_head="random", num_speculative_tokens=k, spec_min_acceptance=0.0, spec_kernels=on,
-                     spec_finish_kernel=on, verify_gemv=verify_gemv)
+                     spec_finish_kernel=on, draft_gather=on, verify_gemv=verify_gemv)
 
 
 def _run(eng, prompts, lengths):
@@ -236,7 +236,7 @@ def _counting(monkeypatch):
 @pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
 def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch):
     """Three greedy streams (an untrained EAGLE head, or n-gram drafting, which writes the history): the kernels
-    on gives the drafts and outputs of the kernels off, and its spec steps take the kernel."""
+    on (draft_gather too) gives the drafts and outputs of the kernels off, and its spec steps take the kernel."""
     calls = _counting(monkeypatch)
     prompts = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99], [300, 1, 2, 300, 1], [8, 9, 8, 9, 8]]
     runs = {}

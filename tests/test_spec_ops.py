@@ -134,8 +134,8 @@ def test_draft_layout_equals_torch(k, offset):
     for seed, (S, B, max_blocks) in enumerate([(1, 1, MAX_BLOCKS), (3, 2, MAX_BLOCKS), (6, 4, 5), (16, 3, 3), (9, 9, 300)]):
         ctx, start = _ctx(seed, S, B, max_blocks)
         for mml in (MML, 7, 2000):
-            want_pos, want = draft_layout(ctx, start, offset, k, BS, mml)
-            got_pos, got = draft_layout(ctx, start, offset, k, BS, mml, kernels=True)
+            want_pos, want, _ = draft_layout(ctx, start, offset, k, BS, mml)
+            got_pos, got, _ = draft_layout(ctx, start, offset, k, BS, mml, kernels=True)
             assert got_pos.dtype == want_pos.dtype and torch.equal(got_pos, want_pos)
             assert len(got) == k and all(m.cu_seqlens_q is got[0].cu_seqlens_q for m in got)
             for a, b in zip(got, want):
@@ -145,11 +145,36 @@ def test_draft_layout_equals_torch(k, offset):
                 assert (a.max_query_len, a.max_seq_len) == (b.max_query_len, b.max_seq_len)
 
 
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.float32)], ids=["bf16", "fp32", "mixed"])
+def test_draft_layout_gathers_each_rows_last_input(dtypes):
+    """draft_gather: the layout kernel also reads row `last` of the head's queries [T, heads, dim] and features
+    [T, H] (a padding row's -1 wraps to the last input, as torch indexing does); rows it cannot take (two dtypes)
+    fall back to torch indexing. Either way the result is x[ctx.last], and the layout is unchanged."""
+    from engine.spec.drafters.base import draft_layout
+    from engine.kernels import spec_ops
+    g = torch.Generator().manual_seed(3)
+    for S, T in ((1, 4), (5, 20), (3, 3)):
+        ctx, start = _ctx(S, S, 2)
+        ctx.last = torch.cat([_ints(g, 0, T, S - 1), torch.tensor([-1])]).to(DEV)
+        q = torch.randn(T, 3, 12, generator=g).to(dtypes[0]).to(DEV)
+        feature = torch.randn(T + 2, 40, generator=g).to(dtypes[1]).to(DEV)[:T]
+        assert spec_ops.gathers(ctx, (q, feature)) == (dtypes[0] == dtypes[1])
+        want_pos, want, _ = draft_layout(ctx, start, 0, 3, BS, MML, kernels=True)
+        got_pos, got, rows = draft_layout(ctx, start, 0, 3, BS, MML, True, (q, feature), True)
+        assert torch.equal(got_pos, want_pos) and all(torch.equal(a.slot_mapping, b.slot_mapping)
+                                                      for a, b in zip(got, want))
+        for x, y in zip(rows, (q[ctx.last], feature[ctx.last])):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous() and torch.equal(x, y), S
+        _, _, torch_rows = draft_layout(ctx, start, 0, 3, BS, MML, False, (q, feature), True)
+        assert all(torch.equal(x, y) for x, y in zip(torch_rows, rows))
+
+
 def test_draft_layout_of_no_rows():
     from engine.spec.drafters.base import draft_layout
     ctx, start = _ctx(0, 0, 2)
-    got_pos, got = draft_layout(ctx, start, 0, 2, BS, MML, kernels=True)
-    want_pos, want = draft_layout(ctx, start, 0, 2, BS, MML)
+    got_pos, got, _ = draft_layout(ctx, start, 0, 2, BS, MML, kernels=True)
+    want_pos, want, _ = draft_layout(ctx, start, 0, 2, BS, MML)
     assert got_pos.shape == want_pos.shape == (2, 0) and torch.equal(got[1].cu_seqlens_q, want[1].cu_seqlens_q)
 
 

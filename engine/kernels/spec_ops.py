@@ -23,6 +23,7 @@ from engine.kernels.fused_ops import _check_device, _check_tensor
 
 _I32, _I64 = (torch.int32,), (torch.int64,)
 _MAX_BLOCK = 1024       # elements of each section one program of `correct` takes
+_GATHER_MAX = 4096   # values of a gathered row (a head's queries: heads x head_dim)
 _TABLE_COLS = 256       # block-table columns draft_layout copies at a time
 
 
@@ -78,11 +79,23 @@ def _correct_kernel(pos_ptr, shift_ptr, tok_row_ptr, tok_seq_ptr, map_ptr, bt_pt
 
 
 @triton.jit
+def _gather_row(s, last, src_ptr, out_ptr, stride, width, WIDTH: tl.constexpr):
+    c = tl.arange(0, WIDTH)
+    tl.store(out_ptr + s * width + c, tl.load(src_ptr + last * stride + c, mask=c < width), mask=c < width)
+
+
+@triton.jit
 def _draft_layout_kernel(start_ptr, seq_ptr, valid_ptr, cap_ptr, bt_ptr, pos_ptr, map_ptr, lens_ptr, table_ptr,
-                         cu_ptr, stride_bt, max_blocks, offset, max_model_len, S, K: tl.constexpr,
-                         K_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, COLS: tl.constexpr, USE_PDL: tl.constexpr):
+                         cu_ptr, last_ptr, a_ptr, a_out_ptr, b_ptr, b_out_ptr, stride_bt, stride_a, stride_b, width_a,
+                         width_b, n_last, max_blocks, offset, max_model_len, S, K: tl.constexpr, K_PAD: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, COLS: tl.constexpr, GATHER: tl.constexpr, WIDTH: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     s = tl.program_id(0)
+    if GATHER:      # row `last` of a and b (a head's queries and features), wrapped as torch indexing wraps it
+        last = _wrap(tl.load(last_ptr + s), n_last)
+        _gather_row(s, last, a_ptr, a_out_ptr, stride_a, width_a, WIDTH)
+        _gather_row(s, last, b_ptr, b_out_ptr, stride_b, width_b, WIDTH)
     seq = tl.load(seq_ptr + s)
     start = tl.load(start_ptr + s)
     cap = tl.minimum(tl.load(cap_ptr + seq), max_model_len)
@@ -197,10 +210,23 @@ def _check_layout(ctx, start, offset, k, block_size, max_model_len):
     _check_device(device)
 
 
-def draft_layout(ctx, start, offset: int, k: int, block_size: int, max_model_len: int):
+def gathers(ctx, rows) -> bool:
+    """Whether draft_layout takes `rows` (two [T, ...] tensors to read each row's `last` of) in its launch: both
+    of one float dtype on the step's device, each a contiguous run of at most 4096 values a row."""
+    if len(rows) != 2 or any(not isinstance(x, torch.Tensor) or x.dim() < 2 for x in rows):
+        return False
+    a, b = (x.flatten(1) for x in rows)
+    return (a.dtype == b.dtype and a.dtype.is_floating_point and a.shape[0] == b.shape[0] and a.stride(1) == 1
+            and b.stride(1) == 1 and max(a.shape[1], b.shape[1]) <= _GATHER_MAX and a.device == b.device ==
+            ctx.last.device and ctx.last.dtype == torch.int64 and ctx.last.dim() == 1)
+
+
+def draft_layout(ctx, start, offset: int, k: int, block_size: int, max_model_len: int, rows=()):
     """The tensors of engine/spec/drafters/base.py draft_layout in one launch: (positions [K, S], slot mappings
-    [K, S], seq_lens [K, S] int32, the rows' gathered block tables [S, max_blocks], cu_seqlens [S + 1])."""
+    [K, S], seq_lens [K, S] int32, the rows' gathered block tables [S, max_blocks], cu_seqlens [S + 1], and each
+    of `rows` indexed by ctx.last where `gathers` takes them, else ())."""
     _check_layout(ctx, start, offset, k, block_size, max_model_len)
+    gather = bool(rows) and gathers(ctx, rows)
     n, bt = start.shape[0], ctx.meta.block_tables
     max_blocks, device = bt.shape[1], start.device
     pos = torch.empty(k, n, dtype=torch.int64, device=device)
@@ -208,10 +234,16 @@ def draft_layout(ctx, start, offset: int, k: int, block_size: int, max_model_len
     seq_lens = torch.empty(k, n, dtype=torch.int32, device=device)
     table = torch.empty(n, max_blocks, dtype=torch.int32, device=device)
     cu = torch.empty(n + 1, dtype=torch.int32, device=device) if n else torch.zeros(1, dtype=torch.int32, device=device)
+    flat = [x.flatten(1) for x in rows] if gather else [start, start]
+    out = [torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=device) for x in rows] if gather else []
     if n:
         _draft_layout_kernel[(n,)](
             start, ctx.last_seq, ctx.last_valid.view(torch.uint8), ctx.kv_cap, bt, pos, mapping, seq_lens, table,
-            cu, bt.stride(0), max_blocks, offset, max_model_len, n, K=k, K_PAD=triton.next_power_of_2(k),
-            BLOCK_SIZE=block_size, COLS=min(_TABLE_COLS, triton.next_power_of_2(max_blocks)), num_warps=1,
+            cu, ctx.last if gather else start, flat[0], out[0] if gather else start, flat[1],
+            out[1] if gather else start, bt.stride(0), flat[0].stride(0), flat[1].stride(0),
+            flat[0].shape[1] if gather else 0, flat[1].shape[1] if gather else 0, flat[0].shape[0], max_blocks,
+            offset, max_model_len, n, K=k, K_PAD=triton.next_power_of_2(k), BLOCK_SIZE=block_size,
+            COLS=min(_TABLE_COLS, triton.next_power_of_2(max_blocks)), GATHER=gather,
+            WIDTH=triton.next_power_of_2(max(x.shape[1] for x in flat)) if gather else 1, num_warps=1,
             **pdl(_draft_layout_kernel, device, n))
-    return pos, mapping, seq_lens, table, cu
+    return pos, mapping, seq_lens, table, cu, tuple(out)

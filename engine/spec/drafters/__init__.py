@@ -41,7 +41,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
         if config.spec_draft_vocab:
             paged.restrict(load_draft_vocab(config.spec_draft_vocab, config.spec_draft_vocab_size))
-        return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels())
+        return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(), config.draft_gather)
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
         from engine.spec.drafters.draft_model import DraftModelDrafter

@@ -124,19 +124,22 @@ class Drafter(abc.ABC):
 
 
 def draft_layout(ctx: FeatureContext, start, offset: int, k: int, block_size: int, max_model_len: int,
-                 kernels: bool = False):
-    """Where a paged drafter's K single-token forwards sit: (positions [K, S], [AttentionMetadata] * K), forward
-    i of every sampling row at position start + offset + i, writing its KV slot and attending to its sequence
-    up to there. A row whose pages (kv_cap) or context do not reach the position writes nothing (slot -1) and
-    attends to what its pages hold up to `start` (always written); so do padding rows (last_valid False).
-    kernels (EngineConfig.spec_kernels): the tensors in one launch (engine/kernels/spec_ops.py), else torch ops."""
+                 kernels: bool = False, rows=(), gather: bool = False):
+    """Where a paged drafter's K single-token forwards sit: (positions [K, S], [AttentionMetadata] * K, each of
+    `rows` indexed by ctx.last), forward i of every sampling row at position start + offset + i, writing its KV
+    slot and attending to its sequence up to there. A row whose pages (kv_cap) or context do not reach the position
+    writes nothing (slot -1) and attends to what its pages hold up to `start` (always written); so do padding rows
+    (last_valid False). kernels (EngineConfig.spec_kernels): the tensors in one launch (engine/kernels/spec_ops.py),
+    else torch ops; gather (EngineConfig.draft_gather): that launch also gathers `rows` where it can."""
+    gathered = ()
     if kernels:
         from engine.kernels import spec_ops
-        pos, mapping, seq_lens, table, cu = spec_ops.draft_layout(ctx, start, offset, k, block_size, max_model_len)
+        pos, mapping, seq_lens, table, cu, gathered = spec_ops.draft_layout(ctx, start, offset, k, block_size,
+                                                                             max_model_len, rows if gather else ())
     else:
         pos, mapping, seq_lens, table, cu = _layout(ctx, start, offset, k, block_size, max_model_len)
     metas = [AttentionMetadata(mapping[i], cu, seq_lens[i], table, 1, ctx.meta.max_seq_len) for i in range(k)]
-    return pos, metas
+    return pos, metas, gathered or tuple(x[ctx.last] for x in rows)
 
 
 def _layout(ctx: FeatureContext, start, offset: int, k: int, block_size: int, max_model_len: int):

@@ -55,7 +55,7 @@ class DraftModelDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         self.observe(ctx)
         start = ctx.last_position()
-        pos, metas = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size, self.max_model_len,
+        pos, metas, _ = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size, self.max_model_len,
                                   self.spec_kernels)
         token, drafts = ctx.next_ids[ctx.last], []
         for j in range(self.num_speculative_tokens):

@@ -25,7 +25,8 @@ class EagleDrafter(Drafter):
     name = "eagle"
     uses_history = False
 
-    def __init__(self, k: int, head: PagedHead, block_size: int, max_model_len: int, spec_kernels: bool = False):
+    def __init__(self, k: int, head: PagedHead, block_size: int, max_model_len: int, spec_kernels: bool = False,
+                 gather: bool = False):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         self.num_speculative_tokens = k
@@ -35,6 +36,7 @@ class EagleDrafter(Drafter):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.spec_kernels = spec_kernels        # draft_layout in one kernel
+        self.gather = gather                    # ... which also gathers the step-0 queries and features
 
     def observe(self, ctx: FeatureContext) -> None:
         self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
@@ -42,9 +44,9 @@ class EagleDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         q, feature = self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
         start = ctx.last_position()
-        pos, metas = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size, self.max_model_len,
-                                  self.spec_kernels)
-        hidden = self.head.attend(q[ctx.last], metas[0], feature[ctx.last])
+        pos, metas, (q, feature) = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size,
+                                                self.max_model_len, self.spec_kernels, (q, feature), self.gather)
+        hidden = self.head.attend(q, metas[0], feature)
         drafts = [self._pick(ctx, 0, hidden)]
         for i in range(1, self.num_speculative_tokens):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
