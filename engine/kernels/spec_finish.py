@@ -196,15 +196,14 @@ def greedy_finish(slot, state, ids, target, drafted, K: int, history: bool, next
     tokens = torch.empty(S, K + 1, dtype=torch.int64, device=device)
     accepted = torch.empty(S, dtype=torch.int64, device=device)
     nxt = torch.empty(T, dtype=torch.int64, device=device) if next_ids else None
-    out = [torch.empty(S, dtype=torch.int64, device=device) for _ in range(3)] if rows else None
-    if rows:
-        out.append(torch.empty(S, dtype=torch.bool, device=device))
+    drafted_rows = (*(torch.empty(S, dtype=torch.int64, device=device) for _ in range(3)),
+                    torch.empty(S, dtype=torch.bool, device=device)) if rows else None
     if not S:
-        return tokens, accepted, nxt, out and tuple(out)
+        return tokens, accepted, nxt, drafted_rows
     d = slot.dev
     block = min(_MAX_BLOCK, triton.next_power_of_2(T if next_ids else S))
     hist = state.history if history else tokens
-    rows_at = (*out[:3], out[3].view(torch.uint8)) if rows else (accepted,) * 4
+    rows_at = (*drafted_rows[:3], drafted_rows[3].view(torch.uint8)) if rows else (accepted,) * 4
     _greedy_finish_kernel[(triton.cdiv(T if next_ids else S, block),)](
         ids, ids[1:], target, drafted, tokens, accepted, d["smp_row"], state.last_token, state.rejected,
         slot.spec_out, slot.sampled, d["logits_indices"] if history or rows else accepted,
@@ -214,4 +213,4 @@ def greedy_finish(slot, state, ids, target, drafted, K: int, history: bool, next
         d["tok_seq"].shape[0] if rows else 1, state.k, state.max_model_len if history else 0, T, S,
         K=K, J=triton.next_power_of_2(K + 1), W=triton.next_power_of_2(state.k + 2), HISTORY=history,
         NEXT=next_ids, ROWS=rows, BLOCK=block, num_warps=4, **pdl(_greedy_finish_kernel, device, T))
-    return tokens, accepted, nxt, out and tuple(out)
+    return tokens, accepted, nxt, drafted_rows

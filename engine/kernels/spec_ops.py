@@ -234,16 +234,18 @@ def draft_layout(ctx, start, offset: int, k: int, block_size: int, max_model_len
     seq_lens = torch.empty(k, n, dtype=torch.int32, device=device)
     table = torch.empty(n, max_blocks, dtype=torch.int32, device=device)
     cu = torch.empty(n + 1, dtype=torch.int32, device=device) if n else torch.zeros(1, dtype=torch.int32, device=device)
-    flat = [x.flatten(1) for x in rows] if gather else [start, start]
-    out = [torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=device) for x in rows] if gather else []
+    out = tuple(torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=device) for x in rows) if gather else ()
+    if gather:      # (last, a, a_out, b, b_out, stride_a, stride_b, width_a, width_b, n_last), WIDTH
+        (a, b), (a_out, b_out) = (x.flatten(1) for x in rows), (x.view(n, -1) for x in out)
+        gather_args = (ctx.last, a, a_out, b, b_out, a.stride(0), b.stride(0), a.shape[1], b.shape[1], a.shape[0])
+        width = triton.next_power_of_2(max(a.shape[1], b.shape[1]))
+    else:           # never read: any pointers and sizes
+        gather_args, width = (start,) * 5 + (0,) * 5, 1
     if n:
         _draft_layout_kernel[(n,)](
             start, ctx.last_seq, ctx.last_valid.view(torch.uint8), ctx.kv_cap, bt, pos, mapping, seq_lens, table,
-            cu, ctx.last if gather else start, flat[0], out[0] if gather else start, flat[1],
-            out[1] if gather else start, bt.stride(0), flat[0].stride(0), flat[1].stride(0),
-            flat[0].shape[1] if gather else 0, flat[1].shape[1] if gather else 0, flat[0].shape[0], max_blocks,
-            offset, max_model_len, n, K=k, K_PAD=triton.next_power_of_2(k), BLOCK_SIZE=block_size,
-            COLS=min(_TABLE_COLS, triton.next_power_of_2(max_blocks)), GATHER=gather,
-            WIDTH=triton.next_power_of_2(max(x.shape[1] for x in flat)) if gather else 1, num_warps=1,
+            cu, *gather_args[:5], bt.stride(0), *gather_args[5:], max_blocks, offset, max_model_len, n, K=k,
+            K_PAD=triton.next_power_of_2(k), BLOCK_SIZE=block_size,
+            COLS=min(_TABLE_COLS, triton.next_power_of_2(max_blocks)), GATHER=gather, WIDTH=width, num_warps=1,
             **pdl(_draft_layout_kernel, device, n))
-    return pos, mapping, seq_lens, table, cu, tuple(out)
+    return pos, mapping, seq_lens, table, cu, out
