@@ -22,7 +22,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH (another tree: its engine)
+# after PYTHONPATH's entries: with another tree there, its engine is the one imported
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.kernels import (argmax, decode_gemm, decode_gemv, head_ops, paged_attention,  # noqa: E402
                             spec_finish, spec_ops)
 

@@ -209,7 +209,8 @@ class TritonAttention(_Matmuls):
         return self._logits_argmax(linear(self.ops.rms_norm(x, norm_weight, eps), weight))
 
     def linear_argmax(self, x, weight, gemv: bool = True):
-        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and self._draft.supports_linear(x, weight):
+        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
+                self._draft.supports_linear(x, weight):
             return self._draft.linear_argmax(x, weight)
         return self._logits_argmax(linear(x, weight))
 

@@ -101,8 +101,8 @@ class EngineConfig:
     logprobs: bool = True              # requests may ask for logprobs (engine/sampling/logprobs.py); on CUDA every step
                                        # graph is captured twice, with and without them (False: refused)
     penalty_rows: int = 64             # requests with presence / frequency / repetition penalties holding pages at
-                                       # once (engine/sampling/penalties.py: a [rows, vocab] count table; admission waits
-                                       # for a row); 0: no penalties, min_p or min_tokens (refused)
+                                       # once (engine/sampling/penalties.py: a [rows, vocab] count table; admission
+                                       # waits for a row); 0: no penalties, min_p or min_tokens (refused)
     num_speculative_tokens: int = 3    # K: drafts per speculating row (graph shapes are sized from it)
     spec_max_batch: int = 32           # steps with more rows than this do not speculate (they cost more than
                                        # they gain once the forward is no longer launch-bound)

@@ -46,7 +46,8 @@ class Scheduler:
         self.blocks = block_manager
         self.spec = spec            # SpecPolicy (engine/spec/plan.py) when the engine speculates
         # RowPools of per-sequence device rows, handed out with pages and taken back with them: the token
-        # pool's (engine/memory/token_pool.py; every sequence), the penalties' (engine/sampling/penalties.py; penalized ones)
+        # pool's (engine/memory/token_pool.py; every sequence), the penalties' (engine/sampling/penalties.py;
+        # penalized ones)
         self.row_pools = list(row_pools)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

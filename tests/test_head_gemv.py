@@ -23,7 +23,8 @@ PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [8, 1, 64, 64, 2], [300, 301, 302], [9, 9
 def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, on, taken):
     from engine.runner.step import StepProgram, StepVariant
     calls = []
-    backend = SimpleNamespace(linear_argmax=lambda x, w, gemv: calls.append(x.shape[0]) or torch.zeros(x.shape[0]).long())
+    backend = SimpleNamespace(linear_argmax=lambda x, w, gemv: calls.append(x.shape[0]) or
+                              torch.zeros(x.shape[0]).long())
     model = SimpleNamespace(tp=SimpleNamespace(world=world), head_weight=torch.zeros(10, 8))
     program = SimpleNamespace(head_gemv=on, backend=backend, model=model)
     got = StepProgram.head_ids(program, torch.zeros(2, 8), StepVariant(*variant))

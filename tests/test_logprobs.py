@@ -1,5 +1,5 @@
-"""Logprobs (engine/sampling/logprobs.py): every output token's entry equals torch.log_softmax of the simple path's logits
-(one prefill of the prompt and the outputs, conftest.prefill_logits, scores every output token), grammar-masked
+"""Logprobs (engine/sampling/logprobs.py): every output token's entry equals torch.log_softmax of the simple path's
+logits (one prefill of the prompt and the outputs, conftest.prefill_logits, scores every output token), grammar-masked
 for guided requests, for plain greedy and sampled rows, guided rows and n-gram speculation; the pipelined loop, the
 graphs' padded layouts and preemption give the blocking loop's numbers."""
 import math

@@ -1,6 +1,6 @@
-"""Penalties, logit_bias, min_p and min_tokens (engine/sampling/penalties.py) equal a plain reference over the full token history on
-the simple path's logits (conftest.prefill_logits) for greedy and seeded sampled rows; the pipelined loop, the
-graphs' padded layouts, preemption and a speculating engine give the blocking loop's tokens."""
+"""Penalties, logit_bias, min_p and min_tokens (engine/sampling/penalties.py) equal a plain reference over the full
+token history on the simple path's logits (conftest.prefill_logits) for greedy and seeded sampled rows; the pipelined
+loop, the graphs' padded layouts, preemption and a speculating engine give the blocking loop's tokens."""
 import pytest
 import torch
 

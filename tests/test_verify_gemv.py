@@ -204,8 +204,8 @@ def _spying(eng):
 def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
     """One stream, K = 3 (4 rows a verification): verify_gemv (the GEMV's argmax; n-gram engine) and head_gemv
     alone (cuBLAS's logits, engine/kernels/argmax.py) give the drafts and greedy outputs of both off, and their
-    greedy spec steps compute no float32 logits; only verify_gemv's take the GEMV. A sampled stream and a greedy one with logprobs
-    keep their logits on spec steps, with the same tokens and logprobs."""
+    greedy spec steps compute no float32 logits; only verify_gemv's take the GEMV. A sampled stream and a greedy one
+    with logprobs keep their logits on spec steps, with the same tokens and logprobs."""
     from engine.requests.sequence import SamplingParams
     calls = _counting(monkeypatch)
     requests = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),

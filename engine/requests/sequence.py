@@ -64,8 +64,8 @@ class SamplingParams:
     # after penalties, logit_bias and the grammar mask, before temperature / top-k / top-p): None = off, 0 = the
     # token's own only, 1..MAX_LOGPROBS = also that many of the most likely tokens.
     logprobs: int | None = None
-    # engine/sampling/penalties.py: OpenAI's presence / frequency penalties (over output tokens), vLLM's repetition penalty
-    # (over prompt and output), min_p (after temperature / top-k / top-p), min_tokens (EOS and stop ids masked)
+    # engine/sampling/penalties.py: OpenAI's presence / frequency penalties (over output tokens), vLLM's repetition
+    # penalty (over prompt and output), min_p (after temperature / top-k / top-p), min_tokens (EOS and stop ids masked)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -206,8 +206,10 @@ class Sequence:
     num_preemptions: int = 0
     pool_row: int = -1                          # its row of the device-side token pool (engine/memory/token_pool.py)
     spec: object = None                         # SpecStats of a request that speculated
-    logprobs: list | None = None                # one engine.sampling.logprobs.Entry per output token (params.logprobs set)
-    pen_row: int = -1                           # its row of the device-side penalty state (engine/sampling/penalties.py)
+    logprobs: list | None = None                # one engine.sampling.logprobs.Entry per output token (params.logprobs
+                                                # set)
+    pen_row: int = -1                           # its row of the device-side penalty state (engine/sampling/
+                                                # penalties.py)
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -37,8 +37,8 @@ _SPEC_FIELDS = {
     "num_drafts": (torch.int64, "seqs"), "next_ids": (torch.int64, "tokens"), "kv_cap": (torch.int64, "seqs"),
 }
 
-# With penalties (engine/sampling/penalties.py): each token's penalty row and kind, the rows to zero, each sampling row's
-# parameters and the ids min_tokens masks. Written only for steps with `extras` (graph padding always).
+# With penalties (engine/sampling/penalties.py): each token's penalty row and kind, the rows to zero, each sampling
+# row's parameters and the ids min_tokens masks. Written only for steps with `extras` (graph padding always).
 _PENALTY_FIELDS = {
     "pen_tok": (torch.int64, "tokens"), "pen_reset": (torch.int64, "seqs"), "pen_row": (torch.int64, "seqs"),
     "presence": (torch.float32, "seqs"), "frequency": (torch.float32, "seqs"), "repetition": (torch.float32, "seqs"),

@@ -10,10 +10,10 @@ what an eager step computes, sampling included. A step's variant is (guided, gre
 fork the grammar branch (engine/guided/masks.py) at their start and wait for its `mask_ready` only before
 sampling; greedy steps (every sampling row at temperature 0) skip the random-sampling kernels; extras steps
 (some row asks for logprobs, penalties, min_p or min_tokens) count the inputs of penalized rows, penalize the
-logits, filter by min_p and record the logprobs of the sampled tokens (engine/sampling/penalties.py, engine/sampling/logprobs.py);
-no other step runs a kernel for them. With EngineConfig.head_gemv a greedy step that is neither guided nor
-extras computes no float32 logits: its tokens come from the backend's LM head argmax kernels (the decode GEMV's,
-or cuBLAS's logits and engine/kernels/argmax.py). Logits go: penalties and
+logits, filter by min_p and record the logprobs of the sampled tokens (engine/sampling/penalties.py,
+engine/sampling/logprobs.py); no other step runs a kernel for them. With EngineConfig.head_gemv a greedy step that
+is neither guided nor extras computes no float32 logits: its tokens come from the backend's LM head argmax
+kernels (the decode GEMV's, or cuBLAS's logits and engine/kernels/argmax.py). Logits go: penalties and
 min_tokens, grammar mask (logprobs are taken here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
@@ -48,7 +48,8 @@ class StepProgram:
         self.masks = masks                      # GrammarMasks (None: no guided steps)
         self.masker = getattr(backend, "apply_bitmask", apply_bitmask)
         self.penalties = penalties              # PenaltyState (None: the engine has no penalties)
-        self.pool = pool                        # TokenPool (engine/memory/token_pool.py): carried inputs, emitted tokens
+        self.pool = pool                        # TokenPool (engine/memory/token_pool.py): carried inputs, emitted
+                                                # tokens
         self.head_gemv = head_gemv              # EngineConfig.head_gemv: greedy tokens from the head's argmax kernels
 
     def input_ids(self, slot: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:

@@ -11,19 +11,21 @@ Semantics:
 - logit_bias (OpenAI): each listed token's bias is added to its logit, after the penalties.
 Logprobs (engine/sampling/logprobs.py) see the penalized logits.
 
-State: a penalized request (presence, frequency or repetition set) takes a row of `PenaltyState` from a bounded
-pool (`engine.memory.row_pool.RowPool` on `seq.pen_row`, handed out with its pages at admission, like a speculation row; admission waits while the
-pool is empty). The row holds the request's output token counts and its prompt's tokens. It is built from the
-step's *inputs*: every token of a sequence enters some step as an input exactly once (prompt chunks, then each
-emitted token as the next step's input, carried over on the device), so before a step samples, its row counts
-every token up to the last input. A row whose chunk starts at position 0 (a new request, or a preempted one
-recomputing) is zeroed first, in the step, so a new owner never reads an old owner's counts and no host copy
-is needed. A request that mapped cached pages (engine/memory/block_manager.py) starts past position 0: its row is set
-to the counts of its cached prefix instead (`write_span`, before its first step, as the bias below). A row also holds the request's logit_bias as a dense row of the vocabulary: it is written when the
-row's first chunk is prepared (`bias_writes`), outside the step but on the compute stream ahead of the step that
-first reads it, so an earlier step that still reads the row's previous owner is done before it changes. Penalized requests do not speculate: a spec step's inputs hold drafts that may be rejected, and
-rejection sampling would need the penalized distribution at every draft position (engine steps with any
-penalized row do not speculate at all; engine/spec/plan.py).
+State: a penalized request (presence, frequency or repetition set) takes a row of `PenaltyState` from a bounded pool
+(`engine.memory.row_pool.RowPool` on `seq.pen_row`, handed out with its pages at admission, like a speculation row;
+admission waits while the pool is empty). The row holds the request's output token counts and its prompt's tokens.
+It is built from the step's *inputs*: every token of a sequence enters some step as an input exactly once (prompt
+chunks, then each emitted token as the next step's input, carried over on the device), so before a step samples, its
+row counts every token up to the last input. A row whose chunk starts at position 0 (a new request, or a preempted
+one recomputing) is zeroed first, in the step, so a new owner never reads an old owner's counts and no host copy is
+needed. A request that mapped cached pages (engine/memory/block_manager.py) starts past position 0: its row is set
+to the counts of its cached prefix instead (`write_span`, before its first step, as the bias below). A row also
+holds the request's logit_bias as a dense row of the vocabulary: it is written when the row's first chunk is
+prepared (`bias_writes`), outside the step but on the compute stream ahead of the step that first reads it, so an
+earlier step that still reads the row's previous owner is done before it changes. Penalized requests do not
+speculate: a spec step's inputs hold drafts that may be rejected, and rejection sampling would need the penalized
+distribution at every draft position (engine steps with any penalized row do not speculate at all;
+engine/spec/plan.py).
 
 All of it runs only in steps whose variant has `extras` (engine/runner/step.py): no kernel for steps without such rows.
 """

@@ -95,7 +95,8 @@ def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:
 
 
 def fill_spec_sampling(slot, s: int, row, t: int) -> None:
-    """Sampling row s of a speculating engine's step whose row starts at token t (engine/runner/rows.py wrote the rest)."""
+    """Sampling row s of a speculating engine's step whose row starts at token t (engine/runner/rows.py wrote the
+    rest)."""
     h, seq = slot.np, row.seq
     h["smp_shift"][s] = int(seq.num_pending > 0)
     h["num_drafts"][s] = row.num_drafts

@@ -56,8 +56,8 @@ class SpecStepProgram(StepProgram):
         return key.tokens, key.seqs, key.seqs, self.state.k if key.kind == "spec" else 0
 
     def step(self, slot, prev, variant, key=None) -> None:
-        """The whole speculative step (variant: engine.runner.step.StepVariant; key: an engine.runner.graphs.GraphKey or None
-        for an eager step at its exact size)."""
+        """The whole speculative step (variant: engine.runner.step.StepVariant; key: an engine.runner.graphs.GraphKey
+        or None for an eager step at its exact size)."""
         guided, _, extras = variant
         T, B, S, K = self.sizes(slot, key)
         ids = self.correct(slot, T, B, S)

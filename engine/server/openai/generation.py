@@ -40,7 +40,8 @@ class ChoiceState:
     cached: int = 0                    # prompt tokens found in the prefix cache
     last: float | None = None          # when its previous tokens arrived
     seen: int = 0                      # tokens counted by then
-    lp_ids: list = field(default_factory=list)      # tokens with logprobs, and their entries (engine/sampling/logprobs.py)
+    # tokens with logprobs, and their entries (engine/sampling/logprobs.py)
+    lp_ids: list = field(default_factory=list)
     lp: list = field(default_factory=list)
     lp_sent: int = 0                   # entries streamed so far
     lp_offset: int = 0                 # completions: characters of token text streamed so far (text_offset)
