@@ -4,13 +4,16 @@
     python bench/spec.py --only acceptance --drafters ngram --k 1 2 3 4 5 --datasets JME BFCL chat
     python bench/spec.py --only acceptance --datasets mine=prompts.jsonl myschemas=path/to/dir
     python bench/spec.py --only speed --streams 1 8 32 --k 3 --datasets JME
+    python bench/spec.py --only speed --streams 1 --k 4 --datasets chat --drafters eagle \
+        --variants whole: v16k:spec_draft_vocab=specdec/heads/smollm2-135m/token_ranks.json,spec_draft_vocab_size=16384
 
 Acceptance: specdec.acceptance's study (docs/acceptance.md; `python -m specdec.acceptance` has more options):
 one engine per (drafter, K) with every step speculating (spec_max_batch = batch, spec_min_acceptance 0), greedy,
 the prompts of each dataset run to EOS or --max-tokens; acceptance length = tokens per verifying row-step, the
 target's own token included (the TensorRT-LLM guided + speculative article's Table 1 metric: K = 3 gives at most 4).
-Speed: per stream count (max_num_seqs = streams, a queue of max(4 x streams, --min-prompts) prompts), the same prompts through the engine without speculation ("none") and with each
-drafter / K, alternating over --rounds; greedy, so every mode emits the same tokens. tok_s = output tokens
+Speed: per stream count (max_num_seqs = streams, a queue of max(4 x streams, --min-prompts) prompts), the same
+prompts through the engine without speculation ("none") and with each drafter / K (/ --variants), alternating
+over --rounds; greedy, so every mode emits the same tokens. tok_s = output tokens
 / wall; speedup = tok_s over "none" of the same round set. The engine's batch-level policy (EngineConfig
 spec_max_batch, or --engine spec_max_batch=N) decides when a step speculates.
 Datasets: JME / BFCL (schemas under --data: prompt "produce JSON matching this schema"), chat (specdec/datasets.py's
@@ -36,8 +39,8 @@ except ImportError:
 
 ACC_COLUMNS = ["drafter", "k", "dataset", "prompts", "new_tokens", "acceptance_length", "rate_by_position",
                "tok_s"]
-SPEED_COLUMNS = ["streams", "drafter", "k", "dataset", "tok_s", "speedup", "acceptance_length", "spec_frac",
-                 "ms_per_step"]
+SPEED_COLUMNS = ["streams", "drafter", "k", "variant", "dataset", "tok_s", "speedup", "acceptance_length",
+                 "spec_frac", "ms_per_step"]
 
 
 def parse_args(argv=None):
@@ -59,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--engine", nargs="*", default=[], help="EngineConfig overrides KEY=VALUE")
+    p.add_argument("--variants", nargs="+", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="speed: every drafter / K also under each of these EngineConfig overrides, side by side in "
+                        "the same rounds (NAME labels its rows; 'NAME:' alone is the engine as --engine gives it)")
     p.add_argument("--out", default="bench/results/spec.json")
     return p.parse_args(argv)
 
@@ -78,7 +84,21 @@ def load_prompts(eng, item: str, root: str, limit: int) -> tuple[str, list[list[
     return name.lower(), [schema_prompt(eng, schema) for _, schema in load_schemas(path, limit) if schema is not None]
 
 
-def build(args, streams: int, drafter: str, k: int, **extra):
+def parse_variants(items: list[str]) -> dict[str, dict]:
+    """--variants NAME:KEY=VALUE,... -> {NAME: EngineConfig overrides} (values parsed as JSON when they parse);
+    none given: one unnamed variant without overrides."""
+    out = {}
+    for item in items:
+        name, sep, pairs = item.partition(":")
+        if not sep or not name or name in out:
+            raise SystemExit(f"--variants {item!r}: expected a new NAME:KEY=VALUE,... (NAME: alone for no overrides)")
+        out[name] = engine_overrides(argparse.Namespace(engine=[p for p in pairs.split(",") if p]))
+        if any(not key for key in out[name]):
+            raise SystemExit(f"--variants {item!r}: every override is KEY=VALUE")
+    return out or {"": {}}
+
+
+def build(args, streams: int, drafter: str, k: int, variant: dict | None = None, **extra):
     from engine.llm_engine import LLMEngine
     # several engines live side by side (one per mode): KV pages for `streams` sequences of 2,048 tokens each,
     # not a share of free memory (the third engine's share left too little for its graphs)
@@ -90,7 +110,7 @@ def build(args, streams: int, drafter: str, k: int, **extra):
         kw["model"] = args.model
     if args.device != "auto":
         kw["device"] = args.device
-    return LLMEngine(**(kw | extra | engine_overrides(args)))
+    return LLMEngine(**(kw | extra | engine_overrides(args) | (variant or {})))
 
 
 def timed_generate(eng, prompts, max_tokens: int) -> dict:
@@ -144,10 +164,11 @@ def run_acceptance(args) -> list[dict]:
 
 def run_speed(args) -> list[dict]:
     records = []
-    modes = [("none", 0)] + [(d, k) for d in args.drafters for k in (args.k or [3])]
+    variants = parse_variants(args.variants)
+    modes = [("none", 0, "")] + [(d, k, v) for d in args.drafters for k in (args.k or [3]) for v in variants]
     for item in args.datasets:
         for streams in args.streams:
-            engines = {m: build(args, streams, *m) for m in modes}
+            engines = {(d, k, v): build(args, streams, d, k, variants.get(v)) for d, k, v in modes}
             try:
                 # enough requests that the batch stays full: streams at a time from a queue of 4 x streams
                 name, prompts = load_prompts(engines[modes[0]], item, args.data, max(4 * streams, args.min_prompts))
@@ -161,7 +182,8 @@ def run_speed(args) -> list[dict]:
                     best = max(runs[m], key=lambda r: r["tok_s"])
                     same = all([r.pop("outputs", ref) == ref for r in runs[m]])
                     rec = record("spec", "speed", engines[m].source.name, args.dtype, streams, best.pop("new_tokens"),
-                                 best.pop("tok_s"), best.pop("ms_per_step"), drafter=m[0], k=m[1], dataset=name,
+                                 best.pop("tok_s"), best.pop("ms_per_step"), drafter=m[0], k=m[1], variant=m[2],
+                                 overrides=variants.get(m[2], {}), dataset=name,
                                  same_tokens_as_none=same, **best)
                     rec["speedup"] = round(rec["tok_s"] / base, 3)
                     records.append(rec)
@@ -195,7 +217,7 @@ def main(argv=None):
         drafted = [r for r in speed if r["drafter"] != "none"]
         if len({r["k"] for r in drafted}) > 1:
             for r in drafted:
-                r["curve"] = f"{r['drafter']} {r['dataset']}, {r['streams']} streams"
+                r["curve"] = f"{r['drafter']} {r['variant']} {r['dataset']}, {r['streams']} streams".replace("  ", " ")
             plot(drafted, "k", "speedup", "curve", out.with_name(out.stem + "_speedup.png"),
                  "tokens/s over no speculation vs K (same run)")
     text = "\n".join(md)

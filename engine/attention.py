@@ -90,14 +90,15 @@ class _Matmuls:
         out = linear(self.ops.silu_mul(gate_up), weight)
         return out if residual is None else residual + out
 
-    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True):
-        """linear(rms_norm(x)).float().argmax(-1) (int64, the first maximum) in kernels of the backend's (`gemv`:
-        the decode GEMV's too), or None where it has none for the call: the caller computes the logits."""
+    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
+        """linear(rms_norm(x)).float().argmax(-1) (int64, the first maximum; ids[it] where an int64 map of
+        weight's rows is given) in kernels of the backend's (`gemv`: the decode GEMV's too), or None where it
+        has none for the call: the caller computes the logits."""
         return None
 
-    def linear_argmax(self, x, weight, gemv: bool = True):
-        """linear(x).float().argmax(-1) (int64, the first maximum) in kernels of the backend's (`gemv`: the
-        decode GEMV's too), or None where it has none for the call: the caller computes the logits."""
+    def linear_argmax(self, x, weight, gemv: bool = True, ids=None):
+        """linear(x).float().argmax(-1) (int64, the first maximum; ids[it] as norm_linear_argmax's) in kernels
+        of the backend's (`gemv`: the decode GEMV's too), or None where it has none for the call."""
         return None
 
 
@@ -202,20 +203,23 @@ class TritonAttention(_Matmuls):
     # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only (`gemv` False: none); other
     # steps take the logits' argmax in engine/kernels/argmax.py, on the logits of the reference path (cuBLAS),
     # without their float32 copy
-    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True):
+    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
         if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
                 self._draft.supports(x, norm_weight, weight):
-            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight)
-        return self._logits_argmax(linear(self.ops.rms_norm(x, norm_weight, eps), weight))
+            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids)
+        return self._logits_argmax(linear(self.ops.rms_norm(x, norm_weight, eps), weight), ids)
 
-    def linear_argmax(self, x, weight, gemv: bool = True):
+    def linear_argmax(self, x, weight, gemv: bool = True, ids=None):
         if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
                 self._draft.supports_linear(x, weight):
-            return self._draft.linear_argmax(x, weight)
-        return self._logits_argmax(linear(x, weight))
+            return self._draft.linear_argmax(x, weight, ids)
+        return self._logits_argmax(linear(x, weight), ids)
 
-    def _logits_argmax(self, logits):
-        return self._argmax.argmax_rows(logits) if self._argmax.supports(logits) else logits.float().argmax(-1)
+    def _logits_argmax(self, logits, ids=None):
+        if self._argmax.supports(logits):
+            return self._argmax.argmax_rows(logits, ids)
+        rows = logits.float().argmax(-1)
+        return rows if ids is None else ids[rows]
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -58,6 +58,24 @@ def test_rows_of_minus_infinity_and_nan(blocks):
     assert got.tolist() == [0, 33, 66, 0] and torch.equal(got, x.argmax(-1))
 
 
+@pytest.mark.parametrize("m,v", [(1, 7), (5, 1031)])
+def test_ids_map_the_columns(m, v, blocks):
+    """With a draft vocabulary's ids (column -> token id), kernel 2 writes the token id of the argmax column."""
+    x = randn(m, v, seed=v)
+    ids = torch.randperm(10 * v, generator=torch.Generator().manual_seed(v))[:v].to(DEV)
+    assert torch.equal(am.argmax_rows(x, ids), ids[x.argmax(-1)])
+
+
+def test_bad_ids():
+    x = torch.zeros(2, 5, device=DEV)
+    with pytest.raises(ValueError, match="all 5 columns"):
+        am.argmax_rows(x, torch.arange(4, device=DEV))
+    with pytest.raises(ValueError, match="ids must have unit stride"):
+        am.argmax_rows(x, torch.arange(10, device=DEV)[::2])
+    with pytest.raises(TypeError, match="ids dtype"):
+        am.argmax_rows(x, torch.arange(5, dtype=torch.int32, device=DEV))
+
+
 def test_empty_and_bad_inputs():
     assert am.argmax_rows(torch.zeros(0, 5, device=DEV)).shape == (0,)
     with pytest.raises(ValueError, match="no columns"):

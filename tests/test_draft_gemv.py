@@ -50,6 +50,18 @@ def test_argmax_equals_torch(dtype, m, block_p):
         assert torch.equal(got, torch_argmax(x, nw, w)), (k, v)
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_ids_map_the_rows_to_token_ids(m, block_p):
+    """A draft vocabulary: weight holds its rows of the LM head, ids their token ids; the kernels write the id."""
+    k, v = SHAPES[1]
+    x, nw, w = randn(m, k, seed=4), randn(k, seed=5), randn(v, k, seed=6) / k ** 0.5
+    ids = torch.randperm(4 * v, generator=torch.Generator().manual_seed(7))[:v].to(DEV)
+    assert torch.equal(dr.norm_linear_argmax(x, nw, EPS, w, ids), ids[torch_argmax(x, nw, w)])
+    assert torch.equal(dr.linear_argmax(x, w, ids), ids[F.linear(x, w).float().argmax(-1)])
+    with pytest.raises(ValueError, match="columns"):
+        dr.linear_argmax(x, w, ids[1:])
+
+
 @DTYPES
 def test_masked_rows_never_win(dtype, block_p):
     """Every logit negative: the lanes past the vocabulary (their products are 0) must not be the maximum."""

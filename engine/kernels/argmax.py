@@ -1,6 +1,7 @@
 """torch.argmax over the rows of a step's logits, in two kernels of the dependent-launch chain.
 
     argmax_rows(x [M, V] float, unit stride in V) -> int64 [M]      (= x.argmax(-1), NaN counted as largest)
+    argmax_rows(x, ids [V] int64) -> int64 [M]                       (= ids[x.argmax(-1)]: a draft vocabulary)
 
 A greedy step's tokens were the LM head's cuBLAS GEMM, a cast of its [M, V] logits to float32 and torch's argmax
 (one block-wide reduce per row: ~13 us for 4 x 49152 logits on an H100). Here the cast is gone (the argmax of
@@ -44,9 +45,11 @@ def _block_max_kernel(x_ptr, val_ptr, idx_ptr, stride_x, stride_p, V, BLOCK_V: t
 
 
 @triton.jit
-def _first_max_kernel(val_ptr, idx_ptr, tok_ptr, stride, P, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
+def _first_max_kernel(val_ptr, idx_ptr, ids_ptr, tok_ptr, stride, P, BLOCK_P: tl.constexpr, HAS_IDS: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """tok[m] = the column of the first of row m's largest partials val[m, :P] (their columns idx[m, :P], in
-    increasing order); a NaN partial is larger than any number, the first NaN the largest."""
+    increasing order), or ids[that column] (HAS_IDS); a NaN partial is larger than any number, the first NaN
+    the largest."""
     pdl_start(USE_PDL)
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
@@ -63,8 +66,10 @@ def _first_max_kernel(val_ptr, idx_ptr, tok_ptr, stride, P, BLOCK_P: tl.constexp
     nan = best != best
     has_nan = reduce_max(nan.to(tl.int32), 0) > 0
     top = reduce_max(tl.where(nan, float("-inf"), best), 0)
-    first = reduce_min(tl.where(tl.where(has_nan, nan, best == top), best_idx, _NO_COLUMN), 0)
-    tl.store(tok_ptr + m, first.to(tl.int64))
+    first = reduce_min(tl.where(tl.where(has_nan, nan, best == top), best_idx, _NO_COLUMN), 0).to(tl.int64)
+    if HAS_IDS:
+        first = tl.load(ids_ptr + first)
+    tl.store(tok_ptr + m, first)
 
 
 def interpreted() -> bool:
@@ -77,12 +82,14 @@ def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" or interpreted()
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, V] (float16, bfloat16 or float32; unit stride in V) -> int64 [M], x.argmax(-1)."""
+def argmax_rows(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, V] (float16, bfloat16 or float32; unit stride in V) -> int64 [M], x.argmax(-1), or ids[x.argmax(-1)]
+    for ids [V] int64 (contiguous)."""
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     m, v = x.shape
     if v == 0:
         raise ValueError("argmax_rows: x has no columns")
+    check_ids(ids, v, x.device)
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     if m == 0:
         return tokens
@@ -91,12 +98,24 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     idx = torch.empty((m, p), dtype=torch.int32, device=x.device)
     _block_max_kernel[(m, p)](x, val, idx, x.stride(0), p, v, BLOCK_V=BLOCK_V, num_warps=4,
                               **pdl(_block_max_kernel, x.device, m))
-    return first_max(val, idx, tokens)
+    return first_max(val, idx, tokens, ids)
 
 
-def first_max(val: torch.Tensor, idx: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Kernel 2 on partials val [M, P] float32 and idx [M, P] int32 (contiguous) into tokens [M] int64."""
+def check_ids(ids: torch.Tensor | None, columns: int, device: torch.device) -> None:
+    """A column -> token id map must be int64 [columns], contiguous, on the logits' device."""
+    if ids is None:
+        return
+    _check_tensor("ids", ids, 1, (torch.int64,), device)
+    if ids.shape[0] != columns or not ids.is_contiguous():
+        raise ValueError(f"ids must be a contiguous int64 map of all {columns} columns, got {tuple(ids.shape)}")
+
+
+def first_max(val: torch.Tensor, idx: torch.Tensor, tokens: torch.Tensor,
+              ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Kernel 2 on partials val [M, P] float32 and idx [M, P] int32 (contiguous) into tokens [M] int64 (mapped
+    through ids where given, as checked by check_ids)."""
     m, p = val.shape
-    _first_max_kernel[(m,)](val, idx, tokens, val.stride(0), p, BLOCK_P=min(triton.next_power_of_2(p), BLOCK_P),
-                            num_warps=4, **pdl(_first_max_kernel, val.device, m))
+    _first_max_kernel[(m,)](val, idx, tokens if ids is None else ids, tokens, val.stride(0), p,
+                            BLOCK_P=min(triton.next_power_of_2(p), BLOCK_P), HAS_IDS=ids is not None, num_warps=4,
+                            **pdl(_first_max_kernel, val.device, m))
     return tokens

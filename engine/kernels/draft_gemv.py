@@ -3,6 +3,7 @@
     norm_linear_argmax(x [M <= MAX_ROWS, K], norm_weight [K], eps, weight [V, K]) -> int64 [M]
                         (= F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1))
     linear_argmax(x [M <= MAX_ROWS, K], weight [V, K]) -> int64 [M]     (= F.linear(x, weight).float().argmax(-1))
+    either with ids [V] int64: ids[that argmax] (a draft vocabulary: weight holds its rows of the LM head)
 
 Through the target's final norm and LM head, a draft step's token is a norm kernel, a cuBLAS GEMM, a cast and
 torch's argmax, none launched dependently, so the next draft step's kernels cannot start early. Here it is two
@@ -43,23 +44,25 @@ def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return decode_gemv.supports(x, weight)
 
 
-def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                       ids: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1) in two kernels: x [M <=
     MAX_ROWS, K] (unit stride in K), weight [V, K] contiguous, of x's dtype (the LM head, or the tied
-    embedding). Returns int64 [M], the first maximal row on ties."""
+    embedding). Returns int64 [M], the first maximal row on ties (ids[that row] with ids [V] int64)."""
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES, x.device)
     decode_gemv._check(x, weight, norm_weight=norm_weight)
-    return _argmax(x, weight, "norm", norm_weight, eps)
+    return _argmax(x, weight, "norm", norm_weight, eps, ids)
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight).float().argmax(-1) in two kernels, for x and weight as norm_linear_argmax's."""
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight).float().argmax(-1) in two kernels, for x, weight and ids as norm_linear_argmax's."""
     decode_gemv._check(x, weight)
-    return _argmax(x, weight, "none")
+    return _argmax(x, weight, "none", ids=ids)
 
 
-def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0) -> torch.Tensor:
-    """The two kernels on checked inputs."""
+def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0, ids=None) -> torch.Tensor:
+    """The two kernels on checked inputs (ids checked here: the map's length is the weight's rows)."""
+    argmax.check_ids(ids, weight.shape[0], x.device)
     val, _, idx = decode_gemv.launch(x, weight, x.shape[1], prologue, nw=norm_weight, eps=eps, epilogue="argmax")
-    return argmax.first_max(val, idx, torch.empty(val.shape[0], dtype=torch.int64, device=x.device))
+    return argmax.first_max(val, idx, torch.empty(val.shape[0], dtype=torch.int64, device=x.device), ids)

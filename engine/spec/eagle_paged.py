@@ -154,13 +154,14 @@ class PagedHead:
     def greedy(self, hidden):
         """logits(hidden).argmax(-1) in the backend's norm + LM head + argmax kernels (int64 [N]), or None where it
         has none for the call. A target split over ranks keeps the logits: its vocabulary is gathered. With a
-        draft vocabulary, the argmax over its rows (by kernels or torch), as a token id."""
+        draft vocabulary, the argmax over its rows (by kernels or torch), as a token id (the kernels map it)."""
         t = self.target
         if t.tp.world > 1:
             return None
         if self.draft_ids is None:
             return self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, t.head_weight)
-        rows = self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, self.draft_weight)
-        if rows is None:
-            rows = linear(t.final_norm(hidden, self.backend), self.draft_weight).float().argmax(-1)
-        return self.draft_ids[rows]
+        tokens = self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, self.draft_weight,
+                                                 ids=self.draft_ids)
+        if tokens is None:
+            tokens = self.draft_ids[linear(t.final_norm(hidden, self.backend), self.draft_weight).float().argmax(-1)]
+        return tokens
