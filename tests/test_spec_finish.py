@@ -251,7 +251,7 @@ def test_engine_with_verify_gemv_and_spec_kernels(speculative, monkeypatch):
     """One stream, K = 3, verify_gemv: the kernel verifies the argmax kernels' ids, as the torch path does."""
     calls, argmax = _counting(monkeypatch), []
     real = dr.linear_argmax
-    monkeypatch.setattr(dr, "linear_argmax", lambda x, w: argmax.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: argmax.append(x.shape[0]) or real(x, *a))
     prompt = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99]]
     runs = {on: _run(_engine(speculative, 1, on, k=3, verify_gemv=True), prompt, (8,)) for on in (False, True)}
     assert runs[True] == runs[False] and calls and set(calls) == {(1, 4)} and set(argmax) == {4}

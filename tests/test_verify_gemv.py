@@ -103,7 +103,7 @@ def test_backend_dispatch(monkeypatch):
     caller computes the logits)."""
     from engine.attention import TorchAttention
     calls, real = [], dr.linear_argmax
-    monkeypatch.setattr(dr, "linear_argmax", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     x, w, five = randn(4, 64, seed=1), randn(100, 64, seed=3), randn(5, 64, seed=4)
     assert torch.equal(_backend(True).linear_argmax(x, w), torch_argmax(x, w)) and calls == [4]
     for backend, rows, gemv in [(_backend(True), five, True), (_backend(False), x, True), (_backend(True), x, False)]:
@@ -178,7 +178,7 @@ PROMPT = [5, 17, 99, 3, 250, 42, 7, 5, 17, 99]      # n-gram drafts from its rep
 def _counting(monkeypatch):
     calls = []
     real = dr.linear_argmax
-    monkeypatch.setattr(dr, "linear_argmax", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     return calls
 
 
