@@ -72,8 +72,6 @@ def test_refusals(tmp_path):
     (tmp_path / "w.json").write_text(json.dumps(["a"]))
     with pytest.raises(ValueError, match="list of token ids"):
         load_draft_vocab(str(tmp_path / "w.json"))
-    with pytest.raises(ValueError, match="spec_draft_vocab"):
-        EngineConfig(spec_draft_vocab_size=8)
     with pytest.raises(ValueError, match="spec_draft_vocab_size"):
         EngineConfig(spec_draft_vocab="v.json", spec_draft_vocab_size=-1)
 
@@ -95,3 +93,31 @@ def test_token_ranks_counts_responses_and_scores_held_out_coverage(tmp_path, cap
     assert set(out["coverage"]) == {"all", "chat"}
     assert json.loads((tmp_path / "r.json").read_text())["token_ids"] == out["token_ids"]
     assert "held-out coverage" in capsys.readouterr().out
+    kept = token_ranks.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "k.json"), "--vocab", "12",
+                             "--holdout-every", "2", "--sizes", "1", "2", "12", "--keep", "3"])
+    assert kept["token_ids"] == [5, 7, 8] and kept["counts"] == [1, 1, 1] and kept["coverage"] == out["coverage"]
+
+
+def test_the_heads_ranking_is_the_default(tmp_path):
+    """spec_draft_vocab "": the head directory's token_ranks.json where it has one; "none": every id."""
+    from engine.spec.drafters import draft_vocab_file
+    (tmp_path / "token_ranks.json").write_text(json.dumps([3, 2, 1]))
+    assert draft_vocab_file("", str(tmp_path)) == str(tmp_path / "token_ranks.json")
+    assert draft_vocab_file("mine.json", str(tmp_path)) == "mine.json"
+    assert draft_vocab_file("none", str(tmp_path)) == ""
+    assert draft_vocab_file("", str(tmp_path / "elsewhere")) == draft_vocab_file("", "random") == ""
+
+
+@pytest.mark.slow
+def test_the_shipped_head_drafts_from_its_ranking():
+    """The default model's engine loads the shipped head's ranking (16 K ids by default; distinct and in the
+    vocabulary, or restrict refuses it); "none" keeps the whole vocabulary."""
+    from engine.llm_engine import LLMEngine
+    heads = {}
+    for vocab in ("", "none"):
+        eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=1,
+                        speculative="eagle", num_speculative_tokens=2, spec_draft_vocab=vocab)
+        heads[vocab] = eng.runner.program.drafter.head
+        eng.close()
+    assert heads[""].draft_ids.numel() == 16384 and heads[""].draft_weight.shape[0] == 16384
+    assert heads["none"].draft_ids is None

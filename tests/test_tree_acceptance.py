@@ -63,8 +63,9 @@ def test_offline_chain_matches_the_engines_eagle_acceptance(chat_prompts):
     from engine.requests.sequence import SamplingParams
     from specdec.acceptance import tree_study
     k, prompts, max_tokens = 3, chat_prompts[:3], 40
-    eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=1,
-                    speculative="eagle", num_speculative_tokens=k, spec_min_acceptance=0.0)
+    eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=1,   # the ranks are
+                    speculative="eagle", num_speculative_tokens=k, spec_min_acceptance=0.0,   # over every id
+                    spec_draft_vocab="none")
     try:
         seqs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     finally:

@@ -1,6 +1,6 @@
 """`python -m specdec.eagle.token_ranks`: the target's response tokens ranked by frequency, for a draft vocabulary.
 
-    python -m specdec.eagle.token_ranks --data-dir OUT/data --out token_ranks.json
+    python -m specdec.eagle.token_ranks --data-dir OUT/data --out token_ranks.json [--keep 32768]
 
 Reads the responses `specdec.train_head --stage generate` wrote (the target's own outputs), counts each token of
 every response, and writes the token ids most frequent first (then the ones never seen, by id) with their counts.
@@ -27,9 +27,10 @@ def parse_args(argv=None):
     p.add_argument("--holdout-every", type=int, default=10, help="every N-th response scores coverage (0: none)")
     p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--max-len", type=int, default=1 << 20)
+    p.add_argument("--keep", type=int, default=0, help="write only the first N ranked ids (0: all)")
     args = p.parse_args(argv)
-    if args.holdout_every < 0 or any(n < 1 for n in args.sizes):
-        p.error("--holdout-every must be >= 0 and every size >= 1")
+    if args.holdout_every < 0 or any(n < 1 for n in args.sizes) or args.keep < 0:
+        p.error("--holdout-every and --keep must be >= 0 and every size >= 1")
     return args
 
 
@@ -63,11 +64,12 @@ def main(argv=None) -> dict:
     scores = {"all": coverage(ranked, [ids[p:] for ids, p, _ in held], args.sizes)}
     for kind in kinds:
         scores[kind] = coverage(ranked, [ids[p:] for ids, p, k in held if k.split("_")[0] == kind], args.sizes)
-    out = dict(token_ids=ranked, counts=[counts.get(t, 0) for t in ranked], responses=len(train),
+    kept = ranked[:args.keep] if args.keep else ranked
+    out = dict(token_ids=kept, counts=[counts.get(t, 0) for t in kept], responses=len(train),
                tokens=sum(counts.values()), distinct=len(counts), held_out_responses=len(held),
                coverage={k: {str(n): v for n, v in s.items()} for k, s in scores.items()})
     with open(args.out, "w") as f:
-        json.dump(out, f)
+        json.dump(out, f, separators=(",", ":"))
     print(f"{len(train)} responses, {out['tokens']:,} tokens, {len(counts):,} distinct ids; held-out coverage:")
     print("| held out | " + " | ".join(str(n) for n in args.sizes) + " |")
     print("|---" * (len(args.sizes) + 1) + "|")

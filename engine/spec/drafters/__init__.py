@@ -39,8 +39,9 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         check_head(head, source.config)
         k = config.num_speculative_tokens
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
-        if config.spec_draft_vocab:
-            paged.restrict(load_draft_vocab(config.spec_draft_vocab, config.spec_draft_vocab_size))
+        vocab = draft_vocab_file(config.spec_draft_vocab, where)
+        if vocab:
+            paged.restrict(load_draft_vocab(vocab, config.spec_draft_vocab_size))
         return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(), config.draft_gather)
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
@@ -48,6 +49,18 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         return DraftModelDrafter(config.num_speculative_tokens, build_model(draft, dtype, device, max_model_len + 1),
                                  backend, num_blocks, config.block_size, max_model_len, config.use_spec_kernels())
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
+
+
+def draft_vocab_file(spec_draft_vocab: str, head: str) -> str:
+    """The ranking unguided drafts come from: EngineConfig.spec_draft_vocab's file, or ("") the head directory's
+    token_ranks.json where it has one; "" for the whole vocabulary ("none", a random head, a head without one)."""
+    from pathlib import Path
+    if spec_draft_vocab == "none":
+        return ""
+    if spec_draft_vocab:
+        return spec_draft_vocab
+    ranks = Path(head) / "token_ranks.json"
+    return str(ranks) if head != "random" and ranks.is_file() else ""
 
 
 def load_draft_vocab(path: str, size: int = 0) -> list[int]:
