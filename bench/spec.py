@@ -217,7 +217,8 @@ def main(argv=None):
         drafted = [r for r in speed if r["drafter"] != "none"]
         if len({r["k"] for r in drafted}) > 1:
             for r in drafted:
-                r["curve"] = f"{r['drafter']} {r['variant']} {r['dataset']}, {r['streams']} streams".replace("  ", " ")
+                name = " ".join(x for x in (r["drafter"], r["variant"], r["dataset"]) if x)
+                r["curve"] = f"{name}, {r['streams']} streams"
             plot(drafted, "k", "speedup", "curve", out.with_name(out.stem + "_speedup.png"),
                  "tokens/s over no speculation vs K (same run)")
     text = "\n".join(md)

@@ -55,8 +55,8 @@ class DraftModelDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         self.observe(ctx)
         start = ctx.last_position()
-        pos, metas, _ = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size, self.max_model_len,
-                                  self.spec_kernels)
+        pos, metas, _ = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size,
+                                     self.max_model_len, self.spec_kernels)
         token, drafts = ctx.next_ids[ctx.last], []
         for j in range(self.num_speculative_tokens):
             hidden = self.model(token, pos[j], metas[j], self.kv_caches, self.backend)
