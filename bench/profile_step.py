@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE", help="further EngineConfig fields")
     p.add_argument("--top", type=int, default=15, help="kernels listed by time per step")
+    p.add_argument("--by-grid", action="store_true",
+                   help="also list kernels by name and launch grid (each matmul shape apart) from the trace")
     return p.parse_args(argv)
 
 
@@ -111,6 +113,26 @@ def kernel_summary(events, steps: int, top: int = 15) -> dict:
                 busy_frac=busy_fraction(events), kinds=kinds, top_kernels=dict(names[:top]))
 
 
+class _TraceKernel:
+    """A kernel of an exported trace, shaped as a profiler event for _per_step: name (with its grid), span."""
+    def __init__(self, ev: dict):
+        self.name = f"{ev['name'][:60]} grid={tuple(ev.get('args', {}).get('grid', ()))}"
+        start = float(ev["ts"])
+        self.time_range = type("Span", (), dict(start=start, end=start + float(ev.get("dur", 0.0))))
+
+
+def kernels_by_grid(prof, steps: int, top: int) -> dict:
+    """Kernels keyed by name and grid, from the profiler's exported trace (events do not carry the grid)."""
+    import json
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    events = [_TraceKernel(ev) for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel"]
+    rows = sorted(_per_step(events, lambda e: e.name, steps).items(), key=lambda kv: -kv[1]["path_us_per_step"])
+    return dict(rows[:top])
+
+
 def _prompt(eng, text: str) -> list[int]:
     """Through the chat template where the model has one (dummy weights have none: 32 fixed ids)."""
     try:
@@ -143,6 +165,8 @@ def profile(args, streams: int) -> dict:
                 eng.step()
             torch.cuda.synchronize()
         kernels = kernel_summary(device_events(prof), args.steps, args.top)
+        if args.by_grid:
+            kernels["by_grid"] = kernels_by_grid(prof, args.steps, 2 * args.top)
     rec = record("profile_step", args.tag or "plain", eng.source.name, args.dtype, streams, None, None,
                  host["period_ms"], tag=args.tag, steps=args.steps, engine=extra, **host, **kernels)
     eng.close()
@@ -167,6 +191,10 @@ def main(argv=None):
             rows = [dict(kernel=f"`{k}`", **v) for k, v in r["top_kernels"].items()]
             text += (f"\n\n{r['streams']} streams, the kernels holding the most of the step's critical path "
                      "(path_us: how far each moves the latest end, in the order kernels end):\n\n") + markdown_table(
+                rows, ["kernel", "per_step", "us_per_step", "path_us_per_step"])
+        if r.get("by_grid"):
+            rows = [dict(kernel=f"`{k}`", **v) for k, v in r["by_grid"].items()]
+            text += f"\n\n{r['streams']} streams, kernels by name and launch grid:\n\n" + markdown_table(
                 rows, ["kernel", "per_step", "us_per_step", "path_us_per_step"])
     with open(str(out).rsplit(".", 1)[0] + ".md", "w") as f:
         f.write(text + "\n")

@@ -90,6 +90,12 @@ class _Matmuls:
         out = linear(self.ops.silu_mul(gate_up), weight)
         return out if residual is None else residual + out
 
+    def norm_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual: bool = False):
+        """The MLP after a norm: (silu_linear(norm_linear(x, residual, ...)), the new residual), with the new
+        residual added to the output where add_residual (the EAGLE head's)."""
+        gate_up, residual = self.norm_linear(x, residual, norm_weight, eps, gate_up_weight)
+        return self.silu_linear(gate_up, down_weight, residual if add_residual else None), residual
+
     def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
         """linear(rms_norm(x)).float().argmax(-1) (int64, the first maximum; ids[it] where an int64 map of
         weight's rows is given) in kernels of the backend's (`gemv`: the decode GEMV's too), or None where it
@@ -130,7 +136,7 @@ class TritonAttention(_Matmuls):
 
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
-                 split_merge: bool = False, device=None):
+                 split_merge: bool = False, silu_epilogue: bool = False, device=None):
         from engine.kernels import argmax, bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
         from engine.kernels import fused_ops, paged_attention
         if draft_gemv and not decode_gemv:
@@ -149,6 +155,7 @@ class TritonAttention(_Matmuls):
         self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
         self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
+        self._silu_epilogue = silu_epilogue             # norm_mlp: SiLU * up in the GEMV of gate_up where it takes it
         # split_merge: the counters of split attention's groups, zero between kernels (each launch leaves them so);
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
@@ -199,6 +206,19 @@ class TritonAttention(_Matmuls):
         if kernels := self._gemv_for(gate_up, weight, None, k=gate_up.shape[-1] // 2, add=residual):
             return kernels.decode_silu_linear(gate_up, weight, residual)
         return super().silu_linear(gate_up, weight, residual)
+
+    def norm_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual: bool = False):
+        gemv = self._gemv
+        takes = self._silu_epilogue and gemv is not None and gemv.silu_mul_fits(gate_up_weight) and \
+            self._gemv_for(x, gate_up_weight, None, norm_weight=norm_weight, residual=residual) is gemv
+        if not takes:
+            return super().norm_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual)
+        act, residual = gemv.decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual)
+        add = residual if add_residual else None
+        if add is not None and self._draft is not None and self._gemv_for(act, down_weight, None, add=add) is gemv:
+            return gemv.decode_linear(act, down_weight, add), residual      # the residual epilogue is draft_gemv's
+        out = self.linear(act, down_weight)
+        return (out if add is None else add + out), residual
 
     # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only (`gemv` False: none); other
     # steps take the logits' argmax in engine/kernels/argmax.py, on the logits of the reference path (cuBLAS),

@@ -62,6 +62,8 @@ class EngineConfig:
                                        # kernel (a counter per group, engine/kernels/split_merge.py), not in a
                                        # combine kernel of its own, where the backend is Triton; off: 30 kernels
                                        # fewer a step, no time saved on an H100 (bench/results/switches/)
+    silu_epilogue: bool = True         # steps on the decode GEMV: SiLU * up in the epilogue of the gate_up GEMV, so
+                                       # the down projection reads the activation (engine/kernels/decode_gemv.py)
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec_ops.py) where the backend is Triton
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's

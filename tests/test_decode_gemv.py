@@ -66,6 +66,35 @@ def test_silu_prologue_matches_silu_then_linear(dtype):
         dg.decode_silu_linear(randn(2, 95, seed=17, dtype=dtype), w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,residual", [(1, False), (3, True)])
+def test_silu_epilogue_matches_norm_linear_then_silu_mul(dtype, m, residual):
+    """gate_up's GEMV with SiLU * up in its epilogue gives silu_mul of the GEMV's own gate_up (each program pairs
+    gate rows with the up rows of the same columns: 5 programs here, the last one ragged), and the same residual."""
+    from engine.kernels.fused_ops import silu_mul_ref
+    k, inter = 576, 19                                  # BLOCK_N 8: 4 columns a program
+    x = randn(m, k, seed=31, dtype=dtype) * 2
+    res = randn(m, k, seed=32, dtype=dtype) if residual else None
+    nw = randn(k, seed=33, dtype=dtype)
+    w = randn(2 * inter, k, seed=34, dtype=dtype) / k ** 0.5
+    act, new_res = dg.decode_norm_linear_silu(x, nw, 1e-5, w, res)
+    gate_up, want_res = dg.decode_norm_linear(x, nw, 1e-5, w, res)
+    want = silu_mul_ref(gate_up)
+    assert act.shape == (m, inter) and act.dtype == dtype
+    assert torch.equal(new_res, want_res)
+    # the kernel's SiLU is g / (1 + exp(-g)), torch's another formula: one rounding apart at most
+    torch.testing.assert_close(act, want, rtol=TOL[dtype][0], atol=1e-6)
+
+
+def test_silu_epilogue_refusals():
+    x, nw = randn(1, 64, seed=35, dtype=torch.float32), randn(64, seed=36, dtype=torch.float32)
+    assert dg.silu_mul_fits(randn(8, 64, seed=37, dtype=torch.float32))
+    assert not dg.silu_mul_fits(randn(7, 64, seed=37, dtype=torch.float32))            # no [gate; up] halves
+    assert not dg.silu_mul_fits(torch.empty(8, 8192))                                   # one weight row a program
+    with pytest.raises(ValueError, match="even N"):
+        dg.decode_norm_linear_silu(x, nw, 1e-5, randn(7, 64, seed=37, dtype=torch.float32))
+
+
 def test_blocks_cover_every_row_and_fit_the_register_budget():
     for n, k in [(960, 576), (49152, 576), (576, 1536), (2048, 8192), (1, 3)]:
         cfg = dg.decode_gemv_config(n, k)
@@ -114,9 +143,37 @@ def test_backend_takes_the_gemv_for_a_few_rows_and_falls_back_otherwise(monkeypa
     assert calls == []
 
 
+@pytest.mark.parametrize("add_residual", [False, True])
+def test_backend_mlp_takes_the_silu_epilogue_where_the_gemv_takes_gate_up(monkeypatch, add_residual):
+    """norm_mlp: with silu_epilogue, gate_up's GEMV stores SiLU * up and the down projection reads it (the
+    head's residual added in the GEMV's epilogue with draft_gemv); the outputs are the two-kernel path's. Off, or
+    for more rows than the GEMV takes, the two-kernel path runs."""
+    from engine.attention import TritonAttention
+    calls = []
+    for name in ("decode_norm_linear_silu", "decode_linear", "decode_norm_linear", "decode_silu_linear"):
+        real = getattr(dg, name)
+        monkeypatch.setattr(dg, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    on = TritonAttention(decode_gemv=True, draft_gemv=True, silu_epilogue=True)
+    off = TritonAttention(decode_gemv=True, silu_epilogue=False)
+    on._gemv = off._gemv = dg                         # the interpreter-built module of this test file
+    args = lambda m: (randn(m, 64, seed=40, dtype=torch.float32), randn(m, 64, seed=41, dtype=torch.float32),
+                      randn(64, seed=42, dtype=torch.float32), 1e-5, randn(48, 64, seed=43, dtype=torch.float32),
+                      randn(64, 24, seed=44, dtype=torch.float32))
+    got = on.norm_mlp(*args(2), add_residual=add_residual)
+    assert calls == ["decode_norm_linear_silu", "decode_linear"]
+    calls.clear()
+    want = off.norm_mlp(*args(2), add_residual=add_residual)
+    assert calls == ["decode_norm_linear", "decode_silu_linear"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    on.norm_mlp(*args(dg.MAX_ROWS + 1))
+    assert "decode_norm_linear_silu" not in calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("m", [2, 3, 4, 8])
-@pytest.mark.parametrize("op", ["norm", "silu", "none", "add", "argmax"])
+@pytest.mark.parametrize("op", ["norm", "silu", "none", "add", "argmax", "silu_mul"])
 def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
     """The at-once path (steps of 2-4 rows by default) and the loop over rows agree for every prologue and
     epilogue: the same bits in the interpreter; compiled, the product's reduction may sum K in another order, so
@@ -132,7 +189,9 @@ def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
     elif op == "argmax":
         w[7] = w[30]                                   # a tie across programs: the first row must win in both
         kw = dict(epilogue="argmax")
-    prologue = op if op in ("norm", "silu") else "none"
+    elif op == "silu_mul":
+        kw = dict(nw=randn(k, seed=23, dtype=dtype), eps=1e-5, epilogue="silu_mul")
+    prologue = {"norm": "norm", "silu": "silu", "silu_mul": "norm"}.get(op, "none")
     assert dg.decode_gemv_config(n, k, m)["ROWS"] == (triton.next_power_of_2(m) if m <= 4 else 0)
     loop = dg.launch(x, w, k, prologue, at_once=False, **kw)
     once = dg.launch(x, w, k, prologue, at_once=True, **kw)

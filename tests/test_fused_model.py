@@ -46,6 +46,12 @@ def test_fused_logits_close_to_reference():
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_fused_path_with_silu_as_the_down_projections_prologue(reference):
+    """silu_epilogue off: the decode GEMV of gate_up stores gate_up and the down projection's computes SiLU * up,
+    with the same tokens."""
+    assert _tokens("triton", 2, max_num_batched_tokens=16, decode_gemv=True, silu_epilogue=False) == reference
+
+
 def test_fused_path_with_rope_as_its_own_kernel(reference):
     """rope_attention off: RoPE + KV store run as their own kernel before attention, with the same tokens."""
     assert _tokens("triton", 2, max_num_batched_tokens=16, rope_attention=False) == reference

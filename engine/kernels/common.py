@@ -48,6 +48,11 @@ def is_interpreted(fn) -> bool:
     return type(fn).__name__ == "InterpretedFunction"
 
 
+def kernels_interpreted() -> bool:
+    """True when this process's kernels run in the CPU interpreter (TRITON_INTERPRET=1 when Triton loaded)."""
+    return is_interpreted(_max_op)
+
+
 _LOCAL_REDUCE = tl.constexpr(is_interpreted(_max_op) and not is_interpreted(tl.max))
 
 

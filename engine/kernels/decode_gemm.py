@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import decode_gemv
+from engine.kernels import decode_gemv, gemv_checks
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 
 MIN_ROWS = 1
@@ -212,7 +212,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_w
              add=None) -> bool:
     """Whether these kernels take a call (the arguments as decode_gemv.supports'); a caller falls back to the
     separate kernels and cuBLAS otherwise."""
-    return decode_gemv._problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add,
+    return gemv_checks.problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add,
                                 **_LIMITS) is None
 
 
@@ -240,14 +240,14 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) for x [MIN_ROWS <= M <= MAX_ROWS, K] (unit stride in K), weight [N, K <= MAX_K]."""
-    decode_gemv._check(x, weight, **_LIMITS)
+    gemv_checks.check(x, weight, **_LIMITS)
     return launch(x, weight, x.shape[1], "none")[0]
 
 
 def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
     new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
-    decode_gemv._check(x, weight, norm_weight=norm_weight, residual=residual, **_LIMITS)
+    gemv_checks.check(x, weight, norm_weight=norm_weight, residual=residual, **_LIMITS)
     return launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual)[:2]
 
 
@@ -256,6 +256,6 @@ def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=Non
     residual [M, N]: residual + that, rounded as the two torch ops round it."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [M, 2 * I], got {tuple(gate_up.shape)}")
-    decode_gemv._check(gate_up, weight, gate_up.shape[1] // 2, add=residual, **_LIMITS)
+    gemv_checks.check(gate_up, weight, gate_up.shape[1] // 2, add=residual, **_LIMITS)
     return launch(gate_up, weight, gate_up.shape[1] // 2, "silu", add=residual,
                   epilogue="store" if residual is None else "add")[0]

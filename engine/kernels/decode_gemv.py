@@ -5,6 +5,8 @@
                                                           (= F.linear(fused_ops.rms_norm(...), weight))
     decode_silu_linear(gate_up, weight, residual=None) -> out
                                                   (= [residual +] F.linear(fused_ops.silu_mul(gate_up), weight))
+    decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual=None) -> (act, new_residual)
+                                                  (= fused_ops.silu_mul(decode_norm_linear(...)[0]))
 
 At one stream a decode step's matmuls read 7 MB of weights per SmolLM2 layer in ~4 µs kernels whose bandwidth
 floor is ~0.5 µs: they are latency, not bandwidth. Each program here owns BLOCK_N whole weight rows and loads
@@ -17,8 +19,12 @@ A program holds whole rows of x too, so the op before the matmul comes free: the
 qkv and gate_up, SiLU * up before down. Each program recomputes it on its copy of x (576 or 1536 values), and
 program 0 stores the new residual; the separate norm and SiLU kernels, 90 of a step's ~310, are gone.
 
-The op after comes free too (EPILOGUE): the EAGLE head's residual add after its down projection, or the argmax
-of each row over the program's outputs, the LM head's first half of a greedy draft (engine/kernels/draft_gemv.py).
+The op after comes free too (EPILOGUE): the EAGLE head's residual add after its down projection, the argmax of
+each row over the program's outputs (the LM head's first half of a greedy draft, engine/kernels/draft_gemv.py),
+or SiLU * up ("silu_mul"): a program of gate_up takes gate rows and the up rows of the same columns, so it stores
+the activation itself. The down projection after it then reads I values a row, not 2 I, and computes no SiLU:
+with the SiLU prologue every one of its programs recomputed the whole row's (8192 exp a program at Llama 1B's
+down, 2048 programs).
 
 Rows. A loop over rows makes each row a pass that waits on the one before (its x load, its reductions, its
 stores): ~0.4-1.6 us a row at SmolLM2's shapes. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at
@@ -37,12 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import gemv_checks
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
-from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
+from engine.kernels.gemv_checks import check, problem
 
-MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (past AT_ONCE_ROWS a row is a pass over the registers);
-                        # the engine hands it steps of up to EngineConfig.decode_gemv_rows (4 unless raised)
-MAX_K = 8192            # a whole weight row sits in registers
+MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K these kernels take
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
 AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
@@ -56,13 +61,20 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
     """y[m] = A[m] @ w.T with A = x ("none"), rms_norm(x [+ res]) ("norm"; program 0 stores the new residual)
     or silu(x[:, :K]) * x[:, K:] ("silu"). A is rounded to the dtype as the separate kernels round it, y as
     F.linear rounds it. The epilogue stores out[m] = y[m] ("store"), y[m] + add[m] rounded as torch's add
-    ("add"), or this program's largest y[m, n] and its first n at out[m, pid] / idx[m, pid] ("argmax").
+    ("add"), this program's largest y[m, n] and its first n at out[m, pid] / idx[m, pid] ("argmax"), or
+    silu_mul of y[m] as [gate; up] of N columns each ("silu_mul", _silu_store).
     ROWS = 0: a pass over the registers per row; ROWS >= M: every row at once (_rows_at_once)."""
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EPILOGUE == "silu_mul":      # weight = [gate; up], N rows each: block row j is act column pid * BLOCK_N / 2 +
+        offs_j = tl.arange(0, BLOCK_N)                  # j // 2's gate row (j even) or its up row (j odd)
+        offs_a = pid * (BLOCK_N // 2) + offs_j // 2
+        offs_n, n_ok = offs_a + (offs_j % 2) * N, offs_a < N
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    n_ok, k_ok = offs_n < N, offs_k < K
+    k_ok = offs_k < K
     # the weights do not depend on the kernel before: read them before waiting for it
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)
@@ -75,7 +87,7 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
     if ROWS:
         _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res, stride_out,
                       stride_new_res, stride_add, M, N, K, eps, pid, offs_n, offs_k, n_ok, k_ok, PROLOGUE,
-                      HAS_RESIDUAL, EPILOGUE, ROWS)
+                      HAS_RESIDUAL, EPILOGUE, ROWS, BLOCK_N)
     else:
         for m in range(M):
             x = tl.load(x_ptr + m * stride_x + offs_k, mask=k_ok, other=0.0)
@@ -103,6 +115,9 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
                 top = reduce_max(v, 0)
                 tl.store(out_ptr + m * stride_out + pid, top)
                 tl.store(idx_ptr + m * stride_out + pid, reduce_min(tl.where(v == top, offs_n, N), 0))
+            elif EPILOGUE == "silu_mul":
+                rows = tl.full([1], m, tl.int32)
+                _silu_store(out_ptr, y[None, :], rows, rows < M, stride_out, N, pid, 1, BLOCK_N)
             else:
                 if EPILOGUE == "add":
                     r = tl.load(add_ptr + m * stride_add + offs_n, mask=n_ok, other=0.0)
@@ -113,7 +128,8 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
 @triton.jit
 def _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res, stride_out,
                   stride_new_res, stride_add, M, N, K, eps, pid, offs_n, offs_k, n_ok, k_ok,
-                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr):
+                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     """The kernel's work after the wait for all M <= ROWS rows together: one load of x [ROWS, BLOCK_K], the
     prologue on all of it, one product [ROWS, BLOCK_N, BLOCK_K] reduced over K. The row loop's passes wait on
     each other (a row's x load, its reductions and stores, then the next row's); here those latencies overlap.
@@ -130,12 +146,26 @@ def _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr,
         tl.store(out_ptr + offs_m * stride_out + pid, top, mask=m_ok)
         first = reduce_min(tl.where(v == top[:, None], offs_n[None, :], N), 1)
         tl.store(idx_ptr + offs_m * stride_out + pid, first, mask=m_ok)
+    elif EPILOGUE == "silu_mul":
+        _silu_store(out_ptr, y, offs_m, m_ok, stride_out, N, pid, ROWS, BLOCK_N)
     else:
         ym = m_ok[:, None] & n_ok[None, :]
         if EPILOGUE == "add":
             r = tl.load(add_ptr + offs_m[:, None] * stride_add + offs_n[None, :], mask=ym, other=0.0)
             y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
         tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], y, mask=ym)
+
+
+@triton.jit
+def _silu_store(out_ptr, y, rows, rows_ok, stride_out, N, pid, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[rows, pid * BLOCK_N / 2 + h] = silu(gate) * up of the block's pairs (y [R, BLOCK_N], rounded to the
+    dtype: gate, up, gate, up, ...), in fp32 rounded once, as fused_ops.silu_mul on the gate_up they round to."""
+    H: tl.constexpr = BLOCK_N // 2
+    g, u = tl.split(tl.reshape(y.to(tl.float32), (R, H, 2)))
+    act = round_to(g / (1.0 + tl.exp(-g)) * u, out_ptr.dtype.element_ty)
+    offs_h = pid * H + tl.arange(0, H)
+    mask = rows_ok[:, None] & (offs_h < N)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + offs_h[None, :], act, mask=mask)
 
 
 @triton.jit
@@ -183,49 +213,12 @@ def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None) 
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=4 if block_k <= 2048 else 8)
 
 
-def _problem(x, weight, k, norm_weight=None, residual=None, add=None, rows=(1, MAX_ROWS), max_k=MAX_K) -> str | None:
-    """Why these kernels cannot take a call, or None: one list of conditions for supports() and the checks
-    (rows, max_k: the limits of the kernel asking, decode_gemm.py's too)."""
-    if x.dim() != 2 or weight.dim() != 2:
-        return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
-    if not rows[0] <= x.shape[0] <= rows[1]:
-        return f"x has {x.shape[0]} rows; these kernels take {rows[0]} to {rows[1]}"
-    if weight.shape[1] != k or not 0 < k <= max_k or weight.shape[0] == 0:
-        return f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} (K at most {max_k})"
-    if not weight.is_contiguous() or x.stride(1) != 1:
-        return "weight must be contiguous and x must have unit stride in K"
-    if x.dtype != weight.dtype:
-        return f"weight dtype {weight.dtype} != x dtype {x.dtype}"
-    if x.device.type != "cuda" and not is_interpreted(_decode_gemv_kernel):
-        return f"x on {x.device} needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1)"
-    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
-                                    or norm_weight.device != x.device):
-        return f"norm_weight must be [{k}] of x's dtype and device"
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        return "residual must match x's shape and dtype, with unit stride in K"
-    if add is not None and (add.shape != (x.shape[0], weight.shape[0]) or add.dtype != x.dtype
-                            or add.device != x.device or add.stride(1) != 1):
-        return f"the added residual must be [{x.shape[0]}, {weight.shape[0]}] of x's dtype and device, unit stride in N"
-    return None
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,
              add=None) -> bool:
     """Whether these kernels take a call on x with this weight (k: the matmul's K when it is not x's width, as
     for silu's gate and up halves; norm_weight / residual: decode_norm_linear's; add: decode_silu_linear's
     residual); a caller falls back to the separate kernels and cuBLAS otherwise."""
-    return _problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add) is None
-
-
-def _check(x, weight, k=None, norm_weight=None, residual=None, add=None, **limits):
-    _check_tensor("x", x, 2, _FLOAT_DTYPES)
-    _check_tensor("weight", weight, 2, _FLOAT_DTYPES, x.device)
-    _check_same("weight", weight, "x", x, shape=False)
-    if add is not None:
-        _check_tensor("residual", add, 2, _FLOAT_DTYPES, x.device)
-    problem = _problem(x, weight, x.shape[1] if k is None else k, norm_weight, residual, add, **limits)
-    if problem:
-        raise ValueError(problem)
+    return problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add) is None
 
 
 def buffers(x, n: int, k: int, grid: int, epilogue: str, residual=None, add=None):
@@ -242,11 +235,16 @@ def buffers(x, n: int, k: int, grid: int, epilogue: str, residual=None, add=None
 
 
 def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store", at_once=None):
-    """The kernel on checked inputs -> (out, new_residual, idx): out [M, N] and idx = x, or with "argmax" each
-    program's maximum [M, programs] (fp32) and its row idx (int32). at_once: decode_gemv_config's (benches)."""
+    """The kernel on checked inputs -> (out, new_residual, idx): out [M, N] and idx = x, with "silu_mul" out
+    [M, N / 2], or with "argmax" each program's maximum [M, programs] (fp32) and its row idx (int32). at_once:
+    decode_gemv_config's (benches)."""
     m, n = x.shape[0], weight.shape[0]
     cfg = decode_gemv_config(n, k, m, at_once)
-    grid = triton.cdiv(n, cfg["BLOCK_N"])
+    if epilogue == "silu_mul":      # a program's BLOCK_N weight rows give BLOCK_N / 2 outputs
+        n //= 2
+        grid = triton.cdiv(n, cfg["BLOCK_N"] // 2)
+    else:
+        grid = triton.cdiv(n, cfg["BLOCK_N"])
     out, idx, new_res, res, add = buffers(x, n, k, grid, epilogue, residual, add)
     _decode_gemv_kernel[(grid,)](
         x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),
@@ -255,17 +253,34 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     return out, new_res, idx
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <= MAX_K]."""
-    _check(x, weight)
-    return launch(x, weight, x.shape[1], "none")[0]
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, add=None) -> torch.Tensor:
+    """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <= MAX_K];
+    with add [M, N]: add + that, rounded as the two torch ops round it."""
+    check(x, weight, add=add)
+    return launch(x, weight, x.shape[1], "none", add=add, epilogue="store" if add is None else "add")[0]
 
 
 def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
     new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
-    _check(x, weight, norm_weight=norm_weight, residual=residual)
+    check(x, weight, norm_weight=norm_weight, residual=residual)
     return launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual)[:2]
+
+
+def silu_mul_fits(weight: torch.Tensor) -> bool:
+    """Whether decode_norm_linear_silu takes this [gate; up] weight: an even N, and a program holding at least
+    one gate row and its up row (BLOCK_N >= 2: K <= 4096)."""
+    return weight.dim() == 2 and weight.shape[0] % 2 == 0 and decode_gemv_config(*weight.shape)["BLOCK_N"] >= 2
+
+
+def decode_norm_linear_silu(x, norm_weight, eps: float, weight, residual=None):
+    """fused_ops.silu_mul(decode_norm_linear(...)) in one kernel, for weight = [gate; up] ([2 * I, K]): each
+    program computes gate rows and their up rows and stores silu(gate) * up. Returns (act [M, I], new_residual)
+    as decode_norm_linear's."""
+    check(x, weight, norm_weight=norm_weight, residual=residual)
+    if not silu_mul_fits(weight):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [gate; up] with an even N and K <= 4096")
+    return launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual, epilogue="silu_mul")[:2]
 
 
 def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=None) -> torch.Tensor:
@@ -273,6 +288,6 @@ def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=Non
     residual [M, N]: residual + that, rounded as the two torch ops round it."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [M, 2 * I], got {tuple(gate_up.shape)}")
-    _check(gate_up, weight, gate_up.shape[1] // 2, add=residual)
+    check(gate_up, weight, gate_up.shape[1] // 2, add=residual)
     return launch(gate_up, weight, gate_up.shape[1] // 2, "silu", add=residual,
                   epilogue="store" if residual is None else "add")[0]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import argmax, decode_gemv
+from engine.kernels import argmax, decode_gemv, gemv_checks
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
 
 MAX_ROWS = decode_gemv.MAX_ROWS
@@ -51,13 +51,13 @@ def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     embedding). Returns int64 [M], the first maximal row on ties (ids[that row] with ids [V] int64)."""
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES, x.device)
-    decode_gemv._check(x, weight, norm_weight=norm_weight)
+    gemv_checks.check(x, weight, norm_weight=norm_weight)
     return _argmax(x, weight, "norm", norm_weight, eps, ids)
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight).float().argmax(-1) in two kernels, for x, weight and ids as norm_linear_argmax's."""
-    decode_gemv._check(x, weight)
+    gemv_checks.check(x, weight)
     return _argmax(x, weight, "none", ids=ids)
 
 

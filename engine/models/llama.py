@@ -132,9 +132,6 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj((F.silu(gate.float()) * up.float()).to(x.dtype))  # fp32, rounded once
 
-    def down_fused(self, gate_up, backend):
-        return backend.silu_linear(gate_up, self.down_proj.weight)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: dict, layer_idx: int, tp=SINGLE):
@@ -156,8 +153,10 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, layer_input = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend)
         h = self.tp.all_reduce(attn.forward_fused(qkv, positions, rope_cache, meta, kv_cache, backend))
-        gate_up, residual = _norm_proj(h, layer_input, self.post_attention_layernorm, mlp.gate_up_proj, backend)
-        return self.tp.all_reduce(mlp.down_fused(gate_up, backend)), residual, layer_input
+        norm = self.post_attention_layernorm
+        out, residual = backend.norm_mlp(h, layer_input, norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                         mlp.down_proj.weight)
+        return self.tp.all_reduce(out), residual, layer_input
 
 
 def _norm_proj(h, residual, norm: RMSNorm, proj: Linear, backend):

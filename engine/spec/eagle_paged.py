@@ -124,8 +124,8 @@ class PagedHead:
         """o_proj, the residual, the post-attention norm and the MLP on the attention output [N, heads, head_dim]."""
         h = self.head
         o = self.backend.linear(out.flatten(1), h.o_proj.weight)
-        gate_up, hidden = self.backend.norm_linear(o, residual, h.post_norm, self.cfg.rms_norm_eps, self.gate_up_weight)
-        return self.backend.silu_linear(gate_up, h.down_proj.weight, residual=hidden)
+        return self.backend.norm_mlp(o, residual, h.post_norm, self.cfg.rms_norm_eps, self.gate_up_weight,
+                                     h.down_proj.weight, add_residual=True)[0]
 
     def step(self, hidden, token, positions, meta: AttentionMetadata):
         """Draft step i >= 1: the previous hidden state and draft token at `positions` (one per sequence)."""
