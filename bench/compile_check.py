@@ -24,8 +24,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 # after PYTHONPATH's entries: with another tree there, its engine is the one imported
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.kernels import (argmax, decode_gemm, decode_gemv, head_ops, paged_attention,  # noqa: E402
-                            spec_finish, spec_ops)
+from engine.kernels import (argmax, decode_attention, decode_gemm, decode_gemv, head_ops,  # noqa: E402
+                            paged_attention, spec_finish, spec_ops)
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BF16_PTRS = ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "out_ptr", "new_res_ptr", "add_ptr")
@@ -68,6 +68,19 @@ def _attention(splits: int, rope: bool, merge: bool, pdl: bool):
                   NUM_SPLITS=splits, PRECISION="tf32", ROPE=rope, MERGE=merge, USE_PDL=pdl)
     return (f"paged_attention splits={splits} rope={rope} merge={merge}", paged_attention._paged_attn_kernel, types,
             consts, 4)
+
+
+def _decode_attention(splits: int, merge: bool, pdl: bool):
+    """decode_attention.py's kernel at SmolLM2's heads (9 q heads on 3 kv heads, head_dim 64, pages of 16)."""
+    types = {p: "*bf16" for p in ("q_ptr", "kn_ptr", "vn_ptr", "kc_ptr", "vc_ptr", "out_ptr")}
+    types |= {p: "*fp32" for p in ("part_acc", "part_m", "part_l", "cos_ptr", "sin_ptr")}
+    types |= {p: "*i32" for p in ("cu_q", "seq_lens", "bt_ptr", "sem_ptr")} | dict(pos_ptr="*i64", slot_ptr="*i64")
+    types |= {n: "i32" for n in ("num_heads", "stride_qt", "stride_qh", "stride_knt", "stride_knh", "stride_vnt",
+                                 "stride_vnh", "stride_ot", "stride_oh", "stride_bt_b", "stride_bt_n", "stride_blk",
+                                 "stride_pos", "stride_kvh", "stride_cos")} | dict(qk_scale="fp32")
+    consts = dict(GROUP=3, BLOCK_M=16, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits,
+                  PRECISION="tf32", MERGE=merge, USE_PDL=pdl)
+    return (f"decode_attention splits={splits} merge={merge}", decode_attention._decode_attn_kernel, types, consts, 4)
 
 
 def variants(pdl: bool) -> list[tuple]:
@@ -114,6 +127,7 @@ def variants(pdl: bool) -> list[tuple]:
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=4, USE_PDL=pdl), 4),
         _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),
+        _decode_attention(1, False, pdl), _decode_attention(4, False, pdl),
         ("head_ops embed_pair_norm", head_ops._embed_pair_norm_kernel,
          dict(ids_ptr="*i64", emb_ptr="*bf16", feat_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_emb="i32",
               stride_feat="i32", stride_out="i32", n_cols="i32", vocab="i32", eps="fp32"),

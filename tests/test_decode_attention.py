@@ -1,0 +1,108 @@
+"""decode_attention (one new token a sequence; metadata, RoPE rows and the first cached tile read before the
+dependent-launch wait, the new key's term from registers) against paged_attention(rope=...): the same cache bits
+and the same output to fp32 rounding, at any split count, merged in the kernel or by the combine kernel.
+
+Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
+"""
+import pytest
+import torch
+
+from conftest import triton_module
+from test_rope_attention import DEV, DTYPES, make_step
+
+ta = triton_module("paged_attention")
+da = triton_module("decode_attention")
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7)}
+
+
+def both(s, num_splits, semaphores=False):
+    """(output, k_cache, v_cache) of paged_attention(rope=...) and of decode_attention on copies of the cache."""
+    scale = s["q"].shape[-1] ** -0.5
+    results = []
+    for decode in (False, True):
+        kc, vc = s["k_cache"].clone(), s["v_cache"].clone()
+        sem = torch.zeros(64, dtype=torch.int32, device=DEV) if semaphores else None
+        if decode:
+            out = da.decode_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"], kc, vc, s["cu"],
+                                      s["seq_lens"], s["tables"], s["slots"], scale, num_splits=num_splits,
+                                      semaphores=sem)
+        else:
+            rope = (s["k"], s["v"], s["positions"], s["cos"], s["sin"], s["slots"])
+            out = ta.paged_attention(s["q"], kc, vc, s["cu"], s["seq_lens"], s["tables"], scale, 1,
+                                     num_splits=num_splits, rope=rope)
+        if sem is not None:
+            assert not sem.any(), "the merge leaves its counters at zero"
+        results.append((out, kc, vc))
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 2)], ids=["gqa3", "mha", "gqa4"])
+def test_matches_paged_attention_with_rope(heads, num_splits, dtype):
+    """Contexts of 1 key (only the new one), within a tile, on a tile's last key and across several tiles."""
+    s = make_step([1] * 5, [1, 37, 64, 65, 200], *heads, dtype=dtype, seed=num_splits)
+    (out_a, kc_a, vc_a), (out_b, kc_b, vc_b) = both(s, num_splits)
+    assert not out_b.isnan().any(), "a new key was read from the cache before it was stored"
+    torch.testing.assert_close(kc_b, kc_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(vc_b, vc_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out_b, out_a, **TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_splits_merged_in_the_kernel(num_splits):
+    s = make_step([1] * 3, [70, 5, 130], 9, 3, seed=7)
+    (out_a, _, _), (out_b, _, _) = both(s, num_splits, semaphores=True)
+    torch.testing.assert_close(out_b, out_a, **TOL[torch.float32])
+
+
+def test_padding_sequences_and_rows():
+    """A sequence without a token (its cu_seqlens entry repeated) is skipped; a row with slot -1 stores nothing."""
+    s = make_step([1, 1, 1], [20, 33, 9], 4, 2, seed=5)
+    s["slots"] = s["slots"].clone()
+    s["slots"][0] = -1
+    (out_a, kc_a, vc_a), (out_b, kc_b, vc_b) = both(s, 2)
+    torch.testing.assert_close(kc_b, kc_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out_b[1:], out_a[1:], **TOL[torch.float32])
+    s = make_step([1, 1], [20, 33], 4, 2, seed=6)
+    s["seq_lens"] = torch.cat([s["seq_lens"], s["seq_lens"].new_tensor([5])])     # a third sequence, no token
+    s["cu"] = torch.cat([s["cu"], s["cu"][-1:]])
+    s["tables"] = torch.cat([s["tables"], s["tables"][:1]])
+    (out_a, kc_a, _), (out_b, kc_b, _) = both(s, 2)
+    torch.testing.assert_close(kc_b, kc_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out_b, out_a, **TOL[torch.float32])
+
+
+def test_refuses_more_than_one_token_a_sequence():
+    s = make_step([2, 1], [20, 33], 4, 2, seed=8)
+    with pytest.raises(ValueError, match="one token a sequence"):
+        da.decode_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"], s["k_cache"],
+                            s["v_cache"], s["cu"], s["seq_lens"], s["tables"], s["slots"], 0.125)
+
+
+def test_engine_eagle_outputs_and_drafts_equal_with_decode_attention():
+    """A whole engine with an untrained EAGLE head (K = 3: two draft steps of one token a sequence, whose metadata
+    the draft layout wrote kernels earlier) and decode steps: decode_attention on gives the drafts and greedy
+    outputs of it off, and its steps take the kernel."""
+    from engine.llm_engine import LLMEngine
+    from engine.requests.sequence import SamplingParams
+    from helpers import INTERPRETER_SETTINGS
+    results = []
+    for on in (False, True):
+        eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
+                        **INTERPRETER_SETTINGS, depth=2, max_num_seqs=4, max_model_len=64, enforce_eager=True,
+                        speculative="eagle", spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0,
+                        decode_attention=on)
+        eng.runner.backend._decode_attn = da if on else None     # this file's (interpreter-built) module
+        calls, drafts = [], []
+        real, propose = da.decode_attention, eng.runner.program.drafter.propose
+        da.decode_attention = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+        eng.runner.program.drafter.propose = lambda ctx: drafts.append(propose(ctx)) or drafts[-1]
+        try:
+            seqs = eng.generate([[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8]],
+                                [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 6, 12)])
+        finally:
+            da.decode_attention = real
+        assert bool(calls) == on
+        results.append(([s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]))
+    assert results[1] == results[0]
