@@ -127,7 +127,8 @@ def kernels_by_grid(prof, steps: int, top: int) -> dict:
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as exported:
+            trace = json.load(exported)
     events = [_TraceKernel(ev) for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel"]
     rows = sorted(_per_step(events, lambda e: e.name, steps).items(), key=lambda kv: -kv[1]["path_us_per_step"])
     return dict(rows[:top])

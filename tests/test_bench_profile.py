@@ -5,7 +5,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from bench.profile_step import busy_fraction, kernel_summary, main
+from bench.profile_step import busy_fraction, kernel_summary, kernels_by_grid, main
 
 
 def _event(name, start, end):
@@ -31,6 +31,25 @@ def test_path_time_counts_what_a_kernel_adds_to_the_latest_end():
     path = {k: v["path_us_per_step"] for k, v in s["top_kernels"].items()}
     assert path == dict(A=4.0, B=2.0, D=1.0, C=0.0) and list(path) == ["A", "B", "D", "C"]
     assert sum(path.values()) == pytest.approx(busy_fraction(events) * 9)
+
+
+def test_kernels_by_grid_keeps_each_launch_shape_apart():
+    """--by-grid: the exported trace's kernels keyed by name and grid (one GEMV kernel, two matmul shapes), other
+    trace events left out, path times as kernel_summary's."""
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "_decode_gemv_kernel", "ts": 0.0, "dur": 4.0, "args": {"grid": [768, 1, 1]}},
+        {"cat": "kernel", "name": "_decode_gemv_kernel", "ts": 4.0, "dur": 2.0, "args": {"grid": [512, 1, 1]}},
+        {"cat": "kernel", "name": "_decode_gemv_kernel", "ts": 6.0, "dur": 4.0, "args": {"grid": [768, 1, 1]}},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 10.0}]}
+
+    class Prof:
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump(trace, f)
+
+    rows = kernels_by_grid(Prof(), steps=2, top=5)
+    assert list(rows) == ["_decode_gemv_kernel grid=(768, 1, 1)", "_decode_gemv_kernel grid=(512, 1, 1)"]
+    assert rows["_decode_gemv_kernel grid=(768, 1, 1)"] == dict(per_step=1.0, us_per_step=4.0, path_us_per_step=4.0)
 
 
 def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):
