@@ -5,6 +5,8 @@
     python bench/profile_step.py --device cpu --dtype float32 --streams 2 --steps 4 --out /tmp/p.json   # smoke
     python bench/profile_step.py --streams 1 --tag eagle --engine speculative=eagle num_speculative_tokens=3 \
         spec_min_acceptance=0      # the speculative step (any EngineConfig field: --engine KEY=VALUE ...)
+    python bench/profile_step.py --streams 1 32 --rounds 2 --by-grid --variants off:silu_epilogue=false \
+        on:silu_epilogue=true --resume --out $OUT/prof.json     # A/B in one run; a cut run resumes
 
 Per stream count: one engine, every stream a chat prompt decoding with EOS ignored. After --warmup-steps, the
 engine's own counters (engine/timings.py) time --steps steps unprofiled: the host's plan, launch, wait and
@@ -16,15 +18,20 @@ time, and how much of the window the GPU was busy. Kernels inside CUDA graph rep
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import statistics
+from pathlib import Path
 
 try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
     from common import markdown_table, note, record, write_results
     from guided_quality import engine_overrides
+    from spec import parse_variants
     from throughput import build_engine
 except ImportError:
     from bench.common import markdown_table, note, record, write_results
     from bench.guided_quality import engine_overrides
+    from bench.spec import parse_variants
     from bench.throughput import build_engine
 
 KINDS = (("matmul", r"gemm|gemv|matmul|cutlass|nvjet|cublas|sm90_xmma|splitk"),
@@ -35,7 +42,7 @@ KINDS = (("matmul", r"gemm|gemv|matmul|cutlass|nvjet|cublas|sm90_xmma|splitk"),
          ("sampling", r"argmax|softmax|topk|sort|multinomial|exponential|bitmask|sample"),
          ("index / where", r"index|gather|scatter|where|clamp|fill"),
          ("elementwise", r"elementwise|vectorized|unrolled|reduce|add|mul|silu|act"))
-COLUMNS = ["tag", "streams", "period_ms", "plan_ms", "launch_ms", "wait_ms", "commit_ms", "forward_gpu_ms",
+COLUMNS = ["tag", "variant", "round", "streams", "period_ms", "plan_ms", "launch_ms", "wait_ms", "commit_ms", "forward_gpu_ms",
            "sample_gpu_ms", "gpu_idle_ms", "kernels", "kernel_us", "busy_frac"]
 
 
@@ -52,6 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE", help="further EngineConfig fields")
     p.add_argument("--top", type=int, default=15, help="kernels listed by time per step")
+    p.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="engine settings profiled side by side (bench/spec.py's form), alternating in each round")
+    p.add_argument("--rounds", type=int, default=1, help="profiles of each (streams, variant)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep --out's records and run only the missing (streams, variant, round)s")
     p.add_argument("--by-grid", action="store_true",
                    help="also list kernels by name and launch grid (each matmul shape apart) from the trace")
     return p.parse_args(argv)
@@ -123,7 +135,6 @@ class _TraceKernel:
 
 def kernels_by_grid(prof, steps: int, top: int) -> dict:
     """Kernels keyed by name and grid, from the profiler's exported trace (events do not carry the grid)."""
-    import json
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
@@ -142,10 +153,10 @@ def _prompt(eng, text: str) -> list[int]:
         return [(7 * i + len(text)) % 1000 + 1 for i in range(32)]
 
 
-def profile(args, streams: int) -> dict:
+def profile(args, streams: int, overrides: dict | None = None) -> dict:
     import torch
     from engine.requests.sequence import SamplingParams
-    extra = engine_overrides(args)
+    extra = engine_overrides(args) | (overrides or {})
     eng = build_engine(args, 2, streams, **extra)
     # a speculating step may emit K + 1 tokens: every stream must outlive the timed and the profiled steps
     total = (args.warmup_steps + 2 * args.steps + 8) * (eng.config.spec_k + 1)
@@ -174,16 +185,49 @@ def profile(args, streams: int) -> dict:
     return rec
 
 
+def run_all(args) -> list[dict]:
+    """Every (streams, round, variant) profile, the variants' order reversed in odd rounds; --out rewritten after
+    each, so a run cut short resumes (--resume) where it stopped."""
+    variants = parse_variants(args.variants)
+    records = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else []
+    done = {(r["streams"], r.get("variant", ""), r.get("round", 0)) for r in records}
+    for n in args.streams:
+        for rnd in range(args.rounds):
+            for name, overrides in list(variants.items())[::-1 if rnd % 2 else 1]:
+                if (n, name, rnd) in done:
+                    continue
+                r = profile(args, n, overrides) | dict(variant=name, round=rnd, overrides=overrides)
+                records.append(r)
+                write_results(records, args.out)
+                note(f"{args.tag or 'plain'} {name} {n} streams: {r['period_ms']:.3f} ms/step, "
+                     f"{r.get('kernels', 0):.0f} kernels")
+    return records
+
+
+def variant_summary(records) -> list[dict]:
+    """Per (streams, variant): the median period and forward over rounds, and its ratio to the first variant's."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault((r["streams"], r.get("variant", "")), []).append(r)
+    rows, first = [], {}
+    for (n, name), rs in groups.items():
+        period = statistics.median(r["period_ms"] for r in rs)
+        first.setdefault(n, period)
+        rows.append(dict(streams=n, variant=name, rounds=len(rs), period_ms=period,
+                         forward_gpu_ms=statistics.median(r.get("forward_gpu_ms", 0.0) for r in rs),
+                         x_first=period / first[n]))
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
-    records = []
-    for n in args.streams:
-        records.append(profile(args, n))
-        r = records[-1]
-        note(f"{args.tag or 'plain'} {n} streams: {r['period_ms']:.3f} ms/step, {r.get('kernels', 0):.0f} kernels")
-    out = write_results(records, args.out)
+    records = run_all(args)
+    out = Path(args.out)
     text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}.\n\n"
             + markdown_table(records, COLUMNS))
+    if len({r.get("variant", "") for r in records}) > 1:
+        text += "\n\nBy variant (medians over rounds; x_first: period over the first variant's):\n\n" + markdown_table(
+            variant_summary(records), ["streams", "variant", "rounds", "period_ms", "forward_gpu_ms", "x_first"])
     for r in records:
         if r.get("kinds"):
             rows = [dict(kind=k, **v) for k, v in r["kinds"].items()]

@@ -5,6 +5,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+import bench.profile_step as profile_step
 from bench.profile_step import busy_fraction, kernel_summary, kernels_by_grid, main
 
 
@@ -50,6 +51,33 @@ def test_kernels_by_grid_keeps_each_launch_shape_apart():
     rows = kernels_by_grid(Prof(), steps=2, top=5)
     assert list(rows) == ["_decode_gemv_kernel grid=(768, 1, 1)", "_decode_gemv_kernel grid=(512, 1, 1)"]
     assert rows["_decode_gemv_kernel grid=(768, 1, 1)"] == dict(per_step=1.0, us_per_step=4.0, path_us_per_step=4.0)
+
+
+def test_variants_alternate_by_round_and_a_cut_run_resumes(tmp_path, monkeypatch):
+    """--variants / --rounds: each stream count's variants in order, reversed in odd rounds, every record saved as
+    it lands; --resume runs only what --out lacks; the summary gives each variant's period over the first's."""
+    calls = []
+
+    def fake(args, streams, overrides=None):
+        calls.append((streams, dict(overrides)))
+        return dict(streams=streams, period_ms=2.0 if overrides.get("silu_epilogue") is False else 1.0,
+                    forward_gpu_ms=0.5, command="x", device="cpu", git_commit="c")
+
+    monkeypatch.setattr(profile_step, "profile", fake)
+    out = tmp_path / "p.json"
+    argv = ["--streams", "1", "4", "--rounds", "2", "--variants", "on:", "off:silu_epilogue=false", "--out", str(out)]
+    main(argv)
+    assert [(n, o.get("silu_epilogue", "on")) for n, o in calls] == [
+        (1, "on"), (1, False), (1, False), (1, "on"), (4, "on"), (4, False), (4, False), (4, "on")]
+    records = json.loads(out.read_text())
+    assert [(r["variant"], r["round"]) for r in records[:4]] == [("on", 0), ("off", 0), ("off", 1), ("on", 1)]
+    out.write_text(json.dumps(records[:5]))                 # a run cut after its fifth profile
+    calls.clear()
+    main(argv + ["--resume"])
+    assert calls == [(4, {"silu_epilogue": False}), (4, {"silu_epilogue": False}), (4, {})]
+    summary = profile_step.variant_summary(json.loads(out.read_text()))
+    assert [(r["streams"], r["variant"], r["rounds"], r["x_first"]) for r in summary] == [
+        (1, "on", 2, 1.0), (1, "off", 2, 2.0), (4, "on", 2, 1.0), (4, "off", 2, 2.0)]
 
 
 def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):
