@@ -56,31 +56,30 @@ def _gemv(k, n, prologue, epilogue, pdl, m=1):
             _gemv_types(epilogue), consts, cfg["num_warps"])
 
 
+# the argument types of both attention kernels (paged_attention.py's and decode_attention.py's take the same names)
+_ATTENTION_TYPES = ({p: "*bf16" for p in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
+                    | {p: "*fp32" for p in ("part_acc", "part_m", "part_l", "cos_ptr", "sin_ptr")}
+                    | {p: "*i32" for p in ("cu_q", "seq_lens", "bt_ptr", "sem_ptr")}
+                    | dict(pos_ptr="*i64", slot_ptr="*i64", qk_scale="fp32")
+                    | {n: "i32" for n in ("num_heads", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                                          "stride_bt_b", "stride_bt_n", "stride_blk", "stride_pos", "stride_kvh",
+                                          "stride_knt", "stride_knh", "stride_vnt", "stride_vnh", "stride_cos")})
+
+
 def _attention(splits: int, rope: bool, merge: bool, pdl: bool):
     """The paged-attention kernel of a SmolLM2 decode step (9 q heads on 3 kv heads, head_dim 64, pages of 16)."""
-    types = {p: "*bf16" for p in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
-    types |= {p: "*fp32" for p in ("part_acc", "part_m", "part_l", "cos_ptr", "sin_ptr")}
-    types |= {p: "*i32" for p in ("cu_q", "seq_lens", "bt_ptr", "sem_ptr")} | dict(pos_ptr="*i64", slot_ptr="*i64")
-    types |= {n: "i32" for n in ("num_heads", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt_b",
-                                 "stride_bt_n", "stride_blk", "stride_pos", "stride_kvh", "stride_knt", "stride_knh",
-                                 "stride_vnt", "stride_vnh", "stride_cos")} | dict(qk_scale="fp32")
     consts = dict(GROUP=3, BLOCK_M=16, BLOCK_Q=5, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16, TILE_N=64,
                   NUM_SPLITS=splits, PRECISION="tf32", ROPE=rope, MERGE=merge, USE_PDL=pdl)
-    return (f"paged_attention splits={splits} rope={rope} merge={merge}", paged_attention._paged_attn_kernel, types,
-            consts, 4)
+    return (f"paged_attention splits={splits} rope={rope} merge={merge}", paged_attention._paged_attn_kernel,
+            _ATTENTION_TYPES, consts, 4)
 
 
 def _decode_attention(splits: int, merge: bool, pdl: bool):
     """decode_attention.py's kernel at SmolLM2's heads (9 q heads on 3 kv heads, head_dim 64, pages of 16)."""
-    types = {p: "*bf16" for p in ("q_ptr", "kn_ptr", "vn_ptr", "kc_ptr", "vc_ptr", "out_ptr")}
-    types |= {p: "*fp32" for p in ("part_acc", "part_m", "part_l", "cos_ptr", "sin_ptr")}
-    types |= {p: "*i32" for p in ("cu_q", "seq_lens", "bt_ptr", "sem_ptr")} | dict(pos_ptr="*i64", slot_ptr="*i64")
-    types |= {n: "i32" for n in ("num_heads", "stride_qt", "stride_qh", "stride_knt", "stride_knh", "stride_vnt",
-                                 "stride_vnh", "stride_ot", "stride_oh", "stride_bt_b", "stride_bt_n", "stride_blk",
-                                 "stride_pos", "stride_kvh", "stride_cos")} | dict(qk_scale="fp32")
     consts = dict(GROUP=3, BLOCK_M=16, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits,
                   PRECISION="tf32", MERGE=merge, USE_PDL=pdl)
-    return (f"decode_attention splits={splits} merge={merge}", decode_attention._decode_attn_kernel, types, consts, 4)
+    return (f"decode_attention splits={splits} merge={merge}", decode_attention._decode_attn_kernel, _ATTENTION_TYPES,
+            consts, 4)
 
 
 def variants(pdl: bool) -> list[tuple]:
