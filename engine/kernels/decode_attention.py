@@ -24,7 +24,6 @@ The summation order differs (the new key's term comes last), so results agree to
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 import triton
@@ -33,8 +32,8 @@ import triton.language as tl
 from engine.kernels.attention_checks import check_attention
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.fused_ops import check_rope, rotate_rows
-from engine.kernels.paged_attention import _LOG2E, _attn_tile, _auto_splits, _check_semaphores, _tile_config
-from engine.kernels.split_merge import combine_kernel, merge_if_last
+from engine.kernels.paged_attention import _LOG2E, _attn_tile, _check_semaphores, _tile_config, split_count
+from engine.kernels.split_merge import combine_splits, split_partials, store_splits
 
 
 @triton.jit
@@ -102,8 +101,9 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
                                    BLOCK_SIZE, TILE_N, True, PRECISION)
     if owns:
         acc, l_i, m_i = _new_column(acc, l_i, m_i, q, kn, vn, qk_scale)
-    _finish(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, row, head, row_ok, offs_d, d_ok, split, seq,
-            kv_head, num_heads, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, HEAD_PAD, MERGE)
+    store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, seq * tl.num_programs(2) + kv_head,
+                 row + offs_m * 0, head, row_ok, offs_d, d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS,
+                 BLOCK_M, HEAD_PAD, MERGE)
 
 
 @triton.jit
@@ -116,27 +116,6 @@ def _new_column(acc, l_i, m_i, q, kn, vn, qk_scale):
     alpha = tl.exp2(m_i - m_new)                                # m_new is finite: s_new is
     p_new = tl.exp2(s_new - m_new).to(vn.dtype).to(tl.float32)  # rounded as the tiles' probabilities are
     return acc * alpha[:, None] + p_new[:, None] * v_vec[None, :], l_i * alpha + tl.exp2(s_new - m_new), m_new
-
-
-@triton.jit
-def _finish(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, row, head, row_ok, offs_d, d_ok, split, seq,
-            kv_head, num_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-            HEAD_PAD: tl.constexpr, MERGE: tl.constexpr):
-    """The output (one split) or this split's partials and their merge, as paged_attention's kernel ends."""
-    out_off = row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    if NUM_SPLITS == 1:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        tl.store(out_ptr + out_off, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        first = row * num_heads + head
-        part = first * NUM_SPLITS + split
-        tl.store(part_acc + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_m + part, m_i, mask=row_ok)
-        tl.store(part_l + part, l_i, mask=row_ok)
-        if MERGE:
-            merge_if_last(sem_ptr, seq * tl.num_programs(2) + kv_head, part_acc, part_m, part_l, out_ptr, first,
-                          row_ok, out_off, offs_d, d_ok, NUM_SPLITS, BLOCK_M, HEAD_PAD)
 
 
 def interpreted() -> bool:
@@ -166,20 +145,11 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
         return out
     group = num_heads // num_kv_heads
     block_m, _, tile_n, num_warps = _tile_config(group, 1, block_size)
-    if num_splits is None:
-        capacity = block_tables.shape[1] * block_size
-        max_kv = capacity if max_seq_len is None else min(operator.index(max_seq_len), capacity)
-        num_splits = _auto_splits(q.device, num_seqs * num_kv_heads, max_kv, tile_n)
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    groups = num_seqs * num_kv_heads
+    num_splits = split_count(num_splits, q.device, groups, block_tables, block_size, max_seq_len, tile_n)
     head_pad = max(16, triton.next_power_of_2(head_dim))
-    part_acc = part_m = part_l = out
-    if num_splits > 1:
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
-        part_m, part_l = torch.empty((2, num_tokens, num_heads, num_splits), dtype=torch.float32,
-                                     device=q.device).unbind(0)
-    merge = num_splits > 1 and semaphores is not None and \
-        _check_semaphores(semaphores, q.device) >= num_seqs * num_kv_heads
+    part_acc, part_m, part_l = split_partials(out, num_splits, head_pad)
+    merge = num_splits > 1 and semaphores is not None and _check_semaphores(semaphores, q.device) >= groups
     _decode_attn_kernel[(num_splits, num_seqs, num_kv_heads)](
         q, k, v, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables, positions,
         slot_mapping, cos_cache, sin_cache, semaphores if merge else seq_lens, float(scale) * _LOG2E, num_heads,
@@ -190,7 +160,5 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge,
         **pdl(_decode_attn_kernel, q.device, num_tokens))
     if num_splits > 1 and not merge:
-        combine_kernel[(num_tokens, num_heads)](
-            part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(combine_kernel, q.device, num_tokens))
+        combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, head_pad)
     return out

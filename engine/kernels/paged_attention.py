@@ -32,7 +32,7 @@ from engine.kernels import fused_ops
 from engine.kernels.attention_checks import check_attention, check_cache, check_index, check_rows
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.rope_kv import rope_rows, store_new_kv
-from engine.kernels.split_merge import combine_kernel, merge_if_last
+from engine.kernels.split_merge import combine_splits, split_partials, store_splits
 
 _LOG2E = 1.4426950408889634
 LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
@@ -146,21 +146,9 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
                                    kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
                                    BLOCK_SIZE, TILE_N, True, PRECISION)
 
-    if NUM_SPLITS == 1:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows with no visible key (bad metadata) give 0, not NaN
-        o = (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], o,
-                 mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        row = (q_row * num_heads + head) * NUM_SPLITS + split
-        tl.store(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_m + row, m_i, mask=row_ok)
-        tl.store(part_l + row, l_i, mask=row_ok)
-        if MERGE:  # the group's last split program merges (engine/kernels/split_merge.py), no combine kernel
-            group_index = (q_block * tl.num_programs(1) + seq) * tl.num_programs(2) + kv_head
-            merge_if_last(sem_ptr, group_index, part_acc, part_m, part_l, out_ptr, q_row * num_heads + head, row_ok,
-                          q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :], offs_d, d_ok,
-                          NUM_SPLITS, BLOCK_M, HEAD_PAD)
+    group_index = (q_block * tl.num_programs(1) + seq) * tl.num_programs(2) + kv_head
+    store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, group_index, q_row, head, row_ok, offs_d,
+                 d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, HEAD_PAD, MERGE)
 
 
 def interpreted() -> bool:
@@ -261,20 +249,11 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     group = num_heads // num_kv_heads
     block_m, block_q, tile_n, num_warps = _tile_config(group, max_query_len, block_size)
     q_blocks = triton.cdiv(max_query_len, block_q)
-    if num_splits is None:
-        capacity = block_tables.shape[1] * block_size
-        max_kv = capacity if max_seq_len is None else min(operator.index(max_seq_len), capacity)
-        num_splits = _auto_splits(q.device, q_blocks * num_seqs * num_kv_heads, max_kv, tile_n)
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    head_pad = max(16, _pow2(head_dim))
-    part_acc = part_m = part_l = out  # placeholders, unused when num_splits == 1
-    if num_splits > 1:
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
-        part_m, part_l = torch.empty((2, num_tokens, num_heads, num_splits), dtype=torch.float32,
-                                     device=q.device).unbind(0)
-    k, v, positions, cos, sin, slots = rope if rope is not None else (q, q, seq_lens, q, q, seq_lens)  # unread
     groups = q_blocks * num_seqs * num_kv_heads
+    num_splits = split_count(num_splits, q.device, groups, block_tables, block_size, max_seq_len, tile_n)
+    head_pad = max(16, _pow2(head_dim))
+    part_acc, part_m, part_l = split_partials(out, num_splits, head_pad)
+    k, v, positions, cos, sin, slots = rope if rope is not None else (q, q, seq_lens, q, q, seq_lens)  # unread
     merge = num_splits > 1 and semaphores is not None and _check_semaphores(semaphores, q.device) >= groups
     _paged_attn_kernel[(q_blocks * num_splits, num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables,
@@ -287,10 +266,20 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: exact products, for equality tests
         ROPE=rope is not None, MERGE=merge, **pdl(_paged_attn_kernel, q.device, num_tokens))
     if num_splits > 1 and not merge:
-        combine_kernel[(num_tokens, num_heads)](
-            part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, **pdl(combine_kernel, q.device, num_tokens))
+        combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, head_pad)
     return out
+
+
+def split_count(num_splits, device, groups: int, block_tables, block_size: int, max_seq_len, tile_n: int) -> int:
+    """The KV splits of a launch of `groups` (query block, sequence, kv head) groups: num_splits as given (checked),
+    or _auto_splits' for the context bound (max_seq_len, default the block tables' capacity)."""
+    if num_splits is None:
+        capacity = block_tables.shape[1] * block_size
+        max_kv = capacity if max_seq_len is None else min(operator.index(max_seq_len), capacity)
+        num_splits = _auto_splits(device, groups, max_kv, tile_n)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    return num_splits
 
 
 def _check_rope(q, rope, k_cache, v_cache, max_query_len: int) -> None:

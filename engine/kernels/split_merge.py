@@ -1,8 +1,9 @@
-"""The merge of engine/kernels/paged_attention.py's KV splits: a combine kernel after the attention kernel, or
-(its `semaphores=`) the attention kernel itself. There each split program stores its partial (acc, max, sum) as
-before, then takes a ticket from its (query block, sequence, kv head)'s counter; the program that takes the last
-one merges the partials of all splits and resets the counter to 0 for the next launch (so a counter buffer stays
-zero between kernels, CUDA graph replays included).
+"""The merge of the attention kernels' KV splits (engine/kernels/paged_attention.py, decode_attention.py): a
+combine kernel after the attention kernel, or (its `semaphores=`) the attention kernel itself (store_splits, the
+programs' shared end). There each split program stores its partial (acc, max, sum) as before, then takes a
+ticket from its (query block, sequence, kv head)'s counter; the program that takes the last one merges the
+partials of all splits and resets the counter to 0 for the next launch (so a counter buffer stays zero between
+kernels, CUDA graph replays included).
 
 Ordering: a CTA barrier after the partial stores, then the ticket as one acq_rel atomic at GPU scope (release:
 this CTA's partials are visible before the count says so; acquire: the last program sees every other's), and the
@@ -10,10 +11,32 @@ partials are read past L1 (.cg). The merge is the combine kernel's math (max, we
 over the splits in order; its sum order differs from the combine kernel's reduction, so fp32 results agree to
 rounding.
 """
+import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import pdl_start, reduce_max, reduce_sum
+from engine.kernels.common import pdl, pdl_start, reduce_max, reduce_sum
+
+
+@triton.jit
+def store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, group_index, q_row, head, row_ok, offs_d,
+                 d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HEAD_PAD: tl.constexpr, MERGE: tl.constexpr):
+    """An attention program's end: its rows' output (one split), or its split's partials (acc, max, sum) and, with
+    MERGE, the group's merge by its last program. q_row, head: each row's token and head [BLOCK_M]."""
+    out_off = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows with no visible key (bad metadata) give 0, not NaN
+        tl.store(out_ptr + out_off, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        row = (q_row * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_m + row, m_i, mask=row_ok)
+        tl.store(part_l + row, l_i, mask=row_ok)
+        if MERGE:  # the group's last split program merges, no combine kernel
+            merge_if_last(sem_ptr, group_index, part_acc, part_m, part_l, out_ptr, q_row * num_heads + head, row_ok,
+                          out_off, offs_d, d_ok, NUM_SPLITS, BLOCK_M, HEAD_PAD)
 
 
 @triton.jit
@@ -69,3 +92,24 @@ def combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads,
     o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
+
+
+def split_partials(out, num_splits: int, head_pad: int):
+    """(part_acc, part_m, part_l): fp32 buffers for each split's partial of every out row, or `out` as a
+    placeholder for all three when there is one split (the kernel does not read them then)."""
+    if num_splits == 1:
+        return out, out, out
+    num_tokens, num_heads = out.shape[:2]
+    part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=out.device)
+    part_m, part_l = torch.empty((2, num_tokens, num_heads, num_splits), dtype=torch.float32,
+                                 device=out.device).unbind(0)
+    return part_acc, part_m, part_l
+
+
+def combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs: int, head_pad: int) -> None:
+    """The combine kernel: every token's and head's split partials merged into out."""
+    num_tokens, num_heads, head_dim = out.shape
+    combine_kernel[(num_tokens, num_heads)](
+        part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
+        NUM_SPLITS=part_m.shape[-1], HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        **pdl(combine_kernel, out.device, num_tokens))
