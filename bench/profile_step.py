@@ -22,6 +22,7 @@ import json
 import re
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
     from common import markdown_table, note, record, write_results
@@ -125,12 +126,11 @@ def kernel_summary(events, steps: int, top: int = 15) -> dict:
                 busy_frac=busy_fraction(events), kinds=kinds, top_kernels=dict(names[:top]))
 
 
-class _TraceKernel:
+def _trace_kernel(ev: dict) -> SimpleNamespace:
     """A kernel of an exported trace, shaped as a profiler event for _per_step: name (with its grid), span."""
-    def __init__(self, ev: dict):
-        self.name = f"{ev['name'][:60]} grid={tuple(ev.get('args', {}).get('grid', ()))}"
-        start = float(ev["ts"])
-        self.time_range = type("Span", (), dict(start=start, end=start + float(ev.get("dur", 0.0))))
+    start = float(ev["ts"])
+    return SimpleNamespace(name=f"{ev['name'][:60]} grid={tuple(ev.get('args', {}).get('grid', ()))}",
+                           time_range=SimpleNamespace(start=start, end=start + float(ev.get("dur", 0.0))))
 
 
 def kernels_by_grid(prof, steps: int, top: int) -> dict:
@@ -140,7 +140,7 @@ def kernels_by_grid(prof, steps: int, top: int) -> dict:
         prof.export_chrome_trace(f.name)
         with open(f.name) as exported:
             trace = json.load(exported)
-    events = [_TraceKernel(ev) for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel"]
+    events = [_trace_kernel(ev) for ev in trace.get("traceEvents", []) if ev.get("cat") == "kernel"]
     rows = sorted(_per_step(events, lambda e: e.name, steps).items(), key=lambda kv: -kv[1]["path_us_per_step"])
     return dict(rows[:top])
 
