@@ -213,7 +213,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_w
     """Whether these kernels take a call (the arguments as decode_gemv.supports'); a caller falls back to the
     separate kernels and cuBLAS otherwise."""
     return gemv_checks.problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add,
-                                **_LIMITS) is None
+                               **_LIMITS) is None
 
 
 def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store"):
