@@ -64,19 +64,26 @@ def stream_gemv(x, w, out, cfg):
         num_warps=cfg["num_warps"])
 
 
-def reg_gemv(x, w, out, cfg):
-    """The shipped kernel with a chosen weight tile (elements per program) and warps."""
+def reg_gemv(x, w, out, cfg, epilogue="store"):
+    """The shipped kernel with a chosen weight tile (elements per program) and warps; epilogue "silu_mul": w is
+    [gate; up] and out [1, N / 2] their silu(gate) * up, BLOCK_N / 2 pairs a program."""
     n, k = w.shape
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(cfg["elems"] // block_k, triton.next_power_of_2(n)))
-    decode_gemv._decode_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, x, x, w, out, x, x, x, x.stride(0), x.stride(0), out.stride(0), x.stride(0), x.stride(0), 1, n, k, 0.0,
-        PROLOGUE="none", HAS_RESIDUAL=False, EPILOGUE="store", BLOCK_N=block_n, BLOCK_K=block_k, ROWS=0, USE_PDL=False,
-        num_warps=cfg["num_warps"])
+    outputs = n // 2 if epilogue == "silu_mul" else n
+    grid = triton.cdiv(outputs, block_n // 2 if epilogue == "silu_mul" else block_n)
+    decode_gemv._decode_gemv_kernel[(grid,)](
+        x, x, x, w, out, x, x, x, x.stride(0), x.stride(0), out.stride(0), x.stride(0), x.stride(0), 1, outputs, k,
+        0.0, PROLOGUE="none", HAS_RESIDUAL=False, EPILOGUE=epilogue, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=0,
+        USE_PDL=False, num_warps=cfg["num_warps"])
 
 
-def time_op(fn, weights, x, calls, replays):
-    outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
+def silu_gemv(x, w, out, cfg):
+    reg_gemv(x, w, out, cfg, "silu_mul")
+
+
+def time_op(fn, weights, x, calls, replays, width=None):
+    outs = [torch.empty((1, width or w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
     return time_graph(lambda i: fn(x, weights[i % len(weights)], outs[i % len(weights)]), calls, replays)
 
 
@@ -90,7 +97,7 @@ def best(fn_of_cfg, sweep, weights, x, want, calls, replays):
             if (out.float() - want.float()).abs().max().item() > 2 ** -5 * want.float().abs().max().item():
                 note(f"{cfg}: wrong result, skipped")
                 continue
-            us = time_op(lambda a, w, o: fn_of_cfg(a, w, o, cfg), weights, x, calls, replays)
+            us = time_op(lambda a, w, o: fn_of_cfg(a, w, o, cfg), weights, x, calls, replays, want.shape[1])
         except Exception as e:              # noqa: BLE001 - out of registers / shared memory: not a candidate
             note(f"{cfg}: {type(e).__name__}")
             continue
@@ -125,6 +132,30 @@ def run_case(model, op, n, k, args, bandwidth):
                   best_reg=reg_cfg and str(reg_cfg), best_stream=st_cfg and str(st_cfg), copy_gbs=bandwidth)
 
 
+def run_silu_case(model, args, bandwidth):
+    """gate_up with SiLU * up in the epilogue (EngineConfig.silu_epilogue) over SWEEP_REG: shipped = its config."""
+    n, k = SHAPES[model]["gate_up"]
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    nbytes = n * k * 2
+    copies = max(1, math.ceil((256 << 20) / nbytes))
+    weights = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+    x = torch.randn(1, k, device=dev, dtype=dtype)
+    gate_up = torch.nn.functional.linear(x, weights[0])
+    want = torch.nn.functional.silu(gate_up[:, : n // 2]) * gate_up[:, n // 2:]
+    calls, replays = max(args.calls, copies), args.replays
+    cfg = decode_gemv.decode_gemv_config(n, k)
+    shipped = dict(elems=cfg["BLOCK_N"] * cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    rows = []
+    for c in [shipped] + [c for c in SWEEP_REG if c != shipped]:
+        us, _ = best(silu_gemv, [c], weights, x, want, calls, replays)
+        rows.append(record("gemv_bandwidth", "gate_up_silu", model, "bfloat16", 1, None, None, None,
+                           op="gate_up_silu", N=n, K=k, mb=nbytes / 1e6, floor_us=nbytes / (bandwidth * 1e9) * 1e6,
+                           gemv_us=us, cfg=str(c), shipped=c == shipped, copy_gbs=bandwidth))
+    del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -132,12 +163,20 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="a few configs of each sweep")
+    p.add_argument("--silu", action="store_true", help="only gate_up with the SiLU * up epilogue, over SWEEP_REG")
     p.add_argument("--out", default="bench/results/gemv_bandwidth.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gemv_bandwidth needs a CUDA GPU")
     bandwidth = copy_bandwidth_gbs()
     note(f"copy bandwidth {bandwidth:,.0f} GB/s")
+    if args.silu:
+        records = [r for m in progress(args.models, "gate_up silu (model)") for r in run_silu_case(m, args, bandwidth)]
+        path = write_results(records, args.out)
+        table = markdown_table(records, ["model", "N", "K", "floor_us", "gemv_us", "cfg", "shipped"])
+        path.with_suffix(".md").write_text(f"copy bandwidth {bandwidth:,.0f} GB/s\n\n{table}\n")
+        print(table)
+        return
     cases = [(m, op, *nk) for m in args.models for op, nk in SHAPES[m].items() if not args.ops or op in args.ops]
     records = [run_case(*c, args, bandwidth) for c in progress(cases, "gemv bandwidth (model, op)")]
     path = write_results(records, args.out)

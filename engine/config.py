@@ -64,9 +64,11 @@ class EngineConfig:
                                        # fewer a step, no time saved on an H100 (bench/results/switches/)
     silu_epilogue: bool = True         # steps on the decode GEMV: SiLU * up in the epilogue of the gate_up GEMV, so
                                        # the down projection reads the activation (engine/kernels/decode_gemv.py)
-    decode_attention: bool = False     # steps of one new token a sequence (decode, the EAGLE head's draft steps):
+    decode_attention: bool = True      # steps of one new token a sequence (decode, the EAGLE head's draft steps):
                                        # attention whose metadata, RoPE rows and first cached KV tile load before
-                                       # the dependent-launch wait (engine/kernels/decode_attention.py); to measure
+                                       # the dependent-launch wait (engine/kernels/decode_attention.py): SmolLM2
+                                       # 1 stream 0.446 -> 0.414 ms, Llama 1B 0.871 -> 0.799 (H200,
+                                       # bench/results/decode_attention/)
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec_ops.py) where the backend is Triton
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's

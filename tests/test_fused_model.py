@@ -52,9 +52,9 @@ def test_fused_path_with_silu_as_the_down_projections_prologue(reference):
     assert _tokens("triton", 2, max_num_batched_tokens=16, decode_gemv=True, silu_epilogue=False) == reference
 
 
-def test_fused_path_with_decode_attention(reference):
-    """decode_attention: decode steps' attention in engine/kernels/decode_attention.py, with the same tokens."""
-    assert _tokens("triton", 2, max_num_batched_tokens=16, decode_attention=True) == reference
+def test_fused_path_without_decode_attention(reference):
+    """decode_attention off: decode steps' attention in paged_attention (rope=), with the same tokens."""
+    assert _tokens("triton", 2, max_num_batched_tokens=16, decode_attention=False) == reference
 
 
 def test_fused_path_with_rope_as_its_own_kernel(reference):
