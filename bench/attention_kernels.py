@@ -22,7 +22,7 @@ import triton.testing
 
 # after PYTHONPATH's entries: with another tree there, its engine is the one imported
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.kernels import paged_attention as ta  # noqa: E402
+from engine.kernels.attention import paged_attention as ta  # noqa: E402
 from engine.attention import AttentionMetadata, paged_attention_torch  # noqa: E402
 from common import command_line, git_commit  # noqa: E402  (bench/: the script's own folder)
 

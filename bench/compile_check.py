@@ -24,8 +24,10 @@ from triton.compiler import ASTSource  # noqa: E402
 
 # after PYTHONPATH's entries: with another tree there, its engine is the one imported
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.kernels import (argmax, decode_attention, decode_gemm, decode_gemv, head_ops,  # noqa: E402
-                            paged_attention, spec_finish, spec_ops)
+from engine.kernels.sampling import argmax  # noqa: E402
+from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
+from engine.kernels.matmul import decode_gemm, decode_gemv  # noqa: E402
+from engine.kernels.spec import head_ops, spec_finish, spec_ops  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BF16_PTRS = ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "out_ptr", "new_res_ptr", "add_ptr")

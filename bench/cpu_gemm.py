@@ -1,4 +1,4 @@
-"""The CPU matmul of a few rows (engine/kernels/cpu_gemm.py) against torch's F.linear, on the default model's
+"""The CPU matmul of a few rows (engine/kernels/matmul/cpu_gemm.py) against torch's F.linear, on the default model's
 shapes, float32, one thread (as each test worker runs), and the CPU decode step with both.
 
     python bench/cpu_gemm.py                       # writes bench/results/cpu_gemm.json, .md, .png
@@ -37,7 +37,7 @@ def best(fn, reps: int) -> float:
 
 
 def matmul_records(rows_list, reps: int) -> list[dict]:
-    from engine.kernels import cpu_gemm
+    from engine.kernels.matmul import cpu_gemm
     big = torch.randn(50_000_000)
     bandwidth = big.numel() * 4 / best(big.sum, reps) / 1e9
     out = []
@@ -54,7 +54,7 @@ def matmul_records(rows_list, reps: int) -> list[dict]:
 
 
 def step_records(streams_list, tokens: int, reps: int) -> list[dict]:
-    from engine.kernels import cpu_gemm
+    from engine.kernels.matmul import cpu_gemm
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=max(streams_list))

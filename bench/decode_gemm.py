@@ -1,4 +1,4 @@
-"""Per-call GPU time of engine.kernels.decode_gemm vs the separate kernels + cuBLAS at 8-32 rows, in CUDA graphs,
+"""Per-call GPU time of engine.kernels.matmul.decode_gemm vs the separate kernels + cuBLAS at 8-32 rows, in CUDA graphs,
 with and without programmatic dependent launch.
 
     python bench/decode_gemm.py                      # H100: SmolLM2-135M's four ops at M 8/16/32, bf16
@@ -65,7 +65,7 @@ def pdl_rows(rows: int):
 @contextlib.contextmanager
 def gemm_config(cfg: dict):
     """decode_gemm's launches with `cfg` in place of decode_gemm_config's choice."""
-    from engine.kernels import decode_gemm as gm
+    from engine.kernels.matmul import decode_gemm as gm
     saved, gm.decode_gemm_config = gm.decode_gemm_config, lambda m, n, k: dict(cfg)
     try:
         yield
@@ -78,7 +78,8 @@ def make_impls(op, M, K, N, copies, dev, dtype):
     import torch.nn.functional as F
 
     from bench.gemv_kernels import operands
-    from engine.kernels import decode_gemm as gm, decode_gemv as dg, fused_ops as ops
+    from engine.kernels.matmul import decode_gemm as gm, decode_gemv as dg
+    from engine.kernels import fused_ops as ops
     a = operands(op, M, K, N, copies, dev, dtype)
     ws, x, res, nw, gu = a["ws"], a.get("x"), a.get("res"), a.get("nw"), a.get("gu")
     if op.startswith("norm"):
@@ -130,7 +131,7 @@ def run(args):
 
     from bench.common import note, record
     from bench.gemv_kernels import COLD_BYTES, MAX_COPIES, MODELS, TINY, cases, time_eager, time_graph
-    from engine.kernels import decode_gemm as gm
+    from engine.kernels.matmul import decode_gemm as gm
     dev, dtype = args.device, torch.bfloat16
     models, timer = ({m: MODELS[m] for m in args.models}, time_graph) if dev == "cuda" else (TINY, time_eager)
     records, failed = [], []

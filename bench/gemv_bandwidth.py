@@ -1,5 +1,5 @@
 """How close a one-row decode matmul comes to the GPU's copy bandwidth at 1B and 8B shapes: cuBLAS, the shipped
-decode GEMV (engine/kernels/decode_gemv.py) at its own config and over SWEEP_REG (weight elements per program,
+decode GEMV (engine/kernels/matmul/decode_gemv.py) at its own config and over SWEEP_REG (weight elements per program,
 warps), and a K-looping GEMV (STREAM: BLOCK_N rows x BLOCK_K columns a stage, software-pipelined) over SWEEP_STREAM.
 
     python bench/gemv_bandwidth.py                   # H100: Llama-3.2-1B and Llama-3-8B layer shapes + LM heads
@@ -27,7 +27,7 @@ import triton.language as tl      # noqa: E402
 from bench.common import markdown_table, note, progress, record, write_results   # noqa: E402
 from bench.gemv_kernels import time_graph                                         # noqa: E402
 from bench.throughput import copy_bandwidth_gbs                                   # noqa: E402
-from engine.kernels import decode_gemv                                            # noqa: E402
+from engine.kernels.matmul import decode_gemv  # noqa: E402
 
 SHAPES = {"llama1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
                       "lm_head": (128256, 2048)},

@@ -4,7 +4,7 @@
 
 Variants of the work after the dependent-launch wait, each with 4 or 8 warps: "hoist" loads every row's x in one
 load, then reduces the rows one by one; "3d" reduces one [rows, BLOCK_N, BLOCK_K] product (what
-engine/kernels/decode_gemv.py ships for 2-4 rows). Each record: us per call (bench/gemv_kernels.time_graph,
+engine/kernels/matmul/decode_gemv.py ships for 2-4 rows). Each record: us per call (bench/gemv_kernels.time_graph,
 weights cycling through HBM) and the largest difference from the shipped kernel's output, with bench/common.record's
 device, commit and command.
 """
@@ -23,7 +23,7 @@ except ImportError:
     from bench.common import record, write_results
 
 from engine.kernels.common import reduce_sum, round_to  # noqa: E402
-from engine.kernels.decode_gemv import _rows_prologue  # noqa: E402
+from engine.kernels.matmul.decode_gemv import _rows_prologue  # noqa: E402
 
 
 @triton.jit
@@ -83,7 +83,7 @@ VARIANTS = ("hoist:4", "hoist:8", "3d:4", "3d:8")    # mode:warps[:weight elemen
 def impls(op, M, K, N, copies, dev, dtype, variants=VARIANTS, eps=1e-5):
     """{name: fn(i)}: the shipped GEMV ("gemv"), decode_gemm ("gemm") and each variant, weights cycling."""
     from bench.gemv_kernels import operands
-    from engine.kernels import decode_gemm as gm, decode_gemv as dg
+    from engine.kernels.matmul import decode_gemm as gm, decode_gemv as dg
     a = operands(op, M, K, N, copies, dev, dtype)
     ws, x, res, nw, gu = a["ws"], a.get("x"), a.get("res"), a.get("nw"), a.get("gu")
     if op.startswith("norm"):

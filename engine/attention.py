@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.kernels.cpu_gemm import linear
+from engine.kernels.matmul.cpu_gemm import linear
 
 
 @dataclass
@@ -138,8 +138,10 @@ class TritonAttention(_Matmuls):
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, decode_attention: bool = False,
                  device=None):
-        from engine.kernels import argmax, bitmask, decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
-        from engine.kernels import decode_attention as decode_attn, fused_ops, paged_attention
+        from engine.kernels.sampling import argmax, bitmask
+        from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
+        from engine.kernels.attention import decode_attention as decode_attn, paged_attention
+        from engine.kernels import fused_ops
         if draft_gemv and not decode_gemv:
             raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv")
         if not 1 <= decode_gemv_rows <= gemv.MAX_ROWS:
@@ -165,7 +167,7 @@ class TritonAttention(_Matmuls):
         self._argmax = argmax
         self.ops = fused_ops
 
-    # engine/kernels/decode_gemv.py (the op before folded in) for steps of up to decode_gemv_rows rows when it is on
+    # engine/kernels/matmul/decode_gemv.py (the op before folded in) for steps of up to decode_gemv_rows rows when it is on
     # and there is no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
     def _gemv_for(self, x, weight, bias, **kw):
         """The kernel module taking this call, or None."""
@@ -223,7 +225,7 @@ class TritonAttention(_Matmuls):
         return (out if add is None else add + out), residual
 
     # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only (`gemv` False: none); other
-    # steps take the logits' argmax in engine/kernels/argmax.py, on the logits of the reference path (cuBLAS),
+    # steps take the logits' argmax in engine/kernels/sampling/argmax.py, on the logits of the reference path (cuBLAS),
     # without their float32 copy
     def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
         if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \

@@ -33,22 +33,22 @@ class EngineConfig:
                                        # request until evicted (engine/memory/block_manager.py)
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
     decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/
-                                       # decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
+                                       # matmul/decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
     draft_gemv: bool = True            # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
-                                       # (engine/kernels/draft_gemv.py) where decode_gemv is on
+                                       # (engine/kernels/matmul/draft_gemv.py) where decode_gemv is on
     spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
-                                       # head's next ids in one kernel (engine/kernels/spec_finish.py)
+                                       # head's next ids in one kernel (engine/kernels/spec/spec_finish.py)
     verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= decode_gemv_rows rows) takes
                                        # the target's LM head argmax from draft_gemv's kernels, no logits, where
                                        # those run; off: no faster than cuBLAS + argmax at 4 rows on an H100
     head_gemv: bool = True             # a greedy step (plain or verifying; unguided, no extras) takes its tokens
                                        # without float32 logits: from draft_gemv's LM head argmax kernels (plain
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
-                                       # kernels/argmax.py, where those run (the Triton backend)
+                                       # kernels/sampling/argmax.py, where those run (the Triton backend)
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8; at 5-8 slower than decode_gemm: bench/results/decode_rows/)
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
-                                       # fused path's matmuls are engine/kernels/decode_gemm.py (tensor cores,
+                                       # fused path's matmuls are engine/kernels/matmul/decode_gemm.py (tensor cores,
                                        # weights read before the wait) not cuBLAS, where decode_gemv is on; under
                                        # dependent launch (SPECDEC_PDL_MAX_ROWS, 32) on an H100 8 streams 0.97 ->
                                        # 0.83 ms a step, 32 streams 1.05 -> 0.90 (bench/results/decode_rows/)
@@ -57,20 +57,20 @@ class EngineConfig:
                                        # GEMV the rest, all rows at once (engine/attention.py, bench/results/gemv_rows/)
     rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
                                        # verification): RoPE and the KV store inside the attention kernel, not a
-                                       # kernel of their own (engine/kernels/rope_kv.py), where the backend is Triton
+                                       # kernel of their own (engine/kernels/attention/rope_kv.py), where the backend is Triton
     split_merge: bool = False          # attention split over KV (small batches) merges its splits in the attention
-                                       # kernel (a counter per group, engine/kernels/split_merge.py), not in a
+                                       # kernel (a counter per group, engine/kernels/attention/split_merge.py), not in a
                                        # combine kernel of its own, where the backend is Triton; off: 30 kernels
                                        # fewer a step, no time saved on an H100 (bench/results/switches/)
     silu_epilogue: bool = True         # steps on the decode GEMV: SiLU * up in the epilogue of the gate_up GEMV, so
-                                       # the down projection reads the activation (engine/kernels/decode_gemv.py)
+                                       # the down projection reads the activation (engine/kernels/matmul/decode_gemv.py)
     decode_attention: bool = True      # steps of one new token a sequence (decode, the EAGLE head's draft steps):
                                        # attention whose metadata, RoPE rows and first cached KV tile load before
-                                       # the dependent-launch wait (engine/kernels/decode_attention.py): SmolLM2
+                                       # the dependent-launch wait (engine/kernels/attention/decode_attention.py): SmolLM2
                                        # 1 stream 0.446 -> 0.414 ms, Llama 1B 0.871 -> 0.799 (H200,
                                        # bench/results/decode_attention/)
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
-                                       # (engine/kernels/spec_ops.py) where the backend is Triton
+                                       # (engine/kernels/spec/spec_ops.py) where the backend is Triton
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's
                                        # step-0 query and feature of each row (two torch kernels fewer a step:
                                        # EAGLE K = 3 step 0.802 -> 0.795 ms, H100, bench/results/draft_vocab/)

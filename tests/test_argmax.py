@@ -1,11 +1,11 @@
-"""engine.kernels.argmax (a step's logits to greedy tokens, two kernels) against torch.argmax, index for index.
+"""engine.kernels.sampling.argmax (a step's logits to greedy tokens, two kernels) against torch.argmax, index for index.
 Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py)."""
 import pytest
 import torch
 
 from conftest import triton_module
 
-am = triton_module("argmax")
+am = triton_module("sampling.argmax")
 DEV = "cpu" if am.interpreted() else "cuda"
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 

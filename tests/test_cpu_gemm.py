@@ -1,10 +1,10 @@
-"""engine/kernels/cpu_gemm.py: the native CPU matmul of a few rows against F.linear, its batch invariance, and
+"""engine/kernels/matmul/cpu_gemm.py: the native CPU matmul of a few rows against F.linear, its batch invariance, and
 where it hands over to F.linear."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_gemm
+from engine.kernels.matmul import cpu_gemm
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.NATIVE, reason="the native CPU matmul is not built or needs AVX2+FMA")
 
@@ -65,7 +65,7 @@ def test_what_it_leaves_to_f_linear():
 
 
 def test_the_model_layers_take_it():
-    from engine.kernels.cpu_gemm import Linear
+    from engine.kernels.matmul.cpu_gemm import Linear
     layer = Linear(64, 32, bias=True)
     x = torch.randn(5, 64)
     with torch.no_grad():

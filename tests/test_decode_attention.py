@@ -10,8 +10,8 @@ import torch
 from conftest import triton_module
 from test_rope_attention import DEV, DTYPES, make_step
 
-ta = triton_module("paged_attention")
-da = triton_module("decode_attention")
+ta = triton_module("attention.paged_attention")
+da = triton_module("attention.decode_attention")
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7)}
 
 

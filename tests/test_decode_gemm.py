@@ -1,4 +1,4 @@
-"""engine.kernels.decode_gemm (5 to 32 rows on tensor cores, weights read before the dependent-launch wait) against
+"""engine.kernels.matmul.decode_gemm (5 to 32 rows on tensor cores, weights read before the dependent-launch wait) against
 the torch ops it replaces, the backend's routing by row count and an engine with it on and off. Without CUDA the
 kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import os
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from conftest import assert_no_leak, triton_module
 
-dg = triton_module("decode_gemv")
-gm = triton_module("decode_gemm")
+dg = triton_module("matmul.decode_gemv")
+gm = triton_module("matmul.decode_gemm")
 DEV = "cpu" if gm.interpreted() else "cuda"
 EPS = 1e-5
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -214,7 +214,7 @@ def test_the_switch_and_the_dependent_launch_limit():
     EngineConfig(decode_gemv=False)     # no error for the default decode_gemm_rows: it then takes nothing
     with pytest.raises(ValueError, match="decode_gemv_rows"):
         EngineConfig(decode_gemv_rows=9)
-    code = "from engine.kernels import common, decode_gemv; print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)"
+    code = "from engine.kernels import common; from engine.kernels.matmul import decode_gemv; print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)"
     env = {k: v for k, v in os.environ.items() if k != "SPECDEC_PDL_MAX_ROWS"}
     for limit, want in ((None, "32"), ("16", "16")):
         out = subprocess.run([sys.executable, "-c", code], env=env | ({"SPECDEC_PDL_MAX_ROWS": limit} if limit else {}),
@@ -237,7 +237,7 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     one stream) and those of one row the GEMV; with decode_gemm_split (SPLIT_WIDE at 1 for the tiny shapes)
     steps of 3-4 rows take it for their wide matmuls."""
     import engine.attention as attention
-    from engine.kernels import decode_gemv as dg
+    from engine.kernels.matmul import decode_gemv as dg
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     calls = {gm: [], dg: []}

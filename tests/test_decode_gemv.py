@@ -1,4 +1,4 @@
-"""engine.kernels.decode_gemv (the few-row decode matmul, weights read before the dependent-launch wait)
+"""engine.kernels.matmul.decode_gemv (the few-row decode matmul, weights read before the dependent-launch wait)
 against F.linear. Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ import triton
 
 from conftest import triton_module
 
-dg = triton_module("decode_gemv")
+dg = triton_module("matmul.decode_gemv")
 DEV = "cpu" if dg.interpreted() else "cuda"
 # fp32: summation order only; bf16: one output rounding (and on the CPU the interpreter's truncating cast)
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 * 2 ** -7, 2 * 2 ** -8)}

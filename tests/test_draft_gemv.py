@@ -1,4 +1,4 @@
-"""engine.kernels.draft_gemv (a greedy draft's final norm + LM head + argmax) and decode_gemv's residual epilogue
+"""engine.kernels.matmul.draft_gemv (a greedy draft's final norm + LM head + argmax) and decode_gemv's residual epilogue
 against the torch ops they replace, bit for bit, and EAGLE drafting with them (EngineConfig.draft_gemv) against
 drafting without. Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py)."""
 import json
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS
 
-dg = triton_module("decode_gemv")
-dr = triton_module("draft_gemv")
+dg = triton_module("matmul.decode_gemv")
+dr = triton_module("matmul.draft_gemv")
 ops = triton_module("fused_ops")
 DEV = "cpu" if dr.interpreted() else "cuda"
 EPS = 1e-5
@@ -36,7 +36,7 @@ def torch_argmax(x, nw, w, eps=EPS):
 def block_p(request, monkeypatch):
     """"chunks": kernel 2 reads 2 partials at a time, so its loop runs several times with a ragged tail."""
     if request.param == "chunks":
-        monkeypatch.setattr(triton_module("argmax"), "BLOCK_P", 2)
+        monkeypatch.setattr(triton_module("sampling.argmax"), "BLOCK_P", 2)
 
 
 @DTYPES

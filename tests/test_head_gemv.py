@@ -1,4 +1,4 @@
-"""EngineConfig.head_gemv: a greedy plain step's tokens from engine.kernels.draft_gemv.linear_argmax (the LM head +
+"""EngineConfig.head_gemv: a greedy plain step's tokens from engine.kernels.matmul.draft_gemv.linear_argmax (the LM head +
 argmax on the decode GEMV, tested against torch in tests/test_verify_gemv.py), no logits. Which steps of
 StepProgram take the kernels, and whole engines with the switch on against off. Without CUDA the kernels run in the
 Triton CPU interpreter (tests/conftest.py)."""
@@ -10,7 +10,7 @@ import torch
 from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS
 
-dr = triton_module("draft_gemv")
+dr = triton_module("matmul.draft_gemv")
 DEV = "cpu" if dr.interpreted() else "cuda"
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [8, 1, 64, 64, 2], [300, 301, 302], [9, 9, 9, 9, 1, 2], [77, 6, 5, 4, 3]]
 
@@ -63,7 +63,7 @@ def _run(eng, calls, logit_rows):
 def test_engine_outputs_equal_with_head_gemv(depth, eager, monkeypatch):
     """head_gemv on gives the greedy outputs of head_gemv off and its greedy one-row steps compute no logits; a
     sampled request and one with logprobs keep their logits, with the same tokens and logprobs; steps of five
-    rows take cuBLAS's logits and engine/kernels/argmax.py, not the GEMV."""
+    rows take cuBLAS's logits and engine/kernels/sampling/argmax.py, not the GEMV."""
     calls, real = [], dr.linear_argmax
     monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     runs = {}

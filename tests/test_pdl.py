@@ -42,7 +42,9 @@ def test_graphed_chain_with_dependent_launch_matches_plain_launches():
     PDL; replayed after the inputs change, it must equal the same chain run in a subprocess with SPECDEC_PDL=0."""
     code = r'''
 import sys, torch
-from engine.kernels import decode_gemv as G, fused_ops as F, paged_attention as A
+from engine.kernels.matmul import decode_gemv as G
+from engine.kernels import fused_ops as F
+from engine.kernels.attention import paged_attention as A
 from engine.kernels.common import pdl
 torch.manual_seed(0)
 dev = torch.device("cuda")

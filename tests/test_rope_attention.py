@@ -10,7 +10,7 @@ from conftest import triton_module
 from engine.models.llama import rope_inv_freq, rope_tables
 from test_triton_attention import make_batch
 
-ta = triton_module("paged_attention")
+ta = triton_module("attention.paged_attention")
 fo = triton_module("fused_ops")
 
 DEV = "cpu" if ta.interpreted() else "cuda"

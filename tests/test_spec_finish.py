@@ -1,4 +1,4 @@
-"""engine.kernels.spec_finish (a greedy speculative step's verification, finish and next tokens in one kernel)
+"""engine.kernels.spec.spec_finish (a greedy speculative step's verification, finish and next tokens in one kernel)
 against the torch code it replaces (verify.greedy_accept_ids, SpecStepProgram.finish with TokenPool.emit,
 SpecStepProgram.next_tokens), bit for bit, and whole engines with EngineConfig.spec_kernels and
 spec_finish_kernel on against off. Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
@@ -11,8 +11,8 @@ import torch
 from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 
-sf = triton_module("spec_finish")
-dr = triton_module("draft_gemv")
+sf = triton_module("spec.spec_finish")
+dr = triton_module("matmul.draft_gemv")
 DEV = "cpu" if sf.interpreted() else "cuda"
 MML, ROWS, VOCAB = 40, 160, 50      # max_model_len, pool rows, token ids
 

@@ -1,4 +1,4 @@
-"""engine.kernels.spec_ops (the speculative step's correction and draft layout, one kernel each) against the torch
+"""engine.kernels.spec.spec_ops (the speculative step's correction and draft layout, one kernel each) against the torch
 code they replace (SpecStepProgram.correct with TokenPool.carried, drafters/base.py draft_layout), bit for bit,
 and whole engines with EngineConfig.spec_kernels on against off. Without CUDA the kernels run in the Triton CPU
 interpreter (tests/conftest.py)."""
@@ -10,7 +10,7 @@ import torch
 from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 
-so = triton_module("spec_ops")
+so = triton_module("spec.spec_ops")
 DEV = "cpu" if so.interpreted() else "cuda"
 BS, MML = 4, 40                 # block size, max_model_len
 MAX_BLOCKS = (MML + 8) // BS    # room for positions a little past max_model_len
@@ -152,7 +152,7 @@ def test_draft_layout_gathers_each_rows_last_input(dtypes):
     [T, H] (a padding row's -1 wraps to the last input, as torch indexing does); rows it cannot take (two dtypes)
     fall back to torch indexing. Either way the result is x[ctx.last], and the layout is unchanged."""
     from engine.spec.drafters.base import draft_layout
-    from engine.kernels import spec_ops
+    from engine.kernels.spec import spec_ops
     g = torch.Generator().manual_seed(3)
     for S, T in ((1, 4), (5, 20), (3, 3)):
         ctx, start = _ctx(S, S, 2)

@@ -11,7 +11,7 @@ from engine.attention import paged_attention_torch
 from test_rope_attention import make_step
 from test_triton_attention import DEV, TOL, make_batch, rel_err
 
-ta = triton_module("paged_attention")
+ta = triton_module("attention.paged_attention")
 
 
 def run(q, k_cache, v_cache, meta, num_splits, semaphores=None, rope=None):

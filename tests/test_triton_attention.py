@@ -1,4 +1,4 @@
-"""engine.kernels.paged_attention against the torch reference (engine.attention).
+"""engine.kernels.attention.paged_attention against the torch reference (engine.attention).
 
 Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
 """
@@ -8,7 +8,7 @@ import torch
 from conftest import triton_module
 from engine.attention import AttentionMetadata, paged_attention_torch, store_kv_torch
 
-ta = triton_module("paged_attention")
+ta = triton_module("attention.paged_attention")
 
 DEV = "cpu" if ta.interpreted() else "cuda"
 # Interpreter: float32 numpy matmuls, so only summation-order rounding (~1e-7); 1e-4 leaves headroom

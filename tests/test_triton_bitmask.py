@@ -1,4 +1,4 @@
-"""engine.kernels.bitmask against engine.sampling.sampler.apply_bitmask (its torch twin). Without CUDA the kernel runs
+"""engine.kernels.sampling.bitmask against engine.sampling.sampler.apply_bitmask (its torch twin). Without CUDA the kernel runs
 in the Triton CPU interpreter (tests/conftest.py: triton_module)."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from conftest import triton_module
 from engine.sampling.sampler import apply_bitmask as reference
 
-kernel = triton_module("bitmask")
+kernel = triton_module("sampling.bitmask")
 DEV = "cpu" if kernel.interpreted() else "cuda"
 
 

@@ -1,4 +1,4 @@
-"""EngineConfig.verify_gemv: engine.kernels.draft_gemv.linear_argmax (the target's LM head + argmax on the decode
+"""EngineConfig.verify_gemv: engine.kernels.matmul.draft_gemv.linear_argmax (the target's LM head + argmax on the decode
 GEMV) against the torch ops it replaces, greedy_accept_ids against greedy_accept, which steps of SpecStepProgram
 take the kernels, and whole engines with the switch on against off. Without CUDA the kernels run in the Triton CPU
 interpreter (tests/conftest.py)."""
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 
-dg = triton_module("decode_gemv")
-dr = triton_module("draft_gemv")
+dg = triton_module("matmul.decode_gemv")
+dr = triton_module("matmul.draft_gemv")
 ops = triton_module("fused_ops")
 DEV = "cpu" if dr.interpreted() else "cuda"
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -34,7 +34,7 @@ def torch_argmax(x, w):
 def block_p(request, monkeypatch):
     """"chunks": kernel 2 reads 2 partials at a time, so its loop runs several times with a ragged tail."""
     if request.param == "chunks":
-        monkeypatch.setattr(triton_module("argmax"), "BLOCK_P", 2)
+        monkeypatch.setattr(triton_module("sampling.argmax"), "BLOCK_P", 2)
 
 
 @DTYPES
@@ -99,7 +99,7 @@ def _backend(draft: bool):
 
 def test_backend_dispatch(monkeypatch):
     """The GEMV kernels on a Triton backend with draft_gemv, for up to decode_gemv_rows rows; cuBLAS's logits and
-    engine/kernels/argmax.py past them, without draft_gemv and with gemv=False; None on the torch backend (the
+    engine/kernels/sampling/argmax.py past them, without draft_gemv and with gemv=False; None on the torch backend (the
     caller computes the logits)."""
     from engine.attention import TorchAttention
     calls, real = [], dr.linear_argmax
@@ -203,7 +203,7 @@ def _spying(eng):
 @pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
 def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
     """One stream, K = 3 (4 rows a verification): verify_gemv (the GEMV's argmax; n-gram engine) and head_gemv
-    alone (cuBLAS's logits, engine/kernels/argmax.py) give the drafts and greedy outputs of both off, and their
+    alone (cuBLAS's logits, engine/kernels/sampling/argmax.py) give the drafts and greedy outputs of both off, and their
     greedy spec steps compute no float32 logits; only verify_gemv's take the GEMV. A sampled stream and a greedy one
     with logprobs keep their logits on spec steps, with the same tokens and logprobs."""
     from engine.requests.sequence import SamplingParams

@@ -1,1 +1,2 @@
-"""Triton kernels and their torch references: paged attention, fused norm/RoPE/SiLU ops, small-batch GEMV."""
+"""Triton kernels and their torch references, by concept: attention/, matmul/, sampling/, spec/; common.py and
+fused_ops.py (norm, RoPE + KV store, SiLU * up) beside them, shared by all four."""

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 # Programmatic dependent launch, on unless SPECDEC_PDL=0 (read once, at import), for launches of at most
-# PDL_MAX_ROWS rows: steps whose matmuls are ours (engine/kernels/decode_gemv.py, then decode_gemm.py up to
+# PDL_MAX_ROWS rows: steps whose matmuls are ours (engine/kernels/matmul/decode_gemv.py, then decode_gemm.py up to
 # EngineConfig.decode_gemm_rows, 32), so that a decode layer is all our kernels, each loading what does not depend on
 # the one before while that one finishes (0.93 -> 0.62 ms a step at one stream on an H100; decode_gemm gains only
 # under it). Next to cuBLAS matmuls, which never signal early, it gains nothing and cost ~2% at 32 streams

@@ -45,7 +45,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, new_res_ptr, stride_x, stri
 @triton.jit
 def rms_norm_row(h, w_ptr, cols, ok, n_cols, eps, DTYPE: tl.constexpr):
     """RMSNorm of one row h [BLOCK] (columns `cols`, `ok` of them real) with weight w_ptr, rounded to DTYPE where
-    engine.models.llama.RMSNorm rounds (rms_norm's kernel, and engine/kernels/head_ops.py's)."""
+    engine.models.llama.RMSNorm rounds (rms_norm's kernel, and engine/kernels/spec/head_ops.py's)."""
     hf = h.to(tl.float32)
     inv = tl.rsqrt(reduce_sum(hf * hf, 0) / n_cols + eps)
     normed = (hf * inv).to(DTYPE)  # rounded before the weight multiply, like RMSNorm
@@ -57,7 +57,7 @@ def rms_norm_row(h, w_ptr, cols, ok, n_cols, eps, DTYPE: tl.constexpr):
 @triton.jit
 def rotate_rows(base, offs_d, mask, c, s, HEAD_DIM: tl.constexpr):
     """x * cos + rotate_half(x) * sin in fp32 for the rows whose pointers are base [R, 1] (rope_store_kv's kernel,
-    and engine/kernels/rope_kv.py's): rotate_half(x)[d] = sign[d] * x[partner[d]]; c, s broadcast to [R, D]."""
+    and engine/kernels/attention/rope_kv.py's): rotate_half(x)[d] = sign[d] * x[partner[d]]; c, s broadcast to [R, D]."""
     half = HEAD_DIM // 2
     partner = tl.where(offs_d < HEAD_DIM, tl.where(offs_d < half, offs_d + half, offs_d - half), 0)  # masked lanes
     sign = tl.where(offs_d < half, -1.0, 1.0)                                                      # stay in range

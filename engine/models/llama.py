@@ -7,7 +7,7 @@ Two paths with the same math: the reference path (torch ops, the `torch` attenti
 it equals Hugging Face transformers) and the fused path (`backend.fused`: Triton kernels for residual
 add + RMSNorm, RoPE + KV store and SiLU * up; in decode and verification steps RoPE + KV store run inside the
 attention kernel, so a decode layer is ~8 kernels). In steps of at most 4 rows the fused path's matmuls are
-engine/kernels/decode_gemv.py, with the norm and SiLU * up before them folded in: 5 kernels a layer, launched
+engine/kernels/matmul/decode_gemv.py, with the norm and SiLU * up before them folded in: 5 kernels a layer, launched
 dependently (bench/results/decode_gemv.md, bench/results/rope_attention.md). Both paths compute RoPE and SiLU * up in
 float32 and round once, so in bf16 they differ only in summation order (engine/kernels/fused_ops.py).
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.kernels.cpu_gemm import Linear, linear
+from engine.kernels.matmul.cpu_gemm import Linear, linear
 from engine.parallel.group import SINGLE
 from engine.parallel.sharding import attention_heads, split, vocab_rows
 

@@ -13,7 +13,7 @@ sampling; greedy steps (every sampling row at temperature 0) skip the random-sam
 logits, filter by min_p and record the logprobs of the sampled tokens (engine/sampling/penalties.py,
 engine/sampling/logprobs.py); no other step runs a kernel for them. With EngineConfig.head_gemv a greedy step that
 is neither guided nor extras computes no float32 logits: its tokens come from the backend's LM head argmax
-kernels (the decode GEMV's, or cuBLAS's logits and engine/kernels/argmax.py). Logits go: penalties and
+kernels (the decode GEMV's, or cuBLAS's logits and engine/kernels/sampling/argmax.py). Logits go: penalties and
 min_tokens, grammar mask (logprobs are taken here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """

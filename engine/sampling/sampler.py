@@ -77,7 +77,7 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, bitmask=None, all_gr
            min_p=None):
     """logits [N, V] float32 -> tokens [N] int64. Rows with temperature 0 are greedy; a row whose bitmask
     allows no token gets NO_TOKEN. `masker`: apply_bitmask or a kernel with its semantics
-    (engine/kernels/bitmask.py). min_p [N] (None: off): after temperature, top-k and top-p, tokens less likely
+    (engine/kernels/sampling/bitmask.py). min_p [N] (None: off): after temperature, top-k and top-p, tokens less likely
     than min_p times the most likely one are dropped."""
     satisfiable = masker(logits, bitmask) if bitmask is not None else None
     tokens = logits.argmax(dim=-1)

@@ -42,10 +42,10 @@ class SpecStepProgram(StepProgram):
         self.aux_layers = tuple(drafter.feature_layers)
         self.spec_ops = self.spec_finish = None  # EngineConfig.spec_kernels: correct in one kernel
         if spec_kernels:
-            from engine.kernels import spec_ops
+            from engine.kernels.spec import spec_ops
             self.spec_ops = spec_ops
         if finish_kernel:                        # EngineConfig.spec_finish_kernel: the greedy finish in one kernel
-            from engine.kernels import spec_finish
+            from engine.kernels.spec import spec_finish
             self.spec_finish = spec_finish
         self.verify_gemv = verify_gemv          # EngineConfig.verify_gemv: greedy verification from argmax kernels
 

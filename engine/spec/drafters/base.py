@@ -129,11 +129,11 @@ def draft_layout(ctx: FeatureContext, start, offset: int, k: int, block_size: in
     `rows` indexed by ctx.last), forward i of every sampling row at position start + offset + i, writing its KV
     slot and attending to its sequence up to there. A row whose pages (kv_cap) or context do not reach the position
     writes nothing (slot -1) and attends to what its pages hold up to `start` (always written); so do padding rows
-    (last_valid False). kernels (EngineConfig.spec_kernels): the tensors in one launch (engine/kernels/spec_ops.py),
+    (last_valid False). kernels (EngineConfig.spec_kernels): the tensors in one launch (engine/kernels/spec/spec_ops.py),
     else torch ops; gather (EngineConfig.draft_gather): that launch also gathers `rows` where it can."""
     gathered = ()
     if kernels:
-        from engine.kernels import spec_ops
+        from engine.kernels.spec import spec_ops
         pos, mapping, seq_lens, table, cu, gathered = spec_ops.draft_layout(ctx, start, offset, k, block_size,
                                                                              max_model_len, rows if gather else ())
     else:

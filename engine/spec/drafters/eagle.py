@@ -7,7 +7,7 @@ step 0 queries at t, step i >= 1 at t + i, and each hidden state's argmax under 
 next draft (under the row's grammar mask, or grammar-forced, in a guided step: FeatureContext.pick). Drafts are greedy, so verification takes them as one-hot proposals, which
 keeps rejection sampling lossless. With EngineConfig.draft_gemv an unguided draft of a few rows takes no logits:
 the final norm, LM head and argmax are two kernels of the decode GEMV's dependent-launch chain
-(engine/kernels/draft_gemv.py), and the layer's residual add is its down projection's epilogue.
+(engine/kernels/matmul/draft_gemv.py), and the layer's residual add is its down projection's epilogue.
 
 Draft step i writes its key at position t + i, which may lie past the step's inputs: the scheduler reserves
 K - 1 tokens of pages ahead when it can (`Drafter.lookahead`), and a write that would land past a

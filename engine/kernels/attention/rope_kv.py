@@ -1,4 +1,4 @@
-"""RoPE and the KV store of a step's new tokens inside engine/kernels/paged_attention.py's kernel (its `rope=`):
+"""RoPE and the KV store of a step's new tokens inside engine/kernels/attention/paged_attention.py's kernel (its `rope=`):
 the same fp32 rotation and single rounding as engine/kernels/fused_ops.py's rope_store_kv, so both give the same
 bits."""
 import triton

@@ -1,4 +1,4 @@
-"""float32 matmuls of a few rows on the CPU: engine/kernels/csrc/cpu_gemm.cpp where it applies, F.linear elsewhere.
+"""float32 matmuls of a few rows on the CPU: engine/kernels/matmul/csrc/cpu_gemm.cpp where it applies, F.linear elsewhere.
 
 A CPU decode step reads every weight once, so its matmuls are bound by memory bandwidth. torch's BLAS sgemm reaches
 that bound for one row but not for 2-16 (speculative verification, small batches): on an AVX2 machine (2-core AMD
@@ -17,7 +17,7 @@ from torch import nn
 MAX_ROWS = 16          # from 16 rows BLAS is as fast (two passes over the weights here against its one)
 
 try:
-    from engine.kernels import _cpu_gemm as _native
+    from engine.kernels.matmul import _cpu_gemm as _native
     NATIVE = _native.available()
 except ImportError:    # not built (an editable checkout before `setup.py build_ext`): F.linear everywhere
     _native, NATIVE = None, False

@@ -6,7 +6,7 @@
     decode_silu_linear(gate_up, weight, residual=None) -> out
                                                   (= [residual +] F.linear(fused_ops.silu_mul(gate_up), weight))
 
-engine/kernels/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens (from one stream: the
+engine/kernels/matmul/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens (from one stream: the
 engine takes it past EngineConfig.decode_gemv_rows) or a tree of 8-32 tokens, where its loop over rows (a pass over the registers each) would cost more than cuBLAS. The
 same idea: each program owns BLOCK_N whole weight rows and loads all of them into registers before gdc_wait, so
 under programmatic dependent launch the HBM read overlaps the kernel before; after the wait it reads x (L2),
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import decode_gemv, gemv_checks
+from engine.kernels.matmul import decode_gemv, gemv_checks
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 
 MIN_ROWS = 1

@@ -1,5 +1,5 @@
 """Decode attention with RoPE and the KV store of the new token, for steps of at most one new token a sequence:
-engine/kernels/paged_attention.py's `rope=` path, with as little as possible after the dependent-launch wait.
+engine/kernels/attention/paged_attention.py's `rope=` path, with as little as possible after the dependent-launch wait.
 
     decode_attention(q, k, v, positions, cos, sin, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                      slot_mapping, scale, ...) -> out         (= paged_attention(q, ..., rope=(k, v, positions, ...)))
@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention_checks import check_attention
+from engine.kernels.attention.attention_checks import check_attention
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.fused_ops import check_rope, rotate_rows
-from engine.kernels.paged_attention import _LOG2E, _attn_tile, _check_semaphores, _tile_config, split_count
-from engine.kernels.split_merge import combine_splits, split_partials, store_splits
+from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _check_semaphores, _tile_config, split_count
+from engine.kernels.attention.split_merge import combine_splits, split_partials, store_splits
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_min, wrap_row as _wrap
 from engine.kernels.fused_ops import _check_device, _check_tensor
-from engine.kernels.spec_ops import _check_int, _check_rows
+from engine.kernels.spec.spec_ops import _check_int, _check_rows
 from engine.spec.verify import PAD
 
 _I32, _I64, _INT = (torch.int32,), (torch.int64,), (torch.int32, torch.int64)

@@ -10,7 +10,7 @@ torch's argmax, none launched dependently, so the next draft step's kernels cann
 kernels of the dependent-launch chain. Kernel 1 is decode_gemv's with the norm prologue and the argmax
 epilogue: each program loads its BLOCK_N vocabulary rows before the wait, rounds their logits to the dtype as
 F.linear does and keeps, per row of x, their maximum and its first vocabulary row. Kernel 2 (engine/kernels/
-argmax.py's first_max) reduces the partials of each row to its first maximal vocabulary row, torch.argmax's tie
+sampling/argmax.py's first_max) reduces the partials of each row to its first maximal vocabulary row, torch.argmax's tie
 rule: the partials come in vocabulary order, and a later one wins only if strictly larger.
 
 linear_argmax is the same two kernels without the norm (decode_gemv's "none" prologue), for a greedy
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import argmax, decode_gemv, gemv_checks
+from engine.kernels.sampling import argmax
+from engine.kernels.matmul import decode_gemv, gemv_checks
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
 
 MAX_ROWS = decode_gemv.MAX_ROWS

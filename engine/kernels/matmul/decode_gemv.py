@@ -20,7 +20,7 @@ qkv and gate_up, SiLU * up before down. Each program recomputes it on its copy o
 program 0 stores the new residual; the separate norm and SiLU kernels, 90 of a step's ~310, are gone.
 
 The op after comes free too (EPILOGUE): the EAGLE head's residual add after its down projection, the argmax of
-each row over the program's outputs (the LM head's first half of a greedy draft, engine/kernels/draft_gemv.py),
+each row over the program's outputs (the LM head's first half of a greedy draft, engine/kernels/matmul/draft_gemv.py),
 or SiLU * up ("silu_mul"): a program of gate_up takes gate rows and the up rows of the same columns, so it stores
 the activation itself. The down projection after it then reads I values a row, not 2 I, and computes no SiLU:
 with the SiLU prologue every one of its programs recomputed the whole row's (8192 exp a program at Llama 1B's
@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import gemv_checks
+from engine.kernels.matmul import gemv_checks
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
-from engine.kernels.gemv_checks import check, problem
+from engine.kernels.matmul.gemv_checks import check, problem
 
 MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K these kernels take
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps

@@ -1,4 +1,4 @@
-"""The merge of the attention kernels' KV splits (engine/kernels/paged_attention.py, decode_attention.py): a
+"""The merge of the attention kernels' KV splits (engine/kernels/attention/paged_attention.py, decode_attention.py): a
 combine kernel after the attention kernel, or (its `semaphores=`) the attention kernel itself (store_splits, the
 programs' shared end). There each split program stores its partial (acc, max, sum) as before, then takes a
 ticket from its (query block, sequence, kv head)'s counter; the program that takes the last one merges the

@@ -9,7 +9,7 @@ group. KV is walked in TILE_N-key tiles (a multiple of the page size) through bl
 tiles every query row may see (no mask), then the causal tail. When the grid leaves the GPU mostly idle
 (decode at low batch, or a fuller grid over a long context: _auto_splits) the KV range is split over
 NUM_SPLITS programs and a second kernel merges their partial (acc, max, sum), or with `semaphores=` the last
-of them (both in engine/kernels/split_merge.py). Grid
+of them (both in engine/kernels/attention/split_merge.py). Grid
 and constexprs depend only on shapes and host ints: no device->host sync, so both entry points can be captured
 in CUDA graphs.
 
@@ -29,10 +29,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels import fused_ops
-from engine.kernels.attention_checks import check_attention, check_cache, check_index, check_rows
+from engine.kernels.attention.attention_checks import check_attention, check_cache, check_index, check_rows
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
-from engine.kernels.rope_kv import rope_rows, store_new_kv
-from engine.kernels.split_merge import combine_splits, split_partials, store_splits
+from engine.kernels.attention.rope_kv import rope_rows, store_new_kv
+from engine.kernels.attention.split_merge import combine_splits, split_partials, store_splits
 
 _LOG2E = 1.4426950408889634
 LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
@@ -231,7 +231,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     rotated, and the new keys and values are not yet cached; the kernel does both, as rope_store_kv would
     (q / k / v may be strided views). Needs fuses_rope(...) for max_query_len.
     semaphores: a zeroed int32 buffer (left zeroed) of at least one counter per (query block, sequence, kv head):
-    with it a split launch merges its splits itself (engine/kernels/split_merge.py), not in a second kernel.
+    with it a split launch merges its splits itself (engine/kernels/attention/split_merge.py), not in a second kernel.
     """
     check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     if isinstance(max_query_len, torch.Tensor) or isinstance(scale, torch.Tensor):
