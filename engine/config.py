@@ -69,6 +69,9 @@ class EngineConfig:
                                        # the dependent-launch wait (engine/kernels/attention/decode_attention.py): SmolLM2
                                        # 1 stream 0.446 -> 0.414 ms, Llama 1B 0.871 -> 0.799 (H200,
                                        # bench/results/decode_attention/)
+    decode_attention_splits: int = 0   # decode_attention's KV splits: 0 picks them by paged_attention's rule for the
+                                       # step's grid and context bound; a power of two up to 32 sets them for every
+                                       # such step (each split's first tile is read before the wait); to measure
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec/spec_ops.py) where the backend is Triton
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's
@@ -146,6 +149,10 @@ class EngineConfig:
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:
             raise ValueError(f"decode_gemm_rows must be 0 (off) or decode_gemv_rows + 1 "
                              f"({self.decode_gemv_rows + 1}) to 32, got {self.decode_gemm_rows}")
+        if self.decode_attention_splits and not (self.decode_attention_splits <= 32 and
+                                                 not self.decode_attention_splits & (self.decode_attention_splits - 1)):
+            raise ValueError(f"decode_attention_splits must be 0 (by rule) or a power of two up to 32, got "
+                             f"{self.decode_attention_splits}")
         if self.spec_draft_vocab_size < 0:
             raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
         if self.depth not in (1, 2):

@@ -106,3 +106,33 @@ def test_engine_eagle_outputs_and_drafts_equal_with_decode_attention():
         assert bool(calls) == on
         results.append(([s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]))
     assert results[1] == results[0]
+
+
+def test_engine_with_decode_attention_splits_set_keeps_the_tokens(monkeypatch):
+    """decode_attention_splits = 4 reaches the kernel on every decode step (the rule picks 1 on the CPU) and the
+    greedy outputs stay those of the rule's split count."""
+    from engine.llm_engine import LLMEngine
+    from engine.requests.sequence import SamplingParams
+    from helpers import INTERPRETER_SETTINGS
+    prompts = [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2], list(range(40, 140))]    # 100 tokens: past one tile
+    results = []
+    for splits in (0, 4):
+        eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
+                        **INTERPRETER_SETTINGS, depth=2, max_num_seqs=4, max_model_len=128, enforce_eager=True,
+                        decode_attention=True, decode_attention_splits=splits)
+        eng.runner.backend._decode_attn = da                   # this file's (interpreter-built) module
+        calls, real = [], da.decode_attention
+        monkeypatch.setattr(da, "decode_attention", lambda *a, **kw: calls.append(kw["num_splits"]) or real(*a, **kw))
+        seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 6)])
+        monkeypatch.setattr(da, "decode_attention", real)
+        assert calls and set(calls) == {splits or None}
+        results.append([s.output_token_ids for s in seqs])
+    assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("splits", [3, 64, -2])
+def test_decode_attention_splits_must_be_zero_or_a_power_of_two_to_32(splits):
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="decode_attention_splits"):
+        EngineConfig(decode_attention_splits=splits)
+    assert EngineConfig(decode_attention_splits=32).decode_attention_splits == 32

@@ -62,7 +62,8 @@ class ModelRunner:
             decode_gemm_rows=config.decode_gemm_rows if config.decode_gemv else 0, decode_gemv_rows=config.decode_gemv_rows,
             decode_gemm_split=config.decode_gemm_split and config.decode_gemv, rope_attention=config.rope_attention,
             split_merge=config.split_merge, silu_epilogue=config.silu_epilogue,
-            decode_attention=config.decode_attention, device=self.device)
+            decode_attention=config.decode_attention, decode_attention_splits=config.decode_attention_splits,
+            device=self.device)
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)
         self.num_blocks = tp.agree_min(self._num_kv_blocks())    # block tables index every rank's
