@@ -105,14 +105,19 @@ def best(fn_of_cfg, sweep, weights, x, want, calls, replays):
     return found
 
 
-def run_case(model, op, n, k, args, bandwidth):
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+def operands(n, k, args):
+    """(weights, x, calls, replays, bytes of one weight): bf16 copies of an [n, k] weight filling 256 MB, so that
+    calls cycling over them read HBM, and one row x."""
     nbytes = n * k * 2
     copies = max(1, math.ceil((256 << 20) / nbytes))
-    weights = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
-    x = torch.randn(1, k, device=dev, dtype=dtype)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    return weights, x, max(args.calls, copies), args.replays, nbytes
+
+
+def run_case(model, op, n, k, args, bandwidth):
+    weights, x, calls, replays, nbytes = operands(n, k, args)
     want = torch.nn.functional.linear(x, weights[0])
-    calls, replays = max(args.calls, copies), args.replays
     cublas = time_op(lambda a, w, o: torch.mm(a, w.t(), out=o), weights, x, calls, replays)
     shipped = None
     if k <= decode_gemv.MAX_K:
@@ -135,14 +140,9 @@ def run_case(model, op, n, k, args, bandwidth):
 def run_silu_case(model, args, bandwidth):
     """gate_up with SiLU * up in the epilogue (EngineConfig.silu_epilogue) over SWEEP_REG: shipped = its config."""
     n, k = SHAPES[model]["gate_up"]
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    nbytes = n * k * 2
-    copies = max(1, math.ceil((256 << 20) / nbytes))
-    weights = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
-    x = torch.randn(1, k, device=dev, dtype=dtype)
+    weights, x, calls, replays, nbytes = operands(n, k, args)
     gate_up = torch.nn.functional.linear(x, weights[0])
     want = torch.nn.functional.silu(gate_up[:, : n // 2]) * gate_up[:, n // 2:]
-    calls, replays = max(args.calls, copies), args.replays
     cfg = decode_gemv.decode_gemv_config(n, k)
     shipped = dict(elems=cfg["BLOCK_N"] * cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     rows = []
