@@ -1,4 +1,5 @@
-"""Per-call GPU time of engine.kernels.matmul.gemv's fused small-M GEMVs vs the unfused kernels + cuBLAS, in CUDA graphs.
+"""Per-call GPU time of engine.kernels.matmul.gemv's fused small-M GEMVs vs the unfused kernels + cuBLAS, in CUDA
+graphs.
 
     python bench/gemv_kernels.py                     # H100: SmolLM2-135M and Llama-3.2-1B shapes, M 1/4/16, bf16
     python bench/gemv_kernels.py --sweep             # also time a grid of gemv_config choices (for tuning)

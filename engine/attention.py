@@ -168,8 +168,8 @@ class TritonAttention(_Matmuls):
         self._argmax = argmax
         self.ops = fused_ops
 
-    # engine/kernels/matmul/decode_gemv.py (the op before folded in) for steps of up to decode_gemv_rows rows when it is on
-    # and there is no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
+    # engine/kernels/matmul/decode_gemv.py (the op before folded in) for steps of up to decode_gemv_rows rows when it
+    # is on and there is no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
     def _gemv_for(self, x, weight, bias, **kw):
         """The kernel module taking this call, or None."""
         if self._gemv is None or bias is not None:

@@ -32,8 +32,8 @@ class EngineConfig:
     prefix_caching: bool = True        # full KV pages shared by prompts with the same prefix, kept after their
                                        # request until evicted (engine/memory/block_manager.py)
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
-    decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/
-                                       # matmul/decode_gemv.py (weights read before the dependent-launch wait) not cuBLAS
+    decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/matmul/
+                                       # decode_gemv.py (weights read before the dependent-launch wait), not cuBLAS
     draft_gemv: bool = True            # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
                                        # (engine/kernels/matmul/draft_gemv.py) where decode_gemv is on
     spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
@@ -57,7 +57,8 @@ class EngineConfig:
                                        # GEMV the rest, all rows at once (engine/attention.py, bench/results/gemv_rows/)
     rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
                                        # verification): RoPE and the KV store inside the attention kernel, not a
-                                       # kernel of their own (engine/kernels/attention/rope_kv.py), where the backend is Triton
+                                       # kernel of their own (engine/kernels/attention/rope_kv.py), where the backend
+                                       # is Triton
     split_merge: bool = False          # attention split over KV (small batches) merges its splits in the attention
                                        # kernel (a counter per group, engine/kernels/attention/split_merge.py), not in a
                                        # combine kernel of its own, where the backend is Triton; off: 30 kernels
@@ -66,8 +67,8 @@ class EngineConfig:
                                        # the down projection reads the activation (engine/kernels/matmul/decode_gemv.py)
     decode_attention: bool = True      # steps of one new token a sequence (decode, the EAGLE head's draft steps):
                                        # attention whose metadata, RoPE rows and first cached KV tile load before
-                                       # the dependent-launch wait (engine/kernels/attention/decode_attention.py): SmolLM2
-                                       # 1 stream 0.446 -> 0.414 ms, Llama 1B 0.871 -> 0.799 (H200,
+                                       # the dependent-launch wait (engine/kernels/attention/decode_attention.py):
+                                       # SmolLM2 1 stream 0.446 -> 0.414 ms, Llama 1B 0.871 -> 0.799 (H200,
                                        # bench/results/decode_attention/)
     decode_attention_splits: int = 0   # decode_attention's KV splits: 0 picks them by paged_attention's rule for the
                                        # step's grid and context bound; a power of two up to 32 sets them for every
@@ -149,10 +150,9 @@ class EngineConfig:
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:
             raise ValueError(f"decode_gemm_rows must be 0 (off) or decode_gemv_rows + 1 "
                              f"({self.decode_gemv_rows + 1}) to 32, got {self.decode_gemm_rows}")
-        if self.decode_attention_splits and not (self.decode_attention_splits <= 32 and
-                                                 not self.decode_attention_splits & (self.decode_attention_splits - 1)):
-            raise ValueError(f"decode_attention_splits must be 0 (by rule) or a power of two up to 32, got "
-                             f"{self.decode_attention_splits}")
+        splits = self.decode_attention_splits
+        if splits and (splits < 1 or splits > 32 or splits & (splits - 1)):
+            raise ValueError(f"decode_attention_splits must be 0 (by rule) or a power of two up to 32, got {splits}")
         if self.spec_draft_vocab_size < 0:
             raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
         if self.depth not in (1, 2):

@@ -123,7 +123,8 @@ def test_engine_with_decode_attention_splits_set_keeps_the_tokens(monkeypatch):
         eng.runner.backend._decode_attn = da                   # this file's (interpreter-built) module
         calls, real = [], da.decode_attention
         monkeypatch.setattr(da, "decode_attention", lambda *a, **kw: calls.append(kw["num_splits"]) or real(*a, **kw))
-        seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 6)])
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 6)]
+        seqs = eng.generate(prompts, params)
         monkeypatch.setattr(da, "decode_attention", real)
         assert calls and set(calls) == {splits or None}
         results.append([s.output_token_ids for s in seqs])

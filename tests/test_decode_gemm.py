@@ -1,5 +1,5 @@
-"""engine.kernels.matmul.decode_gemm (5 to 32 rows on tensor cores, weights read before the dependent-launch wait) against
-the torch ops it replaces, the backend's routing by row count and an engine with it on and off. Without CUDA the
+"""engine.kernels.matmul.decode_gemm (5 to 32 rows on tensor cores, weights read before the dependent-launch wait)
+against the torch ops it replaces, the backend's routing by row count and an engine with it on and off. Without CUDA the
 kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import os
 import subprocess
@@ -214,7 +214,8 @@ def test_the_switch_and_the_dependent_launch_limit():
     EngineConfig(decode_gemv=False)     # no error for the default decode_gemm_rows: it then takes nothing
     with pytest.raises(ValueError, match="decode_gemv_rows"):
         EngineConfig(decode_gemv_rows=9)
-    code = "from engine.kernels import common; from engine.kernels.matmul import decode_gemv; print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)"
+    code = ("from engine.kernels import common; from engine.kernels.matmul import decode_gemv; "
+            "print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)")
     env = {k: v for k, v in os.environ.items() if k != "SPECDEC_PDL_MAX_ROWS"}
     for limit, want in ((None, "32"), ("16", "16")):
         out = subprocess.run([sys.executable, "-c", code], env=env | ({"SPECDEC_PDL_MAX_ROWS": limit} if limit else {}),

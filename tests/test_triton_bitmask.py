@@ -1,5 +1,5 @@
-"""engine.kernels.sampling.bitmask against engine.sampling.sampler.apply_bitmask (its torch twin). Without CUDA the kernel runs
-in the Triton CPU interpreter (tests/conftest.py: triton_module)."""
+"""engine.kernels.sampling.bitmask against engine.sampling.sampler.apply_bitmask (its torch twin). Without CUDA the
+kernel runs in the Triton CPU interpreter (tests/conftest.py: triton_module)."""
 import pytest
 import torch
 

@@ -57,7 +57,8 @@ def rms_norm_row(h, w_ptr, cols, ok, n_cols, eps, DTYPE: tl.constexpr):
 @triton.jit
 def rotate_rows(base, offs_d, mask, c, s, HEAD_DIM: tl.constexpr):
     """x * cos + rotate_half(x) * sin in fp32 for the rows whose pointers are base [R, 1] (rope_store_kv's kernel,
-    and engine/kernels/attention/rope_kv.py's): rotate_half(x)[d] = sign[d] * x[partner[d]]; c, s broadcast to [R, D]."""
+    and engine/kernels/attention/rope_kv.py's): rotate_half(x)[d] = sign[d] * x[partner[d]]; c, s broadcast to
+    [R, D]."""
     half = HEAD_DIM // 2
     partner = tl.where(offs_d < HEAD_DIM, tl.where(offs_d < half, offs_d + half, offs_d - half), 0)  # masked lanes
     sign = tl.where(offs_d < half, -1.0, 1.0)                                                      # stay in range

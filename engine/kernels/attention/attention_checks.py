@@ -1,4 +1,5 @@
-"""Argument checks of engine/kernels/attention/paged_attention.py's entry points: each raises ValueError naming the problem."""
+"""Argument checks of engine/kernels/attention/paged_attention.py's entry points: each raises ValueError naming
+the problem."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,6 @@
-"""RoPE and the KV store of a step's new tokens inside engine/kernels/attention/paged_attention.py's kernel (its `rope=`):
-the same fp32 rotation and single rounding as engine/kernels/fused_ops.py's rope_store_kv, so both give the same
-bits."""
+"""RoPE and the KV store of a step's new tokens inside engine/kernels/attention/paged_attention.py's kernel (its
+`rope=`): the same fp32 rotation and single rounding as engine/kernels/fused_ops.py's rope_store_kv, so both give
+the same bits."""
 import triton
 import triton.language as tl
 

@@ -1,4 +1,5 @@
-"""float32 matmuls of a few rows on the CPU: engine/kernels/matmul/csrc/cpu_gemm.cpp where it applies, F.linear elsewhere.
+"""float32 matmuls of a few rows on the CPU: engine/kernels/matmul/csrc/cpu_gemm.cpp where it applies, F.linear
+elsewhere.
 
 A CPU decode step reads every weight once, so its matmuls are bound by memory bandwidth. torch's BLAS sgemm reaches
 that bound for one row but not for 2-16 (speculative verification, small batches): on an AVX2 machine (2-core AMD

@@ -1,5 +1,5 @@
-"""Which calls the decode GEMV and decode_gemm take, and the errors for the others (engine/kernels/matmul/decode_gemv.py,
-decode_gemm.py, draft_gemv.py)."""
+"""Which calls the decode GEMV and decode_gemm take, and the errors for the others
+(engine/kernels/matmul/decode_gemv.py, decode_gemm.py, draft_gemv.py)."""
 from __future__ import annotations
 
 from engine.kernels.common import kernels_interpreted
