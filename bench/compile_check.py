@@ -76,12 +76,12 @@ def _attention(splits: int, rope: bool, merge: bool, pdl: bool):
             _ATTENTION_TYPES, consts, 4)
 
 
-def _decode_attention(splits: int, merge: bool, pdl: bool):
+def _decode_attention(splits: int, merge: bool, pdl: bool, prefetch: int = 1):
     """decode_attention.py's kernel at SmolLM2's heads (9 q heads on 3 kv heads, head_dim 64, pages of 16)."""
     consts = dict(GROUP=3, BLOCK_M=16, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits,
-                  PRECISION="tf32", MERGE=merge, USE_PDL=pdl)
-    return (f"decode_attention splits={splits} merge={merge}", decode_attention._decode_attn_kernel, _ATTENTION_TYPES,
-            consts, 4)
+                  PREFETCH=prefetch, PRECISION="tf32", MERGE=merge, USE_PDL=pdl)
+    return (f"decode_attention splits={splits} merge={merge} prefetch={prefetch}", decode_attention._decode_attn_kernel,
+            _ATTENTION_TYPES, consts, 4)
 
 
 def variants(pdl: bool) -> list[tuple]:
@@ -128,7 +128,7 @@ def variants(pdl: bool) -> list[tuple]:
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=4, USE_PDL=pdl), 4),
         _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),
-        _decode_attention(1, False, pdl), _decode_attention(4, False, pdl),
+        _decode_attention(1, False, pdl), _decode_attention(4, False, pdl), _decode_attention(1, False, pdl, 2),
         ("head_ops embed_pair_norm", head_ops._embed_pair_norm_kernel,
          dict(ids_ptr="*i64", emb_ptr="*bf16", feat_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_emb="i32",
               stride_feat="i32", stride_out="i32", n_cols="i32", vocab="i32", eps="fp32"),

@@ -56,6 +56,28 @@ def test_splits_merged_in_the_kernel(num_splits):
     torch.testing.assert_close(out_b, out_a, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_two_tiles_before_the_wait_give_the_same_bits(num_splits):
+    """prefetch_tiles=2 reads each split's second cached tile before the wait too and takes it as the loop would:
+    the same output and cache bits as one tile, at contexts ending in the first tile, on the second's edge and past
+    it, and paged_attention's output to fp32 rounding."""
+    s = make_step([1] * 6, [1, 37, 65, 128, 129, 200], 9, 3, seed=11 + num_splits)
+    results = []
+    for tiles in (1, 2):
+        kc, vc = s["k_cache"].clone(), s["v_cache"].clone()
+        out = da.decode_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"], kc, vc, s["cu"],
+                                  s["seq_lens"], s["tables"], s["slots"], s["q"].shape[-1] ** -0.5,
+                                  num_splits=num_splits, prefetch_tiles=tiles)
+        results.append((out, kc, vc))
+    for one, two in zip(*results):
+        torch.testing.assert_close(two, one, rtol=0, atol=0, equal_nan=True)
+    (out_a, _, _), _ = both(s, num_splits)
+    torch.testing.assert_close(results[1][0], out_a, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="prefetch_tiles"):
+        da.decode_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"], kc, vc, s["cu"],
+                            s["seq_lens"], s["tables"], s["slots"], 0.125, prefetch_tiles=3)
+
+
 def test_padding_sequences_and_rows():
     """A sequence without a token (its cu_seqlens entry repeated) is skipped; a row with slot -1 stores nothing."""
     s = make_step([1, 1, 1], [20, 33, 9], 4, 2, seed=5)
@@ -108,27 +130,28 @@ def test_engine_eagle_outputs_and_drafts_equal_with_decode_attention():
     assert results[1] == results[0]
 
 
-def test_engine_with_decode_attention_splits_set_keeps_the_tokens(monkeypatch):
-    """decode_attention_splits = 4 reaches the kernel on every decode step (the rule picks 1 on the CPU) and the
-    greedy outputs stay those of the rule's split count."""
+def test_engine_with_decode_attention_splits_and_prefetch_set_keeps_the_tokens(monkeypatch):
+    """decode_attention_splits = 4 and decode_attention_prefetch = 2 reach the kernel on every decode step (the
+    rule picks 1 split on the CPU) and the greedy outputs stay those of the defaults."""
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     from helpers import INTERPRETER_SETTINGS
     prompts = [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2], list(range(40, 140))]    # 100 tokens: past one tile
     results = []
-    for splits in (0, 4):
+    for splits, tiles in ((0, 1), (4, 1), (0, 2)):
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                         **INTERPRETER_SETTINGS, depth=2, max_num_seqs=4, max_model_len=128, enforce_eager=True,
-                        decode_attention=True, decode_attention_splits=splits)
+                        decode_attention=True, decode_attention_splits=splits, decode_attention_prefetch=tiles)
         eng.runner.backend._decode_attn = da                   # this file's (interpreter-built) module
         calls, real = [], da.decode_attention
-        monkeypatch.setattr(da, "decode_attention", lambda *a, **kw: calls.append(kw["num_splits"]) or real(*a, **kw))
+        monkeypatch.setattr(da, "decode_attention",
+                            lambda *a, **kw: calls.append((kw["num_splits"], kw["prefetch_tiles"])) or real(*a, **kw))
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 6)]
         seqs = eng.generate(prompts, params)
         monkeypatch.setattr(da, "decode_attention", real)
-        assert calls and set(calls) == {splits or None}
+        assert calls and set(calls) == {(splits or None, tiles)}
         results.append([s.output_token_ids for s in seqs])
-    assert results[1] == results[0]
+    assert results[1] == results[0] and results[2] == results[0]
 
 
 @pytest.mark.parametrize("splits", [3, 64, -2])
@@ -137,3 +160,6 @@ def test_decode_attention_splits_must_be_zero_or_a_power_of_two_to_32(splits):
     with pytest.raises(ValueError, match="decode_attention_splits"):
         EngineConfig(decode_attention_splits=splits)
     assert EngineConfig(decode_attention_splits=32).decode_attention_splits == 32
+    for tiles in (0, 3):
+        with pytest.raises(ValueError, match="decode_attention_prefetch"):
+            EngineConfig(decode_attention_prefetch=tiles)

@@ -8,6 +8,7 @@ import torch
 
 from conftest import triton_module
 from engine.attention import paged_attention_torch
+from engine.kernels.attention import split_merge as sm
 from test_rope_attention import make_step
 from test_triton_attention import DEV, TOL, make_batch, rel_err
 
@@ -58,13 +59,13 @@ def test_bad_semaphores_raise():
 
 
 def test_auto_splits_split_a_full_grid_only_over_long_contexts(monkeypatch):
-    monkeypatch.setattr(ta, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(sm, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
 
     def splits(streams, keys):                     # SmolLM2 decode: 3 kv heads, one query block, 64-key tiles
-        return ta._auto_splits(cuda, 3 * streams, keys, 64)
+        return sm._auto_splits(cuda, 3 * streams, keys, 64)
     assert [splits(1, k) for k in (128, 512, 8192)] == [1, 4, 32]          # a tile pair a split, at most 32
     assert [splits(8, k) for k in (256, 8192)] == [2, 4]                   # up to one program an SM
     assert [splits(32, k) for k in (512, 2048, 8192)] == [1, 4, 4]         # full grid: long bounds only, ~3 an SM
     assert [splits(64, 8192), splits(128, 8192)] == [2, 1]
-    assert ta._auto_splits(torch.device("cpu"), 3, 8192, 64) == 1
+    assert sm._auto_splits(torch.device("cpu"), 3, 8192, 64) == 1

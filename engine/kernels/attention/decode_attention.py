@@ -32,8 +32,8 @@ import triton.language as tl
 from engine.kernels.attention.attention_checks import check_attention
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.fused_ops import check_rope, rotate_rows
-from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _check_semaphores, _tile_config, split_count
-from engine.kernels.attention.split_merge import combine_splits, split_partials, store_splits
+from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _check_semaphores, _tile_config, online_update
+from engine.kernels.attention.split_merge import combine_splits, split_count, split_partials, store_splits
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
                         stride_bt_n, stride_blk, stride_pos, stride_kvh, stride_cos,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                        PRECISION: tl.constexpr, MERGE: tl.constexpr, USE_PDL: tl.constexpr):
+                        PREFETCH: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, USE_PDL: tl.constexpr):
     split, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # ---- before the wait: the step's inputs and the cache as earlier steps left it
     row = tl.load(cu_q + seq)
@@ -62,12 +62,11 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
     kv_off_head = kv_head * stride_kvh
-    offs_n = lo + tl.arange(0, TILE_N)
-    n_ok = offs_n < cached_hi
-    page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_n, mask=n_ok, other=0).to(tl.int64)
-    kv_off = page * stride_blk + (offs_n % BLOCK_SIZE) * stride_pos + kv_off_head
-    k0 = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-    v0 = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    k0, v0, n_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head, stride_blk,
+                                stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
+    if PREFETCH == 2:                       # the split's second tile, read here too
+        k1, v1, n1_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo + TILE_N, cached_hi, kv_off_head,
+                                     stride_blk, stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
     pdl_start(USE_PDL)
     # ---- after it: q and the new key and value, rotated in registers
     offs_m = tl.arange(0, BLOCK_M)
@@ -94,8 +93,11 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     p = tl.exp2(scores - m_safe[:, None])
     l_i = reduce_sum(p, 1)
     acc = tl.dot(p.to(v0.dtype), v0, tl.zeros((BLOCK_M, HEAD_PAD), tl.float32), input_precision=PRECISION)
+    if PREFETCH == 2:                       # as _attn_tile would take it: the same products, masks and order
+        s1 = tl.where(n1_ok[None, :], tl.dot(q, k1, input_precision=PRECISION) * qk_scale, float("-inf"))
+        acc, l_i, m_i = online_update(acc, l_i, m_i, s1, v1, PRECISION)
     q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
-    for start in range(lo + TILE_N, cached_hi, TILE_N):
+    for start in range(lo + PREFETCH * TILE_N, cached_hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi,
                                    kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
                                    BLOCK_SIZE, TILE_N, True, PRECISION)
@@ -104,6 +106,20 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, seq * tl.num_programs(2) + kv_head,
                  row + offs_m * 0, head, row_ok, offs_d, d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS,
                  BLOCK_M, HEAD_PAD, MERGE)
+
+
+@triton.jit
+def _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi, kv_off_head, stride_blk, stride_pos, offs_d,
+                 d_ok, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """Keys start .. start + TILE_N below cached_hi of the sequence's cache: (k [HEAD_PAD, TILE_N], v [TILE_N,
+    HEAD_PAD], their mask [TILE_N]); keys past cached_hi read as zeros (no load)."""
+    offs_n = start + tl.arange(0, TILE_N)
+    n_ok = offs_n < cached_hi
+    page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_n, mask=n_ok, other=0).to(tl.int64)
+    kv_off = page * stride_blk + (offs_n % BLOCK_SIZE) * stride_pos + kv_off_head
+    k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+    v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    return k, v, n_ok
 
 
 @triton.jit
@@ -125,14 +141,17 @@ def interpreted() -> bool:
 
 def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cu_seqlens_q, seq_lens,
                      block_tables, slot_mapping, scale, *, out=None, num_splits=None, max_seq_len=None,
-                     semaphores=None):
+                     semaphores=None, prefetch_tiles: int = 1):
     """paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, 1, rope=(k, v, positions,
     cos_cache, sin_cache, slot_mapping), ...) for steps of at most one new token a sequence: q [T, heads, D], k, v
-    [T, kv_heads, D] not yet rotated or cached. num_splits, max_seq_len, semaphores, out: paged_attention's."""
+    [T, kv_heads, D] not yet rotated or cached. num_splits, max_seq_len, semaphores, out: paged_attention's.
+    prefetch_tiles (1 or 2): the cached KV tiles of a split read before the dependent-launch wait."""
     check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
     if isinstance(scale, torch.Tensor):
         raise ValueError("scale must be a host number (a tensor would need a sync)")
+    if prefetch_tiles not in (1, 2):
+        raise ValueError(f"prefetch_tiles must be 1 or 2, got {prefetch_tiles}")
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -156,7 +175,7 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         cos_cache.stride(0), GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps,
+        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, PREFETCH=prefetch_tiles, num_warps=num_warps,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge,
         **pdl(_decode_attn_kernel, q.device, num_tokens))
     if num_splits > 1 and not merge:

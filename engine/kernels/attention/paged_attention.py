@@ -7,7 +7,7 @@ query tokens x the GROUP q heads that share the kv head (row m = token m // GROU
 decode with a small GQA group still feeds tl.dot with M >= 16 and each K/V tile is loaded once per
 group. KV is walked in TILE_N-key tiles (a multiple of the page size) through block_tables: first the
 tiles every query row may see (no mask), then the causal tail. When the grid leaves the GPU mostly idle
-(decode at low batch, or a fuller grid over a long context: _auto_splits) the KV range is split over
+(decode at low batch, or a fuller grid over a long context: split_merge's rule) the KV range is split over
 NUM_SPLITS programs and a second kernel merges their partial (acc, max, sum), or with `semaphores=` the last
 of them (both in engine/kernels/attention/split_merge.py). Grid
 and constexprs depend only on shapes and host ints: no device->host sync, so both entry points can be captured
@@ -21,7 +21,6 @@ layer fewer. Rotation and rounding are rope_store_kv's, so the two paths give th
 """
 from __future__ import annotations
 
-import functools
 import operator
 
 import torch
@@ -32,10 +31,9 @@ from engine.kernels import fused_ops
 from engine.kernels.attention.attention_checks import check_attention, check_cache, check_index, check_rows
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.attention.rope_kv import rope_rows, store_new_kv
-from engine.kernels.attention.split_merge import combine_splits, split_partials, store_splits
+from engine.kernels.attention.split_merge import combine_splits, split_count, split_partials, store_splits
 
 _LOG2E = 1.4426950408889634
-LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
 
 
 @triton.jit
@@ -73,6 +71,13 @@ def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, sta
         v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     else:
         v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    return online_update(acc, l_i, m_i, s, v, PRECISION)
+
+
+@triton.jit
+def online_update(acc, l_i, m_i, s, v, PRECISION: tl.constexpr):
+    """The running (acc, l_i, m_i) of the online softmax after one tile: scores s [BLOCK_M, TILE_N] in the log2
+    domain, masked keys at -inf; values v [TILE_N, HEAD_PAD], masked keys' rows zero."""
     m_new = tl.maximum(m_i, reduce_max(s, 1))
     # A row may have seen no key yet (split ranges): keep exp2 away from -inf - -inf.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -176,12 +181,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     _store_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_kv_heads, k_cache.stride(1), k_cache.stride(2),
-        HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim), **pdl(_store_kv_kernel, k.device, k.shape[0]))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+        HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, HEAD_PAD=_pow2(head_dim),
+        **pdl(_store_kv_kernel, k.device, k.shape[0]))
 
 
 def _tile_config(group: int, max_query_len: int, block_size: int):
@@ -190,27 +191,6 @@ def _tile_config(group: int, max_query_len: int, block_size: int):
     block_m = max(block_m, _pow2(group))
     tile_n = max(block_size, 64)
     return block_m, block_m // group, tile_n, 8 if block_m >= 128 else 4
-
-
-def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
-    """KV splits (a power of two) for a grid of `programs` (query block, sequence, kv head) and a context bound.
-
-    A grid under half an SM a program: splits up to one program an SM, at most one per 2 tiles of the bound (at
-    one stream even ~170-key contexts decode faster split 3 ways plus the merge than unsplit). A fuller grid
-    splits only for long bounds (>= LONG_TILES tiles: the decode graphs of the model's whole context, eager long
-    steps), up to ~3 programs an SM: several are resident on an SM at once. Measured on an H200, SmolLM2 heads,
-    decode (bench/results/attention_splits/): 32 streams at 1024 keys 18.8 -> 12.9 us (4 splits), 64 streams
-    29.8 -> 21.6 (2); at 256 keys splits lose (6.7 -> 6.9 us), so the 512-key graphs keep one."""
-    if device.type != "cuda":
-        return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    tiles = triton.cdiv(max_kv, tile_n)
-    if programs < sms // 2:
-        want = triton.cdiv(sms, programs)
-    else:
-        want = (3 * sms) // programs if tiles >= LONG_TILES else 1
-    splits = min(32, want, tiles // 2)
-    return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
 
 def fuses_rope(num_heads: int, num_kv_heads: int, max_query_len: int, block_size: int) -> bool:
@@ -268,18 +248,6 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     if num_splits > 1 and not merge:
         combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, head_pad)
     return out
-
-
-def split_count(num_splits, device, groups: int, block_tables, block_size: int, max_seq_len, tile_n: int) -> int:
-    """The KV splits of a launch of `groups` (query block, sequence, kv head) groups: num_splits as given (checked),
-    or _auto_splits' for the context bound (max_seq_len, default the block tables' capacity)."""
-    if num_splits is None:
-        capacity = block_tables.shape[1] * block_size
-        max_kv = capacity if max_seq_len is None else min(operator.index(max_seq_len), capacity)
-        num_splits = _auto_splits(device, groups, max_kv, tile_n)
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    return num_splits
 
 
 def _check_rope(q, rope, k_cache, v_cache, max_query_len: int) -> None:

@@ -1,5 +1,6 @@
-"""The merge of the attention kernels' KV splits (engine/kernels/attention/paged_attention.py, decode_attention.py): a
-combine kernel after the attention kernel, or (its `semaphores=`) the attention kernel itself (store_splits, the
+"""The KV splits of the attention kernels (engine/kernels/attention/paged_attention.py, decode_attention.py): how
+many a launch takes (split_count: given, or by a rule of grid and context bound), and their merge: a combine
+kernel after the attention kernel, or (its `semaphores=`) the attention kernel itself (store_splits, the
 programs' shared end). There each split program stores its partial (acc, max, sum) as before, then takes a
 ticket from its (query block, sequence, kv head)'s counter; the program that takes the last one merges the
 partials of all splits and resets the counter to 0 for the next launch (so a counter buffer stays zero between
@@ -11,11 +12,16 @@ partials are read past L1 (.cg). The merge is the combine kernel's math (max, we
 over the splits in order; its sum order differs from the combine kernel's reduction, so fp32 results agree to
 rounding.
 """
+import functools
+import operator
+
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.common import pdl, pdl_start, reduce_max, reduce_sum
+
+LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
 
 
 @triton.jit
@@ -113,3 +119,41 @@ def combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs: int, h
         part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, num_heads, out.stride(0), out.stride(1),
         NUM_SPLITS=part_m.shape[-1], HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         **pdl(combine_kernel, out.device, num_tokens))
+
+
+def split_count(num_splits, device, groups: int, block_tables, block_size: int, max_seq_len, tile_n: int) -> int:
+    """The KV splits of a launch of `groups` (query block, sequence, kv head) groups: num_splits as given (checked),
+    or _auto_splits' for the context bound (max_seq_len, default the block tables' capacity)."""
+    if num_splits is None:
+        capacity = block_tables.shape[1] * block_size
+        max_kv = capacity if max_seq_len is None else min(operator.index(max_seq_len), capacity)
+        num_splits = _auto_splits(device, groups, max_kv, tile_n)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    return num_splits
+
+
+def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
+    """KV splits (a power of two) for a grid of `programs` (query block, sequence, kv head) and a context bound.
+
+    A grid under half an SM a program: splits up to one program an SM, at most one per 2 tiles of the bound (at
+    one stream even ~170-key contexts decode faster split 3 ways plus the merge than unsplit). A fuller grid
+    splits only for long bounds (>= LONG_TILES tiles: the decode graphs of the model's whole context, eager long
+    steps), up to ~3 programs an SM: several are resident on an SM at once. Measured on an H200, SmolLM2 heads,
+    decode (bench/results/attention_splits/): 32 streams at 1024 keys 18.8 -> 12.9 us (4 splits), 64 streams
+    29.8 -> 21.6 (2); at 256 keys splits lose (6.7 -> 6.9 us), so the 512-key graphs keep one."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    tiles = triton.cdiv(max_kv, tile_n)
+    if programs < sms // 2:
+        want = triton.cdiv(sms, programs)
+    else:
+        want = (3 * sms) // programs if tiles >= LONG_TILES else 1
+    splits = min(32, want, tiles // 2)
+    return 1 << (splits.bit_length() - 1) if splits > 1 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
