@@ -112,7 +112,7 @@ def variants(pdl: bool) -> list[tuple]:
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
         _gemv(1536, 576, "silu", "store", pdl, m=4), _gemv(576, 49152, "none", "argmax", pdl, m=4),
         _gemv(576, 3072, "norm", "silu_mul", pdl), _gemv(576, 3072, "norm", "silu_mul", pdl, m=4),
-        _gemv(4096, 28672, "norm", "silu_mul", pdl),
+        _gemv(4096, 28672, "norm", "silu_mul", pdl), _gemv(14336, 4096, "none", "store", pdl),
         *[(f"argmax first max ids={ids}", argmax._first_max_kernel,
            dict(val_ptr="*fp32", idx_ptr="*i32", ids_ptr="*i64", tok_ptr="*i64", stride="i32", P="i32"),
            dict(BLOCK_P=argmax.BLOCK_P, HAS_IDS=ids, USE_PDL=pdl), 16) for ids in (False, True)],

@@ -120,9 +120,9 @@ def run_case(model, op, n, k, args, bandwidth):
     want = torch.nn.functional.linear(x, weights[0])
     cublas = time_op(lambda a, w, o: torch.mm(a, w.t(), out=o), weights, x, calls, replays)
     shipped = None
-    if k <= decode_gemv.MAX_K:
+    if k <= decode_gemv.MAX_K_PLAIN:
         shipped = time_op(lambda a, w, o: o.copy_(decode_gemv.decode_linear(a, w)), weights, x, calls, replays)
-    reg_sweep = [c for c in SWEEP_REG if k <= decode_gemv.MAX_K][: 3 if args.quick else None]
+    reg_sweep = [c for c in SWEEP_REG if k <= decode_gemv.MAX_K_PLAIN][: 3 if args.quick else None]
     stream_sweep = SWEEP_STREAM[::6] if args.quick else SWEEP_STREAM
     reg_us, reg_cfg = best(reg_gemv, reg_sweep, weights, x, want, calls, replays)
     st_us, st_cfg = best(stream_gemv, stream_sweep, weights, x, want, calls, replays)

@@ -137,13 +137,15 @@ class TritonAttention(_Matmuls):
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, decode_attention: bool = False,
-                 decode_attention_splits: int = 0, decode_attention_prefetch: int = 1, device=None):
+                 decode_attention_splits: int = 0, decode_attention_prefetch: int = 1, long_row_gemv: bool = False,
+                 device=None):
         from engine.kernels.sampling import argmax, bitmask
         from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
         from engine.kernels import fused_ops
-        if draft_gemv and not decode_gemv:
-            raise ValueError("draft_gemv runs on the decode GEMV: it needs decode_gemv")
+        for name, on in (("draft_gemv", draft_gemv), ("long_row_gemv", long_row_gemv)):
+            if on and not decode_gemv:
+                raise ValueError(f"{name} runs on the decode GEMV: it needs decode_gemv")
         if not 1 <= decode_gemv_rows <= gemv.MAX_ROWS:
             raise ValueError(f"decode_gemv_rows must be 1 to {gemv.MAX_ROWS}, got {decode_gemv_rows}")
         if decode_gemm_rows and not (decode_gemv and decode_gemv_rows < decode_gemm_rows <= gemm.MAX_ROWS):
@@ -153,6 +155,7 @@ class TritonAttention(_Matmuls):
             raise ValueError("decode_gemm_split shares the decode GEMV's rows with decode_gemm: it needs decode_gemv")
         self._k, self._gemv = paged_attention, gemv if decode_gemv else None
         self._gemv_rows = decode_gemv_rows                  # steps of 1 .. _gemv_rows rows: the GEMV
+        self._long_rows = long_row_gemv                     # and its matmuls without a prologue to MAX_K_PLAIN
         self._gemm = gemm if decode_gemm_rows or decode_gemm_split else None
         self._gemm_rows = decode_gemm_rows                  # steps of _gemv_rows + 1 .. _gemm_rows rows: decode_gemm
         self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
@@ -199,6 +202,9 @@ class TritonAttention(_Matmuls):
     def linear(self, x, weight, bias=None):
         if kernels := self._gemv_for(x, weight, bias):
             return kernels.decode_linear(x, weight)
+        if self._long_rows and bias is None and x.shape[0] <= self._gemv_rows and \
+                self._gemv.supports(x, weight, max_k=self._gemv.MAX_K_PLAIN):
+            return self._gemv.decode_linear(x, weight)
         return super().linear(x, weight, bias)
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):

@@ -143,6 +143,32 @@ def test_backend_takes_the_gemv_for_a_few_rows_and_falls_back_otherwise(monkeypa
     assert calls == []
 
 
+def test_rows_past_max_k_without_a_prologue(monkeypatch):
+    """decode_linear takes rows up to MAX_K_PLAIN (16 warps a row); the prologues stop at MAX_K. The backend sends
+    such a matmul to it only with long_row_gemv (Llama 8B's down projection, K = 14336), else to cuBLAS."""
+    from engine.attention import TritonAttention
+    k = dg.MAX_K + 808
+    x, w = randn(2, k, seed=30, dtype=torch.float32), randn(6, k, seed=31, dtype=torch.float32) / k ** 0.5
+    want = F.linear(x, w)
+    torch.testing.assert_close(dg.decode_linear(x, w), want, rtol=1e-5, atol=1e-5)
+    assert dg.decode_gemv_config(6, k)["num_warps"] == 16
+    with pytest.raises(ValueError, match="K at most"):
+        dg.decode_norm_linear(x, randn(k, seed=32, dtype=torch.float32), 1e-5, w)
+    with pytest.raises(ValueError, match="K at most"):
+        dg.decode_linear(randn(1, dg.MAX_K_PLAIN + 1, seed=33, dtype=torch.float32),
+                         randn(2, dg.MAX_K_PLAIN + 1, seed=34, dtype=torch.float32))
+    calls, real = [], dg.decode_linear
+    monkeypatch.setattr(dg, "decode_linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    for long_rows in (False, True):
+        backend = TritonAttention(decode_gemv=True, long_row_gemv=long_rows)
+        backend._gemv = dg                            # the interpreter-built module of this test file
+        torch.testing.assert_close(backend.linear(x, w), want, rtol=1e-5, atol=1e-5)
+        backend.linear(randn(dg.MAX_ROWS, k, seed=35, dtype=torch.float32), w)     # past the GEMV's rows: cuBLAS
+        assert calls == ([(6, k)] if long_rows else []), long_rows
+    with pytest.raises(ValueError, match="long_row_gemv"):
+        TritonAttention(decode_gemv=False, long_row_gemv=True)
+
+
 @pytest.mark.parametrize("add_residual", [False, True])
 def test_backend_mlp_takes_the_silu_epilogue_where_the_gemv_takes_gate_up(monkeypatch, add_residual):
     """norm_mlp: with silu_epilogue, gate_up's GEMV stores SiLU * up and the down projection reads it (the

@@ -48,6 +48,7 @@ from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, r
 from engine.kernels.matmul.gemv_checks import check, problem
 
 MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K these kernels take
+MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K (no prologue)
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
 AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
@@ -210,15 +211,17 @@ def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None) 
     if at_once is None:
         at_once = AT_ONCE_ROWS[0] <= m <= AT_ONCE_ROWS[1] and block_k <= AT_ONCE_MAX_K
     rows = triton.next_power_of_2(m) if at_once else 0
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=4 if block_k <= 2048 else 8)
+    warps = 4 if block_k <= 2048 else 8 if block_k <= MAX_K else 16    # 16: rows past MAX_K (decode_linear's)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=warps)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,
-             add=None) -> bool:
+             add=None, max_k: int = MAX_K) -> bool:
     """Whether these kernels take a call on x with this weight (k: the matmul's K when it is not x's width, as
     for silu's gate and up halves; norm_weight / residual: decode_norm_linear's; add: decode_silu_linear's
-    residual); a caller falls back to the separate kernels and cuBLAS otherwise."""
-    return problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add) is None
+    residual; max_k: up to MAX_K_PLAIN for decode_linear); a caller falls back to the separate kernels and cuBLAS
+    otherwise."""
+    return problem(x, weight, x.shape[-1] if k is None else k, norm_weight, residual, add, max_k=max_k) is None
 
 
 def buffers(x, n: int, k: int, grid: int, epilogue: str, residual=None, add=None):
@@ -254,9 +257,9 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, add=None) -> torch.Tensor:
-    """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <= MAX_K];
-    with add [M, N]: add + that, rounded as the two torch ops round it."""
-    check(x, weight, add=add)
+    """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <=
+    MAX_K_PLAIN]; with add [M, N]: add + that, rounded as the two torch ops round it."""
+    check(x, weight, add=add, max_k=MAX_K_PLAIN)
     return launch(x, weight, x.shape[1], "none", add=add, epilogue="store" if add is None else "add")[0]
 
 
