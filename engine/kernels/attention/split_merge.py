@@ -10,7 +10,7 @@ Ordering: a CTA barrier after the partial stores, then the ticket as one acq_rel
 this CTA's partials are visible before the count says so; acquire: the last program sees every other's), and the
 partials are read past L1 (.cg). The merge is the combine kernel's math (max, weights exp2(m - max), weighted sums)
 over the splits in order; its sum order differs from the combine kernel's reduction, so fp32 results agree to
-rounding.
+rounding. A third place for the merge is the next matmul's prologue (merged_row, matmul/merge_gemv.py: o_proj).
 """
 import functools
 import operator
