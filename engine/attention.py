@@ -180,8 +180,9 @@ class TritonAttention(_Matmuls):
 
     # engine/kernels/matmul/decode_gemv.py (the op before folded in) for steps of up to decode_gemv_rows rows when it
     # is on and there is no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
-    def _gemv_for(self, x, weight, bias, **kw):
-        """The kernel module taking this call, or None."""
+    def _gemv_for(self, x, weight, bias, plain: bool = False, **kw):
+        """The kernel module taking this call, or None. plain: no op before the matmul, so with long_row_gemv the
+        GEMV takes rows up to its MAX_K_PLAIN."""
         if self._gemv is None or bias is not None:
             return None
         rows = x.shape[0]
@@ -194,6 +195,8 @@ class TritonAttention(_Matmuls):
             kernels = self._gemm
         else:
             return None
+        if plain and self._long_rows and kernels is self._gemv:
+            kw["max_k"] = kernels.MAX_K_PLAIN
         return kernels if kernels.supports(x, weight, **kw) else None
 
     @staticmethod
@@ -206,11 +209,8 @@ class TritonAttention(_Matmuls):
         return rows >= SPLIT_MIN_ROWS and n >= SPLIT_WIDE * k and k <= SPLIT_MAX_K
 
     def linear(self, x, weight, bias=None):
-        if kernels := self._gemv_for(x, weight, bias):
+        if kernels := self._gemv_for(x, weight, bias, plain=True):
             return kernels.decode_linear(x, weight)
-        if self._long_rows and bias is None and x.shape[0] <= self._gemv_rows and \
-                self._gemv.supports(x, weight, max_k=self._gemv.MAX_K_PLAIN):
-            return self._gemv.decode_linear(x, weight)
         return super().linear(x, weight, bias)
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
