@@ -28,8 +28,8 @@ setup(
     # and tests hold their measured behaviour (xgrammar 0.2.9 compiles tests/test_server_hostile.py's slow schema
     # inside its time budget and fixed the cache failure tests/test_compile_pool.py provokes)
     install_requires=[
-        "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar==0.2.8", "llguidance==1.9.1",
-        "numpy", "tqdm", "pybind11>=2.12", "fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20",
+        "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar==0.2.8",
+        "llguidance==1.9.1", "numpy", "tqdm", "pybind11>=2.12", "fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20",
         "pyzmq>=25", "msgspec>=0.18",
     ],
     extras_require={
