@@ -26,7 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.kernels.sampling import argmax  # noqa: E402
 from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
-from engine.kernels.matmul import decode_gemm, decode_gemv, merge_gemv  # noqa: E402
+from engine.kernels.matmul import decode_gemm, decode_gemv  # noqa: E402
 from engine.kernels.spec import head_ops, spec_finish, spec_ops  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -84,15 +84,6 @@ def _decode_attention(splits: int, merge: bool, pdl: bool, prefetch: int = 1):
             _ATTENTION_TYPES, consts, 4)
 
 
-def _merge_gemv(splits: int, pdl: bool):
-    """o_proj's GEMV merging the attention's KV splits (matmul/merge_gemv.py) at SmolLM2's shape (9 heads of 64)."""
-    cfg = decode_gemv.decode_gemv_config(576, 576, 1, at_once=False)
-    types = {p: "*fp32" for p in ("acc_ptr", "m_ptr", "l_ptr")} | dict(w_ptr="*bf16", out_ptr="*bf16") \
-        | {n: "i32" for n in ("stride_out", "M", "N", "K")}
-    consts = dict(SPLITS=splits, HEAD_DIM=64, HEAD_PAD=64, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], USE_PDL=pdl)
-    return f"merge_gemv splits={splits}", merge_gemv._merge_gemv_kernel, types, consts, cfg["num_warps"]
-
-
 def variants(pdl: bool) -> list[tuple]:
     """(label, kernel, argument types, constexprs, warps) at SmolLM2-135M's shapes (hidden 576, MLP 1536,
     vocabulary 49152)."""
@@ -138,7 +129,6 @@ def variants(pdl: bool) -> list[tuple]:
          dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=4, USE_PDL=pdl), 4),
         _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),
         _decode_attention(1, False, pdl), _decode_attention(4, False, pdl), _decode_attention(1, False, pdl, 2),
-        _merge_gemv(4, pdl),
         ("head_ops embed_pair_norm", head_ops._embed_pair_norm_kernel,
          dict(ids_ptr="*i64", emb_ptr="*bf16", feat_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_emb="i32",
               stride_feat="i32", stride_out="i32", n_cols="i32", vocab="i32", eps="fp32"),

@@ -75,11 +75,6 @@ class _Matmuls:
         q = self.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
-    def rope_attend_linear(self, q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale, weight):
-        """linear(rope_attend(...) as [T, heads * head_dim], weight): attention and the o projection."""
-        out = self.rope_attend(q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale)
-        return self.linear(out.view(q.shape[0], -1), weight)
-
     def linear(self, x, weight, bias=None):
         return linear(x, weight, bias)
 
@@ -143,12 +138,12 @@ class TritonAttention(_Matmuls):
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, decode_attention: bool = False,
                  decode_attention_splits: int = 0, decode_attention_prefetch: int = 1, long_row_gemv: bool = False,
-                 merge_in_o: bool = False, device=None):
+                 device=None):
         from engine.kernels.sampling import argmax, bitmask
-        from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, merge_gemv
+        from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
         from engine.kernels import fused_ops
-        for name, on in (("draft_gemv", draft_gemv), ("long_row_gemv", long_row_gemv), ("merge_in_o", merge_in_o)):
+        for name, on in (("draft_gemv", draft_gemv), ("long_row_gemv", long_row_gemv)):
             if on and not decode_gemv:
                 raise ValueError(f"{name} runs on the decode GEMV: it needs decode_gemv")
         if not 1 <= decode_gemv_rows <= gemv.MAX_ROWS:
@@ -170,7 +165,6 @@ class TritonAttention(_Matmuls):
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
         self._decode_prefetch = decode_attention_prefetch                  # its cached tiles read before the wait
-        self._merge_gemv = merge_gemv if merge_in_o and decode_attention else None   # its splits merged in o_proj
         # split_merge: the counters of split attention's groups, zero between kernels (each launch leaves them so);
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
@@ -267,29 +261,12 @@ class TritonAttention(_Matmuls):
                                        scale, meta.max_query_len, max_seq_len=meta.max_seq_len, rope=rope,
                                        semaphores=self._semaphores)
 
-    def rope_attend_linear(self, q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale, weight):
-        # merge_in_o: a decode_attention step on the decode GEMV's rows leaves its KV splits to o_proj's GEMV
-        rows = q.shape[0]
-        if self._merge_gemv is None or not self._decode_step(q, meta) or rows > self._gemv_rows:
-            return super().rope_attend_linear(q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale, weight)
-        out = self._decode_attention(q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale, defer_merge=True)
-        if isinstance(out, torch.Tensor):       # one split, or merged in the attention kernel
-            return self.linear(out.view(rows, -1), weight)
-        return self._merge_gemv.merge_linear(out, weight, q.shape[-1])     # raises naming what does not fit
-
-    def _decode_step(self, q, meta) -> bool:
-        """Whether decode_attention takes this step's attention: at most one new token a sequence."""
-        return self._decode_attn is not None and meta.max_query_len == 1 and q.shape[0] <= meta.seq_lens.shape[0]
-
-    def _decode_attention(self, q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale, defer_merge=False):
-        return self._decode_attn.decode_attention(
-            q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            meta.slot_mapping, scale, num_splits=self._decode_splits, max_seq_len=meta.max_seq_len,
-            semaphores=self._semaphores, prefetch_tiles=self._decode_prefetch, defer_merge=defer_merge)
-
     def rope_attend(self, q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale):
-        if self._decode_step(q, meta):
-            return self._decode_attention(q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale)
+        if self._decode_attn is not None and meta.max_query_len == 1 and q.shape[0] <= meta.seq_lens.shape[0]:
+            return self._decode_attn.decode_attention(
+                q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                meta.slot_mapping, scale, num_splits=self._decode_splits, max_seq_len=meta.max_seq_len,
+                semaphores=self._semaphores, prefetch_tiles=self._decode_prefetch)
         if self._rope_attention and self._k.fuses_rope(q.shape[1], k_cache.shape[2], meta.max_query_len,
                                                        k_cache.shape[1]):
             return self.attend(q, k_cache, v_cache, meta, scale, rope=(k, v, positions, *rope_cache, meta.slot_mapping))

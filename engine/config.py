@@ -81,9 +81,6 @@ class EngineConfig:
     decode_attention_prefetch: int = 1 # cached KV tiles (64 keys) of each decode_attention split read before the
                                        # dependent-launch wait: 1 or 2 (227 registers against 185 on sm_90, no
                                        # spills: the same two programs an SM); to measure
-    merge_in_o: bool = False           # decode_attention steps on the decode GEMV's rows whose attention splits KV:
-                                       # o_proj's GEMV merges the splits in its prologue, no combine kernel (30 a
-                                       # SmolLM2 step at one stream; engine/kernels/matmul/merge_gemv.py); to measure
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec/spec_ops.py) where the backend is Triton
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's

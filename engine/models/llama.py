@@ -116,8 +116,8 @@ class Attention(nn.Module):
     def forward_fused(self, qkv, positions, rope_cache, meta: AttentionMetadata, kv_cache, backend):
         """From the fused QKV projection's output to o_proj's."""
         q, k, v = self._qkv(qkv)
-        return backend.rope_attend_linear(q, k, v, positions, rope_cache, *kv_cache, meta, self.scale,
-                                          self.o_proj.weight)
+        out = backend.rope_attend(q, k, v, positions, rope_cache, *kv_cache, meta, self.scale).view(-1, self.q_size)
+        return backend.linear(out, self.o_proj.weight)
 
 
 class MLP(nn.Module):

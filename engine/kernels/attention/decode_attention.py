@@ -141,13 +141,11 @@ def interpreted() -> bool:
 
 def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cu_seqlens_q, seq_lens,
                      block_tables, slot_mapping, scale, *, out=None, num_splits=None, max_seq_len=None,
-                     semaphores=None, prefetch_tiles: int = 1, defer_merge: bool = False):
+                     semaphores=None, prefetch_tiles: int = 1):
     """paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, 1, rope=(k, v, positions,
     cos_cache, sin_cache, slot_mapping), ...) for steps of at most one new token a sequence: q [T, heads, D], k, v
     [T, kv_heads, D] not yet rotated or cached. num_splits, max_seq_len, semaphores, out: paged_attention's.
-    prefetch_tiles (1 or 2): the cached KV tiles of a split read before the dependent-launch wait. defer_merge:
-    where the splits would go to the combine kernel, return their split_merge.SplitPartials instead (the caller's
-    next kernel merges them: matmul/merge_gemv.py)."""
+    prefetch_tiles (1 or 2): the cached KV tiles of a split read before the dependent-launch wait."""
     check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
     if isinstance(scale, torch.Tensor):
@@ -169,10 +167,10 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
     groups = num_seqs * num_kv_heads
     num_splits = split_count(num_splits, q.device, groups, block_tables, block_size, max_seq_len, tile_n)
     head_pad = max(16, triton.next_power_of_2(head_dim))
-    partials = split_partials(out, num_splits, head_pad)
+    part_acc, part_m, part_l = split_partials(out, num_splits, head_pad)
     merge = num_splits > 1 and semaphores is not None and _check_semaphores(semaphores, q.device) >= groups
     _decode_attn_kernel[(num_splits, num_seqs, num_kv_heads)](
-        q, k, v, k_cache, v_cache, out, *partials, cu_seqlens_q, seq_lens, block_tables, positions,
+        q, k, v, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables, positions,
         slot_mapping, cos_cache, sin_cache, semaphores if merge else seq_lens, float(scale) * _LOG2E, num_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -181,7 +179,5 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge,
         **pdl(_decode_attn_kernel, q.device, num_tokens))
     if num_splits > 1 and not merge:
-        if defer_merge:
-            return partials
-        combine_splits(*partials, out, cu_seqlens_q, num_seqs, head_pad)
+        combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, head_pad)
     return out

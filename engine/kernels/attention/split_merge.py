@@ -10,11 +10,10 @@ Ordering: a CTA barrier after the partial stores, then the ticket as one acq_rel
 this CTA's partials are visible before the count says so; acquire: the last program sees every other's), and the
 partials are read past L1 (.cg). The merge is the combine kernel's math (max, weights exp2(m - max), weighted sums)
 over the splits in order; its sum order differs from the combine kernel's reduction, so fp32 results agree to
-rounding. A third place for the merge is the next matmul's prologue (merged_row, matmul/merge_gemv.py: o_proj).
+rounding.
 """
 import functools
 import operator
-from typing import NamedTuple
 
 import torch
 import triton
@@ -23,14 +22,6 @@ import triton.language as tl
 from engine.kernels.common import pdl, pdl_start, reduce_max, reduce_sum
 
 LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
-
-
-class SplitPartials(NamedTuple):
-    """Each split's partial of every (token, head): acc [T, heads, splits, HEAD_PAD], max and sum [T, heads,
-    splits], fp32."""
-    acc: torch.Tensor
-    m: torch.Tensor
-    l: torch.Tensor
 
 
 @triton.jit
@@ -109,32 +100,16 @@ def combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads,
              mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
-def merged_row(part_acc, part_m, part_l, token, K, offs_k, k_ok, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-               HEAD_PAD: tl.constexpr):
-    """The merged attention output of `token`, its heads side by side ([BLOCK_K]: k = head * HEAD_DIM + d), in
-    fp32: the combine kernel's math for every head at once (a matmul's prologue: matmul/merge_gemv.py)."""
-    base = (token * (K // HEAD_DIM) + offs_k // HEAD_DIM) * SPLITS
-    rows = base[:, None] + tl.arange(0, SPLITS)[None, :]                  # [BLOCK_K, SPLITS]
-    m = tl.load(part_m + rows, mask=k_ok[:, None], other=float("-inf"))
-    m_max = reduce_max(m, 1)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)[:, None])
-    l_tot = reduce_sum(w * tl.load(part_l + rows, mask=k_ok[:, None], other=0.0), 1)
-    acc = reduce_sum(tl.load(part_acc + rows * HEAD_PAD + (offs_k % HEAD_DIM)[:, None], mask=k_ok[:, None],
-                             other=0.0) * w, 1)
-    return acc / tl.where(l_tot == 0.0, 1.0, l_tot)
-
-
-def split_partials(out, num_splits: int, head_pad: int) -> SplitPartials:
-    """fp32 buffers for each split's partial of every out row, or `out` as a placeholder for all three when there
-    is one split (the kernel does not read them then)."""
+def split_partials(out, num_splits: int, head_pad: int):
+    """(part_acc, part_m, part_l): fp32 buffers for each split's partial of every out row, or `out` as a
+    placeholder for all three when there is one split (the kernel does not read them then)."""
     if num_splits == 1:
-        return SplitPartials(out, out, out)
+        return out, out, out
     num_tokens, num_heads = out.shape[:2]
     part_acc = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=out.device)
     part_m, part_l = torch.empty((2, num_tokens, num_heads, num_splits), dtype=torch.float32,
                                  device=out.device).unbind(0)
-    return SplitPartials(part_acc, part_m, part_l)
+    return part_acc, part_m, part_l
 
 
 def combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs: int, head_pad: int) -> None:
