@@ -137,7 +137,7 @@ class TritonAttention(_Matmuls):
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, decode_attention: bool = False,
-                 decode_attention_splits: int = 0, decode_attention_prefetch: int = 1, long_row_gemv: bool = False,
+                 decode_attention_splits: int = 0, decode_attention_prefetch: int = 0, long_row_gemv: bool = False,
                  device=None):
         from engine.kernels.sampling import argmax, bitmask
         from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft

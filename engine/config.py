@@ -78,9 +78,10 @@ class EngineConfig:
     decode_attention_splits: int = 0   # decode_attention's KV splits: 0 picks them by paged_attention's rule for the
                                        # step's grid and context bound; a power of two up to 32 sets them for every
                                        # such step (each split's first tile is read before the wait); to measure
-    decode_attention_prefetch: int = 1 # cached KV tiles (64 keys) of each decode_attention split read before the
+    decode_attention_prefetch: int = 0 # cached KV tiles (64 keys) of each decode_attention split read before the
                                        # dependent-launch wait: 1 or 2 (227 registers against 185 on sm_90, no
-                                       # spills: the same two programs an SM); to measure
+                                       # spills), 0 by rule: 2 where a launch does not split KV (SmolLM2 32 streams
+                                       # 0.814 -> 0.776 ms a step), else 1 (decode_attention.prefetch_rule)
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec/spec_ops.py) where the backend is Triton
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's
@@ -161,8 +162,9 @@ class EngineConfig:
         splits = self.decode_attention_splits
         if splits and (splits < 1 or splits > 32 or splits & (splits - 1)):
             raise ValueError(f"decode_attention_splits must be 0 (by rule) or a power of two up to 32, got {splits}")
-        if self.decode_attention_prefetch not in (1, 2):
-            raise ValueError(f"decode_attention_prefetch must be 1 or 2, got {self.decode_attention_prefetch}")
+        if self.decode_attention_prefetch not in (0, 1, 2):
+            raise ValueError("decode_attention_prefetch must be 0 (by rule), 1 or 2, got "
+                             f"{self.decode_attention_prefetch}")
         if self.spec_draft_vocab_size < 0:
             raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
         if self.depth not in (1, 2):

@@ -130,15 +130,37 @@ def test_engine_eagle_outputs_and_drafts_equal_with_decode_attention():
     assert results[1] == results[0]
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+def test_prefetch_by_rule_reads_two_tiles_only_where_the_context_is_not_split(monkeypatch, num_splits):
+    """prefetch_tiles=0 (the default) launches the kernel with two tiles before the wait on one split, one on
+    more, and gives the bits of that count set by hand."""
+    s = make_step([1] * 3, [37, 129, 200], 9, 3, seed=5)
+    real, prefetch = da._decode_attn_kernel, []
+
+    class Spy:                  # records the PREFETCH each launch compiles for, then launches the real kernel
+        def __getitem__(self, grid):
+            return lambda *a, **kw: prefetch.append(kw["PREFETCH"]) or real[grid](*a, **kw)
+
+    outs = []
+    for tiles in (0, da.prefetch_rule(num_splits)):
+        monkeypatch.setattr(da, "_decode_attn_kernel", Spy())
+        outs.append(da.decode_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"],
+                                        s["k_cache"].clone(), s["v_cache"].clone(), s["cu"], s["seq_lens"],
+                                        s["tables"], s["slots"], 0.125, num_splits=num_splits, prefetch_tiles=tiles))
+        monkeypatch.setattr(da, "_decode_attn_kernel", real)
+    assert prefetch == [2 if num_splits == 1 else 1] * 2
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 def test_engine_with_decode_attention_splits_and_prefetch_set_keeps_the_tokens(monkeypatch):
-    """decode_attention_splits = 4 and decode_attention_prefetch = 2 reach the kernel on every decode step (the
-    rule picks 1 split on the CPU) and the greedy outputs stay those of the defaults."""
+    """decode_attention_splits = 4 and decode_attention_prefetch = 1 or 2 reach the kernel on every decode step
+    (the rules pick 1 split and 2 tiles on the CPU) and the greedy outputs stay those of the defaults."""
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     from helpers import INTERPRETER_SETTINGS
     prompts = [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2], list(range(40, 140))]    # 100 tokens: past one tile
     results = []
-    for splits, tiles in ((0, 1), (4, 1), (0, 2)):
+    for splits, tiles in ((0, 0), (4, 1), (0, 1), (4, 2)):
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                         **INTERPRETER_SETTINGS, depth=2, max_num_seqs=4, max_model_len=128, enforce_eager=True,
                         decode_attention=True, decode_attention_splits=splits, decode_attention_prefetch=tiles)
@@ -151,7 +173,7 @@ def test_engine_with_decode_attention_splits_and_prefetch_set_keeps_the_tokens(m
         monkeypatch.setattr(da, "decode_attention", real)
         assert calls and set(calls) == {(splits or None, tiles)}
         results.append([s.output_token_ids for s in seqs])
-    assert results[1] == results[0] and results[2] == results[0]
+    assert results[1:] == [results[0]] * 3
 
 
 @pytest.mark.parametrize("splits", [3, 64, -2])
@@ -160,6 +182,7 @@ def test_decode_attention_splits_must_be_zero_or_a_power_of_two_to_32(splits):
     with pytest.raises(ValueError, match="decode_attention_splits"):
         EngineConfig(decode_attention_splits=splits)
     assert EngineConfig(decode_attention_splits=32).decode_attention_splits == 32
-    for tiles in (0, 3):
+    for tiles in (-1, 3):
         with pytest.raises(ValueError, match="decode_attention_prefetch"):
             EngineConfig(decode_attention_prefetch=tiles)
+    assert EngineConfig().decode_attention_prefetch == 0

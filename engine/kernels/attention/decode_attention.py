@@ -139,19 +139,26 @@ def interpreted() -> bool:
     return is_interpreted(_decode_attn_kernel)
 
 
+def prefetch_rule(num_splits: int) -> int:
+    """Cached tiles a split reads before the wait: two where one split walks the whole context (SmolLM2 at 32
+    streams: attention 229 -> 194 us of the step's critical path), one where the context is split (at one stream
+    two cost 119 -> 146 us; H200, bench/results/decode_attention/)."""
+    return 2 if num_splits == 1 else 1
+
+
 def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cu_seqlens_q, seq_lens,
                      block_tables, slot_mapping, scale, *, out=None, num_splits=None, max_seq_len=None,
-                     semaphores=None, prefetch_tiles: int = 1):
+                     semaphores=None, prefetch_tiles: int = 0):
     """paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, 1, rope=(k, v, positions,
     cos_cache, sin_cache, slot_mapping), ...) for steps of at most one new token a sequence: q [T, heads, D], k, v
     [T, kv_heads, D] not yet rotated or cached. num_splits, max_seq_len, semaphores, out: paged_attention's.
-    prefetch_tiles (1 or 2): the cached KV tiles of a split read before the dependent-launch wait."""
+    prefetch_tiles (1 or 2; 0: by rule): the cached KV tiles of a split read before the dependent-launch wait."""
     check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
     if isinstance(scale, torch.Tensor):
         raise ValueError("scale must be a host number (a tensor would need a sync)")
-    if prefetch_tiles not in (1, 2):
-        raise ValueError(f"prefetch_tiles must be 1 or 2, got {prefetch_tiles}")
+    if prefetch_tiles not in (0, 1, 2):
+        raise ValueError(f"prefetch_tiles must be 0 (by rule), 1 or 2, got {prefetch_tiles}")
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -168,6 +175,7 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
     num_splits = split_count(num_splits, q.device, groups, block_tables, block_size, max_seq_len, tile_n)
     head_pad = max(16, triton.next_power_of_2(head_dim))
     part_acc, part_m, part_l = split_partials(out, num_splits, head_pad)
+    prefetch_tiles = prefetch_tiles or prefetch_rule(num_splits)
     merge = num_splits > 1 and semaphores is not None and _check_semaphores(semaphores, q.device) >= groups
     _decode_attn_kernel[(num_splits, num_seqs, num_kv_heads)](
         q, k, v, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables, positions,
