@@ -80,16 +80,33 @@ def markdown_table(records: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict], x: str, y: str, group: str, path, title: str, logy: bool = False) -> Path | None:
-    """Line plot of y vs x, one line per value of `group`; records without a numeric y are skipped."""
+def _pyplot(path):
+    """matplotlib's pyplot on the file backend, or None (and a note) where matplotlib is not installed."""
     try:
         import matplotlib
-        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"note: matplotlib is not installed; skipping the plot {path}")
         return None
+    return plt
+
+
+def _save(fig, path, rect=(0, 0, 1, 1)) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=120)
+    fig.clf()
+    print(f"wrote plot {path}")
+    return path
+
+
+def plot(records: list[dict], x: str, y: str, group: str, path, title: str, logy: bool = False) -> Path | None:
+    """Line plot of y vs x, one line per value of `group`; records without a numeric y are skipped."""
+    if (plt := _pyplot(path)) is None:
+        return None
+    import matplotlib.ticker
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     groups: dict[str, list[tuple]] = {}
     for r in records:
@@ -109,12 +126,29 @@ def plot(records: list[dict], x: str, y: str, group: str, path, title: str, logy
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     if logy:
         ax.set_yscale("log")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    path = _save(fig, path)
     plt.close(fig)
-    print(f"wrote plot {path}")
+    return path
+
+
+def bars(rows: list[dict], panel: str, label: str, values: list[str], path, title: str) -> Path | None:
+    """Grouped bars: a panel per value of `panel`, a group per row's `label`, a bar per key in `values`."""
+    if (plt := _pyplot(path)) is None:
+        return None
+    panels = sorted({r[panel] for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 + 2.6 * len(panels), 3.8), squeeze=False)
+    width = 0.8 / len(values)
+    for ax, p in zip(axes[0], panels):
+        group = [r for r in rows if r[panel] == p]
+        for i, key in enumerate(values):
+            ax.bar([j + i * width for j in range(len(group))], [r.get(key) or 0.0 for r in group], width, label=key)
+        ax.set_xticks([j + width * (len(values) - 1) / 2 for j in range(len(group))], [str(r[label]) for r in group])
+        ax.set_title(f"{panel} {p}")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(values))
+    fig.suptitle(title)
+    path = _save(fig, path, rect=(0, 0.07, 1, 1))
+    plt.close(fig)
     return path
 
 

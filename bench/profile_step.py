@@ -25,12 +25,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
-    from common import markdown_table, note, record, write_results
+    from common import bars, markdown_table, note, record, write_results
     from guided_quality import engine_overrides
     from spec import parse_variants
     from throughput import build_engine
 except ImportError:
-    from bench.common import markdown_table, note, record, write_results
+    from bench.common import bars, markdown_table, note, record, write_results
     from bench.guided_quality import engine_overrides
     from bench.spec import parse_variants
     from bench.throughput import build_engine
@@ -44,7 +44,7 @@ KINDS = (("matmul", r"gemm|gemv|matmul|cutlass|nvjet|cublas|sm90_xmma|splitk"),
          ("index / where", r"index|gather|scatter|where|clamp|fill"),
          ("elementwise", r"elementwise|vectorized|unrolled|reduce|add|mul|silu|act"))
 COLUMNS = ["tag", "variant", "round", "streams", "period_ms", "plan_ms", "launch_ms", "wait_ms", "commit_ms",
-           "forward_gpu_ms", "sample_gpu_ms", "gpu_idle_ms", "kernels", "kernel_us", "busy_frac"]
+           "forward_gpu_ms", "sample_gpu_ms", "gpu_idle_ms", "kernels", "kernel_us", "path_us", "busy_frac"]
 
 
 def parse_args(argv=None):
@@ -63,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                    help="engine settings profiled side by side (bench/spec.py's form), alternating in each round")
     p.add_argument("--rounds", type=int, default=1, help="profiles of each (streams, variant)")
+    p.add_argument("--render", action="store_true", help="rewrite --out's markdown from its JSON; profile nothing")
     p.add_argument("--resume", action="store_true",
                    help="keep --out's records and run only the missing (streams, variant, round)s")
     p.add_argument("--by-grid", action="store_true",
@@ -123,7 +124,8 @@ def kernel_summary(events, steps: int, top: int = 15) -> dict:
     kinds = dict(sorted(_per_step(events, lambda e: kind_of(e.name), steps).items()))
     names = sorted(_per_step(events, lambda e: e.name[:90], steps).items(), key=lambda kv: -kv[1]["path_us_per_step"])
     return dict(kernels=len(events) / steps, kernel_us=sum(v["us_per_step"] for v in kinds.values()),
-                busy_frac=busy_fraction(events), kinds=kinds, top_kernels=dict(names[:top]))
+                path_us=sum(v["path_us_per_step"] for v in kinds.values()), busy_frac=busy_fraction(events),
+                kinds=kinds, top_kernels=dict(names[:top]))
 
 
 def _trace_kernel(ev: dict) -> SimpleNamespace:
@@ -205,29 +207,46 @@ def run_all(args) -> list[dict]:
 
 
 def variant_summary(records) -> list[dict]:
-    """Per (streams, variant): the median period and forward over rounds, and its ratio to the first variant's."""
+    """Per (streams, variant): the median period, forward and kernels' critical path over rounds, and their ratios
+    to the first variant's. The path is what a kernel change moves; a period or forward over it is GPU time left
+    idle inside the step, where a slow host launch starves the GPU (such rounds flip the period, not the path)."""
     groups: dict[tuple, list] = {}
     for r in records:
         groups.setdefault((r["streams"], r.get("variant", "")), []).append(r)
     rows, first = [], {}
     for (n, name), rs in groups.items():
         period = statistics.median(r["period_ms"] for r in rs)
-        first.setdefault(n, period)
+        path = statistics.median(r.get("path_us", 0.0) for r in rs) / 1e3
+        first.setdefault(n, (period, path))
         rows.append(dict(streams=n, variant=name, rounds=len(rs), period_ms=period,
-                         forward_gpu_ms=statistics.median(r.get("forward_gpu_ms", 0.0) for r in rs),
-                         x_first=period / first[n]))
+                         forward_gpu_ms=statistics.median(r.get("forward_gpu_ms", 0.0) for r in rs), path_ms=path,
+                         x_first=period / first[n][0], path_x_first=path / first[n][1] if first[n][1] else None))
     return rows
 
 
 def main(argv=None):
     args = parse_args(argv)
-    records = run_all(args)
-    out = Path(args.out)
+    if args.render:
+        records = json.loads(Path(args.out).read_text())
+        for r in records:          # records written before path_us was: the sum of their kinds' paths
+            if r.get("kinds") and "path_us" not in r:
+                r["path_us"] = sum(v["path_us_per_step"] for v in r["kinds"].values())
+    else:
+        records = run_all(args)
+    render(records, Path(args.out))
+
+
+def render(records: list[dict], out: Path) -> None:
+    """The markdown beside --out: every profile, the variants' summary, each profile's kernels."""
     text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}.\n\n"
             + markdown_table(records, COLUMNS))
     if len({r.get("variant", "") for r in records}) > 1:
-        text += "\n\nBy variant (medians over rounds; x_first: period over the first variant's):\n\n" + markdown_table(
-            variant_summary(records), ["streams", "variant", "rounds", "period_ms", "forward_gpu_ms", "x_first"])
+        columns = ["streams", "variant", "rounds", "period_ms", "forward_gpu_ms", "path_ms", "x_first", "path_x_first"]
+        summary = variant_summary(records)
+        text += ("\n\nBy variant (medians over rounds; x_first: period over the first variant's; path: the kernels' "
+                 "critical path a step):\n\n") + markdown_table(summary, columns)
+        bars(summary, "streams", "variant", ["period_ms", "forward_gpu_ms", "path_ms"], out.with_suffix(".png"),
+             f"{records[0].get('model', '')}: ms a step by variant")
     for r in records:
         if r.get("kinds"):
             rows = [dict(kind=k, **v) for k, v in r["kinds"].items()]

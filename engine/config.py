@@ -45,11 +45,11 @@ class EngineConfig:
                                        # without float32 logits: from draft_gemv's LM head argmax kernels (plain
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
                                        # kernels/sampling/argmax.py, where those run (the Triton backend)
-    long_row_gemv: bool = False        # the decode GEMV also takes matmuls without a prologue whose rows are past
+    long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 16 warps a row): Llama 8B's down projection (14336),
-                                       # which silu_epilogue left without one, off cuBLAS and its split-K reduce;
-                                       # with the SiLU in its prologue this lost (bench/results/
-                                       # steps_1b_8b_head_gemv.md); to measure
+                                       # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
+                                       # 4.14 -> 4.10 ms a step, 32 kernels fewer (H200, bench/results/
+                                       # attention_rules/); SmolLM2 and Llama 1B have no such rows
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8; at 5-8 slower than decode_gemm: bench/results/decode_rows/)
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the

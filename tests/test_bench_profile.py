@@ -60,7 +60,8 @@ def test_variants_alternate_by_round_and_a_cut_run_resumes(tmp_path, monkeypatch
 
     def fake(args, streams, overrides=None):
         calls.append((streams, dict(overrides)))
-        return dict(streams=streams, period_ms=2.0 if overrides.get("silu_epilogue") is False else 1.0,
+        off = overrides.get("silu_epilogue") is False
+        return dict(streams=streams, period_ms=2.0 if off else 1.0, path_us=900.0 if off else 600.0,
                     forward_gpu_ms=0.5, command="x", device="cpu", git_commit="c")
 
     monkeypatch.setattr(profile_step, "profile", fake)
@@ -76,8 +77,25 @@ def test_variants_alternate_by_round_and_a_cut_run_resumes(tmp_path, monkeypatch
     main(argv + ["--resume"])
     assert calls == [(4, {"silu_epilogue": False}), (4, {"silu_epilogue": False}), (4, {})]
     summary = profile_step.variant_summary(json.loads(out.read_text()))
-    assert [(r["streams"], r["variant"], r["rounds"], r["x_first"]) for r in summary] == [
-        (1, "on", 2, 1.0), (1, "off", 2, 2.0), (4, "on", 2, 1.0), (4, "off", 2, 2.0)]
+    assert [(r["streams"], r["variant"], r["rounds"], r["x_first"], r["path_x_first"]) for r in summary] == [
+        (1, "on", 2, 1.0, 1.0), (1, "off", 2, 2.0, 1.5), (4, "on", 2, 1.0, 1.0), (4, "off", 2, 2.0, 1.5)]
+    assert "| path_x_first |" in out.with_suffix(".md").read_text()
+
+
+def test_render_rewrites_the_markdown_and_sums_the_path_of_older_records(tmp_path):
+    """--render profiles nothing: it rewrites --out's markdown from its JSON, a record without path_us taking the
+    sum of its kinds' critical paths."""
+    kinds = {"matmul": dict(per_step=4, us_per_step=50.0, path_us_per_step=30.0),
+             "attention": dict(per_step=2, us_per_step=20.0, path_us_per_step=12.5)}
+    records = [dict(streams=1, variant=v, round=0, period_ms=p, forward_gpu_ms=0.4, kinds=kinds, top_kernels={},
+                    command="x", device="cpu", git_commit="c") for v, p in (("a", 0.5), ("b", 0.6))]
+    records[1]["path_us"] = 63.75
+    out = tmp_path / "p.json"
+    out.write_text(json.dumps(records))
+    main(["--render", "--out", str(out)])
+    text = out.with_suffix(".md").read_text()
+    assert "| 1 | b | 1 | 0.600 | 0.400 | 0.064 | 1.20 | 1.50 |" in text, text
+    assert json.loads(out.read_text()) == records
 
 
 def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):

@@ -167,6 +167,8 @@ def test_rows_past_max_k_without_a_prologue(monkeypatch):
         assert calls == ([(6, k)] if long_rows else []), long_rows
     with pytest.raises(ValueError, match="long_row_gemv"):
         TritonAttention(decode_gemv=False, long_row_gemv=True)
+    from engine.config import EngineConfig
+    assert EngineConfig().long_row_gemv and not EngineConfig(decode_gemv=False, long_row_gemv=False).long_row_gemv
 
 
 @pytest.mark.parametrize("add_residual", [False, True])
