@@ -8,7 +8,9 @@ Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHON
 imports its own engine; rounds alternate the order (A B, B A, ...). Modes: plain = `bench/throughput.py
 --depth 2` (EOS ignored); guided = `bench/guided.py --only speed` (JSON Mode Eval schemas, guided rows' tok/s);
 spec = `bench/spec.py --only speed --drafters ngram` (K = 3, JSON Mode Eval prompts). Schemas and prompts come
-from `--data` (default: the few kept in tests/data). The table gives the median tok/s per side and after/before.
+from `--data` (default: the few kept in tests/data). The table gives the median tok/s per side and after/before,
+and each side's idle share: the compute stream's idle time over the step period. Over HOST_BOUND a side was
+host-bound (its host could not keep the GPU fed), so its ratio there measures that run's host, not the change.
 """
 from __future__ import annotations
 
@@ -63,6 +65,9 @@ def run_tree(tree: Path, mode: str, args) -> list[dict]:
         return [dict(r, ab_mode=mode) for r in json.loads(out.read_text()) if keep(r)]
 
 
+HOST_BOUND = 0.10      # idle share of a step over which a side's run was host-bound
+
+
 def main(argv=None):
     args = parse_args(argv)
     trees = {"before": Path(args.before).resolve(), "after": Path(args.after).resolve()}
@@ -72,31 +77,50 @@ def main(argv=None):
             for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
                 note(f"round {r + 1}/{args.rounds}, {mode}: {name} ({trees[name]})")
                 runs[name] += run_tree(trees[name], mode, args)
-    records = []
-    for mode in args.modes:
-        for s in args.streams:
-            pick = lambda n: [x for x in runs[n] if x["ab_mode"] == mode and x["streams"] == s]  # noqa: E731
-            tok = {n: [x["tok_s"] for x in pick(n) if x.get("tok_s")] for n in trees}
-            med = {n: statistics.median(v) if v else None for n, v in tok.items()}
-            ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
-            first = (pick("after") or [{}])[0]
-            records.append(record("ab_throughput", mode, first.get("model"), first.get("dtype"), s,
-                                  args.new_tokens, med["after"], first.get("ms_per_step"), before_tok_s=med["before"],
-                                  after_over_before=ratio, before_runs=tok["before"], after_runs=tok["after"],
-                                  before_tree=str(trees["before"]), rounds=args.rounds))
+    records = [summarize(runs, mode, s, args, trees["before"]) for mode in args.modes for s in args.streams]
     write_results(records, args.out)
     print(write_markdown(records, str(args.out).rsplit(".", 1)[0] + ".md"))
     return records
 
 
-COLUMNS = ["mode", "streams", "before_tok_s", "tok_s", "after_over_before", "before_runs", "after_runs"]
+def _median(values: list):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _idle(run: dict):
+    """The compute stream's idle share of the run's step period, where its bench reports both."""
+    return run["gpu_idle_ms"] / run["period_ms"] if run.get("gpu_idle_ms") is not None and run.get("period_ms") \
+        else None
+
+
+def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> dict:
+    """One (mode, streams) row: each side's median tok/s and idle share, after over before, host-bound sides."""
+    pick = {n: [x for x in runs[n] if x["ab_mode"] == mode and x["streams"] == streams] for n in runs}
+    tok = {n: [x["tok_s"] for x in rows if x.get("tok_s")] for n, rows in pick.items()}
+    med = {n: _median(v) for n, v in tok.items()}
+    idle = {n: _median([_idle(x) for x in rows]) for n, rows in pick.items()}
+    ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
+    host_bound = " ".join(n for n in ("before", "after") if (idle[n] or 0.0) > HOST_BOUND) or None
+    first = (pick["after"] or [{}])[0]
+    return record("ab_throughput", mode, first.get("model"), first.get("dtype"), streams, args.new_tokens,
+                  med["after"], first.get("ms_per_step"), before_tok_s=med["before"], after_over_before=ratio,
+                  before_idle=idle["before"], after_idle=idle["after"], host_bound=host_bound,
+                  before_runs=tok["before"], after_runs=tok["after"], before_tree=str(before_tree),
+                  rounds=args.rounds)
+
+
+COLUMNS = ["mode", "streams", "before_tok_s", "tok_s", "after_over_before", "before_idle", "after_idle", "host_bound",
+           "before_runs", "after_runs"]
 
 
 def write_markdown(records: list[dict], path) -> str:
     r = records[0]
     text = (f"Command: `{r['command']}` on {r['device']}, after = commit {r['git_commit']}, before = "
             f"{r['before_tree']}; {r['model']} {r['dtype']}, {r['new_tokens']} new tokens, pipelined (plain: EOS "
-            f"ignored); median of {r['rounds']} rounds (tok_s = after).\n\n" + markdown_table(records, COLUMNS))
+            f"ignored); median of {r['rounds']} rounds (tok_s = after). idle: the compute stream's idle share of a "
+            f"step; over {HOST_BOUND:.0%} a side was host-bound (host_bound), and its ratio measures that run's host."
+            "\n\n" + markdown_table(records, COLUMNS))
     Path(path).write_text(text + "\n")
     return text
 

@@ -132,8 +132,10 @@ def timed_generate(eng, prompts, max_tokens: int) -> dict:
             for i, (a, p) in enumerate(zip(s.spec.by_position, s.spec.proposed_by_position)):
                 pos[i] += a
                 props[i] += p
+    ms = t.per_step_ms()
     return dict(new_tokens=tokens, wall_s=wall, tok_s=tokens / wall, ms_per_step=1e3 * wall / max(t.steps, 1),
-                steps=t.steps, acceptance_length=round(t.acceptance_length, 4) if t.spec_rows else None,
+                steps=t.steps, period_ms=ms["period"], gpu_idle_ms=ms["gpu_idle"],
+                acceptance_length=round(t.acceptance_length, 4) if t.spec_rows else None,
                 spec_frac=round(t.spec_rows / max(t.rows, 1), 4),
                 rate_by_position=[round(a / p, 3) for a, p in zip(pos, props) if p],
                 outputs=[s.output_token_ids for s in seqs])

@@ -1,0 +1,57 @@
+"""bench/ab.py's side-by-side summary, with each tree's bench replaced by canned records (the benches themselves
+run in their own tests)."""
+import json
+
+import pytest
+
+from bench import ab
+
+
+def _run(tok_s, idle_ms, period_ms=1.0, streams=1):
+    return dict(streams=streams, tok_s=tok_s, gpu_idle_ms=idle_ms, period_ms=period_ms, model="m", dtype="bf16",
+                ms_per_step=period_ms)
+
+
+@pytest.fixture
+def canned(monkeypatch):
+    """run_tree returns, per (tree, mode), the next canned list of records."""
+    calls, canned = [], {}
+
+    def fake(tree, mode, args):
+        calls.append((tree.name, mode))
+        return [dict(r, ab_mode=mode) for r in canned[(tree.name, mode)].pop(0)]
+
+    monkeypatch.setattr(ab, "run_tree", fake)
+    return calls, canned
+
+
+def test_the_summary_gives_ratios_idle_shares_and_the_host_bound_side(tmp_path, canned):
+    calls, runs = canned
+    before, after = tmp_path / "before", tmp_path / "after"
+    runs[("before", "plain")] = [[_run(100.0, 0.01), _run(1000.0, 0.30, streams=32)],
+                                 [_run(120.0, 0.03), _run(1000.0, 0.20, streams=32)]]
+    runs[("after", "plain")] = [[_run(110.0, 0.02), _run(900.0, 0.02, streams=32)],
+                                [_run(130.0, 0.02), _run(1100.0, 0.04, streams=32)]]
+    out = tmp_path / "ab.json"
+    ab.main(["--before", str(before), "--after", str(after), "--modes", "plain", "--streams", "1", "32",
+             "--rounds", "2", "--out", str(out)])
+    assert calls == [("before", "plain"), ("after", "plain"), ("after", "plain"), ("before", "plain")]
+    one, many = json.loads(out.read_text())
+    assert one["after_over_before"] == pytest.approx(120.0 / 110.0)
+    assert one["before_idle"] == pytest.approx(0.02) and one["host_bound"] is None
+    assert many["after_over_before"] == pytest.approx(1.0)
+    assert many["before_idle"] == pytest.approx(0.25) and many["after_idle"] == pytest.approx(0.03)
+    assert many["host_bound"] == "before"
+    assert "| host_bound |" in out.with_suffix(".md").read_text()
+
+
+def test_a_bench_without_idle_times_leaves_the_idle_columns_empty(tmp_path, canned):
+    _, runs = canned
+    runs[("before", "spec")] = [[dict(streams=8, tok_s=50.0)]]
+    runs[("after", "spec")] = [[dict(streams=8, tok_s=55.0)]]
+    out = tmp_path / "ab.json"
+    ab.main(["--before", str(tmp_path / "before"), "--after", str(tmp_path / "after"), "--modes", "spec",
+             "--streams", "8", "--rounds", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["after_over_before"] == pytest.approx(1.1)
+    assert row["before_idle"] is None and row["after_idle"] is None and row["host_bound"] is None
