@@ -43,8 +43,9 @@ KINDS = (("matmul", r"gemm|gemv|matmul|cutlass|nvjet|cublas|sm90_xmma|splitk"),
          ("sampling", r"argmax|softmax|topk|sort|multinomial|exponential|bitmask|sample"),
          ("index / where", r"index|gather|scatter|where|clamp|fill"),
          ("elementwise", r"elementwise|vectorized|unrolled|reduce|add|mul|silu|act"))
-COLUMNS = ["tag", "variant", "round", "streams", "period_ms", "plan_ms", "launch_ms", "wait_ms", "commit_ms",
-           "forward_gpu_ms", "sample_gpu_ms", "gpu_idle_ms", "kernels", "kernel_us", "path_us", "busy_frac"]
+COLUMNS = ["tag", "variant", "round", "streams", "period_ms", "plan_ms", "launch_ms", "replay_ms", "wait_ms",
+           "commit_ms", "forward_gpu_ms", "sample_gpu_ms", "gpu_idle_ms", "kernels", "kernel_us", "path_us",
+           "busy_frac"]
 
 
 def parse_args(argv=None):

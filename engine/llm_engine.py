@@ -240,7 +240,7 @@ class LLMEngine(EngineFrontend):
             with self.runner.sync_guard(), self._tp_watch():
                 if self.cluster is not None:    # the workers launch the same step on their shards
                     self.cluster.channel.publish(slot, self._step_index, all_greedy, snapshot is not None)
-                self.runner.launch(slot, self._step_index, all_greedy, snapshot)
+                replay_s = self.runner.launch(slot, self._step_index, all_greedy, snapshot)
         except TensorParallelError:
             raise
         except Exception as exc:
@@ -250,7 +250,7 @@ class LLMEngine(EngineFrontend):
         if self._restart:
             self._last_commit_time, self._restart = t0, False
         self._step_index += 1
-        self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1)
+        self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1, replay=replay_s)
         if self.blocks.query_tokens != self._counted_query:      # admissions looked up the prefix cache
             self._count_prefix_lookups()
         return True

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-_PER_STEP = ("plan", "launch", "wait", "commit", "forward_gpu", "mask_wait_gpu", "sample_gpu", "gpu_idle",
+_PER_STEP = ("plan", "launch", "replay", "wait", "commit", "forward_gpu", "mask_wait_gpu", "sample_gpu", "gpu_idle",
              "callback", "callback_delay")
 
 
@@ -15,6 +15,7 @@ class StepTimings:
     zombie_rows: int = 0       # rows of finalized sequences that rode along in a step (pipelined)
     plan: float = 0.0          # CPU: schedule + fill host buffers
     launch: float = 0.0        # CPU: enqueue upload, forward, sampling, copy
+    replay: float = 0.0        # CPU: of launch, the step graph's replay (its launch grows with its kernels)
     wait: float = 0.0          # CPU blocked on a step's tokens
     commit: float = 0.0        # CPU: append tokens, stop checks, free pages
     forward_gpu: float = 0.0   # device time of the forward (CUDA events; 0 on CPU)

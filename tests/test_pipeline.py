@@ -96,6 +96,7 @@ def test_graph_padding_changes_no_token(workload, cfg):
     eng, got = _run(2, workload, graph_layout=True, **cfg)
     assert [s.output_token_ids for s in got] == [s.output_token_ids for s in ref]
     assert {k for k, v in eng.runner.graphs.replays.items() if v} == {"decode", "mixed"}, eng.runner.graphs.replays
+    assert 0 < eng.timings.replay < eng.timings.launch          # the replays' host time, a part of the launches'
     assert_no_leak(eng)
 
 

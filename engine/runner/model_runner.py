@@ -8,6 +8,7 @@ On the CPU the same calls run synchronously.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -202,11 +203,12 @@ class ModelRunner:
 
     # ---- launch (enqueue only) ---------------------------------------------------------------
     def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None, guided: bool | None = None,
-               download: bool = True) -> None:
+               download: bool = True) -> float:
         """Enqueue upload, forward, (grammar branch), sampling and the token copy; returns without waiting
-        (on CUDA). `snapshot`: the step's guided rows (engine/guided/masks.py), None if it has none. A
-        tensor-parallel worker runs guided steps without a snapshot (`guided`: rank 0 fills the masks) and
-        reads no tokens back (`download` False). `slot.extras` picks the variant with logprobs and penalties."""
+        (on CUDA) the host seconds of the step graph's replay (0: an eager step). `snapshot`: the step's guided
+        rows (engine/guided/masks.py), None if it has none. A tensor-parallel worker runs guided steps without a
+        snapshot (`guided`: rank 0 fills the masks) and reads no tokens back (`download` False). `slot.extras`
+        picks the variant with logprobs and penalties."""
         prev = self.slots[1 - slot.index]
         variant = StepVariant(snapshot is not None if guided is None else guided, all_greedy, slot.extras)
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
@@ -227,9 +229,12 @@ class ModelRunner:
                 self.penalties.write_span(slot.span_writes)
             if slot.history_writes:
                 self.pool.write_history(slot.history_writes)
+            replay_s = 0.0
             try:
                 if slot.graph_key:
+                    t_replay = time.perf_counter()
                     self.graphs.replay(slot, variant)
+                    replay_s = time.perf_counter() - t_replay
                 else:
                     self.program.step(slot, prev, variant)
             except BaseException:
@@ -239,7 +244,7 @@ class ModelRunner:
             if self.cuda:
                 te["sampled_ready"].record()
         if not download:
-            return
+            return replay_s
         if self.cuda:
             self.copy_out_stream.wait_event(te["sampled_ready"])
             with torch.cuda.stream(self.copy_out_stream):
@@ -247,6 +252,7 @@ class ModelRunner:
                 ev["copy_done"].record()
         else:
             slot.download_sampled()
+        return replay_s
 
     def sync_guard(self):
         """debug_sync: any device->host synchronisation while enqueuing a step raises (CUDA only)."""
