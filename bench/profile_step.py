@@ -7,10 +7,12 @@
         spec_min_acceptance=0      # the speculative step (any EngineConfig field: --engine KEY=VALUE ...)
     python bench/profile_step.py --streams 1 32 --rounds 2 --by-grid --variants off:silu_epilogue=false \
         on:silu_epilogue=true --resume --out $OUT/prof.json     # A/B in one run; a cut run resumes
+    python bench/profile_step.py --streams 32 --context 1024      # attention at an agent's context
 
-Per stream count: one engine, every stream a chat prompt decoding with EOS ignored. After --warmup-steps, the
-engine's own counters (engine/timings.py) time --steps steps unprofiled: the host's plan, launch, wait and
-commit per step, the forward's and the sampling's GPU time, and the compute stream's idle time between steps.
+Per stream count: one engine, every stream a chat prompt (of --context tokens or more) decoding with EOS
+ignored. Once every prompt is prefilled and after --warmup-steps, the engine's own counters (engine/timings.py)
+time --steps steps unprofiled: the host's plan, launch (replay: its graph's part), wait and commit per step,
+the forward's and the sampling's GPU time, and the compute stream's idle time between steps.
 Then torch.profiler records only device activity (no host ops, so the loop runs at its own pace) for
 another --steps steps: kernels and copies per step, their time per step by kind, the kernels taking the most
 time, and how much of the window the GPU was busy. Kernels inside CUDA graph replays are traced like any other.
@@ -60,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench/results/profile_step.json")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE", help="further EngineConfig fields")
+    p.add_argument("--context", type=int, default=0,
+                   help="prompts of at least this many tokens (attention at agent-like contexts); 0: short prompts")
     p.add_argument("--top", type=int, default=15, help="kernels listed by time per step")
     p.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...",
                    help="engine settings profiled side by side (bench/spec.py's form), alternating in each round")
@@ -148,12 +152,21 @@ def kernels_by_grid(prof, steps: int, top: int) -> dict:
     return dict(rows[:top])
 
 
-def _prompt(eng, text: str) -> list[int]:
-    """Through the chat template where the model has one (dummy weights have none: 32 fixed ids)."""
+_FILLER = " The tide comes in and goes out again."
+
+
+def _prompt(eng, text: str, tokens: int = 0) -> list[int]:
+    """Through the chat template where the model has one (dummy weights have none: fixed ids); with `tokens`,
+    the message is lengthened by filler sentences to at least that many prompt tokens."""
     try:
-        return eng.apply_chat_template([{"role": "user", "content": text}])
+        ids = eng.apply_chat_template([{"role": "user", "content": text}])
     except ValueError:
-        return [(7 * i + len(text)) % 1000 + 1 for i in range(32)]
+        return [(7 * i + len(text)) % 1000 + 1 for i in range(max(32, tokens))]
+    if len(ids) < tokens:
+        per = len(eng.apply_chat_template([{"role": "user", "content": text + _FILLER * 8}])) - len(ids)
+        fillers = -(-8 * (tokens - len(ids)) // per)
+        ids = eng.apply_chat_template([{"role": "user", "content": text + _FILLER * fillers}])
+    return ids
 
 
 def profile(args, streams: int, overrides: dict | None = None) -> dict:
@@ -163,15 +176,20 @@ def profile(args, streams: int, overrides: dict | None = None) -> dict:
     eng = build_engine(args, 2, streams, **extra)
     # a speculating step may emit K + 1 tokens: every stream must outlive the timed and the profiled steps
     total = (args.warmup_steps + 2 * args.steps + 8) * (eng.config.spec_k + 1)
+    prompt_tokens = []
     for i in range(streams):        # chat prompts through the template every tree's engine has
-        ids = _prompt(eng, f"Tell me about the sea, part {i}.")
+        ids = _prompt(eng, f"Tell me about the sea, part {i}.", args.context)
+        prompt_tokens.append(len(ids))
         eng.add_request(ids, SamplingParams(max_tokens=total, temperature=0, ignore_eos=True))
+    while eng.timings.tokens < streams:     # long prompts: their prefill steps come before the warm-up's
+        eng.step()
     for _ in range(args.warmup_steps):
         eng.step()
     eng.timings.reset()
     for _ in range(args.steps):
         eng.step()
     host = {f"{k}_ms": v for k, v in eng.timings.per_step_ms().items()}
+    host["tokens_per_step"] = eng.timings.tokens / max(eng.timings.steps, 1)
     kernels = {}
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -183,7 +201,8 @@ def profile(args, streams: int, overrides: dict | None = None) -> dict:
         if args.by_grid:
             kernels["by_grid"] = kernels_by_grid(prof, args.steps, 2 * args.top)
     rec = record("profile_step", args.tag or "plain", eng.source.name, args.dtype, streams, None, None,
-                 host["period_ms"], tag=args.tag, steps=args.steps, engine=extra, **host, **kernels)
+                 host["period_ms"], tag=args.tag, steps=args.steps, engine=extra,
+                 prompt_tokens=statistics.mean(prompt_tokens), **host, **kernels)
     eng.close()
     return rec
 

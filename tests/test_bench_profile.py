@@ -98,6 +98,15 @@ def test_render_rewrites_the_markdown_and_sums_the_path_of_older_records(tmp_pat
     assert json.loads(out.read_text()) == records
 
 
+def test_context_lengthens_every_prompt_and_its_prefill_precedes_the_timed_steps(tmp_path):
+    out = tmp_path / "p.json"
+    main(["--device", "cpu", "--dtype", "float32", "--streams", "2", "--steps", "2", "--warmup-steps", "0",
+          "--context", "300", "--engine", "max_num_batched_tokens=128", "--out", str(out)])
+    (rec,) = json.loads(out.read_text())
+    assert 300 <= rec["prompt_tokens"] < 340, rec["prompt_tokens"]
+    assert rec["tokens_per_step"] == 2.0        # the prefill chunks went before the window: every step decoded both
+
+
 def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):
     out = tmp_path / "p.json"
     main(["--device", "cpu", "--dtype", "float32", "--streams", "1", "--steps", "2", "--warmup-steps", "1",
