@@ -77,7 +77,8 @@ class EngineConfig:
                                        # bench/results/decode_attention/)
     decode_attention_splits: int = 0   # decode_attention's KV splits: 0 picks them by paged_attention's rule for the
                                        # step's grid and context bound; a power of two up to 32 sets them for every
-                                       # such step (each split's first tile is read before the wait); to measure
+                                       # such step (2 or 4 beat the rule nowhere on an H200: bench/results/
+                                       # attention_rules/)
     decode_attention_prefetch: int = 0 # cached KV tiles (64 keys) of each decode_attention split read before the
                                        # dependent-launch wait: 1 or 2 (227 registers against 185 on sm_90, no
                                        # spills), 0 by rule: 2 where a launch does not split KV (SmolLM2 32 streams

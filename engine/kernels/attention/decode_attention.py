@@ -142,7 +142,7 @@ def interpreted() -> bool:
 def prefetch_rule(num_splits: int) -> int:
     """Cached tiles a split reads before the wait: two where one split walks the whole context (SmolLM2 at 32
     streams: attention 229 -> 194 us of the step's critical path), one where the context is split (at one stream
-    two cost 119 -> 146 us; H200, bench/results/decode_attention/)."""
+    two cost 119 -> 146 us; H200, bench/results/attention_rules/)."""
     return 2 if num_splits == 1 else 1
 
 
