@@ -90,8 +90,9 @@ def _median(values: list):
 
 def _idle(run: dict):
     """The compute stream's idle share of the run's step period, where its bench reports both."""
-    return run["gpu_idle_ms"] / run["period_ms"] if run.get("gpu_idle_ms") is not None and run.get("period_ms") \
-        else None
+    if run.get("gpu_idle_ms") is None or not run.get("period_ms"):
+        return None
+    return run["gpu_idle_ms"] / run["period_ms"]
 
 
 def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> dict:

@@ -97,7 +97,6 @@ def _save(fig, path, rect=(0, 0, 1, 1)) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=120)
-    fig.clf()
     print(f"wrote plot {path}")
     return path
 
