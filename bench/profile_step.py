@@ -181,7 +181,7 @@ def profile(args, streams: int, overrides: dict | None = None) -> dict:
         ids = _prompt(eng, f"Tell me about the sea, part {i}.", args.context)
         prompt_tokens.append(len(ids))
         eng.add_request(ids, SamplingParams(max_tokens=total, temperature=0, ignore_eos=True))
-    while eng.timings.tokens < streams:     # long prompts: their prefill steps come before the warm-up's
+    while eng.timings.tokens < streams and eng.has_unfinished():    # long prompts: prefilled before the warm-up
         eng.step()
     for _ in range(args.warmup_steps):
         eng.step()
