@@ -94,14 +94,14 @@ def main(argv=None) -> list[dict]:
                 raise RuntimeError(f"the graph of {nodes} kernels did not run every kernel: x = {x.item()}")
             launch = "pdl" if use_pdl else "plain"
             records.append(record("graph_launch", launch, None, "float32", 1, None, None, None, nodes=nodes,
-                                  launch=launch, host_us=host_us, gpu_us=wall_us, host_us_per_node=host_us / nodes))
+                                  host_us=host_us, gpu_us=wall_us, host_us_per_node=host_us / nodes))
             note(f"{nodes} kernels, {launch}: replay {host_us:.1f} us on the host, {wall_us:.1f} us to done")
     write_results(records, args.out)
     stem = str(args.out).rsplit(".", 1)[0]
     text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}.\n\n"
-            + markdown_table(records, ["nodes", "launch", "host_us", "gpu_us", "host_us_per_node"]))
+            + markdown_table(records, ["nodes", "mode", "host_us", "gpu_us", "host_us_per_node"]))
     Path(stem + ".md").write_text(text + "\n")
-    plot(records, "nodes", "host_us", "launch", stem + ".png", "Host time of one graph replay")
+    plot(records, "nodes", "host_us", "mode", stem + ".png", "Host time of one graph replay")
     print(text)
     return records
 

@@ -15,7 +15,7 @@ class StepTimings:
     zombie_rows: int = 0       # rows of finalized sequences that rode along in a step (pipelined)
     plan: float = 0.0          # CPU: schedule + fill host buffers
     launch: float = 0.0        # CPU: enqueue upload, forward, sampling, copy
-    replay: float = 0.0        # CPU: of launch, the step graph's replay (its launch grows with its kernels)
+    replay: float = 0.0        # CPU: of launch, the step graph's replay (0 for an eager step)
     wait: float = 0.0          # CPU blocked on a step's tokens
     commit: float = 0.0        # CPU: append tokens, stop checks, free pages
     forward_gpu: float = 0.0   # device time of the forward (CUDA events; 0 on CPU)
