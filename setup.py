@@ -29,11 +29,12 @@ setup(
     # inside its time budget and fixed the cache failure tests/test_compile_pool.py provokes)
     install_requires=[
         "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar==0.2.8",
-        "llguidance==1.9.1", "numpy", "tqdm", "pybind11>=2.12", "fastapi>=0.110", "uvicorn>=0.30", "prometheus-client>=0.20",
-        "pyzmq>=25", "msgspec>=0.18",
+        "llguidance==1.9.1", "numpy", "tqdm", "pybind11>=2.12", "fastapi>=0.110", "uvicorn>=0.30",
+        "prometheus-client>=0.20", "pyzmq>=25", "msgspec>=0.18",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff>=0.6", "accelerate", "jsonschema", "triton>=3.2", "openai>=1.40", "httpx"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff>=0.6", "accelerate", "jsonschema", "triton>=3.2",
+                 "openai>=1.40", "httpx"],
         "bench": ["matplotlib"],
         # client libraries checked against `specdec serve` (tests/test_clients.py; not in `make test`: ~350 MB)
         "clients": ["openai-agents==0.24.0", "pydantic-ai-slim[openai]==2.38.0", "langchain-openai==1.7.4",
