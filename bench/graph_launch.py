@@ -20,12 +20,12 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
-from engine.kernels.common import pdl_start
-
 try:
     from common import markdown_table, note, plot, record, write_results
 except ImportError:
     from bench.common import markdown_table, note, plot, record, write_results
+
+from engine.kernels.common import pdl_start  # noqa: E402 (bench.common puts the repo on the path)
 
 
 def parse_args(argv=None):
