@@ -35,8 +35,8 @@ def _run(depth, workload, graph_layout=False, **cfg):
 
 def _parted_at_near_ties(eng, workload, got, ref) -> dict:
     """{index: divergence} of the greedy sequences whose tokens part; each must part at a near-tie: the two
-    tokens' logits (a one-shot prefill of the common prefix on `eng`) within 2 bf16 ulps, not before token 4.
-    A sampled sequence must not part."""
+    tokens' logits (a one-shot prefill of the common prefix on `eng`) within 2 bf16 ulps, at any token (an H200
+    run parted a sequence at its third token, 1 ulp apart). A sampled sequence must not part."""
     parted = {}
     for i, ((_, prompt, params), g, r) in enumerate(zip(workload, got, ref)):
         gi, ri = g.output_token_ids, r.output_token_ids
@@ -48,7 +48,7 @@ def _parted_at_near_ties(eng, workload, got, ref) -> dict:
         gap, top = float(logits[ri[j]] - logits[gi[j]]), float(logits[ri[j]])
         ulp = 2.0 ** (math.floor(math.log2(abs(top))) - 7)
         parted[i] = dict(index=j, gap=gap, ulp=ulp)
-        assert j >= 4 and abs(gap) <= 2 * ulp, (i, parted[i])
+        assert abs(gap) <= 2 * ulp, (i, parted[i])
     return parted
 
 
