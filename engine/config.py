@@ -66,8 +66,9 @@ class EngineConfig:
                                        # is Triton
     split_merge: bool = False          # attention split over KV (small batches) merges its splits in the attention
                                        # kernel (a counter per group, engine/kernels/attention/split_merge.py), not in a
-                                       # combine kernel of its own, where the backend is Triton; off: 30 kernels
-                                       # fewer a step, no time saved on an H100 (bench/results/switches/)
+                                       # combine kernel of its own, where the backend is Triton. Off: guided
+                                       # decoding at one stream lost 16-20% with it in three rounds on an H200
+                                       # (bench/results/split_merge_floors/); Llama 1B / 8B gain 3.5% / 1.5%
     silu_epilogue: bool = True         # steps on the decode GEMV: SiLU * up in the epilogue of the gate_up GEMV, so
                                        # the down projection reads the activation (engine/kernels/matmul/decode_gemv.py)
     decode_attention: bool = True      # steps of one new token a sequence (decode, the EAGLE head's draft steps):
