@@ -2,6 +2,7 @@
 from these live in conftest.py; test modules import from here, never from each other."""
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -122,11 +123,12 @@ class EagerGraphs(StepGraphs):
         super().__init__(runner.config, runner.max_model_len, guided=guided, spec_rows=runner.spec_rows)
         self.runner = runner
 
-    def replay(self, slot, variant):
+    def replay(self, slot, variant) -> float:
         self.replays[slot.graph_key.kind] += 1
         self.replays["guided"] += variant.guided
-        prev = self.runner.slots[1 - slot.index]
+        prev, t0 = self.runner.slots[1 - slot.index], time.perf_counter()
         self.runner.program.step(slot, prev, variant, slot.graph_key)
+        return time.perf_counter() - t0
 
 
 # ---- grammars -------------------------------------------------------------------------------------------------

@@ -101,8 +101,9 @@ def test_no_device_to_host_sync_while_enqueuing_a_step(prompts):
     replay = eng.runner.graphs.replay
 
     def syncing_replay(slot, variant):                 # what a careless change to the step would do
-        replay(slot, variant)
+        host_s = replay(slot, variant)
         slot.sampled[:slot.num_sample].max().item()
+        return host_s
 
     eng.runner.graphs.replay = syncing_replay
     [bad] = eng.generate(prompts[:1], mixed[0])

@@ -17,6 +17,7 @@ model) while the GPU, a decode step ahead at most, runs dry.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import NamedTuple
 
@@ -202,10 +203,14 @@ class StepGraphs:
                         self.graphs[(slot.index, key, variant)] = graph
         compute_stream.synchronize()
 
-    def replay(self, slot: DecodeSlot, variant: tuple) -> None:
+    def replay(self, slot: DecodeSlot, variant: tuple) -> float:
+        """Replay the slot's step graph; returns the host seconds the replay call took."""
+        t0 = time.perf_counter()
         self.graphs[(slot.index, slot.graph_key, variant)].replay()
+        host_s = time.perf_counter() - t0
         self.replays[slot.graph_key.kind] += 1
         self.replays["guided"] += variant.guided
+        return host_s
 
     def __del__(self):
         self.close()
