@@ -73,7 +73,7 @@ class LLMEngine(EngineFrontend):
             config.penalty_rows, "pen_row", lambda seq: seq.params.penalty_row)] if config.penalty_rows else [])
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec, pools)
         # a penalty row's cached span is written by rank 0's runner only: under TP such rows compute it all
-        self.scheduler.cache_penalized = self.cluster is None
+        self.scheduler.prefix.cache_penalized = self.cluster is None
         self.eos_ids = self._eos_ids()
         self.runner.eos_ids = self.eos_ids
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)

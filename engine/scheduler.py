@@ -12,7 +12,7 @@ already in flight (`capped`) is not scheduled again: it ends at that token's com
 whose grammar is still compiling prefills all but its last prompt token (`schedule_target`).
 A sequence's in-flight counters (`inflight_refs`, `num_pending`, `pending_src`, and `num_computed_tokens` as
 steps launch and land) change only here: `launched`, `landed`, `rejected`, preemption and release.
-Prefix caching (engine/memory/block_manager.py): an admitted sequence maps the cached pages of its longest known
+Prefix caching (engine/memory/prefix_map.py): an admitted sequence maps the cached pages of its longest known
 prefix (all but its last token: one is left to compute) and starts computing after them; its own full pages are
 registered as soon as their tokens are known and their step is launched.
 Preemption frees pages at once even if a launched step still writes them: every KV writer runs on the
@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.memory.block_manager import ROOT, BlockManager, prefix_digests
+from engine.memory.block_manager import BlockManager
+from engine.memory.prefix_map import PrefixMap
 from engine.requests.sequence import Sequence, Status
 
 
@@ -54,7 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.cache_penalized = True     # penalized requests map cached pages (their counts are written for them)
+        self.prefix = PrefixMap(block_manager)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -133,21 +134,21 @@ class Scheduler:
             n = self._first_chunk(seq, budget)
             if not n:
                 continue
-            matched = self._match(seq)
-            if self._next_page_uncached(seq):
-                computing = self._computing(rows) if computing is None else computing
+            matched = self.prefix.match(seq)
+            if self.prefix.next_page_uncached(seq):
+                computing = self.prefix.computing(rows) if computing is None else computing
                 if seq.block_digests[len(seq.block_table)] in computing:
-                    self._unmatch(seq)  # its next page is computed in this step: take it from the cache next step
+                    self.prefix.unmatch(seq)  # its next page is computed in this step: take it from the cache next step
                     deferred += 1       # instead of computing the same prefix twice
                     continue
             if matched:
                 n = self._first_chunk(seq, budget)
                 if not n:                       # its cached prefix covers what it may compute now
-                    self._unmatch(seq)
+                    self.prefix.unmatch(seq)
                     continue
             need = self._pages_for(seq, n)
             if not self.blocks.can_allocate(need) or not self._take_rows(seq):
-                self._unmatch(seq)
+                self.prefix.unmatch(seq)
                 break
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = matched
@@ -160,64 +161,7 @@ class Scheduler:
             rows[-1].cached = matched
             budget -= n
             if computing is not None:
-                computing.update(self._row_pages(rows[-1]))
-
-    # ---- prefix caching ----------------------------------------------------------------------------------
-    def _match(self, seq) -> int:
-        """Map the cached pages of the sequence's longest known prefix (a waiting sequence holds no pages);
-        returns the tokens they hold, which count as computed."""
-        if not self._may_match(seq):
-            return 0
-        usable = self._usable_pages(seq)
-        self._digest_pages(seq, usable)
-        seq.block_table = self.blocks.match(seq.block_digests[:usable])
-        seq.num_registered = len(seq.block_table)
-        seq.num_computed_tokens = len(seq.block_table) * self.blocks.block_size
-        return seq.num_computed_tokens
-
-    def _usable_pages(self, seq) -> int:
-        """Full pages a waiting sequence may map: at least one token is left to compute."""
-        return (seq.num_tokens - 1) // self.blocks.block_size
-
-    def _may_match(self, seq) -> bool:
-        return self.blocks.caching and (self.cache_penalized or not seq.params.penalty_row)
-
-    def _next_page_uncached(self, seq) -> bool:
-        """Whether the prefix cache mapped fewer of the sequence's full prompt pages than it could hold."""
-        return self._may_match(seq) and len(seq.block_table) < self._usable_pages(seq)
-
-    def _computing(self, rows) -> set[bytes]:
-        return {d for row in rows for d in self._row_pages(row)}
-
-    def _row_pages(self, row) -> list[bytes]:
-        """Digests of the full pages whose KV the row computes (tokens the host knows, not yet registered)."""
-        seq, bs = row.seq, self.blocks.block_size
-        full = min(seq.num_tokens, row.start + row.num_tokens) // bs
-        if row.num_tokens <= 1 or full <= row.start // bs:
-            return []               # a decode row: its page fills with a token still in flight
-        self._digest_pages(seq, full)
-        return seq.block_digests[row.start // bs:full]
-
-    def _unmatch(self, seq) -> None:
-        self.blocks.free(seq.block_table)
-        seq.block_table, seq.num_registered, seq.num_computed_tokens = [], 0, 0
-
-    def _digest_pages(self, seq, pages: int) -> None:
-        have, bs = len(seq.block_digests), self.blocks.block_size
-        if have < pages:
-            parent = seq.block_digests[-1] if have else ROOT
-            seq.block_digests += prefix_digests(seq.tokens(have * bs, pages * bs), bs, parent)
-
-    def _register(self, seq) -> None:
-        """Register the sequence's full pages whose tokens the host knows and whose KV is enqueued."""
-        full = min(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table) * self.blocks.block_size)
-        full //= self.blocks.block_size
-        if full <= seq.num_registered:
-            return
-        self._digest_pages(seq, full)
-        for i in range(seq.num_registered, full):
-            self.blocks.register(seq.block_table[i], seq.block_digests[i])
-        seq.num_registered = full
+                computing.update(self.prefix.row_pages(rows[-1]))
 
     def _row(self, seq, n, k: int = 0) -> ScheduledRow:
         start = seq.num_computed_tokens
@@ -250,7 +194,7 @@ class Scheduler:
                 seq.num_pending += 1 + row.spec_k
                 seq.pending_src = row.sample_idx
             if self.blocks.caching and seq.num_computed_tokens // self.blocks.block_size > seq.num_registered:
-                self._register(seq)     # (the test first: this runs for every row of every step)
+                self.prefix.register(seq)     # (the test first: this runs for every row of every step)
 
     def landed(self, row: ScheduledRow) -> bool:
         """The step holding `row` was committed or will never be: the row stops holding its sequence. False:
