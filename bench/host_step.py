@@ -1,0 +1,121 @@
+"""The host's share of a decode step without the device: plan (schedule + prepare), launch and commit per step,
+the forward replaced by nothing, on the CPU.
+
+    python bench/host_step.py                                  # 1, 8 and 32 streams, 3 rounds
+    PYTHONPATH=.old python bench/host_step.py --tag before     # another tree's engine, same script
+
+The pipelined loop keeps the GPU fed only while plan + launch + commit of a step fit in the GPU's step. At 32
+streams they took 0.58 ms a step on an H200 machine's host against a 0.79 ms GPU step
+(bench/results/split_merge_floors/ab_plain_spec.log), and rounds with a slower host go host-bound. This times that host work alone, on whatever CPU runs it: one
+engine per stream count (float32, CPU), every stream a chat prompt decoding with EOS ignored; after
+--warmup-steps real steps, the runner's forward is replaced by nothing (the sampled tokens stay what they were,
+so commit, detokenization and stop checks still run on real tokens), then --steps steps timed in --rounds
+rounds. Per part, microseconds a step (medians over rounds): the engine's plan, launch and commit, and inside
+plan the scheduler's schedule, the runner's prepare and the rows' `launched` bookkeeping.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
+    from common import markdown_table, note, record, write_results
+except ImportError:
+    from bench.common import markdown_table, note, record, write_results
+
+PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
+PARTS = ("plan", "schedule", "prepare", "launched", "launch", "commit", "period")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
+    p.add_argument("--out", default="bench/results/host_step.json")
+    args = p.parse_args(argv)
+    if min(args.streams) < 1 or args.steps < 1 or args.rounds < 1 or args.warmup_steps < 1:
+        raise ValueError("--streams, --steps, --rounds and --warmup-steps must be positive")
+    return args
+
+
+def _timed(stack: ExitStack, owner, name: str, acc: dict, key: str) -> None:
+    """Wrap owner.name in a timer adding its seconds to acc[key], undone when the stack closes."""
+    fn = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[key] += time.perf_counter() - t0
+
+    setattr(owner, name, timed)
+    stack.callback(delattr, owner, name)
+
+
+def measure(args, streams: int) -> dict:
+    from engine.llm_engine import LLMEngine
+    from engine.requests.sequence import SamplingParams
+    from engine.config import EngineConfig
+    budget = args.warmup_steps + args.rounds * args.steps + 8
+    pages = -(-(budget + PROMPT_TOKENS) // EngineConfig.block_size)     # every stream's pages: no preemption
+    kw = dict(device="cpu", dtype="float32", depth=2, max_num_seqs=streams, num_kv_blocks=streams * pages + 8)
+    eng = LLMEngine(**(kw | ({"model": args.model} if args.model else {})))
+    for i in range(streams):
+        ids = eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {i}."}])
+        if len(ids) > PROMPT_TOKENS:
+            raise ValueError(f"a prompt of {len(ids)} tokens: PROMPT_TOKENS is {PROMPT_TOKENS}")
+        eng.add_request(ids, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True))
+    for _ in range(args.warmup_steps):
+        eng.step()
+    rounds = []
+    with ExitStack() as stack:
+        eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
+        stack.callback(delattr, eng.runner.program, "step")
+        acc = dict.fromkeys(("schedule", "prepare", "launched"), 0.0)
+        for owner, name, key in ((eng.scheduler, "schedule", "schedule"), (eng.runner, "prepare", "prepare"),
+                                 (eng.scheduler, "launched", "launched")):
+            _timed(stack, owner, name, acc, key)
+        for _ in range(args.rounds):
+            eng.timings.reset()
+            acc.update(dict.fromkeys(acc, 0.0))
+            for _ in range(args.steps):
+                eng.step()
+            ms = eng.timings.per_step_ms()
+            n = max(eng.timings.steps, 1)
+            rounds.append({k: 1e3 * ms[k] for k in ("plan", "launch", "commit", "period")}
+                          | {k: 1e6 * v / n for k, v in acc.items()})
+    if eng.scheduler.num_preemptions:
+        raise RuntimeError(f"{eng.scheduler.num_preemptions} preemptions: the KV pages were sized to avoid them")
+    eng.close()
+    us = {k: statistics.median(r[k] for r in rounds) for k in PARTS}
+    return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
+                  us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us,
+                  us_rounds=rounds)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    records = []
+    for n in args.streams:
+        records.append(measure(args, n))
+        note(f"{args.tag or 'plain'} {n} streams: plan {records[-1]['us']['plan']:.1f} us, commit "
+             f"{records[-1]['us']['commit']:.1f} us a step")
+    write_results(records, args.out)
+    rows = [dict(tag=r["tag"], streams=r["streams"], **r["us"]) for r in records]
+    text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}. "
+            "Microseconds a step, medians over rounds.\n\n" + markdown_table(rows, ["tag", "streams", *PARTS]))
+    Path(str(args.out).rsplit(".", 1)[0] + ".md").write_text(text + "\n")
+    print(text)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""bench/host_step.py: the host's plan, launch and commit of a step with the forward taken out, on the CPU."""
+import json
+
+import pytest
+
+from bench import host_step
+
+
+def test_plan_holds_its_parts_and_every_round_is_kept(tmp_path):
+    out = tmp_path / "h.json"
+    host_step.main(["--streams", "1", "2", "--steps", "5", "--rounds", "2", "--warmup-steps", "2", "--out", str(out)])
+    records = json.loads(out.read_text())
+    assert [r["streams"] for r in records] == [1, 2]
+    for r in records:
+        us = r["us"]
+        assert len(r["us_rounds"]) == 2 and all(us[k] > 0 for k in host_step.PARTS)
+        for rnd in r["us_rounds"]:      # schedule, prepare and launched run inside plan; the phases inside a step
+            assert rnd["schedule"] + rnd["prepare"] + rnd["launched"] <= rnd["plan"]
+            assert rnd["plan"] + rnd["launch"] + rnd["commit"] <= rnd["period"]
+    assert "| 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="positive"):
+        host_step.parse_args(["--rounds", "0"])
