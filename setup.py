@@ -7,7 +7,8 @@ ParallelCompile("SPECDEC_BUILD_JOBS").install()
 # The hostfunc extension needs only the Python and pybind11 headers: the CUDA driver entry points are
 # resolved at run time (dlopen libcuda), so it builds on machines with no CUDA toolkit or GPU.
 ext_modules = [
-    Pybind11Extension("hostfunc._C", ["hostfunc/csrc/hostfunc.cpp"], cxx_std=17, libraries=["dl"]),
+    Pybind11Extension("hostfunc._C", ["hostfunc/csrc/hostfunc.cpp", "hostfunc/csrc/step_launch.cpp"], cxx_std=17,
+                      libraries=["dl"]),
     # The grammar node calls xgrammar's matchers through tvm-ffi's C ABI and llguidance's through its C API, both
     # resolved at run time (libtvm_ffi, llguidance's extension).
     Pybind11Extension("engine.guided._native", ["engine/guided/csrc/grammar_node.cpp", "engine/guided/csrc/node.cpp",

@@ -32,7 +32,7 @@ from engine.requests.output import OutputProcessor, RequestOutput
 from engine.requests.request_handle import RequestHandle
 from engine.requests.sequence import SamplingParams, Sequence
 from engine.requests.validation import check_request, prompt_ids
-from engine.runner.model_runner import RowError
+from engine.runner.rows import RowError
 from engine.runner.slots import DecodeSlot
 from engine.scheduler import Scheduler
 from engine.spec.plan import SpecPolicy

@@ -2,6 +2,10 @@
 from these live in conftest.py; test modules import from here, never from each other."""
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +118,25 @@ def drive_hooked(engine, requests, hook=None):
             hook(engine, ids)
         step += 1
     return [engine.take(ids[i]) for i in range(len(requests))]
+
+
+def build_fake_libcuda(directory) -> str | None:
+    """Build hostfunc/testing/fake_libcuda.c as `directory`/libcuda.so.1; returns the directory, None where no C
+    compiler or source is there (tests skip)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    source = Path(__file__).resolve().parents[1] / "hostfunc" / "testing" / "fake_libcuda.c"
+    if compiler is None or not source.exists():
+        return None
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(Path(directory) / "libcuda.so.1"), str(source),
+                    "-lpthread"], check=True, timeout=120)
+    return str(directory)
+
+
+def run_fake_driver_scenario(directory, module: str) -> subprocess.CompletedProcess:
+    """Run `python -m module` from the repository with the fake libcuda of `directory` first on the loader's path."""
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{directory}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    return subprocess.run([sys.executable, "-m", module], env=env, cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=60)
 
 
 class EagerGraphs(StepGraphs):

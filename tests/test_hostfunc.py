@@ -6,7 +6,6 @@ latter without the GIL, like the driver's thread), so the refcount logic is cove
 (tests/test_hostfunc_gpu.py drives the real driver path).
 """
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import torch
 
 import hostfunc
 from hostfunc import HostfuncError, _C, _guard
+from helpers import build_fake_libcuda, run_fake_driver_scenario
 
 
 @pytest.fixture(autouse=True)
@@ -469,16 +469,7 @@ def test_launch_without_gpu_raises_clearly():
 
 
 def test_launch_path_with_fake_driver(tmp_path):
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the fake libcuda")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(hostfunc.__file__)))
-    source = os.path.join(root, "hostfunc", "testing", "fake_libcuda.c")
-    if not os.path.exists(source):
-        pytest.skip("hostfunc/testing/ is not installed (not an in-tree install)")
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"), source, "-lpthread"],
-                   check=True, timeout=120)
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}")
-    run = subprocess.run([sys.executable, "-m", "hostfunc.testing.fake_driver_scenario"], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=60)
+    if build_fake_libcuda(tmp_path) is None:
+        pytest.skip("no C compiler or hostfunc/testing/ source to build the fake libcuda")
+    run = run_fake_driver_scenario(tmp_path, "hostfunc.testing.fake_driver_scenario")
     assert run.returncode == 0 and "fake driver scenario ok" in run.stdout, run.stdout + run.stderr

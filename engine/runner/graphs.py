@@ -138,6 +138,7 @@ class StepGraphs:
         self.variants = [StepVariant(g, greedy, lp) for g in ((False, True) if guided else (False,)) for greedy in (True, False)
                          for lp in ((False, True) if config.logprobs or config.penalty_rows else (False,))]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}     # (slot index, GraphKey, StepVariant) ->
+        self._execs: dict[tuple, int] = {}     # the same keys -> raw graph exec handles (exec_handle)
         self.replays = Counter()                 # by kind ("decode", "mixed", "guided"); host thread only
         self.callbacks = hostfunc.HostfuncScope()  # handles of the captured grammar callbacks
 
@@ -187,6 +188,7 @@ class StepGraphs:
         runner <-> graphs cycle, so a dropped engine frees its GPU memory at once). Warm-up runs of guided
         variants run their callback on an empty snapshot queue: it reuses the last snapshot, harmlessly."""
         pool, warm = None, set()
+        self._execs.clear()
         with torch.cuda.stream(compute_stream), torch.inference_mode():
             for slot in slots:
                 prev = slots[1 - slot.index]
@@ -208,9 +210,22 @@ class StepGraphs:
         t0 = time.perf_counter()
         self.graphs[(slot.index, slot.graph_key, variant)].replay()
         host_s = time.perf_counter() - t0
+        self._count(slot, variant)
+        return host_s
+
+    def exec_handle(self, slot: DecodeSlot, variant: tuple) -> int:
+        """The slot's step graph as its raw cudaGraphExec_t, for a native launch that replays it (counted as a
+        replay). Valid while the graph is: `capture` and `close` drop the handles with the graphs."""
+        key = (slot.index, slot.graph_key, variant)
+        handle = self._execs.get(key)
+        if handle is None:
+            handle = self._execs[key] = self.graphs[key].raw_cuda_graph_exec()
+        self._count(slot, variant)
+        return handle
+
+    def _count(self, slot: DecodeSlot, variant: tuple) -> None:
         self.replays[slot.graph_key.kind] += 1
         self.replays["guided"] += variant.guided
-        return host_s
 
     def __del__(self):
         self.close()
@@ -218,6 +233,7 @@ class StepGraphs:
     def close(self) -> None:
         """Free the captured callbacks once no graph runs any more (synchronize first). A replay of a freed
         callback runs nothing and is recorded as a hostfunc error."""
+        self._execs.clear()
         self.graphs.clear()
         try:
             self.callbacks.free()

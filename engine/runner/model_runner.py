@@ -21,26 +21,18 @@ from engine.models.loader import ModelSource
 from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
 from engine.runner.graphs import StepGraphs
-from engine.runner.rows import fill_extras, fill_sampling, fill_tokens, write_block_table
+from engine.runner.native_launch import NativeLaunch
+from engine.runner.rows import fill_slot
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepProgram, StepVariant
 from engine.sampling.logprobs import HostLogprobs
 from engine.sampling.penalties import PenaltyState
 from engine.sampling.sampler import apply_bitmask
-from engine.spec import plan as spec_plan
 from engine.spec.drafters import drafter_caches, make_drafter
 from engine.spec.program import SpecStepProgram
 from engine.spec.state import SpecState
 
 _EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most
-
-
-class RowError(Exception):
-    """Preparing row `index` of a step failed: the engine fails that row's request alone."""
-
-    def __init__(self, index: int, cause: Exception):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.index = index
 
 
 class ModelRunner:
@@ -106,6 +98,7 @@ class ModelRunner:
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None, spec_rows=self.spec_rows)
             self.graphs.capture(self.program, self.slots, self.compute_stream)
+        self.native = NativeLaunch(self) if config.native_launch and self.graphs is not None else None
 
     # ---- setup -------------------------------------------------------------------------------
     def _kv_shape(self, cfg):
@@ -158,47 +151,13 @@ class ModelRunner:
 
     # ---- plan (host only) --------------------------------------------------------------------
     def prepare(self, slot: DecodeSlot, rows) -> None:
-        """Fill the slot's host buffers for these rows (engine/runner/rows.py). A row may end at the sequence's pending
-        token (sampled by the in-flight step, unknown to the host): the device carries it from the token pool.
+        """Fill the slot's host buffers for these rows and pick its graph (engine/runner/rows.py fill_slot).
         Raises RowError naming the row whose inputs could not be written."""
-        h = slot.np
-        t = s = max_q = max_len = carries = 0
-        for i, row in enumerate(rows):
-            try:
-                t, s = self._prepare_row(slot, i, row, t, s)
-            except Exception as exc:
-                raise RowError(i, exc) from exc
-            max_q, max_len = max(max_q, row.num_tokens), max(max_len, row.start + row.num_tokens)
-            carries += bool(row.seq.num_pending or row.spec_k)
-        h["cu_seqlens_q"][0] = 0
-        slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, carries
-        slot.spec_k = rows[0].spec_k if rows else 0
-        slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
-        fill_extras(slot, rows, self.penalties, self.eos_ids)
-        slot.history_writes = [(r.seq.pool_row, r.seq.tokens(0, r.cached)) for r in rows if r.cached] \
-            if self.spec_k and self.program.drafter.uses_history else []
+        fill_slot(slot, rows, self.config.block_size, self.spec_k, self.penalties, self.eos_ids,
+                  self.spec_k and self.program.drafter.uses_history)
         slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
         if slot.graph_key:
             self.graphs.pad(slot, slot.graph_key)
-
-    def _prepare_row(self, slot: DecodeSlot, i: int, row, t: int, s: int) -> tuple[int, int]:
-        """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
-        seq, n, h = row.seq, row.num_tokens, slot.np
-        if seq.pool_row < 0 and (seq.num_pending or row.spec_k):
-            raise RuntimeError("a sequence that carries tokens on the device holds no token-pool row")
-        fill_tokens(h, row, t, self.config.block_size)
-        if self.spec_k:
-            spec_plan.fill_spec_row(slot, i, row, t, self.config.block_size)
-        write_block_table(slot, i, seq)
-        h["seq_lens"][i] = row.start + n
-        h["cu_seqlens_q"][i + 1] = t + n
-        if row.sample:
-            row.sample_idx = s
-            fill_sampling(h, s, t + n - 1, seq)
-            if self.spec_k:
-                spec_plan.fill_spec_sampling(slot, s, row, t)
-            s += 1
-        return t + n, s
 
     # ---- launch (enqueue only) ---------------------------------------------------------------
     def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None, guided: bool | None = None,
@@ -210,6 +169,8 @@ class ModelRunner:
         picks the variant with logprobs and penalties."""
         prev = self.slots[1 - slot.index]
         variant = StepVariant(snapshot is not None if guided is None else guided, all_greedy, slot.extras)
+        if self.native is not None and self.native.takes(slot):
+            return self._launch_native(slot, step_index, variant, snapshot, download)
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
         if self.cuda:
             with torch.cuda.stream(self.copy_in_stream):
@@ -250,6 +211,16 @@ class ModelRunner:
         else:
             slot.download_sampled()
         return replay_s
+
+    def _launch_native(self, slot, step_index: int, variant, snapshot, download: bool) -> float:
+        if snapshot is not None:
+            self.masks.push(snapshot)
+        try:
+            return self.native.launch(slot, step_index, variant, StepGraphs.padded_seqs(slot.graph_key), download)
+        except BaseException:
+            if snapshot is not None:
+                self.masks.unpush(snapshot)
+            raise
 
     def sync_guard(self):
         """debug_sync: any device->host synchronisation while enqueuing a step raises (CUDA only)."""

@@ -1,4 +1,5 @@
-"""The one row writer: a scheduled row's step inputs in a slot's host buffers, for plain and speculative steps.
+"""The one row writer: a scheduled row's step inputs in a slot's host buffers, for plain and speculative steps
+(`fill_slot`: a step's rows, then the slot's counts).
 
 A row covers positions [start, start + n) of its sequence. Its tokens are the host's where it knows them;
 a sequence with a token in flight (`num_pending`) starts or ends at that token, which the device carries from
@@ -11,6 +12,57 @@ from __future__ import annotations
 
 from engine.requests.validation import min_tokens_stops
 from engine.sampling import penalties
+from engine.spec import plan as spec_plan
+
+
+class RowError(Exception):
+    """Preparing row `index` of a step failed: the engine fails that row's request alone."""
+
+    def __init__(self, index: int, cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.index = index
+
+
+def fill_slot(slot, rows, block_size: int, spec_k: int, penalty_state, eos_ids, uses_history: bool) -> None:
+    """Fill the slot's host buffers for these rows. A row may end at the sequence's pending token (sampled by the
+    in-flight step, unknown to the host): the device carries it from the token pool. uses_history: the drafter
+    reads each sequence's tokens (n-gram), so an admission's cached prefix is written for it. Raises RowError
+    naming the row whose inputs could not be written."""
+    t = s = max_q = max_len = carries = 0
+    for i, row in enumerate(rows):
+        try:
+            t, s = _fill_row(slot, i, row, t, s, block_size, spec_k)
+        except Exception as exc:
+            raise RowError(i, exc) from exc
+        max_q, max_len = max(max_q, row.num_tokens), max(max_len, row.start + row.num_tokens)
+        carries += bool(row.seq.num_pending or row.spec_k)
+    slot.np["cu_seqlens_q"][0] = 0
+    slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, carries
+    slot.spec_k = rows[0].spec_k if rows else 0
+    slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
+    fill_extras(slot, rows, penalty_state, eos_ids)
+    slot.history_writes = [(r.seq.pool_row, r.seq.tokens(0, r.cached)) for r in rows if r.cached] \
+        if spec_k and uses_history else []
+
+
+def _fill_row(slot, i: int, row, t: int, s: int, block_size: int, spec_k: int) -> tuple[int, int]:
+    """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
+    seq, n, h = row.seq, row.num_tokens, slot.np
+    if seq.pool_row < 0 and (seq.num_pending or row.spec_k):
+        raise RuntimeError("a sequence that carries tokens on the device holds no token-pool row")
+    fill_tokens(h, row, t, block_size)
+    if spec_k:
+        spec_plan.fill_spec_row(slot, i, row, t, block_size)
+    write_block_table(slot, i, seq)
+    h["seq_lens"][i] = row.start + n
+    h["cu_seqlens_q"][i + 1] = t + n
+    if row.sample:
+        row.sample_idx = s
+        fill_sampling(h, s, t + n - 1, seq)
+        if spec_k:
+            spec_plan.fill_spec_sampling(slot, s, row, t)
+        s += 1
+    return t + n, s
 
 
 def fill_tokens(h, row, t: int, block_size: int) -> None:

@@ -115,12 +115,24 @@ class DecodeSlot:
         """The first `nbytes` of the host buffer (uint8): what a tensor-parallel step message carries."""
         return self._host_buf[:nbytes]
 
+    def _results(self) -> list:
+        """(device, host) buffers of the step's results, a row per sampling row: the tokens (spec_out with
+        speculation), and the logprobs where the step asked for them."""
+        tokens = (self.spec_out, self.spec_out_host) if self.spec_out is not None else (self.sampled, self.sampled_host)
+        return [tokens] + ([(self.logprobs, self.logprobs_host)] if self.want_logprobs else [])
+
     def download_sampled(self) -> None:
         n = self.num_sample
-        src, dst = (self.spec_out, self.spec_out_host) if self.spec_out is not None else (self.sampled, self.sampled_host)
-        pairs = [(src, dst)] + ([(self.logprobs, self.logprobs_host)] if self.want_logprobs else [])
-        for src, dst in pairs:
+        for src, dst in self._results():
             if self.device.type == "cuda":
                 dst[:n].copy_(src[:n], non_blocking=True)
             else:
                 dst[:n] = src[:n]
+
+    def raw_copies(self, padded: int = 0) -> tuple:
+        """The copies of `upload` and `download_sampled` as raw (dst, src, bytes): (upload, [downloads]), for a
+        native launch (engine/runner/native_launch.py; CUDA only)."""
+        upload = (self._dev_buf.data_ptr(), self._host_buf.data_ptr(), self.input_bytes(padded))
+        n = self.num_sample
+        return upload, [(dst.data_ptr(), src.data_ptr(), n * dst.stride(0) * dst.element_size())
+                        for src, dst in self._results()]

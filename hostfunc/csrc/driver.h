@@ -18,6 +18,9 @@ using CUresult = int;
 using CUstream = void*;
 using CUcontext = void*;
 using CUhostFn = void (*)(void*);
+using CUevent = void*;
+using CUgraphExec = void*;
+using CUdeviceptr = unsigned long long;
 constexpr CUresult kCudaSuccess = 0;
 constexpr int kCaptureStatusNone = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
 
@@ -31,6 +34,12 @@ struct Driver {
   CUresult (*ctx_get_current)(CUcontext*) = nullptr;
   CUresult (*ctx_set_current)(CUcontext) = nullptr;
   CUresult (*stream_get_ctx)(CUstream, CUcontext*) = nullptr;
+  // a step's native launch (step_launch.cpp); null where the driver predates the pinned 12.0 ABI
+  CUresult (*memcpy_htod_async)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*memcpy_dtoh_async)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*event_record)(CUevent, CUstream) = nullptr;
+  CUresult (*stream_wait_event)(CUstream, CUevent, unsigned) = nullptr;
+  CUresult (*graph_launch)(CUgraphExec, CUstream) = nullptr;
   std::string error;  // why the driver is unusable; empty when it loaded
 
   std::string describe(CUresult rc) const {
@@ -80,8 +89,16 @@ inline std::string load(Driver& d) {
   bind(d.ctx_get_current, resolve("cuCtxGetCurrent"));
   bind(d.ctx_set_current, resolve("cuCtxSetCurrent"));
   bind(d.stream_get_ctx, resolve("cuStreamGetCtx"));
-  // The plain export is the 3-argument v1 ABI, so only take it through the pinned-ABI path.
-  if (pinned_abi) bind(d.get_capture_info, resolve("cuStreamGetCaptureInfo"));
+  // The plain exports are v1 ABIs (cuStreamGetCaptureInfo's 3 arguments, 32-bit device pointers), so only take
+  // these through the pinned-ABI path.
+  if (pinned_abi) {
+    bind(d.get_capture_info, resolve("cuStreamGetCaptureInfo"));
+    bind(d.memcpy_htod_async, resolve("cuMemcpyHtoDAsync"));
+    bind(d.memcpy_dtoh_async, resolve("cuMemcpyDtoHAsync"));
+    bind(d.event_record, resolve("cuEventRecord"));
+    bind(d.stream_wait_event, resolve("cuStreamWaitEvent"));
+    bind(d.graph_launch, resolve("cuGraphLaunch"));
+  }
   if (!d.launch_host_func || !d.stream_is_capturing)
     return "driver " + std::to_string(driver_version) + " lacks cuLaunchHostFunc/cuStreamIsCapturing";
   return "";

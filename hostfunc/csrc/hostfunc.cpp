@@ -19,6 +19,7 @@
 #include "errors.h"
 #include "graveyard.h"
 #include "registry.h"
+#include "step_launch.h"
 
 namespace py = pybind11;
 
@@ -330,4 +331,5 @@ PYBIND11_MODULE(_C, m) {
         "Run the trampoline synchronously on this thread, without the GIL (the trampoline takes it). "
         "check=False skips the KeyError for an unknown handle, like a stale graph replay.");
   m.attr("MAX_ERRORS") = kMaxErrors;
+  register_step_launch(m);
 }

@@ -1,4 +1,5 @@
-// A stand-in libcuda.so.1 for CPU tests of hostfunc's real launch path (tests/test_hostfunc.py).
+// A stand-in libcuda.so.1 for CPU tests of hostfunc's real launch path (tests/test_hostfunc.py) and of
+// launch_step's calls (tests/test_native_launch.py).
 //
 // Host functions run in FIFO order on one worker thread, like the driver's per-stream callback thread. The
 // queue is small, so cuLaunchHostFunc blocks when it is full: a launcher that kept the GIL there would
@@ -96,12 +97,58 @@ int cuLaunchHostFunc(void* stream, host_fn fn, void* data) {
   return rc;
 }
 
+// launch_step's entry points: each call is logged as (op, a, b, bytes); copies really copy (both sides are host
+// memory here). Ops: 1 upload, 2 download, 3 event record (event, stream), 4 stream wait (stream, event),
+// 5 graph launch (graph, stream).
+#define LOG_CAP 256
+static uint64_t call_log[LOG_CAP][4];
+static int log_len;
+
+static int log_call(uint64_t op, const void* a, const void* b, size_t bytes) {
+  pthread_mutex_lock(&mu);
+  if (log_len < LOG_CAP) {
+    call_log[log_len][0] = op;
+    call_log[log_len][1] = (uint64_t)(uintptr_t)a;
+    call_log[log_len][2] = (uint64_t)(uintptr_t)b;
+    call_log[log_len][3] = bytes;
+    log_len++;
+  }
+  pthread_mutex_unlock(&mu);
+  return 0;
+}
+
+int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, size_t n, void* stream) {
+  memcpy((void*)(uintptr_t)dst, src, n);
+  return log_call(1, (void*)(uintptr_t)dst, stream, n);
+}
+int cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, size_t n, void* stream) {
+  memcpy(dst, (const void*)(uintptr_t)src, n);
+  return log_call(2, dst, stream, n);
+}
+int cuEventRecord(void* event, void* stream) { return log_call(3, event, stream, 0); }
+int cuStreamWaitEvent(void* stream, void* event, unsigned flags) { (void)flags; return log_call(4, stream, event, 0); }
+int cuGraphLaunch(void* graph, void* stream) { return stream == (void*)0xbad ? 400 : log_call(5, graph, stream, 0); }
+
+// Test controls of the log: copy up to `cap` entries into `out` (4 words each), return how many there were.
+int fake_calls(uint64_t* out, int cap) {
+  pthread_mutex_lock(&mu);
+  int n = log_len < cap ? log_len : cap;
+  memcpy(out, call_log, (size_t)n * sizeof call_log[0]);
+  int total = log_len;
+  log_len = 0;
+  pthread_mutex_unlock(&mu);
+  return total;
+}
+
 int cuGetProcAddress_v2(const char* name, void** fn, int version, uint64_t flags, int* status) {
   (void)version; (void)flags;
   static const struct { const char* name; void* fn; } table[] = {
       {"cuLaunchHostFunc", (void*)cuLaunchHostFunc}, {"cuStreamIsCapturing", (void*)cuStreamIsCapturing},
       {"cuStreamGetCaptureInfo", (void*)cuStreamGetCaptureInfo_v2}, {"cuCtxGetCurrent", (void*)cuCtxGetCurrent},
-      {"cuCtxSetCurrent", (void*)cuCtxSetCurrent}, {"cuStreamGetCtx", (void*)cuStreamGetCtx}};
+      {"cuCtxSetCurrent", (void*)cuCtxSetCurrent}, {"cuStreamGetCtx", (void*)cuStreamGetCtx},
+      {"cuMemcpyHtoDAsync", (void*)cuMemcpyHtoDAsync_v2}, {"cuMemcpyDtoHAsync", (void*)cuMemcpyDtoHAsync_v2},
+      {"cuEventRecord", (void*)cuEventRecord}, {"cuStreamWaitEvent", (void*)cuStreamWaitEvent},
+      {"cuGraphLaunch", (void*)cuGraphLaunch}};
   for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
     if (strcmp(name, table[i].name) == 0) { *fn = table[i].fn; *status = 0; return 0; }
   *fn = NULL;

@@ -1,0 +1,59 @@
+"""The native step launch (engine/runner/native_launch.py, hostfunc/csrc/step_launch.cpp): its driver calls against
+the fake libcuda on the CPU, its refusal where it cannot run, and on a GPU the tokens of the Python launch."""
+import os
+
+import pytest
+import torch
+
+from conftest import assert_no_leak
+from engine.llm_engine import LLMEngine
+from engine.requests.sequence import SamplingParams
+from engine.runner import native_launch
+from helpers import build_fake_libcuda, run_fake_driver_scenario
+
+MODEL = os.environ.get("SPECDEC_MODEL", "default")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_the_driver_calls_in_the_python_launch_order_with_the_fake_driver(tmp_path):
+    if build_fake_libcuda(tmp_path) is None:
+        pytest.skip("no C compiler or hostfunc/testing/ source to build the fake libcuda")
+    run = run_fake_driver_scenario(tmp_path, "hostfunc.testing.fake_step_launch_scenario")
+    assert run.returncode == 0 and "fake step launch scenario ok" in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a CUDA driver")
+def test_without_a_driver_it_says_why_and_refuses():
+    why = native_launch.unavailable()
+    assert "libcuda" in why or "raw_cuda_graph_exec" in why
+    with pytest.raises(RuntimeError, match="native_launch is on but cannot run here"):
+        native_launch.NativeLaunch(runner=None)
+
+
+def _run(native: bool, prompts, params):
+    eng = LLMEngine(model=MODEL, device="cuda", max_num_seqs=8, max_model_len=1024, native_launch=native)
+    seqs = eng.generate(prompts, params)
+    assert all(s.finish_reason != "error" for s in seqs), [s.error for s in seqs]
+    assert_no_leak(eng)
+    replays, timings = dict(eng.runner.graphs.replays), eng.timings
+    eng.close()
+    return [s.output_token_ids for s in seqs], replays, timings
+
+
+@pytest.mark.gpu
+def test_native_launch_gives_the_tokens_of_the_python_launch():
+    """Greedy, seeded sampled, guided (its grammar branch in the graph) and penalized rows (their writes keep the
+    Python launch: both paths in one run), pipelined: the same tokens, the same graph replays."""
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356] * (i + 1) for i in range(6)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=60, temperature=0.0, json_schema=WEATHER),
+              SamplingParams(max_tokens=40, temperature=0.0, presence_penalty=0.5, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
+    ref, ref_replays, _ = _run(False, prompts, params)
+    got, replays, timings = _run(True, prompts, params)
+    assert got == ref
+    assert replays == ref_replays and replays["decode"] > 0 and replays["guided"] > 0
+    assert 0 < timings.replay < timings.launch
