@@ -9,6 +9,7 @@ from conftest import assert_no_leak
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
 from engine.runner import native_launch
+from engine.runner.slots import DecodeSlot
 from helpers import build_fake_libcuda, run_fake_driver_scenario
 
 MODEL = os.environ.get("SPECDEC_MODEL", "default")
@@ -29,6 +30,25 @@ def test_without_a_driver_it_says_why_and_refuses():
     assert "libcuda" in why or "raw_cuda_graph_exec" in why
     with pytest.raises(RuntimeError, match="native_launch is on but cannot run here"):
         native_launch.NativeLaunch(runner=None)
+
+
+@pytest.mark.parametrize("spec_k", [0, 2])
+def test_raw_copies_are_the_download_of_the_python_launch(spec_k):
+    """The bytes of each download are those of download_sampled's copies: the first num_sample rows of the tokens
+    (spec_out with speculation) and, where asked, of the logprobs; the upload is input_bytes of the padded rows."""
+    slot = DecodeSlot(0, 16, 8, 4, torch.device("cpu"), spec_k=spec_k, logprobs=True)
+    slot.num_seqs, slot.num_sample = 3, 3
+    tokens = slot.spec_out_host if spec_k else slot.sampled_host
+    for want in (False, True):
+        slot.want_logprobs = want
+        (dst, src, nbytes), downloads = slot.raw_copies(padded=4)
+        assert (dst, src, nbytes) == (slot._dev_buf.data_ptr(), slot._host_buf.data_ptr(), slot.input_bytes(4))
+        expect = [(tokens.data_ptr(), (slot.spec_out if spec_k else slot.sampled).data_ptr(),
+                   tokens[:3].numel() * tokens.element_size())]
+        if want:
+            expect.append((slot.logprobs_host.data_ptr(), slot.logprobs.data_ptr(),
+                           slot.logprobs_host[:3].numel() * slot.logprobs_host.element_size()))
+        assert downloads == expect
 
 
 def _run(native: bool, prompts, params):
