@@ -14,6 +14,7 @@ host timers (a part called inside another counts for the outer one):
     forward   the step graph's replay, or the eager forward where a step has no graph
     download  the sampled tokens' copy to the host (DecodeSlot.download_sampled)
     events    CUDA event records and stream waits (torch.cuda.Event.record, torch.cuda.Stream.wait_event)
+    native    with --engine native_launch=true, the one native call that makes all of the above for graph steps
     rest      the launch less its parts: stream switches, the grammar snapshot's push, Python
 
 Each part's median, p90, max and mean microseconds a launch, so a mean carried by a few slow launches shows
@@ -36,7 +37,7 @@ except ImportError:
     from bench.common import markdown_table, note, record, write_results
     from bench.throughput import build_engine
 
-PARTS = ("upload", "forward", "download", "events", "rest")
+PARTS = ("upload", "forward", "download", "events", "native", "rest")
 STATS = ("median", "p90", "max", "mean")
 
 
@@ -74,6 +75,8 @@ class LaunchProbe:
                    (self.runner.program, "step", "forward")]
         if self.runner.graphs is not None:      # None where steps run eagerly (the CPU, --enforce-eager)
             targets.append((self.runner.graphs, "replay", "forward"))
+        if getattr(self.runner, "native", None) is not None:    # --engine native_launch=true: the one native call
+            targets.append((self.runner.native, "launch", "native"))
         if torch.cuda.is_available():
             targets += [(torch.cuda.Event, "record", "events"), (torch.cuda.Stream, "wait_event", "events")]
         for owner, name, part in targets:
