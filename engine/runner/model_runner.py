@@ -3,7 +3,8 @@
 Streams (CUDA): the slot's inputs go up on `copy_in_stream` (event `inputs_ready`); forward and sampling
 run on `compute_stream`; the sampled tokens come back on `copy_out_stream`, anchored to the step's
 `sampled_ready` event, and `copy_done` tells the host they landed. Nothing runs on the default stream.
-On the CPU the same calls run synchronously.
+On the CPU the same calls run synchronously. With `native_launch` a graph step makes these calls in one native
+call (engine/runner/native_launch.py).
 """
 from __future__ import annotations
 
@@ -163,10 +164,10 @@ class ModelRunner:
     def launch(self, slot: DecodeSlot, step_index: int, all_greedy: bool, snapshot=None, guided: bool | None = None,
                download: bool = True) -> float:
         """Enqueue upload, forward, (grammar branch), sampling and the token copy; returns without waiting
-        (on CUDA) the host seconds of the step graph's replay (0: an eager step). `snapshot`: the step's guided
-        rows (engine/guided/masks.py), None if it has none. A tensor-parallel worker runs guided steps without a
-        snapshot (`guided`: rank 0 fills the masks) and reads no tokens back (`download` False). `slot.extras`
-        picks the variant with logprobs and penalties."""
+        (on CUDA) the host seconds of the step graph's replay (0: an eager step; a native launch: its whole
+        call). `snapshot`: the step's guided rows (engine/guided/masks.py), None if it has none. A
+        tensor-parallel worker runs guided steps without a snapshot (`guided`: rank 0 fills the masks) and reads
+        no tokens back (`download` False). `slot.extras` picks the variant with logprobs and penalties."""
         prev = self.slots[1 - slot.index]
         variant = StepVariant(snapshot is not None if guided is None else guided, all_greedy, slot.extras)
         if self.native is not None and self.native.takes(slot):
