@@ -3,14 +3,16 @@ are noisy, so a before/after ratio is only worth something when both sides ran t
 
     python bench/ab.py --before .old --after . --modes plain guided spec --streams 1 8 32 --rounds 2 \
         --out bench/results/refactor_ab.json
+    python bench/ab.py --after-engine native_launch=true --modes plain --streams 1 32   # a setting, one tree
 
 Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHONPATH is the tree, so each side
-imports its own engine; rounds alternate the order (A B, B A, ...). Modes: plain = `bench/throughput.py
---depth 2` (EOS ignored); guided = `bench/guided.py --only speed` (JSON Mode Eval schemas, guided rows' tok/s);
-spec = `bench/spec.py --only speed --drafters ngram` (K = 3, JSON Mode Eval prompts). Schemas and prompts come
-from `--data` (default: the few kept in tests/data). The table gives the median tok/s per side and after/before,
-and each side's idle share: the compute stream's idle time over the step period. Over HOST_BOUND a side was
-host-bound (its host could not keep the GPU fed), so its ratio there measures that run's host, not the change.
+imports its own engine, with that side's --before-engine / --after-engine settings (EngineConfig fields); rounds
+alternate the order (A B, B A, ...). Modes: plain = `bench/throughput.py --depth 2` (EOS ignored); guided =
+`bench/guided.py --only speed` (JSON Mode Eval schemas, guided rows' tok/s); spec = `bench/spec.py --only speed
+--drafters ngram` (K = 3, JSON Mode Eval prompts). Schemas and prompts come from `--data` (default: the few kept in
+tests/data). The table gives the median tok/s per side and after/before, and each side's idle share: the compute
+stream's idle time over the step period. Over HOST_BOUND a side was host-bound (its host could not keep the GPU
+fed), so its ratio there measures that run's host, not the change.
 """
 from __future__ import annotations
 
@@ -31,15 +33,21 @@ except ImportError:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--before", required=True, help="source tree of the baseline (e.g. a git worktree)")
+    p.add_argument("--before", default=".", help="source tree of the baseline (e.g. a git worktree)")
     p.add_argument("--after", default=".", help="source tree of the change")
+    p.add_argument("--before-engine", nargs="*", default=[], metavar="KEY=VALUE", help="the before side's settings")
+    p.add_argument("--after-engine", nargs="*", default=[], metavar="KEY=VALUE", help="the after side's settings")
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["plain"])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--data", default="tests/data", help="root of maskbench/JME_*.json (guided and spec modes)")
     p.add_argument("--out", default="bench/results/ab.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if Path(args.before).resolve() == Path(args.after).resolve() and args.before_engine == args.after_engine:
+        raise ValueError("before and after are the same tree with the same settings: give another --before or "
+                         "--before-engine / --after-engine")
+    return args
 
 
 # mode -> (the tree's bench and its arguments, which of its rows are the mode's tok/s)
@@ -53,16 +61,19 @@ MODES = {
 }
 
 
-def run_tree(tree: Path, mode: str, args) -> list[dict]:
-    argv, keep = MODES[mode]
+def bench_command(tree: Path, mode: str, args, engine: list, out: Path) -> list[str]:
+    """The command of one side's bench: the tree's own script, its mode's arguments and the side's settings."""
+    script, *rest = MODES[mode][0](args)
+    return [sys.executable, str(tree / "bench" / script), *rest, "--out", str(out), "--streams",
+            *map(str, args.streams), *(["--engine", *engine] if engine else [])]
+
+
+def run_tree(tree: Path, mode: str, args, engine: list) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.json"
         env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        script, *rest = argv(args)
-        cmd = [sys.executable, str(tree / "bench" / script), *rest, "--out", str(out),
-               "--streams", *map(str, args.streams)]
-        subprocess.run(cmd, cwd=tree, env=env, check=True)
-        return [dict(r, ab_mode=mode) for r in json.loads(out.read_text()) if keep(r)]
+        subprocess.run(bench_command(tree, mode, args, engine, out), cwd=tree, env=env, check=True)
+        return [dict(r, ab_mode=mode) for r in json.loads(out.read_text()) if MODES[mode][1](r)]
 
 
 HOST_BOUND = 0.10      # idle share of a step over which a side's run was host-bound
@@ -71,12 +82,13 @@ HOST_BOUND = 0.10      # idle share of a step over which a side's run was host-b
 def main(argv=None):
     args = parse_args(argv)
     trees = {"before": Path(args.before).resolve(), "after": Path(args.after).resolve()}
+    engines = {"before": args.before_engine, "after": args.after_engine}
     runs = {name: [] for name in trees}
     for r in range(args.rounds):
         for mode in args.modes:
             for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
-                note(f"round {r + 1}/{args.rounds}, {mode}: {name} ({trees[name]})")
-                runs[name] += run_tree(trees[name], mode, args)
+                note(f"round {r + 1}/{args.rounds}, {mode}: {name} ({trees[name]} {' '.join(engines[name])})")
+                runs[name] += run_tree(trees[name], mode, args, engines[name])
     records = [summarize(runs, mode, s, args, trees["before"]) for mode in args.modes for s in args.streams]
     write_results(records, args.out)
     print(write_markdown(records, str(args.out).rsplit(".", 1)[0] + ".md"))
@@ -108,7 +120,7 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
                   med["after"], first.get("ms_per_step"), before_tok_s=med["before"], after_over_before=ratio,
                   before_idle=idle["before"], after_idle=idle["after"], host_bound=host_bound,
                   before_runs=tok["before"], after_runs=tok["after"], before_tree=str(before_tree),
-                  rounds=args.rounds)
+                  before_engine=args.before_engine, after_engine=args.after_engine, rounds=args.rounds)
 
 
 COLUMNS = ["mode", "streams", "before_tok_s", "tok_s", "after_over_before", "before_idle", "after_idle", "host_bound",
@@ -117,10 +129,13 @@ COLUMNS = ["mode", "streams", "before_tok_s", "tok_s", "after_over_before", "bef
 
 def write_markdown(records: list[dict], path) -> str:
     r = records[0]
+    sides = "".join(f", {side} settings {' '.join(r[f'{side}_engine'])}" for side in ("before", "after")
+                    if r.get(f"{side}_engine"))
     text = (f"Command: `{r['command']}` on {r['device']}, after = commit {r['git_commit']}, before = "
-            f"{r['before_tree']}; {r['model']} {r['dtype']}, {r['new_tokens']} new tokens, pipelined (plain: EOS "
-            f"ignored); median of {r['rounds']} rounds (tok_s = after). idle: the compute stream's idle share of a "
-            f"step; over {HOST_BOUND:.0%} a side was host-bound (host_bound), and its ratio measures that run's host."
+            f"{r['before_tree']}{sides}; {r['model']} {r['dtype']}, {r['new_tokens']} new tokens, pipelined "
+            f"(plain: EOS ignored); median of {r['rounds']} rounds (tok_s = after). idle: the compute stream's idle "
+            f"share of a step; over {HOST_BOUND:.0%} a side was host-bound (host_bound), and its ratio measures that "
+            "run's host."
             "\n\n" + markdown_table(records, COLUMNS))
     Path(path).write_text(text + "\n")
     return text

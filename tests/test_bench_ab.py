@@ -17,9 +17,9 @@ def canned(monkeypatch):
     """run_tree returns, per (tree, mode), the next canned list of records."""
     calls, canned = [], {}
 
-    def fake(tree, mode, args):
-        calls.append((tree.name, mode))
-        return [dict(r, ab_mode=mode) for r in canned[(tree.name, mode)].pop(0)]
+    def fake(tree, mode, args, engine):
+        calls.append((tree.name, mode) + ((tuple(engine),) if engine else ()))
+        return [dict(r, ab_mode=mode) for r in canned[(tree.name, mode) + ((tuple(engine),) if engine else ())].pop(0)]
 
     monkeypatch.setattr(ab, "run_tree", fake)
     return calls, canned
@@ -55,3 +55,30 @@ def test_a_bench_without_idle_times_leaves_the_idle_columns_empty(tmp_path, cann
     (row,) = json.loads(out.read_text())
     assert row["after_over_before"] == pytest.approx(1.1)
     assert row["before_idle"] is None and row["after_idle"] is None and row["host_bound"] is None
+
+
+def test_one_tree_against_itself_with_a_setting_flipped(tmp_path, canned):
+    """--after-engine: the same tree on both sides, the after side's bench run with the setting; the records and
+    the table name it. The same tree with the same settings is refused."""
+    calls, runs = canned
+    tree, flip = tmp_path / "tree", ("native_launch=true",)
+    runs[("tree", "plain")] = [[_run(100.0, 0.01)]]
+    runs[("tree", "plain", flip)] = [[_run(125.0, 0.01)]]
+    out = tmp_path / "ab.json"
+    ab.main(["--before", str(tree), "--after", str(tree), "--after-engine", *flip, "--modes", "plain", "--streams",
+             "1", "--rounds", "1", "--out", str(out)])
+    assert calls == [("tree", "plain"), ("tree", "plain", flip)]
+    (row,) = json.loads(out.read_text())
+    assert row["after_over_before"] == pytest.approx(1.25) and row["after_engine"] == list(flip)
+    assert "after settings native_launch=true" in out.with_suffix(".md").read_text()
+    with pytest.raises(ValueError, match="same tree with the same settings"):
+        ab.parse_args(["--before", str(tree), "--after", str(tree)])
+
+
+def test_a_sides_settings_reach_its_bench_as_engine_fields(tmp_path):
+    args = ab.parse_args(["--after-engine", "native_launch=true", "split_merge=false", "--streams", "1", "8"])
+    cmd = ab.bench_command(tmp_path, "plain", args, args.after_engine, tmp_path / "t.json")
+    assert cmd[1] == str(tmp_path / "bench" / "throughput.py")
+    assert cmd[cmd.index("--streams") + 1:cmd.index("--streams") + 3] == ["1", "8"]
+    assert cmd[cmd.index("--engine") + 1:] == ["native_launch=true", "split_merge=false"]
+    assert "--engine" not in ab.bench_command(tmp_path, "spec", args, args.before_engine, tmp_path / "t.json")
