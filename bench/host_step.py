@@ -16,6 +16,7 @@ and inside plan the scheduler's schedule, the runner's prepare and the rows' `la
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from contextlib import ExitStack
@@ -37,11 +38,17 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="agent-like load: requests of this many prompt tokens and --max-tokens new ones, each one "
+                        "that finishes replaced at once (prefill chunks in the timed steps); 0: short prompts")
+    p.add_argument("--max-tokens", type=int, default=32, help="with --prompt-tokens: new tokens a request")
     p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
     p.add_argument("--out", default="bench/results/host_step.json")
     args = p.parse_args(argv)
-    if min(args.streams) < 1 or args.steps < 1 or args.rounds < 1 or args.warmup_steps < 1:
-        raise ValueError("--streams, --steps, --rounds and --warmup-steps must be positive")
+    if min(args.streams) < 1 or args.steps < 1 or args.rounds < 1 or args.warmup_steps < 1 or args.max_tokens < 1:
+        raise ValueError("--streams, --steps, --rounds, --warmup-steps and --max-tokens must be positive")
+    if args.prompt_tokens < 0:
+        raise ValueError(f"--prompt-tokens must be 0 or more, got {args.prompt_tokens}")
     return args
 
 
@@ -60,21 +67,45 @@ def _timed(stack: ExitStack, owner, name: str, acc: dict, key: str) -> None:
     stack.callback(delattr, owner, name)
 
 
-def measure(args, streams: int) -> dict:
-    from engine.llm_engine import LLMEngine
-    from engine.requests.sequence import SamplingParams
-    from engine.config import EngineConfig
-    budget = args.warmup_steps + args.rounds * args.steps + 8
-    pages = -(-(budget + PROMPT_TOKENS) // EngineConfig.block_size)     # every stream's pages: no preemption
-    kw = dict(device="cpu", dtype="float32", depth=2, max_num_seqs=streams, num_kv_blocks=streams * pages + 8)
-    eng = LLMEngine(**(kw | ({"model": args.model} if args.model else {})))
-    for i in range(streams):
-        ids = eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {i}."}])
+class Load:
+    """The requests in flight: `streams` chat prompts decoding throughout, or (--prompt-tokens) requests of
+    random prompt ids (no two share a prefix: no cache hits) replaced as they finish."""
+
+    def __init__(self, eng, args, streams: int, budget: int):
+        from engine.requests.sequence import SamplingParams
+        self.eng, self.args, self.streams, self.live, self.made = eng, args, streams, set(), 0
+        self.params = SamplingParams(max_tokens=args.max_tokens if args.prompt_tokens else budget, temperature=0,
+                                     ignore_eos=True)
+
+    def prompt(self) -> list[int]:
+        if self.args.prompt_tokens:
+            rng = random.Random(self.made)
+            return [rng.randrange(100, 20000) for _ in range(self.args.prompt_tokens)]
+        ids = self.eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {self.made}."}])
         if len(ids) > PROMPT_TOKENS:
             raise ValueError(f"a prompt of {len(ids)} tokens: PROMPT_TOKENS is {PROMPT_TOKENS}")
-        eng.add_request(ids, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True))
+        return ids
+
+    def step(self) -> None:
+        while len(self.live) < self.streams and (self.args.prompt_tokens or self.made < self.streams):
+            self.live.add(self.eng.add_request(self.prompt(), self.params))
+            self.made += 1
+        for out in self.eng.step():
+            if out.finished:
+                self.live.discard(out.request_id)
+
+
+def measure(args, streams: int) -> dict:
+    from engine.llm_engine import LLMEngine
+    from engine.config import EngineConfig
+    budget = args.warmup_steps + args.rounds * args.steps + 8
+    per_request = args.prompt_tokens + args.max_tokens if args.prompt_tokens else budget + PROMPT_TOKENS
+    pages = -(-per_request // EngineConfig.block_size) + 1      # every stream's pages, twice: no preemption
+    kw = dict(device="cpu", dtype="float32", depth=2, max_num_seqs=streams, num_kv_blocks=2 * streams * pages + 8)
+    eng = LLMEngine(**(kw | ({"model": args.model} if args.model else {})))
+    load = Load(eng, args, streams, budget)
     for _ in range(args.warmup_steps):
-        eng.step()
+        load.step()
     rounds = []
     with ExitStack() as stack:
         eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
@@ -87,7 +118,7 @@ def measure(args, streams: int) -> dict:
             eng.timings.reset()
             acc.update(dict.fromkeys(acc, 0.0))
             for _ in range(args.steps):
-                eng.step()
+                load.step()
             ms = eng.timings.per_step_ms()
             n = max(eng.timings.steps, 1)
             rounds.append({k: 1e3 * ms[k] for k in ("plan", "launch", "commit", "period")}
@@ -97,8 +128,9 @@ def measure(args, streams: int) -> dict:
     eng.close()
     us = {k: statistics.median(r[k] for r in rounds) for k in PARTS}
     return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
-                  us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us,
-                  us_rounds=rounds)
+                  us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
+                  prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if args.prompt_tokens else None,
+                  requests=load.made)
 
 
 def main(argv=None) -> list[dict]:
