@@ -10,6 +10,8 @@ engine/sampling/penalties.py what only penalized rows read (fill_extras).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from engine.requests.validation import min_tokens_stops
 from engine.sampling import penalties
 from engine.spec import plan as spec_plan
@@ -77,9 +79,12 @@ def fill_tokens(h, row, t: int, block_size: int) -> None:
         h["carry_src"][t] = -1
         if known > start:
             h["input_ids"][t] = seq.token_at(start)
-    else:
-        h["positions"][t:t + n] = range(start, end)
-        h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
+    else:                                           # chunks: whole arrays, not a Python step per token
+        positions = np.arange(start, end)
+        first = start // bs
+        pages = np.asarray(bt[first:(end - 1) // bs + 1], dtype=np.int64)
+        h["positions"][t:t + n] = positions
+        h["slot_mapping"][t:t + n] = pages[positions // bs - first] * bs + positions % bs
         h["tok_row"][t:t + n] = seq.pool_row
         h["carry_src"][t:t + n] = -1
         if known > start:
