@@ -20,6 +20,19 @@ def test_plan_holds_its_parts_and_every_round_is_kept(tmp_path):
     assert "| 2 |" in out.with_suffix(".md").read_text()
 
 
+def test_an_agent_load_replaces_finished_requests(tmp_path):
+    """--prompt-tokens: requests of that many prompt tokens finish after --max-tokens and are replaced, so more
+    requests than streams ran and every step still had work."""
+    out = tmp_path / "h.json"
+    host_step.main(["--streams", "2", "--prompt-tokens", "40", "--max-tokens", "3", "--steps", "12", "--rounds", "1",
+                    "--warmup-steps", "2", "--out", str(out)])
+    (r,) = json.loads(out.read_text())
+    assert r["prompt_tokens"] == 40 and r["requests"] >= 2 + 12 * 2 // 5
+    assert r["us"]["prepare"] > 0 and r["us"]["plan"] <= r["us"]["period"]
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="positive"):
         host_step.parse_args(["--rounds", "0"])
+    with pytest.raises(ValueError, match="--prompt-tokens"):
+        host_step.parse_args(["--prompt-tokens", "-1"])
