@@ -1,5 +1,9 @@
 """Automatic prefix caching: full KV pages keyed by a digest of every token up to their end, shared and kept
 after their request, evicted least recently freed first. Greedy outputs with caching equal outputs without."""
+import hashlib
+import random
+from array import array
+
 import pytest
 
 from conftest import assert_no_leak
@@ -21,6 +25,18 @@ def test_digests_chain_over_the_whole_prefix():
     assert prefix_digests(list(range(4, 12)), 4, a[0]) == a[1:]          # resumable from any page
     b = prefix_digests([99] + list(range(1, 12)), 4, ROOT)              # one token differs in page 0
     assert all(x != y for x, y in zip(a, b))                             # ... so every later page differs
+
+
+def test_a_digest_is_blake2b_of_its_parent_and_its_pages_int64_tokens():
+    """The definition, page by page (prefix_digests hashes one conversion of all the pages)."""
+    rng = random.Random(0)
+    tokens, parent, want = [rng.randrange(-3, 1 << 40) for _ in range(4 * 37 + 3)], ROOT, []
+    for i in range(37):
+        parent = hashlib.blake2b(parent, digest_size=16)
+        parent.update(array("q", tokens[4 * i:4 * i + 4]).tobytes())
+        parent = parent.digest()
+        want.append(parent)
+    assert prefix_digests(tokens, 4, ROOT) == want and prefix_digests(tokens[:3], 4, ROOT) == []
 
 
 def _two_registered_pages():

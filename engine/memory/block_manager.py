@@ -23,10 +23,11 @@ def prefix_digests(tokens: list[int], block_size: int, parent: bytes) -> list[by
     """Digests of the full pages of `tokens`, which follow the page whose digest is `parent` (ROOT: they start
     the sequence). Each digest covers every token up to its page's end, so equal digests mean equal prefixes
     (blake2b: no crafted collisions between tenants' prompts)."""
-    out = []
-    for i in range(len(tokens) // block_size):
+    out, page = [], 8 * block_size          # a page's bytes: int64 tokens
+    data = memoryview(array("q", tokens[:len(tokens) // block_size * block_size])).cast("B")    # one conversion
+    for start in range(0, len(data), page):
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes())
+        h.update(data[start:start + page])
         parent = h.digest()
         out.append(parent)
     return out
