@@ -85,7 +85,7 @@ class EngineConfig:
                                        # spills), 0 by rule: 2 where a launch does not split KV (SmolLM2 32 streams
                                        # 0.814 -> 0.776 ms a step), else 1 (decode_attention.prefetch_rule)
     native_launch: bool = False        # graph steps enqueue their upload, events, replay and token download in one
-                                       # native call (engine/runner/native_launch.py), not ten torch calls; off
+                                       # native call (engine/runner/native_launch.py), not nine torch calls; off
                                        # until measured on a GPU
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec/spec_ops.py) where the backend is Triton

@@ -1,7 +1,7 @@
 """A graph step's enqueue in one native call (hostfunc._C.launch_step, hostfunc/csrc/step_launch.cpp).
 
 ModelRunner.launch's CUDA work for a step is an upload on the copy-in stream, four event records, two stream
-waits, the graph's replay and the token download on the copy-out stream: ten torch calls, each a Python wrapper
+waits, the graph's replay and the token download on the copy-out stream: nine torch calls, each a Python wrapper
 with its own cost on the host. At one stream the default model's host launch took ~0.23 ms of a 0.43 ms step on
 an H200 machine, of which the replay itself was 0.02 (bench/results/split_merge_floors/). This makes the same
 calls, in the same order on the same streams, from C++ on handles resolved once: the streams, the events (made

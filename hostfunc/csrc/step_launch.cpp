@@ -1,6 +1,6 @@
 // hostfunc._C.launch_step: a decode step's enqueue in one native call.
 //
-// The engine's launch of a step is nine CUDA calls around a graph replay: the inputs' upload on the copy-in
+// The engine's launch of a step is eight CUDA calls around a graph replay: the inputs' upload on the copy-in
 // stream, its event, the compute stream's wait for it, the step's start event, the graph, its end event, the
 // copy-out stream's wait for that, the sampled tokens' download and its event. Made from Python each is a torch
 // call (a tensor slice, a stream context, an event wrapper); here they are plain driver calls on raw handles
