@@ -1,4 +1,4 @@
-// hostfunc._C.launch_step: a decode step's enqueue in one native call.
+// hostfunc._C.launch_step: a graph step's enqueue in one native call.
 //
 // The engine's launch of a step is eight CUDA calls around a graph replay: the inputs' upload on the copy-in
 // stream, its event, the compute stream's wait for it, the step's start event, the graph, its end event, the
