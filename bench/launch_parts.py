@@ -64,8 +64,8 @@ class LaunchProbe:
     """Host timers around the runner's launch and its parts while entered; `launches`: one dict of seconds a
     launch (`total` and PARTS). Only the outermost timed part of a call chain is charged."""
 
-    def __init__(self, runner):
-        self.runner, self.launches, self._cur, self._inside = runner, [], None, False
+    def __init__(self, runner, clock=time.perf_counter):
+        self.runner, self.clock, self.launches, self._cur, self._inside = runner, clock, [], None, False
 
     def __enter__(self):
         import torch
@@ -96,22 +96,22 @@ class LaunchProbe:
         def timed(*args, **kwargs):
             if self._cur is None or self._inside:
                 return fn(*args, **kwargs)
-            self._inside, t0 = True, time.perf_counter()
+            self._inside, t0 = True, self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._cur[part] += time.perf_counter() - t0
+                self._cur[part] += self.clock() - t0
                 self._inside = False
         return timed
 
     def _launch(self, fn):
         def timed(*args, **kwargs):
-            self._cur, t0 = dict.fromkeys(PARTS, 0.0), time.perf_counter()
+            self._cur, t0 = dict.fromkeys(PARTS, 0.0), self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 cur, self._cur = self._cur, None
-                cur["total"] = time.perf_counter() - t0
+                cur["total"] = self.clock() - t0
                 cur["rest"] = cur["total"] - sum(cur[p] for p in PARTS if p != "rest")
                 self.launches.append(cur)
         return timed

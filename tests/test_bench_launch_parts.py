@@ -1,6 +1,5 @@
 """bench/launch_parts.py: the host launch's parts, timed around the runner's own calls."""
 import json
-import time
 from types import SimpleNamespace as NS
 
 import pytest
@@ -13,34 +12,35 @@ from engine.runner.slots import DecodeSlot
 def test_a_part_inside_another_counts_for_the_outer_one_and_the_patches_go_on_exit():
     """The forward's own upload (nested) stays the forward's; the launch's upload is its own; rest = the launch
     less its parts; outside a launch nothing is timed; after exit the runner and DecodeSlot are as before."""
-    upload = DecodeSlot.upload
-    slot = NS()
+    upload, slot, now = DecodeSlot.upload, NS(), [0.0]      # a clock that moves only where the fakes move it
 
     def forward(*_):
         DecodeSlot.upload(slot)           # nested: charged to the forward
-        time.sleep(0.002)
+        now[0] += 2.0
 
     runner = NS(graphs=None, program=NS(step=forward))
 
     def launch():
         DecodeSlot.upload(slot)
         runner.program.step()
-        time.sleep(0.001)
+        now[0] += 1.0
 
-    runner.launch = launch
-    calls = []
-    DecodeSlot.upload = lambda self, padded=0: calls.append(self) or time.sleep(0.003)
+    def upload_now(self, padded=0):
+        calls.append(self)
+        now[0] += 3.0
+
+    runner.launch, calls = launch, []
+    DecodeSlot.upload = upload_now
     try:
-        with LaunchProbe(runner) as probe:
+        with LaunchProbe(runner, clock=lambda: now[0]) as probe:
             runner.launch()
             DecodeSlot.upload(slot)       # not inside a launch: untimed
-        assert runner.launch is launch and "upload" in vars(DecodeSlot) and len(calls) == 3
+        assert runner.launch is launch and DecodeSlot.upload is upload_now and len(calls) == 3
     finally:
         DecodeSlot.upload = upload
     (one,) = probe.launches
-    assert one["upload"] == pytest.approx(0.003, abs=0.002) and one["forward"] == pytest.approx(0.005, abs=0.002)
-    assert one["rest"] == pytest.approx(0.001, abs=0.002) and one["download"] == one["events"] == 0.0
-    assert sum(one[p] for p in PARTS) == pytest.approx(one["total"])
+    assert (one["upload"], one["forward"], one["rest"], one["total"]) == (3.0, 5.0, 1.0, 9.0)
+    assert one["download"] == one["events"] == one["native"] == 0.0
 
 
 def test_a_cpu_run_charges_the_eager_forward_and_writes_every_part(tmp_path):
