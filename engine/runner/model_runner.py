@@ -168,10 +168,10 @@ class ModelRunner:
         call). `snapshot`: the step's guided rows (engine/guided/masks.py), None if it has none. A
         tensor-parallel worker runs guided steps without a snapshot (`guided`: rank 0 fills the masks) and reads
         no tokens back (`download` False). `slot.extras` picks the variant with logprobs and penalties."""
-        prev = self.slots[1 - slot.index]
         variant = StepVariant(snapshot is not None if guided is None else guided, all_greedy, slot.extras)
         if self.native is not None and self.native.takes(slot):
             return self._launch_native(slot, step_index, variant, snapshot, download)
+        prev = self.slots[1 - slot.index]
         ev, te = self.slot_events[slot.index], self.step_events[step_index % _EVENT_RING]
         if self.cuda:
             with torch.cuda.stream(self.copy_in_stream):
