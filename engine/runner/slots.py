@@ -98,6 +98,15 @@ class DecodeSlot:
         self.rows = []                                                  # ScheduledRows of this step
         self.bt_rows = [(None, 0)] * max_seqs                          # (block table, pages) each row holds
         self.marks = None                                               # timing events recorded inside the step
+        # (device, host) buffers of a step's results, a row per sampling row: the tokens (spec_out with
+        # speculation), then the logprobs, read back only where the step asked for them (`want_logprobs`)
+        tokens = (self.spec_out, self.spec_out_host) if spec_k else (self.sampled, self.sampled_host)
+        self._result_bufs = [tokens] + ([(self.logprobs, self.logprobs_host)] if logprobs else [])
+        # what a native launch copies, resolved once: the upload's (device, host) and each result's (host,
+        # device, bytes a row)
+        self._raw_upload = (self._dev_buf.data_ptr(), self._host_buf.data_ptr())
+        self._raw_results = [(dst.data_ptr(), src.data_ptr(), dst.stride(0) * dst.element_size())
+                             for src, dst in self._result_bufs]
 
     def upload(self, padded: int = 0) -> None:
         """Copy the step's inputs host -> device on the current stream in one copy (no-op on the CPU);
@@ -115,15 +124,9 @@ class DecodeSlot:
         """The first `nbytes` of the host buffer (uint8): what a tensor-parallel step message carries."""
         return self._host_buf[:nbytes]
 
-    def _results(self) -> list:
-        """(device, host) buffers of the step's results, a row per sampling row: the tokens (spec_out with
-        speculation), and the logprobs where the step asked for them."""
-        tokens = (self.spec_out, self.spec_out_host) if self.spec_out is not None else (self.sampled, self.sampled_host)
-        return [tokens] + ([(self.logprobs, self.logprobs_host)] if self.want_logprobs else [])
-
     def download_sampled(self) -> None:
         n = self.num_sample
-        for src, dst in self._results():
+        for src, dst in self._result_bufs[:1 + self.want_logprobs]:
             if self.device.type == "cuda":
                 dst[:n].copy_(src[:n], non_blocking=True)
             else:
@@ -132,7 +135,6 @@ class DecodeSlot:
     def raw_copies(self, padded: int = 0) -> tuple:
         """The copies of `upload` and `download_sampled` as raw (dst, src, bytes): (upload, [downloads]), for a
         native launch (engine/runner/native_launch.py; CUDA only)."""
-        upload = (self._dev_buf.data_ptr(), self._host_buf.data_ptr(), self.input_bytes(padded))
         n = self.num_sample
-        return upload, [(dst.data_ptr(), src.data_ptr(), n * dst.stride(0) * dst.element_size())
-                        for src, dst in self._results()]
+        return (*self._raw_upload, self.input_bytes(padded)), [
+            (dst, src, n * row_bytes) for dst, src, row_bytes in self._raw_results[:1 + self.want_logprobs]]
