@@ -151,6 +151,26 @@ def bars(rows: list[dict], panel: str, label: str, values: list[str], path, titl
     return path
 
 
+# ---- workloads -------------------------------------------------------------------------------------
+_FILLER = " The tide comes in and goes out again."
+
+
+def stream_prompt(eng, i: int, tokens: int = 0) -> list[int]:
+    """Stream i's chat prompt ("Tell me about the sea, part i."), through the chat template where the model has
+    one (dummy weights have none: fixed ids); with `tokens`, lengthened by filler sentences to at least that many
+    prompt tokens."""
+    text = f"Tell me about the sea, part {i}."
+    try:
+        ids = eng.apply_chat_template([{"role": "user", "content": text}])
+    except ValueError:
+        return [(7 * j + len(text)) % 1000 + 1 for j in range(max(32, tokens))]
+    if len(ids) < tokens:
+        per = len(eng.apply_chat_template([{"role": "user", "content": text + _FILLER * 8}])) - len(ids)
+        fillers = -(-8 * (tokens - len(ids)) // per)
+        ids = eng.apply_chat_template([{"role": "user", "content": text + _FILLER * fillers}])
+    return ids
+
+
 def progress(items, desc: str):
     """Iterate with a progress bar (tqdm on stderr; a plain line per item without tqdm)."""
     items = list(items)

@@ -23,9 +23,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
-    from common import markdown_table, note, record, write_results
+    from common import markdown_table, note, record, stream_prompt, write_results
 except ImportError:
-    from bench.common import markdown_table, note, record, write_results
+    from bench.common import markdown_table, note, record, stream_prompt, write_results
 
 PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
 PARTS = ("plan", "schedule", "prepare", "launched", "launch", "commit", "period")
@@ -81,7 +81,7 @@ class Load:
         if self.args.prompt_tokens:
             rng = random.Random(self.made)
             return [rng.randrange(100, 20000) for _ in range(self.args.prompt_tokens)]
-        ids = self.eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {self.made}."}])
+        ids = stream_prompt(self.eng, self.made)
         if len(ids) > PROMPT_TOKENS:
             raise ValueError(f"a prompt of {len(ids)} tokens: PROMPT_TOKENS is {PROMPT_TOKENS}")
         return ids

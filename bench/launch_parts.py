@@ -31,10 +31,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
-    from common import markdown_table, note, record, write_results
+    from common import markdown_table, note, record, stream_prompt, write_results
     from throughput import build_engine
 except ImportError:
-    from bench.common import markdown_table, note, record, write_results
+    from bench.common import markdown_table, note, record, stream_prompt, write_results
     from bench.throughput import build_engine
 
 PARTS = ("upload", "forward", "download", "events", "native", "rest")
@@ -146,8 +146,7 @@ def measure(args, streams: int) -> dict:
     eng = build_engine(args, 2, streams)
     budget = args.warmup_steps + args.steps * (2 if args.runtime else 1) + 8
     for i in range(streams):
-        ids = eng.apply_chat_template([{"role": "user", "content": f"Tell me about the sea, part {i}."}])
-        eng.add_request(ids, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True))
+        eng.add_request(stream_prompt(eng, i), SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True))
     for _ in range(args.warmup_steps):
         eng.step()
     periods = []

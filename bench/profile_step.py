@@ -27,12 +27,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 try:        # this script's own folder first: with PYTHONPATH=<another tree>, only the engine comes from there
-    from common import bars, markdown_table, note, record, write_results
+    from common import bars, markdown_table, note, record, stream_prompt, write_results
     from guided_quality import engine_overrides
     from spec import parse_variants
     from throughput import build_engine
 except ImportError:
-    from bench.common import bars, markdown_table, note, record, write_results
+    from bench.common import bars, markdown_table, note, record, stream_prompt, write_results
     from bench.guided_quality import engine_overrides
     from bench.spec import parse_variants
     from bench.throughput import build_engine
@@ -152,23 +152,6 @@ def kernels_by_grid(prof, steps: int, top: int) -> dict:
     return dict(rows[:top])
 
 
-_FILLER = " The tide comes in and goes out again."
-
-
-def _prompt(eng, text: str, tokens: int = 0) -> list[int]:
-    """Through the chat template where the model has one (dummy weights have none: fixed ids); with `tokens`,
-    the message is lengthened by filler sentences to at least that many prompt tokens."""
-    try:
-        ids = eng.apply_chat_template([{"role": "user", "content": text}])
-    except ValueError:
-        return [(7 * i + len(text)) % 1000 + 1 for i in range(max(32, tokens))]
-    if len(ids) < tokens:
-        per = len(eng.apply_chat_template([{"role": "user", "content": text + _FILLER * 8}])) - len(ids)
-        fillers = -(-8 * (tokens - len(ids)) // per)
-        ids = eng.apply_chat_template([{"role": "user", "content": text + _FILLER * fillers}])
-    return ids
-
-
 def profile(args, streams: int, overrides: dict | None = None) -> dict:
     import torch
     from engine.requests.sequence import SamplingParams
@@ -178,7 +161,7 @@ def profile(args, streams: int, overrides: dict | None = None) -> dict:
     total = (args.warmup_steps + 2 * args.steps + 8) * (eng.config.spec_k + 1)
     prompt_tokens = []
     for i in range(streams):        # chat prompts through the template every tree's engine has
-        ids = _prompt(eng, f"Tell me about the sea, part {i}.", args.context)
+        ids = stream_prompt(eng, i, args.context)
         prompt_tokens.append(len(ids))
         eng.add_request(ids, SamplingParams(max_tokens=total, temperature=0, ignore_eos=True))
     while eng.timings.tokens < streams and eng.has_unfinished():    # long prompts: prefilled before the warm-up
