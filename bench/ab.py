@@ -3,7 +3,7 @@ are noisy, so a before/after ratio is only worth something when both sides ran t
 
     python bench/ab.py --before .old --after . --modes plain guided spec --streams 1 8 32 --rounds 2 \
         --out bench/results/refactor_ab.json
-    python bench/ab.py --after-engine native_launch=true --modes plain --streams 1 32   # a setting, one tree
+    python bench/ab.py --before-engine native_launch=false --modes plain --streams 1 32   # a setting, one tree
 
 Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHONPATH is the tree, so each side
 imports its own engine, with that side's --before-engine / --after-engine settings (EngineConfig fields); rounds

@@ -2,19 +2,20 @@
 
     python bench/launch_parts.py                               # default model, 1 and 32 streams, 200 steps
     python bench/launch_parts.py --streams 1 --runtime         # also the CUDA runtime calls of the launches
+    python bench/launch_parts.py --engine native_launch=false  # the Python launch's parts
     python bench/launch_parts.py --device cpu --dtype float32 --streams 1 --steps 4 --out /tmp/l.json  # smoke
 
-At one stream the default model's host launch (engine timings' `launch`) is about half its step, while the
-graph replay inside it (`replay`) is a tenth of the launch, and a bare replay costs ~5 us whatever the kernel
-count (bench/graph_launch.py). This times the rest. Per stream count: one engine, every stream a chat prompt
-decoding with EOS ignored; after --warmup-steps, --steps steps with the runner's launch and its parts wrapped in
-host timers (a part called inside another counts for the outer one):
+With the Python launch, at one stream the default model's host launch (engine timings' `launch`) was about half
+its step, while the graph replay inside it (`replay`) was a tenth of the launch, and a bare replay costs ~5 us
+whatever the kernel count (bench/graph_launch.py). This times the rest. Per stream count: one engine, every
+stream a chat prompt decoding with EOS ignored; after --warmup-steps, --steps steps with the runner's launch and
+its parts wrapped in host timers (a part called inside another counts for the outer one):
 
     upload    the step inputs' copy to the device (DecodeSlot.upload)
     forward   the step graph's replay, or the eager forward where a step has no graph
     download  the sampled tokens' copy to the host (DecodeSlot.download_sampled)
     events    CUDA event records and stream waits (torch.cuda.Event.record, torch.cuda.Stream.wait_event)
-    native    with --engine native_launch=true, the one native call that makes all of the above for graph steps
+    native    the one native call that makes all of the above for graph steps (native_launch, on by default)
     rest      the launch less its parts: stream switches, the grammar snapshot's push, Python
 
 Each part's median, p90, max and mean microseconds a launch, so a mean carried by a few slow launches shows
@@ -75,7 +76,7 @@ class LaunchProbe:
                    (self.runner.program, "step", "forward")]
         if self.runner.graphs is not None:      # None where steps run eagerly (the CPU, --enforce-eager)
             targets.append((self.runner.graphs, "replay", "forward"))
-        if getattr(self.runner, "native", None) is not None:    # --engine native_launch=true: the one native call
+        if getattr(self.runner, "native", None) is not None:    # native_launch: the one native call
             targets.append((self.runner.native, "launch", "native"))
         if torch.cuda.is_available():
             targets += [(torch.cuda.Event, "record", "events"), (torch.cuda.Stream, "wait_event", "events")]

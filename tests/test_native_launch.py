@@ -1,11 +1,14 @@
 """The native step launch (engine/runner/native_launch.py, hostfunc/csrc/step_launch.cpp): its driver calls against
 the fake libcuda on the CPU, its refusal where it cannot run, and on a GPU the tokens of the Python launch."""
 import os
+import types
+import warnings
 
 import pytest
 import torch
 
 from conftest import assert_no_leak
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
 from engine.runner import native_launch
@@ -30,6 +33,18 @@ def test_without_a_driver_it_says_why_and_refuses():
     assert "libcuda" in why or "raw_cuda_graph_exec" in why
     with pytest.raises(RuntimeError, match="native_launch is on but cannot run here"):
         native_launch.NativeLaunch(runner=None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback without a CUDA driver")
+def test_on_by_default_it_warns_and_keeps_the_python_launch_where_it_cannot_run():
+    assert EngineConfig().native_launch
+    runner = types.SimpleNamespace(graphs=object())      # a runner with graph steps, on a machine with no driver
+    with pytest.warns(UserWarning, match="native_launch cannot run here .*graph steps use the Python launch"):
+        assert native_launch.for_runner(runner, enabled=True) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # off, or no graph steps to take: nothing to say
+        assert native_launch.for_runner(runner, enabled=False) is None
+        assert native_launch.for_runner(types.SimpleNamespace(graphs=None), enabled=True) is None
 
 
 @pytest.mark.parametrize("spec_k", [0, 2])

@@ -22,7 +22,7 @@ from engine.models.loader import ModelSource
 from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
 from engine.runner.graphs import StepGraphs
-from engine.runner.native_launch import NativeLaunch
+from engine.runner import native_launch
 from engine.runner.rows import fill_slot
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepProgram, StepVariant
@@ -99,7 +99,7 @@ class ModelRunner:
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None, spec_rows=self.spec_rows)
             self.graphs.capture(self.program, self.slots, self.compute_stream)
-        self.native = NativeLaunch(self) if config.native_launch and self.graphs is not None else None
+        self.native = native_launch.for_runner(self, config.native_launch)
 
     # ---- setup -------------------------------------------------------------------------------
     def _kv_shape(self, cfg):

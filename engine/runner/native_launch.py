@@ -14,6 +14,7 @@ keep the Python launch, as eager steps do; the two paths interleave freely.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -25,6 +26,19 @@ def unavailable() -> str:
     if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
         return f"torch {torch.__version__} does not give a CUDA graph's exec handle (raw_cuda_graph_exec)"
     return _C.step_launch_error()
+
+
+def for_runner(runner, enabled: bool) -> NativeLaunch | None:
+    """The runner's native launch: None where it has no graph steps to take or `enabled` is off. On by default,
+    so where it cannot run (an older torch, a driver without the entry points) the engine warns once and keeps
+    the Python launch: the same steps, only a slower host."""
+    if not enabled or runner.graphs is None:
+        return None
+    why = unavailable()
+    if why:
+        warnings.warn(f"native_launch cannot run here ({why}); graph steps use the Python launch", stacklevel=2)
+        return None
+    return NativeLaunch(runner)
 
 
 class NativeLaunch:
