@@ -90,8 +90,11 @@ def test_native_launch_gives_the_tokens_of_the_python_launch():
               SamplingParams(max_tokens=40, temperature=0.0, presence_penalty=0.5, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
-    ref, ref_replays, _ = _run(False, prompts, params)
+    ref, ref_replays, ref_timings = _run(False, prompts, params)
     got, replays, timings = _run(True, prompts, params)
     assert got == ref
     assert replays == ref_replays and replays["decode"] > 0 and replays["guided"] > 0
     assert 0 < timings.replay < timings.launch
+    # the device times read natively (one driver call a step) are the same kind of figure as torch's reads
+    assert timings.forward_gpu > 0 and timings.sample_gpu > 0
+    assert 0.5 < timings.forward_gpu / ref_timings.forward_gpu < 2.0

@@ -249,11 +249,12 @@ class ModelRunner:
         if not self.cuda:
             return 0.0, 0.0, 0.0, 0.0
         te, marks = self.step_events[step_index % _EVENT_RING], slot.marks
-        idle = 0.0
+        pairs = [(te["start"], marks["forward_done"]), (marks["forward_done"], marks["mask_waited"]),
+                 (marks["mask_waited"], te["sampled_ready"])]
         if prev_index is not None and step_index - prev_index < _EVENT_RING:
-            idle = max(0.0, self.step_events[prev_index % _EVENT_RING]["sampled_ready"].elapsed_time(te["start"]))
-        return (te["start"].elapsed_time(marks["forward_done"]), marks["forward_done"].elapsed_time(marks["mask_waited"]),
-                marks["mask_waited"].elapsed_time(te["sampled_ready"]), idle)
+            pairs.append((self.step_events[prev_index % _EVENT_RING]["sampled_ready"], te["start"]))
+        times = self.native.elapsed_ms(pairs) if self.native is not None else [a.elapsed_time(b) for a, b in pairs]
+        return times[0], times[1], times[2], max(0.0, times[3]) if len(times) > 3 else 0.0
 
 
 def spec_rows_limit(config: EngineConfig) -> int:

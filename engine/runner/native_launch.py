@@ -61,6 +61,12 @@ class NativeLaunch:
         """Whether this launch can take the slot's step: a graph step with no state written before it."""
         return slot.graph_key is not None and not (slot.bias_writes or slot.span_writes or slot.history_writes)
 
+    @staticmethod
+    def elapsed_ms(pairs) -> list[float]:
+        """Each (first, second) torch event pair's milliseconds, in one driver call (no cudaEventQuery pair and
+        Python wrapper a read, as Event.elapsed_time has)."""
+        return _C.event_times([(first.cuda_event, second.cuda_event) for first, second in pairs])
+
     def launch(self, slot, step_index: int, variant, padded: int, download: bool) -> float:
         """Enqueue the step as ModelRunner.launch's Python path would; returns the call's host seconds."""
         t0 = time.perf_counter()

@@ -40,6 +40,7 @@ struct Driver {
   CUresult (*event_record)(CUevent, CUstream) = nullptr;
   CUresult (*stream_wait_event)(CUstream, CUevent, unsigned) = nullptr;
   CUresult (*graph_launch)(CUgraphExec, CUstream) = nullptr;
+  CUresult (*event_elapsed_time)(float*, CUevent, CUevent) = nullptr;
   std::string error;  // why the driver is unusable; empty when it loaded
 
   std::string describe(CUresult rc) const {
@@ -98,6 +99,7 @@ inline std::string load(Driver& d) {
     bind(d.event_record, resolve("cuEventRecord"));
     bind(d.stream_wait_event, resolve("cuStreamWaitEvent"));
     bind(d.graph_launch, resolve("cuGraphLaunch"));
+    bind(d.event_elapsed_time, resolve("cuEventElapsedTime"));
   }
   if (!d.launch_host_func || !d.stream_is_capturing)
     return "driver " + std::to_string(driver_version) + " lacks cuLaunchHostFunc/cuStreamIsCapturing";

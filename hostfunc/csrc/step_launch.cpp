@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "driver.h"
@@ -38,9 +39,10 @@ void check(const Driver& d, CUresult rc, const char* what) {
 std::string step_launch_error() {
   const Driver& d = driver();
   if (!d.error.empty()) return d.error;
-  if (!d.memcpy_htod_async || !d.memcpy_dtoh_async || !d.event_record || !d.stream_wait_event || !d.graph_launch)
+  if (!d.memcpy_htod_async || !d.memcpy_dtoh_async || !d.event_record || !d.stream_wait_event || !d.graph_launch ||
+      !d.event_elapsed_time)
     return "the CUDA driver lacks the 12.0 ABI of cuMemcpyHtoDAsync / cuMemcpyDtoHAsync / cuEventRecord / "
-           "cuStreamWaitEvent / cuGraphLaunch";
+           "cuStreamWaitEvent / cuGraphLaunch / cuEventElapsedTime";
   return "";
 }
 
@@ -74,6 +76,23 @@ void launch_step(std::tuple<uintptr_t, uintptr_t, uintptr_t> streams, Copy uploa
   check(d, d.event_record(as<void>(copy_done), as<void>(copy_out)), "copy_done");
 }
 
+// Milliseconds from each pair's first event to its second, both recorded with timing and done: the step's device
+// times, read at its commit. One call for the pairs, where torch's Event.elapsed_time is a Python wrapper and two
+// cudaEventQuery calls before each read.
+std::vector<float> event_times(const std::vector<std::pair<uintptr_t, uintptr_t>>& pairs) {
+  if (std::string why = step_launch_error(); !why.empty()) throw std::runtime_error("event_times: " + why);
+  const Driver& d = driver();
+  std::vector<float> out(pairs.size());
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    auto [first, second] = pairs[i];
+    if (!first || !second) throw std::invalid_argument("event_times: a null event handle");
+    CUresult rc = d.event_elapsed_time(&out[i], as<void>(first), as<void>(second));
+    if (rc != kCudaSuccess)
+      throw std::runtime_error("event_times: pair " + std::to_string(i) + ": " + d.describe(rc));
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_step_launch(py::module_& m) {
@@ -81,6 +100,8 @@ void register_step_launch(py::module_& m) {
         py::arg("graph_exec"), py::arg("downloads"),
         "Enqueue a step: upload, its event, the compute stream's wait, start, the graph, sampled_ready, the "
         "copy-out wait, the downloads and copy_done, on raw handles (engine/runner/native_launch.py).");
+  m.def("event_times", &event_times, py::arg("pairs"),
+        "Milliseconds between the events of each (first, second) pair of raw handles (cuEventElapsedTime).");
   m.def("step_launch_error", &step_launch_error, "Why launch_step cannot run here ('' when it can).");
 }
 

@@ -99,7 +99,7 @@ int cuLaunchHostFunc(void* stream, host_fn fn, void* data) {
 
 // launch_step's entry points: each call is logged as (op, a, b, bytes); copies really copy (both sides are host
 // memory here). Ops: 1 upload, 2 download, 3 event record (event, stream), 4 stream wait (stream, event),
-// 5 graph launch (graph, stream).
+// 5 graph launch (graph, stream), 6 elapsed time (first, second).
 #define LOG_CAP 256
 static uint64_t call_log[LOG_CAP][4];
 static int log_len;
@@ -128,6 +128,13 @@ int cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, size_t n, void* stre
 int cuEventRecord(void* event, void* stream) { return log_call(3, event, stream, 0); }
 int cuStreamWaitEvent(void* stream, void* event, unsigned flags) { (void)flags; return log_call(4, stream, event, 0); }
 int cuGraphLaunch(void* graph, void* stream) { return stream == (void*)0xbad ? 400 : log_call(5, graph, stream, 0); }
+// Op 6: an elapsed time (first, second event); the fake's time is the handles' difference / 1000 ms, and an event
+// handle of 0xbad is one never recorded.
+int cuEventElapsedTime(float* ms, void* first, void* second) {
+  if (first == (void*)0xbad || second == (void*)0xbad) return 400;
+  *ms = (float)((double)((intptr_t)second - (intptr_t)first) / 1000.0);
+  return log_call(6, first, second, 0);
+}
 
 // Test controls of the log: copy up to `cap` entries into `out` (4 words each), return how many there were.
 int fake_calls(uint64_t* out, int cap) {
@@ -148,7 +155,7 @@ int cuGetProcAddress_v2(const char* name, void** fn, int version, uint64_t flags
       {"cuCtxSetCurrent", (void*)cuCtxSetCurrent}, {"cuStreamGetCtx", (void*)cuStreamGetCtx},
       {"cuMemcpyHtoDAsync", (void*)cuMemcpyHtoDAsync_v2}, {"cuMemcpyDtoHAsync", (void*)cuMemcpyDtoHAsync_v2},
       {"cuEventRecord", (void*)cuEventRecord}, {"cuStreamWaitEvent", (void*)cuStreamWaitEvent},
-      {"cuGraphLaunch", (void*)cuGraphLaunch}};
+      {"cuGraphLaunch", (void*)cuGraphLaunch}, {"cuEventElapsedTime", (void*)cuEventElapsedTime}};
   for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
     if (strcmp(name, table[i].name) == 0) { *fn = table[i].fn; *status = 0; return 0; }
   *fn = NULL;

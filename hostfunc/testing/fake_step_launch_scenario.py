@@ -4,13 +4,14 @@
 
 Covers: the calls in the Python launch's order on the right streams and events, the bytes of the upload and of
 every download, a step without downloads (its copy-out stream untouched), refused null handles, and a driver
-error named with the call that failed.
+error named with the call that failed; event_times' reads in order, a null handle refused, a driver error named
+with its pair.
 """
 import ctypes
 
 from hostfunc import _C
 
-UPLOAD, DOWNLOAD, RECORD, WAIT, GRAPH = 1, 2, 3, 4, 5
+UPLOAD, DOWNLOAD, RECORD, WAIT, GRAPH, ELAPSED = 1, 2, 3, 4, 5, 6
 COPY_IN, COMPUTE, COPY_OUT = 0x11, 0x12, 0x13
 INPUTS_READY, START, SAMPLED_READY, COPY_DONE = 0x21, 0x22, 0x23, 0x24
 GRAPH_EXEC = 0x31
@@ -57,7 +58,25 @@ def main():
         raise AssertionError("a driver error passed")
     except RuntimeError as e:
         assert "launch_step: graph: " in str(e), e
+    calls(fake)
+    _event_times(fake)
     print("fake step launch scenario ok")
+
+
+def _event_times(fake):
+    pairs = [(START, SAMPLED_READY), (0x100, 0x1100), (SAMPLED_READY, START)]
+    times = _C.event_times(pairs)        # the fake's time: (second - first) / 1000 ms
+    assert len(times) == 3 and all(abs(t - w) < 1e-6 for t, w in zip(times, [1e-3, 4.096, -1e-3])), times
+    assert calls(fake) == [(ELAPSED, a, b, 0) for a, b in pairs]
+    assert _C.event_times([]) == []
+    for bad, kind, text in [([(START, 0)], ValueError, "null"), ([(START, SAMPLED_READY), (0xbad, START)],
+                                                                   RuntimeError, "event_times: pair 1: ")]:
+        try:
+            _C.event_times(bad)
+            raise AssertionError(f"event_times took {bad}")
+        except kind as e:
+            assert text in str(e), e
+    calls(fake)
 
 
 if __name__ == "__main__":
