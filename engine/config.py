@@ -50,11 +50,11 @@ class EngineConfig:
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
                                        # 4.14 -> 4.10 ms a step, 32 kernels fewer (H200, bench/results/
                                        # attention_rules/); SmolLM2 and Llama 1B have no such rows
-    gemv_l2_ahead: int = 0             # the decode GEMV's matmuls without a prologue (o_proj, down): each program
-                                       # starts the weight rows of the program this many SM counts after it into
-                                       # L2 before its dependent-launch wait (Hopper's bulk prefetch), so the next
-                                       # wave reads L2 where the kernel before (attention) left HBM idle; 0: off
-                                       # (not yet measured)
+    gemv_l2_ahead: int = 0             # the decode GEMV's matmuls without a prologue (o_proj, down): a wave being
+                                       # this many SM counts of programs, each program starts the weight rows of
+                                       # its peers 1.. waves later into L2 before its dependent-launch wait
+                                       # (Hopper's bulk prefetch; within 24 MB), so they read L2 where the kernel
+                                       # before (attention) left HBM idle; 0: off (not yet measured)
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8; at 5-8 slower than decode_gemm: bench/results/decode_rows/)
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the

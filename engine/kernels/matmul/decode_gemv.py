@@ -264,10 +264,10 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     launch_pdl = pdl(_decode_gemv_kernel, x.device, m)
     ahead = l2_ahead if launch_pdl["USE_PDL"] and epilogue != "silu_mul" and gemv_checks.prefetchable(weight, k) else 0
     wave_bytes = ahead * cfg["BLOCK_N"] * k * weight.element_size()
-    depth = min(triton.cdiv(grid, ahead) - 1, L2_BUDGET // wave_bytes, 8) if ahead else 0   # 8: prefetches a program
+    depth = min(triton.cdiv(grid, ahead) - 1, L2_BUDGET // wave_bytes, 8) if ahead else 0   # <= 8 prefetches each
     _decode_gemv_kernel[(grid,)](
         x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),
-        new_res.stride(0), add.stride(0), m, n, k, float(eps), ahead, max(depth, 0), PROLOGUE=prologue,
+        new_res.stride(0), add.stride(0), m, n, k, float(eps), ahead, depth, PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, L2_AHEAD=depth > 0, **cfg, **launch_pdl)
     return out, new_res, idx
 
