@@ -59,7 +59,7 @@ def test_bad_semaphores_raise():
 
 
 def test_auto_splits_split_a_full_grid_only_over_long_contexts(monkeypatch):
-    monkeypatch.setattr(sm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(sm, "sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
 
     def splits(streams, keys):                     # SmolLM2 decode: 3 kv heads, one query block, 64-key tiles

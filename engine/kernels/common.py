@@ -93,6 +93,12 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """The streaming multiprocessors of CUDA device `device_index`."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 

@@ -12,14 +12,13 @@ partials are read past L1 (.cg). The merge is the combine kernel's math (max, we
 over the splits in order; its sum order differs from the combine kernel's reduction, so fp32 results agree to
 rounding.
 """
-import functools
 import operator
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import pdl, pdl_start, reduce_max, reduce_sum
+from engine.kernels.common import pdl, pdl_start, reduce_max, reduce_sum, sm_count
 
 LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
 
@@ -144,7 +143,7 @@ def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
     29.8 -> 21.6 (2); at 256 keys splits lose (6.7 -> 6.9 us), so the 512-key graphs keep one."""
     if device.type != "cuda":
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
     tiles = triton.cdiv(max_kv, tile_n)
     if programs < sms // 2:
         want = triton.cdiv(sms, programs)
@@ -152,8 +151,3 @@ def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
         want = (3 * sms) // programs if tiles >= LONG_TILES else 1
     splits = min(32, want, tiles // 2)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -83,10 +83,10 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)
     if L2_AHEAD:    # where `ahead` programs run at once, pid + j * ahead is of the j-th wave after this one: its rows
+        row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
         for j in range(1, depth + 1):       # come in while the kernel before still runs, and it finds them in L2
             later = pid + j * ahead
             if later * BLOCK_N < N:
-                row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
                 rows = tl.minimum(N - later * BLOCK_N, BLOCK_N)
                 l2_prefetch(w_ptr + later.to(tl.int64) * BLOCK_N * K, rows * row_bytes)
     nw = w                      # unused unless "norm"
