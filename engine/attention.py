@@ -205,7 +205,7 @@ class TritonAttention(_Matmuls):
 
     def linear(self, x, weight, bias=None):
         if kernels := self._gemv_for(x, weight, bias, plain=True):
-            if kernels is self._gemv:
+            if kernels is self._gemv and self._l2_ahead:
                 return kernels.decode_linear(x, weight, l2_ahead=self._l2_ahead)
             return kernels.decode_linear(x, weight)
         return super().linear(x, weight, bias)
