@@ -41,6 +41,12 @@ def _gemv_types(epilogue: str) -> dict:
     return types | ({"out_ptr": "*fp32"} if epilogue == "argmax" else {})
 
 
+def _shapes(m, k, n, prologue) -> dict:
+    """The integer arguments of a GEMV or GEMM call on contiguous tensors, as the JIT sees them."""
+    stride_x = 2 * k if prologue == "silu" else k
+    return dict(stride_x=stride_x, stride_res=k, stride_out=n, stride_new_res=k, stride_add=n, M=m, N=n, K=k)
+
+
 def _gemm(m, k, n, prologue, epilogue, pdl):
     cfg = decode_gemm.decode_gemm_config(m, n, k)
     k0, k1 = decode_gemm.pieces(k)
@@ -48,7 +54,7 @@ def _gemm(m, k, n, prologue, epilogue, pdl):
                   GROUPS=cfg["GROUPS"], BLOCK_N=cfg["BLOCK_N"], K0=k0, BK0=min(cfg["BLOCK_K"], k0),
                   K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl)
     return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}", decode_gemm._decode_gemm_kernel,
-            _gemv_types(epilogue), consts, cfg["num_warps"])
+            _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
 
 
 def _gemv(k, n, prologue, epilogue, pdl, m=1, l2=False):
@@ -57,7 +63,7 @@ def _gemv(k, n, prologue, epilogue, pdl, m=1, l2=False):
                   BLOCK_K=cfg["BLOCK_K"], ROWS=cfg["ROWS"], USE_PDL=pdl, L2_AHEAD=l2)
     types = _gemv_types(epilogue) | dict(ahead="i32", depth="i32")
     return (f"decode_gemv M={m} K={k} N={n} {prologue}/{epilogue}{' l2_ahead' if l2 else ''}",
-            decode_gemv._decode_gemv_kernel, types, consts, cfg["num_warps"])
+            decode_gemv._decode_gemv_kernel, types, consts, cfg["num_warps"], _shapes(m, k, n, prologue))
 
 
 # the argument types of both attention kernels (paged_attention.py's and decode_attention.py's take the same names)
@@ -141,9 +147,18 @@ def variants(pdl: bool) -> list[tuple]:
     ]
 
 
-def compile_one(kernel, types: dict, consts: dict, warps: int) -> dict:
-    """Compile for TARGET -> {registers, local, shared, pdl} (pdl: griddepcontrol in the PTX)."""
-    src = ASTSource(fn=kernel, signature=types | {name: "constexpr" for name in consts}, constexprs=consts)
+def _divisibility(kernel, types: dict, values: dict) -> dict:
+    """The JIT's specialization of a launch: pointers (torch's allocations) and integers that are multiples of 16
+    are marked so. Without it loads of a runtime K are not vectorized and the registers counted are not the GPU's."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+            if types.get(name, "").startswith("*") or values.get(name, 1) % 16 == 0}
+
+
+def compile_one(kernel, types: dict, consts: dict, warps: int, values: dict | None = None) -> dict:
+    """Compile for TARGET -> {registers, local, shared, pdl} (pdl: griddepcontrol in the PTX). values: integer
+    arguments known at the default model's shapes."""
+    src = ASTSource(fn=kernel, signature=types | {name: "constexpr" for name in consts}, constexprs=consts,
+                    attrs=_divisibility(kernel, types, values or {}))
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=warps))
     usage = _resource_usage(compiled.asm["cubin"])
     ptx = compiled.asm["ptx"]
@@ -164,9 +179,9 @@ def _resource_usage(cubin: bytes) -> dict:
 def main() -> int:
     failed = 0
     for pdl in (True, False):
-        for label, kernel, types, consts, warps in variants(pdl):
+        for label, kernel, types, consts, warps, *values in variants(pdl):
             try:
-                r = compile_one(kernel, types, dict(consts), warps)
+                r = compile_one(kernel, types, dict(consts), warps, *values)
             except Exception as e:      # report every variant, then fail
                 failed += 1
                 print(f"FAIL {label} pdl={pdl}: {type(e).__name__}: {str(e).strip().splitlines()[:1]}")
