@@ -138,7 +138,7 @@ class TritonAttention(_Matmuls):
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, decode_attention: bool = False,
                  decode_attention_splits: int = 0, decode_attention_prefetch: int = 0, long_row_gemv: bool = False,
-                 gemv_l2_ahead: int = 0, device=None):
+                 device=None):
         from engine.kernels.sampling import argmax, bitmask
         from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
@@ -165,7 +165,6 @@ class TritonAttention(_Matmuls):
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
         self._decode_prefetch = decode_attention_prefetch                  # its cached tiles read before the wait
-        self._l2_ahead = _l2_programs(gemv_l2_ahead, device)                 # for the GEMV's decode_linear
         # split_merge: the counters of split attention's groups, zero between kernels (each launch leaves them so);
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
@@ -205,8 +204,6 @@ class TritonAttention(_Matmuls):
 
     def linear(self, x, weight, bias=None):
         if kernels := self._gemv_for(x, weight, bias, plain=True):
-            if kernels is self._gemv and self._l2_ahead:
-                return kernels.decode_linear(x, weight, l2_ahead=self._l2_ahead)
             return kernels.decode_linear(x, weight)
         return super().linear(x, weight, bias)
 
@@ -274,15 +271,6 @@ class TritonAttention(_Matmuls):
                                                        k_cache.shape[1]):
             return self.attend(q, k_cache, v_cache, meta, scale, rope=(k, v, positions, *rope_cache, meta.slot_mapping))
         return super().rope_attend(q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale)
-
-
-def _l2_programs(sm_counts: int, device) -> int:
-    """gemv_l2_ahead in programs: that many SM counts of the CUDA device (0 elsewhere: nothing to prefetch for)."""
-    device = torch.device(device) if device is not None else None
-    if not sm_counts or device is None or device.type != "cuda":
-        return 0
-    from engine.kernels.common import sm_count
-    return sm_counts * sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def make_backend(name: str, **switches):

@@ -50,11 +50,6 @@ class EngineConfig:
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
                                        # 4.14 -> 4.10 ms a step, 32 kernels fewer (H200, bench/results/
                                        # attention_rules/); SmolLM2 and Llama 1B have no such rows
-    gemv_l2_ahead: int = 0             # the decode GEMV's matmuls without a prologue (o_proj, down): a wave being
-                                       # this many SM counts of programs, each program starts the weight rows of
-                                       # its peers 1.. waves later into L2 before its dependent-launch wait
-                                       # (Hopper's bulk prefetch; within 24 MB), so they read L2 where the kernel
-                                       # before (attention) left HBM idle; 0: off (not yet measured)
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8; at 5-8 slower than decode_gemm: bench/results/decode_rows/)
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
@@ -174,8 +169,6 @@ class EngineConfig:
         splits = self.decode_attention_splits
         if splits and (splits < 1 or splits > 32 or splits & (splits - 1)):
             raise ValueError(f"decode_attention_splits must be 0 (by rule) or a power of two up to 32, got {splits}")
-        if not 0 <= self.gemv_l2_ahead <= 16:
-            raise ValueError(f"gemv_l2_ahead must be 0 (off) to 16 SM counts, got {self.gemv_l2_ahead}")
         if self.decode_attention_prefetch not in (0, 1, 2):
             raise ValueError("decode_attention_prefetch must be 0 (by rule), 1 or 2, got "
                              f"{self.decode_attention_prefetch}")

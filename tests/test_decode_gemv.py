@@ -171,45 +171,6 @@ def test_rows_past_max_k_without_a_prologue(monkeypatch):
     assert EngineConfig().long_row_gemv and not EngineConfig(decode_gemv=False, long_row_gemv=False).long_row_gemv
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_l2_prefetch_ahead_changes_no_value(dtype):
-    """l2_ahead: each program starts a later program's rows into L2 before its wait (compiled, under dependent
-    launch; the interpreter runs without). A hint only: the same bits with it as without, for programs whose
-    later one is past the last (nothing to fetch), a weight whose rows are not in 16-byte units and one that is not
-    16-byte aligned (both skipped)."""
-    shapes = [(1, 576, 96), (4, 72, 100), (2, 20, 40)] + ([(1, 4096, 4096)] if DEV == "cuda" else [])
-    for m, k, n in shapes:
-        x = randn(m, k, seed=40 + k, dtype=dtype)
-        w_all = randn(n + 1, k, seed=41 + k, dtype=dtype) / k ** 0.5
-        shifted = w_all.view(-1)[1:1 + n * k].view(n, k)                      # one element off alignment
-        assert dg.gemv_checks.prefetchable(w_all, k) == (k * w_all.element_size() % 16 == 0)
-        assert not dg.gemv_checks.prefetchable(shifted, k)
-        for w in (w_all[:n], shifted):
-            want = dg.decode_linear(x, w)
-            for ahead in (1, 7, 1 << 20):
-                assert torch.equal(dg.decode_linear(x, w, l2_ahead=ahead), want), (m, k, n, ahead)
-
-
-def test_backend_l2_ahead_counts_sms_and_reaches_plain_matmuls(monkeypatch):
-    """gemv_l2_ahead is in SM counts: the backend's decode_linear calls get that many programs (none without CUDA,
-    where there is nothing to prefetch for), and only the matmuls without a prologue do."""
-    from engine.attention import TritonAttention
-    from engine.config import EngineConfig
-    seen, real = [], dg.decode_linear
-    monkeypatch.setattr(dg, "decode_linear", lambda *a, **kw: seen.append(kw.get("l2_ahead", 0)) or real(*a, **kw))
-    backend = TritonAttention(decode_gemv=True, gemv_l2_ahead=3, device=DEV)
-    backend._gemv = dg                                # the interpreter-built module of this test file
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 0
-    assert backend._l2_ahead == 3 * sms
-    x, w = randn(2, 64, seed=50, dtype=torch.float32), randn(24, 64, seed=51, dtype=torch.float32)
-    torch.testing.assert_close(backend.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert seen == [3 * sms]
-    for bad in (-1, 17):
-        with pytest.raises(ValueError, match="gemv_l2_ahead"):
-            EngineConfig(gemv_l2_ahead=bad)
-    assert EngineConfig().gemv_l2_ahead == 0
-
-
 @pytest.mark.parametrize("add_residual", [False, True])
 def test_backend_mlp_takes_the_silu_epilogue_where_the_gemv_takes_gate_up(monkeypatch, add_residual):
     """norm_mlp: with silu_epilogue, gate_up's GEMV stores SiLU * up and the down projection reads it (the

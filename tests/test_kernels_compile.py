@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_kernels_compile_for_sm90_with_pdl_and_l2_prefetch_exactly_when_asked():
+def test_kernels_compile_for_sm90_with_pdl_exactly_when_asked():
     triton = pytest.importorskip("triton")
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
@@ -20,4 +20,4 @@ def test_kernels_compile_for_sm90_with_pdl_and_l2_prefetch_exactly_when_asked():
                        env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("0 failed"), r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
-    assert len(lines) == 62 and all(", 0 B local," in line for line in lines), r.stdout   # no spills
+    assert len(lines) == 60 and all(", 0 B local," in line for line in lines), r.stdout   # no spills

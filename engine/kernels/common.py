@@ -93,12 +93,12 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     """The streaming multiprocessors of CUDA device `device_index`."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
 def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
@@ -121,14 +121,3 @@ def pdl_start(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def l2_prefetch(ptr, nbytes):
-    """Start bringing `nbytes` at `ptr` (both multiples of 16) into L2 and go on (Hopper's bulk prefetch, issued
-    by the program's first thread). A hint: nothing waits for it and it changes no value. Compiled kernels only
-    (inline assembly): call it under a constexpr that is off in the interpreter."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.matmul import gemv_checks
-from engine.kernels.common import is_interpreted, l2_prefetch, pdl, reduce_max, reduce_min, reduce_sum, round_to
+from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 from engine.kernels.matmul.gemv_checks import check, problem
 
 MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K these kernels take
@@ -52,22 +52,19 @@ MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K 
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
 AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
-L2_BUDGET = 24 << 20    # weight bytes a launch's L2 prefetch may run ahead of its programs (an H100 / H200: 50 MB)
 
 
 @triton.jit
 def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res,
-                        stride_out, stride_new_res, stride_add, M, N, K, eps, ahead, depth, PROLOGUE: tl.constexpr,
+                        stride_out, stride_new_res, stride_add, M, N, K, eps, PROLOGUE: tl.constexpr,
                         HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr,
-                        L2_AHEAD: tl.constexpr = False):
+                        BLOCK_K: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr):
     """y[m] = A[m] @ w.T with A = x ("none"), rms_norm(x [+ res]) ("norm"; program 0 stores the new residual)
     or silu(x[:, :K]) * x[:, K:] ("silu"). A is rounded to the dtype as the separate kernels round it, y as
     F.linear rounds it. The epilogue stores out[m] = y[m] ("store"), y[m] + add[m] rounded as torch's add
     ("add"), this program's largest y[m, n] and its first n at out[m, pid] / idx[m, pid] ("argmax"), or
     silu_mul of y[m] as [gate; up] of N columns each ("silu_mul", _silu_store).
-    ROWS = 0: a pass over the registers per row; ROWS >= M: every row at once (_rows_at_once). L2_AHEAD: before
-    its wait, the program starts the weight rows of programs pid + j * ahead, j = 1 .. depth, into L2."""
+    ROWS = 0: a pass over the registers per row; ROWS >= M: every row at once (_rows_at_once)."""
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     if EPILOGUE == "silu_mul":      # weight = [gate; up], N rows each: block row j is act column pid * BLOCK_N / 2 +
@@ -82,13 +79,6 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
     # the weights do not depend on the kernel before: read them before waiting for it
     w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)
-    if L2_AHEAD:    # where `ahead` programs run at once, pid + j * ahead is of the j-th wave after this one: its rows
-        row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        for j in range(1, depth + 1):       # come in while the kernel before still runs, and it finds them in L2
-            later = pid + j * ahead
-            if later * BLOCK_N < N:
-                rows = tl.minimum(N - later * BLOCK_N, BLOCK_N)
-                l2_prefetch(w_ptr + later.to(tl.int64) * BLOCK_N * K, rows * row_bytes)
     nw = w                      # unused unless "norm"
     if PROLOGUE == "norm":
         nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -247,12 +237,10 @@ def buffers(x, n: int, k: int, grid: int, epilogue: str, residual=None, add=None
     return out, idx, new_res, x if residual is None else residual, x if add is None else add
 
 
-def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store", at_once=None,
-           l2_ahead=0):
+def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store", at_once=None):
     """The kernel on checked inputs -> (out, new_residual, idx): out [M, N] and idx = x, with "silu_mul" out
     [M, N / 2], or with "argmax" each program's maximum [M, programs] (fp32) and its row idx (int32). at_once:
-    decode_gemv_config's (benches). l2_ahead > 0: each program prefetches the rows of programs pid + j * l2_ahead
-    into L2, as many waves j ahead as L2_BUDGET holds (under dependent launch, rows in 16-byte units)."""
+    decode_gemv_config's (benches)."""
     m, n = x.shape[0], weight.shape[0]
     cfg = decode_gemv_config(n, k, m, at_once)
     if epilogue == "silu_mul":      # a program's BLOCK_N weight rows give BLOCK_N / 2 outputs
@@ -261,23 +249,18 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     else:
         grid = triton.cdiv(n, cfg["BLOCK_N"])
     out, idx, new_res, res, add = buffers(x, n, k, grid, epilogue, residual, add)
-    launch_pdl = pdl(_decode_gemv_kernel, x.device, m)
-    ahead = l2_ahead if launch_pdl["USE_PDL"] and epilogue != "silu_mul" and gemv_checks.prefetchable(weight, k) else 0
-    wave_bytes = ahead * cfg["BLOCK_N"] * k * weight.element_size()
-    depth = min(triton.cdiv(grid, ahead) - 1, L2_BUDGET // wave_bytes, 8) if ahead else 0   # <= 8 prefetches each
     _decode_gemv_kernel[(grid,)](
         x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),
-        new_res.stride(0), add.stride(0), m, n, k, float(eps), ahead, depth, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, L2_AHEAD=depth > 0, **cfg, **launch_pdl)
+        new_res.stride(0), add.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        EPILOGUE=epilogue, **cfg, **pdl(_decode_gemv_kernel, x.device, m))
     return out, new_res, idx
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, add=None, l2_ahead: int = 0) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, add=None) -> torch.Tensor:
     """F.linear(x, weight) for x [M <= MAX_ROWS, K] (unit stride in K) and a contiguous weight [N, K <=
-    MAX_K_PLAIN]; with add [M, N]: add + that, rounded as the two torch ops round it. l2_ahead: launch's."""
+    MAX_K_PLAIN]; with add [M, N]: add + that, rounded as the two torch ops round it."""
     check(x, weight, add=add, max_k=MAX_K_PLAIN)
-    return launch(x, weight, x.shape[1], "none", add=add, epilogue="store" if add is None else "add",
-                  l2_ahead=l2_ahead)[0]
+    return launch(x, weight, x.shape[1], "none", add=add, epilogue="store" if add is None else "add")[0]
 
 
 def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):

@@ -47,9 +47,3 @@ def check(x, weight, k=None, norm_weight=None, residual=None, add=None, **limits
     why = problem(x, weight, x.shape[1] if k is None else k, norm_weight, residual, add, **limits)
     if why:
         raise ValueError(why)
-
-
-def prefetchable(weight, k: int) -> bool:
-    """Whether a bulk L2 prefetch (common.l2_prefetch) can take this weight's rows of K: 16-byte aligned, a row
-    a multiple of 16 bytes."""
-    return weight.data_ptr() % 16 == 0 and k * weight.element_size() % 16 == 0
