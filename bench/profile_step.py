@@ -8,6 +8,8 @@
     python bench/profile_step.py --streams 1 32 --rounds 2 --by-grid --variants off:silu_epilogue=false \
         on:silu_epilogue=true --resume --out $OUT/prof.json     # A/B in one run; a cut run resumes
     python bench/profile_step.py --streams 32 --context 1024      # attention at an agent's context
+    python bench/profile_step.py --streams 32 --by-grid --variants rule: bn32:gemm.3072.BLOCK_N=32 \
+        w8:gemm.3072.num_warps=8      # decode_gemm's launch config for weights of 3,072 rows, in the step
 
 Per stream count: one engine, every stream a chat prompt (of --context tokens or more) decoding with EOS
 ignored. Once every prompt is prefilled and after --warmup-steps, the engine's own counters (engine/timings.py)
@@ -20,6 +22,7 @@ time, and how much of the window the GPU was busy. Kernels inside CUDA graph rep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -152,10 +155,44 @@ def kernels_by_grid(prof, steps: int, top: int) -> dict:
     return dict(rows[:top])
 
 
+def split_gemm(overrides: dict) -> tuple[dict, dict]:
+    """A variant's keys gemm.N.KEY (decode_gemm_config's KEY for weights of N rows) apart from EngineConfig's:
+    (engine overrides, {N: {KEY: value}})."""
+    engine, gemm = {}, {}
+    for key, value in overrides.items():
+        if not key.startswith("gemm."):
+            engine[key] = value
+            continue
+        _, rows, name = (key.split(".", 2) + ["", ""])[:3]
+        if not rows.isdigit() or not name:
+            raise ValueError(f"{key!r}: a decode_gemm override is gemm.<weight rows>.<config key>")
+        gemm.setdefault(int(rows), {})[name] = value
+    return engine, gemm
+
+
+@contextlib.contextmanager
+def gemm_configs(over: dict):
+    """decode_gemm_config's choice replaced for the weights named in `over` ({N: {KEY: value}}) while the block
+    runs. Each launch reads the config, so an engine built and captured inside takes it."""
+    from engine.kernels.matmul import decode_gemm
+    rule = decode_gemm.decode_gemm_config
+    if over:
+        decode_gemm.decode_gemm_config = lambda m, n, k: rule(m, n, k) | over.get(n, {})
+    try:
+        yield
+    finally:
+        decode_gemm.decode_gemm_config = rule
+
+
 def profile(args, streams: int, overrides: dict | None = None) -> dict:
+    extra, gemm = split_gemm(engine_overrides(args) | (overrides or {}))
+    with gemm_configs(gemm):
+        return _profile(args, streams, extra)
+
+
+def _profile(args, streams: int, extra: dict) -> dict:
     import torch
     from engine.requests.sequence import SamplingParams
-    extra = engine_overrides(args) | (overrides or {})
     eng = build_engine(args, 2, streams, **extra)
     # a speculating step may emit K + 1 tokens: every stream must outlive the timed and the profiled steps
     total = (args.warmup_steps + 2 * args.steps + 8) * (eng.config.spec_k + 1)

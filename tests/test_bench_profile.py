@@ -4,9 +4,11 @@ import json
 from types import SimpleNamespace as NS
 
 import pytest
+import torch
 
 import bench.profile_step as profile_step
 from bench.profile_step import busy_fraction, kernel_summary, kernels_by_grid, main
+from conftest import triton_module
 
 
 def _event(name, start, end):
@@ -116,3 +118,26 @@ def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):
     assert rec["tag"] == "eagle" and rec["streams"] == 1 and rec["period_ms"] > 0
     assert rec["engine"] == dict(speculative="eagle", num_speculative_tokens=2, spec_min_acceptance=0)
     assert out.with_suffix(".md").read_text().count("| eagle |") == 1
+
+
+def test_variant_keys_set_decode_gemms_launch_config_for_the_weights_named():
+    """gemm.N.KEY keys of a variant are decode_gemm_config's, not EngineConfig's: inside gemm_configs a launch for a
+    weight of N rows takes them (the argmax epilogue's partials show the programs), other weights the rule, and
+    the rule is back afterwards."""
+    gm = triton_module("matmul.decode_gemm")
+    engine, gemm = profile_step.split_gemm({"gemm.64.BLOCK_N": 16, "gemm.64.num_warps": 8, "depth": 2})
+    assert engine == {"depth": 2} and gemm == {64: {"BLOCK_N": 16, "num_warps": 8}}
+    for bad in ("gemm.BLOCK_N", "gemm.x.BLOCK_N", "gemm.64."):
+        with pytest.raises(ValueError, match="gemm.<weight rows>"):
+            profile_step.split_gemm({bad: 1})
+    dev = "cpu" if gm.interpreted() else "cuda"
+    x, w = torch.randn(8, 64, device=dev), torch.randn(64, 64, device=dev)
+    rule = gm.decode_gemm_config
+    assert rule(8, 64, 64)["BLOCK_N"] == 16
+    with profile_step.gemm_configs({64: {"BLOCK_N": 32}}):
+        assert gm.decode_gemm_config(8, 64, 64) == rule(8, 64, 64) | {"BLOCK_N": 32}
+        assert gm.decode_gemm_config(8, 32, 64) == rule(8, 32, 64)
+        assert gm.launch(x, w, 64, "none", epilogue="argmax")[0].shape == (8, 2)
+        assert torch.allclose(gm.decode_linear(x, w), x @ w.T, atol=1e-3)
+    assert gm.decode_gemm_config is rule
+    assert gm.launch(x, w, 64, "none", epilogue="argmax")[0].shape == (8, 4)
