@@ -1,11 +1,15 @@
-"""engine/runner/rows.py's token writer against the per-token definition of its fields."""
+"""engine/runner/rows.py's token writer against the per-token definition of its fields, and its decode steps' writer
+against the row-by-row one."""
 import random
 from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
+import torch
 
+from engine.runner import rows as rows_mod
 from engine.runner.rows import fill_tokens
+from engine.runner.slots import DecodeSlot
 
 FIELDS = ("positions", "slot_mapping", "tok_row", "carry_src", "input_ids")
 
@@ -41,3 +45,40 @@ def test_rows_of_any_length_and_start_write_every_token_as_defined(block_size):
         for k in FIELDS:
             assert h[k][t:t + n].tolist() == want[k], (k, n, start)
             assert not h[k][:t].any() and not h[k][t + n:].any(), k     # nothing outside the row's tokens
+
+
+def _decode_rows(rng, n: int, block_size: int) -> list:
+    rows = []
+    for i in range(n):
+        start, pending = rng.randrange(0, 300), rng.choice([0, 0, 1])
+        tokens = [rng.randrange(50000) for _ in range(start + 1 - pending)]
+        params = NS(temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([-1, 5]), top_p=rng.choice([1.0, 0.9]))
+        seq = NS(block_table=rng.sample(range(10000), start // block_size + 1), num_tokens=len(tokens),
+                 pool_row=i, num_pending=pending, token_at=tokens.__getitem__, params=params, seed=rng.randrange(2**40),
+                 output_token_ids=tokens[:rng.randrange(len(tokens) + 1)])
+        rows.append(NS(seq=seq, start=start, num_tokens=1, sample=rng.random() < 0.9, spec_k=0, sample_idx=-1))
+    return rows
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_steps_fill_the_same_fields_as_the_row_by_row_writer(block_size):
+    """_fill_decode (a plain step of one-token rows, written a field at a time) against _fill_rows: every field of
+    the slot, the counts it returns and each row's sampling index are the same."""
+    rng = random.Random(block_size)
+    for n in (0, 1, 7, 32):
+        rows = _decode_rows(rng, n, block_size)
+        slots = [DecodeSlot(0, 64, 32, 400, torch.device("cpu")) for _ in range(2)]
+        got = rows_mod._fill_decode(slots[0], rows, block_size)
+        idx = [r.sample_idx for r in rows]
+        want = rows_mod._fill_rows(slots[1], rows, block_size, 0)
+        assert got == want and idx == [r.sample_idx for r in rows]
+        for name, values in slots[1].np.items():
+            assert np.array_equal(slots[0].np[name], values), (name, n)
+
+
+def test_a_decode_row_that_cannot_be_written_names_its_index():
+    rows = _decode_rows(random.Random(3), 4, 16)
+    rows[2].seq.block_table = []                  # its page is missing
+    with pytest.raises(rows_mod.RowError) as err:
+        rows_mod._fill_decode(DecodeSlot(0, 64, 32, 400, torch.device("cpu")), rows, 16)
+    assert err.value.index == 2 and "IndexError" in str(err.value)
