@@ -74,17 +74,20 @@ class Scheduler:
         return rows
 
     def _schedule_running(self, rows, budget, k: int = 0) -> int:
-        i = 0
+        i, page_tokens = 0, self.blocks.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.schedule_target - seq.num_computed_tokens, budget)
-            if n <= 0 or seq.num_scheduled_tokens >= seq.max_len:     # nothing new, or capped
+            scheduled, g = seq.num_scheduled_tokens, seq.guided      # seq.schedule_target, its terms read once
+            n = min(scheduled - (g is not None and not g.ready) - seq.num_computed_tokens, budget)
+            if n <= 0 or scheduled >= seq.max_len:     # nothing new, or capped
                 i += 1
                 continue
             n = n + k                           # a spec step: the last token and k drafts
-            if not self._reserve(seq, n, victims_after=i):
+            # (a plain step's row within its pages needs no reservation: the common decode row)
+            fits = self.spec is None and seq.num_computed_tokens + n <= len(seq.block_table) * page_tokens
+            if not fits and not self._reserve(seq, n, victims_after=i):
                 continue                        # seq itself was preempted; running[i] is the next one
-            rows.append(self._row(seq, n, k))
+            rows.append(self._row(seq, n, k, scheduled))
             budget -= n
             i += 1
         return budget
@@ -163,10 +166,11 @@ class Scheduler:
             if computing is not None:
                 computing.update(self.prefix.row_pages(rows[-1]))
 
-    def _row(self, seq, n, k: int = 0) -> ScheduledRow:
+    def _row(self, seq, n, k: int = 0, scheduled: int | None = None) -> ScheduledRow:
+        """scheduled: seq.num_scheduled_tokens where the caller has it."""
         start = seq.num_computed_tokens
-        row = ScheduledRow(seq, start, n, sample=start + n - k == seq.num_scheduled_tokens, spec_k=k,
-                           epoch=seq.num_preemptions)
+        scheduled = seq.num_scheduled_tokens if scheduled is None else scheduled
+        row = ScheduledRow(seq, start, n, sample=start + n - k == scheduled, spec_k=k, epoch=seq.num_preemptions)
         if k:
             row.num_drafts = self.spec.row_drafts(seq, k)
         return row
@@ -186,6 +190,7 @@ class Scheduler:
     def launched(self, rows: list[ScheduledRow]) -> None:
         """A step holding `rows` was enqueued: each row holds its sequence until the step lands, its tokens
         count as computed, and a sampling row's tokens are pending (every draft counted as if it passed)."""
+        caching, page_tokens = self.blocks.caching, self.blocks.block_size
         for row in rows:
             seq = row.seq
             seq.inflight_refs += 1
@@ -193,7 +198,7 @@ class Scheduler:
             if row.sample:
                 seq.num_pending += 1 + row.spec_k
                 seq.pending_src = row.sample_idx
-            if self.blocks.caching and seq.num_computed_tokens // self.blocks.block_size > seq.num_registered:
+            if caching and seq.num_computed_tokens // page_tokens > seq.num_registered:
                 self.prefix.register(seq)     # (the test first: this runs for every row of every step)
 
     def landed(self, row: ScheduledRow) -> bool:
