@@ -47,8 +47,8 @@ class Commits:
             try:
                 new = commit_row(seq, row, tokens[row.sample_idx], self.spec_k) if self.spec_k \
                     else tokens[row.sample_idx:row.sample_idx + 1]
-                self.scheduler.rejected(row, len(new) - 1)
                 if row.spec_k:
+                    self.scheduler.rejected(row, len(new) - 1)
                     spec_rows, spec_accepted = spec_rows + 1, spec_accepted + len(new) - 1
                     self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
                 lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
