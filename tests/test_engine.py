@@ -100,3 +100,22 @@ def test_dummy_model_runs_from_token_ids():
     assert len(seq.output_token_ids) == 5
     with pytest.raises(ValueError, match="no tokenizer"):
         dummy.add_request("text needs a tokenizer")
+
+
+def test_a_batch_written_a_field_at_a_time_decodes_as_each_request_alone(engine, chat_prompts, monkeypatch):
+    """Steps of 8 decode rows take rows.py's _fill_decode (a field at a time); each request's greedy tokens are
+    those it gets alone, where every step is one row and takes the row-by-row writer."""
+    import helpers
+    from engine.runner import rows
+    prompts = chat_prompts + [engine.apply_chat_template([{"role": "user", "content": p}])
+                              for p in helpers.EXTRA_PROMPTS]
+    assert len(prompts) == engine.config.max_num_seqs >= rows.DECODE_ARRAYS_MIN_ROWS
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].output_token_ids for p in prompts]
+    fast, fill_decode = [], rows._fill_decode
+    monkeypatch.setattr(rows, "_fill_decode", lambda slot, step_rows, bs: fast.append(len(step_rows)) or
+                        fill_decode(slot, step_rows, bs))
+    batched = [s.output_token_ids for s in engine.generate(prompts, params)]
+    assert fast and max(fast) == len(prompts)
+    assert batched == alone
+    assert_no_leak(engine)
