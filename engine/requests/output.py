@@ -163,8 +163,8 @@ class OutputProcessor:
     def commit(self, seq, tokens) -> str | None:
         """Append `tokens` (one, or several for speculative decoding) to seq.output_token_ids in order, up to
         the first that ends the request. Returns the finish reason or None. Does not call the scheduler."""
-        st = self._state(seq)
-        if st.finished:
+        st = getattr(seq, "out", None) or self._state(seq)     # (the call only for a request's first commit)
+        if st.reason is not None:
             raise RuntimeError(f"request {seq.seq_id} already finished ({st.reason}); nothing more can be committed")
         before = len(seq.output_token_ids)
         reason = None
@@ -219,7 +219,7 @@ class OutputProcessor:
         newly safe to stream. While unfinished it holds back a tail that may still become a stop string (and
         the detokenizer holds an incomplete character); the final output releases everything up to the cut
         and carries token_ids and text."""
-        st = self._state(seq)
+        st = getattr(seq, "out", None) or self._state(seq)
         ids = seq.output_token_ids
         num_new = st.num_new if num_new is None else num_new
         lps = None if seq.logprobs is None else tuple(seq.logprobs[len(seq.logprobs) - num_new:]) if num_new else ()
