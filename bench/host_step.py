@@ -42,6 +42,8 @@ def parse_args(argv=None):
                    help="agent-like load: requests of this many prompt tokens and --max-tokens new ones, each one "
                         "that finishes replaced at once (prefill chunks in the timed steps); 0: short prompts")
     p.add_argument("--max-tokens", type=int, default=32, help="with --prompt-tokens: new tokens a request")
+    p.add_argument("--ids-only", action="store_true",
+                   help="requests as the server's engine process adds them: token ids only (detokenize=False)")
     p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
     p.add_argument("--out", default="bench/results/host_step.json")
     args = p.parse_args(argv)
@@ -88,7 +90,7 @@ class Load:
 
     def step(self) -> None:
         while len(self.live) < self.streams and (self.args.prompt_tokens or self.made < self.streams):
-            self.live.add(self.eng.add_request(self.prompt(), self.params))
+            self.live.add(self.eng.add_request(self.prompt(), self.params, detokenize=not self.args.ids_only))
             self.made += 1
         for out in self.eng.step():
             if out.finished:
@@ -130,6 +132,7 @@ def measure(args, streams: int) -> dict:
     return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
                   us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if args.prompt_tokens else None,
+                  ids_only=args.ids_only,
                   requests=load.made)
 
 

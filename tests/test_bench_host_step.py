@@ -31,6 +31,14 @@ def test_an_agent_load_replaces_finished_requests(tmp_path):
     assert r["us"]["prepare"] > 0 and r["us"]["plan"] <= r["us"]["period"]
 
 
+def test_ids_only_requests_are_timed_as_the_servers_engine_adds_them(tmp_path):
+    out = tmp_path / "h.json"
+    host_step.main(["--streams", "2", "--ids-only", "--steps", "4", "--rounds", "1", "--warmup-steps", "2",
+                    "--out", str(out)])
+    (r,) = json.loads(out.read_text())
+    assert r["ids_only"] and r["us"]["commit"] > 0
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="positive"):
         host_step.parse_args(["--rounds", "0"])

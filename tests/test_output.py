@@ -132,9 +132,9 @@ def new_seq(params, seq_id=0, prompt=(1, 2, 3)):
     return Sequence(seq_id, list(prompt), params, seed=0)
 
 
-def run(proc, seq, tokens, k=1):
-    """Commit `tokens` k at a time until the request ends; returns its outputs."""
-    proc.start(seq)
+def run(proc, seq, tokens, k=1, **start):
+    """Commit `tokens` k at a time until the request ends; returns its outputs. start: OutputProcessor.start's."""
+    proc.start(seq, **start)
     outs = []
     for i in range(0, len(tokens), k):
         before = len(seq.output_token_ids)
@@ -282,3 +282,17 @@ def test_lazy_requests_decode_once_and_end_with_the_streamed_text(tok, tail, max
     assert (lazy[-1].finish_reason, lazy[-1].text, lazy[-1].token_ids) == \
         (streamed[-1].finish_reason, streamed[-1].text, streamed[-1].token_ids)
     assert lazy[-1].new_text == lazy[-1].text == "".join(o.new_text for o in streamed)
+
+
+@pytest.mark.parametrize("tail,max_tokens", [([2], 64), ([], 6)])   # EOS, length
+def test_token_ids_only_requests_release_no_text_and_the_same_tokens(tok, tail, max_tokens):
+    """detokenize=False (the server's engine process: the API process decodes): every output carries its new
+    tokens and no text, the last one the whole ids, as a streamed request's, and its finish reason."""
+    ids = MODEL_OUTPUTS[0][:-1][:20] + tail
+    proc = OutputProcessor(tok, frozenset({2}))
+    streamed = run(proc, new_seq(SamplingParams(max_tokens=max_tokens)), ids)
+    outs = run(proc, new_seq(SamplingParams(max_tokens=max_tokens)), ids, detokenize=False)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in streamed]
+    assert all(o.new_text == "" and not o.finished for o in outs[:-1])
+    assert (outs[-1].finished, outs[-1].finish_reason, outs[-1].token_ids, outs[-1].text) == \
+        (True, streamed[-1].finish_reason, streamed[-1].token_ids, "")

@@ -223,7 +223,8 @@ class OutputProcessor:
         ids = seq.output_token_ids
         num_new = st.num_new if num_new is None else num_new
         lps = None if seq.logprobs is None else tuple(seq.logprobs[len(seq.logprobs) - num_new:]) if num_new else ()
-        if st.lazy and not finished and st.reason is None and 0 <= num_new <= len(ids):   # the hot path
+        # the hot path: no text to release now (decoded at the end, or none at all: the server's engine process)
+        if (st.lazy or st.detok is None) and not finished and st.reason is None and 0 <= num_new <= len(ids):
             return RequestOutput(seq.seq_id, tuple(ids[len(ids) - num_new:]), "", False, logprobs=lps)
         if not 0 <= num_new <= len(ids):
             raise ValueError(f"num_new={num_new} but request {seq.seq_id} has {len(ids)} output tokens")
