@@ -82,3 +82,29 @@ def test_a_decode_row_that_cannot_be_written_names_its_index():
     with pytest.raises(rows_mod.RowError) as err:
         rows_mod._fill_decode(DecodeSlot(0, 64, 32, 400, torch.device("cpu")), rows, 16)
     assert err.value.index == 2 and "IndexError" in str(err.value)
+
+
+def _chunk_row(rng, block_size: int):
+    """An admission's prompt chunk: n tokens from start, sampling when it ends the prompt."""
+    start, n = rng.randrange(0, 100), rng.choice([2, 17, 64])
+    total = start + n + rng.choice([0, 0, 5])
+    tokens = [rng.randrange(50000) for _ in range(total)]
+    params = NS(temperature=0.0, top_k=-1, top_p=1.0)
+    seq = NS(block_table=rng.sample(range(10000), (start + n) // block_size + 1), num_tokens=total, pool_row=40,
+             num_pending=0, token_at=tokens.__getitem__, tokens=lambda a, b, tokens=tokens: tokens[a:b],
+             params=params, seed=7, output_token_ids=[])
+    return NS(seq=seq, start=start, num_tokens=n, sample=start + n == total, spec_k=0, sample_idx=-1, cached=0)
+
+
+@pytest.mark.parametrize("lead", [3, 8, 28])
+def test_a_step_of_decode_rows_then_prompt_chunks_fills_as_row_by_row(lead):
+    """The agent's mixed step: leading decode rows (written a field at a time from DECODE_ARRAYS_MIN_ROWS of them)
+    then prompt chunks (row by row, from where the decode rows ended) fill the slot as the row-by-row writer does."""
+    rng = random.Random(lead)
+    rows = _decode_rows(rng, lead, 16) + [_chunk_row(rng, 16) for _ in range(2)]
+    slots = [DecodeSlot(0, 512, 32, 400, torch.device("cpu")) for _ in range(2)]
+    got = rows_mod._fill(slots[0], rows, 16, 0)
+    idx = [r.sample_idx for r in rows]
+    assert got == rows_mod._fill_rows(slots[1], rows, 16, 0) and idx == [r.sample_idx for r in rows]
+    for name, values in slots[1].np.items():
+        assert np.array_equal(slots[0].np[name], values), name

@@ -17,8 +17,8 @@ from engine.sampling import penalties
 from engine.spec import plan as spec_plan
 
 
-# a plain step of at least this many one-token rows is written a field at a time (_fill_decode): its 13 array writes
-# cost more than a few rows' scalar writes (host_step on a 2-core CPU: 1 row 4.3 -> 7.2 us, 8 rows 17.4 -> 15.3)
+# a plain step's leading one-token rows, from this many, are written a field at a time (_fill_decode): its 13 array
+# writes cost more than a few rows' scalar writes (host_step on a 2-core CPU: 1 row 4.3 -> 7.2 us, 8 rows 17.4 -> 15.3)
 DECODE_ARRAYS_MIN_ROWS = 8
 
 
@@ -35,10 +35,7 @@ def fill_slot(slot, rows, block_size: int, spec_k: int, penalty_state, eos_ids, 
     in-flight step, unknown to the host): the device carries it from the token pool. uses_history: the drafter
     reads each sequence's tokens (n-gram), so an admission's cached prefix is written for it. Raises RowError
     naming the row whose inputs could not be written."""
-    if not spec_k and len(rows) >= DECODE_ARRAYS_MIN_ROWS and all(row.num_tokens == 1 for row in rows):
-        t, s, max_q, max_len, carries = _fill_decode(slot, rows, block_size)
-    else:
-        t, s, max_q, max_len, carries = _fill_rows(slot, rows, block_size, spec_k)
+    t, s, max_q, max_len, carries = _fill(slot, rows, block_size, spec_k)
     slot.np["cu_seqlens_q"][0] = 0
     slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, carries
     slot.spec_k = rows[0].spec_k if rows else 0
@@ -48,10 +45,30 @@ def fill_slot(slot, rows, block_size: int, spec_k: int, penalty_state, eos_ids, 
         if spec_k and uses_history else []
 
 
-def _fill_rows(slot, rows, block_size: int, spec_k: int) -> tuple[int, int, int, int, int]:
-    """Every row, one after another -> (tokens, sampling rows, longest row, longest sequence, carrying rows)."""
-    t = s = max_q = max_len = carries = 0
-    for i, row in enumerate(rows):
+def _fill(slot, rows, block_size: int, spec_k: int) -> tuple[int, int, int, int, int]:
+    """-> (tokens, sampling rows, longest row, longest sequence, carrying rows). A plain step's leading one-token
+    rows (decoding; admissions' prompt chunks come after them), when there are DECODE_ARRAYS_MIN_ROWS of them,
+    are written a field at a time (_fill_decode), the rest row by row (_fill_rows)."""
+    lead = 0
+    if not spec_k:
+        while lead < len(rows) and rows[lead].num_tokens == 1:
+            lead += 1
+    if lead < DECODE_ARRAYS_MIN_ROWS:
+        return _fill_rows(slot, rows, block_size, spec_k)
+    t, s, max_q, max_len, carries = _fill_decode(slot, rows[:lead], block_size)
+    if lead == len(rows):
+        return t, s, max_q, max_len, carries
+    t, s, rest_q, rest_len, rest_carries = _fill_rows(slot, rows, block_size, spec_k, lead, t, s)
+    return t, s, max(max_q, rest_q), max(max_len, rest_len), carries + rest_carries
+
+
+def _fill_rows(slot, rows, block_size: int, spec_k: int, first: int = 0, t: int = 0,
+               s: int = 0) -> tuple[int, int, int, int, int]:
+    """Rows from `first` (their tokens from t, sampling rows from s), one after another -> (tokens, sampling rows,
+    and of these rows: longest row, longest sequence, carrying rows)."""
+    max_q = max_len = carries = 0
+    for i in range(first, len(rows)):
+        row = rows[i]
         try:
             t, s = _fill_row(slot, i, row, t, s, block_size, spec_k)
         except Exception as exc:
