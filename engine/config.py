@@ -86,9 +86,9 @@ class EngineConfig:
                                        # 0.814 -> 0.776 ms a step), else 1 (decode_attention.prefetch_rule)
     native_launch: bool = True         # graph steps enqueue their upload, events, replay and token download in one
                                        # native call (engine/runner/native_launch.py), not nine torch calls: the
-                                       # host launch 224 -> 19 us at 1 stream on an H200 machine, guided 1 stream
-                                       # 1.11x (bench/results/native_launch/); warns and keeps the Python launch
-                                       # where it cannot run
+                                       # host launch 224 -> 19 us at 1 stream on an H200 machine, guided 1.02 /
+                                       # 1.04 / 1.06x at 1 / 8 / 32 streams (bench/results/native_launch/); warns
+                                       # and keeps the Python launch where it cannot run
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec/spec_ops.py) where the backend is Triton
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's

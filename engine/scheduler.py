@@ -77,8 +77,8 @@ class Scheduler:
         i, page_tokens = 0, self.blocks.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            scheduled, g = seq.num_scheduled_tokens, seq.guided      # seq.schedule_target, its terms read once
-            n = min(scheduled - (g is not None and not g.ready) - seq.num_computed_tokens, budget)
+            scheduled = seq.num_scheduled_tokens          # read once: seq.schedule_target is this less grammar_blocked
+            n = min(scheduled - seq.grammar_blocked - seq.num_computed_tokens, budget)
             if n <= 0 or scheduled >= seq.max_len:     # nothing new, or capped
                 i += 1
                 continue

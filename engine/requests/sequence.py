@@ -230,11 +230,15 @@ class Sequence:
         return self.num_tokens + self.num_pending
 
     @property
+    def grammar_blocked(self) -> bool:
+        """Its grammar is not ready: a guided request samples nothing before its grammar compiled."""
+        return self.guided is not None and not self.guided.ready
+
+    @property
     def schedule_target(self) -> int:
-        """Tokens it may compute now: all it knows, less the last one while its grammar is not ready (that
-        token's step would sample, and a guided request samples nothing before its grammar compiled)."""
-        blocked = self.guided is not None and not self.guided.ready
-        return self.num_scheduled_tokens - blocked
+        """Tokens it may compute now: all it knows, less the last one while its grammar is blocked (that
+        token's step would sample)."""
+        return self.num_scheduled_tokens - self.grammar_blocked
 
     @property
     def capped(self) -> bool:

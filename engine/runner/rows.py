@@ -88,8 +88,7 @@ def _fill_decode(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
     for i, row in enumerate(rows):
         seq, start = row.seq, row.start
         try:
-            if seq.pool_row < 0 and seq.num_pending:
-                raise RuntimeError("a sequence that carries tokens on the device holds no token-pool row")
+            _check_pool_row(seq, seq.num_pending)
             slots.append(seq.block_table[start // bs] * bs + start % bs)
             ids.append(0 if seq.num_pending else seq.token_at(start))
             write_block_table(slot, i, seq)
@@ -120,8 +119,7 @@ def _fill_decode(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
 def _fill_row(slot, i: int, row, t: int, s: int, block_size: int, spec_k: int) -> tuple[int, int]:
     """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
     seq, n, h = row.seq, row.num_tokens, slot.np
-    if seq.pool_row < 0 and (seq.num_pending or row.spec_k):
-        raise RuntimeError("a sequence that carries tokens on the device holds no token-pool row")
+    _check_pool_row(seq, seq.num_pending or row.spec_k)
     fill_tokens(h, row, t, block_size)
     if spec_k:
         spec_plan.fill_spec_row(slot, i, row, t, block_size)
@@ -135,6 +133,12 @@ def _fill_row(slot, i: int, row, t: int, s: int, block_size: int, spec_k: int) -
             spec_plan.fill_spec_sampling(slot, s, row, t)
         s += 1
     return t + n, s
+
+
+def _check_pool_row(seq, carries) -> None:
+    """A row whose tokens the device carries (a pending token, drafts) reads them from its token-pool row."""
+    if carries and seq.pool_row < 0:
+        raise RuntimeError("a sequence that carries tokens on the device holds no token-pool row")
 
 
 def fill_tokens(h, row, t: int, block_size: int) -> None:
