@@ -48,13 +48,14 @@ def _shapes(m, k, n, prologue) -> dict:
     return dict(stride_x=stride_x, stride_res=k, stride_out=n, stride_new_res=k, stride_add=n, M=m, N=n, K=k)
 
 
-def _gemm(m, k, n, prologue, epilogue, pdl):
-    cfg = decode_gemm.decode_gemm_config(m, n, k)
+def _gemm(m, k, n, prologue, epilogue, pdl, decode=False):
+    cfg = decode_gemm.decode_gemm_config(m, n, k, decode)
     k0, k1 = decode_gemm.pieces(k)
     consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, BLOCK_M=cfg["BLOCK_M"],
                   GROUPS=cfg["GROUPS"], BLOCK_N=cfg["BLOCK_N"], K0=k0, BK0=min(cfg["BLOCK_K"], k0),
                   K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl)
-    return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}", decode_gemm._decode_gemm_kernel,
+    return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}{' decode' if decode else ''}",
+            decode_gemm._decode_gemm_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
 
 
@@ -114,7 +115,8 @@ def variants(pdl: bool) -> list[tuple]:
                   max_model_len="i32", S="i32")
     return [
         _gemm(32, 576, 960, "norm", "store", pdl), _gemm(32, 576, 3072, "norm", "store", pdl),
-        _gemm(32, 1536, 576, "silu", "store", pdl), _gemm(8, 576, 576, "none", "store", pdl),
+        _gemm(32, 1536, 576, "silu", "store", pdl), _gemm(32, 1536, 576, "silu", "add", pdl, decode=True),
+        _gemm(8, 576, 576, "none", "store", pdl),
         _gemm(16, 576, 49152, "norm", "argmax", pdl),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),

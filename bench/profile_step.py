@@ -177,7 +177,7 @@ def gemm_configs(over: dict):
     from engine.kernels.matmul import decode_gemm
     rule = decode_gemm.decode_gemm_config
     if over:
-        decode_gemm.decode_gemm_config = lambda m, n, k: rule(m, n, k) | over.get(n, {})
+        decode_gemm.decode_gemm_config = lambda m, n, k, decode=False: rule(m, n, k, decode) | over.get(n, {})
     try:
         yield
     finally:

@@ -75,26 +75,28 @@ class _Matmuls:
         q = self.ops.rope_store_kv(q, k, v, positions, *rope_cache, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
-    def linear(self, x, weight, bias=None):
+    # meta: the step's AttentionMetadata where the caller has it; a backend may choose its kernels' launch by it
+    def linear(self, x, weight, bias=None, meta=None):
         return linear(x, weight, bias)
 
-    def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+    def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, meta=None):
         """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x itself without one)."""
         if residual is None:
             return linear(self.ops.rms_norm(x, norm_weight, eps), weight, bias), x
         normed, residual = self.ops.rms_norm(x, norm_weight, eps, residual)
         return linear(normed, weight, bias), residual
 
-    def silu_linear(self, gate_up, weight, residual=None):
+    def silu_linear(self, gate_up, weight, residual=None, meta=None):
         """linear(silu_mul(gate_up)), plus the residual when one is given."""
         out = linear(self.ops.silu_mul(gate_up), weight)
         return out if residual is None else residual + out
 
-    def norm_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual: bool = False):
+    def norm_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual: bool = False,
+                 meta=None):
         """The MLP after a norm: (silu_linear(norm_linear(x, residual, ...)), the new residual), with the new
         residual added to the output where add_residual (the EAGLE head's)."""
-        gate_up, residual = self.norm_linear(x, residual, norm_weight, eps, gate_up_weight)
-        return self.silu_linear(gate_up, down_weight, residual if add_residual else None), residual
+        gate_up, residual = self.norm_linear(x, residual, norm_weight, eps, gate_up_weight, meta=meta)
+        return self.silu_linear(gate_up, down_weight, residual if add_residual else None, meta=meta), residual
 
     def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
         """linear(rms_norm(x)).float().argmax(-1) (int64, the first maximum; ids[it] where an int64 map of
@@ -202,34 +204,40 @@ class TritonAttention(_Matmuls):
         (bench/results/gemv_rows/); Llama 1B's (K = 2048) is not."""
         return rows >= SPLIT_MIN_ROWS and n >= SPLIT_WIDE * k and k <= SPLIT_MAX_K
 
-    def linear(self, x, weight, bias=None):
+    def _launch(self, kernels, meta) -> dict:
+        """decode_gemm's keywords for this step: a decode step's (one token a sequence) take its own launch rule,
+        which gains there and loses in a verification step of the same rows (decode_gemm.DECODE_PROGRAMS)."""
+        return {"decode": True} if kernels is self._gemm and meta is not None and meta.max_query_len == 1 else {}
+
+    def linear(self, x, weight, bias=None, meta=None):
         if kernels := self._gemv_for(x, weight, bias, plain=True):
-            return kernels.decode_linear(x, weight)
+            return kernels.decode_linear(x, weight, **self._launch(kernels, meta))
         return super().linear(x, weight, bias)
 
-    def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+    def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, meta=None):
         if kernels := self._gemv_for(x, weight, bias, norm_weight=norm_weight, residual=residual):
-            return kernels.decode_norm_linear(x, norm_weight, eps, weight, residual)
+            return kernels.decode_norm_linear(x, norm_weight, eps, weight, residual, **self._launch(kernels, meta))
         return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
 
-    def silu_linear(self, gate_up, weight, residual=None):
+    def silu_linear(self, gate_up, weight, residual=None, meta=None):
         if residual is not None and self._draft is None:        # the residual epilogue is draft_gemv's
-            return residual + self.silu_linear(gate_up, weight)
+            return residual + self.silu_linear(gate_up, weight, meta=meta)
         if kernels := self._gemv_for(gate_up, weight, None, k=gate_up.shape[-1] // 2, add=residual):
-            return kernels.decode_silu_linear(gate_up, weight, residual)
+            return kernels.decode_silu_linear(gate_up, weight, residual, **self._launch(kernels, meta))
         return super().silu_linear(gate_up, weight, residual)
 
-    def norm_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual: bool = False):
+    def norm_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual: bool = False,
+                 meta=None):
         gemv = self._gemv
         takes = self._silu_epilogue and gemv is not None and gemv.silu_mul_fits(gate_up_weight) and \
             self._gemv_for(x, gate_up_weight, None, norm_weight=norm_weight, residual=residual) is gemv
         if not takes:
-            return super().norm_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual)
+            return super().norm_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual, meta)
         act, residual = gemv.decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual)
         add = residual if add_residual else None
         if add is not None and self._draft is not None and self._gemv_for(act, down_weight, None, add=add) is gemv:
             return gemv.decode_linear(act, down_weight, add), residual      # the residual epilogue is draft_gemv's
-        out = self.linear(act, down_weight)
+        out = self.linear(act, down_weight, meta=meta)
         return (out if add is None else add + out), residual
 
     # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only (`gemv` False: none); other

@@ -97,7 +97,7 @@ def test_argmax_epilogue(dtype):
 def test_any_config_gives_the_same_bits(cfg, monkeypatch):
     """What a bench's sweep may pass: other groups, groups a program (all of them without GROUPS), tiles and
     chunks give the exact integer results."""
-    monkeypatch.setattr(gm, "decode_gemm_config", lambda m, n, k: dict(cfg))
+    monkeypatch.setattr(gm, "decode_gemm_config", lambda m, n, k, decode=False: dict(cfg))
     x, w, nw = randint(17, 96, seed=14), randint(70, 96, seed=15), torch.ones(96, device=DEV)
     assert torch.equal(gm.decode_linear(x, w), F.linear(x, w))
     gu = torch.cat([torch.full((17, 96), 30.0, device=DEV), x], 1)       # silu(30) = 30 in fp32
@@ -120,6 +120,13 @@ def test_pieces_and_default_configs():
             assert cfg["BLOCK_M"] == 8 and cfg["num_warps"] == 4 and bn * sum(gm.pieces(k)) <= gm._TILE
             assert bn == 16 or -(-n // bn) * -(-m // 8) >= gm._PROGRAMS      # a wider tile leaves enough programs
     assert picks[3072, 576, 32] == 64 and picks[960, 576, 32] == 32 and picks[576, 576, 32] == 16
+    # a decode step's rule: o_proj and down at 25-32 rows take 32 weight rows a program; nothing else moves
+    decode = {(n, k, m): gm.decode_gemm_config(m, n, k, decode=True)["BLOCK_N"] for n, k, m in picks}
+    assert decode[576, 576, 32] == decode[576, 1536, 32] == 32
+    assert {key: bn for key, bn in decode.items() if key[0] != 576 or key[2] != 32} == \
+        {key: bn for key, bn in picks.items() if key[0] != 576 or key[2] != 32}
+    assert gm.decode_gemm_config(25, 576, 576, decode=True)["BLOCK_N"] == 32
+    assert gm.decode_gemm_config(24, 576, 576, decode=True)["BLOCK_N"] == 16
 
 
 def test_refusals():
@@ -174,6 +181,41 @@ def test_backend_routes_by_row_count(monkeypatch):
     for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemv=False, decode_gemm_rows=8)):
         with pytest.raises(ValueError, match="decode_gemm_rows"):
             TritonAttention(**{"decode_gemv": True, **kw})
+
+
+def _meta(rows: int, query_len: int):
+    """A step's metadata: rows // query_len sequences of query_len new tokens each."""
+    from engine.attention import AttentionMetadata
+    seqs = rows // query_len
+    return AttentionMetadata(slot_mapping=torch.arange(rows), cu_seqlens_q=torch.arange(0, rows + 1, query_len,
+                             dtype=torch.int32), seq_lens=torch.full((seqs,), 16, dtype=torch.int32),
+                             block_tables=torch.zeros(seqs, 1, dtype=torch.int32), max_query_len=query_len,
+                             max_seq_len=16)
+
+
+def test_backend_tells_decode_gemm_a_decode_step(monkeypatch):
+    """decode_gemm's launch rule by step kind: the backend passes decode=True only for a decode step's metadata (one
+    token a sequence) and only to decode_gemm; a verification of the same rows, no metadata and the GEMV get none."""
+    from engine.attention import TritonAttention
+    calls = []
+    for module in (dg, gm):
+        for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _r=real, _m=module, **kw: calls.append((_m, kw)) or
+                                _r(*a, **kw))
+    b = TritonAttention(decode_gemv=True, decode_gemm_rows=16)
+    b._gemv, b._gemm = dg, gm
+    w, wd, nw = randn(24, 64, seed=30), randn(24, 64, seed=31), randn(64, seed=32)
+    for rows, meta, want in [(8, _meta(8, 1), {"decode": True}), (8, _meta(8, 4), {}), (8, None, {}),
+                             (4, _meta(4, 1), {})]:
+        x, res, gu = randn(rows, 64, seed=33), randn(rows, 64, seed=34), randn(rows, 128, seed=35)
+        b.linear(x, w, meta=meta)
+        b.norm_linear(x, res, nw, EPS, w, meta=meta)
+        b.silu_linear(gu, wd, meta=meta)
+        b.norm_mlp(x, res, nw, EPS, randn(48, 64, seed=36), randn(64, 24, seed=37), meta=meta)
+        assert len(calls) == 5 and all(kw == want for _, kw in calls), (rows, meta and meta.max_query_len, calls)
+        assert {m for m, _ in calls} == {gm if rows > 4 else dg}
+        calls.clear()
 
 
 def test_split_routes_wide_matmuls_of_short_rows_to_gemm(monkeypatch):
@@ -241,7 +283,9 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     from engine.kernels.matmul import decode_gemv as dg
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
-    calls = {gm: [], dg: []}
+    calls, kinds = {gm: [], dg: []}, []
+    monkeypatch.setattr(gm, "launch", lambda *a, _r=gm.launch, **kw: kinds.append((a[0].shape[0], kw.get("decode")))
+                        or _r(*a, **kw))
     for mod in calls:
         for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
             real = getattr(mod, name)
@@ -252,7 +296,7 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     runs, seen = {}, {}
     monkeypatch.setattr(attention, "SPLIT_WIDE", 1)      # the tiny shapes' qkv and gate_up count as wide
     for rows in ((4, 0), (4, 32), (1, 4), (4, 0, True), (8, 0)):
-        for c in calls.values():
+        for c in (*calls.values(), kinds):
             c.clear()
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=1,
                         max_num_seqs=8, max_model_len=64, enforce_eager=True, decode_gemv_rows=rows[0],
@@ -260,6 +304,8 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
         runs[rows] = [s.output_token_ids for s in eng.generate(prompts, params)]
         assert_no_leak(eng)
         seen[rows] = set(calls[gm]), set(calls[dg])
+        if rows == (4, 32):     # decode steps (6 rows or fewer) launch by the decode rule; prefill steps do not
+            assert {d for n, d in kinds if n > 6} == {False} and (6, True) in kinds, kinds
     assert runs[(4, 32)] == runs[(4, 0)] and runs[(1, 4)] == runs[(4, 0)] and runs[(4, 0, True)] == runs[(4, 0)]
     assert runs[(8, 0)] == runs[(4, 0)] and not seen[(8, 0)][0] and 6 in seen[(8, 0)][1]
     assert seen[(4, 0, True)][0] == {3, 4} and 1 in seen[(4, 0, True)][1]

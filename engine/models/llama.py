@@ -117,7 +117,7 @@ class Attention(nn.Module):
         """From the fused QKV projection's output to o_proj's."""
         q, k, v = self._qkv(qkv)
         out = backend.rope_attend(q, k, v, positions, rope_cache, *kv_cache, meta, self.scale).view(-1, self.q_size)
-        return backend.linear(out, self.o_proj.weight)
+        return backend.linear(out, self.o_proj.weight, meta=meta)
 
 
 class MLP(nn.Module):
@@ -151,17 +151,17 @@ class DecoderLayer(nn.Module):
         layer's (h, residual) likewise, and its input: h + residual as given (the previous layer's output), which
         the input norm's kernel writes anyway."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, layer_input = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend)
+        qkv, layer_input = _norm_proj(h, residual, self.input_layernorm, attn.qkv_proj, backend, meta)
         h = self.tp.all_reduce(attn.forward_fused(qkv, positions, rope_cache, meta, kv_cache, backend))
         norm = self.post_attention_layernorm
         out, residual = backend.norm_mlp(h, layer_input, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                         mlp.down_proj.weight)
+                                         mlp.down_proj.weight, meta=meta)
         return self.tp.all_reduce(out), residual, layer_input
 
 
-def _norm_proj(h, residual, norm: RMSNorm, proj: Linear, backend):
+def _norm_proj(h, residual, norm: RMSNorm, proj: Linear, backend, meta=None):
     """proj(rms_norm(h + residual)) and the new residual (h itself when there is none yet)."""
-    return backend.norm_linear(h, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+    return backend.norm_linear(h, residual, norm.weight, norm.eps, proj.weight, proj.bias, meta=meta)
 
 
 class VocabEmbedding(nn.Module):

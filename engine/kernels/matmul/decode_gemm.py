@@ -46,6 +46,11 @@ MAX_K = 2048
 _LIMITS = dict(rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
 _TILE = 49152  # weight elements a program may hold (64 x 576); 16 rows of any K <= MAX_K fit, so 4 warps always
 _PROGRAMS = 90  # the fewest programs a wider weight tile may leave (an H100 has 132 SMs)
+# the same in a decode step (one token a sequence). There o_proj and down at 25-32 rows take 32 weight rows a program
+# (72 programs, not 144 of 16): slower themselves, but the kernels after them (gate_up, attention) load their weights
+# beside fewer programs, 0.767 -> 0.74 ms a step at 32 streams (H200). A verification step of the same rows
+# (8 streams x 4 tokens) lost 2.7% with it: bench/results/gemm_configs_step/.
+DECODE_PROGRAMS = 72
 
 
 @triton.jit
@@ -197,14 +202,17 @@ def pieces(k: int) -> tuple[int, int]:
     return k0, (max(16, triton.next_power_of_2(k - k0)) if k > k0 else 0)
 
 
-def decode_gemm_config(m: int, n: int, k: int) -> dict:
-    """Launch parameters by shape (a bench may replace this function). Groups of BLOCK_M = 8 tokens, one a
+def decode_gemm_config(m: int, n: int, k: int, decode: bool = False) -> dict:
+    """Launch parameters by shape and step kind (a bench may replace this function; decode: every row is a
+    sequence's one token). Groups of BLOCK_M = 8 tokens, one a
     program: the programs of a step's row groups each read the weight tile again (from L2 after the first), and
     that parallelism beats reusing the tile in registers (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows,
     bench/results/decode_rows/). BLOCK_N: the widest of 64 / 32 weight rows that still gives >= _PROGRAMS
-    programs and fits _TILE weights, else 16. BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1."""
+    (DECODE_PROGRAMS) programs and fits _TILE weights, else 16. BLOCK_K: columns a chunk. No loop to pipeline:
+    num_stages 1."""
     width, groups = sum(pieces(k)), triton.cdiv(m, 8)
-    block_n = next((bn for bn in (64, 32) if bn * width <= _TILE and triton.cdiv(n, bn) * groups >= _PROGRAMS), 16)
+    least = DECODE_PROGRAMS if decode else _PROGRAMS
+    block_n = next((bn for bn in (64, 32) if bn * width <= _TILE and triton.cdiv(n, bn) * groups >= least), 16)
     return dict(BLOCK_M=8, GROUPS=1, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=1)
 
 
@@ -216,10 +224,11 @@ def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_w
                                **_LIMITS) is None
 
 
-def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store"):
-    """The kernel on checked inputs -> (out, new_residual, idx), as decode_gemv.launch."""
+def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store", decode=False):
+    """The kernel on checked inputs -> (out, new_residual, idx), as decode_gemv.launch; decode: the step's rows
+    are one token a sequence (decode_gemm_config)."""
     m, n = x.shape[0], weight.shape[0]
-    cfg = dict(decode_gemm_config(m, n, k))
+    cfg = dict(decode_gemm_config(m, n, k, decode))
     block_m, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_K")
     if interpreted():       # programs run one after another there: all rows in one group (the same bits, any config)
         block_m = max(block_m, min(MAX_ROWS, triton.next_power_of_2(m)))
@@ -238,24 +247,25 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     return out, new_res, idx
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) for x [MIN_ROWS <= M <= MAX_ROWS, K] (unit stride in K), weight [N, K <= MAX_K]."""
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    """F.linear(x, weight) for x [MIN_ROWS <= M <= MAX_ROWS, K] (unit stride in K), weight [N, K <= MAX_K].
+    decode (here and below): the rows are a decode step's, one token a sequence; it picks the launch only."""
     gemv_checks.check(x, weight, **_LIMITS)
-    return launch(x, weight, x.shape[1], "none")[0]
+    return launch(x, weight, x.shape[1], "none", decode=decode)[0]
 
 
-def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):
+def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None, decode: bool = False):
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
     new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
     gemv_checks.check(x, weight, norm_weight=norm_weight, residual=residual, **_LIMITS)
-    return launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual)[:2]
+    return launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual, decode=decode)[:2]
 
 
-def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=None) -> torch.Tensor:
+def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=None, decode: bool = False):
     """F.linear(fused_ops.silu_mul(gate_up), weight) in one kernel: gate_up [M, 2 * I] (gate, then up). With a
     residual [M, N]: residual + that, rounded as the two torch ops round it."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [M, 2 * I], got {tuple(gate_up.shape)}")
     gemv_checks.check(gate_up, weight, gate_up.shape[1] // 2, add=residual, **_LIMITS)
     return launch(gate_up, weight, gate_up.shape[1] // 2, "silu", add=residual,
-                  epilogue="store" if residual is None else "add")[0]
+                  epilogue="store" if residual is None else "add", decode=decode)[0]
