@@ -12,6 +12,12 @@ decoding with EOS ignored; after --warmup-steps real steps, the runner's forward
 tokens stay what they were, so commit, detokenization and stop checks still run on real tokens), then --steps steps
 timed in --rounds rounds. Per part, microseconds a step (medians over rounds): the engine's plan, launch and commit,
 and inside plan the scheduler's schedule, the runner's prepare and the rows' `launched` bookkeeping.
+
+--guided: every request is constrained to one of --schemas' JSON schemas (its prompt asks for it) and replaced as it
+finishes. There the model's layers and LM head are replaced by zeros, not the whole step: the grammar node fills
+the masks (inline on the CPU) and the sampler takes each row's lowest allowed token, so every token is one the
+grammar accepts. Two more parts: the step's guided-row snapshot (in plan) and its push to the grammar node (in
+launch, which here also holds the masking and sampling).
 """
 from __future__ import annotations
 
@@ -28,7 +34,9 @@ except ImportError:
     from bench.common import markdown_table, note, record, stream_prompt, write_results
 
 PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
+GUIDED_PROMPT_TOKENS = 512  # --guided: schemas whose prompt is longer are left out
 PARTS = ("plan", "schedule", "prepare", "launched", "launch", "commit", "period")
+GUIDED_PARTS = ("snapshot", "push")
 
 
 def parse_args(argv=None):
@@ -44,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=32, help="with --prompt-tokens: new tokens a request")
     p.add_argument("--ids-only", action="store_true",
                    help="requests as the server's engine process adds them: token ids only (detokenize=False)")
+    p.add_argument("--guided", action="store_true", help="JSON-schema requests of --max-tokens new tokens each")
+    p.add_argument("--schemas", default="tests/data/maskbench/JME_*.json", help="--guided: schema files (a glob)")
     p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
     p.add_argument("--out", default="bench/results/host_step.json")
     args = p.parse_args(argv)
@@ -51,6 +61,8 @@ def parse_args(argv=None):
         raise ValueError("--streams, --steps, --rounds, --warmup-steps and --max-tokens must be positive")
     if args.prompt_tokens < 0:
         raise ValueError(f"--prompt-tokens must be 0 or more, got {args.prompt_tokens}")
+    if args.guided and args.prompt_tokens:
+        raise ValueError("--guided requests have their schemas' prompts: --prompt-tokens does not apply")
     return args
 
 
@@ -65,56 +77,98 @@ def _timed(stack: ExitStack, owner, name: str, acc: dict, key: str) -> None:
         finally:
             acc[key] += time.perf_counter() - t0
 
+    undo = (setattr, owner, name, fn) if name in vars(owner) else (delattr, owner, name)    # a module's or its own
     setattr(owner, name, timed)
-    stack.callback(delattr, owner, name)
+    stack.callback(*undo)
 
 
 class Load:
-    """The requests in flight: `streams` chat prompts decoding throughout, or (--prompt-tokens) requests of
-    random prompt ids (no two share a prefix: no cache hits) replaced as they finish."""
+    """The requests in flight: `streams` chat prompts decoding throughout, or requests replaced as they finish:
+    (--prompt-tokens) of random prompt ids (no two share a prefix: no cache hits), (--guided) of JSON schemas."""
 
     def __init__(self, eng, args, streams: int, budget: int):
         from engine.requests.sequence import SamplingParams
         self.eng, self.args, self.streams, self.live, self.made = eng, args, streams, set(), 0
-        self.params = SamplingParams(max_tokens=args.max_tokens if args.prompt_tokens else budget, temperature=0,
+        self.replaced = bool(args.prompt_tokens or args.guided)
+        self.params = SamplingParams(max_tokens=args.max_tokens if self.replaced else budget, temperature=0,
                                      ignore_eos=True)
+        self.work = guided_work(eng, args.schemas, args.max_tokens) if args.guided else None
 
-    def prompt(self) -> list[int]:
+    def request(self) -> tuple[list[int], object]:
+        if self.work:
+            return self.work[self.made % len(self.work)]
         if self.args.prompt_tokens:
             rng = random.Random(self.made)
-            return [rng.randrange(100, 20000) for _ in range(self.args.prompt_tokens)]
+            return [rng.randrange(100, 20000) for _ in range(self.args.prompt_tokens)], self.params
         ids = stream_prompt(self.eng, self.made)
         if len(ids) > PROMPT_TOKENS:
             raise ValueError(f"a prompt of {len(ids)} tokens: PROMPT_TOKENS is {PROMPT_TOKENS}")
-        return ids
+        return ids, self.params
 
     def step(self) -> None:
-        while len(self.live) < self.streams and (self.args.prompt_tokens or self.made < self.streams):
-            self.live.add(self.eng.add_request(self.prompt(), self.params, detokenize=not self.args.ids_only))
+        while len(self.live) < self.streams and (self.replaced or self.made < self.streams):
+            self.live.add(self.eng.add_request(*self.request(), detokenize=not self.args.ids_only))
             self.made += 1
         for out in self.eng.step():
             if out.finished:
+                if out.finish_reason == "error":        # a failing request would time its failure, not its steps
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 self.live.discard(out.request_id)
 
 
+def guided_work(eng, schemas: str, max_tokens: int) -> list[tuple[list[int], object]]:
+    """(prompt ids, guided params) of each schema at `schemas` whose prompt fits GUIDED_PROMPT_TOKENS."""
+    from engine.requests.sequence import SamplingParams
+    from specdec.datasets import load_schemas, resolve, schema_prompt
+    work = []
+    for _, schema in load_schemas(resolve(schemas)):
+        ids = schema_prompt(eng, schema)
+        if len(ids) <= GUIDED_PROMPT_TOKENS:
+            work.append((ids, SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=schema)))
+    if not work:
+        raise ValueError(f"no schema at {schemas} has a prompt of at most {GUIDED_PROMPT_TOKENS} tokens")
+    return work
+
+
+def _zero_model(stack: ExitStack, eng) -> None:
+    """The model's layers and LM head give zeros (undone when the stack closes): a guided row samples the lowest
+    token its mask allows."""
+    import torch
+    program, model = eng.runner.program, eng.runner.program.model
+    hidden, vocab = model.head_weight.shape[1], model.head_weight.shape[0]
+    program.hidden = lambda slot, extras=False: torch.zeros(slot.num_sample, hidden) if slot.num_sample else None
+    model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab)
+    stack.callback(delattr, program, "hidden")
+    stack.callback(delattr, model, "compute_logits")
+
+
 def measure(args, streams: int) -> dict:
+    import engine.llm_engine as llm_engine
     from engine.llm_engine import LLMEngine
     from engine.config import EngineConfig
     budget = args.warmup_steps + args.rounds * args.steps + 8
-    per_request = args.prompt_tokens + args.max_tokens if args.prompt_tokens else budget + PROMPT_TOKENS
+    prompt = args.prompt_tokens or (GUIDED_PROMPT_TOKENS if args.guided else 0)
+    per_request = prompt + args.max_tokens if prompt else budget + PROMPT_TOKENS
     pages = -(-per_request // EngineConfig.block_size) + 1      # every stream's pages, twice: no preemption
     kw = dict(device="cpu", dtype="float32", depth=2, max_num_seqs=streams, num_kv_blocks=2 * streams * pages + 8)
     eng = LLMEngine(**(kw | ({"model": args.model} if args.model else {})))
     load = Load(eng, args, streams, budget)
-    for _ in range(args.warmup_steps):
-        load.step()
     rounds = []
     with ExitStack() as stack:
-        eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
-        stack.callback(delattr, eng.runner.program, "step")
-        acc = dict.fromkeys(("schedule", "prepare", "launched"), 0.0)
-        for owner, name, key in ((eng.scheduler, "schedule", "schedule"), (eng.runner, "prepare", "prepare"),
-                                 (eng.scheduler, "launched", "launched")):
+        if args.guided:
+            _zero_model(stack, eng)
+        for _ in range(args.warmup_steps):
+            load.step()
+        if not args.guided:
+            eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
+            stack.callback(delattr, eng.runner.program, "step")
+        acc = dict.fromkeys(("schedule", "prepare", "launched") + (GUIDED_PARTS if args.guided else ()), 0.0)
+        timers = [(eng.scheduler, "schedule", "schedule"), (eng.runner, "prepare", "prepare"),
+                  (eng.scheduler, "launched", "launched")]
+        if args.guided:
+            timers += [(llm_engine, "build_snapshot", "snapshot"),
+                       (eng.runner.masks, "push", "push")]
+        for owner, name, key in timers:
             _timed(stack, owner, name, acc, key)
         for _ in range(args.rounds):
             eng.timings.reset()
@@ -128,12 +182,11 @@ def measure(args, streams: int) -> dict:
     if eng.scheduler.num_preemptions:
         raise RuntimeError(f"{eng.scheduler.num_preemptions} preemptions: the KV pages were sized to avoid them")
     eng.close()
-    us = {k: statistics.median(r[k] for r in rounds) for k in PARTS}
+    us = {k: statistics.median(r[k] for r in rounds) for k in PARTS + (GUIDED_PARTS if args.guided else ())}
     return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
                   us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
-                  prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if args.prompt_tokens else None,
-                  ids_only=args.ids_only,
-                  requests=load.made)
+                  prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if load.replaced else None,
+                  ids_only=args.ids_only, guided=args.guided, requests=load.made)
 
 
 def main(argv=None) -> list[dict]:
@@ -146,7 +199,8 @@ def main(argv=None) -> list[dict]:
     write_results(records, args.out)
     rows = [dict(tag=r["tag"], streams=r["streams"], **r["us"]) for r in records]
     text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}. "
-            "Microseconds a step, medians over rounds.\n\n" + markdown_table(rows, ["tag", "streams", *PARTS]))
+            "Microseconds a step, medians over rounds.\n\n"
+            + markdown_table(rows, ["tag", "streams", *PARTS, *(GUIDED_PARTS if args.guided else ())]))
     Path(str(args.out).rsplit(".", 1)[0] + ".md").write_text(text + "\n")
     print(text)
     return records

@@ -39,8 +39,25 @@ def test_ids_only_requests_are_timed_as_the_servers_engine_adds_them(tmp_path):
     assert r["ids_only"] and r["us"]["commit"] > 0
 
 
+def test_a_guided_load_times_its_snapshot_and_push(tmp_path):
+    """--guided: JSON-schema requests on the zeroed model take grammar-allowed tokens (none fails: the load would
+    raise), finish after --max-tokens and are replaced; the guided parts are timed and the model is back after."""
+    from engine.guided import masks
+    out = tmp_path / "h.json"
+    records = host_step.main(["--streams", "2", "--guided", "--max-tokens", "3", "--steps", "10", "--rounds", "1",
+                              "--warmup-steps", "2", "--out", str(out)])
+    (r,) = json.loads(out.read_text())
+    assert r["guided"] and r["requests"] >= 4          # finished ones were replaced
+    assert r["us"]["snapshot"] > 0 and r["us"]["push"] > 0 and r["us"]["snapshot"] <= r["us"]["plan"]
+    assert "| snapshot | push |" in out.with_suffix(".md").read_text() and records[0]["max_tokens"] == 3
+    import engine.llm_engine as llm_engine
+    assert llm_engine.build_snapshot is masks.build_snapshot     # the timer put back a module's own function
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="positive"):
         host_step.parse_args(["--rounds", "0"])
     with pytest.raises(ValueError, match="--prompt-tokens"):
         host_step.parse_args(["--prompt-tokens", "-1"])
+    with pytest.raises(ValueError, match="--guided"):
+        host_step.parse_args(["--guided", "--prompt-tokens", "10"])
