@@ -53,26 +53,40 @@ _ids = itertools.count(1)   # snapshot ids (loop thread only; 0 is the node's em
 
 class Snapshot:
     """A step's guided rows. Bound to the grammar node's plain-data copy when pushed (`native`)."""
-    __slots__ = ("id", "slot", "prev", "step", "width", "rows", "unguided", "native", "done", "owner")
+    __slots__ = ("id", "slot", "prev", "step", "width", "_rows", "_columns", "unguided", "native", "done", "owner")
 
-    def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray, step: int = 0, width: int = 1):
-        self.id = next(_ids) if rows else 0
-        self.slot, self.prev, self.rows, self.unguided = slot, prev, rows, unguided
+    def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray, step: int = 0, width: int = 1,
+                 columns: tuple | None = None):
+        """rows: GuidedRows; or () and `columns`, the same rows as six lists of GuidedRow's fields (build_snapshot's:
+        no tuple a row is made unless the Python path asks for `rows`)."""
+        self._rows, self._columns = rows, columns
+        self.id = next(_ids) if rows or (columns and columns[0]) else 0
+        self.slot, self.prev, self.unguided = slot, prev, unguided
         self.step = step            # the step's index (which step's device tokens a row's matcher accepted)
         self.width = width          # masks per sampling row: 1 + the drafts it verifies
         self.native = None
         self.owner = None           # the hostfunc owner of the masks it was pushed to (their callbacks' errors)
         self.done = _Done(self)     # set when its callback has run
 
+    @property
+    def rows(self) -> tuple:
+        if not self._rows and self._columns:
+            self._rows = tuple(GuidedRow(*fields) for fields in zip(*self._columns))
+        return self._rows
+
+    def columns(self) -> tuple:
+        """The rows as six lists: row, request, feed_start, feed, pending_src, pending_step."""
+        if self._columns is None:
+            self._columns = tuple(map(list, zip(*self._rows))) if self._rows else ([],) * 6
+        return self._columns
+
     def bind(self, matchers, python: bool) -> None:
-        rows = self.rows
-        python = python or any(r.request.handle == 0 and r.request.llg is None for r in rows)
+        row, requests, feed_start, feed, pending_src, pending_step = self.columns()
+        handles, llg = [g.handle for g in requests], [g.llg for g in requests]
+        python = python or any(h == 0 and m is None for h, m in zip(handles, llg))
         self.native = native.NativeSnapshot(
-            matchers, self.id, self.slot, self.prev, self.step, self.width, python, [r.row for r in rows],
-            [r.request.state for r in rows], [r.request.handle for r in rows], [r.request.llg for r in rows],
-            [r.feed_start for r in rows],
-            [r.feed for r in rows], [r.pending_src for r in rows], [r.pending_step for r in rows],
-            self.unguided.tolist())
+            matchers, self.id, self.slot, self.prev, self.step, self.width, python, row, [g.state for g in requests],
+            handles, llg, feed_start, feed, pending_src, pending_step, self.unguided.tolist())
 
     @property
     def consumed(self) -> bool:
@@ -112,21 +126,26 @@ EMPTY = Snapshot(0, 1, (), np.zeros(0, dtype=np.int64), step=-1)
 
 def build_snapshot(slot_index: int, rows, step: int = 0, width: int = 1) -> Snapshot | None:
     """Before the step's rows are marked in flight: `seq.num_pending` still counts the previous step's
-    tokens, emitted by step `step - 1` (the one in flight). None: no guided row."""
-    guided, unguided = [], []
+    tokens, emitted by step `step - 1` (the one in flight). None: no guided row. One pass, a list a field."""
+    sample, requests, starts, feeds, sources, unguided = [], [], [], [], [], []
     for row in rows:
         if not row.sample:
             continue
-        seq, g = row.seq, row.seq.guided
+        seq = row.seq
+        g = seq.guided
         if g is None:
             unguided.append(row.sample_idx)
             continue
-        out, lo = seq.output_token_ids, g.accepted          # a lower bound of what it will have accepted
-        pending = seq.pending_src if seq.num_pending else -1
-        guided.append(GuidedRow(row.sample_idx, g, lo, tuple(out[lo:]), pending, step - 1))
-    if not guided:
+        lo = g.accepted                                 # a lower bound of what it will have accepted
+        sample.append(row.sample_idx)
+        requests.append(g)
+        starts.append(lo)
+        feeds.append(seq.output_token_ids[lo:])
+        sources.append(seq.pending_src if seq.num_pending else -1)
+    if not requests:
         return None
-    return Snapshot(slot_index, 1 - slot_index, tuple(guided), np.asarray(unguided, dtype=np.int64), step, width)
+    return Snapshot(slot_index, 1 - slot_index, (), np.asarray(unguided, dtype=np.int64), step, width,
+                    (sample, requests, starts, feeds, sources, [step - 1] * len(requests)))
 
 
 class GrammarMasks:

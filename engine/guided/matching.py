@@ -20,7 +20,7 @@ class GuidedRow(NamedTuple):
     row: int                    # sampling row of the step (its masks start at row * width)
     request: object             # GuidedRequest
     feed_start: int             # output index of feed[0] (at most request.accepted when the callback runs)
-    feed: tuple                 # output tokens the host knows, from feed_start on
+    feed: tuple                 # output tokens the host knows, from feed_start on (a list from build_snapshot)
     pending_src: int            # row of the previous step's emitted tokens to accept after them (-1: none)
     pending_step: int           # the step that emitted them
 
