@@ -48,13 +48,15 @@ def _shapes(m, k, n, prologue) -> dict:
     return dict(stride_x=stride_x, stride_res=k, stride_out=n, stride_new_res=k, stride_add=n, M=m, N=n, K=k)
 
 
-def _gemm(m, k, n, prologue, epilogue, pdl, decode=False):
-    cfg = decode_gemm.decode_gemm_config(m, n, k, decode)
+def _gemm(m, k, n, prologue, epilogue, pdl, decode=False, **over):
+    cfg = decode_gemm.decode_gemm_config(m, n, k, decode) | over
     k0, k1 = decode_gemm.pieces(k)
     consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, BLOCK_M=cfg["BLOCK_M"],
                   GROUPS=cfg["GROUPS"], BLOCK_N=cfg["BLOCK_N"], K0=k0, BK0=min(cfg["BLOCK_K"], k0),
-                  K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl)
-    return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}{' decode' if decode else ''}",
+                  K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl,
+                  TWO_D=cfg.get("TWO_D", False))
+    extra = (" decode" if decode else "") + "".join(f" {key}={value}" for key, value in over.items())
+    return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}{extra}",
             decode_gemm._decode_gemm_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
 
@@ -116,7 +118,7 @@ def variants(pdl: bool) -> list[tuple]:
     return [
         _gemm(32, 576, 960, "norm", "store", pdl), _gemm(32, 576, 3072, "norm", "store", pdl),
         _gemm(32, 1536, 576, "silu", "store", pdl), _gemm(32, 1536, 576, "silu", "add", pdl, decode=True),
-        _gemm(8, 576, 576, "none", "store", pdl),
+        _gemm(8, 576, 576, "none", "store", pdl), _gemm(32, 576, 3072, "norm", "store", pdl, BLOCK_K=512, TWO_D=True),
         _gemm(16, 576, 49152, "norm", "argmax", pdl),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
@@ -156,13 +158,15 @@ def _divisibility(kernel, types: dict, values: dict) -> dict:
 
 
 def compile_one(kernel, types: dict, consts: dict, warps: int, values: dict | None = None) -> dict:
-    """Compile for TARGET -> {registers, local, shared, pdl} (pdl: griddepcontrol in the PTX). values: integer
+    """Compile for TARGET -> {registers, local, shared, pdl, mma} (pdl: griddepcontrol in the PTX; mma: which
+    tensor-core instruction it holds, if any). values: integer
     arguments known at the default model's shapes."""
     src = ASTSource(fn=kernel, signature=types | {name: "constexpr" for name in consts}, constexprs=consts,
                     attrs=_divisibility(kernel, types, values or {}))
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=warps))
-    usage = _resource_usage(compiled.asm["cubin"])
-    return dict(usage, shared=compiled.metadata.shared, pdl="griddepcontrol" in compiled.asm["ptx"])
+    usage, ptx = _resource_usage(compiled.asm["cubin"]), compiled.asm["ptx"]
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None     # warpgroup MMA: Hopper's
+    return dict(usage, shared=compiled.metadata.shared, pdl="griddepcontrol" in ptx, mma=mma)
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -188,7 +192,7 @@ def main() -> int:
             bad = r["pdl"] != pdl
             failed += bad
             print(f"{'FAIL' if bad else 'ok  '} {label} pdl={pdl}: {r['registers']} registers, {r['local']} B local, "
-                  f"{r['shared']} B shared, griddepcontrol {r['pdl']}")
+                  f"{r['shared']} B shared, griddepcontrol {r['pdl']}{', ' + r['mma'] if r['mma'] else ''}")
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}: {failed} failed")
     return 1 if failed else 0
 
