@@ -106,8 +106,9 @@ def _piece(w, nw, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, ST
            UPCAST: tl.constexpr, PRECISION: tl.constexpr, TWO_D: tl.constexpr):
     """The piece's share of acc[n, m] = w[n, :] . A[m, :], A = the prologue of x rounded as the separate kernels
     round it: rms_norm ("norm", inv = each row's 1 / rms), silu_mul ("silu") or x itself. Masked lanes are 0.
-    TWO_D and a piece of one chunk: a 2-D dot, which Triton may put on Hopper's warpgroup MMA with the weight
-    from registers; the 3-D dot's operands pass through shared memory, all of them at once."""
+    TWO_D and a piece of one chunk: a 2-D dot, which Triton may put on Hopper's warpgroup MMA; the 3-D dot's
+    operands pass through shared memory all at once, which limits what else fits on the SM (bench/compile_check.py
+    reports both)."""
     dtype = x_ptr.dtype.element_ty
     if PROLOGUE == "norm":
         h, _ = _load_h(x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, START, WIDTH, BLOCK_K, HAS_RESIDUAL)
@@ -210,12 +211,12 @@ def pieces(k: int) -> tuple[int, int]:
 
 def decode_gemm_config(m: int, n: int, k: int, decode: bool = False) -> dict:
     """Launch parameters by shape and step kind (a bench may replace this function; decode: every row is a
-    sequence's one token). Groups of BLOCK_M = 8 tokens, one a
-    program: the programs of a step's row groups each read the weight tile again (from L2 after the first), and
-    that parallelism beats reusing the tile in registers (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows,
-    bench/results/decode_rows/). BLOCK_N: the widest of 64 / 32 weight rows that still gives >= _PROGRAMS
-    (DECODE_PROGRAMS) programs and fits _TILE weights, else 16. BLOCK_K: columns a chunk. No loop to pipeline:
-    num_stages 1. A bench may add TWO_D (_piece's; off: not yet measured in a step)."""
+    sequence's one token). Groups of BLOCK_M = 8 tokens, one a program: the programs of a step's row groups each
+    read the weight tile again (from L2 after the first), and that parallelism beats reusing the tile in registers
+    (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows, bench/results/decode_rows/). BLOCK_N: the widest of
+    64 / 32 weight rows that still gives >= _PROGRAMS (DECODE_PROGRAMS) programs and fits _TILE weights, else 16.
+    BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1. A bench may add TWO_D (_piece's; off: not yet
+    measured in a step)."""
     width, groups = sum(pieces(k)), triton.cdiv(m, 8)
     least = DECODE_PROGRAMS if decode else _PROGRAMS
     block_n = next((bn for bn in (64, 32) if bn * width <= _TILE and triton.cdiv(n, bn) * groups >= least), 16)
