@@ -39,12 +39,12 @@ try:        # this script's own folder first: with PYTHONPATH=<another tree>, on
     from common import note, progress, record
     from guided_quality import (build_engine, close_engine, engine_overrides, free_engine, guided_params,
                                 load_schemas, resolve, schema_prompt)
-    from profile_step import device_events, kernel_summary
+    from kernel_trace import device_events, kernel_summary
 except ImportError:
     from bench.common import note, progress, record
     from bench.guided_quality import (build_engine, close_engine, engine_overrides, free_engine, guided_params,
                                       load_schemas, resolve, schema_prompt)
-    from bench.profile_step import device_events, kernel_summary
+    from bench.kernel_trace import device_events, kernel_summary
 
 COLUMNS = ["streams", "mode", "period_ms", "guided_over_free", "steady_period_ms", "steady_guided_over_free",
            "tok_s", "forward_ms", "path_ms", "mask_wait_ms", "callback_ms", "callback_p99_ms", "host_us_per_row",

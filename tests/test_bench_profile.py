@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import bench.profile_step as profile_step
-from bench.profile_step import busy_fraction, kernel_summary, kernels_by_grid, main
+from bench.kernel_trace import busy_fraction, kernel_summary, kernels_by_grid
+from bench.profile_step import main
 from conftest import triton_module
 
 
