@@ -5,10 +5,10 @@
 The CPU interpreter runs a kernel's semantics but never lowers it: layouts, register pressure, and PDL
 instructions are only met when compiling. This compiles each variant at the default model's shapes, through
 Triton's own ptxas. Per variant it reports the registers a thread, local memory (spills), shared memory, and
-whether the PTX holds the dependent-launch instructions (griddepcontrol) exactly when USE_PDL is on. Arguments are
-specialized as the JIT specializes a launch (pointers and multiples of 16 marked divisible by 16), so loads are
-vectorized as on the GPU. The installed Triton may differ from the GPU machine's, so a pass here is a first check,
-not a GPU run.
+whether the PTX holds the dependent-launch instructions (griddepcontrol) exactly when USE_PDL is on, and which
+tensor-core instruction it holds (mma.sync, or Hopper's warpgroup wgmma). Arguments are specialized as the JIT
+specializes a launch (pointers and multiples of 16 marked divisible by 16), so loads are vectorized as on the GPU.
+The installed Triton may differ from the GPU machine's, so a pass here is a first check, not a GPU run.
 """
 from __future__ import annotations
 
@@ -56,8 +56,7 @@ def _gemm(m, k, n, prologue, epilogue, pdl, decode=False, **over):
                   K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl,
                   TWO_D=cfg.get("TWO_D", False))
     extra = (" decode" if decode else "") + "".join(f" {key}={value}" for key, value in over.items())
-    return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}{extra}",
-            decode_gemm._decode_gemm_kernel,
+    return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}{extra}", decode_gemm._decode_gemm_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
 
 
@@ -159,8 +158,7 @@ def _divisibility(kernel, types: dict, values: dict) -> dict:
 
 def compile_one(kernel, types: dict, consts: dict, warps: int, values: dict | None = None) -> dict:
     """Compile for TARGET -> {registers, local, shared, pdl, mma} (pdl: griddepcontrol in the PTX; mma: which
-    tensor-core instruction it holds, if any). values: integer
-    arguments known at the default model's shapes."""
+    tensor-core instruction it holds, if any). values: integer arguments known at the default model's shapes."""
     src = ASTSource(fn=kernel, signature=types | {name: "constexpr" for name in consts}, constexprs=consts,
                     attrs=_divisibility(kernel, types, values or {}))
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=warps))

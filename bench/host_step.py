@@ -39,6 +39,11 @@ PARTS = ("plan", "schedule", "prepare", "launched", "launch", "commit", "period"
 GUIDED_PARTS = ("snapshot", "push")
 
 
+def parts(args) -> tuple:
+    """The parts a run reports: PARTS, and GUIDED_PARTS with --guided."""
+    return PARTS + (GUIDED_PARTS if args.guided else ())
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -162,12 +167,11 @@ def measure(args, streams: int) -> dict:
         if not args.guided:
             eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
             stack.callback(delattr, eng.runner.program, "step")
-        acc = dict.fromkeys(("schedule", "prepare", "launched") + (GUIDED_PARTS if args.guided else ()), 0.0)
         timers = [(eng.scheduler, "schedule", "schedule"), (eng.runner, "prepare", "prepare"),
                   (eng.scheduler, "launched", "launched")]
         if args.guided:
-            timers += [(llm_engine, "build_snapshot", "snapshot"),
-                       (eng.runner.masks, "push", "push")]
+            timers += [(llm_engine, "build_snapshot", "snapshot"), (eng.runner.masks, "push", "push")]
+        acc = dict.fromkeys((key for _, _, key in timers), 0.0)
         for owner, name, key in timers:
             _timed(stack, owner, name, acc, key)
         for _ in range(args.rounds):
@@ -182,7 +186,7 @@ def measure(args, streams: int) -> dict:
     if eng.scheduler.num_preemptions:
         raise RuntimeError(f"{eng.scheduler.num_preemptions} preemptions: the KV pages were sized to avoid them")
     eng.close()
-    us = {k: statistics.median(r[k] for r in rounds) for k in PARTS + (GUIDED_PARTS if args.guided else ())}
+    us = {k: statistics.median(r[k] for r in rounds) for k in parts(args)}
     return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
                   us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if load.replaced else None,
@@ -200,7 +204,7 @@ def main(argv=None) -> list[dict]:
     rows = [dict(tag=r["tag"], streams=r["streams"], **r["us"]) for r in records]
     text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}. "
             "Microseconds a step, medians over rounds.\n\n"
-            + markdown_table(rows, ["tag", "streams", *PARTS, *(GUIDED_PARTS if args.guided else ())]))
+            + markdown_table(rows, ["tag", "streams", *parts(args)]))
     Path(str(args.out).rsplit(".", 1)[0] + ".md").write_text(text + "\n")
     print(text)
     return records
