@@ -53,8 +53,7 @@ def _gemm(m, k, n, prologue, epilogue, pdl, decode=False, **over):
     k0, k1 = decode_gemm.pieces(k)
     consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, BLOCK_M=cfg["BLOCK_M"],
                   GROUPS=cfg["GROUPS"], BLOCK_N=cfg["BLOCK_N"], K0=k0, BK0=min(cfg["BLOCK_K"], k0),
-                  K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl,
-                  TWO_D=cfg.get("TWO_D", False))
+                  K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl)
     extra = (" decode" if decode else "") + "".join(f" {key}={value}" for key, value in over.items())
     return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}{extra}", decode_gemm._decode_gemm_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
@@ -117,7 +116,7 @@ def variants(pdl: bool) -> list[tuple]:
     return [
         _gemm(32, 576, 960, "norm", "store", pdl), _gemm(32, 576, 3072, "norm", "store", pdl),
         _gemm(32, 1536, 576, "silu", "store", pdl), _gemm(32, 1536, 576, "silu", "add", pdl, decode=True),
-        _gemm(8, 576, 576, "none", "store", pdl), _gemm(32, 576, 3072, "norm", "store", pdl, BLOCK_K=512, TWO_D=True),
+        _gemm(8, 576, 576, "none", "store", pdl),
         _gemm(16, 576, 49152, "norm", "argmax", pdl),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),

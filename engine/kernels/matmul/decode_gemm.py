@@ -103,12 +103,10 @@ def _sum_sq(x_ptr, res_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, o
 @triton.jit
 def _piece(w, nw, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, START: tl.constexpr,
            WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-           UPCAST: tl.constexpr, PRECISION: tl.constexpr, TWO_D: tl.constexpr):
+           UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The piece's share of acc[n, m] = w[n, :] . A[m, :], A = the prologue of x rounded as the separate kernels
     round it: rms_norm ("norm", inv = each row's 1 / rms), silu_mul ("silu") or x itself. Masked lanes are 0.
-    TWO_D and a piece of one chunk: a 2-D dot, which Triton may put on Hopper's warpgroup MMA; the 3-D dot's
-    operands pass through shared memory all at once, which limits what else fits on the SM (bench/compile_check.py
-    reports both)."""
+    A 2-D dot of one chunk (Hopper's warpgroup MMA) was slower in the step (bench/results/gemm_configs_step/)."""
     dtype = x_ptr.dtype.element_ty
     if PROLOGUE == "norm":
         h, _ = _load_h(x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, START, WIDTH, BLOCK_K, HAS_RESIDUAL)
@@ -123,10 +121,6 @@ def _piece(w, nw, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, ST
         a, _ = _load_x(x_ptr, stride_x, offs_m, m_ok, K, START, WIDTH, BLOCK_K, 0)
     if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns; bf16 products are exact in fp32
         w, a = w.to(tl.float32), a.to(tl.float32)
-    if TWO_D and WIDTH // BLOCK_K == 1:
-        bn: tl.constexpr = w.shape[1]
-        bm: tl.constexpr = a.shape[2]
-        return tl.dot(tl.reshape(w, (bn, BLOCK_K)), tl.reshape(a, (BLOCK_K, bm)), input_precision=PRECISION)
     return reduce_sum(tl.dot(w, a, input_precision=PRECISION), 0)
 
 
@@ -157,7 +151,7 @@ def _decode_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
                         HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
                         GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, K0: tl.constexpr, BK0: tl.constexpr,
                         K1: tl.constexpr, BK1: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                        USE_PDL: tl.constexpr, TWO_D: tl.constexpr = False):
+                        USE_PDL: tl.constexpr):
     """decode_gemv's kernel on tensor cores: y = A @ w.T over pieces K0 (+ K1) of K, for the GROUPS groups of
     BLOCK_M rows from program_id(1) * GROUPS * BLOCK_M."""
     pid = tl.program_id(0)
@@ -190,10 +184,10 @@ def _decode_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
                               pid == 0, K0, K1, BK1, HAS_RESIDUAL)
             inv = tl.rsqrt(tl.where(m_ok, ss / K + eps, 1.0))      # padded rows stay finite (eps may be 0)
         acc = _piece(w0, nw0, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, 0, K0, BK0, PROLOGUE,
-                     HAS_RESIDUAL, UPCAST, PRECISION, TWO_D)
+                     HAS_RESIDUAL, UPCAST, PRECISION)
         if K1 > 0:
             acc += _piece(w1, nw1, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, K0, K1, BK1, PROLOGUE,
-                          HAS_RESIDUAL, UPCAST, PRECISION, TWO_D)
+                          HAS_RESIDUAL, UPCAST, PRECISION)
         _epilogue(acc, out_ptr, add_ptr, idx_ptr, stride_out, stride_add, offs_n, n_ok, offs_m, m_ok, pid, N, dtype,
                   EPILOGUE)
 
@@ -215,8 +209,7 @@ def decode_gemm_config(m: int, n: int, k: int, decode: bool = False) -> dict:
     read the weight tile again (from L2 after the first), and that parallelism beats reusing the tile in registers
     (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows, bench/results/decode_rows/). BLOCK_N: the widest of
     64 / 32 weight rows that still gives >= _PROGRAMS (DECODE_PROGRAMS) programs and fits _TILE weights, else 16.
-    BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1. A bench may add TWO_D (_piece's; off: not yet
-    measured in a step)."""
+    BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1."""
     width, groups = sum(pieces(k)), triton.cdiv(m, 8)
     least = DECODE_PROGRAMS if decode else _PROGRAMS
     block_n = next((bn for bn in (64, 32) if bn * width <= _TILE and triton.cdiv(n, bn) * groups >= least), 16)
