@@ -10,7 +10,7 @@ PORT ?= 8000
 # pytest-xdist workers for `make test` (each loads the model: a few GB)
 TEST_WORKERS ?= 2
 
-.PHONY: run test setup bench serve clean
+.PHONY: run test gpu-test setup bench serve clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,12 @@ run: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+
+# on a GPU machine, the package built in place (README, "On the GPU machine"; no venv: that machine has no
+# internet): every test that runs on CUDA there, GPU_TESTS="<files>" for a part of them
+GPU_TESTS ?= tests
+gpu-test:
+	$(PY) -m pytest -q -ra -m "gpu or kernels" $(GPU_TESTS)
 
 serve: setup
 	$(BIN)/specdec serve --host $(HOST) --port $(PORT)
