@@ -26,8 +26,8 @@ setup(
     packages=find_packages(include=["engine*", "specdec*", "hostfunc*"]),
     python_requires=">=3.10",
     # xgrammar and llguidance pinned: the grammar node binds to their C ABIs, the GPU machine stages these versions,
-    # and tests hold their measured behaviour (xgrammar 0.2.9 compiles tests/test_server_hostile.py's slow schema
-    # inside its time budget and fixed the cache failure tests/test_compile_pool.py provokes)
+    # and tests hold their measured behaviour (xgrammar 0.2.9 compiles tests/server/test_server_hostile.py's slow schema
+    # inside its time budget and fixed the cache failure tests/guided/test_compile_pool.py provokes)
     install_requires=[
         "torch>=2.6", "transformers>=4.56", "tokenizers", "safetensors", "gguf>=0.10", "xgrammar==0.2.8",
         "llguidance==1.9.1", "numpy", "tqdm", "pybind11>=2.12", "fastapi>=0.110", "uvicorn>=0.30",
@@ -37,7 +37,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff>=0.6", "accelerate", "jsonschema", "triton>=3.2",
                  "openai>=1.40", "httpx"],
         "bench": ["matplotlib"],
-        # client libraries checked against `specdec serve` (tests/test_clients.py; not in `make test`: ~350 MB)
+        # client libraries checked against `specdec serve` (tests/server/test_clients.py; not in `make test`: ~350 MB)
         "clients": ["openai-agents==0.24.0", "pydantic-ai-slim[openai]==2.38.0", "langchain-openai==1.7.4",
                     "instructor==1.17.0", "litellm==1.110.2"],
     },

@@ -6,7 +6,7 @@ beside a `pattern` or `format`, `multipleOf` on a number, an anchor inside a pat
 `enum` values of another `type` or a type's keywords where no `type` is named, but its grammar ignores them (or,
 for `oneOf`, falls back to `anyOf`): the output would parse yet could fail the schema. A guided request must be
 able to promise a valid output, so such a schema is refused with the keyword and where it is
-(tests/test_guided_schema_check.py checks each keyword here against the compiler: if xgrammar starts enforcing
+(tests/guided/test_guided_schema_check.py checks each keyword here against the compiler: if xgrammar starts enforcing
 one, that test says so).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ from the second draft on; training unrolls the same thing (`unrolled_logits`, EA
 
 This file holds the weights and the dense (training / offline evaluation) forward. The in-engine forward
 over paged KV (engine/spec/eagle_paged.py) computes the same layer with the norm weights folded into the matmuls;
-tests/test_spec_eagle.py checks that its drafts equal `unrolled_logits`'.
+tests/speculative/test_spec_eagle.py checks that its drafts equal `unrolled_logits`'.
 """
 from __future__ import annotations
 

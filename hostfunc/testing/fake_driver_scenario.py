@@ -1,4 +1,4 @@
-"""The real launch path against fake_libcuda.c; run by tests/test_hostfunc.py as
+"""The real launch path against fake_libcuda.c; run by tests/native/test_hostfunc.py as
 
     LD_LIBRARY_PATH=<dir holding the built fake libcuda.so.1> python hostfunc/testing/fake_driver_scenario.py
 

@@ -8,7 +8,7 @@ from engine.config import EngineConfig
 from engine.guided.limits import check_guide
 from engine.guided.spec import Guide
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
 C = EngineConfig(device="cpu")
 BOUNDS = (C.guide_max_bytes, C.guide_max_enum, C.guide_max_depth, C.guide_max_repeat)
 

@@ -1,6 +1,6 @@
 """Guided decoding on the CPU: the tokenizer info, bad input (caught at SamplingParams or add_request, or failing
 its request alone inside a step), the mask callback's stale-queue rule, grammars that compile while their request
-prefills, and what each guide kind yields. tests/test_guided_reference.py: equality with transformers + xgrammar,
+prefills, and what each guide kind yields. tests/guided/test_guided_reference.py: equality with transformers + xgrammar,
 schema validity, and the pipelined loop's snapshots (depth 1 vs 2, graph layout, preemption)."""
 import json
 import re

@@ -61,7 +61,7 @@ def test_streamed_whitespace_is_held_until_known():
 
 # --- tool formats from the chat template ------------------------------------------------------------------------
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 FORMATS = {"qwen2.5-instruct": "hermes", "llama-3.1-instruct": "llama3_json", "llama-3.2-instruct": "llama3_json",
            "mistral-7b-instruct-v0.3": "mistral"}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],

@@ -1,5 +1,5 @@
 """EngineConfig.head_gemv: a greedy plain step's tokens from engine.kernels.matmul.draft_gemv.linear_argmax (the LM
-head + argmax on the decode GEMV, tested against torch in tests/test_verify_gemv.py), no logits. Which steps of
+head + argmax on the decode GEMV, tested against torch in tests/kernels/test_verify_gemv.py), no logits. Which steps of
 StepProgram take the kernels, and whole engines with the switch on against off. Without CUDA the kernels run in the
 Triton CPU interpreter (tests/conftest.py)."""
 from types import SimpleNamespace

@@ -21,7 +21,7 @@ import torch
 from engine.llm_engine import LLMEngine, TensorParallelError
 from engine.requests.sequence import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 TINY = dict(model="dummy:tiny", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)

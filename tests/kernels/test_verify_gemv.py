@@ -213,7 +213,7 @@ def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
                 SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True),
                 SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)]
     runs = {}
-    # verify_gemv (off by default) on the n-gram engine only; EAGLE with it: tests/test_spec_finish.py
+    # verify_gemv (off by default) on the n-gram engine only; EAGLE with it: tests/kernels/test_spec_finish.py
     configs = ((False, False), (False, True)) + (((True, False),) if speculative == "ngram" else ())
     for verify, head in configs:
         eng = _engine(speculative, depth, verify, head)

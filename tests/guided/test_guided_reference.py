@@ -18,10 +18,10 @@ from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
 from helpers import CPU, EagerGraphs, allowed, drive_hooked, staggered
 
-DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[1] / "../shared/data"))
+DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[2] / "../shared/data"))
 BENCH = DATA / "jsonschemabench" / "maskbench"
 if not BENCH.is_dir():                       # a bare clone: the schemas these tests use, kept here
-    BENCH = Path(__file__).resolve().parent / "data" / "maskbench"
+    BENCH = Path(__file__).resolve().parents[1] / "data" / "maskbench"
 needs_data = pytest.mark.skipif(not BENCH.is_dir(), reason=f"no JSONSchemaBench schemas under {BENCH}")
 JME = ["JME_45", "JME_38", "JME_7", "JME_17", "JME_91"]           # small schemas: short prompts
 NEW = 32

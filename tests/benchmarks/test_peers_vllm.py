@@ -13,7 +13,7 @@ import pytest
 
 from bench import peers_vllm as pv
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 FAKE_VLLM = '''
 """Stand-in for vLLM's offline API: the calls bench/peers/sides.py makes, answered by our engine."""

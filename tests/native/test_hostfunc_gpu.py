@@ -1,6 +1,6 @@
 """GPU tests of hostfunc: captured callbacks replay, keep stream order, free cleanly, never deadlock.
 
-Run: pytest -q -m gpu tests/test_hostfunc_gpu.py
+Run: pytest -q -m gpu tests/native/test_hostfunc_gpu.py
 """
 import gc
 import sys

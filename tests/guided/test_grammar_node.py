@@ -134,7 +134,7 @@ def test_parallel_rows_give_the_same_tokens(engine, chat_prompts):
 def test_native_draft_masks_give_the_python_paths_tokens(guided_workload):
     """EAGLE with draft masks: the native draft nodes vs the Python draft callbacks. (Which steps speculate
     depends on when each grammar finished compiling, so acceptance counts may differ; the tokens may not.
-    tests/test_spec_guided_rollback.py compares the draft masks themselves, step by step.)"""
+    tests/speculative/test_spec_guided_rollback.py compares the draft masks themselves, step by step.)"""
     got = {}
     for node in ("native", "python"):
         eng = LLMEngine(**CPU, speculative="eagle", guided_draft_masks=True, grammar_node=node)

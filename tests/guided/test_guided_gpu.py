@@ -2,7 +2,7 @@
 stream) against an eager torch-attention engine, pipelined and blocking; failures that stay with their request;
 and a stress run of 32 guided rows for 1,000+ steps. Engines are shared per module (capture takes a while).
 
-Run: pytest -q tests/test_guided_gpu.py  ($SPECDEC_DATA: JSONSchemaBench schemas, else built-in ones only)
+Run: pytest -q tests/guided/test_guided_gpu.py  ($SPECDEC_DATA: JSONSchemaBench schemas, else built-in ones only)
 """
 import faulthandler
 import json
@@ -23,7 +23,7 @@ from helpers import CAT, PRIMES, Exploding, allowed, drive_hooked, staggered
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 MODEL = os.environ.get("SPECDEC_MODEL", "default")
-DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[1] / "../shared/data"))
+DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[2] / "../shared/data"))
 BENCH = DATA / "jsonschemabench" / "maskbench"
 JME = ["JME_45", "JME_38", "JME_7", "JME_17", "JME_91"]
 # an overlapping oneOf xgrammar refuses: `auto` runs it on llguidance (in the grammar node, like xgrammar's rows)

@@ -3,7 +3,7 @@ the debug guard.
 
 The trampoline runs synchronously through the ``_C._pack_for_test`` / ``_C._invoke_for_test`` hooks (the
 latter without the GIL, like the driver's thread), so the refcount logic is covered without a GPU
-(tests/test_hostfunc_gpu.py drives the real driver path).
+(tests/native/test_hostfunc_gpu.py drives the real driver path).
 """
 import os
 import subprocess

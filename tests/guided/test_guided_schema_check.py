@@ -1,6 +1,6 @@
 """Schemas xgrammar cannot enforce are refused for it when SamplingParams is built (engine/guided/schema_check.py),
 and each refused keyword is one the compiler really ignores (an instance violating it passes the grammar).
-With the default backend (auto) some of them run on llguidance instead (tests/test_guided_llguidance.py)."""
+With the default backend (auto) some of them run on llguidance instead (tests/guided/test_guided_llguidance.py)."""
 import json
 import re
 
