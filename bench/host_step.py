@@ -14,10 +14,10 @@ timed in --rounds rounds. Per part, microseconds a step (medians over rounds): t
 and inside plan the scheduler's schedule, the runner's prepare and the rows' `launched` bookkeeping.
 
 --guided: every request is constrained to one of --schemas' JSON schemas (its prompt asks for it) and replaced as it
-finishes. There the model's layers and LM head are replaced by zeros, not the whole step: the grammar node fills
-the masks (inline on the CPU) and the sampler takes each row's lowest allowed token, so every token is one the
-grammar accepts. Two more parts: the step's guided-row snapshot (in plan) and its push to the grammar node (in
-launch, which here also holds the masking and sampling).
+finishes. There the model's layers are replaced by zeros and the sampler by each row's lowest allowed token, read
+from its mask (what the sampler picks from zero logits), not the whole step: the grammar node fills the masks
+(inline on the CPU), so every token is one the grammar accepts. Two more parts: the step's guided-row snapshot (in
+plan) and its push to the grammar node (in launch, which here also holds the node's mask fill).
 """
 from __future__ import annotations
 
@@ -135,16 +135,33 @@ def guided_work(eng, schemas: str, max_tokens: int) -> list[tuple[list[int], obj
     return work
 
 
-def _zero_model(stack: ExitStack, eng) -> None:
-    """The model's layers and LM head give zeros (undone when the stack closes): a guided row samples the lowest
-    token its mask allows."""
+def first_allowed(bitmask):
+    """Each row's lowest allowed token (xgrammar's layout: bit j of word w allows token 32w + j), NO_TOKEN where
+    none is: what the sampler picks from all-zero logits under that mask."""
     import torch
-    program, model = eng.runner.program, eng.runner.program.model
-    hidden, vocab = model.head_weight.shape[1], model.head_weight.shape[0]
+    from engine.sampling.sampler import NO_TOKEN
+    words = bitmask.to(torch.int64) & 0xFFFFFFFF
+    nonzero = words != 0
+    first = nonzero.to(torch.uint8).argmax(1)
+    word = words.gather(1, first[:, None])[:, 0]
+    bit = torch.log2((word & -word).double()).nan_to_num(0, 0, 0).long()    # the lowest set bit's position
+    return torch.where(nonzero.any(1), 32 * first + bit, NO_TOKEN)
+
+
+def _first_allowed_model(stack: ExitStack, eng) -> None:
+    """The model's layers give zeros and each row takes the lowest token its grammar allows, read from the mask
+    the grammar node filled (undone when the stack closes). The sampler's masking of the whole vocabulary on the
+    CPU (~2.6 ms at 32 rows, a GPU's work) would otherwise be most of the step and evict the host's data."""
+    import torch
+    program = eng.runner.program
+    hidden = program.model.head_weight.shape[1]
     program.hidden = lambda slot, extras=False: torch.zeros(slot.num_sample, hidden) if slot.num_sample else None
-    model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab)
-    stack.callback(delattr, program, "hidden")
-    stack.callback(delattr, model, "compute_logits")
+    program.model.compute_logits = lambda h: h[:, :1]          # unread: the tokens come from the mask
+    program.sample = lambda slot, logits, rows, greedy, mask=None, extras=False: program.emit(
+        slot, first_allowed(mask[:rows]), rows)
+    for name in ("hidden", "sample"):
+        stack.callback(delattr, program, name)
+    stack.callback(delattr, program.model, "compute_logits")
 
 
 def measure(args, streams: int) -> dict:
@@ -161,7 +178,7 @@ def measure(args, streams: int) -> dict:
     rounds = []
     with ExitStack() as stack:
         if args.guided:
-            _zero_model(stack, eng)
+            _first_allowed_model(stack, eng)
         for _ in range(args.warmup_steps):
             load.step()
         if not args.guided:

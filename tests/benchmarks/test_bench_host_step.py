@@ -54,6 +54,23 @@ def test_a_guided_load_times_its_snapshot_and_push(tmp_path):
     assert llm_engine.build_snapshot is masks.build_snapshot     # the timer put back a module's own function
 
 
+def test_the_guided_load_takes_what_the_sampler_picks_from_zero_logits():
+    """--guided replaces the sampler by each row's lowest allowed token: equal to the sampler's own pick under the
+    same masks, rows allowing nothing (NO_TOKEN) and a word's top bit (a negative int32) included."""
+    import torch
+    from engine.sampling.sampler import sample
+    gen, vocab, n = torch.Generator().manual_seed(0), 100, 6
+    for _ in range(50):
+        allowed = torch.rand(n, vocab, generator=gen) < 0.1 * torch.rand(n, 1, generator=gen)
+        allowed[0], allowed[1, 31], allowed[1, :31] = False, True, False
+        bits = torch.nn.functional.pad(allowed.long(), (0, 28)).view(n, 4, 32) << torch.arange(32)
+        words = ((bits.sum(-1) + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32)
+        zeros = torch.zeros(n, dtype=torch.long)
+        want = sample(torch.zeros(n, vocab), torch.zeros(n), zeros, torch.ones(n), zeros, zeros, bitmask=words,
+                      all_greedy=True)
+        assert torch.equal(host_step.first_allowed(words), want)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="positive"):
         host_step.parse_args(["--rounds", "0"])
