@@ -137,15 +137,16 @@ def guided_work(eng, schemas: str, max_tokens: int) -> list[tuple[list[int], obj
 
 def first_allowed(bitmask):
     """Each row's lowest allowed token (xgrammar's layout: bit j of word w allows token 32w + j), NO_TOKEN where
-    none is: what the sampler picks from all-zero logits under that mask."""
+    none is: what the sampler picks from all-zero logits under that mask. numpy and Python ints: torch's per-op
+    overhead on these small arrays would be most of a step."""
+    import numpy as np
     import torch
     from engine.sampling.sampler import NO_TOKEN
-    words = bitmask.to(torch.int64) & 0xFFFFFFFF
-    nonzero = words != 0
-    first = nonzero.to(torch.uint8).argmax(1)
-    word = words.gather(1, first[:, None])[:, 0]
-    bit = torch.log2((word & -word).double()).nan_to_num(0, 0, 0).long()    # the lowest set bit's position
-    return torch.where(nonzero.any(1), 32 * first + bit, NO_TOKEN)
+    words = bitmask.numpy()
+    first = (words != 0).argmax(1)
+    word = words[np.arange(len(words)), first].astype(np.int64) & 0xFFFFFFFF
+    return torch.tensor([32 * f + (w & -w).bit_length() - 1 if w else NO_TOKEN
+                         for f, w in zip(first.tolist(), word.tolist())], dtype=torch.int64)
 
 
 def _first_allowed_model(stack: ExitStack, eng) -> None:
