@@ -1,6 +1,7 @@
 import gc
 import importlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -41,7 +42,13 @@ def triton_module(name: str):
     return module
 
 
+KERNELS = Path(__file__).parent / "kernels"
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:      # tests/kernels/: the kernels against torch, on CUDA where there is one (make gpu-test)
+        if KERNELS in item.path.parents:
+            item.add_marker(pytest.mark.kernels)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -6,7 +6,6 @@ import torch
 from conftest import triton_module
 
 am = triton_module("sampling.argmax")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if am.interpreted() else "cuda"
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 

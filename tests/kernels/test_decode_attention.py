@@ -12,7 +12,6 @@ from test_rope_attention import DEV, DTYPES, make_step
 
 ta = triton_module("attention.paged_attention")
 da = triton_module("attention.decode_attention")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7)}
 
 

@@ -13,7 +13,6 @@ from conftest import assert_no_leak, triton_module
 
 dg = triton_module("matmul.decode_gemv")
 gm = triton_module("matmul.decode_gemm")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if gm.interpreted() else "cuda"
 EPS = 1e-5
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -8,7 +8,6 @@ import triton
 from conftest import triton_module
 
 dg = triton_module("matmul.decode_gemv")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if dg.interpreted() else "cuda"
 # fp32: summation order only; bf16: one output rounding (and on the CPU the interpreter's truncating cast)
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 * 2 ** -7, 2 * 2 ** -8)}

@@ -15,7 +15,6 @@ from helpers import INTERPRETER_SETTINGS
 dg = triton_module("matmul.decode_gemv")
 dr = triton_module("matmul.draft_gemv")
 ops = triton_module("fused_ops")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if dr.interpreted() else "cuda"
 EPS = 1e-5
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -9,7 +9,6 @@ import torch
 from conftest import assert_no_leak, triton_module
 
 dr = triton_module("matmul.draft_gemv")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if dr.interpreted() else "cuda"
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 5, 17, 99]
 

@@ -11,7 +11,6 @@ from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS
 
 dr = triton_module("matmul.draft_gemv")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if dr.interpreted() else "cuda"
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [8, 1, 64, 64, 2], [300, 301, 302], [9, 9, 9, 9, 1, 2], [77, 6, 5, 4, 3]]
 

@@ -11,7 +11,6 @@ from conftest import triton_module
 
 ho = triton_module("spec.head_ops")
 fo = triton_module("fused_ops")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if ho.interpreted() else "cuda"
 
 

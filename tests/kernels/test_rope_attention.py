@@ -12,7 +12,6 @@ from test_triton_attention import make_batch
 
 ta = triton_module("attention.paged_attention")
 fo = triton_module("fused_ops")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 
 DEV = "cpu" if ta.interpreted() else "cuda"
 DTYPES = [torch.float32] if DEV == "cpu" else [torch.float32, torch.bfloat16]

@@ -13,7 +13,6 @@ from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 
 sf = triton_module("spec.spec_finish")
 dr = triton_module("matmul.draft_gemv")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if sf.interpreted() else "cuda"
 MML, ROWS, VOCAB = 40, 160, 50      # max_model_len, pool rows, token ids
 

@@ -11,7 +11,6 @@ from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 
 so = triton_module("spec.spec_ops")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if so.interpreted() else "cuda"
 BS, MML = 4, 40                 # block size, max_model_len
 MAX_BLOCKS = (MML + 8) // BS    # room for positions a little past max_model_len

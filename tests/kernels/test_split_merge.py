@@ -13,7 +13,6 @@ from test_rope_attention import make_step
 from test_triton_attention import DEV, TOL, make_batch, rel_err
 
 ta = triton_module("attention.paged_attention")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 
 
 def run(q, k_cache, v_cache, meta, num_splits, semaphores=None, rope=None):

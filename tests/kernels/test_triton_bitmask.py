@@ -7,7 +7,6 @@ from conftest import triton_module
 from engine.sampling.sampler import apply_bitmask as reference
 
 kernel = triton_module("sampling.bitmask")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if kernel.interpreted() else "cuda"
 
 

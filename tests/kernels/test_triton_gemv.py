@@ -11,7 +11,6 @@ from conftest import triton_module
 from engine.kernels.fused_ops import rms_norm_ref, silu_mul_ref
 
 gv = triton_module("matmul.gemv")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 
 DEV = "cpu" if gv.interpreted() else "cuda"
 EPS = 1e-5

@@ -11,7 +11,6 @@ from engine.attention import store_kv_torch
 from engine.models.llama import RMSNorm, apply_rope
 
 ops = triton_module("fused_ops")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 
 DEV = "cpu" if ops.interpreted() else "cuda"
 FP32_TOL = dict(rtol=1e-6, atol=1e-6)

@@ -14,7 +14,6 @@ from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
 dg = triton_module("matmul.decode_gemv")
 dr = triton_module("matmul.draft_gemv")
 ops = triton_module("fused_ops")
-pytestmark = pytest.mark.kernels     # on CUDA where there is a GPU (make gpu-test)
 DEV = "cpu" if dr.interpreted() else "cuda"
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 # (K, vocabulary): 3 programs of 128 rows (the last 44 real), 6 of 64 (13), 9 of 32 (1)
