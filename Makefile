@@ -35,10 +35,12 @@ test: setup
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 # on a GPU machine, the package built in place (README, "On the GPU machine"; no venv: that machine has no
-# internet): every test that runs on CUDA there, GPU_TESTS="<files>" for a part of them
+# internet): every test that runs on CUDA there, GPU_TESTS="<files>" for a part of them, GPU_TEST_ARGS for pytest's
+# own (e.g. "-n 8 --dist loadfile" where pytest-xdist is installed: the kernel tests mostly wait on compiles)
 GPU_TESTS ?= tests
+GPU_TEST_ARGS ?=
 gpu-test:
-	$(PY) -m pytest -q -ra -m "gpu or kernels" $(GPU_TESTS)
+	$(PY) -m pytest -q -ra -m "gpu or kernels" $(GPU_TEST_ARGS) $(GPU_TESTS)
 
 serve: setup
 	$(BIN)/specdec serve --host $(HOST) --port $(PORT)
