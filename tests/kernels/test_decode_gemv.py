@@ -102,6 +102,15 @@ def test_blocks_cover_every_row_and_fit_the_register_budget():
         assert cfg["BLOCK_N"] >= 1
 
 
+@pytest.mark.parametrize("k, prologue, warps", [(576, "norm", 4), (2048, "none", 4), (4096, "norm", 4),
+                                                 (4096, "none", 8), (4096, "silu", 8), (8192, "norm", 8),
+                                                 (14336, "none", 16)])
+def test_warps_by_row_length_and_prologue(k, prologue, warps):
+    """Four warps up to K = 2048, and up to 4096 under the norm prologue (Llama 8B's qkv and gate_up), whose two
+    row reductions cost more across 8 warps; 8 to MAX_K, 16 past it."""
+    assert dg.decode_gemv_config(4096, k, prologue=prologue)["num_warps"] == warps
+
+
 def test_supports_and_refusals():
     x, w = randn(2, 64, seed=3, dtype=torch.float32), randn(32, 64, seed=4, dtype=torch.float32)
     assert dg.supports(x, w)

@@ -52,6 +52,7 @@ MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K 
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
 AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
+NORM_4_WARPS_K = 4096   # the norm prologue keeps 4 warps up to this K (_warps)
 
 
 @triton.jit
@@ -202,17 +203,26 @@ def interpreted() -> bool:
     return is_interpreted(_decode_gemv_kernel)
 
 
-def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None) -> dict:
+def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None, prologue: str = "none") -> dict:
     """BLOCK_K: the whole row (a power of two); BLOCK_N: as many rows as fit _ELEMS, at least one; ROWS: m
     rounded up to a power of two where all rows go at once (at_once None: AT_ONCE_ROWS and AT_ONCE_MAX_K say
-    where that is faster than the loop), else 0 (the loop)."""
+    where that is faster than the loop), else 0 (the loop); num_warps by BLOCK_K and the prologue."""
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(_ELEMS // block_k, triton.next_power_of_2(n)))
     if at_once is None:
         at_once = AT_ONCE_ROWS[0] <= m <= AT_ONCE_ROWS[1] and block_k <= AT_ONCE_MAX_K
     rows = triton.next_power_of_2(m) if at_once else 0
-    warps = 4 if block_k <= 2048 else 8 if block_k <= MAX_K else 16    # 16: rows past MAX_K (decode_linear's)
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=warps)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=_warps(block_k, prologue))
+
+
+def _warps(block_k: int, prologue: str) -> int:
+    """4 up to K = 2048, and up to NORM_4_WARPS_K with the norm prologue; 8 up to MAX_K; 16 past it (decode_linear's
+    long rows). Each program of a norm prologue reduces its row of x twice (sum of squares, then the product), and
+    across 8 warps that cost Llama 8B's gate_up 9% of its bandwidth (3.99 against 4.35 TB/s at 4 warps on an H200;
+    prologue-free calls differ by 1-2% either way: bench/results/gemv_prologues/)."""
+    if block_k <= 2048 or (prologue == "norm" and block_k <= NORM_4_WARPS_K):
+        return 4
+    return 8 if block_k <= MAX_K else 16
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,
@@ -242,7 +252,7 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     [M, N / 2], or with "argmax" each program's maximum [M, programs] (fp32) and its row idx (int32). at_once:
     decode_gemv_config's (benches)."""
     m, n = x.shape[0], weight.shape[0]
-    cfg = decode_gemv_config(n, k, m, at_once)
+    cfg = decode_gemv_config(n, k, m, at_once, prologue)
     if epilogue == "silu_mul":      # a program's BLOCK_N weight rows give BLOCK_N / 2 outputs
         n //= 2
         grid = triton.cdiv(n, cfg["BLOCK_N"] // 2)
