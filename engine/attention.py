@@ -139,8 +139,8 @@ class TritonAttention(_Matmuls):
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, decode_attention: bool = False,
-                 decode_attention_splits: int = 0, decode_attention_prefetch: int = 0, decode_attention_tile: int = 0,
-                 long_row_gemv: bool = False, device=None):
+                 decode_attention_splits: int = 0, decode_attention_prefetch: int = 0, long_row_gemv: bool = False,
+                 device=None):
         from engine.kernels.sampling import argmax, bitmask
         from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
@@ -167,7 +167,6 @@ class TritonAttention(_Matmuls):
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
         self._decode_prefetch = decode_attention_prefetch                  # its cached tiles read before the wait
-        self._decode_tile = decode_attention_tile                          # and their keys (0: by rule)
         # split_merge: the counters of split attention's groups, zero between kernels (each launch leaves them so);
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
@@ -275,7 +274,7 @@ class TritonAttention(_Matmuls):
             return self._decode_attn.decode_attention(
                 q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                 meta.slot_mapping, scale, num_splits=self._decode_splits, max_seq_len=meta.max_seq_len,
-                semaphores=self._semaphores, prefetch_tiles=self._decode_prefetch, tile_n=self._decode_tile)
+                semaphores=self._semaphores, prefetch_tiles=self._decode_prefetch)
         if self._rope_attention and self._k.fuses_rope(q.shape[1], k_cache.shape[2], meta.max_query_len,
                                                        k_cache.shape[1]):
             return self.attend(q, k_cache, v_cache, meta, scale, rope=(k, v, positions, *rope_cache, meta.slot_mapping))

@@ -84,10 +84,6 @@ class EngineConfig:
                                        # dependent-launch wait: 1 or 2 (227 registers against 185 on sm_90, no
                                        # spills), 0 by rule: 2 where a launch does not split KV (SmolLM2 32 streams
                                        # 0.814 -> 0.776 ms a step), else 1 (decode_attention.prefetch_rule)
-    decode_attention_tile: int = 0     # keys a cached KV tile of decode_attention: 64 or 128, 0 by rule (64). One
-                                       # call at SmolLM2's head_dim 64, 32 streams: 128 keys 11.5 -> 8.2 us at 512
-                                       # keys of context, 20.6 -> 14.1 at 1024, 4.4 -> 4.9 at 48; Llama 8B's
-                                       # head_dim 128 loses with it (H200, bench/results/attention_tiles/)
     native_launch: bool = True         # graph steps enqueue their upload, events, replay and token download in one
                                        # native call (engine/runner/native_launch.py), not nine torch calls: the
                                        # host launch 224 -> 19 us at 1 stream on an H200 machine, guided 1.02 /
@@ -176,8 +172,6 @@ class EngineConfig:
         if self.decode_attention_prefetch not in (0, 1, 2):
             raise ValueError("decode_attention_prefetch must be 0 (by rule), 1 or 2, got "
                              f"{self.decode_attention_prefetch}")
-        if self.decode_attention_tile not in (0, 64, 128):
-            raise ValueError(f"decode_attention_tile must be 0 (by rule), 64 or 128, got {self.decode_attention_tile}")
         if self.spec_draft_vocab_size < 0:
             raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
         if self.depth not in (1, 2):

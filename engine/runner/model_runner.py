@@ -57,7 +57,6 @@ class ModelRunner:
             split_merge=config.split_merge, silu_epilogue=config.silu_epilogue,
             decode_attention=config.decode_attention, decode_attention_splits=config.decode_attention_splits,
             decode_attention_prefetch=config.decode_attention_prefetch,
-            decode_attention_tile=config.decode_attention_tile,
             long_row_gemv=config.long_row_gemv and config.decode_gemv, device=self.device)
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)

@@ -49,30 +49,6 @@ def test_matches_paged_attention_with_rope(heads, num_splits, dtype):
     torch.testing.assert_close(out_b, out_a, **TOL[dtype])
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_tiles_of_128_keys_match_paged_attention(num_splits, prefetch):
-    """tile_n=128: contexts inside the first tile, on its edge, across it, and past two prefetched tiles."""
-    s = make_step([1] * 6, [1, 100, 128, 129, 260, 300], 9, 3, seed=21 + num_splits)
-    (out_a, kc_a, vc_a), _ = both(s, num_splits)
-    kc, vc = s["k_cache"].clone(), s["v_cache"].clone()
-    out = da.decode_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"], kc, vc, s["cu"],
-                              s["seq_lens"], s["tables"], s["slots"], s["q"].shape[-1] ** -0.5, num_splits=num_splits,
-                              prefetch_tiles=prefetch, tile_n=128)
-    assert not out.isnan().any(), "a new key was read from the cache before it was stored"
-    torch.testing.assert_close(kc, kc_a, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(vc, vc_a, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(out, out_a, **TOL[torch.float32])
-
-
-@pytest.mark.parametrize("tile_n", [32, 96, 256])
-def test_tile_n_other_than_64_or_128_is_refused(tile_n):
-    s = make_step([1], [10], 9, 3, seed=3)
-    with pytest.raises(ValueError, match="tile_n must be"):
-        da.decode_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"], s["k_cache"], s["v_cache"],
-                            s["cu"], s["seq_lens"], s["tables"], s["slots"], 0.125, tile_n=tile_n)
-
-
 @pytest.mark.parametrize("num_splits", [2, 4])
 def test_splits_merged_in_the_kernel(num_splits):
     s = make_step([1] * 3, [70, 5, 130], 9, 3, seed=7)
@@ -177,27 +153,25 @@ def test_prefetch_by_rule_reads_two_tiles_only_where_the_context_is_not_split(mo
 
 
 def test_engine_with_decode_attention_splits_and_prefetch_set_keeps_the_tokens(monkeypatch):
-    """decode_attention_splits = 4, decode_attention_prefetch = 1 or 2 and decode_attention_tile = 128 reach the
-    kernel on every decode step (the rules pick 1 split and 2 tiles of 64 keys on the CPU) and the greedy outputs
-    stay those of the defaults."""
+    """decode_attention_splits = 4 and decode_attention_prefetch = 1 or 2 reach the kernel on every decode step
+    (the rules pick 1 split and 2 tiles on the CPU) and the greedy outputs stay those of the defaults."""
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     from helpers import INTERPRETER_SETTINGS
     prompts = [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2], list(range(40, 140))]    # 100 tokens: past one tile
     results = []
-    for splits, tiles, tile_n in ((0, 0, 0), (4, 1, 0), (0, 1, 128), (4, 2, 128)):
+    for splits, tiles in ((0, 0), (4, 1), (0, 1), (4, 2)):
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                         **INTERPRETER_SETTINGS, depth=2, max_num_seqs=4, max_model_len=128, enforce_eager=True,
-                        decode_attention=True, decode_attention_splits=splits, decode_attention_prefetch=tiles,
-                        decode_attention_tile=tile_n)
+                        decode_attention=True, decode_attention_splits=splits, decode_attention_prefetch=tiles)
         eng.runner.backend._decode_attn = da                   # this file's (interpreter-built) module
         calls, real = [], da.decode_attention
-        monkeypatch.setattr(da, "decode_attention", lambda *a, **kw: calls.append(
-            (kw["num_splits"], kw["prefetch_tiles"], kw["tile_n"])) or real(*a, **kw))
+        monkeypatch.setattr(da, "decode_attention",
+                            lambda *a, **kw: calls.append((kw["num_splits"], kw["prefetch_tiles"])) or real(*a, **kw))
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 6)]
         seqs = eng.generate(prompts, params)
         monkeypatch.setattr(da, "decode_attention", real)
-        assert calls and set(calls) == {(splits or None, tiles, tile_n)}
+        assert calls and set(calls) == {(splits or None, tiles)}
         results.append([s.output_token_ids for s in seqs])
     assert results[1:] == [results[0]] * 3
 
@@ -212,6 +186,3 @@ def test_decode_attention_splits_must_be_zero_or_a_power_of_two_to_32(splits):
         with pytest.raises(ValueError, match="decode_attention_prefetch"):
             EngineConfig(decode_attention_prefetch=tiles)
     assert EngineConfig().decode_attention_prefetch == 0
-    with pytest.raises(ValueError, match="decode_attention_tile"):
-        EngineConfig(decode_attention_tile=32)
-    assert EngineConfig().decode_attention_tile == 0

@@ -148,21 +148,17 @@ def prefetch_rule(num_splits: int) -> int:
 
 def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cu_seqlens_q, seq_lens,
                      block_tables, slot_mapping, scale, *, out=None, num_splits=None, max_seq_len=None,
-                     semaphores=None, prefetch_tiles: int = 0, tile_n: int = 0):
+                     semaphores=None, prefetch_tiles: int = 0):
     """paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, 1, rope=(k, v, positions,
     cos_cache, sin_cache, slot_mapping), ...) for steps of at most one new token a sequence: q [T, heads, D], k, v
     [T, kv_heads, D] not yet rotated or cached. num_splits, max_seq_len, semaphores, out: paged_attention's.
-    prefetch_tiles (1 or 2; 0: by rule): the cached KV tiles of a split read before the dependent-launch wait.
-    tile_n (64 or 128; 0: by rule, paged_attention's 64): the keys of a cached tile."""
+    prefetch_tiles (1 or 2; 0: by rule): the cached KV tiles of a split read before the dependent-launch wait."""
     check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
     if isinstance(scale, torch.Tensor):
         raise ValueError("scale must be a host number (a tensor would need a sync)")
     if prefetch_tiles not in (0, 1, 2):
         raise ValueError(f"prefetch_tiles must be 0 (by rule), 1 or 2, got {prefetch_tiles}")
-    if tile_n not in (0, 64, 128) or 0 < tile_n < k_cache.shape[1]:
-        raise ValueError(f"tile_n must be 0 (by rule), 64 or 128 and at least the page size {k_cache.shape[1]}, "
-                         f"got {tile_n}")
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -174,8 +170,7 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, _, rule_tile, num_warps = _tile_config(group, 1, block_size)
-    tile_n = tile_n or rule_tile
+    block_m, _, tile_n, num_warps = _tile_config(group, 1, block_size)
     groups = num_seqs * num_kv_heads
     num_splits = split_count(num_splits, q.device, groups, block_tables, block_size, max_seq_len, tile_n)
     head_pad = max(16, triton.next_power_of_2(head_dim))
