@@ -26,11 +26,11 @@ the activation itself. The down projection after it then reads I values a row, n
 with the SiLU prologue every one of its programs recomputed the whole row's (8192 exp a program at Llama 1B's
 down, 2048 programs).
 
-Rows. A loop over rows makes each row a pass that waits on the one before (its x load, its reductions, its
-stores): ~0.4-1.6 us a row at SmolLM2's shapes. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at
-K = 3 is 4) load every row's x at once and reduce one [rows, BLOCK_N, BLOCK_K] product, each row's value the
-loop's up to the summation order of K (bench/results/gemv_rows/). Past 4 rows or K > 2048 that product's
-registers spill, and single rows gain nothing: those keep the loop.
+Rows. In a loop over rows each row is a pass waiting on the one before (x load, reductions, stores): ~0.4-1.6 us
+a row at SmolLM2's shapes. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at K = 3) reduce one
+[rows, BLOCK_N, BLOCK_K] product of every row's x, loaded at once, equal to the loop's up to K's summation order
+(bench/results/gemv_rows/); past 4 rows or K > 2048 its registers spill, and single rows gain nothing: those keep
+the loop.
 
 Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype to nearest even, as torch rounds
 (common.round_to, the interpreter included); the summation order differs from cuBLAS, so results agree to
@@ -53,7 +53,6 @@ _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 pe
 AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
 AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
 NORM_4_WARPS_K = 4096   # the norm prologue keeps 4 warps up to this K (_warps)
-
 
 @triton.jit
 def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res,
@@ -216,10 +215,9 @@ def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None, 
 
 
 def _warps(block_k: int, prologue: str) -> int:
-    """4 up to K = 2048, and up to NORM_4_WARPS_K with the norm prologue; 8 up to MAX_K; 16 past it (decode_linear's
-    long rows). Each program of a norm prologue reduces its row of x twice (sum of squares, then the product), and
-    across 8 warps that cost Llama 8B's gate_up 9% of its bandwidth (3.99 against 4.35 TB/s at 4 warps on an H200;
-    prologue-free calls differ by 1-2% either way: bench/results/gemv_prologues/)."""
+    """4 to K = 2048, or to NORM_4_WARPS_K under the norm prologue, whose two row reductions (sum of squares, then
+    the product) cost Llama 8B's gate_up 9% of its bandwidth on 8 warps (H200, bench/results/gemv_prologues/); 8 to
+    MAX_K; 16 past it (decode_linear's long rows)."""
     if block_k <= 2048 or (prologue == "norm" and block_k <= NORM_4_WARPS_K):
         return 4
     return 8 if block_k <= MAX_K else 16
