@@ -26,7 +26,6 @@ except ImportError:
 
 from bench.gemv_kernels import time_graph  # noqa: E402
 from engine.kernels.fused_ops import rms_norm_ref, silu_mul_ref  # noqa: E402
-from engine.kernels.common import pdl  # noqa: E402
 from engine.kernels.matmul import decode_gemv  # noqa: E402
 
 SHAPES = {"llama8b": dict(hidden=4096, qkv=6144, inter=14336),
@@ -67,20 +66,13 @@ def operands(n: int, k: int, copies: int, device="cuda"):
 
 
 def launcher(prologue: str, residual: bool, epilogue: str, cfg: dict, ws, x, res, nw):
-    """fn(i): one call on weight copy i % copies, and its (out, new_residual)."""
-    n, k = ws[0].shape
-    n_out = n // 2 if epilogue == "silu_mul" else n
-    grid = math.ceil(n_out / (cfg["BLOCK_N"] // 2 if epilogue == "silu_mul" else cfg["BLOCK_N"]))
-    out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
-    new_res = torch.empty_like(x)
-    r = res if residual else x
-    kernel = decode_gemv._decode_gemv_kernel
+    """fn(i): one call of the engine's launch at config `cfg` on weight copy i % copies; returns its output."""
+    k = ws[0].shape[1]
 
     def fn(i):
-        kernel[(grid,)](x, r, nw, ws[i % len(ws)], out, new_res if residual else x, x, x, x.stride(0), r.stride(0),
-                        out.stride(0), x.stride(0), x.stride(0), 1, n_out, k, 1e-5, PROLOGUE=prologue,
-                        HAS_RESIDUAL=residual, EPILOGUE=epilogue, **cfg, **pdl(kernel, x.device, 1))
-    return fn, out
+        return decode_gemv.launch(x, ws[i % len(ws)], k, prologue, nw=nw, eps=1e-5, residual=res if residual else None,
+                                  epilogue=epilogue, config=cfg)[0]
+    return fn
 
 
 def reference(prologue: str, residual: bool, epilogue: str, w, x, res, nw):
@@ -97,9 +89,9 @@ def run_case(label, prologue, residual, epilogue, n, k, spec, args) -> dict:
         raise ValueError(f"silu_mul needs at least 2 weight rows a program, config {spec}")
     copies = max(2, math.ceil(L2_BYTES / (n * k * 2)))
     ws, x, res, nw = operands(n, k, copies)
-    fn, out = launcher(prologue, residual, epilogue, cfg, ws, x, res, nw)
+    fn = launcher(prologue, residual, epilogue, cfg, ws, x, res, nw)
     us = time_graph(fn, max(args.calls, copies), args.replays)
-    fn(0)
+    out = fn(0)
     ref = reference(prologue, residual, epilogue, ws[0], x, res, nw)
     diff = (out.float() - ref.float()).abs().max().item()
     return record("gemv_prologues", label, args.model, "bfloat16", 1, None, None, None, N=n, K=k, config=spec,

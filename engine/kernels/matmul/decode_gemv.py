@@ -245,12 +245,13 @@ def buffers(x, n: int, k: int, grid: int, epilogue: str, residual=None, add=None
     return out, idx, new_res, x if residual is None else residual, x if add is None else add
 
 
-def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store", at_once=None):
+def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, epilogue="store", at_once=None,
+           config=None):
     """The kernel on checked inputs -> (out, new_residual, idx): out [M, N] and idx = x, with "silu_mul" out
     [M, N / 2], or with "argmax" each program's maximum [M, programs] (fp32) and its row idx (int32). at_once:
-    decode_gemv_config's (benches)."""
+    decode_gemv_config's; config: a launch config in its place (benches)."""
     m, n = x.shape[0], weight.shape[0]
-    cfg = decode_gemv_config(n, k, m, at_once, prologue)
+    cfg = config or decode_gemv_config(n, k, m, at_once, prologue)
     if epilogue == "silu_mul":      # a program's BLOCK_N weight rows give BLOCK_N / 2 outputs
         n //= 2
         grid = triton.cdiv(n, cfg["BLOCK_N"] // 2)
