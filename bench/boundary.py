@@ -9,13 +9,12 @@ matmul reads the activation row its neighbours produced), adding one and storing
 - `plain`: one kernel a phase, plain launches, in one CUDA graph;
 - `pdl`: one kernel a phase under programmatic dependent launch, as the engine chains its decode kernels;
 - `barrier`: one kernel for every phase, its programs meeting at a grid-wide barrier (an atomic counter) between.
-`us_per_phase` is the graph's time to done over its phases, median over --replays back-to-back replays timed by
-CUDA events. Every mode's last buffer is checked against the phase count.
+`us_per_phase` is the graph's time to done over its phases, median over --replays replays timed by CUDA events
+(bench/gemv_kernels.time_graph). Every mode's last buffer is checked against the phase count.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import triton
@@ -26,7 +25,8 @@ try:
 except ImportError:
     from bench.common import markdown_table, note, plot, record, write_results
 
-from engine.kernels.common import pdl_start  # noqa: E402 (bench.common puts the repo on the path)
+from bench.gemv_kernels import time_graph  # noqa: E402 (bench.common puts the repo on the path)
+from engine.kernels.common import pdl_start  # noqa: E402
 
 MODES = ("plain", "pdl", "barrier")
 
@@ -80,48 +80,24 @@ def _persistent_kernel(a, b, counter, PHASES: tl.constexpr, ELEMS: tl.constexpr)
         grid_barrier(counter, (p + 2) * grid)
 
 
-def capture(mode: str, grid: int, phases: int, elems: int, stream):
-    """A graph running `phases` dependent phases on two bf16 buffers, after zeroing them (and the counter)."""
+def phases(mode: str, grid: int, count: int, elems: int):
+    """(run, a): run(_) zeroes two bf16 buffers (and the counter) and runs `count` dependent phases on them, the
+    last into `a`."""
     import torch
     a, b = (torch.zeros(grid * elems, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+    launch = {"USE_PDL": True, "launch_pdl": True} if mode == "pdl" else {"USE_PDL": False}
 
-    def run():
+    def run(_):
         a.zero_()
         counter.zero_()
         if mode == "barrier":
-            _persistent_kernel[(grid,)](a, b, counter, PHASES=phases, ELEMS=elems, num_warps=4)
+            _persistent_kernel[(grid,)](a, b, counter, PHASES=count, ELEMS=elems, num_warps=4)
             return
-        launch = {"USE_PDL": True, "launch_pdl": True} if mode == "pdl" else {"USE_PDL": False}
-        for p in range(phases):
+        for p in range(count):
             src, dst = (a, b) if p % 2 == 0 else (b, a)
             _phase_kernel[(grid,)](src, dst, ELEMS=elems, num_warps=4, **launch)
-
-    with torch.cuda.stream(stream):
-        run()                                   # compile outside the capture
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            run()
-    stream.synchronize()
-    return graph, a
-
-
-def time_graph(graph, stream, replays: int) -> float:
-    """Median us of one replay among back-to-back replays, by CUDA events."""
-    import torch
-    times = []
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            graph.replay()
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return run, a
 
 
 def check_args(args) -> None:
@@ -134,7 +110,7 @@ def check_args(args) -> None:
 
 
 def measure(args, torch) -> list[dict]:
-    stream, records = torch.cuda.Stream(), []
+    records = []
     hopper = torch.cuda.get_device_capability()[0] >= 9
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for elems in args.elems:
@@ -142,8 +118,8 @@ def measure(args, torch) -> list[dict]:
             for mode in MODES:
                 if mode == "pdl" and not hopper:
                     continue
-                graph, a = capture(mode, grid, args.phases, elems, stream)
-                us = time_graph(graph, stream, args.replays)
+                run, a = phases(mode, grid, args.phases, elems)
+                us = time_graph(run, 1, args.replays)       # one graph of all the phases, us a replay
                 if not bool((a.float() == args.phases).all()):
                     raise RuntimeError(f"{mode} at grid {grid}: the last buffer is not {args.phases} everywhere")
                 records.append(record("boundary", mode, None, "bfloat16", None, None, None, us / 1e3, grid=grid,
