@@ -60,7 +60,7 @@ def _gemm(m, k, n, prologue, epilogue, pdl, decode=False, **over):
 
 
 def _gemv(k, n, prologue, epilogue, pdl, m=1):
-    cfg = decode_gemv.decode_gemv_config(n, k, m, prologue=prologue)
+    cfg = decode_gemv.decode_gemv_config(n, k, m)
     consts = dict(PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, BLOCK_N=cfg["BLOCK_N"],
                   BLOCK_K=cfg["BLOCK_K"], ROWS=cfg["ROWS"], USE_PDL=pdl)
     return (f"decode_gemv M={m} K={k} N={n} {prologue}/{epilogue}", decode_gemv._decode_gemv_kernel,

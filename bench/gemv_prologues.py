@@ -51,8 +51,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def config(spec: str, n: int, k: int, prologue: str) -> dict:
-    cfg = decode_gemv.decode_gemv_config(n, k, prologue=prologue)
+def config(spec: str, n: int, k: int) -> dict:
+    cfg = decode_gemv.decode_gemv_config(n, k)
     if spec != "shipped":
         rows, warps = (int(v) for v in spec.split("x"))
         cfg = dict(cfg, BLOCK_N=rows, num_warps=warps)
@@ -84,7 +84,7 @@ def reference(prologue: str, residual: bool, epilogue: str, w, x, res, nw):
 
 
 def run_case(label, prologue, residual, epilogue, n, k, spec, args) -> dict:
-    cfg = config(spec, n, k, prologue)
+    cfg = config(spec, n, k)
     if cfg["BLOCK_N"] < 2 and epilogue == "silu_mul":
         raise ValueError(f"silu_mul needs at least 2 weight rows a program, config {spec}")
     copies = max(2, math.ceil(L2_BYTES / (n * k * 2)))

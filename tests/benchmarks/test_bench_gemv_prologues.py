@@ -9,10 +9,10 @@ from bench import gemv_prologues as gp
 
 
 def test_shipped_config_is_the_engines_and_others_set_rows_and_warps():
-    assert gp.config("shipped", 28672, 4096, "norm") == gp.decode_gemv.decode_gemv_config(28672, 4096, prologue="norm")
-    assert gp.config("shipped", 28672, 4096, "norm")["num_warps"] == 4
-    assert gp.config("shipped", 28672, 4096, "none")["num_warps"] == 8
-    cfg = gp.config("4x16", 28672, 4096, "none")
+    assert gp.config("shipped", 28672, 4096) == gp.decode_gemv.decode_gemv_config(28672, 4096)
+    assert gp.config("shipped", 28672, 4096)["num_warps"] == 4
+    assert gp.config("shipped", 4096, 14336)["num_warps"] == 8
+    cfg = gp.config("4x16", 28672, 4096)
     assert (cfg["BLOCK_N"], cfg["num_warps"], cfg["BLOCK_K"]) == (4, 16, 4096)
 
 

@@ -52,7 +52,7 @@ MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K 
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
 AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
-NORM_4_WARPS_K = 4096   # the norm prologue keeps 4 warps up to this K (_warps)
+FOUR_WARPS_K = 4096     # rows up to this K run 4 warps, longer ones 8 (_warps)
 
 @triton.jit
 def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res,
@@ -202,25 +202,25 @@ def interpreted() -> bool:
     return is_interpreted(_decode_gemv_kernel)
 
 
-def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None, prologue: str = "none") -> dict:
+def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None) -> dict:
     """BLOCK_K: the whole row (a power of two); BLOCK_N: as many rows as fit _ELEMS, at least one; ROWS: m
     rounded up to a power of two where all rows go at once (at_once None: AT_ONCE_ROWS and AT_ONCE_MAX_K say
-    where that is faster than the loop), else 0 (the loop); num_warps by BLOCK_K and the prologue."""
+    where that is faster than the loop), else 0 (the loop); num_warps by BLOCK_K (_warps)."""
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(_ELEMS // block_k, triton.next_power_of_2(n)))
     if at_once is None:
         at_once = AT_ONCE_ROWS[0] <= m <= AT_ONCE_ROWS[1] and block_k <= AT_ONCE_MAX_K
     rows = triton.next_power_of_2(m) if at_once else 0
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=_warps(block_k, prologue))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=_warps(block_k))
 
 
-def _warps(block_k: int, prologue: str) -> int:
-    """4 to K = 2048, or to NORM_4_WARPS_K under the norm prologue, whose two row reductions (sum of squares, then
-    the product) cost Llama 8B's gate_up 9% of its bandwidth on 8 warps (H200, bench/results/gemv_prologues/); 8 to
-    MAX_K; 16 past it (decode_linear's long rows)."""
-    if block_k <= 2048 or (prologue == "norm" and block_k <= NORM_4_WARPS_K):
-        return 4
-    return 8 if block_k <= MAX_K else 16
+def _warps(block_k: int) -> int:
+    """4 to FOUR_WARPS_K, 8 past it: 64 weight values a thread at _ELEMS a program, and long rows alike. On an
+    H200 at Llama 8B's shapes (bench/results/gemv_prologues/, bench/results/llama8b_floor/): the norm prologue's
+    two row reductions cost gate_up 9% of its bandwidth on 8 warps; o_proj (K = 4096) on 4 keeps twice the
+    programs resident, so twice the weight loaded while attention runs (its path 292 -> 240 us a step); the down
+    projection's 14336-long rows on 8 instead of 16 (988 -> 906 us)."""
+    return 4 if block_k <= FOUR_WARPS_K else 8
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,
@@ -251,7 +251,7 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     [M, N / 2], or with "argmax" each program's maximum [M, programs] (fp32) and its row idx (int32). at_once:
     decode_gemv_config's; config: a launch config in its place (benches)."""
     m, n = x.shape[0], weight.shape[0]
-    cfg = config or decode_gemv_config(n, k, m, at_once, prologue)
+    cfg = config or decode_gemv_config(n, k, m, at_once)
     if epilogue == "silu_mul":      # a program's BLOCK_N weight rows give BLOCK_N / 2 outputs
         n //= 2
         grid = triton.cdiv(n, cfg["BLOCK_N"] // 2)

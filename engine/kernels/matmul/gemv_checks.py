@@ -8,7 +8,7 @@ from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (past AT_ONCE_ROWS a row is a pass over the registers);
                         # the engine hands it steps of up to EngineConfig.decode_gemv_rows (4 unless raised)
 MAX_K = 8192            # a whole weight row sits in registers
-MAX_K_PLAIN = 16384     # the same with no prologue (decode_linear), 16 warps a row: Llama 8B's down projection
+MAX_K_PLAIN = 16384     # the same with no prologue (decode_linear), 8 warps a row: Llama 8B's down projection
 
 
 def problem(x, weight, k, norm_weight=None, residual=None, add=None, rows=(1, MAX_ROWS), max_k=MAX_K) -> str | None:
