@@ -49,6 +49,26 @@ def test_matches_paged_attention_with_rope(heads, num_splits, dtype):
     torch.testing.assert_close(out_b, out_a, **TOL[dtype])
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_wide_heads_run_eight_warps_and_match_paged_attention(monkeypatch, merge):
+    """Llama 8B's heads (128 wide, 4 queries a KV head) launch on 8 warps, SmolLM2's (64) on the tile config's 4;
+    the 8-warp layout gives paged_attention's output and cache bits, split and merged either way."""
+    assert (da.warps(128, 4), da.warps(256, 4), da.warps(64, 4)) == (8, 8, 4)
+    real, launched = da._decode_attn_kernel, []
+
+    class Spy:                  # records each launch's num_warps, then launches the real kernel
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(kw["num_warps"]) or real[grid](*a, **kw)
+
+    monkeypatch.setattr(da, "_decode_attn_kernel", Spy())
+    s = make_step([1] * 3, [9, 64, 150], 8, 2, head_dim=128, seed=11)
+    (out_a, kc_a, vc_a), (out_b, kc_b, vc_b) = both(s, 4, semaphores=merge)
+    assert launched == [8]
+    torch.testing.assert_close(kc_b, kc_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(vc_b, vc_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out_b, out_a, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("num_splits", [2, 4])
 def test_splits_merged_in_the_kernel(num_splits):
     s = make_step([1] * 3, [70, 5, 130], 9, 3, seed=7)

@@ -35,6 +35,8 @@ from engine.kernels.fused_ops import check_rope, rotate_rows
 from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _check_semaphores, _tile_config, online_update
 from engine.kernels.attention.split_merge import combine_splits, split_count, split_partials, store_splits
 
+WIDE_HEAD = 128     # padded head sizes from which a program runs 8 warps (warps)
+
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l, cu_q, seq_lens,
@@ -139,6 +141,13 @@ def interpreted() -> bool:
     return is_interpreted(_decode_attn_kernel)
 
 
+def warps(head_pad: int, tile_warps: int) -> int:
+    """8 warps for heads of 128 and wider, else the tile config's: at one stream a program's latency is the
+    attention's, and at 4 warps Llama 8B's heads hold 255 registers a thread, 194 on 8 (sm_90); its attention
+    path 291 -> 244 us a step, the step 3.88 -> 3.82 ms (H200, bench/results/llama8b_floor/)."""
+    return 8 if head_pad >= WIDE_HEAD else tile_warps
+
+
 def prefetch_rule(num_splits: int) -> int:
     """Cached tiles a split reads before the wait: two where one split walks the whole context (SmolLM2 at 32
     streams: attention 229 -> 194 us of the step's critical path), one where the context is split (at one stream
@@ -170,10 +179,11 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, _, tile_n, num_warps = _tile_config(group, 1, block_size)
+    block_m, _, tile_n, tile_warps = _tile_config(group, 1, block_size)
     groups = num_seqs * num_kv_heads
     num_splits = split_count(num_splits, q.device, groups, block_tables, block_size, max_seq_len, tile_n)
     head_pad = max(16, triton.next_power_of_2(head_dim))
+    num_warps = warps(head_pad, tile_warps)
     part_acc, part_m, part_l = split_partials(out, num_splits, head_pad)
     prefetch_tiles = prefetch_tiles or prefetch_rule(num_splits)
     merge = num_splits > 1 and semaphores is not None and _check_semaphores(semaphores, q.device) >= groups
