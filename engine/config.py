@@ -46,7 +46,7 @@ class EngineConfig:
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
                                        # kernels/sampling/argmax.py, where those run (the Triton backend)
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
-                                       # 8192 (up to 16384, 16 warps a row): Llama 8B's down projection (14336),
+                                       # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
                                        # 4.14 -> 4.10 ms a step, 32 kernels fewer (H200, bench/results/
                                        # attention_rules/); SmolLM2 and Llama 1B have no such rows
@@ -64,11 +64,11 @@ class EngineConfig:
                                        # verification): RoPE and the KV store inside the attention kernel, not a
                                        # kernel of their own (engine/kernels/attention/rope_kv.py), where the backend
                                        # is Triton
-    split_merge: bool = False          # attention split over KV (small batches) merges its splits in the attention
+    split_merge: bool = True           # attention split over KV (small batches) merges its splits in the attention
                                        # kernel (a counter per group, engine/kernels/attention/split_merge.py), not in a
-                                       # combine kernel of its own, where the backend is Triton. Off: guided
-                                       # decoding at one stream lost 16-20% with it in three rounds on an H200
-                                       # (bench/results/split_merge_floors/); Llama 1B / 8B gain 3.5% / 1.5%
+                                       # combine kernel of its own, where the backend is Triton. H200 (bench/results/
+                                       # llama8b_floor/): Llama 1B 0.838 -> 0.809 ms a step, 8B 4.01 -> 3.96; SmolLM2's
+                                       # kernel path 0.417 -> 0.415 ms at 1 stream, 0.634 -> 0.607 at 8
     silu_epilogue: bool = True         # steps on the decode GEMV: SiLU * up in the epilogue of the gate_up GEMV, so
                                        # the down projection reads the activation (engine/kernels/matmul/decode_gemv.py)
     decode_attention: bool = True      # steps of one new token a sequence (decode, the EAGLE head's draft steps):

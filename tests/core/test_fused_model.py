@@ -63,9 +63,10 @@ def test_fused_path_with_rope_as_its_own_kernel(reference):
 
 
 @pytest.mark.gpu
-def test_fused_path_with_splits_merged_in_the_attention_kernel(reference):
-    """split_merge: split attention (small batches on a GPU; the CPU never splits) merges in its own kernel."""
-    assert _tokens("triton", 2, max_num_batched_tokens=16, split_merge=True) == reference
+def test_fused_path_with_splits_merged_by_a_combine_kernel(reference):
+    """split_merge off: split attention (small batches on a GPU; the CPU never splits) merges its splits in a
+    kernel of its own, not in the attention kernel, with the same tokens."""
+    assert _tokens("triton", 2, max_num_batched_tokens=16, split_merge=False) == reference
 
 
 def _prefill_features(engine, ids, aux_layers):
