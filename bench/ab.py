@@ -10,7 +10,7 @@ imports its own engine, with that side's --before-engine / --after-engine settin
 alternate the order (A B, B A, ...). Modes: plain = `python -m bench.step.throughput --depth 2` (EOS ignored);
 guided = `python -m bench.guided.guided --only speed` (JSON Mode Eval schemas, guided rows' tok/s); spec =
 `python -m bench.spec.spec --only speed --drafters ngram` (K = 3, JSON Mode Eval prompts). A tree with the older flat
-bench/ layout runs bench/throughput.py, bench/guided.py or bench/spec.py as files instead. Schemas and prompts come
+bench/ layout runs the same scripts as files (bench/<script>.py) instead. Schemas and prompts come
 from `--data` (default: the few kept in tests/data). The table gives the median tok/s per side and after/before, and
 each side's idle share: the compute stream's idle time over the step period. Over HOST_BOUND a side was host-bound
 (its host could not keep the GPU fed), so its ratio there measures that run's host, not the change.
