@@ -46,7 +46,7 @@ serve: setup
 	$(BIN)/specdec serve --host $(HOST) --port $(PORT)
 
 bench: setup
-	$(BIN)/python bench/throughput.py
+	$(BIN)/python -m bench.step.throughput
 
 clean:
 	rm -rf $(VENV) build *.egg-info

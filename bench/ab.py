@@ -1,18 +1,19 @@
 """A/B: the plain, guided and speculative floors of two source trees in one run, side by side (the machines
 are noisy, so a before/after ratio is only worth something when both sides ran together).
 
-    python bench/ab.py --before .old --after . --modes plain guided spec --streams 1 8 32 --rounds 2 \
+    python -m bench.ab --before .old --after . --modes plain guided spec --streams 1 8 32 --rounds 2 \
         --out bench/results/refactor_ab.json
-    python bench/ab.py --before-engine native_launch=false --modes plain --streams 1 32   # a setting, one tree
+    python -m bench.ab --before-engine native_launch=false --modes plain --streams 1 32   # a setting, one tree
 
 Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHONPATH is the tree, so each side
 imports its own engine, with that side's --before-engine / --after-engine settings (EngineConfig fields); rounds
-alternate the order (A B, B A, ...). Modes: plain = `bench/throughput.py --depth 2` (EOS ignored); guided =
-`bench/guided.py --only speed` (JSON Mode Eval schemas, guided rows' tok/s); spec = `bench/spec.py --only speed
---drafters ngram` (K = 3, JSON Mode Eval prompts). Schemas and prompts come from `--data` (default: the few kept in
-tests/data). The table gives the median tok/s per side and after/before, and each side's idle share: the compute
-stream's idle time over the step period. Over HOST_BOUND a side was host-bound (its host could not keep the GPU
-fed), so its ratio there measures that run's host, not the change.
+alternate the order (A B, B A, ...). Modes: plain = `python -m bench.step.throughput --depth 2` (EOS ignored);
+guided = `python -m bench.guided.guided --only speed` (JSON Mode Eval schemas, guided rows' tok/s); spec =
+`python -m bench.spec.spec --only speed --drafters ngram` (K = 3, JSON Mode Eval prompts). A tree with the older flat
+bench/ layout runs the same scripts as files (bench/<script>.py) instead. Schemas and prompts come
+from `--data` (default: the few kept in tests/data). The table gives the median tok/s per side and after/before, and
+each side's idle share: the compute stream's idle time over the step period. Over HOST_BOUND a side was host-bound
+(its host could not keep the GPU fed), so its ratio there measures that run's host, not the change.
 """
 from __future__ import annotations
 
@@ -25,10 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-try:
-    from bench.common import markdown_table, note, record, write_results
-except ImportError:
-    from common import markdown_table, note, record, write_results
+from bench.common import markdown_table, note, record, write_results
 
 
 def parse_args(argv=None):
@@ -52,20 +50,26 @@ def parse_args(argv=None):
 
 # mode -> (the tree's bench and its arguments, which of its rows are the mode's tok/s)
 MODES = {
-    "plain": (lambda a: ["throughput.py", "--depth", "2", "--new-tokens", str(a.new_tokens)], lambda r: True),
-    "guided": (lambda a: ["guided.py", "--only", "speed", "--rounds", "1", "--steps", "400", "--max-tokens",
+    "plain": (lambda a: ["step/throughput.py", "--depth", "2", "--new-tokens", str(a.new_tokens)], lambda r: True),
+    "guided": (lambda a: ["guided/guided.py", "--only", "speed", "--rounds", "1", "--steps", "400", "--max-tokens",
                           str(a.new_tokens), "--data", str(Path(a.data).resolve())], lambda r: r["mode"] == "guided"),
-    "spec": (lambda a: ["spec.py", "--only", "speed", "--drafters", "ngram", "--datasets", "JME", "--rounds", "1",
+    "spec": (lambda a: ["spec/spec.py", "--only", "speed", "--drafters", "ngram", "--datasets", "JME", "--rounds", "1",
                         "--max-tokens", str(a.new_tokens), "--data", str(Path(a.data).resolve())],
              lambda r: r.get("drafter") not in (None, "none")),
 }
 
 
 def bench_command(tree: Path, mode: str, args, engine: list, out: Path) -> list[str]:
-    """The command of one side's bench: the tree's own script, its mode's arguments and the side's settings."""
+    """The command of one side's bench: the tree's own script, its mode's arguments and the side's settings. A tree
+    with bench/<group>/<script>.py runs it as `-m bench.<group>.<script>` (from the tree, its cwd); an older checkout
+    with the flat layout, as the file bench/<script>.py."""
     script, *rest = MODES[mode][0](args)
-    return [sys.executable, str(tree / "bench" / script), *rest, "--out", str(out), "--streams",
-            *map(str, args.streams), *(["--engine", *engine] if engine else [])]
+    if (tree / "bench" / script).is_file():
+        run = ["-m", "bench." + script.removesuffix(".py").replace("/", ".")]
+    else:
+        run = [str(tree / "bench" / Path(script).name)]
+    return [sys.executable, *run, *rest, "--out", str(out), "--streams", *map(str, args.streams),
+            *(["--engine", *engine] if engine else [])]
 
 
 def run_tree(tree: Path, mode: str, args, engine: list) -> list[dict]:

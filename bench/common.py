@@ -11,13 +11,11 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:            # `python bench/x.py` from anywhere finds `engine`, after PYTHONPATH's
-    sys.path.append(str(REPO))          # (PYTHONPATH=<another tree> runs that tree's engine under this script)
-
 # the prompt sets live in specdec/ (studies use them too; a package never imports bench/); re-exported here
-from specdec.datasets import QUESTIONS, chat_prompts, random_prompts  # noqa: E402, F401
-from specdec.revision import git_commit  # noqa: E402, F401
+from specdec.datasets import QUESTIONS, chat_prompts, random_prompts  # noqa: F401
+from specdec.revision import git_commit  # noqa: F401
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 # ---- records ---------------------------------------------------------------------------------------

@@ -210,7 +210,7 @@ def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
   tokens) by kind: {kinds or '?'}. Chat prompts come from task families x styles, some with a second turn;
   schema prompts (Glaive, Github_easy) and tool conversations (Glaive functions, through the server's chat format)
   are answered under their grammar; schema_free are the same schema prompts answered without it
-  (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions bench/spec.py asks are held
+  (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions bench/spec/spec.py asks are held
   out entirely (it measures on them).
 - Training: {f"from the head in {summary['init']}, then " if summary.get('init') else ''}{state.get('step')} steps, batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
   depth {summary.get('depth')}, sequences cut to {summary.get('max_len')} tokens, {summary.get('train_s', '?')} s.

@@ -1,4 +1,4 @@
-"""One side of bench/peers_vllm.py, run in its own process: `python bench/peers/sides.py PLAN.json RESULT.json`.
+"""One side of bench/peers/peers_vllm.py, run in its own process: `python -m bench.peers.sides PLAN.json RESULT.json`.
 
 The plan (written by the driver) names the side ("specdec" or "vllm"), the checkpoint directory, the prompts
 as token ids, the settings and the drafter (`spec`: None, or n-gram at K with its n range); the result holds the
@@ -7,19 +7,15 @@ Everything here imports the side's engine lazily, so the vLLM side never imports
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:                 # run as a script: bench.common from the repository
-    sys.path.insert(0, str(REPO))
-
-from bench.common import note, record  # noqa: E402
+from bench.common import note, record
 
 
 # ---- the two engines behind one interface ------------------------------------------------------------------
@@ -235,7 +231,11 @@ def run(plan: dict) -> dict:
 
 
 def main(argv=None):
-    plan_path, result_path = map(Path, (argv or sys.argv[1:])[:2])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", type=Path, help="the plan, written by the driver")
+    p.add_argument("result", type=Path, help="where the result goes")
+    args = p.parse_args(argv)
+    plan_path, result_path = args.plan, args.result
     result = run(json.loads(plan_path.read_text()))
     side = result.pop("side", None)
     tmp = result_path.with_suffix(".tmp")

@@ -1,7 +1,7 @@
 """Stage vLLM for the GPU machine, which has no internet and takes at most 64 MiB per call, tree included.
 
-    python bench/peers/stage_vllm.py                  # download (once), slim vLLM, split into .device/vllm/partN
-    python bench/peers/stage_vllm.py --part-mib 40    # smaller parts (default: what fits beside the tree)
+    python -m bench.peers.stage_vllm                  # download (once), slim vLLM, split into .device/vllm/partN
+    python -m bench.peers.stage_vllm --part-mib 40    # smaller parts (default: what fits beside the tree)
 
 Then on the device, one call per part, back to back (a machine idle for 30 s is given back):
     carry [".device/vllm/part1"]  command: bash .device/vllm/part1/setup.sh
@@ -26,10 +26,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-try:                                      # imported as bench.peers.stage_vllm, or run as a script
-    from bench.peers.install_parts import MiB, sha256, wheel_key
-except ImportError:
-    from install_parts import MiB, sha256, wheel_key
+from bench.peers.install_parts import MiB, sha256, wheel_key
 
 REPO = Path(__file__).resolve().parents[2]
 PINS = REPO / "bench" / "peers" / "vllm_requirements.txt"   # vllm==X first, then what the image lacks

@@ -7,8 +7,8 @@ drafter's argmax under its own mask, which a callback on the grammar stream fill
     mask j and the control row j  |  both -> device  |  record mask_ready[j]
 
 and the compute stream waits for mask_ready[j] before draft step j picks its token. That is one host round
-trip per draft step on the critical path (bench/spec_guided.py measures what it costs and gains). Callback 0 accepts
-the step's emitted tokens for good (the next step's mask callback then skips them: `through_step`); the
+trip per draft step on the critical path (bench/spec/spec_guided.py measures what it costs and gains). Callback 0
+accepts the step's emitted tokens for good (the next step's mask callback then skips them: `through_step`); the
 draft tokens every callback accepts are rolled back by the last one, so the next step's mask callback walks
 the drafts from the committed state.
 

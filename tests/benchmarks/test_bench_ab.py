@@ -78,7 +78,29 @@ def test_one_tree_against_itself_with_a_setting_flipped(tmp_path, canned):
 def test_a_sides_settings_reach_its_bench_as_engine_fields(tmp_path):
     args = ab.parse_args(["--after-engine", "native_launch=true", "split_merge=false", "--streams", "1", "8"])
     cmd = ab.bench_command(tmp_path, "plain", args, args.after_engine, tmp_path / "t.json")
-    assert cmd[1] == str(tmp_path / "bench" / "throughput.py")
     assert cmd[cmd.index("--streams") + 1:cmd.index("--streams") + 3] == ["1", "8"]
     assert cmd[cmd.index("--engine") + 1:] == ["native_launch=true", "split_merge=false"]
     assert "--engine" not in ab.bench_command(tmp_path, "spec", args, args.before_engine, tmp_path / "t.json")
+
+
+def _tree(root, *scripts):
+    for script in scripts:
+        (root / "bench" / script).parent.mkdir(parents=True, exist_ok=True)
+        (root / "bench" / script).write_text("")
+    return root
+
+
+@pytest.mark.parametrize("mode,grouped,flat", [("plain", "step/throughput.py", "throughput.py"),
+                                               ("guided", "guided/guided.py", "guided.py"),
+                                               ("spec", "spec/spec.py", "spec.py")])
+def test_each_tree_runs_its_bench_in_its_own_layout(tmp_path, mode, grouped, flat):
+    """A tree with bench/<group>/<script>.py runs it as a module; an older checkout with the flat bench/ layout
+    (a --before tree) runs its bench/<script>.py as a file."""
+    args = ab.parse_args(["--after-engine", "native_launch=true"])
+    new = _tree(tmp_path / "new", "__init__.py", grouped, "common.py")
+    old = _tree(tmp_path / "old", flat, "common.py")
+    out = tmp_path / "t.json"
+    assert ab.bench_command(new, mode, args, [], out)[1:3] == ["-m", "bench." + grouped[:-3].replace("/", ".")]
+    cmd = ab.bench_command(old, mode, args, [], out)
+    assert cmd[1] == str(old / "bench" / flat) and cmd[2] != "-m"
+    assert ab.bench_command(new, mode, args, [], out)[3:] == cmd[2:]        # the same arguments either way

@@ -1,9 +1,9 @@
-"""bench/agent.py end to end on the CPU: a two-layer model with the default model's vocabulary and tokenizer
+"""bench/serving/agent.py end to end on the CPU: a two-layer model with the default model's vocabulary and tokenizer
 (`--model dummy:smollm2-tiny --tokenizer default`, the way a larger dummy shape is measured), caching on and off."""
 import importlib.util
 import json
 
-from bench.agent import main
+from bench.serving.agent import main
 
 
 def test_agents_with_dummy_weights_and_a_borrowed_tokenizer(tmp_path):

@@ -1,11 +1,11 @@
-"""bench/boundary.py: a kernel boundary against a grid-wide barrier (CUDA only; the barrier cannot run
+"""bench/kernels/boundary.py: a kernel boundary against a grid-wide barrier (CUDA only; the barrier cannot run
 interpreted, where a grid's programs run one after another)."""
 import json
 
 import pytest
 import torch
 
-from bench import boundary
+from bench.kernels import boundary
 
 
 @pytest.mark.parametrize("flag, value, match", [("--phases", "3", "even"), ("--phases", "0", "even"),

@@ -1,4 +1,4 @@
-"""bench/common.py: which tree's engine a bench imports, and the commit its records name."""
+"""bench/common.py and the bench package: which tree's engine a bench imports, and the commit its records name."""
 import os
 import re
 import subprocess
@@ -6,20 +6,46 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+PROBE = "import bench.common, engine; print(engine.__file__); print(bench.common.__file__)"
+
+
+def _imports(env_extra: dict) -> list[str]:
+    """The files of `engine` and `bench.common` that code run from this repository imports (its cwd first on
+    sys.path, as under `python -m`)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | env_extra
+    run = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    return run.stdout.split()
 
 
 def test_pythonpath_picks_the_engine_a_bench_runs(tmp_path):
-    """`PYTHONPATH=<another tree> python bench/x.py` measures that tree's engine (how profile_step compares two
-    trees); without PYTHONPATH, the bench's own repository."""
+    """`PYTHONPATH=<another tree> python -m bench.step.profile_step` measures that tree's engine with this tree's
+    bench (how profile_step compares two trees): bench/__init__.py moves this repository after PYTHONPATH's
+    entries. Without PYTHONPATH, or with one holding no engine (dependencies only), the repository's own."""
     other = tmp_path / "other"
-    (other / "engine").mkdir(parents=True)
-    (other / "engine" / "__init__.py").write_text("")
-    code = f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import common, engine; print(engine.__file__)"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = lambda extra: subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env | extra,  # noqa: E731
-                                       capture_output=True, text=True, check=True).stdout.strip()
-    assert run({"PYTHONPATH": str(other)}) == str(other / "engine" / "__init__.py")
-    assert run({}) == str(REPO / "engine" / "__init__.py")
+    for package in ("engine", "bench"):                  # the other tree's bench must not be the one run
+        (other / package).mkdir(parents=True)
+        (other / package / "__init__.py").write_text("")
+        (other / package / "common.py").write_text("")
+    (tmp_path / "deps").mkdir()
+    ours = [str(REPO / "engine" / "__init__.py"), str(REPO / "bench" / "common.py")]
+    assert _imports({"PYTHONPATH": str(other)}) == [str(other / "engine" / "__init__.py"), ours[1]]
+    assert _imports({"PYTHONPATH": f"{tmp_path / 'deps'}{os.pathsep}{other}"})[0] == str(other / "engine" /
+                                                                                          "__init__.py")
+    assert _imports({}) == ours
+    assert _imports({"PYTHONPATH": str(tmp_path / "deps")}) == ours
+    assert _imports({"PYTHONPATH": str(REPO)}) == ours
+
+
+def test_a_bench_module_runs_with_another_trees_engine(tmp_path):
+    """The same through `python -m bench.step.commit_time` itself (sys.path[0]: the cwd's full path, not '')."""
+    other = tmp_path / "other" / "engine"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text(f"import sys; print('other engine', file=sys.stderr)\n"
+                                       f"__path__.append({str(REPO / 'engine')!r})   # its modules: this one's\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(other.parent)}
+    run = subprocess.run([sys.executable, "-m", "bench.step.commit_time", "--help"], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True)
+    assert "other engine" in run.stderr and "--out" in run.stdout, run.stdout + run.stderr
 
 
 def test_records_name_the_commit(monkeypatch):

@@ -1,11 +1,11 @@
-"""bench/gemv_prologues.py: the decode GEMV by prologue and launch config (timing needs CUDA; the configs and the
-rendering do not)."""
+"""bench/kernels/gemv_prologues.py: the decode GEMV by prologue and launch config (timing needs CUDA; the configs and
+the rendering do not)."""
 import json
 
 import pytest
 import torch
 
-from bench import gemv_prologues as gp
+from bench.kernels import gemv_prologues as gp
 
 
 def test_shipped_config_is_the_engines_and_others_set_rows_and_warps():

@@ -1,10 +1,10 @@
-"""bench/graph_launch.py: the host time of graph replays by kernel count (CUDA only)."""
+"""bench/step/graph_launch.py: the host time of graph replays by kernel count (CUDA only)."""
 import json
 
 import pytest
 import torch
 
-from bench import graph_launch
+from bench.step import graph_launch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a CUDA device")

@@ -1,11 +1,11 @@
-"""bench/guided.py's speed part (bench/guided_speed.py): guided against free rounds of a closed loop, for real on
-the CPU (and its kernel profile on a GPU)."""
+"""bench/guided/guided.py's speed part (bench/guided/guided_speed.py): guided against free rounds of a closed loop, for
+real on the CPU (and its kernel profile on a GPU)."""
 import json
 
 import pytest
 import torch
 
-from bench import guided
+from bench.guided import guided
 
 
 def _speed(tmp_path, *extra):

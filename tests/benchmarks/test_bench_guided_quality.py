@@ -1,8 +1,8 @@
-"""bench/guided_quality.py judges an output against the schema as written: a decimal `multipleOf` compares the
+"""bench/guided/guided_quality.py judges an output against the schema as written: a decimal `multipleOf` compares the
 numbers the JSON text holds (jsonschema alone divides binary floats), and real violations stay invalid."""
 import pytest
 
-from bench.guided_quality import explain_output
+from bench.guided.guided_quality import explain_output
 
 pytest.importorskip("jsonschema")
 MONEY = {"type": "object", "properties": {"amount": {"type": "number", "multipleOf": 0.01}}}

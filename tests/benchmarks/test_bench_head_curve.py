@@ -1,9 +1,9 @@
-"""bench/head_curve.py's run specs, directories and the train_head commands it runs (CPU, no training)."""
+"""bench/spec/head_curve.py's run specs, directories and the train_head commands it runs (CPU, no training)."""
 import json
 
 import pytest
 
-from bench.head_curve import COLUMNS, command, parse_args, rows, run_dir
+from bench.spec.head_curve import COLUMNS, command, parse_args, rows, run_dir
 
 
 def test_runs_parse_into_directories_and_commands(tmp_path):

@@ -1,9 +1,9 @@
-"""bench/host_step.py: the host's plan, launch and commit of a step with the forward taken out, on the CPU."""
+"""bench/step/host_step.py: the host's plan, launch and commit of a step with the forward taken out, on the CPU."""
 import json
 
 import pytest
 
-from bench import host_step
+from bench.step import host_step
 
 
 def test_plan_holds_its_parts_and_every_round_is_kept(tmp_path):

@@ -1,11 +1,11 @@
-"""bench/launch_parts.py: the host launch's parts, timed around the runner's own calls."""
+"""bench/step/launch_parts.py: the host launch's parts, timed around the runner's own calls."""
 import json
 from types import SimpleNamespace as NS
 
 import pytest
 
-from bench import launch_parts
-from bench.launch_parts import PARTS, LaunchProbe
+from bench.step import launch_parts
+from bench.step.launch_parts import PARTS, LaunchProbe
 from engine.runner.slots import DecodeSlot
 
 

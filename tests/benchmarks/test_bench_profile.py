@@ -1,4 +1,4 @@
-"""bench/profile_step.py: the per-kind and per-kernel summary of a trace, and a CPU run of the speculative step
+"""bench/step/profile_step.py: the per-kind and per-kernel summary of a trace, and a CPU run of the speculative step
 (host phases only: the kernel tables need CUDA)."""
 import json
 from types import SimpleNamespace as NS
@@ -6,9 +6,9 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-import bench.profile_step as profile_step
-from bench.kernel_trace import busy_fraction, kernel_summary, kernels_by_grid
-from bench.profile_step import main
+import bench.step.profile_step as profile_step
+from bench.kernels.kernel_trace import busy_fraction, kernel_summary, kernels_by_grid
+from bench.step.profile_step import main
 from conftest import triton_module
 
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from bench.serve_servers import wait_healthy
+from bench.serving.serve_servers import wait_healthy
 
 
 class _EmptyHealth(http.server.BaseHTTPRequestHandler):

@@ -1,11 +1,7 @@
-"""bench/spec.py's --variants: engine overrides measured side by side with the same baseline."""
-import sys
-from pathlib import Path
-
+"""bench/spec/spec.py's --variants: engine overrides measured side by side with the same baseline."""
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import spec  # noqa: E402
+from bench.spec import spec
 
 
 def test_variants_parse_to_engine_overrides():

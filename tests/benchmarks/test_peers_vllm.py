@@ -1,4 +1,4 @@
-"""bench/peers_vllm.py on the CPU: the dry run imports no engine, the cross-checks, and the whole driver with a
+"""bench/peers/peers_vllm.py on the CPU: the dry run imports no engine, the cross-checks, and the whole driver with a
 stand-in for vLLM's offline API (our engine underneath) so that both side processes, the merge and the outputs
 run here; vLLM itself runs only on the GPU machine (docs/peers.md)."""
 import json
@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import peers_vllm as pv
+from bench.peers import peers_vllm as pv
+from bench.peers import vllm_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +46,8 @@ class LLM:
 
 
 def test_dry_run_imports_no_engine():
-    code = ("import sys; from bench import peers_vllm as pv; pv.main(['--dry-run', '--vllm-site', '/nonexistent']); "
+    code = ("import sys; from bench.peers import peers_vllm as pv; "
+            "pv.main(['--dry-run', '--vllm-site', '/nonexistent']); "
             "heavy = [m for m in ('torch', 'vllm', 'engine') if m in sys.modules]; assert not heavy, heavy")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -63,7 +65,7 @@ def test_cross_check():
     assert by["specdec", "decode"]["same_tokens"] == by["vllm", "decode"]["same_tokens"] == (2 + 4) / 8
     assert by["vllm", "guided"]["same_text"] == 0.5 and "same_text" not in by["specdec", "free"]
     assert by["specdec", "free"]["over_vllm"] == 1.5 and "over_vllm" not in by["vllm", "decode"]
-    assert pv.shared_prefix([1, 2], [1, 2, 3]) == 2 and pv.shared_prefix([], [1]) == 0
+    assert vllm_report.shared_prefix([1, 2], [1, 2, 3]) == 2 and vllm_report.shared_prefix([], [1]) == 0
 
 
 def test_run_side_ends_a_side_slow_to_exit_and_one_past_its_timeout(tmp_path, monkeypatch):
@@ -74,7 +76,7 @@ def test_run_side_ends_a_side_slow_to_exit_and_one_past_its_timeout(tmp_path, mo
                       "if 'exit' in sys.argv[1]:\n"
                       "    open(sys.argv[2], 'w').write(json.dumps({'records': [1], 'outputs': {}}))\n"
                       "time.sleep(60)\n")
-    monkeypatch.setattr(pv, "WORKER", worker)
+    monkeypatch.setattr(pv, "WORKER", (str(worker),))
     monkeypatch.setattr(pv, "EXIT_GRACE", 1)
     plan = dict(streams=[1], parts=["decode"])
     for side, timeout in (("exit", 30), ("hang", 2)):
@@ -119,7 +121,7 @@ def test_driver_with_a_stand_in_vllm(tmp_path):
             "--data", str(tmp_path / "data"), "--vllm-site", str(tmp_path / "site"), "--out", str(out),
             "--parts", "decode", "guided"]           # the n-gram part builds two more engines per side
     for sides in (["specdec"], ["vllm", "--merge"]):          # one side per command, as on the GPU machine
-        r = subprocess.run([sys.executable, "bench/peers_vllm.py", *args, "--sides", *sides], cwd=REPO,
+        r = subprocess.run([sys.executable, "-m", "bench.peers.peers_vllm", *args, "--sides", *sides], cwd=REPO,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     records = json.loads(out.read_text())

@@ -1,5 +1,6 @@
-"""The decode kernels that are off by default or new compile for Hopper (sm_90) without a GPU: bench/compile_check.py,
-in a subprocess (the test session builds kernels for the interpreter, which never lowers them)."""
+"""The decode kernels that are off by default or new compile for Hopper (sm_90) without a GPU:
+bench/kernels/compile_check.py, in a subprocess (the test session builds kernels for the interpreter, which never
+lowers them)."""
 import os
 import subprocess
 import sys
@@ -16,8 +17,8 @@ def test_kernels_compile_for_sm90_with_pdl_exactly_when_asked():
     if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
         pytest.skip("this Triton has no bundled CUDA toolchain")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "compile_check.py")], capture_output=True, text=True,
-                       env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "bench.kernels.compile_check"], cwd=REPO, capture_output=True,
+                       text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("0 failed"), r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
     assert len(lines) == 62 and all(", 0 B local," in line for line in lines), r.stdout   # no spills

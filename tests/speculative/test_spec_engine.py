@@ -12,7 +12,7 @@ from engine.requests.sequence import SamplingParams
 from helpers import CPU, PREEMPTING, REPEATING, ROOMY, EagerGraphs, drive
 
 # float32: in bfloat16 scoring 1 + K tokens at once rounds differently from scoring one, and a near-tie argmax
-# can flip (bench/spec.py reports how often outputs stay identical in bfloat16: same_tokens_as_none)
+# can flip (bench/spec/spec.py reports how often outputs stay identical in bfloat16: same_tokens_as_none)
 GPU_GRAPHS = dict(device="cuda", dtype="float32", attention_backend="triton", max_model_len=1024, max_num_seqs=8)
 
 

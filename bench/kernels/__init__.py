@@ -1,0 +1,1 @@
+"""GPU kernel benchmarks: GEMV/GEMM, attention, kernel boundaries, compiles and kernel traces."""

@@ -1,0 +1,1 @@
+"""The decode step: throughput, its host and device parts, launches, commits, pipelining and TP."""

@@ -1,0 +1,229 @@
+"""The host's share of a decode step without the device: plan (schedule + prepare), launch and commit per step,
+the forward replaced by nothing, on the CPU.
+
+    python -m bench.step.host_step                               # 1, 8 and 32 streams, 3 rounds
+    PYTHONPATH=.old python -m bench.step.host_step --tag before  # another tree's engine, same script
+
+The pipelined loop keeps the GPU fed only while plan + launch + commit of a step fit in the GPU's step. At 32
+streams they took 0.58 ms a step on an H200 machine's host against a 0.79 ms GPU step
+(bench/results/split_merge_floors/ab_plain_spec.log), and rounds with a slower host go host-bound. This times that
+host work alone, on whatever CPU runs it: one engine per stream count (float32, CPU), every stream a chat prompt
+decoding with EOS ignored; after --warmup-steps real steps, the runner's forward is replaced by nothing (the sampled
+tokens stay what they were, so commit, detokenization and stop checks still run on real tokens), then --steps steps
+timed in --rounds rounds. Per part, microseconds a step (medians over rounds): the engine's plan, launch and commit,
+and inside plan the scheduler's schedule, the runner's prepare and the rows' `launched` bookkeeping.
+
+--guided: every request is constrained to one of --schemas' JSON schemas (its prompt asks for it) and replaced as it
+finishes. There the model's layers are replaced by zeros and the sampler by each row's lowest allowed token, read
+from its mask (what the sampler picks from zero logits), not the whole step: the grammar node fills the masks
+(inline on the CPU), so every token is one the grammar accepts. Two more parts: the step's guided-row snapshot (in
+plan) and its push to the grammar node (in launch, which here also holds the node's mask fill).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from bench.common import markdown_table, note, record, stream_prompt, write_results
+
+PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
+GUIDED_PROMPT_TOKENS = 512  # --guided: schemas whose prompt is longer are left out
+PARTS = ("plan", "schedule", "prepare", "launched", "launch", "commit", "period")
+GUIDED_PARTS = ("snapshot", "push")
+
+
+def parts(args) -> tuple:
+    """The parts a run reports: PARTS, and GUIDED_PARTS with --guided."""
+    return PARTS + (GUIDED_PARTS if args.guided else ())
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="agent-like load: requests of this many prompt tokens and --max-tokens new ones, each one "
+                        "that finishes replaced at once (prefill chunks in the timed steps); 0: short prompts")
+    p.add_argument("--max-tokens", type=int, default=32, help="with --prompt-tokens: new tokens a request")
+    p.add_argument("--ids-only", action="store_true",
+                   help="requests as the server's engine process adds them: token ids only (detokenize=False)")
+    p.add_argument("--guided", action="store_true", help="JSON-schema requests of --max-tokens new tokens each")
+    p.add_argument("--schemas", default="tests/data/maskbench/JME_*.json", help="--guided: schema files (a glob)")
+    p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
+    p.add_argument("--out", default="bench/results/host_step.json")
+    args = p.parse_args(argv)
+    if min(args.streams) < 1 or args.steps < 1 or args.rounds < 1 or args.warmup_steps < 1 or args.max_tokens < 1:
+        raise ValueError("--streams, --steps, --rounds, --warmup-steps and --max-tokens must be positive")
+    if args.prompt_tokens < 0:
+        raise ValueError(f"--prompt-tokens must be 0 or more, got {args.prompt_tokens}")
+    if args.guided and args.prompt_tokens:
+        raise ValueError("--guided requests have their schemas' prompts: --prompt-tokens does not apply")
+    return args
+
+
+def _timed(stack: ExitStack, owner, name: str, acc: dict, key: str) -> None:
+    """Wrap owner.name in a timer adding its seconds to acc[key], undone when the stack closes."""
+    fn = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[key] += time.perf_counter() - t0
+
+    undo = (setattr, owner, name, fn) if name in vars(owner) else (delattr, owner, name)    # a module's or its own
+    setattr(owner, name, timed)
+    stack.callback(*undo)
+
+
+class Load:
+    """The requests in flight: `streams` chat prompts decoding throughout, or requests replaced as they finish:
+    (--prompt-tokens) of random prompt ids (no two share a prefix: no cache hits), (--guided) of JSON schemas."""
+
+    def __init__(self, eng, args, streams: int, budget: int):
+        from engine.requests.sequence import SamplingParams
+        self.eng, self.args, self.streams, self.live, self.made = eng, args, streams, set(), 0
+        self.replaced = bool(args.prompt_tokens or args.guided)
+        self.params = SamplingParams(max_tokens=args.max_tokens if self.replaced else budget, temperature=0,
+                                     ignore_eos=True)
+        self.work = guided_work(eng, args.schemas, args.max_tokens) if args.guided else None
+
+    def request(self) -> tuple[list[int], object]:
+        if self.work:
+            return self.work[self.made % len(self.work)]
+        if self.args.prompt_tokens:
+            rng = random.Random(self.made)
+            return [rng.randrange(100, 20000) for _ in range(self.args.prompt_tokens)], self.params
+        ids = stream_prompt(self.eng, self.made)
+        if len(ids) > PROMPT_TOKENS:
+            raise ValueError(f"a prompt of {len(ids)} tokens: PROMPT_TOKENS is {PROMPT_TOKENS}")
+        return ids, self.params
+
+    def step(self) -> None:
+        while len(self.live) < self.streams and (self.replaced or self.made < self.streams):
+            self.live.add(self.eng.add_request(*self.request(), detokenize=not self.args.ids_only))
+            self.made += 1
+        for out in self.eng.step():
+            if out.finished:
+                if out.finish_reason == "error":        # a failing request would time its failure, not its steps
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                self.live.discard(out.request_id)
+
+
+def guided_work(eng, schemas: str, max_tokens: int) -> list[tuple[list[int], object]]:
+    """(prompt ids, guided params) of each schema at `schemas` whose prompt fits GUIDED_PROMPT_TOKENS."""
+    from engine.requests.sequence import SamplingParams
+    from specdec.datasets import load_schemas, resolve, schema_prompt
+    work = []
+    for _, schema in load_schemas(resolve(schemas)):
+        ids = schema_prompt(eng, schema)
+        if len(ids) <= GUIDED_PROMPT_TOKENS:
+            work.append((ids, SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=schema)))
+    if not work:
+        raise ValueError(f"no schema at {schemas} has a prompt of at most {GUIDED_PROMPT_TOKENS} tokens")
+    return work
+
+
+def first_allowed(bitmask):
+    """Each row's lowest allowed token (xgrammar's layout: bit j of word w allows token 32w + j), NO_TOKEN where
+    none is: what the sampler picks from all-zero logits under that mask. numpy and Python ints: torch's per-op
+    overhead on these small arrays would be most of a step."""
+    import numpy as np
+    import torch
+    from engine.sampling.sampler import NO_TOKEN
+    words = bitmask.numpy()
+    first = (words != 0).argmax(1)
+    word = words[np.arange(len(words)), first].astype(np.int64) & 0xFFFFFFFF
+    return torch.tensor([32 * f + (w & -w).bit_length() - 1 if w else NO_TOKEN
+                         for f, w in zip(first.tolist(), word.tolist())], dtype=torch.int64)
+
+
+def _first_allowed_model(stack: ExitStack, eng) -> None:
+    """The model's layers give zeros and each row takes the lowest token its grammar allows, read from the mask
+    the grammar node filled (undone when the stack closes). The sampler's masking of the whole vocabulary on the
+    CPU (~2.6 ms at 32 rows, a GPU's work) would otherwise be most of the step and evict the host's data."""
+    import torch
+    program = eng.runner.program
+    hidden = program.model.head_weight.shape[1]
+    program.hidden = lambda slot, extras=False: torch.zeros(slot.num_sample, hidden) if slot.num_sample else None
+    program.model.compute_logits = lambda h: h[:, :1]          # unread: the tokens come from the mask
+    program.sample = lambda slot, logits, rows, greedy, mask=None, extras=False: program.emit(
+        slot, first_allowed(mask[:rows]), rows)
+    for name in ("hidden", "sample"):
+        stack.callback(delattr, program, name)
+    stack.callback(delattr, program.model, "compute_logits")
+
+
+def measure(args, streams: int) -> dict:
+    import engine.llm_engine as llm_engine
+    from engine.llm_engine import LLMEngine
+    from engine.config import EngineConfig
+    budget = args.warmup_steps + args.rounds * args.steps + 8
+    prompt = args.prompt_tokens or (GUIDED_PROMPT_TOKENS if args.guided else 0)
+    per_request = prompt + args.max_tokens if prompt else budget + PROMPT_TOKENS
+    pages = -(-per_request // EngineConfig.block_size) + 1      # every stream's pages, twice: no preemption
+    kw = dict(device="cpu", dtype="float32", depth=2, max_num_seqs=streams, num_kv_blocks=2 * streams * pages + 8)
+    eng = LLMEngine(**(kw | ({"model": args.model} if args.model else {})))
+    load = Load(eng, args, streams, budget)
+    rounds = []
+    with ExitStack() as stack:
+        if args.guided:
+            _first_allowed_model(stack, eng)
+        for _ in range(args.warmup_steps):
+            load.step()
+        if not args.guided:
+            eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
+            stack.callback(delattr, eng.runner.program, "step")
+        timers = [(eng.scheduler, "schedule", "schedule"), (eng.runner, "prepare", "prepare"),
+                  (eng.scheduler, "launched", "launched")]
+        if args.guided:
+            timers += [(llm_engine, "build_snapshot", "snapshot"), (eng.runner.masks, "push", "push")]
+        acc = dict.fromkeys((key for _, _, key in timers), 0.0)
+        for owner, name, key in timers:
+            _timed(stack, owner, name, acc, key)
+        for _ in range(args.rounds):
+            eng.timings.reset()
+            acc.update(dict.fromkeys(acc, 0.0))
+            for _ in range(args.steps):
+                load.step()
+            ms = eng.timings.per_step_ms()
+            n = max(eng.timings.steps, 1)
+            rounds.append({k: 1e3 * ms[k] for k in ("plan", "launch", "commit", "period")}
+                          | {k: 1e6 * v / n for k, v in acc.items()})
+    if eng.scheduler.num_preemptions:
+        raise RuntimeError(f"{eng.scheduler.num_preemptions} preemptions: the KV pages were sized to avoid them")
+    eng.close()
+    us = {k: statistics.median(r[k] for r in rounds) for k in parts(args)}
+    return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
+                  us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
+                  prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if load.replaced else None,
+                  ids_only=args.ids_only, guided=args.guided, requests=load.made)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    records = []
+    for n in args.streams:
+        records.append(measure(args, n))
+        note(f"{args.tag or 'plain'} {n} streams: plan {records[-1]['us']['plan']:.1f} us, commit "
+             f"{records[-1]['us']['commit']:.1f} us a step")
+    write_results(records, args.out)
+    rows = [dict(tag=r["tag"], streams=r["streams"], **r["us"]) for r in records]
+    text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}. "
+            "Microseconds a step, medians over rounds.\n\n"
+            + markdown_table(rows, ["tag", "streams", *parts(args)]))
+    Path(str(args.out).rsplit(".", 1)[0] + ".md").write_text(text + "\n")
+    print(text)
+    return records
+
+
+if __name__ == "__main__":
+    main()
