@@ -59,6 +59,23 @@ def write_results(records: list[dict], path) -> Path:
     return path
 
 
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float | None:
+    """The GPU's device-to-device copy bandwidth, (read + write) bytes / s, in GB/s; None without CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * reps / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
 # ---- output ----------------------------------------------------------------------------------------
 def _cell(v) -> str:
     if v is None:
@@ -150,6 +167,18 @@ def bars(rows: list[dict], panel: str, label: str, values: list[str], path, titl
 
 
 # ---- workloads -------------------------------------------------------------------------------------
+def engine_overrides(args) -> dict:
+    """--engine KEY=VALUE ... -> EngineConfig fields (values parsed as JSON when they parse)."""
+    out = {}
+    for item in getattr(args, "engine", None) or []:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 _FILLER = " The tide comes in and goes out again."
 
 

@@ -27,11 +27,10 @@ runs the same requests one at a time (batch 1). tok/s = output tokens / summed w
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 
-from bench.common import note, progress, record
+from bench.common import engine_overrides, note, progress, record
 # the schema sets live in specdec/ (studies use them too); re-exported for the benchmarks that import them here
 from specdec.datasets import DATASETS, PROMPT, load_schemas, resolve, schema_prompt  # noqa: F401
 from specdec.validate import check_output, explain_output  # noqa: F401
@@ -46,18 +45,6 @@ def build_engine(args, max_num_seqs: int):
     if args.device != "auto":
         kw["device"] = args.device
     return LLMEngine(**(kw | engine_overrides(args)))
-
-
-def engine_overrides(args) -> dict:
-    """--engine KEY=VALUE ... -> EngineConfig fields (values parsed as JSON when they parse)."""
-    out = {}
-    for item in getattr(args, "engine", None) or []:
-        key, _, value = item.partition("=")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def close_engine(eng) -> None:

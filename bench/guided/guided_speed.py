@@ -35,8 +35,8 @@ import statistics
 import time
 import traceback
 
-from bench.common import note, progress, record
-from bench.guided.guided_quality import (build_engine, close_engine, engine_overrides, free_engine, guided_params,
+from bench.common import engine_overrides, note, progress, record
+from bench.guided.guided_quality import (build_engine, close_engine, free_engine, guided_params,
                                          load_schemas, resolve, schema_prompt)
 from bench.kernels.kernel_trace import device_events, kernel_summary
 

@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.common import markdown_table, note, progress, record, write_results
+from bench.common import copy_bandwidth_gbs, markdown_table, note, progress, record, write_results
 from bench.kernels.gemv_kernels import time_graph
-from bench.step.throughput import copy_bandwidth_gbs
 from engine.kernels.matmul import decode_gemv
 
 SHAPES = {"llama1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),

@@ -29,8 +29,8 @@ import os
 import time
 from pathlib import Path
 
-from bench.common import chat_prompts, markdown_table, note, plot, record, write_results
-from bench.guided.guided_quality import (DATASETS, close_engines, engine_overrides, load_schemas, resolve,
+from bench.common import chat_prompts, engine_overrides, markdown_table, note, plot, record, write_results
+from bench.guided.guided_quality import (DATASETS, close_engines, load_schemas, resolve,
                                          schema_prompt)
 
 ACC_COLUMNS = ["drafter", "k", "dataset", "prompts", "new_tokens", "acceptance_length", "rate_by_position",

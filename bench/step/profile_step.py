@@ -27,8 +27,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.common import bars, markdown_table, note, record, stream_prompt, write_results
-from bench.guided.guided_quality import engine_overrides
+from bench.common import bars, engine_overrides, markdown_table, note, record, stream_prompt, write_results
 from bench.kernels.kernel_trace import device_events, kernel_summary, kernels_by_grid
 from bench.spec.spec import parse_variants
 from bench.step.throughput import build_engine

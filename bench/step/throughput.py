@@ -20,8 +20,8 @@ import gc
 import time
 import traceback
 
-from bench.common import chat_prompts, markdown_table, note, plot, progress, record, write_results
-from bench.guided.guided_quality import engine_overrides
+from bench.common import (chat_prompts, copy_bandwidth_gbs, engine_overrides, markdown_table, note, plot, progress,
+                          record, write_results)
 
 MODES = {1: "blocking", 2: "pipelined"}
 COLUMNS = ["mode", "streams", "new_tokens", "tok_s", "ms_per_step", "steps"]   # + the *_ms breakdown found
@@ -106,23 +106,6 @@ def step_weight_bytes(model) -> int:
         w = model.embed_tokens.weight
         total -= w.numel() * w.element_size()
     return total
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float | None:
-    """Device-to-device copy bandwidth, (read + write) bytes / s, in GB/s; None without CUDA."""
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * reps / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 def floor_fields(eng, ms_per_step: float, bandwidth_gbs: float | None) -> dict:
