@@ -19,6 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_ARGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "torch")
 
 
+
+def api_client(url: str, timeout: float = 120, asynchronous: bool = False):
+    """The real openai client (sync or async) on a test server's /v1, without retries: a test sees every error."""
+    import openai
+    cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+    return cls(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 class Server:
     def __init__(self, url: str, proc: subprocess.Popen, log: Path, model: str, line: str = ""):
         self.url, self.proc, self.log, self.model, self.line = url, proc, log, model, line

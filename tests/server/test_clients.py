@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from serving import CPU_ARGS, serve
+from serving import CPU_ARGS, api_client, serve
 
 pytestmark = [pytest.mark.clients,
               pytest.mark.filterwarnings("ignore::UserWarning:pydantic")]   # litellm's own TypedDicts
@@ -72,9 +72,9 @@ def server():
 @pytest.fixture(scope="module")
 def agents(server):
     agents = pytest.importorskip("agents")
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     agents.set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = api_client(server.url, asynchronous=True)
     return agents, client
 
 
@@ -122,9 +122,9 @@ def test_openai_agents_tool_loop(server, agents, model_class):
 @pytest.fixture(scope="module")
 def pydantic_ai(server):
     pytest.importorskip("pydantic_ai")
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     from pydantic_ai.providers.openai import OpenAIProvider
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = api_client(server.url, asynchronous=True)
     return OpenAIProvider(openai_client=client)
 
 
@@ -222,8 +222,8 @@ def test_langchain_tool_loop(chat_openai, use_responses_api):
 
 @pytest.fixture(scope="module")
 def openai_client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    pytest.importorskip("openai")
+    return api_client(server.url)
 
 
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA", "RESPONSES_TOOLS"])   # TOOLS is the default

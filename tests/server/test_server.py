@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from engine.requests.sequence import SamplingParams
-from serving import CPU_ARGS, serve
+from serving import CPU_ARGS, api_client, serve
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
                                             "unit": {"type": "string", "enum": ["c", "f"]}},
@@ -28,7 +28,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return api_client(server.url)
 
 
 def chat(client, server, **kw):

@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from serving import CPU_ARGS, serve
+from serving import CPU_ARGS, api_client, serve
 
 ASK = [{"role": "user", "content": "Give me a small JSON object about a cat."}]
 CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -24,7 +24,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return api_client(server.url)
 
 
 def post(server, path, body) -> httpx.Response:

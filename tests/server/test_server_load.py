@@ -4,7 +4,7 @@ import asyncio
 
 import openai
 
-from serving import CPU_ARGS, serve
+from serving import CPU_ARGS, api_client, serve
 
 DUMMY = ("--model", "dummy:smollm2-tiny", "--tokenizer", "default", *CPU_ARGS)
 
@@ -24,7 +24,7 @@ async def _stream(client, model, i, max_tokens=24):
 
 def test_fifty_concurrent_streaming_clients_all_finish():
     async def run(url, model):
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = api_client(url, timeout=300, asynchronous=True)
         return await asyncio.gather(*(_stream(client, model, i) for i in range(50)), return_exceptions=True)
 
     with serve(*DUMMY, "--max-num-seqs", "16") as server:
@@ -39,7 +39,7 @@ def test_fifty_concurrent_streaming_clients_all_finish():
 
 def test_a_full_queue_answers_429_and_recovers():
     async def run(url, model):
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = api_client(url, timeout=300, asynchronous=True)
         # long enough that all six overlap (tens of ms a token through the server): three get in, the others find
         # the queue full
         return await asyncio.gather(*(_stream(client, model, i, 160) for i in range(6)), return_exceptions=True)
@@ -63,7 +63,7 @@ def test_speculative_server_reports_acceptance_and_keeps_greedy_tokens():
     [want] = plain.generate([prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
     plain.close()
     with serve(*DUMMY, "--speculative", "ngram", "--num-draft-tokens", "3") as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = api_client(server.url, timeout=300)
         r = client.completions.create(model=server.model, prompt=prompt, max_tokens=48, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == want.text
@@ -126,7 +126,7 @@ def test_tensor_parallel_server_equals_one_rank_and_stops_when_a_worker_dies():
     [want] = plain.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     plain.close()
     with serve(*DUMMY, "--tensor-parallel-size", "2") as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = api_client(server.url, timeout=300)
         r = client.completions.create(model=server.model, prompt=prompt, max_tokens=32, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == want.text

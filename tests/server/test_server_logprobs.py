@@ -6,7 +6,7 @@ import pytest
 
 from engine.requests.sequence import SamplingParams
 from engine.server.openai.logprobs import token_table
-from serving import CPU_ARGS, serve
+from serving import CPU_ARGS, api_client, serve
 
 ASK = [{"role": "user", "content": "Name three colours."}]
 CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
@@ -21,7 +21,7 @@ def server(request):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return api_client(server.url)
 
 
 @pytest.fixture(scope="module")

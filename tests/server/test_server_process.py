@@ -8,11 +8,10 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 
 from engine.requests.sequence import SamplingParams
-from serving import CPU_ARGS, ROOT, descendants, serve
+from serving import CPU_ARGS, api_client, ROOT, descendants, serve
 
 DUMMY = ("--model", "dummy:smollm2-tiny", "--tokenizer", "default", *CPU_ARGS)
 ASK = [{"role": "user", "content": "Name three colours, one per line."}]
@@ -74,7 +73,7 @@ def default_server():
 
 def test_stop_strings_cut_the_text_where_the_engine_does(default_server, engine, chat_prompts):
     """A choice with stop strings is detokenized by the engine process (it stops on the text) and sent along."""
-    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = api_client(default_server.url)
     prompt = engine.apply_chat_template(ASK)
     [free] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0))
     stop = free.text[len(free.text) // 2:][:3]

@@ -6,7 +6,7 @@ import jsonschema
 import openai
 import pytest
 
-from serving import CPU_ARGS, serve
+from serving import CPU_ARGS, api_client, serve
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
            "additionalProperties": False}
@@ -24,7 +24,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return api_client(server.url)
 
 
 def test_text_equals_the_chat_endpoints(server, client):

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from serving import CPU_ARGS, serve
+from serving import CPU_ARGS, api_client, serve
 
 INT = {"type": "integer"}
 PLAIN = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -26,7 +26,7 @@ def tool(name: str, parameters: dict) -> dict:
 def client():
     with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", "--guide-max-enum", "16",
                "--served-model-name", "smol") as s:
-        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        yield api_client(s.url, timeout=300)
 
 
 def ask(client, **kw):

@@ -207,12 +207,10 @@ def test_json_end_skips_brackets_inside_strings():
 def test_serve_with_a_chosen_tool_call_parser():
     """The default model (SmolLM2, whose template shows no tool format) told to write Llama 3 JSON calls: the
     fallback prompt teaches that format, and forced calls come back parsed."""
-    import openai
-
-    from serving import CPU_ARGS, serve
+    from serving import CPU_ARGS, api_client, serve
     with serve(*CPU_ARGS, "--single-process", "--max-num-seqs", "2", "--max-model-len", "1024",
                "--tool-call-parser", "llama3_json") as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = api_client(server.url)
         for choice in ("required", NAMED):
             r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Paris?"}],
                                                tools=TOOLS, tool_choice=choice, max_tokens=40, temperature=0)
