@@ -128,7 +128,7 @@ class TorchAttention(_Matmuls):
 
 
 SPLIT_MIN_ROWS, SPLIT_WIDE, SPLIT_MAX_K = 3, 4, 1024     # TritonAttention._split_to_gemm
-SEMAPHORES = 1024   # split_merge's counters: KV splits only where a launch has fewer groups than half the SMs
+SEMAPHORES = 1024   # split_merge's counters, one a group of a merging launch: its programs fit one an SM
 
 
 class TritonAttention(_Matmuls):

@@ -66,7 +66,8 @@ class EngineConfig:
                                        # is Triton
     split_merge: bool = True           # attention split over KV (small batches) merges its splits in the attention
                                        # kernel (a counter per group, engine/kernels/attention/split_merge.py), not in a
-                                       # combine kernel of its own, where the backend is Triton. H200 (bench/results/
+                                       # combine kernel of its own, where the backend is Triton and the launch's
+                                       # programs fit one an SM (split_merge.merges). H200 (bench/results/
                                        # llama8b_floor/): Llama 1B 0.838 -> 0.809 ms a step, 8B 4.01 -> 3.96; SmolLM2's
                                        # kernel path 0.417 -> 0.415 ms at 1 stream, 0.634 -> 0.607 at 8
     silu_epilogue: bool = True         # steps on the decode GEMV: SiLU * up in the epilogue of the gate_up GEMV, so

@@ -58,6 +58,18 @@ def test_bad_semaphores_raise():
         run(q, k_cache, v_cache, meta, 2, torch.zeros(8, dtype=torch.int64, device=DEV))
 
 
+def test_merged_only_where_the_programs_fit_one_an_sm(monkeypatch):
+    monkeypatch.setattr(sm, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sm, "_check_semaphores", lambda sem, device: sem.numel())
+    cuda, sem = torch.device("cuda", 0), torch.zeros(1024, dtype=torch.int32)
+    assert sm.merges(32, sem, 3, cuda) and sm.merges(4, sem, 24, cuda)   # 1 and 8 streams: 96 programs
+    assert not sm.merges(4, sem, 96, cuda)              # 32 streams at a long bound: 384 programs, combine kernel
+    assert sm.merges(4, sem, 33, cuda) and not sm.merges(4, sem, 34, cuda)            # 132 programs, then 136
+    assert not sm.merges(1, sem, 3, cuda) and not sm.merges(4, None, 3, cuda)         # nothing to merge, no buffer
+    assert not sm.merges(4, torch.zeros(8, dtype=torch.int32), 24, cuda)              # a counter short a group
+    assert sm.merges(4, sem, 96, torch.device("cpu"))   # the interpreter has no SMs: merged, as the tests above
+
+
 def test_auto_splits_split_a_full_grid_only_over_long_contexts(monkeypatch):
     monkeypatch.setattr(sm, "sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)

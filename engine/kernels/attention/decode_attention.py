@@ -32,8 +32,8 @@ import triton.language as tl
 from engine.kernels.attention.attention_checks import check_attention
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.fused_ops import check_rope, rotate_rows
-from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _check_semaphores, _tile_config, online_update
-from engine.kernels.attention.split_merge import combine_splits, split_count, split_partials, store_splits
+from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _tile_config, online_update
+from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
 
 WIDE_HEAD = 128     # padded head sizes from which a program runs 8 warps (warps)
 
@@ -186,7 +186,7 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
     num_warps = warps(head_pad, tile_warps)
     part_acc, part_m, part_l = split_partials(out, num_splits, head_pad)
     prefetch_tiles = prefetch_tiles or prefetch_rule(num_splits)
-    merge = num_splits > 1 and semaphores is not None and _check_semaphores(semaphores, q.device) >= groups
+    merge = merges(num_splits, semaphores, groups, q.device)
     _decode_attn_kernel[(num_splits, num_seqs, num_kv_heads)](
         q, k, v, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables, positions,
         slot_mapping, cos_cache, sin_cache, semaphores if merge else seq_lens, float(scale) * _LOG2E, num_heads,

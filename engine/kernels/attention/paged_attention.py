@@ -31,7 +31,7 @@ from engine.kernels import fused_ops
 from engine.kernels.attention.attention_checks import check_attention, check_cache, check_index, check_rows
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.attention.rope_kv import rope_rows, store_new_kv
-from engine.kernels.attention.split_merge import combine_splits, split_count, split_partials, store_splits
+from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
 
 _LOG2E = 1.4426950408889634
 
@@ -234,7 +234,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     head_pad = max(16, _pow2(head_dim))
     part_acc, part_m, part_l = split_partials(out, num_splits, head_pad)
     k, v, positions, cos, sin, slots = rope if rope is not None else (q, q, seq_lens, q, q, seq_lens)  # unread
-    merge = num_splits > 1 and semaphores is not None and _check_semaphores(semaphores, q.device) >= groups
+    merge = merges(num_splits, semaphores, groups, q.device)
     _paged_attn_kernel[(q_blocks * num_splits, num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables,
         float(scale) * _LOG2E, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -258,11 +258,3 @@ def _check_rope(q, rope, k_cache, v_cache, max_query_len: int) -> None:
     if not fuses_rope(q.shape[1], k_cache.shape[2], max_query_len, k_cache.shape[1]):
         raise ValueError(f"rope= needs every sequence's queries in one block; max_query_len {max_query_len} is "
                          "too many (fuses_rope): run fused_ops.rope_store_kv, then paged_attention")
-
-
-def _check_semaphores(sem, device) -> int:
-    """The counters a semaphore buffer holds (a split launch needing more merges in the combine kernel)."""
-    if sem.dtype != torch.int32 or sem.dim() != 1 or sem.device != device:
-        raise ValueError(f"semaphores must be a 1-D int32 tensor on {device}, got {sem.dim()}-D {sem.dtype} on "
-                         f"{sem.device}")
-    return sem.numel()
