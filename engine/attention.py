@@ -138,9 +138,9 @@ class TritonAttention(_Matmuls):
 
     def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
-                 split_merge: bool = False, silu_epilogue: bool = False, decode_attention: bool = False,
-                 decode_attention_splits: int = 0, decode_attention_prefetch: int = 0, long_row_gemv: bool = False,
-                 device=None):
+                 split_merge: bool = False, silu_epilogue: bool = False, gemm_silu_epilogue: bool = False,
+                 decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
+                 long_row_gemv: bool = False, device=None):
         from engine.kernels.sampling import argmax, bitmask
         from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
@@ -164,6 +164,7 @@ class TritonAttention(_Matmuls):
         self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
         self._silu_epilogue = silu_epilogue             # norm_mlp: SiLU * up in the GEMV of gate_up where it takes it
+        self._gemm_silu_epilogue = gemm_silu_epilogue   # and in decode_gemm's where that takes it
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
         self._decode_prefetch = decode_attention_prefetch                  # its cached tiles read before the wait
@@ -228,12 +229,12 @@ class TritonAttention(_Matmuls):
 
     def norm_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual: bool = False,
                  meta=None):
-        gemv = self._gemv
-        takes = self._silu_epilogue and gemv is not None and gemv.silu_mul_fits(gate_up_weight) and \
-            self._gemv_for(x, gate_up_weight, None, norm_weight=norm_weight, residual=residual) is gemv
-        if not takes:
+        gemv, kernels = self._gemv, self._gemv_for(x, gate_up_weight, None, norm_weight=norm_weight, residual=residual)
+        if not (kernels is not None and kernels.silu_mul_fits(gate_up_weight) and
+                (self._silu_epilogue if kernels is gemv else self._gemm_silu_epilogue)):
             return super().norm_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual, meta)
-        act, residual = gemv.decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual)
+        act, residual = kernels.decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual,
+                                                        **self._launch(kernels, meta))
         add = residual if add_residual else None
         if add is not None and self._draft is not None and self._gemv_for(act, down_weight, None, add=add) is gemv:
             return gemv.decode_linear(act, down_weight, add), residual      # the residual epilogue is draft_gemv's

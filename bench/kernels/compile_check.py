@@ -55,7 +55,8 @@ def _gemm(m, k, n, prologue, epilogue, pdl, decode=False, **over):
                   K1=k1, BK1=min(cfg["BLOCK_K"], max(k1, 16)), UPCAST=False, PRECISION="tf32", USE_PDL=pdl)
     extra = (" decode" if decode else "") + "".join(f" {key}={value}" for key, value in over.items())
     return (f"decode_gemm M={m} K={k} N={n} {prologue}/{epilogue}{extra}", decode_gemm._decode_gemm_kernel,
-            _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
+            _gemv_types(epilogue), consts, cfg["num_warps"],
+            _shapes(m, k, n // 2 if epilogue == "silu_mul" else n, prologue))   # silu_mul: N weight rows, N / 2 out
 
 
 def _gemv(k, n, prologue, epilogue, pdl, m=1):
@@ -115,6 +116,8 @@ def variants(pdl: bool) -> list[tuple]:
     return [
         _gemm(32, 576, 960, "norm", "store", pdl), _gemm(32, 576, 3072, "norm", "store", pdl),
         _gemm(32, 1536, 576, "silu", "store", pdl), _gemm(32, 1536, 576, "silu", "add", pdl, decode=True),
+        _gemm(32, 576, 3072, "norm", "silu_mul", pdl, decode=True),
+        _gemm(32, 1536, 576, "none", "add", pdl, decode=True),
         _gemm(8, 576, 576, "none", "store", pdl),
         _gemm(16, 576, 49152, "norm", "argmax", pdl),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),

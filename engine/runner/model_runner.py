@@ -55,6 +55,7 @@ class ModelRunner:
             decode_gemm_rows=config.decode_gemm_rows if config.decode_gemv else 0, decode_gemv_rows=config.decode_gemv_rows,
             decode_gemm_split=config.decode_gemm_split and config.decode_gemv, rope_attention=config.rope_attention,
             split_merge=config.split_merge, silu_epilogue=config.silu_epilogue,
+            gemm_silu_epilogue=config.gemm_silu_epilogue,
             decode_attention=config.decode_attention, decode_attention_splits=config.decode_attention_splits,
             decode_attention_prefetch=config.decode_attention_prefetch,
             long_row_gemv=config.long_row_gemv and config.decode_gemv, device=self.device)

@@ -60,6 +60,49 @@ def test_entry_points_match_the_separate_ops(m, k, n, dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("m,residual", [(5, False), (17, True), (32, True)])
+def test_silu_epilogue_matches_norm_linear_then_silu_mul(m, residual, dtype):
+    """gate_up with SiLU * up in the epilogue gives silu_mul of decode_norm_linear's own gate_up (each program pairs
+    gate rows with the up rows of the same columns; the last program ragged) and its residual, in a decode step's
+    launch as well."""
+    from engine.kernels.fused_ops import silu_mul_ref
+    k, inter = 96, 37
+    x, nw = randn(m, k, seed=31, dtype=dtype) * 2, randn(k, seed=33, dtype=dtype)
+    res = randn(m, k, seed=32, dtype=dtype) if residual else None
+    w = randn(2 * inter, k, seed=34, dtype=dtype) / k ** 0.5
+    act, new_res = gm.decode_norm_linear_silu(x, nw, EPS, w, res)
+    gate_up, want_res = gm.decode_norm_linear(x, nw, EPS, w, res)
+    assert act.shape == (m, inter) and act.dtype == dtype
+    assert torch.equal(new_res, want_res)
+    # the kernel's SiLU is g / (1 + exp(-g)), torch's another formula: one rounding apart at most
+    torch.testing.assert_close(act, silu_mul_ref(gate_up), rtol=TOL[dtype][0], atol=1e-6)
+    assert torch.equal(gm.decode_norm_linear_silu(x, nw, EPS, w, res, decode=True)[0], act)
+    with pytest.raises(ValueError, match="even N"):
+        gm.decode_norm_linear_silu(x, nw, EPS, w[:-1], res)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_backend_mlp_takes_decode_gemms_silu_epilogue_with_the_switch(monkeypatch, on):
+    """norm_mlp of 5-16 rows: with gemm_silu_epilogue, decode_gemm's gate_up stores SiLU * up and the down
+    projection reads it; off, gate_up then down with its SiLU prologue. The outputs agree."""
+    from engine.attention import TritonAttention
+    calls = []
+    for name in ("decode_norm_linear_silu", "decode_linear", "decode_norm_linear", "decode_silu_linear"):
+        real = getattr(gm, name)
+        monkeypatch.setattr(gm, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    b = TritonAttention(decode_gemv=True, decode_gemm_rows=16, gemm_silu_epilogue=on)
+    b._gemv, b._gemm = dg, gm                          # the interpreter-built modules of this test file
+    ref = TritonAttention(decode_gemv=False)
+    args = (randn(9, 64, seed=40), randn(9, 64, seed=41), randn(64, seed=42), EPS, randn(48, 64, seed=43) / 8,
+            randn(64, 24, seed=44) / 5)
+    got = b.norm_mlp(*args)
+    assert calls == (["decode_norm_linear_silu", "decode_linear"] if on else ["decode_norm_linear",
+                                                                              "decode_silu_linear"])
+    for a, c in zip(got, ref.norm_mlp(*args)):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+@DTYPES
 @pytest.mark.parametrize("m,k", [(5, 64), (17, 192), (32, 96)])
 def test_exact_where_the_products_are(m, k, dtype):
     """Integer operands: every fp32 sum is exact in any order, so the outputs are torch's bit for bit. The norm:

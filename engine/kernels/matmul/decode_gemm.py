@@ -5,13 +5,15 @@
                                                           (= F.linear(fused_ops.rms_norm(...), weight))
     decode_silu_linear(gate_up, weight, residual=None) -> out
                                                   (= [residual +] F.linear(fused_ops.silu_mul(gate_up), weight))
+    decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual=None) -> (act, new_residual)
+                                                  (= fused_ops.silu_mul(decode_norm_linear(...)[0]))
 
 engine/kernels/matmul/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens (from one stream: the
 engine takes it past EngineConfig.decode_gemv_rows) or a tree of 8-32 tokens, where its loop over rows (a pass over the registers each) would cost more than cuBLAS. The
 same idea: each program owns BLOCK_N whole weight rows and loads all of them into registers before gdc_wait, so
 under programmatic dependent launch the HBM read overlaps the kernel before; after the wait it reads x (L2),
 recomputes the op before (the norm or SiLU * up), multiplies and stores. The same prologues, epilogues ("store",
-"add", "argmax") and rounding as decode_gemv (common.round_to, the interpreter included).
+"add", "argmax", "silu_mul") and rounding as decode_gemv (common.round_to, the interpreter included).
 
 Why the whole K before the wait, not K chunks of which only the first are prefetched: SmolLM2's K is 576 or 1536,
 so a tile of 16-32 rows is 18-48 KB, 36-96 registers a thread, and with all of it loaded nothing after the wait
@@ -38,6 +40,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.matmul import decode_gemv, gemv_checks
+from engine.kernels.matmul.silu_pairs import block_rows, silu_store
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 
 MIN_ROWS = 1
@@ -126,10 +129,12 @@ def _piece(w, nw, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, ST
 
 @triton.jit
 def _epilogue(acc, out_ptr, add_ptr, idx_ptr, stride_out, stride_add, offs_n, n_ok, offs_m, m_ok, pid, N,
-              dtype: tl.constexpr, EPILOGUE: tl.constexpr):
+              dtype: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] rounded once to y, then decode_gemv's epilogues, transposed."""
     y = round_to(acc, dtype)
-    if EPILOGUE == "argmax":
+    if EPILOGUE == "silu_mul":
+        silu_store(out_ptr, tl.trans(y), offs_m, m_ok, stride_out, N, pid, BLOCK_M, BLOCK_N)
+    elif EPILOGUE == "argmax":
         # masked weight rows sit at -inf after every real row; NaN ranks above every number (as decode_gemv)
         v = tl.where(n_ok[:, None], y.to(tl.float32), float("-inf"))
         v = tl.where(v != v, float("inf"), v)
@@ -157,8 +162,7 @@ def _decode_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
     pid = tl.program_id(0)
     first = tl.program_id(1) * (GROUPS * BLOCK_M)
     dtype = x_ptr.dtype.element_ty
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    offs_n, n_ok = block_rows(pid, N, BLOCK_N, EPILOGUE)
     # the weights do not depend on the kernel before: read them before waiting for it
     w0 = _load_w(w_ptr, offs_n, n_ok, K, 0, K0, BK0)
     nw0, nw1, inv = 0.0, 0.0, 0.0               # the norm's; other prologues pass them unread
@@ -189,7 +193,7 @@ def _decode_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
             acc += _piece(w1, nw1, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, K0, K1, BK1, PROLOGUE,
                           HAS_RESIDUAL, UPCAST, PRECISION)
         _epilogue(acc, out_ptr, add_ptr, idx_ptr, stride_out, stride_add, offs_n, n_ok, offs_m, m_ok, pid, N, dtype,
-                  EPILOGUE)
+                  EPILOGUE, BLOCK_M, BLOCK_N)
 
 
 def interpreted() -> bool:
@@ -235,7 +239,11 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     row_groups = triton.cdiv(m, block_m)
     groups = min(cfg.pop("GROUPS", row_groups), row_groups)
     k0, k1 = pieces(k)
-    grid = triton.cdiv(n, cfg["BLOCK_N"])
+    if epilogue == "silu_mul":      # a program's BLOCK_N weight rows give BLOCK_N / 2 outputs
+        n //= 2
+        grid = triton.cdiv(n, cfg["BLOCK_N"] // 2)
+    else:
+        grid = triton.cdiv(n, cfg["BLOCK_N"])
     out, idx, new_res, res, add = decode_gemv.buffers(x, n, k, grid, epilogue, residual, add)
     upcast = x.dtype == torch.bfloat16 and interpreted()
     _decode_gemm_kernel[(grid, triton.cdiv(m, groups * block_m))](
@@ -269,3 +277,19 @@ def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=Non
     gemv_checks.check(gate_up, weight, gate_up.shape[1] // 2, add=residual, **_LIMITS)
     return launch(gate_up, weight, gate_up.shape[1] // 2, "silu", add=residual,
                   epilogue="store" if residual is None else "add", decode=decode)[0]
+
+
+def silu_mul_fits(weight: torch.Tensor) -> bool:
+    """Whether decode_norm_linear_silu takes this [gate; up] weight: an even N (a program always holds 16+ rows)."""
+    return weight.dim() == 2 and weight.shape[0] % 2 == 0
+
+
+def decode_norm_linear_silu(x, norm_weight, eps: float, weight, residual=None, decode: bool = False):
+    """fused_ops.silu_mul(decode_norm_linear(...)) in one kernel, for weight = [gate; up] ([2 * I, K]): each
+    program computes gate rows and their up rows and stores silu(gate) * up. Returns (act [M, I], new_residual)
+    as decode_norm_linear's."""
+    gemv_checks.check(x, weight, norm_weight=norm_weight, residual=residual, **_LIMITS)
+    if not silu_mul_fits(weight):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [gate; up] with an even N")
+    return launch(x, weight, x.shape[1], "norm", nw=norm_weight, eps=eps, residual=residual, epilogue="silu_mul",
+                  decode=decode)[:2]

@@ -46,6 +46,7 @@ import triton.language as tl
 from engine.kernels.matmul import gemv_checks
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 from engine.kernels.matmul.gemv_checks import check, problem
+from engine.kernels.matmul.silu_pairs import block_rows, silu_store
 
 MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K these kernels take
 MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K (no prologue)
@@ -63,17 +64,11 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
     or silu(x[:, :K]) * x[:, K:] ("silu"). A is rounded to the dtype as the separate kernels round it, y as
     F.linear rounds it. The epilogue stores out[m] = y[m] ("store"), y[m] + add[m] rounded as torch's add
     ("add"), this program's largest y[m, n] and its first n at out[m, pid] / idx[m, pid] ("argmax"), or
-    silu_mul of y[m] as [gate; up] of N columns each ("silu_mul", _silu_store).
+    silu_mul of y[m] as [gate; up] of N columns each ("silu_mul", silu_store).
     ROWS = 0: a pass over the registers per row; ROWS >= M: every row at once (_rows_at_once)."""
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
-    if EPILOGUE == "silu_mul":      # weight = [gate; up], N rows each: block row j is act column pid * BLOCK_N / 2 +
-        offs_j = tl.arange(0, BLOCK_N)                  # j // 2's gate row (j even) or its up row (j odd)
-        offs_a = pid * (BLOCK_N // 2) + offs_j // 2
-        offs_n, n_ok = offs_a + (offs_j % 2) * N, offs_a < N
-    else:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
+    offs_n, n_ok = block_rows(pid, N, BLOCK_N, EPILOGUE)
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     # the weights do not depend on the kernel before: read them before waiting for it
@@ -118,7 +113,7 @@ def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add
                 tl.store(idx_ptr + m * stride_out + pid, reduce_min(tl.where(v == top, offs_n, N), 0))
             elif EPILOGUE == "silu_mul":
                 rows = tl.full([1], m, tl.int32)
-                _silu_store(out_ptr, y[None, :], rows, rows < M, stride_out, N, pid, 1, BLOCK_N)
+                silu_store(out_ptr, y[None, :], rows, rows < M, stride_out, N, pid, 1, BLOCK_N)
             else:
                 if EPILOGUE == "add":
                     r = tl.load(add_ptr + m * stride_add + offs_n, mask=n_ok, other=0.0)
@@ -148,25 +143,13 @@ def _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr,
         first = reduce_min(tl.where(v == top[:, None], offs_n[None, :], N), 1)
         tl.store(idx_ptr + offs_m * stride_out + pid, first, mask=m_ok)
     elif EPILOGUE == "silu_mul":
-        _silu_store(out_ptr, y, offs_m, m_ok, stride_out, N, pid, ROWS, BLOCK_N)
+        silu_store(out_ptr, y, offs_m, m_ok, stride_out, N, pid, ROWS, BLOCK_N)
     else:
         ym = m_ok[:, None] & n_ok[None, :]
         if EPILOGUE == "add":
             r = tl.load(add_ptr + offs_m[:, None] * stride_add + offs_n[None, :], mask=ym, other=0.0)
             y = round_to(y.to(tl.float32) + r.to(tl.float32), dtype)
         tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], y, mask=ym)
-
-
-@triton.jit
-def _silu_store(out_ptr, y, rows, rows_ok, stride_out, N, pid, R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[rows, pid * BLOCK_N / 2 + h] = silu(gate) * up of the block's pairs (y [R, BLOCK_N], rounded to the
-    dtype: gate, up, gate, up, ...), in fp32 rounded once, as fused_ops.silu_mul on the gate_up they round to."""
-    H: tl.constexpr = BLOCK_N // 2
-    g, u = tl.split(tl.reshape(y.to(tl.float32), (R, H, 2)))
-    act = round_to(g / (1.0 + tl.exp(-g)) * u, out_ptr.dtype.element_ty)
-    offs_h = pid * H + tl.arange(0, H)
-    mask = rows_ok[:, None] & (offs_h < N)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_out + offs_h[None, :], act, mask=mask)
 
 
 @triton.jit
