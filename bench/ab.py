@@ -13,7 +13,9 @@ guided = `python -m bench.guided.guided --only speed` (JSON Mode Eval schemas, g
 bench/ layout runs the same scripts as files (bench/<script>.py) instead. Schemas and prompts come
 from `--data` (default: the few kept in tests/data). The table gives the median tok/s per side and after/before, and
 each side's idle share: the compute stream's idle time over the step period. Over HOST_BOUND a side was host-bound
-(its host could not keep the GPU fed), so its ratio there measures that run's host, not the change.
+(its host could not keep the GPU fed), so its ratio there measures that run's host, not the change. Each side's
+median forward (GPU ms a step, where its bench reports it) is the GPU's own measure: a host's lag cannot move it, the
+kernels and the load can (greedy bf16 outputs, and so the load, may differ where kernels sum in another order).
 """
 from __future__ import annotations
 
@@ -111,24 +113,32 @@ def _idle(run: dict):
     return run["gpu_idle_ms"] / run["period_ms"]
 
 
+def _forward(run: dict):
+    """The run's forward GPU ms a step: throughput's and spec's forward_gpu_ms, guided's forward_ms."""
+    return run.get("forward_gpu_ms", run.get("forward_ms"))
+
+
 def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> dict:
-    """One (mode, streams) row: each side's median tok/s and idle share, after over before, host-bound sides."""
+    """One (mode, streams) row: each side's median tok/s, idle share and forward, after over before, host-bound
+    sides."""
     pick = {n: [x for x in runs[n] if x["ab_mode"] == mode and x["streams"] == streams] for n in runs}
     tok = {n: [x["tok_s"] for x in rows if x.get("tok_s")] for n, rows in pick.items()}
     med = {n: _median(v) for n, v in tok.items()}
     idle = {n: _median([_idle(x) for x in rows]) for n, rows in pick.items()}
+    forward = {n: _median([_forward(x) for x in rows]) for n, rows in pick.items()}
     ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
     host_bound = " ".join(n for n in ("before", "after") if (idle[n] or 0.0) > HOST_BOUND) or None
     first = (pick["after"] or [{}])[0]
     return record("ab_throughput", mode, first.get("model"), first.get("dtype"), streams, args.new_tokens,
                   med["after"], first.get("ms_per_step"), before_tok_s=med["before"], after_over_before=ratio,
                   before_idle=idle["before"], after_idle=idle["after"], host_bound=host_bound,
+                  before_forward_ms=forward["before"], after_forward_ms=forward["after"],
                   before_runs=tok["before"], after_runs=tok["after"], before_tree=str(before_tree),
                   before_engine=args.before_engine, after_engine=args.after_engine, rounds=args.rounds)
 
 
 COLUMNS = ["mode", "streams", "before_tok_s", "tok_s", "after_over_before", "before_idle", "after_idle", "host_bound",
-           "before_runs", "after_runs"]
+           "before_forward_ms", "after_forward_ms", "before_runs", "after_runs"]
 
 
 def write_markdown(records: list[dict], path) -> str:
@@ -139,7 +149,7 @@ def write_markdown(records: list[dict], path) -> str:
             f"{r['before_tree']}{sides}; {r['model']} {r['dtype']}, {r['new_tokens']} new tokens, pipelined "
             f"(plain: EOS ignored); median of {r['rounds']} rounds (tok_s = after). idle: the compute stream's idle "
             f"share of a step; over {HOST_BOUND:.0%} a side was host-bound (host_bound), and its ratio measures that "
-            "run's host."
+            "run's host; forward: the median forward GPU ms a step, the GPU's own measure."
             "\n\n" + markdown_table(records, COLUMNS))
     Path(path).write_text(text + "\n")
     return text

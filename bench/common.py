@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 # the prompt sets live in specdec/ (studies use them too; a package never imports bench/); re-exported here
 from specdec.datasets import QUESTIONS, chat_prompts, random_prompts  # noqa: F401
@@ -177,6 +178,20 @@ def engine_overrides(args) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def parse_variants(items: list[str]) -> dict[str, dict]:
+    """--variants NAME:KEY=VALUE,... -> {NAME: EngineConfig overrides} (values parsed as JSON when they parse);
+    none given: one unnamed variant without overrides."""
+    out = {}
+    for item in items:
+        name, sep, pairs = item.partition(":")
+        if not sep or not name or name in out:
+            raise SystemExit(f"--variants {item!r}: expected a new NAME:KEY=VALUE,... (NAME: alone for no overrides)")
+        out[name] = engine_overrides(SimpleNamespace(engine=[p for p in pairs.split(",") if p]))
+        if any(not key for key in out[name]):
+            raise SystemExit(f"--variants {item!r}: every override is KEY=VALUE")
+    return out or {"": {}}
 
 
 _FILLER = " The tide comes in and goes out again."

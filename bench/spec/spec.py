@@ -29,7 +29,8 @@ import os
 import time
 from pathlib import Path
 
-from bench.common import chat_prompts, engine_overrides, markdown_table, note, plot, record, write_results
+from bench.common import (chat_prompts, engine_overrides, markdown_table, note, parse_variants, plot, record,
+                          write_results)
 from bench.guided.guided_quality import (DATASETS, close_engines, load_schemas, resolve,
                                          schema_prompt)
 
@@ -80,20 +81,6 @@ def load_prompts(eng, item: str, root: str, limit: int) -> tuple[str, list[list[
     return name.lower(), [schema_prompt(eng, schema) for _, schema in load_schemas(path, limit) if schema is not None]
 
 
-def parse_variants(items: list[str]) -> dict[str, dict]:
-    """--variants NAME:KEY=VALUE,... -> {NAME: EngineConfig overrides} (values parsed as JSON when they parse);
-    none given: one unnamed variant without overrides."""
-    out = {}
-    for item in items:
-        name, sep, pairs = item.partition(":")
-        if not sep or not name or name in out:
-            raise SystemExit(f"--variants {item!r}: expected a new NAME:KEY=VALUE,... (NAME: alone for no overrides)")
-        out[name] = engine_overrides(argparse.Namespace(engine=[p for p in pairs.split(",") if p]))
-        if any(not key for key in out[name]):
-            raise SystemExit(f"--variants {item!r}: every override is KEY=VALUE")
-    return out or {"": {}}
-
-
 def build(args, streams: int, drafter: str, k: int, variant: dict | None = None, **extra):
     from engine.llm_engine import LLMEngine
     # several engines live side by side (one per mode): KV pages for `streams` sequences of 2,048 tokens each,
@@ -130,7 +117,7 @@ def timed_generate(eng, prompts, max_tokens: int) -> dict:
                 props[i] += p
     ms = t.per_step_ms()
     return dict(new_tokens=tokens, wall_s=wall, tok_s=tokens / wall, ms_per_step=1e3 * wall / max(t.steps, 1),
-                steps=t.steps, period_ms=ms["period"], gpu_idle_ms=ms["gpu_idle"],
+                steps=t.steps, period_ms=ms["period"], gpu_idle_ms=ms["gpu_idle"], forward_gpu_ms=ms["forward_gpu"],
                 acceptance_length=round(t.acceptance_length, 4) if t.spec_rows else None,
                 spec_frac=round(t.spec_rows / max(t.rows, 1), 4),
                 rate_by_position=[round(a / p, 3) for a, p in zip(pos, props) if p],

@@ -27,9 +27,9 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.common import bars, engine_overrides, markdown_table, note, record, stream_prompt, write_results
+from bench.common import (bars, engine_overrides, markdown_table, note, parse_variants, record, stream_prompt,
+                          write_results)
 from bench.kernels.kernel_trace import device_events, kernel_summary, kernels_by_grid
-from bench.spec.spec import parse_variants
 from bench.step.throughput import build_engine
 
 COLUMNS = ["tag", "variant", "round", "streams", "period_ms", "plan_ms", "launch_ms", "replay_ms", "wait_ms",

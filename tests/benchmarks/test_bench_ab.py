@@ -55,6 +55,25 @@ def test_a_bench_without_idle_times_leaves_the_idle_columns_empty(tmp_path, cann
     (row,) = json.loads(out.read_text())
     assert row["after_over_before"] == pytest.approx(1.1)
     assert row["before_idle"] is None and row["after_idle"] is None and row["host_bound"] is None
+    assert row["before_forward_ms"] is None and row["after_forward_ms"] is None
+
+
+def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned):
+    """throughput and spec report forward_gpu_ms, guided forward_ms: either is the side's GPU time a step."""
+    _, runs = canned
+    runs[("before", "guided")] = [[dict(streams=32, tok_s=300.0, forward_ms=0.95)],
+                                  [dict(streams=32, tok_s=310.0, forward_ms=0.94)]]
+    runs[("after", "guided")] = [[dict(streams=32, tok_s=280.0, forward_ms=0.99)],
+                                 [dict(streams=32, tok_s=290.0, forward_ms=0.98)]]
+    runs[("before", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.74)], [dict(streams=32, tok_s=4.0)]]
+    runs[("after", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.73)], [dict(streams=32, tok_s=4.0)]]
+    out = tmp_path / "ab.json"
+    ab.main(["--before", str(tmp_path / "before"), "--after", str(tmp_path / "after"), "--modes", "guided", "plain",
+             "--streams", "32", "--rounds", "2", "--out", str(out)])
+    guided, plain = json.loads(out.read_text())
+    assert (guided["before_forward_ms"], guided["after_forward_ms"]) == (pytest.approx(0.945), pytest.approx(0.985))
+    assert (plain["before_forward_ms"], plain["after_forward_ms"]) == (0.74, 0.73)     # runs without it are left out
+    assert "| before_forward_ms | after_forward_ms |" in out.with_suffix(".md").read_text()
 
 
 def test_one_tree_against_itself_with_a_setting_flipped(tmp_path, canned):

@@ -1,12 +1,13 @@
-"""bench/spec/spec.py's --variants: engine overrides measured side by side with the same baseline."""
+"""--variants of bench/spec/spec.py and bench/step/profile_step.py (bench/common.py's parse_variants): engine
+overrides measured side by side with the same baseline."""
 import pytest
 
-from bench.spec import spec
+from bench import common
 
 
 def test_variants_parse_to_engine_overrides():
-    assert spec.parse_variants([]) == {"": {}}
-    got = spec.parse_variants(["whole:", "v16k:spec_draft_vocab=r.json,spec_draft_vocab_size=16384,draft_gather=true"])
+    assert common.parse_variants([]) == {"": {}}
+    got = common.parse_variants(["whole:", "v16k:spec_draft_vocab=r.json,spec_draft_vocab_size=16384,draft_gather=true"])
     assert got == {"whole": {}, "v16k": {"spec_draft_vocab": "r.json", "spec_draft_vocab_size": 16384,
                                          "draft_gather": True}}
 
@@ -14,4 +15,4 @@ def test_variants_parse_to_engine_overrides():
 @pytest.mark.parametrize("bad", [["noname"], [":a=1"], ["a:", "a:b=1"], ["a:=1"]])
 def test_malformed_variants_are_refused(bad):
     with pytest.raises(SystemExit, match="--variants"):
-        spec.parse_variants(bad)
+        common.parse_variants(bad)
