@@ -102,8 +102,8 @@ def combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads,
 def merges(num_splits: int, semaphores, groups: int, device) -> bool:
     """Whether a launch of `groups` groups split num_splits ways merges its splits in the kernel: with a semaphore
     buffer of a counter a group, and where its programs fit one an SM. A fuller grid keeps the combine kernel:
-    merged there, 32-stream guided decoding's forward took 0.983-0.995 ms a step against 0.945-0.954
-    (H200, bench/results/split_merge_rule/)."""
+    merged there, 32-stream guided decoding's forward took 0.983-0.995 ms a step against 0.945-0.954, in a load
+    its bf16 outputs changed (H200, bench/results/split_merge_rule/)."""
     if num_splits == 1 or semaphores is None or _check_semaphores(semaphores, device) < groups:
         return False
     if device.type != "cuda":
