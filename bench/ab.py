@@ -16,6 +16,8 @@ each side's idle share: the compute stream's idle time over the step period. Ove
 (its host could not keep the GPU fed), so its ratio there measures that run's host, not the change. Each side's
 median forward (GPU ms a step, where its bench reports it) is the GPU's own measure: a host's lag cannot move it, the
 kernels and the load can (greedy bf16 outputs, and so the load, may differ where kernels sum in another order).
+Where the sides' benches finished different numbers of requests (guided's requests_done), `requests_done` gives
+both medians: the two sides then ran different loads.
 """
 from __future__ import annotations
 
@@ -118,6 +120,11 @@ def _forward(run: dict):
     return run.get("forward_gpu_ms", run.get("forward_ms"))
 
 
+def _differing(before, after):
+    """'before / after' where both sides report a count and the counts differ, else None."""
+    return f"{before:g} / {after:g}" if before is not None and after is not None and before != after else None
+
+
 def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> dict:
     """One (mode, streams) row: each side's median tok/s, idle share and forward, after over before, host-bound
     sides."""
@@ -126,6 +133,7 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
     med = {n: _median(v) for n, v in tok.items()}
     idle = {n: _median([_idle(x) for x in rows]) for n, rows in pick.items()}
     forward = {n: _median([_forward(x) for x in rows]) for n, rows in pick.items()}
+    done = {n: _median([x.get("requests_done") for x in rows]) for n, rows in pick.items()}
     ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
     host_bound = " ".join(n for n in ("before", "after") if (idle[n] or 0.0) > HOST_BOUND) or None
     first = (pick["after"] or [{}])[0]
@@ -133,12 +141,13 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
                   med["after"], first.get("ms_per_step"), before_tok_s=med["before"], after_over_before=ratio,
                   before_idle=idle["before"], after_idle=idle["after"], host_bound=host_bound,
                   before_forward_ms=forward["before"], after_forward_ms=forward["after"],
+                  requests_done=_differing(done["before"], done["after"]),
                   before_runs=tok["before"], after_runs=tok["after"], before_tree=str(before_tree),
                   before_engine=args.before_engine, after_engine=args.after_engine, rounds=args.rounds)
 
 
 COLUMNS = ["mode", "streams", "before_tok_s", "tok_s", "after_over_before", "before_idle", "after_idle", "host_bound",
-           "before_forward_ms", "after_forward_ms", "before_runs", "after_runs"]
+           "before_forward_ms", "after_forward_ms", "requests_done", "before_runs", "after_runs"]
 
 
 def write_markdown(records: list[dict], path) -> str:

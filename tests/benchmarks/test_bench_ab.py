@@ -59,12 +59,13 @@ def test_a_bench_without_idle_times_leaves_the_idle_columns_empty(tmp_path, cann
 
 
 def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned):
-    """throughput and spec report forward_gpu_ms, guided forward_ms: either is the side's GPU time a step."""
+    """throughput and spec report forward_gpu_ms, guided forward_ms: either is the side's GPU time a step; sides
+    that finished different numbers of requests ran different loads, and the row says so."""
     _, runs = canned
-    runs[("before", "guided")] = [[dict(streams=32, tok_s=300.0, forward_ms=0.95)],
-                                  [dict(streams=32, tok_s=310.0, forward_ms=0.94)]]
-    runs[("after", "guided")] = [[dict(streams=32, tok_s=280.0, forward_ms=0.99)],
-                                 [dict(streams=32, tok_s=290.0, forward_ms=0.98)]]
+    runs[("before", "guided")] = [[dict(streams=32, tok_s=300.0, forward_ms=0.95, requests_done=183)],
+                                  [dict(streams=32, tok_s=310.0, forward_ms=0.94, requests_done=183)]]
+    runs[("after", "guided")] = [[dict(streams=32, tok_s=280.0, forward_ms=0.99, requests_done=187)],
+                                 [dict(streams=32, tok_s=290.0, forward_ms=0.98, requests_done=187)]]
     runs[("before", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.74)], [dict(streams=32, tok_s=4.0)]]
     runs[("after", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.73)], [dict(streams=32, tok_s=4.0)]]
     out = tmp_path / "ab.json"
@@ -73,6 +74,7 @@ def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned)
     guided, plain = json.loads(out.read_text())
     assert (guided["before_forward_ms"], guided["after_forward_ms"]) == (pytest.approx(0.945), pytest.approx(0.985))
     assert (plain["before_forward_ms"], plain["after_forward_ms"]) == (0.74, 0.73)     # runs without it are left out
+    assert guided["requests_done"] == "183 / 187" and plain["requests_done"] is None     # the loads differ, or not
     assert "| before_forward_ms | after_forward_ms |" in out.with_suffix(".md").read_text()
 
 
