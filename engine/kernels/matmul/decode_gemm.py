@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.matmul import decode_gemv, gemv_checks
-from engine.kernels.matmul.silu_pairs import block_rows, silu_store
+from engine.kernels.matmul.silu_pairs import block_rows, out_columns, silu_store
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 
 MIN_ROWS = 1
@@ -239,11 +239,7 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     row_groups = triton.cdiv(m, block_m)
     groups = min(cfg.pop("GROUPS", row_groups), row_groups)
     k0, k1 = pieces(k)
-    if epilogue == "silu_mul":      # a program's BLOCK_N weight rows give BLOCK_N / 2 outputs
-        n //= 2
-        grid = triton.cdiv(n, cfg["BLOCK_N"] // 2)
-    else:
-        grid = triton.cdiv(n, cfg["BLOCK_N"])
+    n, grid = out_columns(n, cfg["BLOCK_N"], epilogue)
     out, idx, new_res, res, add = decode_gemv.buffers(x, n, k, grid, epilogue, residual, add)
     upcast = x.dtype == torch.bfloat16 and interpreted()
     _decode_gemm_kernel[(grid, triton.cdiv(m, groups * block_m))](

@@ -46,7 +46,7 @@ import triton.language as tl
 from engine.kernels.matmul import gemv_checks
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 from engine.kernels.matmul.gemv_checks import check, problem
-from engine.kernels.matmul.silu_pairs import block_rows, silu_store
+from engine.kernels.matmul.silu_pairs import block_rows, out_columns, silu_store
 
 MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K these kernels take
 MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K (no prologue)
@@ -235,11 +235,7 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
     decode_gemv_config's; config: a launch config in its place (benches)."""
     m, n = x.shape[0], weight.shape[0]
     cfg = config or decode_gemv_config(n, k, m, at_once)
-    if epilogue == "silu_mul":      # a program's BLOCK_N weight rows give BLOCK_N / 2 outputs
-        n //= 2
-        grid = triton.cdiv(n, cfg["BLOCK_N"] // 2)
-    else:
-        grid = triton.cdiv(n, cfg["BLOCK_N"])
+    n, grid = out_columns(n, cfg["BLOCK_N"], epilogue)
     out, idx, new_res, res, add = buffers(x, n, k, grid, epilogue, residual, add)
     _decode_gemv_kernel[(grid,)](
         x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),

@@ -31,3 +31,11 @@ def silu_store(out_ptr, y, rows, rows_ok, stride_out, N, pid, R: tl.constexpr, B
     offs_h = pid * H + tl.arange(0, H)
     mask = rows_ok[:, None] & (offs_h < N)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_out + offs_h[None, :], act, mask=mask)
+
+
+def out_columns(n: int, block_n: int, epilogue: str) -> tuple[int, int]:
+    """(output columns, programs) of a launch over n weight rows, BLOCK_N a program: with "silu_mul" a program's
+    rows give BLOCK_N / 2 outputs."""
+    if epilogue == "silu_mul":
+        return n // 2, triton.cdiv(n // 2, block_n // 2)
+    return n, triton.cdiv(n, block_n)
