@@ -10,7 +10,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 # the prompt sets live in specdec/ (studies use them too; a package never imports bench/); re-exported here
 from specdec.datasets import QUESTIONS, chat_prompts, random_prompts  # noqa: F401
@@ -170,8 +169,12 @@ def bars(rows: list[dict], panel: str, label: str, values: list[str], path, titl
 # ---- workloads -------------------------------------------------------------------------------------
 def engine_overrides(args) -> dict:
     """--engine KEY=VALUE ... -> EngineConfig fields (values parsed as JSON when they parse)."""
+    return _overrides(getattr(args, "engine", None) or [])
+
+
+def _overrides(items: list[str]) -> dict:
     out = {}
-    for item in getattr(args, "engine", None) or []:
+    for item in items:
         key, _, value = item.partition("=")
         try:
             out[key] = json.loads(value)
@@ -188,7 +191,7 @@ def parse_variants(items: list[str]) -> dict[str, dict]:
         name, sep, pairs = item.partition(":")
         if not sep or not name or name in out:
             raise SystemExit(f"--variants {item!r}: expected a new NAME:KEY=VALUE,... (NAME: alone for no overrides)")
-        out[name] = engine_overrides(SimpleNamespace(engine=[p for p in pairs.split(",") if p]))
+        out[name] = _overrides([p for p in pairs.split(",") if p])
         if any(not key for key in out[name]):
             raise SystemExit(f"--variants {item!r}: every override is KEY=VALUE")
     return out or {"": {}}

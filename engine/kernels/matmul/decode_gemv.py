@@ -55,6 +55,7 @@ AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take e
 AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
 FOUR_WARPS_K = 4096     # rows up to this K run 4 warps, longer ones 8 (_warps)
 
+
 @triton.jit
 def _decode_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, add_ptr, idx_ptr, stride_x, stride_res,
                         stride_out, stride_new_res, stride_add, M, N, K, eps, PROLOGUE: tl.constexpr,
