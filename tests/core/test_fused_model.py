@@ -52,11 +52,12 @@ def test_fused_path_with_silu_as_the_down_projections_prologue(reference):
     assert _tokens("triton", 2, max_num_batched_tokens=16, decode_gemv=True, silu_epilogue=False) == reference
 
 
-def test_fused_path_with_silu_in_decode_gemms_epilogue(reference):
+@pytest.mark.parametrize("on", [True, False])
+def test_fused_path_with_and_without_silu_in_decode_gemms_epilogue(reference, on):
     """gemm_silu_epilogue: decode steps of 2-4 rows take decode_gemm (decode_gemv_rows 1), whose gate_up stores
-    SiLU * up for the down projection, with the same tokens."""
+    SiLU * up for the down projection (on) or gate_up for down's SiLU prologue (off), with the same tokens."""
     assert _tokens("triton", 2, max_num_batched_tokens=16, decode_gemv=True, decode_gemv_rows=1, decode_gemm_rows=4,
-                   gemm_silu_epilogue=True) == reference
+                   gemm_silu_epilogue=on) == reference
 
 
 def test_fused_path_without_decode_attention(reference):
