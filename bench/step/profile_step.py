@@ -64,28 +64,31 @@ def parse_args(argv=None):
 
 
 def split_gemm(overrides: dict) -> tuple[dict, dict]:
-    """A variant's keys gemm.N.KEY (decode_gemm_config's KEY for weights of N rows) apart from EngineConfig's:
-    (engine overrides, {N: {KEY: value}})."""
+    """A variant's keys gemm.N.KEY (decode_gemm_config's KEY for weights of N rows) or gemm.NxK.KEY (for weights
+    of N rows of K) apart from EngineConfig's: (engine overrides, {N or (N, K): {KEY: value}})."""
     engine, gemm = {}, {}
     for key, value in overrides.items():
         if not key.startswith("gemm."):
             engine[key] = value
             continue
-        _, rows, name = (key.split(".", 2) + ["", ""])[:3]
-        if not rows.isdigit() or not name:
-            raise ValueError(f"{key!r}: a decode_gemm override is gemm.<weight rows>.<config key>")
-        gemm.setdefault(int(rows), {})[name] = value
+        _, shape, name = (key.split(".", 2) + ["", ""])[:3]
+        dims = shape.split("x")
+        if not name or len(dims) > 2 or not all(d.isdigit() for d in dims):
+            raise ValueError(f"{key!r}: a decode_gemm override is gemm.<weight rows>[x<row length>].<config key>")
+        gemm.setdefault(int(dims[0]) if len(dims) == 1 else tuple(map(int, dims)), {})[name] = value
     return engine, gemm
 
 
 @contextlib.contextmanager
 def gemm_configs(over: dict):
-    """decode_gemm_config's choice replaced for the weights named in `over` ({N: {KEY: value}}) while the block
-    runs. Each launch reads the config, so an engine built and captured inside takes it."""
+    """decode_gemm_config's choice replaced for the weights named in `over` ({N or (N, K): {KEY: value}}; a shape's
+    keys over its N's) while the block runs. Each launch reads the config, so an engine built and captured inside
+    takes it."""
     from engine.kernels.matmul import decode_gemm
     rule = decode_gemm.decode_gemm_config
     if over:
-        decode_gemm.decode_gemm_config = lambda m, n, k, decode=False: rule(m, n, k, decode) | over.get(n, {})
+        decode_gemm.decode_gemm_config = (lambda m, n, k, decode=False:
+                                          rule(m, n, k, decode) | over.get(n, {}) | over.get((n, k), {}))
     try:
         yield
     finally:

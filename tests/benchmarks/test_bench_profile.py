@@ -122,13 +122,14 @@ def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):
 
 
 def test_variant_keys_set_decode_gemms_launch_config_for_the_weights_named():
-    """gemm.N.KEY keys of a variant are decode_gemm_config's, not EngineConfig's: inside gemm_configs a launch for a
-    weight of N rows takes them (the argmax epilogue's partials show the programs), other weights the rule, and
-    the rule is back afterwards."""
+    """gemm.N.KEY and gemm.NxK.KEY keys of a variant are decode_gemm_config's, not EngineConfig's: inside
+    gemm_configs a launch for a weight of N rows (of K) takes them (the argmax epilogue's partials show the
+    programs), other weights the rule, and the rule is back afterwards."""
     gm = triton_module("matmul.decode_gemm")
     engine, gemm = profile_step.split_gemm({"gemm.64.BLOCK_N": 16, "gemm.64.num_warps": 8, "depth": 2})
     assert engine == {"depth": 2} and gemm == {64: {"BLOCK_N": 16, "num_warps": 8}}
-    for bad in ("gemm.BLOCK_N", "gemm.x.BLOCK_N", "gemm.64."):
+    assert profile_step.split_gemm({"gemm.64x128.BLOCK_N": 32})[1] == {(64, 128): {"BLOCK_N": 32}}
+    for bad in ("gemm.BLOCK_N", "gemm.x.BLOCK_N", "gemm.64.", "gemm.64x.BLOCK_N", "gemm.1x2x3.BLOCK_N"):
         with pytest.raises(ValueError, match="gemm.<weight rows>"):
             profile_step.split_gemm({bad: 1})
     dev = "cpu" if gm.interpreted() else "cuda"
@@ -140,5 +141,8 @@ def test_variant_keys_set_decode_gemms_launch_config_for_the_weights_named():
         assert gm.decode_gemm_config(8, 32, 64) == rule(8, 32, 64)
         assert gm.launch(x, w, 64, "none", epilogue="argmax")[0].shape == (8, 2)
         assert torch.allclose(gm.decode_linear(x, w), x @ w.T, atol=1e-3)
+    with profile_step.gemm_configs({(64, 128): {"BLOCK_N": 32}, 64: {"BLOCK_N": 64, "num_warps": 8}}):
+        assert gm.decode_gemm_config(8, 64, 128) == rule(8, 64, 128) | {"BLOCK_N": 32, "num_warps": 8}
+        assert gm.decode_gemm_config(8, 64, 64) == rule(8, 64, 64) | {"BLOCK_N": 64, "num_warps": 8}
     assert gm.decode_gemm_config is rule
     assert gm.launch(x, w, 64, "none", epilogue="argmax")[0].shape == (8, 4)
