@@ -76,6 +76,10 @@ class EngineConfig:
                                        # rows): gate_up stores half as much and down reads half, with no SiLU. H200
                                        # (bench/results/gemm_silu_epilogue/): forward 0.730 -> 0.653 ms a step at 32
                                        # streams, 0.603 -> 0.535 at 8
+    step_io_kernels: bool = False      # plain and guided steps: their input ids (carried from the token pool) and
+                                       # embedding rows in one kernel, and their tokens' copy to the slot and the
+                                       # pool in one (engine/kernels/step_io.py), in place of seven torch kernels,
+                                       # where the backend is Triton and the model on one rank. Off until measured
     decode_attention: bool = True      # steps of one new token a sequence (decode, the EAGLE head's draft steps):
                                        # attention whose metadata, RoPE rows and first cached KV tile load before
                                        # the dependent-launch wait (engine/kernels/attention/decode_attention.py):

@@ -29,6 +29,7 @@ from engine.kernels.sampling import argmax  # noqa: E402
 from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
 from engine.kernels.matmul import decode_gemm, decode_gemv  # noqa: E402
 from engine.kernels.spec import head_ops, spec_finish, spec_ops  # noqa: E402
+from engine.kernels import step_io  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BF16_PTRS = ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "out_ptr", "new_res_ptr", "add_ptr")
@@ -147,6 +148,13 @@ def variants(pdl: bool) -> list[tuple]:
          dict(BLOCK=1024, USE_PDL=pdl), 4),
         ("spec_finish greedy_finish history", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=True, NEXT=False, ROWS=False, BLOCK=1, USE_PDL=pdl), 4),
+        ("step_io inputs", step_io._inputs_kernel,
+         {p: "*i64" for p in ("in_ptr", "carry_ptr", "tok_row_ptr", "last_ptr", "ids_ptr")} | dict(
+             w_ptr="*bf16", x_ptr="*bf16", n_rows="i32", H="i32", stride_w="i32", stride_x="i32"),
+         dict(CARRY=True, BLOCK_H=1024, USE_PDL=pdl), 4),
+        ("step_io emit", step_io._emit_kernel,
+         {p: "*i64" for p in ("tok_ptr", "sampled_ptr", "rows_ptr", "last_ptr")} | dict(n="i32", n_rows="i32"),
+         dict(BLOCK=32, USE_PDL=pdl), 4),
     ]
 
 

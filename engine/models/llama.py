@@ -205,13 +205,13 @@ class LlamaForCausalLM(nn.Module):
         self.cos_cache, self.sin_cache = rope_tables(rope_inv_freq(self.cfg, self.layers[0].self_attn.head_dim),
                                                      max_positions, device)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, backend, aux_layers=()):
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, backend, aux_layers=(), embeds=None):
         """Final hidden states [T, hidden]; with aux_layers, also the outputs of those layers (the residual
         stream after each, HF's hidden_states[i + 1]) concatenated to [T, len(aux_layers) * hidden], for a
-        draft head (engine/spec/eagle_paged.py)."""
+        draft head (engine/spec/eagle_paged.py). embeds: input_ids' embedding rows, looked up already."""
         if backend.fused:
-            return self._forward_fused(input_ids, positions, meta, kv_caches, backend, aux_layers)
-        x, aux = self.embed_tokens(input_ids), {}
+            return self._forward_fused(input_ids, positions, meta, kv_caches, backend, aux_layers, embeds)
+        x, aux = self.embed_tokens(input_ids) if embeds is None else embeds, {}
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, meta, kv, backend)
@@ -219,8 +219,8 @@ class LlamaForCausalLM(nn.Module):
                 aux[i] = x
         return (self.norm(x), _in_order(aux, aux_layers)) if aux_layers else self.norm(x)
 
-    def _forward_fused(self, input_ids, positions, meta, kv_caches, backend, aux_layers=()):
-        h, residual, aux = self.embed_tokens(input_ids), None, {}
+    def _forward_fused(self, input_ids, positions, meta, kv_caches, backend, aux_layers=(), embeds=None):
+        h, residual, aux = self.embed_tokens(input_ids) if embeds is None else embeds, None, {}
         rope_cache = (self.cos_cache, self.sin_cache)
         # a layer's output (h + residual) is the next one's input, and the final norm's: taken from there, no add
         # (and only the asked layers' kept: the others' memory goes back as the forward moves on)

@@ -86,7 +86,8 @@ class ModelRunner:
                                            finish_kernel=config.use_spec_kernels() and config.spec_finish_kernel,
                                            head_gemv=config.head_gemv)
         else:
-            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool, head_gemv=config.head_gemv)
+            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool, head_gemv=config.head_gemv,
+                                       step_io=config.step_io_kernels and self.backend.fused and tp.world == 1)
         # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)
         self.draft_lookahead = self.program.drafter.lookahead if self.spec_k else 0
         max_blocks = -(-max_model_len // config.block_size)

@@ -19,9 +19,8 @@ Everything here is enqueue-only tensor code (no host sync), so it can be capture
 """
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
-
-import torch
 
 from engine.attention import AttentionMetadata
 from engine.runner.slots import DecodeSlot
@@ -39,7 +38,7 @@ class StepVariant(NamedTuple):
 
 class StepProgram:
     def __init__(self, model, kv_caches, backend, max_model_len: int, compute_stream=None, masks=None,
-                 penalties=None, pool=None, head_gemv: bool = False):
+                 penalties=None, pool=None, head_gemv: bool = False, step_io: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -51,12 +50,18 @@ class StepProgram:
         self.pool = pool                        # TokenPool (engine/memory/token_pool.py): carried inputs, emitted
                                                 # tokens
         self.head_gemv = head_gemv              # EngineConfig.head_gemv: greedy tokens from the head's argmax kernels
+        # EngineConfig.step_io_kernels: the input ids + embedding and the emit kernels (Triton: imported only then)
+        self.step_io = importlib.import_module("engine.kernels.step_io") if step_io else None
 
-    def input_ids(self, slot: DecodeSlot, size: int, carry: bool = True) -> torch.Tensor:
-        ids = slot.dev["input_ids"][:size]
-        if not carry:
-            return ids
-        return self.pool.carried(ids, slot.dev["carry_src"][:size], slot.dev["tok_row"][:size])
+    def inputs(self, slot: DecodeSlot, size: int, carry: bool = True):
+        """(ids, embeds): the step's input ids (carried where they come from the pool) and, from the step_io
+        kernels, their embedding rows (None: the model looks them up)."""
+        d = slot.dev
+        if self.step_io is not None:
+            return self.step_io.inputs(d["input_ids"], d["carry_src"], d["tok_row"], self.pool.last_token,
+                                       self.model.embed_tokens.weight, size, carry)
+        ids = d["input_ids"][:size]
+        return (self.pool.carried(ids, d["carry_src"][:size], d["tok_row"][:size]) if carry else ids), None
 
     @staticmethod
     def meta(slot: DecodeSlot, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int):
@@ -65,9 +70,9 @@ class StepProgram:
                                  seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs],
                                  max_query_len=max_query_len, max_seq_len=max_seq_len)
 
-    def forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int):
+    def forward(self, slot: DecodeSlot, ids, num_seqs: int, max_query_len: int, max_seq_len: int, embeds=None):
         meta = self.meta(slot, ids.shape[0], num_seqs, max_query_len, max_seq_len)
-        return self.model(ids, slot.dev["positions"][:ids.shape[0]], meta, self.kv_caches, self.backend)
+        return self.model(ids, slot.dev["positions"][:ids.shape[0]], meta, self.kv_caches, self.backend, embeds=embeds)
 
     def observe(self, slot: DecodeSlot, ids, num_seqs: int, extras: bool) -> None:
         if extras and self.penalties is not None:
@@ -76,19 +81,19 @@ class StepProgram:
     def hidden(self, slot: DecodeSlot, extras: bool = False):
         """An eager step at its exact size: the final hidden states of the rows that sample (None if none do)."""
         n = slot.num_sample
-        ids = self.input_ids(slot, slot.num_tokens, carry=slot.num_carry > 0)
+        ids, embeds = self.inputs(slot, slot.num_tokens, carry=slot.num_carry > 0)
         self.observe(slot, ids, slot.num_seqs, extras)
-        hidden = self.forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len)
+        hidden = self.forward(slot, ids, slot.num_seqs, slot.max_query_len, slot.max_seq_len, embeds)
         return hidden[slot.dev["logits_indices"][:n]] if n else None
 
     def graph_hidden(self, slot: DecodeSlot, key, extras: bool = False):
         """Carry-over, then the forward of a step padded to `key` (a "decode" or "mixed" engine.runner.graphs.GraphKey):
         the final hidden states of its sampling rows."""
-        ids = self.input_ids(slot, key.tokens)
+        ids, embeds = self.inputs(slot, key.tokens)
         self.observe(slot, ids, key.seqs, extras)
         if key.kind == "decode":
-            return self.forward(slot, ids, key.seqs, 1, key.context)
-        hidden = self.forward(slot, ids, key.seqs, key.tokens, key.context)
+            return self.forward(slot, ids, key.seqs, 1, key.context, embeds)
+        hidden = self.forward(slot, ids, key.seqs, key.tokens, key.context, embeds)
         return hidden[slot.dev["logits_indices"][:key.seqs]]
 
     def head_ids(self, hidden, variant: StepVariant):
@@ -116,6 +121,9 @@ class StepProgram:
             self.sample(slot, logits, rows, greedy, mask, extras)
 
     def emit(self, slot: DecodeSlot, tokens, rows: int) -> None:
+        if self.step_io is not None:
+            self.step_io.emit(tokens[:rows], slot.sampled, slot.dev["smp_row"], self.pool.last_token)
+            return
         slot.sampled[:rows] = tokens
         self.pool.emit(slot.dev["smp_row"][:rows], tokens)
 
