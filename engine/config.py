@@ -45,6 +45,10 @@ class EngineConfig:
                                        # without float32 logits: from draft_gemv's LM head argmax kernels (plain
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
                                        # kernels/sampling/argmax.py, where those run (the Triton backend)
+    head_gemm: bool = False            # those LM head argmax kernels also for decode_gemm's steps (decode_gemv_rows + 1
+                                       # .. decode_gemm_rows rows: plain steps, EAGLE drafts) on its tensor cores,
+                                       # each weight row read once, in place of the final norm's kernel (drafts),
+                                       # cuBLAS and the logits' argmax. Off until measured on a GPU
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
