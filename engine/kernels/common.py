@@ -93,9 +93,14 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    """The streaming multiprocessors of CUDA device `device_index`."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index: its own, or the current device's where it names none ("cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA device `device`."""
+    return torch.cuda.get_device_properties(device_index(device)).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +115,7 @@ def pdl(fn, device: torch.device, rows: int) -> dict:
     visible), so it reads nothing early. CUDA graphs capture the dependency as a programmatic edge. Elsewhere
     USE_PDL is False: a plain launch."""
     on = (_PDL_ON and rows <= PDL_MAX_ROWS and device.type == "cuda" and not is_interpreted(fn)
-          and _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
+          and _hopper_or_newer(device_index(device)))
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 

@@ -108,7 +108,7 @@ def merges(num_splits: int, semaphores, groups: int, device) -> bool:
         return False
     if device.type != "cuda":
         return True
-    return groups * num_splits <= _sms(device)
+    return groups * num_splits <= sm_count(device)
 
 
 def _check_semaphores(sem, device) -> int:
@@ -163,7 +163,7 @@ def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
     29.8 -> 21.6 (2); at 256 keys splits lose (6.7 -> 6.9 us), so the 512-key graphs keep one."""
     if device.type != "cuda":
         return 1
-    sms = _sms(device)
+    sms = sm_count(device)
     tiles = triton.cdiv(max_kv, tile_n)
     if programs < sms // 2:
         want = triton.cdiv(sms, programs)
@@ -171,8 +171,3 @@ def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
         want = (3 * sms) // programs if tiles >= LONG_TILES else 1
     splits = min(32, want, tiles // 2)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
-
-
-def _sms(device) -> int:
-    """The SMs of CUDA device `device` (its index, or the current one)."""
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
