@@ -150,6 +150,13 @@ def _check_same(name, x, ref_name, ref, shape=True, dtype=True):
         raise TypeError(f"{name} dtype {x.dtype} != {ref_name} dtype {ref.dtype}")
 
 
+def _check_entries(name, x, n, dtypes, device):
+    """A step's 1-D tensor (ids, rows): 1-D of `dtypes` on `device`, holding at least the n entries the step uses."""
+    _check_tensor(name, x, 1, dtypes, device)
+    if x.shape[0] < n:
+        raise ValueError(f"{name} has {x.shape[0]} entries, the step uses {n}")
+
+
 def rms_norm(x, weight, eps, residual=None):
     """RMSNorm of x [T, H] with weight [H] (same dtype as x), as engine.models.llama.RMSNorm.
 

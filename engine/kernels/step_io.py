@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import is_interpreted, pdl, pdl_start, wrap_row
-from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_device, _check_tensor
+from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_device, _check_entries, _check_tensor
 
 _I64 = (torch.int64,)
 _BLOCK_H = 1024     # embedding columns a program copies at a time
@@ -61,12 +61,6 @@ def interpreted() -> bool:
     return is_interpreted(_emit_kernel)
 
 
-def _check_ids(name: str, x, n: int, device) -> None:
-    _check_tensor(name, x, 1, _I64, device)
-    if x.shape[0] < n:
-        raise ValueError(f"{name} has {x.shape[0]} entries, the step uses {n}")
-
-
 def inputs(input_ids, carry_src, tok_row, last_token, weight, n: int, carry: bool = True):
     """The step's first n input ids and their embedding: (ids [n] int64, x [n, H] of weight's dtype), new tensors.
     ids[t] is input_ids[t], or with `carry` last_token[tok_row[t]] where carry_src[t] >= 0 (TokenPool.carried of
@@ -74,8 +68,8 @@ def inputs(input_ids, carry_src, tok_row, last_token, weight, n: int, carry: boo
     device = weight.device
     _check_tensor("weight", weight, 2, _FLOAT_DTYPES, device)
     for name, x in (("input_ids", input_ids), ("carry_src", carry_src), ("tok_row", tok_row)):
-        _check_ids(name, x, n, device)
-    _check_ids("last_token", last_token, 1, device)
+        _check_entries(name, x, n, _I64, device)
+    _check_entries("last_token", last_token, 1, _I64, device)
     _check_device(device)
     ids = torch.empty(n, dtype=torch.int64, device=device)
     x = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=device)
@@ -90,12 +84,11 @@ def inputs(input_ids, carry_src, tok_row, last_token, weight, n: int, carry: boo
 def emit(tokens, sampled, rows, last_token) -> None:
     """TokenPool.emit and the slot's copy in one launch: sampled[:n] = tokens, last_token[rows[:n]] =
     tokens.clamp(min=0), for the n = len(tokens) sampling rows (rows -1: the dummy, last row)."""
-    n = tokens.shape[0] if isinstance(tokens, torch.Tensor) else 0
     device = last_token.device
-    _check_ids("tokens", tokens, n, device)
-    _check_ids("sampled", sampled, n, device)
-    _check_ids("rows", rows, n, device)
-    _check_ids("last_token", last_token, 1, device)
+    _check_entries("tokens", tokens, 0, _I64, device)
+    n = tokens.shape[0]
+    for name, x, least in (("sampled", sampled, n), ("rows", rows, n), ("last_token", last_token, 1)):
+        _check_entries(name, x, least, _I64, device)
     _check_device(device)
     if n:
         block = min(_BLOCK_T, triton.next_power_of_2(n))

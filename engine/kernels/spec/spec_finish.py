@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_min, wrap_row as _wrap
-from engine.kernels.fused_ops import _check_device, _check_tensor
+from engine.kernels.fused_ops import _check_device, _check_entries, _check_tensor
 from engine.kernels.spec.spec_ops import _check_int, _check_rows
 from engine.spec.verify import PAD
 
@@ -154,9 +154,7 @@ def _check_slot(slot, state, S, T, history, next_ids, rows):
     _check_tensor("spec_out", slot.spec_out, 2, _I64, device)
     if slot.spec_out.shape[0] < S or slot.spec_out.shape[1] < width:
         raise ValueError(f"spec_out is {tuple(slot.spec_out.shape)}, the step writes {S} rows of {width} columns")
-    _check_tensor("sampled", slot.sampled, 1, _I64, device)
-    if slot.sampled.shape[0] < S:
-        raise ValueError(f"sampled has {slot.sampled.shape[0]} entries, the step uses {S}")
+    _check_entries("sampled", slot.sampled, S, _I64, device)
 
 
 def _check_finish(slot, state, ids, target, drafted, K, history, next_ids, rows):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import is_interpreted, pdl, pdl_start, wrap_row as _wrap
-from engine.kernels.fused_ops import _check_device, _check_tensor
+from engine.kernels.fused_ops import _check_device, _check_entries, _check_tensor
 
 _I32, _I64 = (torch.int32,), (torch.int64,)
 _MAX_BLOCK = 1024       # elements of each section one program of `correct` takes
@@ -137,9 +137,7 @@ def _check_rows(dev, names, n, dtypes, device):
     for name in names:
         if name not in dev:
             raise ValueError(f"the slot has no {name!r} tensor")
-        _check_tensor(name, dev[name], 1, dtypes, device)
-        if dev[name].shape[0] < n:
-            raise ValueError(f"{name} has {dev[name].shape[0]} entries, the step uses {n}")
+        _check_entries(name, dev[name], n, dtypes, device)
 
 
 def _check_correct(dev, state, T, B, S, block_size, history):
