@@ -140,7 +140,7 @@ class TritonAttention(_Matmuls):
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, gemm_silu_epilogue: bool = False,
                  decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
-                 long_row_gemv: bool = False, head_gemm: bool = False, device=None):
+                 long_row_gemv: bool = False, device=None):
         from engine.kernels.sampling import argmax, bitmask
         from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
@@ -148,8 +148,6 @@ class TritonAttention(_Matmuls):
         for name, on in (("draft_gemv", draft_gemv), ("long_row_gemv", long_row_gemv)):
             if on and not decode_gemv:
                 raise ValueError(f"{name} runs on the decode GEMV: it needs decode_gemv")
-        if head_gemm and not (draft_gemv and decode_gemm_rows):
-            raise ValueError("head_gemm runs draft_gemv's argmax on decode_gemm: it needs draft_gemv and decode_gemm_rows")
         if not 1 <= decode_gemv_rows <= gemv.MAX_ROWS:
             raise ValueError(f"decode_gemv_rows must be 1 to {gemv.MAX_ROWS}, got {decode_gemv_rows}")
         if decode_gemm_rows and not (decode_gemv and decode_gemv_rows < decode_gemm_rows <= gemm.MAX_ROWS):
@@ -164,7 +162,6 @@ class TritonAttention(_Matmuls):
         self._gemm_rows = decode_gemm_rows                  # steps of _gemv_rows + 1 .. _gemm_rows rows: decode_gemm
         self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
         self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
-        self._head_gemm = gemm if head_gemm else None   # and that argmax on decode_gemm's rows
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
         self._silu_epilogue = silu_epilogue             # norm_mlp: SiLU * up in the GEMV of gate_up where it takes it
         self._gemm_silu_epilogue = gemm_silu_epilogue   # and in decode_gemm's where that takes it
@@ -244,23 +241,19 @@ class TritonAttention(_Matmuls):
         out = self.linear(act, down_weight, meta=meta)
         return (out if add is None else add + out), residual
 
-    # draft_gemv's argmax kernels run on the GEMV (its steps) and with head_gemm on decode_gemm (its steps); `gemv`
-    # False: neither. Other steps take the logits' argmax in engine/kernels/sampling/argmax.py, on the logits of the
-    # reference path (cuBLAS), without their float32 copy
-    def _head(self, x, gemv: bool):
-        rows = x.shape[0]
-        if not gemv or self._draft is None:
-            return None
-        return self._gemv if rows <= self._gemv_rows else self._head_gemm if rows <= self._gemm_rows else None
-
+    # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only (`gemv` False: none); other
+    # steps take the logits' argmax in engine/kernels/sampling/argmax.py, on the logits of the reference path (cuBLAS),
+    # without their float32 copy
     def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
-        if (kernels := self._head(x, gemv)) and self._draft.supports(x, norm_weight, weight, kernels):
-            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids, kernels)
+        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
+                self._draft.supports(x, norm_weight, weight):
+            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids)
         return self._logits_argmax(linear(self.ops.rms_norm(x, norm_weight, eps), weight), ids)
 
     def linear_argmax(self, x, weight, gemv: bool = True, ids=None):
-        if (kernels := self._head(x, gemv)) and self._draft.supports_linear(x, weight, kernels):
-            return self._draft.linear_argmax(x, weight, ids, kernels)
+        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
+                self._draft.supports_linear(x, weight):
+            return self._draft.linear_argmax(x, weight, ids)
         return self._logits_argmax(linear(x, weight), ids)
 
     def _logits_argmax(self, logits, ids=None):

@@ -45,10 +45,6 @@ class EngineConfig:
                                        # without float32 logits: from draft_gemv's LM head argmax kernels (plain
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
                                        # kernels/sampling/argmax.py, where those run (the Triton backend)
-    head_gemm: bool = False            # those LM head argmax kernels also for decode_gemm's steps (decode_gemv_rows + 1
-                                       # .. decode_gemm_rows rows: plain steps, EAGLE drafts) on its tensor cores,
-                                       # each weight row read once, in place of the final norm's kernel (drafts),
-                                       # cuBLAS and the logits' argmax. Off until measured on a GPU
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
@@ -80,10 +76,11 @@ class EngineConfig:
                                        # rows): gate_up stores half as much and down reads half, with no SiLU. H200
                                        # (bench/results/gemm_silu_epilogue/): forward 0.730 -> 0.653 ms a step at 32
                                        # streams, 0.603 -> 0.535 at 8
-    step_io_kernels: bool = False      # plain and guided steps: their input ids (carried from the token pool) and
+    step_io_kernels: bool = True       # plain and guided steps: their input ids (carried from the token pool) and
                                        # embedding rows in one kernel, and their tokens' copy to the slot and the
                                        # pool in one (engine/kernels/step_io.py), in place of seven torch kernels,
-                                       # where the backend is Triton and the model on one rank. Off until measured
+                                       # where the backend is Triton and the model on one rank. H200 (bench/results/
+                                       # step_ends/): period 0.414 -> 0.405 ms a step at 1 stream, 0.667 -> 0.654 at 32
     decode_attention: bool = True      # steps of one new token a sequence (decode, the EAGLE head's draft steps):
                                        # attention whose metadata, RoPE rows and first cached KV tile load before
                                        # the dependent-launch wait (engine/kernels/attention/decode_attention.py):

@@ -120,7 +120,7 @@ def variants(pdl: bool) -> list[tuple]:
         _gemm(32, 576, 3072, "norm", "silu_mul", pdl, decode=True),
         _gemm(32, 1536, 576, "none", "add", pdl, decode=True),
         _gemm(8, 576, 576, "none", "store", pdl),
-        _gemm(16, 576, 49152, "norm", "argmax", pdl), _gemm(32, 576, 49152, "none", "argmax", pdl),
+        _gemm(16, 576, 49152, "norm", "argmax", pdl),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
         _gemv(1536, 576, "silu", "store", pdl, m=4), _gemv(576, 49152, "none", "argmax", pdl, m=4),

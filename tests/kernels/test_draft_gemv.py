@@ -13,7 +13,6 @@ from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS
 
 dg = triton_module("matmul.decode_gemv")
-gm = triton_module("matmul.decode_gemm")
 dr = triton_module("matmul.draft_gemv")
 ops = triton_module("fused_ops")
 DEV = "cpu" if dr.interpreted() else "cuda"
@@ -49,22 +48,6 @@ def test_argmax_equals_torch(dtype, m, block_p):
         got = dr.norm_linear_argmax(x, nw, EPS, w)
         assert got.dtype == torch.int64 and got.shape == (m,)
         assert torch.equal(got, torch_argmax(x, nw, w)), (k, v)
-
-
-@DTYPES
-@pytest.mark.parametrize("m", [5, 12, 32])
-@pytest.mark.parametrize("groups", ["one"] + (["all"] if DEV == "cuda" else []))   # the interpreter: one group
-def test_argmax_on_decode_gemm_equals_torch(dtype, m, groups, block_p, monkeypatch):
-    """kernels=decode_gemm (EngineConfig.head_gemm): the same contract for 5-32 rows, with and without the norm;
-    "all": every program takes all row groups, as an LM head's do."""
-    if groups == "all":
-        monkeypatch.setattr(gm, "HEAD_N", 256)
-    for i, (k, v) in enumerate(SHAPES):
-        assert gm.decode_gemm_config(m, v, k)["GROUPS"] == (-(-m // 8) if groups == "all" else 1)
-        x = (randn(m, k + 5, seed=i, dtype=dtype) * 3)[:, 2:2 + k]
-        nw, w = randn(k, seed=i + 10, dtype=dtype), randn(v, k, seed=i + 20, dtype=dtype) / k ** 0.5
-        assert torch.equal(dr.norm_linear_argmax(x, nw, EPS, w, kernels=gm), torch_argmax(x, nw, w)), (k, v)
-        assert torch.equal(dr.linear_argmax(x, w, kernels=gm), F.linear(x, w).float().argmax(-1)), (k, v)
 
 
 @pytest.mark.parametrize("m", [1, 4])
@@ -157,11 +140,6 @@ def test_refusals():
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             dr.norm_linear_argmax(args[0], args[1], EPS, args[2])
-    assert dr.supports_linear(randn(32, 64, seed=4), w, gm) and not dr.supports_linear(randn(33, 64, seed=4), w, gm)
-    with pytest.raises(ValueError, match="these kernels take 1 to 32"):
-        dr.linear_argmax(randn(33, 64, seed=4), w, kernels=gm)
-    with pytest.raises(ValueError, match="kernels must be decode_gemv or decode_gemm"):
-        dr.linear_argmax(x, w, kernels=ops)
     gu, wd = randn(2, 128, seed=8), randn(100, 64, seed=9)
     for res in (randn(2, 101, seed=10), randn(2, 100, seed=10).to(torch.bfloat16), randn(100, 2, seed=11).t()):
         assert not dg.supports(gu, wd, k=64, add=res)
@@ -191,29 +169,6 @@ def test_the_switch(monkeypatch):
     assert torch.equal(wide.norm_linear_argmax(five, nw, EPS, w), torch_argmax(five, nw, w))
     assert torch.equal(_backend(False).norm_linear_argmax(x, nw, EPS, w), torch_argmax(x, nw, w))
     assert TorchAttention().norm_linear_argmax(x, nw, EPS, w) is None
-
-
-def test_head_gemm_takes_decode_gemms_rows(monkeypatch):
-    """head_gemm: draft_gemv's argmax on decode_gemm for steps of decode_gemv_rows + 1 .. decode_gemm_rows rows
-    (norm and plain), the GEMV below them, the logits' argmax past them and with `gemv` False; it needs draft_gemv
-    and decode_gemm's rows."""
-    from engine.attention import TritonAttention
-    for bad in (dict(draft_gemv=False, decode_gemm_rows=16), dict(draft_gemv=True, decode_gemm_rows=0)):
-        with pytest.raises(ValueError, match="head_gemm"):
-            TritonAttention(decode_gemv=True, head_gemm=True, **bad)
-    backend = TritonAttention(decode_gemv=True, draft_gemv=True, decode_gemm_rows=16, head_gemm=True)
-    backend._gemv, backend._draft, backend._head_gemm, backend.ops = dg, dr, gm, ops
-    used, launch = [], {dg: dg.launch, gm: gm.launch}
-    for mod in launch:
-        monkeypatch.setattr(mod, "launch", lambda *a, _m=mod, **kw: used.append(_m) or launch[_m](*a, **kw))
-    nw, w = randn(64, seed=2), randn(100, 64, seed=3)
-    for rows, gemv, want in ((3, True, [dg, dg]), (9, True, [gm, gm]), (16, True, [gm, gm]), (17, True, []),
-                             (9, False, [])):
-        used.clear()
-        x = randn(rows, 64, seed=rows)
-        assert torch.equal(backend.norm_linear_argmax(x, nw, EPS, w, gemv), torch_argmax(x, nw, w))
-        assert torch.equal(backend.linear_argmax(x, w, gemv), F.linear(x, w).float().argmax(-1))
-        assert used == want, rows
 
 
 def _backend(draft: bool, rows: int = 4):

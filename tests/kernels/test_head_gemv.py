@@ -79,27 +79,3 @@ def test_engine_outputs_equal_with_head_gemv(depth, eager, monkeypatch):
             assert together_taken == 0
         runs[on] = outputs, logprobs
     assert runs[True] == runs[False]
-
-
-@pytest.mark.parametrize("depth,eager", [(2, True)] + ([(1, False)] if DEV == "cuda" else []))
-def test_engine_outputs_equal_with_head_gemm(depth, eager, monkeypatch):
-    """head_gemm on gives head_gemm off's greedy outputs; steps of five rows (past decode_gemv_rows, within
-    decode_gemm_rows) take their tokens from draft_gemv's argmax on decode_gemm, not from cuBLAS's logits."""
-    from engine.llm_engine import LLMEngine
-    from engine.requests.sequence import SamplingParams
-    gm = triton_module("matmul.decode_gemm")
-    rows, real = [], dr.linear_argmax
-    monkeypatch.setattr(dr, "linear_argmax", lambda x, w, ids=None, kernels=None:
-                        rows.append((x.shape[0], kernels)) or real(x, w, ids, kernels or dr.decode_gemv))
-    runs = {}
-    for on in (False, True):
-        eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=depth,
-                        max_num_seqs=len(PROMPTS), max_model_len=64, enforce_eager=eager, decode_gemm_rows=8,
-                        head_gemm=on)
-        rows.clear()
-        runs[on] = [s.output_token_ids for s in
-                    eng.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
-        assert_no_leak(eng)
-        if eager:                               # a CUDA graph calls it again only at its capture
-            assert ((5, gm) in rows) == on and all(k is not gm for n, k in rows if n <= 4)
-    assert runs[True] == runs[False]

@@ -54,7 +54,6 @@ _PROGRAMS = 90  # the fewest programs a wider weight tile may leave (an H100 has
 # beside fewer programs, 0.767 -> 0.74 ms a step at 32 streams (H200). A verification step of the same rows
 # (8 streams x 4 tokens) lost 2.7% with it: bench/results/gemm_configs_step/.
 DECODE_PROGRAMS = 72
-HEAD_N = 32000  # weights this wide are LM heads (the widest other weight of K <= MAX_K: Llama 1B's gate_up, 16384)
 
 
 @triton.jit
@@ -212,16 +211,13 @@ def decode_gemm_config(m: int, n: int, k: int, decode: bool = False) -> dict:
     """Launch parameters by shape and step kind (a bench may replace this function; decode: every row is a
     sequence's one token). Groups of BLOCK_M = 8 tokens, one a program: the programs of a step's row groups each
     read the weight tile again (from L2 after the first), and that parallelism beats reusing the tile in registers
-    (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows, bench/results/decode_rows/), except in an LM head
-    (N >= HEAD_N): its weight tiles alone make programs enough, so each takes every group and the step reads each
-    weight row once, not once a group. BLOCK_N: the widest of 64 / 32 weight rows that still gives >= _PROGRAMS
-    (DECODE_PROGRAMS) programs and fits _TILE weights, else 16. BLOCK_K: columns a chunk. No loop to pipeline:
-    num_stages 1."""
+    (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows, bench/results/decode_rows/). BLOCK_N: the widest of
+    64 / 32 weight rows that still gives >= _PROGRAMS (DECODE_PROGRAMS) programs and fits _TILE weights, else 16.
+    BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1."""
     width, groups = sum(pieces(k)), triton.cdiv(m, 8)
     least = DECODE_PROGRAMS if decode else _PROGRAMS
     block_n = next((bn for bn in (64, 32) if bn * width <= _TILE and triton.cdiv(n, bn) * groups >= least), 16)
-    return dict(BLOCK_M=8, GROUPS=groups if n >= HEAD_N else 1, BLOCK_N=block_n, BLOCK_K=64, num_warps=4,
-                num_stages=1)
+    return dict(BLOCK_M=8, GROUPS=1, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=1)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, k: int | None = None, norm_weight=None, residual=None,

@@ -3,8 +3,7 @@
     norm_linear_argmax(x [M <= MAX_ROWS, K], norm_weight [K], eps, weight [V, K]) -> int64 [M]
                         (= F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1))
     linear_argmax(x [M <= MAX_ROWS, K], weight [V, K]) -> int64 [M]     (= F.linear(x, weight).float().argmax(-1))
-    either with ids [V] int64: ids[that argmax] (a draft vocabulary: weight holds its rows of the LM head), and
-    with kernels=decode_gemm (EngineConfig.head_gemm) for up to decode_gemm.MAX_ROWS rows on its tensor cores
+    either with ids [V] int64: ids[that argmax] (a draft vocabulary: weight holds its rows of the LM head)
 
 Through the target's final norm and LM head, a draft step's token is a norm kernel, a cuBLAS GEMM, a cast and
 torch's argmax, none launched dependently, so the next draft step's kernels cannot start early. Here it is two
@@ -15,10 +14,7 @@ sampling/argmax.py's first_max) reduces the partials of each row to its first ma
 rule: the partials come in vocabulary order, and a later one wins only if strictly larger.
 
 linear_argmax is the same two kernels without the norm (decode_gemv's "none" prologue), for a greedy
-verification of a few rows on the target's already normed hidden states (EngineConfig.verify_gemv) and a plain
-greedy step's tokens (EngineConfig.head_gemv). decode_gemm's kernel has the same prologues and argmax epilogue;
-for an LM head each of its programs takes all of the step's rows (decode_gemm_config), so each weight row is read
-once, as cuBLAS reads it.
+verification of a few rows on the target's already normed hidden states (EngineConfig.verify_gemv).
 
 The logits' summation order differs from cuBLAS (decode_gemv.py), so on a GPU a near-tie may pick another
 token than the torch ops: a draft is a guess, verified either way; a verification then emits the other token.
@@ -28,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.sampling import argmax
-from engine.kernels.matmul import decode_gemm, decode_gemv, gemv_checks
+from engine.kernels.matmul import decode_gemv, gemv_checks
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
 
 MAX_ROWS = decode_gemv.MAX_ROWS
@@ -36,47 +32,38 @@ MAX_ROWS = decode_gemv.MAX_ROWS
 
 def interpreted() -> bool:
     """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return argmax.interpreted() and decode_gemv.interpreted() and decode_gemm.interpreted()
+    return argmax.interpreted() and decode_gemv.interpreted()
 
 
-def supports(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, kernels=decode_gemv) -> bool:
-    """Whether norm_linear_argmax takes a call (on `kernels`: decode_gemv or decode_gemm); a caller computes the
-    logits and their argmax otherwise."""
-    return norm_weight is not None and kernels.supports(x, weight, norm_weight=norm_weight)
+def supports(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether norm_linear_argmax takes a call; a caller computes the logits and their argmax otherwise."""
+    return norm_weight is not None and decode_gemv.supports(x, weight, norm_weight=norm_weight)
 
 
-def supports_linear(x: torch.Tensor, weight: torch.Tensor, kernels=decode_gemv) -> bool:
-    """Whether linear_argmax takes a call (on `kernels`); a caller computes the logits and their argmax otherwise."""
-    return kernels.supports(x, weight)
+def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear_argmax takes a call; a caller computes the logits and their argmax otherwise."""
+    return decode_gemv.supports(x, weight)
 
 
 def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                       ids: torch.Tensor | None = None, kernels=decode_gemv) -> torch.Tensor:
+                       ids: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1) in two kernels: x [M <=
-    kernels.MAX_ROWS, K] (unit stride in K), weight [V, K] contiguous, of x's dtype (the LM head, or the tied
+    MAX_ROWS, K] (unit stride in K), weight [V, K] contiguous, of x's dtype (the LM head, or the tied
     embedding). Returns int64 [M], the first maximal row on ties (ids[that row] with ids [V] int64)."""
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES, x.device)
-    gemv_checks.check(x, weight, norm_weight=norm_weight, **_limits(kernels))
-    return _argmax(kernels, x, weight, "norm", norm_weight, eps, ids)
+    gemv_checks.check(x, weight, norm_weight=norm_weight)
+    return _argmax(x, weight, "norm", norm_weight, eps, ids)
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None,
-                  kernels=decode_gemv) -> torch.Tensor:
-    """F.linear(x, weight).float().argmax(-1) in two kernels, for x, weight, ids and kernels as
-    norm_linear_argmax's."""
-    gemv_checks.check(x, weight, **_limits(kernels))
-    return _argmax(kernels, x, weight, "none", ids=ids)
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight).float().argmax(-1) in two kernels, for x, weight and ids as norm_linear_argmax's."""
+    gemv_checks.check(x, weight)
+    return _argmax(x, weight, "none", ids=ids)
 
 
-def _limits(kernels) -> dict:
-    if kernels not in (decode_gemv, decode_gemm):
-        raise ValueError(f"kernels must be decode_gemv or decode_gemm, got {kernels!r}")
-    return dict(rows=(1, kernels.MAX_ROWS), max_k=kernels.MAX_K)
-
-
-def _argmax(kernels, x, weight, prologue: str, norm_weight=None, eps: float = 0.0, ids=None) -> torch.Tensor:
+def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0, ids=None) -> torch.Tensor:
     """The two kernels on checked inputs (ids checked here: the map's length is the weight's rows)."""
     argmax.check_ids(ids, weight.shape[0], x.device)
-    val, _, idx = kernels.launch(x, weight, x.shape[1], prologue, nw=norm_weight, eps=eps, epilogue="argmax")
+    val, _, idx = decode_gemv.launch(x, weight, x.shape[1], prologue, nw=norm_weight, eps=eps, epilogue="argmax")
     return argmax.first_max(val, idx, torch.empty(val.shape[0], dtype=torch.int64, device=x.device), ids)
