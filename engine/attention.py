@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.kernels.matmul.cpu_gemm import linear
+from engine.lm_head import HeadArgmax
 
 
 @dataclass
@@ -131,7 +132,7 @@ SPLIT_MIN_ROWS, SPLIT_WIDE, SPLIT_MAX_K = 3, 4, 1024     # TritonAttention._spli
 SEMAPHORES = 1024   # split_merge's counters, one a group of a merging launch: its programs fit one an SM
 
 
-class TritonAttention(_Matmuls):
+class TritonAttention(HeadArgmax, _Matmuls):
     """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
@@ -140,9 +141,9 @@ class TritonAttention(_Matmuls):
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, gemm_silu_epilogue: bool = False,
                  decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
-                 long_row_gemv: bool = False, device=None):
+                 long_row_gemv: bool = False, head_mma: bool = False, device=None):
         from engine.kernels.sampling import argmax, bitmask
-        from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft
+        from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, head_mma as mma
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
         from engine.kernels import fused_ops
         for name, on in (("draft_gemv", draft_gemv), ("long_row_gemv", long_row_gemv)):
@@ -162,6 +163,7 @@ class TritonAttention(_Matmuls):
         self._gemm_rows = decode_gemm_rows                  # steps of _gemv_rows + 1 .. _gemm_rows rows: decode_gemm
         self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
         self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
+        self._head_mma = mma if head_mma else None      # the LM head's argmax past the GEMV's rows (lm_head.py)
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
         self._silu_epilogue = silu_epilogue             # norm_mlp: SiLU * up in the GEMV of gate_up where it takes it
         self._gemm_silu_epilogue = gemm_silu_epilogue   # and in decode_gemm's where that takes it
@@ -240,27 +242,6 @@ class TritonAttention(_Matmuls):
             return gemv.decode_linear(act, down_weight, add), residual      # the residual epilogue is draft_gemv's
         out = self.linear(act, down_weight, meta=meta)
         return (out if add is None else add + out), residual
-
-    # draft_gemv's argmax kernels run on the GEMV: they take the GEMV's steps only (`gemv` False: none); other
-    # steps take the logits' argmax in engine/kernels/sampling/argmax.py, on the logits of the reference path (cuBLAS),
-    # without their float32 copy
-    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
-        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
-                self._draft.supports(x, norm_weight, weight):
-            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids)
-        return self._logits_argmax(linear(self.ops.rms_norm(x, norm_weight, eps), weight), ids)
-
-    def linear_argmax(self, x, weight, gemv: bool = True, ids=None):
-        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
-                self._draft.supports_linear(x, weight):
-            return self._draft.linear_argmax(x, weight, ids)
-        return self._logits_argmax(linear(x, weight), ids)
-
-    def _logits_argmax(self, logits, ids=None):
-        if self._argmax.supports(logits):
-            return self._argmax.argmax_rows(logits, ids)
-        rows = logits.float().argmax(-1)
-        return rows if ids is None else ids[rows]
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)

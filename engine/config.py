@@ -45,6 +45,10 @@ class EngineConfig:
                                        # without float32 logits: from draft_gemv's LM head argmax kernels (plain
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
                                        # kernels/sampling/argmax.py, where those run (the Triton backend)
+    head_mma: bool = False             # greedy steps past the GEMV's rows (to 64: plain steps, verifications) take
+                                       # their tokens from engine/kernels/matmul/head_mma.py's argmax on tensor
+                                       # cores, no logits, in place of cuBLAS's logits and the argmax's block max,
+                                       # where the backend is Triton. Off until measured on a GPU
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:

@@ -64,10 +64,14 @@ def parse_args(argv=None):
 
 
 def split_gemm(overrides: dict) -> tuple[dict, dict]:
-    """A variant's keys gemm.N.KEY (decode_gemm_config's KEY for weights of N rows) or gemm.NxK.KEY (for weights
-    of N rows of K) apart from EngineConfig's: (engine overrides, {N or (N, K): {KEY: value}})."""
+    """A variant's keys gemm.N.KEY (decode_gemm_config's KEY for weights of N rows), gemm.NxK.KEY (for weights
+    of N rows of K) or head.KEY (head_mma's head_config) apart from EngineConfig's: (engine overrides, {N, (N, K) or
+    "head": {KEY: value}})."""
     engine, gemm = {}, {}
     for key, value in overrides.items():
+        if key.startswith("head."):         # head.KEY: head_mma's config (EngineConfig.head_mma)
+            gemm.setdefault("head", {})[key[5:]] = value
+            continue
         if not key.startswith("gemm."):
             engine[key] = value
             continue
@@ -84,15 +88,16 @@ def gemm_configs(over: dict):
     """decode_gemm_config's choice replaced for the weights named in `over` ({N or (N, K): {KEY: value}}; a shape's
     keys over its N's) while the block runs. Each launch reads the config, so an engine built and captured inside
     takes it."""
-    from engine.kernels.matmul import decode_gemm
-    rule = decode_gemm.decode_gemm_config
+    from engine.kernels.matmul import decode_gemm, head_mma
+    rule, head_rule = decode_gemm.decode_gemm_config, head_mma.head_config
     if over:
         decode_gemm.decode_gemm_config = (lambda m, n, k, decode=False:
                                           rule(m, n, k, decode) | over.get(n, {}) | over.get((n, k), {}))
+        head_mma.head_config = lambda m, v, k: head_rule(m, v, k) | over.get("head", {})
     try:
         yield
     finally:
-        decode_gemm.decode_gemm_config = rule
+        decode_gemm.decode_gemm_config, head_mma.head_config = rule, head_rule
 
 
 def profile(args, streams: int, overrides: dict | None = None) -> dict:

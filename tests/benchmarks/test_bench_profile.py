@@ -146,3 +146,17 @@ def test_variant_keys_set_decode_gemms_launch_config_for_the_weights_named():
         assert gm.decode_gemm_config(8, 64, 64) == rule(8, 64, 64) | {"BLOCK_N": 64, "num_warps": 8}
     assert gm.decode_gemm_config is rule
     assert gm.launch(x, w, 64, "none", epilogue="argmax")[0].shape == (8, 4)
+
+
+def test_variant_keys_set_head_mmas_launch_config():
+    """head.KEY keys are head_mma's head_config (its partials show the programs), and the rule is back after."""
+    hm = triton_module("matmul.head_mma")
+    engine, over = profile_step.split_gemm({"head.BLOCK_V": 64, "head.num_warps": 8, "depth": 2})
+    assert engine == {"depth": 2} and over == {"head": {"BLOCK_V": 64, "num_warps": 8}}
+    dev = "cpu" if hm.interpreted() else "cuda"
+    x, w = torch.randn(8, 64, device=dev), torch.randn(300, 64, device=dev)
+    rule = hm.head_config
+    with profile_step.gemm_configs(over):
+        assert hm.head_config(8, 300, 64) == rule(8, 300, 64) | over["head"]
+        assert hm.partials(x, w)[0].shape == (8, 5)
+    assert hm.head_config is rule and hm.partials(x, w)[0].shape == (8, 3)

@@ -1,0 +1,38 @@
+"""The Triton backend's greedy LM head: which kernels give a step's tokens without float32 logits.
+
+- draft_gemv's argmax epilogue on the decode GEMV (with the final norm as its prologue for an EAGLE draft), for
+  steps of up to decode_gemv_rows rows where the caller allows the GEMV (`gemv`: EngineConfig.head_gemv's plain
+  steps, verify_gemv's verifications);
+- head_mma's argmax on tensor cores for the others up to its MAX_ROWS, where EngineConfig.head_mma is on;
+- else cuBLAS's logits (the reference path's) and engine/kernels/sampling/argmax.py's two kernels, without the
+  logits' float32 copy.
+"""
+from __future__ import annotations
+
+from engine.kernels.matmul.cpu_gemm import linear
+
+
+class HeadArgmax:
+    """TritonAttention's norm_linear_argmax / linear_argmax (the backend contract's, engine/attention.py). Reads
+    the backend's _draft, _gemv_rows, _head_mma, _argmax and ops."""
+
+    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
+        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
+                self._draft.supports(x, norm_weight, weight):
+            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids)
+        return self._past_gemv(self.ops.rms_norm(x, norm_weight, eps), weight, ids)
+
+    def linear_argmax(self, x, weight, gemv: bool = True, ids=None):
+        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
+                self._draft.supports_linear(x, weight):
+            return self._draft.linear_argmax(x, weight, ids)
+        return self._past_gemv(x, weight, ids)
+
+    def _past_gemv(self, x, weight, ids=None):
+        if self._head_mma is not None and self._head_mma.supports(x, weight):
+            return self._head_mma.linear_argmax(x, weight, ids)
+        logits = linear(x, weight)
+        if self._argmax.supports(logits):
+            return self._argmax.argmax_rows(logits, ids)
+        rows = logits.float().argmax(-1)
+        return rows if ids is None else ids[rows]
