@@ -49,6 +49,9 @@ class EngineConfig:
                                        # their tokens from engine/kernels/matmul/head_mma.py's argmax on tensor
                                        # cores, no logits, in place of cuBLAS's logits and the argmax's block max,
                                        # where the backend is Triton. Off until measured on a GPU
+    head_mma_from: int = 0             # head_mma's steps: 0, those past decode_gemv_rows; N, those of N to 64 rows
+                                       # (1: plain heads of the GEMV's rows too; an EAGLE draft's normed head stays
+                                       # on the GEMV, its norm folded in)
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
@@ -175,6 +178,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if not 0 <= self.head_mma_from <= 64:                                 # head_mma.MAX_ROWS
+            raise ValueError(f"head_mma_from must be 0 to 64, got {self.head_mma_from}")
         if not 1 <= self.decode_gemv_rows <= 8:                               # decode_gemv.MAX_ROWS
             raise ValueError(f"decode_gemv_rows must be 1 to 8, got {self.decode_gemv_rows}")
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:

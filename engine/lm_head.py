@@ -3,7 +3,8 @@
 - draft_gemv's argmax epilogue on the decode GEMV (with the final norm as its prologue for an EAGLE draft), for
   steps of up to decode_gemv_rows rows where the caller allows the GEMV (`gemv`: EngineConfig.head_gemv's plain
   steps, verify_gemv's verifications);
-- head_mma's argmax on tensor cores for the others up to its MAX_ROWS, where EngineConfig.head_mma is on;
+- head_mma's argmax on tensor cores (EngineConfig.head_mma) for the others up to its MAX_ROWS, and with
+  head_mma_from = N for every plain head of N rows or more, the GEMV's rows included;
 - else cuBLAS's logits (the reference path's) and engine/kernels/sampling/argmax.py's two kernels, without the
   logits' float32 copy.
 """
@@ -14,22 +15,27 @@ from engine.kernels.matmul.cpu_gemm import linear
 
 class HeadArgmax:
     """TritonAttention's norm_linear_argmax / linear_argmax (the backend contract's, engine/attention.py). Reads
-    the backend's _draft, _gemv_rows, _head_mma, _argmax and ops."""
+    the backend's _draft, _gemv_rows, _head_mma, _head_mma_from, _argmax and ops."""
 
     def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
         if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
                 self._draft.supports(x, norm_weight, weight):
             return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids)
-        return self._past_gemv(self.ops.rms_norm(x, norm_weight, eps), weight, ids)
+        return self._off_gemv(self.ops.rms_norm(x, norm_weight, eps), weight, ids)
 
     def linear_argmax(self, x, weight, gemv: bool = True, ids=None):
+        if self._mma_takes(x, weight, x.shape[0] >= self._head_mma_from):
+            return self._head_mma.linear_argmax(x, weight, ids)
         if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
                 self._draft.supports_linear(x, weight):
             return self._draft.linear_argmax(x, weight, ids)
-        return self._past_gemv(x, weight, ids)
+        return self._off_gemv(x, weight, ids)
 
-    def _past_gemv(self, x, weight, ids=None):
-        if self._head_mma is not None and self._head_mma.supports(x, weight):
+    def _mma_takes(self, x, weight, rows_ok: bool = True) -> bool:
+        return self._head_mma is not None and rows_ok and self._head_mma.supports(x, weight)
+
+    def _off_gemv(self, x, weight, ids=None):
+        if self._mma_takes(x, weight):
             return self._head_mma.linear_argmax(x, weight, ids)
         logits = linear(x, weight)
         if self._argmax.supports(logits):

@@ -128,10 +128,26 @@ def test_the_backend_routes_the_steps_past_the_gemv_to_it(monkeypatch):
                                torch_argmax(ops.rms_norm(x, nw, 1e-5), w))
         assert calls == ([4, 4, 5, 5, hm.MAX_ROWS, hm.MAX_ROWS] if on else []), calls
         calls.clear()
+    backend = TritonAttention(decode_gemv=True, draft_gemv=True, head_mma=True, head_mma_from=1)
+    backend._draft, backend.ops, backend._head_mma = dr, ops, hm
+    x = randn(4, k, seed=4)
+    assert torch.equal(backend.linear_argmax(x, w), torch_argmax(x, w)) and calls == [4]     # the GEMV's rows too
+    assert torch.equal(backend.norm_linear_argmax(x, nw, 1e-5, w), torch_argmax(ops.rms_norm(x, nw, 1e-5), w))
+    assert calls == [4]                                 # a draft's normed head keeps the GEMV, its norm folded in
 
 
-def test_engine_outputs_equal_with_head_mma(monkeypatch):
-    """head_mma on gives head_mma off's greedy tokens; steps of five rows (past decode_gemv_rows) take it."""
+def test_head_mma_from_is_checked():
+    from engine.config import EngineConfig
+    assert EngineConfig(head_mma_from=64).head_mma_from == 64
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="head_mma_from"):
+            EngineConfig(head_mma_from=bad)
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_engine_outputs_equal_with_head_mma(first, monkeypatch):
+    """head_mma on gives head_mma off's greedy tokens. Steps of five rows (past decode_gemv_rows) take it; with
+    head_mma_from = 1 the steps of fewer rows, as requests finish, take it too, else the GEMV."""
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     calls, real = [], hm.linear_argmax
@@ -140,9 +156,9 @@ def test_engine_outputs_equal_with_head_mma(monkeypatch):
     out = {}
     for on in (False, True):
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=2,
-                        enforce_eager=True, max_num_seqs=5, max_model_len=128, head_mma=on)
+                        enforce_eager=True, max_num_seqs=5, max_model_len=128, head_mma=on, head_mma_from=first)
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 12, 6, 7)]
         out[on] = [s.output_token_ids for s in eng.generate(prompts, params)]
         assert_no_leak(eng)
-        assert (5 in calls) == on
+        assert (5 in calls, any(r < 5 for r in calls)) == (on, on and first == 1), calls
     assert out[True] == out[False]
