@@ -18,6 +18,17 @@ from specdec.revision import git_commit  # noqa: F401
 REPO = Path(__file__).resolve().parent.parent
 
 
+def kernel_device(device: str, script: str) -> None:
+    """A kernel bench's --device: "cpu" runs its kernels in the Triton interpreter (TRITON_INTERPRET must be set
+    before Triton is imported, so call this first); "cuda" needs a GPU."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU (or --device cpu for the interpreter smoke test)")
+
+
 # ---- records ---------------------------------------------------------------------------------------
 def device_name() -> str:
     try:

@@ -21,8 +21,9 @@ import argparse
 import contextlib
 import itertools
 import math
-import os
 import sys
+
+from bench.common import kernel_device
 
 ROWS = (8, 16, 32)
 EPS = 1e-5
@@ -170,13 +171,8 @@ def run(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import torch
-
+    kernel_device(args.device, "decode_gemm.py")
     from bench.common import REPO, markdown_table, write_results
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("decode_gemm.py needs a CUDA GPU (or --device cpu for the interpreter smoke test)")
     records, failed = run(args)
     table = markdown_table(records, COLUMNS if args.sweep else COLUMNS[:-2])
     out = args.out or (REPO / "bench" / "results" / "decode_gemm.json" if args.device == "cuda" else None)

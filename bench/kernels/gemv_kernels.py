@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import os
 import statistics
 import sys
 import time
+
+from bench.common import kernel_device
 
 MODELS = {"smollm2": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, inter=1536),
           "llama1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192)}
@@ -183,13 +184,8 @@ def run(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import torch
-
+    kernel_device(args.device, "gemv_kernels.py")
     from bench.common import REPO, markdown_table, write_results
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("gemv_kernels.py needs a CUDA GPU (or --device cpu for the interpreter smoke test)")
     records = run(args)
     out = args.out or (REPO / "bench" / "results" / "gemv_kernels.json" if args.device == "cuda" else None)
     if out:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import sys
+
+from bench.common import kernel_device
 
 HEADS = {"smollm2": (49152, 576), "llama1b": (128256, 2048), "tiny": (300, 64)}
 SWEEP = ([dict(BLOCK_V=bv, BLOCK_K=bk, PRELOAD=False, num_warps=w, num_stages=s)
@@ -99,13 +99,8 @@ def run(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import torch
-
+    kernel_device(args.device, "head_mma.py")
     from bench.common import markdown_table, write_results
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("head_mma.py needs a CUDA GPU (or --device cpu for the interpreter smoke test)")
     records = run(args)
     table = markdown_table(records, COLUMNS)
     if args.out:
