@@ -23,7 +23,7 @@ import itertools
 import math
 import sys
 
-from bench.common import kernel_device
+from bench.common import REPO, kernel_device, markdown_table, write_results
 
 ROWS = (8, 16, 32)
 EPS = 1e-5
@@ -172,7 +172,6 @@ def run(args):
 def main(argv=None):
     args = parse_args(argv)
     kernel_device(args.device, "decode_gemm.py")
-    from bench.common import REPO, markdown_table, write_results
     records, failed = run(args)
     table = markdown_table(records, COLUMNS if args.sweep else COLUMNS[:-2])
     out = args.out or (REPO / "bench" / "results" / "decode_gemm.json" if args.device == "cuda" else None)

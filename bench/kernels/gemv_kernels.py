@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from bench.common import kernel_device
+from bench.common import REPO, kernel_device, markdown_table, write_results
 
 MODELS = {"smollm2": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, inter=1536),
           "llama1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192)}
@@ -185,7 +185,6 @@ def run(args):
 def main(argv=None):
     args = parse_args(argv)
     kernel_device(args.device, "gemv_kernels.py")
-    from bench.common import REPO, markdown_table, write_results
     records = run(args)
     out = args.out or (REPO / "bench" / "results" / "gemv_kernels.json" if args.device == "cuda" else None)
     if out:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from bench.common import kernel_device
+from bench.common import kernel_device, markdown_table, write_results
 
 HEADS = {"smollm2": (49152, 576), "llama1b": (128256, 2048), "tiny": (300, 64)}
 SWEEP = ([dict(BLOCK_V=bv, BLOCK_K=bk, PRELOAD=False, num_warps=w, num_stages=s)
@@ -100,7 +100,6 @@ def run(args):
 def main(argv=None):
     args = parse_args(argv)
     kernel_device(args.device, "head_mma.py")
-    from bench.common import markdown_table, write_results
     records = run(args)
     table = markdown_table(records, COLUMNS)
     if args.out:
