@@ -75,7 +75,8 @@ class Commits:
         out = self.output.output(seq, len(seq.output_token_ids) - before, seq.finalized, reason)
         if not reason:
             return out
-        return out._replace(spec=seq.spec.as_dict() if seq.spec is not None else None, cached_tokens=seq.num_cached_tokens)
+        return out._replace(spec=seq.spec.as_dict() if seq.spec is not None else None,
+                            cached_tokens=seq.num_cached_tokens)
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         seq.finish_time = now or time.perf_counter()

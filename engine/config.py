@@ -156,7 +156,8 @@ class EngineConfig:
                                        # verifying row) is below this; 1 spec step in 16 measures it again
     ngram_min_n: int = 1
     ngram_max_n: int = 3
-    tensor_parallel_size: int = 1      # ranks one model is split over (engine/parallel/, engine/workers/): one process and GPU each
+    tensor_parallel_size: int = 1      # ranks one model is split over (engine/parallel/, engine/workers/): one process
+                                       # and GPU each
     tp_backend: str = "auto"           # the step's collectives: "auto" (NCCL on CUDA, gloo on the CPU), "nccl",
                                        # "gloo" (on CUDA: every rank on one GPU, eager steps; for tests)
     tp_timeout_s: float = 120.0        # a step (or a worker's start) taking longer ends the engine: a worker hung

@@ -64,7 +64,8 @@ class LLMEngine(EngineFrontend):
         encode = (lambda text: self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer else None
         self.runner, self.cluster = start_runner(config, self.source, self.max_model_len, encode)
         if self.tokenizer is not None and len(self.tokenizer) > self.runner.vocab:
-            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's {self.runner.vocab}")
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
+                             f"{self.runner.vocab}")
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, caching=config.prefix_caching)
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, config.spec_min_acceptance,
@@ -110,8 +111,8 @@ class LLMEngine(EngineFrontend):
 
     def prefix_cache_stats(self) -> dict:
         b = self.blocks
-        return dict(prefix_query_tokens=b.query_tokens, prefix_hit_tokens=b.hit_tokens, prefix_cached_pages=b.num_cached,
-                    prefix_evictions=b.evictions)
+        return dict(prefix_query_tokens=b.query_tokens, prefix_hit_tokens=b.hit_tokens,
+                    prefix_cached_pages=b.num_cached, prefix_evictions=b.evictions)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (pages held by live requests stay with them); returns how many."""
@@ -281,8 +282,8 @@ class LLMEngine(EngineFrontend):
         cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
         self._last_committed, self._tokens_landed = step.index, t1
         t2 = time.perf_counter()
-        self.timings.add_step(wait=t1 - t0, commit=t2 - t1, forward_gpu=fwd / 1e3,
-                              mask_wait_gpu=mask / 1e3, sample_gpu=smp / 1e3, gpu_idle=idle / 1e3, callback=cb, callback_delay=delay,
+        self.timings.add_step(wait=t1 - t0, commit=t2 - t1, forward_gpu=fwd / 1e3, mask_wait_gpu=mask / 1e3,
+                              sample_gpu=smp / 1e3, gpu_idle=idle / 1e3, callback=cb, callback_delay=delay,
                               guided_steps=step.snapshot is not None, tokens=len(tokens), rows=len(step.slot.rows),
                               extra=dict(period=t2 - self._last_commit_time, decode=step.slot.max_query_len == 1))
         self._last_commit_time = t2

@@ -52,10 +52,13 @@ def parse_args(argv=None):
                    help="schema data root (Glaive, Github_easy prompts); '' for chat prompts only")
     p.add_argument("--data-dir", default=None, help="where the responses are (default OUT/data); runs of a "
                    "data-size study share one")
-    p.add_argument("--num-chat", type=int, default=90000, help="chat prompts (distinct ones first, then sampled repeats)")
-    p.add_argument("--followup-every", type=int, default=4, help="every N-th chat prompt gets a second user turn (0: none)")
+    p.add_argument("--num-chat", type=int, default=90000,
+                   help="chat prompts (distinct ones first, then sampled repeats)")
+    p.add_argument("--followup-every", type=int, default=4,
+                   help="every N-th chat prompt gets a second user turn (0: none)")
     p.add_argument("--num-tools", type=int, default=4000, help="two-turn tool conversations (Glaive functions)")
-    p.add_argument("--schema-variants", type=int, default=4, help="phrasings each schema is asked in, under its grammar")
+    p.add_argument("--schema-variants", type=int, default=4,
+                   help="phrasings each schema is asked in, under its grammar")
     p.add_argument("--free-schema-variants", type=int, default=4, help="phrasings each schema is also asked in "
                    "without its grammar (the unguided answers that unguided JSON requests draft over)")
     p.add_argument("--max-sequences", type=int, default=0, help="train on the first N sequences only (0: all)")
@@ -138,7 +141,8 @@ def run_train(args) -> dict:
     # a data-size study trains on the first N: the same held-out set, less training data
     train_records = [r for r in train_records if r[2] not in args.skip_kinds][:args.max_sequences or None]
     train_seqs = [(ids, p) for ids, p, _ in train_records]
-    log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, head {sum(p.numel() for p in head.parameters()):,} params")
+    log(f"train: {len(train_seqs)} sequences, {len(held_out)} held out, "
+        f"head {sum(p.numel() for p in head.parameters()):,} params")
     t0 = time.monotonic()
     # the head trains in float32 (the target runs in bfloat16 on CUDA): it is small, and bf16 rounding of its
     # residual stream stalled the loss in a first run
@@ -181,7 +185,8 @@ def run_export(args) -> None:
     state = torch.load(os.path.join(args.out, "ckpt.pt"), map_location=device)
     head.load_state_dict(state["head"])
     out = Path(args.out)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}, str(out / "head.safetensors"))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()},
+              str(out / "head.safetensors"))
     (out / "head.json").write_text(json.dumps(head.cfg.to_dict() | {"target": source.name}, indent=2))
     summary = json.loads((out / "train_summary.json").read_text()) if (out / "train_summary.json").exists() else {}
     _, held = head_data.split(head_data.load_records(data_dir(args), args.max_len))
@@ -212,7 +217,8 @@ def card(target: str, summary: dict, state: dict, acc: dict, args) -> str:
   are answered under their grammar; schema_free are the same schema prompts answered without it
   (specdec/eagle/prompts.py, data.py). JSON Mode Eval, BFCL and the chat questions bench/spec/spec.py asks are held
   out entirely (it measures on them).
-- Training: {f"from the head in {summary['init']}, then " if summary.get('init') else ''}{state.get('step')} steps, batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
+- Training: {f"from the head in {summary['init']}, then " if summary.get('init') else ''}{state.get('step')} steps, \
+batch {summary.get('batch')}, lr {summary.get('lr')}, training-time test
   depth {summary.get('depth')}, sequences cut to {summary.get('max_len')} tokens, {summary.get('train_s', '?')} s.
   Loss (sum over the unrolled steps) first / last 20 steps: {_mean(losses[:20])} / {_mean(losses[-20:])}.
 - Offline acceptance length (greedy, every 50th response held out, K = 1 / 3 / 5):

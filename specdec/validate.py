@@ -39,4 +39,5 @@ def explain_output(schema, text: str) -> tuple[str, bool | None, str | None]:
         return "schema_error", None, None
     if error is None:
         return "valid", fmt, None
-    return "invalid", fmt, f"{error.validator} at {'/'.join(map(str, error.absolute_path)) or '(root)'}: {error.message[:120]}"
+    return "invalid", fmt, (f"{error.validator} at {'/'.join(map(str, error.absolute_path)) or '(root)'}: "
+                            f"{error.message[:120]}")

@@ -159,7 +159,8 @@ def run_backends(data: str, out: str | None) -> None:
         Path(out + ".md").write_text(
             "# JSONSchemaBench: which grammar backend runs each schema\n\n"
             f"`python -m bench.guided.schema_rewrite --backends --out {out}` on {platform.node()} "
-            f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()}), the default model's tokenizer, one "
+            f"({os.cpu_count()} CPUs, {platform.processor() or platform.machine()}), "
+            "the default model's tokenizer, one "
             "compile at a time (the machine was shared, so times are upper bounds). A schema is compiled by the "
             "backend SamplingParams picks (auto); refused: neither backend can enforce it.\n\n" + text + "\n")
 

@@ -133,7 +133,8 @@ def bench_target(variant: str, args, requests, logdir: Path) -> list[dict]:
         elif target == "vllm":
             proc, url, model, info = start_vllm(args, reqs, logdir)
         else:
-            proc, url, model, info = start_ours(args, reqs, logdir, ["--single-process"] if variant == "ours-1p" else [])
+            proc, url, model, info = start_ours(args, reqs, logdir,
+                                                ["--single-process"] if variant == "ours-1p" else [])
     except Exception as e:                          # noqa: BLE001 - recorded; the other target still runs
         note(f"{target}: did not start: {e}")
         return [dict(head, error=f"did not start: {e}"[:3000])]

@@ -4,7 +4,8 @@ same responses, each on the first N of them, then scored on the same held-out re
     python -m bench.spec.head_curve --data-dir runs/head/data --runs 6000:3 25000:3 0:3 0:5 --steps 3000 \
         --time-limit 480 --work runs/curve --out bench/results/head_curve.json
 
-A run is SEQUENCES:DEPTH[:BUCKET] (0 sequences: all; BUCKET: train_head's --bucket, 1 by default). Each is `python -m specdec.train_head --stage train` then
+A run is SEQUENCES:DEPTH[:BUCKET] (0 sequences: all; BUCKET: train_head's --bucket, 1 by default). Each is
+`python -m specdec.train_head --stage train` then
 `--stage export` in its own directory under --work, all at once on the one GPU (--parallel), with the same
 steps, batch, learning rate and time limit; a run stopped by the time limit resumes when the command is given
 again. Reported per run: training sequences and tokens, steps reached, seconds, and the offline acceptance
@@ -22,8 +23,8 @@ from pathlib import Path
 
 from bench.common import command_line, device_name, git_commit, markdown_table, plot, write_results
 
-COLUMNS = ["sequences", "depth", "bucket", "steps", "train_s", "tokens", "all_k1", "all_k3", "all_k5", "chat_k1", "chat_k3",
-           "chat_k5"]
+COLUMNS = ["sequences", "depth", "bucket", "steps", "train_s", "tokens", "all_k1", "all_k3", "all_k5", "chat_k1",
+           "chat_k3", "chat_k5"]
 
 
 def parse_args(argv=None):

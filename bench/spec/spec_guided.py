@@ -1,4 +1,5 @@
-"""Guided + speculative decoding: acceptance length on JSON schemas per drafting mode (the TensorRT-LLM guided + speculative article's Table 1),
+"""Guided + speculative decoding: acceptance length on JSON schemas per drafting mode (the TensorRT-LLM guided +
+speculative article's Table 1),
 batch-1 latency of a complete valid tool call against our guided engine without speculation and against
 transformers generate + xgrammar, and step time / compute-stream idle at 1 / 8 / 32 streams.
 
@@ -127,12 +128,14 @@ def run_acceptance(args) -> list[dict]:
     for mode in [m for m in args.modes if m != "none"]:
         m = MODES[mode]
         study = Study(datasets=args.datasets, drafters=[m["speculative"]], ks=[args.k], guided=[True],
-                      draft_masks=[m.get("guided_draft_masks", False)], forced_drafts=[m.get("guided_forced_drafts", False)],
+                      draft_masks=[m.get("guided_draft_masks", False)],
+                      forced_drafts=[m.get("guided_forced_drafts", False)],
                       batch=args.batch, max_tokens=args.max_tokens, prompts=args.limit or 10 ** 6, device=args.device,
                       dtype=args.dtype, data=args.data, baseline=False,
                       engine=dict(enforce_eager=True, **limits(args.batch)))
         for r in run_study(study, progress=False):
-            rec = record("spec_guided_acceptance", mode, r["model"], args.dtype, args.batch, r["new_tokens"], r["tok_s"],
+            rec = record("spec_guided_acceptance", mode, r["model"], args.dtype, args.batch, r["new_tokens"],
+                         r["tok_s"],
                          r["ms_per_step"], dataset=r["dataset"], prompts=r["prompts"], k=args.k, **flags(mode),
                          **{key: r[key] for key in ("forced_per_step", "acceptance_length", "valid_frac",
                                                     "finished_frac", "errors")})
@@ -170,7 +173,8 @@ def latency_record(args, eng, mode, work, runs) -> dict:
     tokens = sum(len(s.output_token_ids) for s in seqs)
     return record("spec_guided_latency", mode, eng.source.name, args.dtype, 1, tokens, tokens / wall,
                   1e3 * wall / max(eng.timings.steps, 1), calls=len(runs), k=args.k,
-                  ms_per_call=round(1e3 * wall / len(runs), 2), **flags(mode), **draft_stats(eng), **outcome(work, seqs))
+                  ms_per_call=round(1e3 * wall / len(runs), 2), **flags(mode), **draft_stats(eng),
+                  **outcome(work, seqs))
 
 
 def peer_latency(args, eng, work) -> dict:
@@ -224,7 +228,8 @@ def run_streams(args) -> list[dict]:
                 n = max(t.steps, 1)
                 found[m] = record("spec_guided_streams", m, eng.source.name, args.dtype, streams, tokens, tokens / wall,
                                   1e3 * t.wall / n, k=args.k, idle_frac=round(t.gpu_idle / max(t.wall, 1e-9), 4),
-                                  callback_ms=round(1e3 * t.callback / n, 4), mask_wait_ms=round(1e3 * t.mask_wait_gpu / n, 4),
+                                  callback_ms=round(1e3 * t.callback / n, 4),
+                                  mask_wait_ms=round(1e3 * t.mask_wait_gpu / n, 4),
                                   **flags(m), **draft_stats(eng), **outcome(work, seqs))
             add_speedup(list(found.values()))
             for r in found.values():

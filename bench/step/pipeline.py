@@ -93,8 +93,8 @@ def run_one(eng, name, workload, streams, depth, prompts, new_tokens) -> dict:
 
 
 def bench_model(spec, args) -> list[dict]:
-    eng = LLMEngine(model=spec, dtype=args.dtype, device=args.device, max_num_seqs=max(args.streams), max_model_len=1024,
-                    num_kv_blocks=max(args.streams) * 16 * 2, enforce_eager=args.enforce_eager)
+    eng = LLMEngine(model=spec, dtype=args.dtype, device=args.device, max_num_seqs=max(args.streams),
+                    max_model_len=1024, num_kv_blocks=max(args.streams) * 16 * 2, enforce_eager=args.enforce_eager)
     name = eng.source.name
     note(f"{name}: graphs {'off' if eng.runner.graphs is None else eng.runner.graphs.sizes}")
     eng.generate(chat_prompts(eng, 2), SamplingParams(max_tokens=8, temperature=0.0))  # JIT warm-up

@@ -6,7 +6,8 @@ scheduler lets it sample only once `ready` (its matcher exists). A compile error
 a message naming the guide.
 
 One client cannot fill the pool: compiles not yet finished are bounded in all and per owner (the server passes
-its client), past which `submit` raises CompileBusy (engine/guided/compile_pool.py). xgrammar cannot stop a compile once it runs, so
+its client), past which `submit` raises CompileBusy (engine/guided/compile_pool.py). xgrammar cannot stop a compile
+once it runs, so
 a request that gives up (its time budget, an abort) cancels its compile only while it is queued; a running one
 finishes into the cache and holds its thread until then. A worker process could be killed instead, but the
 compiled grammar would have to come back serialised, and xgrammar's `serialize_json` takes several times the

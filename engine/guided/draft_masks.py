@@ -53,7 +53,8 @@ class DraftMasks:
         # (whole rows: a copy into a strided slice of pinned memory is not capturable)
         self.tokens_host = [torch.zeros(max_rows, k + 1 if j == 0 else 1, dtype=torch.int64, pin_memory=pin)
                             for j in range(k)]
-        self.mask_dev, self.ctl_dev = ([h.to(device) if pin else h for h in hs] for hs in (self.mask_host, self.ctl_host))
+        self.mask_dev, self.ctl_dev = ([h.to(device) if pin else h for h in hs]
+                                       for hs in (self.mask_host, self.ctl_host))
         self.mask_np, self.ctl_np, self.tokens_np = ([h.numpy() for h in hs] for hs in (
             self.mask_host, self.ctl_host, self.tokens_host))
         self.walked: dict[int, tuple] = {}      # request id -> (matcher, draft tokens accepted), callback thread

@@ -51,7 +51,8 @@ def rewrite_presence(node):
 def _node(node: dict) -> dict:
     # `required` holds vacuously for a value that is not an object, so `not` and `oneOf` of presence are exact
     # only where the node admits objects alone; a dependency holds vacuously either way
-    keys = ("dependentRequired", "dependencies", "dependentSchemas") + (("not", "oneOf") if node.get("type") == "object" else ())
+    keys = ("dependentRequired", "dependencies", "dependentSchemas") + (
+        ("not", "oneOf") if node.get("type") == "object" else ())
     pieces = {k: node[k] for k in keys if k in node}
     formula, used = TRUE, []
     for key, value in pieces.items():
@@ -127,7 +128,8 @@ def _presence(branch) -> list:
 
 
 def _not(formula: list) -> list:
-    """not (t1 or t2 ...) = (not t1) and (not t2) ...; not (P present and A absent) = some p absent or some a present."""
+    """not (t1 or t2 ...) = (not t1) and (not t2) ...; not (P present and A absent) = some p absent or some a
+    present."""
     result = TRUE
     for present, absent, schemas in formula:
         if schemas:

@@ -70,7 +70,8 @@ def grammar_schema(schema: dict, name: str = "json_schema") -> dict:
     unenforced = unenforced_keywords(rewritten)
     if unenforced:
         raise ValueError(f"{name} uses what guided decoding cannot enforce, so an output could violate it: "
-                         + "; ".join(unenforced[:3]) + (f" (and {len(unenforced) - 3} more)" if len(unenforced) > 3 else ""))
+                         + "; ".join(unenforced[:3])
+                         + (f" (and {len(unenforced) - 3} more)" if len(unenforced) > 3 else ""))
     return rewritten
 
 

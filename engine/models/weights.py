@@ -44,7 +44,8 @@ def _init_dummy(model: LlamaForCausalLM, shards: dict[str, ParamShard] | None = 
             p.data.zero_()
         elif name in shards:
             shard = shards[name]
-            full = torch.empty(shard.full_shape(p.shape), dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+            full = torch.empty(shard.full_shape(p.shape), dtype=p.dtype,
+                               device=p.device).normal_(0.0, 0.02, generator=gen)
             shard.take(full, p.data)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)

@@ -60,7 +60,8 @@ class ParamShard:
         base = 0
         local.zero_()
         for i, (size, start, stop) in enumerate(self.parts):
-            local.narrow(self.dim, self.offset(i), stop - start).copy_(full.narrow(self.dim, base + start, stop - start))
+            local.narrow(self.dim, self.offset(i), stop - start).copy_(
+                full.narrow(self.dim, base + start, stop - start))
             base += size
 
 

@@ -46,7 +46,8 @@ def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks
     if params.logprobs is not None and not logprobs:
         raise ValueError("logprobs: this engine computes none (EngineConfig.logprobs is False)")
     if params.penalized and not penalties:
-        raise ValueError("penalties, logit_bias, min_p and min_tokens: this engine has none (EngineConfig.penalty_rows is 0)")
+        raise ValueError("penalties, logit_bias, min_p and min_tokens: this engine has none "
+                         "(EngineConfig.penalty_rows is 0)")
     if params.logit_bias:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:

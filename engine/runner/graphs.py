@@ -3,12 +3,14 @@ chunks ("mixed") by padded token count. All graphs of both slots share one memor
 concurrently (one compute stream), and a step's logits are consumed by its sampling before the next
 graph replays.
 
-Decode graph (GraphKey "decode", bs tokens in bs rows, context ctx): carry-over + forward + logits + sampling of `bs` rows of one query token each,
+Decode graph (GraphKey "decode", bs tokens in bs rows, context ctx): carry-over + forward + logits + sampling of
+`bs` rows of one query token each,
 captured for a bound on the context (`ctx`): the attention's KV split is sized for that bound, so short
 contexts do not launch the many mostly idle programs (and merge inputs) that the longest context needs.
 Padding rows write no KV (slot -1) and attend to nothing (seq_len 0); their logits are ignored.
 
-Mixed graph ("mixed", T tokens in B rows, the model's context): any step of at most T tokens in at most B = min(T, max_num_seqs) sequences,
+Mixed graph ("mixed", T tokens in B rows, the model's context): any step of at most T tokens in at most
+B = min(T, max_num_seqs) sequences,
 with any query lengths (prefill chunks next to decode rows). The attention grid is sized for one sequence
 holding all T tokens; its programs past a sequence's query length exit at once. Padding tokens belong to
 no sequence and write no KV; padding sequences have no query tokens; padding logits rows read token 0.
@@ -135,7 +137,8 @@ class StepGraphs:
         self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
         self.token_sizes = graph_token_sizes(config.max_num_batched_tokens)
-        self.variants = [StepVariant(g, greedy, lp) for g in ((False, True) if guided else (False,)) for greedy in (True, False)
+        self.variants = [StepVariant(g, greedy, lp) for g in ((False, True) if guided else (False,))
+                         for greedy in (True, False)
                          for lp in ((False, True) if config.logprobs or config.penalty_rows else (False,))]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}     # (slot index, GraphKey, StepVariant) ->
         self._execs: dict[tuple, int] = {}     # the same keys -> raw graph exec handles (exec_handle)

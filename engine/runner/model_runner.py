@@ -52,7 +52,8 @@ class ModelRunner:
         self.vocab = source.config["vocab_size"]
         self.backend = make_backend(
             config.backend_name(), decode_gemv=config.decode_gemv, draft_gemv=config.draft_gemv and config.decode_gemv,
-            decode_gemm_rows=config.decode_gemm_rows if config.decode_gemv else 0, decode_gemv_rows=config.decode_gemv_rows,
+            decode_gemm_rows=config.decode_gemm_rows if config.decode_gemv else 0,
+            decode_gemv_rows=config.decode_gemv_rows,
             decode_gemm_split=config.decode_gemm_split and config.decode_gemv, rope_attention=config.rope_attention,
             split_merge=config.split_merge, silu_epilogue=config.silu_epilogue,
             gemm_silu_epilogue=config.gemm_silu_epilogue,

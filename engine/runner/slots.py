@@ -57,7 +57,8 @@ class DecodeSlot:
         self.index = index
         self.device = device
         pin = device.type == "cuda"
-        sizes = {"tokens": (max_tokens,), "seqs": (max_seqs,), "seqs+1": (max_seqs + 1,), "stops": (max_seqs, MAX_STOPS)}
+        sizes = {"tokens": (max_tokens,), "seqs": (max_seqs,), "seqs+1": (max_seqs + 1,),
+                 "stops": (max_seqs, MAX_STOPS)}
         # One pinned buffer, one device buffer, every field a typed view at the same offset in both: a step's
         # inputs go up in a single copy. Block tables come last so the copy can stop after the used rows.
         layout, offset = [], 0

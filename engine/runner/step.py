@@ -66,7 +66,8 @@ class StepProgram:
     @staticmethod
     def meta(slot: DecodeSlot, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int):
         d = slot.dev
-        return AttentionMetadata(slot_mapping=d["slot_mapping"][:num_tokens], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
+        return AttentionMetadata(slot_mapping=d["slot_mapping"][:num_tokens],
+                                 cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
                                  seq_lens=d["seq_lens"][:num_seqs], block_tables=d["block_tables"][:num_seqs],
                                  max_query_len=max_query_len, max_seq_len=max_seq_len)
 

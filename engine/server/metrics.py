@@ -87,7 +87,8 @@ class EngineCollector:
         yield _gauge("specdec_queue_length", "Requests waiting to be scheduled", s["queue"])
         yield _gauge("specdec_running_requests", "Requests being scheduled", s["running"])
         yield _gauge("specdec_server_requests_in_progress", "Requests admitted by the server, not finished", s["live"])
-        yield _gauge("specdec_kv_cache_usage_ratio", "Fraction of KV pages in use", s["kv_used"] / max(s["kv_total"], 1))
+        yield _gauge("specdec_kv_cache_usage_ratio", "Fraction of KV pages in use",
+                     s["kv_used"] / max(s["kv_total"], 1))
         yield _gauge("specdec_kv_blocks_used", "KV pages in use", s["kv_used"])
         yield _gauge("specdec_kv_blocks_total", "KV pages", s["kv_total"])
         yield _gauge("specdec_grammar_compiles_unfinished", "Grammar compiles queued or running (abandoned ones too)",
@@ -101,11 +102,12 @@ class EngineCollector:
         yield _counter("specdec_spec_accepted_tokens", "Draft tokens accepted", s["spec_accepted"])
         yield _gauge("specdec_spec_acceptance_length", "Tokens per verifying row-step since start (0: none)",
                      s["acceptance_length"])
-        yield _counter("specdec_prefix_cache_queries", "Prompt tokens of admitted requests, looked up in the prefix cache",
-                       s["prefix_query_tokens"])
+        yield _counter("specdec_prefix_cache_queries",
+                       "Prompt tokens of admitted requests, looked up in the prefix cache", s["prefix_query_tokens"])
         yield _counter("specdec_prefix_cache_hits", "Prompt tokens found in the prefix cache", s["prefix_hit_tokens"])
         yield _gauge("specdec_prefix_cache_pages", "KV pages registered in the prefix cache", s["prefix_cached_pages"])
-        yield _counter("specdec_prefix_cache_evictions", "Cached KV pages taken back for new ones", s["prefix_evictions"])
+        yield _counter("specdec_prefix_cache_evictions", "Cached KV pages taken back for new ones",
+                       s["prefix_evictions"])
         yield _gauge("specdec_engine_up", "1 while the engine runs", s["up"])
 
 

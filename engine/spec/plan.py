@@ -3,7 +3,8 @@ besides its tokens (fill_spec_row, fill_spec_sampling; engine/runner/rows.py wri
 engine/spec/program.py.
 
 A step speculates (every row gets 1 + K query tokens: its last token, then K drafts) only when all its
-rows are decode rows (guided or not: a guided row's drafts are walked by its grammar), no waiting request could be admitted instead, there are at most
+rows are decode rows (guided or not: a guided row's drafts are walked by its grammar), no waiting request could be
+admitted instead, there are at most
 `max_rows` of them, and the K drafts fit the context. Otherwise it is a plain step (K = 0), which still
 records histories and drafts, so the next step can speculate. Each row caps the drafts it may accept
 (`num_drafts`): the request's own K, and what keeps max_tokens exact even if every draft passes.

@@ -62,7 +62,8 @@ class SpecStats:
 
     @property
     def acceptance_length(self) -> float:
-        """Tokens per verifying step, the target's own token included (the TensorRT-LLM guided + speculative article's "acceptance length")."""
+        """Tokens per verifying step, the target's own token included (the TensorRT-LLM guided + speculative article's
+        "acceptance length")."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:

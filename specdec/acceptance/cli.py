@@ -95,7 +95,8 @@ def study_from_args(args, p: argparse.ArgumentParser) -> Study:
                   forced_drafts=[v == "on" for v in dict.fromkeys(args.forced_drafts)],
                   temperatures=list(dict.fromkeys(args.temperature)), batch=args.batch, max_tokens=args.max_tokens,
                   prompts=args.prompts, model=args.model, device=args.device,
-                  dtype=None if args.dtype == "auto" else args.dtype, data=args.data, heads=list(dict.fromkeys(args.head)),
+                  dtype=None if args.dtype == "auto" else args.dtype, data=args.data,
+                  heads=list(dict.fromkeys(args.head)),
                   draft_model=args.draft_model, baseline=not args.no_baseline, seed=args.seed,
                   engine=_engine_fields(args.engine, p))
     try:

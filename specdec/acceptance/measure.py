@@ -14,7 +14,8 @@ def _params(ds: Dataset, guided: bool, temp: float, max_tokens: int, seed: int) 
                            json_schema=ds.schemas[i] if guided else None) for i in range(len(ds.prompts))]
 
 
-def measure(eng, ds: Dataset, guided: bool, temp: float, *, batch: int, max_tokens: int, seed: int) -> tuple[dict, list]:
+def measure(eng, ds: Dataset, guided: bool, temp: float, *, batch: int, max_tokens: int,
+            seed: int) -> tuple[dict, list]:
     """One run: the dataset's prompts through `eng`, timed; -> (record, output token ids per prompt)."""
     import torch
     params = _params(ds, guided, temp, max_tokens, seed)

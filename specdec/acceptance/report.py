@@ -11,8 +11,8 @@ from specdec.revision import git_commit
 RUN_COLUMNS = ["dataset", "method", "k", "guided", "temperature", "prompts", "new_tokens", "steps",
                "tokens_per_step", "acceptance_length", "spec_frac", "tok_s", "speedup", "same_tokens_as_none",
                "finished_frac", "json_frac", "valid_frac", "errors"]
-CSV_COLUMNS = RUN_COLUMNS + ["forced_per_step", "draft_masks", "forced_drafts", "drafter", "rows", "spec_rows", "guided_steps",
-                             "wall_s", "ms_per_step", "batch", "max_tokens", "model", "dtype", "device"]
+CSV_COLUMNS = RUN_COLUMNS + ["forced_per_step", "draft_masks", "forced_drafts", "drafter", "rows", "spec_rows",
+                             "guided_steps", "wall_s", "ms_per_step", "batch", "max_tokens", "model", "dtype", "device"]
 
 
 def label(r: dict) -> str:

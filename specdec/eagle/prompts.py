@@ -18,7 +18,8 @@ TOPIC_TASKS = ("Explain {t} to a beginner.", "Write a short story about {t}.", "
                "Answer as a JSON object with keys summary and keywords: what is {t}?",
                "Write Python code that models {t} with a small class.", "Write an email asking a colleague about {t}.",
                "Give a step-by-step guide to getting started with {t}.", "Write three quiz questions about {t}.",
-               "Explain {t} in one paragraph, then give an example.", "What should I know before investing time in {t}?",
+               "Explain {t} in one paragraph, then give an example.",
+               "What should I know before investing time in {t}?",
                "Write a tweet about {t}.", "Draft a meeting agenda about {t}.", "Define five key terms related to {t}.",
                "Write a JSON list of three facts about {t}.", "Describe {t} to a ten-year-old.",
                "Write a short dialogue between two people discussing {t}.", "Suggest a weekend project involving {t}.")
@@ -26,12 +27,14 @@ TOPICS = ("photosynthesis", "the stock market", "machine learning", "gardening",
                 "climate change", "black holes", "jazz music", "sourdough bread", "electric cars", "the immune system",
                 "chess openings", "remote work", "volcanoes", "the internet", "marathon training", "coffee",
                 "quantum computing", "bees", "public speaking", "databases", "the Roman empire", "sleep", "recycling",
-                "video games", "oceans", "budgeting", "solar panels", "dinosaurs", "learning a language", "weather APIs",
+                "video games", "oceans", "budgeting", "solar panels", "dinosaurs", "learning a language",
+                "weather APIs",
                 "booking flights", "calendar scheduling", "unit conversion", "recipes", "password security",
                 "shipping packages", "hotel reservations", "currency exchange", "sports scores", "music playlists",
                 "git branches", "kubernetes", "REST APIs", "spreadsheets", "email marketing", "customer support",
-                "home insurance", "time zones", "invoices", "stock tickers", "movie recommendations", "restaurant orders",
-                "fitness tracking", "smart home devices", "translation", "news headlines", "job interviews", "mortgages",
+                "home insurance", "time zones", "invoices", "stock tickers", "movie recommendations",
+                "restaurant orders", "fitness tracking", "smart home devices", "translation", "news headlines",
+                "job interviews", "mortgages",
                 "car maintenance", "birdwatching", "knitting", "photography", "podcasts", "board games", "mountains",
                 "rivers", "ancient Egypt", "the moon landing", "vaccines", "nutrition", "meditation", "cybersecurity",
                 "open source software", "cloud storage", "weather forecasts", "traffic", "electric grids", "batteries")
@@ -104,8 +107,9 @@ FUNCTIONS = (
     "reverses a string", "checks whether a number is prime", "counts the words in a text", "merges two sorted lists",
     "removes duplicates from a list while keeping order", "computes the factorial of n", "flattens a nested list",
     "finds the most common element in a list", "converts Celsius to Fahrenheit", "validates an email address",
-    "returns the n-th Fibonacci number", "checks whether a string is a palindrome", "groups words by their first letter",
-    "parses a date string in YYYY-MM-DD format", "computes the average of a list of numbers", "chunks a list into pairs",
+    "returns the n-th Fibonacci number", "checks whether a string is a palindrome",
+    "groups words by their first letter", "parses a date string in YYYY-MM-DD format",
+    "computes the average of a list of numbers", "chunks a list into pairs",
     "finds all anagrams of a word in a list", "reads a CSV file into a list of dictionaries", "sums the digits of n",
     "capitalizes every word in a sentence", "returns the intersection of two lists", "rotates a list by k places")
 LANGS = ("Python", "JavaScript", "Go", "Rust", "Java", "C", "TypeScript", "SQL")
@@ -115,7 +119,8 @@ SENTENCES = (
     "can you send me the report by friday", "He don't know where the keys is", "The project was finished on time",
     "we are very excited to announce our new app", "Please let me know if you have any questions",
     "The train was late again this morning", "i loved the book but the ending was confusing")
-RECIPIENTS = ("my landlord", "a new client", "my team", "a professor", "a hiring manager", "a neighbor", "customer support")
+RECIPIENTS = ("my landlord", "a new client", "my team", "a professor", "a hiring manager", "a neighbor",
+              "customer support")
 SUBJECTS = ("a late payment", "rescheduling a meeting", "a project update", "a broken heater", "a refund request",
             "a thank-you for their help", "a request for a reference", "a noise complaint", "vacation plans")
 NAMES = ("Maya", "Leo", "Aisha", "Tom", "Sofia", "Ravi", "Emma", "Kenji", "Lucia", "Omar")
@@ -126,16 +131,19 @@ FAMILIES = {
                  "How does {concept} work?", "Describe {concept} in simple terms.",
                  "Explain {concept} with an everyday analogy.", "What are common misconceptions about {concept}?"),
                 {"concept": CONCEPTS}),
-    "compare": (("What are the main differences between {a} and {b}?", "Should I choose {a} or {b}? Explain the trade-offs.",
+    "compare": (("What are the main differences between {a} and {b}?",
+                 "Should I choose {a} or {b}? Explain the trade-offs.",
                  "Compare {a} and {b} in a short table.", "When is {a} better than {b}?"), {"pair": PAIRS}),
     "tips": (("Give me {n} tips for {goal}.", "What are the best ways to get better at {goal}?",
               "I want to get started with {goal}. Where do I begin?", "What mistakes do people make when {goal}?"),
              {"goal": GOALS, "n": ("three", "five", "seven")}),
     "howto": (("How do I {task}?", "Walk me through how to {task}, step by step.", "What do I need to {task}?",
                "What is the fastest way to {task}?"), {"task": TASKS}),
-    "why": (("Why {phenomenon}?", "Can you explain why {phenomenon}?", "My kid asked me why {phenomenon}. What should I say?"),
+    "why": (("Why {phenomenon}?", "Can you explain why {phenomenon}?",
+             "My kid asked me why {phenomenon}. What should I say?"),
             {"phenomenon": PHENOMENA}),
-    "creative": (("Write a short poem about {thing}.", "Write a limerick about {thing}.", "Write a haiku about {thing}.",
+    "creative": (("Write a short poem about {thing}.", "Write a limerick about {thing}.",
+                  "Write a haiku about {thing}.",
                   "Write a very short story about {thing}.", "Describe {thing} in vivid detail."), {"thing": THINGS}),
     "books": (("Summarize the plot of {work} in a few sentences.", "Who are the main characters in {work}?",
                "What are the main themes of {work}?", "Why is {work} still read today?"), {"work": WORKS}),
@@ -158,7 +166,8 @@ FAMILIES = {
 FOLLOWUPS = (
     "Can you make that shorter?", "Give me a concrete example.", "Now explain it to a ten-year-old.",
     "What are the most common mistakes here?", "Turn that into a bulleted list.", "Can you expand on the first point?",
-    "Summarize your answer in one sentence.", "Rewrite that in a more formal tone.", "Are there any risks I should know about?",
+    "Summarize your answer in one sentence.", "Rewrite that in a more formal tone.",
+    "Are there any risks I should know about?",
     "What is one thing I could do today to get started?", "Thanks! Can you add a short conclusion?",
     "Can you give me three follow-up questions to think about?", "Now write the same thing as a short poem.")
 
@@ -223,7 +232,8 @@ def chat_prompts(n: int, seed: int = 0) -> list[str]:
 def tool_request(name: str, topic: str, rng: random.Random) -> str:
     words = name.replace("_", " ").replace("-", " ")
     return rng.choice((f"Please {words} for me. It is about {topic}.", f"Can you {words}? Context: {topic}.",
-                       f"I need to {words} - something related to {topic}.", f"Use the right tool to {words} ({topic})."))
+                       f"I need to {words} - something related to {topic}.",
+                       f"Use the right tool to {words} ({topic})."))
 
 
 def tool_result(rng: random.Random) -> str:

@@ -17,8 +17,8 @@ def _event(name, start, end):
 
 
 def test_kernel_summary_by_kind_and_by_name():
-    events = [_event("nvjet_tst_64x8_gemm", 0, 4), _event("_paged_attn_kernel", 4, 7), _event("nvjet_tst_64x8_gemm", 9, 13),
-              _event("_rms_norm_kernel", 13, 14)]
+    events = [_event("nvjet_tst_64x8_gemm", 0, 4), _event("_paged_attn_kernel", 4, 7),
+              _event("nvjet_tst_64x8_gemm", 9, 13), _event("_rms_norm_kernel", 13, 14)]
     s = kernel_summary(events, steps=2, top=2)
     assert s["kernels"] == 2 and s["kernel_us"] == pytest.approx(6.0)
     assert s["kinds"]["matmul"] == dict(per_step=1.0, us_per_step=4.0, path_us_per_step=4.0)

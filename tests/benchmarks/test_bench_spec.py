@@ -7,7 +7,8 @@ from bench import common
 
 def test_variants_parse_to_engine_overrides():
     assert common.parse_variants([]) == {"": {}}
-    got = common.parse_variants(["whole:", "v16k:spec_draft_vocab=r.json,spec_draft_vocab_size=16384,draft_gather=true"])
+    got = common.parse_variants(["whole:",
+                                 "v16k:spec_draft_vocab=r.json,spec_draft_vocab_size=16384,draft_gather=true"])
     assert got == {"whole": {}, "v16k": {"spec_draft_vocab": "r.json", "spec_draft_vocab_size": 16384,
                                          "draft_gather": True}}
 

@@ -40,7 +40,8 @@ def reference(engine, prompt, out, guide=None):
 def check(engine, prompt, seq, guide=None):
     n = seq.params.logprobs
     assert len(seq.logprobs) == len(seq.output_token_ids)
-    for token, (lp, top), ref in zip(seq.output_token_ids, seq.logprobs, reference(engine, prompt, seq.output_token_ids, guide)):
+    for token, (lp, top), ref in zip(seq.output_token_ids, seq.logprobs,
+                                     reference(engine, prompt, seq.output_token_ids, guide)):
         assert lp == pytest.approx(ref[token].item(), abs=TOL)
         finite = int(torch.isfinite(ref).sum())
         assert len(top) == min(n, finite)

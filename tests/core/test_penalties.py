@@ -17,7 +17,8 @@ def penalized(logits, prompt, out, p):
         else torch.zeros_like(logits)
     seen = counts > 0
     seen[torch.tensor(prompt)] = True
-    logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty), logits)
+    logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty),
+                         logits)
     logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
     for token, bias in p.logit_bias or ():
         logits[token] += bias
@@ -66,7 +67,8 @@ def test_each_option_equals_the_reference(engine, chat_prompts):
 @pytest.mark.parametrize("fields,match", [(dict(presence_penalty=3), "presence_penalty"),
                                           (dict(frequency_penalty=float("nan")), "frequency_penalty"),
                                           (dict(repetition_penalty=0), "repetition_penalty"),
-                                          (dict(min_p=1.5), "min_p"), (dict(min_tokens=200, max_tokens=10), "min_tokens"),
+                                          (dict(min_p=1.5), "min_p"),
+                                          (dict(min_tokens=200, max_tokens=10), "min_tokens"),
                                           (dict(min_tokens=2, json_object=True), "min_tokens"),
                                           (dict(logit_bias={5: 101}), r"logit_bias\[5\]"),
                                           (dict(logit_bias={"5": 1.0}), "logit_bias token id"),

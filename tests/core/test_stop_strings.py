@@ -88,7 +88,8 @@ def test_long_stop_strings_build_and_match_in_linear_time():
 
 @pytest.mark.parametrize("stop,message", [
     (["x"] * (MAX_STOP_STRINGS + 1), f"stop: at most {MAX_STOP_STRINGS} stop strings, got {MAX_STOP_STRINGS + 1}"),
-    ("y" * (MAX_STOP_CHARS + 1), f"stop: a stop string is at most {MAX_STOP_CHARS} characters, got {MAX_STOP_CHARS + 1}"),
+    ("y" * (MAX_STOP_CHARS + 1),
+     f"stop: a stop string is at most {MAX_STOP_CHARS} characters, got {MAX_STOP_CHARS + 1}"),
     ([""], "stop must hold non-empty strings"),
 ])
 def test_sampling_params_bound_stop_strings(stop, message):

@@ -65,7 +65,8 @@ def test_tiny_greedy_and_sampled_equal_tp1():
 def test_tiny_penalties_and_logprobs_equal_tp1():
     """Every rank keeps the penalty rows and runs the step's extras variant (penalties change what it samples)."""
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5, logprobs=2),
-              SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True, repetition_penalty=1.4, min_p=0.1),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True, repetition_penalty=1.4,
+                             min_p=0.1),
               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=1.0),
               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]
     same_as_tp1(tiny_prompts(), params, **TINY)

@@ -35,7 +35,8 @@ def _check_parts(source, world):
     whole = dict(build_model(source, torch.float32, torch.device("cpu"), 64).named_parameters())
     for rank in range(world):
         shards = param_shards(source.config, rank, world)
-        for name, p in build_model(source, torch.float32, torch.device("cpu"), 64, Rank(rank, world)).named_parameters():
+        for name, p in build_model(source, torch.float32, torch.device("cpu"), 64,
+                                   Rank(rank, world)).named_parameters():
             if name in shards:
                 expected = torch.empty_like(p)
                 shards[name].take(whole[name], expected)

@@ -86,7 +86,8 @@ def cases(eager, prompts):
                   (prompts[2], SamplingParams(ebnf=PRIMES, **greedy)),
                   (prompts[0], SamplingParams(choice=["Paris", "London", "Berlin"], **greedy)),
                   (prompts[3], SamplingParams(json_object=True, **greedy)),
-                  (ask(eager, "Give me a small JSON object."), SamplingParams(json_schema=ONE_OF, **greedy)),   # llguidance
+                  (ask(eager, "Give me a small JSON object."),
+                   SamplingParams(json_schema=ONE_OF, **greedy)),   # llguidance
                   (prompts[3], SamplingParams(json_schema=CAT, guided_backend="llguidance", **greedy))]
 
 
@@ -194,7 +195,8 @@ def test_failing_guided_rows_fail_alone_inside_graphs(graphed, cases, reference,
         if seq is not None and seq.guided.ready and not isinstance(seq.guided.matcher, Exploding):
             seq.guided.matcher = Exploding(seq.guided.matcher, 3)
 
-    seqs = drive_hooked(graphed, [(0, p, sp) for p, sp in cases] + [(1, prompts[i], sp) for i, sp in enumerate(bad)], arm)
+    seqs = drive_hooked(graphed, [(0, p, sp) for p, sp in cases] + [(1, prompts[i], sp) for i, sp in enumerate(bad)],
+                        arm)
     assert [s.output_token_ids for s in seqs[:len(cases)]] == reference
     errors = [s.error or "" for s in seqs[len(cases):]]
     assert [s.finish_reason for s in seqs[len(cases):]] == ["error"] * 4, errors

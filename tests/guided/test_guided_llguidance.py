@@ -26,12 +26,14 @@ SCHEMAS = {
     "dependentSchemas": {"type": "object", "properties": {"city": NAME, "unit": {"enum": ["c", "f"]}, "days": NUM},
                          "required": ["city"], "dependentSchemas": {"days": {"required": ["unit"]}},
                          "dependentRequired": {"unit": ["days"]}},
-    "dependencies": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {"name": NAME, "age": NUM, "email": {"type": "string", "maxLength": 20}},
+    "dependencies": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                     "properties": {"name": NAME, "age": NUM, "email": {"type": "string", "maxLength": 20}},
                      "required": ["name"], "dependencies": {"age": {"properties": {"email": {"maxLength": 8}},
                                                                     "required": ["email"]}}},
     "overlapping oneOf": {"type": "object", "properties": {"shape": {"enum": ["circle", "rectangle"]}, "radius": NUM,
                                                           "length": NUM, "width": NUM},
-                          "required": ["shape"], "oneOf": [{"required": ["radius"]}, {"required": ["length", "width"]}]},
+                          "required": ["shape"],
+                          "oneOf": [{"required": ["radius"]}, {"required": ["length", "width"]}]},
     "not required": {"type": "object", "properties": {"a": NUM, "b": NUM, "c": NUM}, "required": ["a", "b"],
                      "not": {"required": ["b", "c"]}},
     "lengths beside a pattern, multipleOf": {"type": "object", "properties": {
@@ -92,7 +94,8 @@ def test_explicit_backend_and_bad_values():
 @pytest.mark.parametrize("schema,words", [
     ({"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}, "required": ["a"]},
      ["#/properties/a/not", "llguidance cannot enforce it either", "not"]),
-    ({"type": "object", "properties": {"a": NUM}, "if": {"required": ["a"]}, "then": {"properties": {"a": {"maximum": 3}}}},
+    ({"type": "object", "properties": {"a": NUM}, "if": {"required": ["a"]},
+      "then": {"properties": {"a": {"maximum": 3}}}},
      ["#/if", "llguidance cannot enforce it either", "if"]),
     ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, ["#/oneOf", "oneOf"]),
 ])
@@ -124,8 +127,8 @@ def test_llguidance_rows_batch_with_xgrammar_and_plain_rows(engine, prompt, alon
     names = ["overlapping oneOf", "dependentSchemas", "two patterns"]
     xgr = engine.generate([prompt], params(CAT))[0]
     plain = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
-    work = [(0, prompt, params(SCHEMAS[n])) for n in names] + [(0, prompt, params(CAT)),
-                                                                 (1, prompt, SamplingParams(max_tokens=24, temperature=0))]
+    work = [(0, prompt, params(SCHEMAS[n])) for n in names] + [
+        (0, prompt, params(CAT)), (1, prompt, SamplingParams(max_tokens=24, temperature=0))]
     got = drive(engine, work)
     assert_no_leak(engine)
     for seq, ref in zip(got, [alone[n] for n in names] + [xgr, plain]):

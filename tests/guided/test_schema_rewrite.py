@@ -73,7 +73,8 @@ REWRITES = {
                    {"type": "object", "required": ["kind"], "properties": {"kind": {"const": "b"}, "x": INT}}]}),
     "type list of one": ({"type": ["string"]}, STR),
     "recursive $ref stays": (
-        {"$defs": {"n": {"type": "object", "properties": {"c": {"allOf": [{"$ref": "#/$defs/n"}, {"required": ["c"]}]}}}},
+        {"$defs": {"n": {"type": "object", "properties": {"c": {"allOf": [
+            {"$ref": "#/$defs/n"}, {"required": ["c"]}]}}}},
          "$ref": "#/$defs/n"},
         {"$defs": {"n": {"type": "object", "properties": {"c": {"allOf": [
             {"$ref": "#/$defs/n"}, {"required": ["c"], "properties": {"c": {}}}]}}}}, "$ref": "#/$defs/n"}),

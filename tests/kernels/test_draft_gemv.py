@@ -96,7 +96,8 @@ def test_logits_are_compared_as_the_dtype_rounds_them(dtype, case):
     k, v = 64, 300
     x, nw = torch.ones(2, k, dtype=dtype, device=DEV), torch.ones(k, dtype=dtype, device=DEV)
     w = torch.zeros(v, k, dtype=dtype, device=DEV)
-    rows = {"rounded_tie": {50: [1], 260: [1, 2 ** -10]}, "nearest_even": {20: [1, 2 ** -8, 2 ** -9], 100: [1, 2 ** -7]}}
+    rows = {"rounded_tie": {50: [1], 260: [1, 2 ** -10]},
+            "nearest_even": {20: [1, 2 ** -8, 2 ** -9], 100: [1, 2 ** -7]}}
     for row, values in rows[case].items():
         w[row, :len(values)] = torch.tensor(values, dtype=dtype)
     want = {("rounded_tie", torch.bfloat16): 50, ("rounded_tie", torch.float32): 260,
@@ -110,7 +111,8 @@ def test_logits_are_compared_as_the_dtype_rounds_them(dtype, case):
 def test_residual_epilogue_equals_the_add_after(dtype, m):
     """hidden + silu_linear(gate_up, w) of the EAGLE head's layer: one kernel, the same bits as the matmul's
     output added to the residual by torch, on the backend too (draft_gemv on vs off)."""
-    gu, w, r = randn(m, 2 * 96, seed=7, dtype=dtype), randn(72, 96, seed=8, dtype=dtype), randn(m, 72, seed=9, dtype=dtype)
+    gu, w, r = (randn(m, 2 * 96, seed=7, dtype=dtype), randn(72, 96, seed=8, dtype=dtype),
+                randn(m, 72, seed=9, dtype=dtype))
     assert dg.supports(gu, w, k=96, add=r)
     got = dg.decode_silu_linear(gu, w, residual=r)
     assert torch.equal(got, r + dg.decode_silu_linear(gu, w))
@@ -223,11 +225,13 @@ def _ctx(n, dtype, guide=None):
     slots = table[0, pos // BS].long() * BS + pos % BS
     meta = AttentionMetadata(slots.to(DEV), torch.tensor([0, n], dtype=torch.int32, device=DEV),
                              torch.tensor([n], dtype=torch.int32, device=DEV), table.to(DEV), n, n)
-    return FeatureContext(next_ids=torch.randint(0, TINY["vocab_size"], (n,), generator=g).to(DEV), positions=pos.to(DEV),
+    return FeatureContext(next_ids=torch.randint(0, TINY["vocab_size"], (n,), generator=g).to(DEV),
+                          positions=pos.to(DEV),
                           meta=meta, last=torch.tensor([n - 1], device=DEV), last_seq=torch.tensor([0], device=DEV),
                           last_valid=torch.ones(1, dtype=torch.bool, device=DEV),
                           kv_cap=torch.tensor([table.shape[1] * BS], device=DEV),
-                          features=(torch.randn(n, 3 * TINY["hidden_size"], generator=g) * 3).to(DEV, dtype), guide=guide)
+                          features=(torch.randn(n, 3 * TINY["hidden_size"], generator=g) * 3).to(DEV, dtype),
+                          guide=guide)
 
 
 def _counting(monkeypatch):

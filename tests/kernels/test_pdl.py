@@ -38,7 +38,8 @@ def test_the_switch_is_on_unless_turned_off(value, on):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper or newer GPU")
 def test_graphed_chain_with_dependent_launch_matches_plain_launches():
-    """norm -> rope/KV store -> attention -> silu -> decode GEMV, each reading the last one's output, captured in a graph with
+    """norm -> rope/KV store -> attention -> silu -> decode GEMV, each reading the last one's output, captured in a
+    graph with
     PDL; replayed after the inputs change, it must equal the same chain run in a subprocess with SPECDEC_PDL=0."""
     code = r'''
 import sys, torch

@@ -131,7 +131,8 @@ def _ctx_to(ctx):
 @pytest.mark.parametrize("offset", [0, 1])
 def test_draft_layout_equals_torch(k, offset):
     from engine.spec.drafters.base import draft_layout
-    for seed, (S, B, max_blocks) in enumerate([(1, 1, MAX_BLOCKS), (3, 2, MAX_BLOCKS), (6, 4, 5), (16, 3, 3), (9, 9, 300)]):
+    for seed, (S, B, max_blocks) in enumerate([(1, 1, MAX_BLOCKS), (3, 2, MAX_BLOCKS), (6, 4, 5), (16, 3, 3),
+                                               (9, 9, 300)]):
         ctx, start = _ctx(seed, S, B, max_blocks)
         for mml in (MML, 7, 2000):
             want_pos, want, _ = draft_layout(ctx, start, offset, k, BS, mml)

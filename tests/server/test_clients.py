@@ -234,7 +234,8 @@ def test_instructor_structured_output(server, openai_client, mode):
         cat = client.responses.create(model=server.model, input="Describe a cat.", response_model=Cat,
                                       max_output_tokens=MAX_TOKENS, temperature=0, max_retries=0)
     else:
-        cat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Describe a cat."}],
+        cat = client.chat.completions.create(model=server.model,
+                                             messages=[{"role": "user", "content": "Describe a cat."}],
                                              response_model=Cat, max_tokens=MAX_TOKENS, temperature=0, max_retries=0)
     assert isinstance(cat, Cat)
 

@@ -118,7 +118,8 @@ def test_parallel_tool_calls_and_streamed_calls(server, client):
 def test_tool_choice_auto_gives_text_or_valid_calls(server, client):
     # a past turn shows the format; auto leaves the choice to the model and constrains what it calls
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
         {"role": "user", "content": "And in Rome?"}]
     r = chat(client, server, max_tokens=60, tools=TOOLS, tool_choice="auto", messages=messages)
@@ -146,7 +147,8 @@ BAD = [
     ("max_tokens", dict(max_tokens=0)),
     ("n", dict(n=0)),
     ("top_logprobs", dict(logprobs=True, top_logprobs=21)),
-    ("invalid json_schema", dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}})),
+    ("invalid json_schema", dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}})),
     ("unsatisfiable schema", dict(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}})),
     ("unknown tool", dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})),
@@ -182,7 +184,8 @@ def test_disconnect_mid_stream_frees_the_pages(server):
             if n > 6:
                 break
     after = server.wait_idle()
-    assert after["specdec_request_finish_total{reason=abort}"] > before.get("specdec_request_finish_total{reason=abort}", 0)
+    assert after["specdec_request_finish_total{reason=abort}"] > before.get(
+        "specdec_request_finish_total{reason=abort}", 0)
     assert after["specdec_generation_tokens_total"] < before["specdec_generation_tokens_total"] + 400
 
 

@@ -69,7 +69,8 @@ def test_one_models_card(server, client):
     ({"guided_json": CAT}, lambda text: jsonschema.validate(json.loads(text), CAT)),
     ({"structured_outputs": {"json": CAT}}, lambda text: jsonschema.validate(json.loads(text), CAT)),
     ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no") or pytest.fail(text)),
-    ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda text: len(text) == 3 and text.isdigit() or pytest.fail(text)),
+    ({"structured_outputs": {"regex": "[0-9]{3}"}},
+     lambda text: len(text) == 3 and text.isdigit() or pytest.fail(text)),
     ({"guided_grammar": 'root ::= "cat" | "dog"'}, lambda text: text in ("cat", "dog") or pytest.fail(text)),
 ])
 def test_vllm_guides_are_honoured(server, client, extra, check):
@@ -130,7 +131,8 @@ def test_off_values_and_template_options_are_accepted(server, client):
 def test_tokenize_and_detokenize(server):
     from engine.models.loader import load_tokenizer, resolve_model
     tok = load_tokenizer(resolve_model("default"))
-    r = post(server, "/tokenize", {"model": server.model, "prompt": "The capital of France", "add_special_tokens": False})
+    r = post(server, "/tokenize",
+             {"model": server.model, "prompt": "The capital of France", "add_special_tokens": False})
     assert r.status_code == 200 and r.json()["tokens"] == tok.encode("The capital of France", add_special_tokens=False)
     assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] == 512
     back = post(server, "/detokenize", {"model": server.model, "tokens": r.json()["tokens"]})
@@ -152,7 +154,8 @@ def test_continue_final_message_leaves_the_assistant_turn_open(server, client):
     assert r.usage.completion_tokens >= 1
 
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+           "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": WEATHER}}]
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"]}
@@ -205,7 +208,8 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(server, clien
 
 
 def test_guided_backend_is_honoured_and_a_bad_one_is_a_400(server, client):
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}, "b": {"type": "integer", "maximum": 9}},
+    schema = {"type": "object",
+              "properties": {"a": {"type": "integer", "maximum": 9}, "b": {"type": "integer", "maximum": 9}},
               "required": ["a"], "dependentRequired": {"b": ["a"]}, "not": {"required": ["b"]}}
     r = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=24, temperature=0,
                                        extra_body={"guided_json": schema, "guided_backend": "auto"})

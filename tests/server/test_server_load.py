@@ -59,7 +59,8 @@ def test_speculative_server_reports_acceptance_and_keeps_greedy_tokens():
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     prompt = [int(t) for t in (list(range(100, 140)) * 3)]       # repeats, so prompt lookup finds drafts
-    plain = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device="cpu", dtype="float32", attention_backend="torch")
+    plain = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device="cpu", dtype="float32",
+                      attention_backend="torch")
     [want] = plain.generate([prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
     plain.close()
     with serve(*DUMMY, "--speculative", "ngram", "--num-draft-tokens", "3") as server:
@@ -122,7 +123,8 @@ def test_tensor_parallel_server_equals_one_rank_and_stops_when_a_worker_dies():
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     prompt = list(range(200, 240))
-    plain = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device="cpu", dtype="float32", attention_backend="torch")
+    plain = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device="cpu", dtype="float32",
+                      attention_backend="torch")
     [want] = plain.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     plain.close()
     with serve(*DUMMY, "--tensor-parallel-size", "2") as server:

@@ -9,7 +9,8 @@ from engine.server.openai.logprobs import token_table
 from serving import CPU_ARGS, api_client, serve
 
 ASK = [{"role": "user", "content": "Name three colours."}]
-CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+       "required": ["name", "age"]}
 
 
 @pytest.fixture(scope="module", params=["split", "single-process"])

@@ -8,8 +8,8 @@ import pytest
 
 from serving import CPU_ARGS, api_client, serve
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
-           "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+           "required": ["city"], "additionalProperties": False}
 TOOL = {"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER,
         "strict": True}
 CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -112,7 +112,8 @@ def test_truncation_reasoning_and_include_are_honoured_or_refused(server, client
     r = client.responses.create(truncation="disabled", reasoning={"effort": "none"},
                                 include=["reasoning.encrypted_content", "file_search_call.results"], **kw)
     assert r.truncation == "disabled" and r.status == "incomplete" and r.output_text
-    for fields, param in ((dict(truncation="auto"), "truncation"), (dict(reasoning={"effort": "high"}), "reasoning.effort"),
+    for fields, param in ((dict(truncation="auto"), "truncation"),
+                          (dict(reasoning={"effort": "high"}), "reasoning.effort"),
                           (dict(reasoning={"summary": "auto"}), "reasoning.summary"),
                           (dict(include=["reasoning.encrypted_content", "nope"]), "include[1]")):
         with pytest.raises(openai.BadRequestError) as err:
@@ -122,7 +123,8 @@ def test_truncation_reasoning_and_include_are_honoured_or_refused(server, client
 
 def test_logprobs_on_the_output_text_equal_the_chat_endpoints(server, client):
     kw = dict(model=server.model, input="Name three colours.", max_output_tokens=6, temperature=0)
-    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Name three colours."}],
+    chat = client.chat.completions.create(model=server.model,
+                                          messages=[{"role": "user", "content": "Name three colours."}],
                                           max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
     want = [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in chat.choices[0].logprobs.content]
     r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)

@@ -31,7 +31,8 @@ def client():
 
 def ask(client, **kw):
     return client.chat.completions.create(model="smol", max_tokens=64, temperature=0,
-                                          messages=[{"role": "user", "content": "Start a 5 minute timer, id t1."}], **kw)
+                                          messages=[{"role": "user", "content": "Start a 5 minute timer, id t1."}],
+                                          **kw)
 
 
 @pytest.mark.parametrize("parameters, param, words", [

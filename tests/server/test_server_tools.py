@@ -64,8 +64,8 @@ def test_streamed_whitespace_is_held_until_known():
 TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 FORMATS = {"qwen2.5-instruct": "hermes", "llama-3.1-instruct": "llama3_json", "llama-3.2-instruct": "llama3_json",
            "mistral-7b-instruct-v0.3": "mistral"}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
-           "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+           "required": ["city"], "additionalProperties": False}
 TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": WEATHER}},

@@ -47,7 +47,8 @@ def ctx_for(chunks, feats, toks, tables, caps, last_rows):
                              max(b - a for a, b in chunks), max(lens))
     sel = torch.tensor([last[s] for s in last_rows])
     return FeatureContext(features=features, next_ids=torch.tensor(ids), positions=torch.tensor(pos),
-                          meta=meta, last=sel, last_seq=torch.tensor(last_rows), last_valid=torch.ones(len(sel), dtype=torch.bool),
+                          meta=meta, last=sel, last_seq=torch.tensor(last_rows),
+                          last_valid=torch.ones(len(sel), dtype=torch.bool),
                           kv_cap=torch.tensor(caps))
 
 

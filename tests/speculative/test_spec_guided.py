@@ -189,7 +189,8 @@ def test_gpu_graphs_guided_speculation_equals_guided(guided_workload, drafter, k
     """masks: draft masks and forced drafts on (K + 1 grammar callbacks in each drafting step's graph)."""
     _, ref = run(guided_workload, **GPU_GRAPHS)
     eng, got = run(guided_workload, **(DRAFTERS[drafter] | GPU_GRAPHS | dict(
-        num_speculative_tokens=k, debug_sync=True, guided_draft_masks=masks, guided_forced_drafts=masks and drafter == "eagle")))
+        num_speculative_tokens=k, debug_sync=True, guided_draft_masks=masks,
+        guided_forced_drafts=masks and drafter == "eagle")))
     same_greedy(guided_workload, got, ref)
     check_valid(guided_workload, got)
     assert eng.runner.graphs.replays["spec"] > 0 and eng.runner.graphs.replays["guided"] > 0

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.spec.eagle_head import EagleHead, HeadConfig, new_head, unrolled_logits
-from specdec.eagle.data import KINDS, first_turn, generate, load_records, load_sequences, prompt_items, split, tool_items
+from specdec.eagle.data import (KINDS, first_turn, generate, load_records, load_sequences, prompt_items, split,
+                                tool_items)
 from specdec.eagle.prompts import FAMILIES, STYLES, chat_prompts
 from specdec.eagle.train import Target, evaluate, make_batch, train
 
@@ -206,7 +207,8 @@ def test_train_head_trains_resumes_and_exports_on_a_shared_data_dir(engine, tmp_
     data = tmp_path / "shared"
     data.mkdir()
     g = torch.Generator().manual_seed(4)
-    rows = [{"kind": ("chat", "schema", "chat_turn2")[i % 3], "prompt": torch.randint(10, 4000, (8,), generator=g).tolist(),
+    rows = [{"kind": ("chat", "schema", "chat_turn2")[i % 3],
+             "prompt": torch.randint(10, 4000, (8,), generator=g).tolist(),
              "output": torch.randint(10, 4000, (12,), generator=g).tolist()} for i in range(120)]
     (data / "chunk_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
@@ -222,7 +224,8 @@ def test_train_head_trains_resumes_and_exports_on_a_shared_data_dir(engine, tmp_
     main(args + ["--stage", "export"])
     acc = json.loads((out / "acceptance.json").read_text())
     assert set(acc) == {"all", "chat", "summary"} and all(1.0 <= v <= 6.0 for v in acc["chat"].values())
-    assert (out / "head.safetensors").stat().st_size > 1e6 and "left out of training: chat_turn2" in (out / "card.md").read_text()
+    assert ((out / "head.safetensors").stat().st_size > 1e6
+            and "left out of training: chat_turn2" in (out / "card.md").read_text())
     assert not (out / "data").exists(), "the responses stay where --data-dir is"
     # --init goes on from an exported head: at learning rate 0 the next export is the same head
     again = tmp_path / "again"

@@ -9,7 +9,8 @@
                                                   (= fused_ops.silu_mul(decode_norm_linear(...)[0]))
 
 engine/kernels/matmul/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens (from one stream: the
-engine takes it past EngineConfig.decode_gemv_rows) or a tree of 8-32 tokens, where its loop over rows (a pass over the registers each) would cost more than cuBLAS. The
+engine takes it past EngineConfig.decode_gemv_rows) or a tree of 8-32 tokens, where its loop over rows (a pass
+over the registers each) would cost more than cuBLAS. The
 same idea: each program owns BLOCK_N whole weight rows and loads all of them into registers before gdc_wait, so
 under programmatic dependent launch the HBM read overlaps the kernel before; after the wait it reads x (L2),
 recomputes the op before (the norm or SiLU * up), multiplies and stores. The same prologues, epilogues ("store",
@@ -246,7 +247,8 @@ def launch(x, weight, k, prologue, nw=None, eps=0.0, residual=None, add=None, ep
         x, res, x if nw is None else nw, weight, out, new_res, add, idx, x.stride(0), res.stride(0), out.stride(0),
         new_res.stride(0), add.stride(0), m, n, k, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         EPILOGUE=epilogue, BLOCK_M=block_m, GROUPS=groups, K0=k0, BK0=min(block_k, k0), K1=k1,
-        BK1=min(block_k, max(k1, 16)), UPCAST=upcast, PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
+        BK1=min(block_k, max(k1, 16)), UPCAST=upcast,
+        PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
         **cfg, **pdl(_decode_gemm_kernel, x.device, m))
     return out, new_res, idx
 

@@ -53,7 +53,8 @@ def embed_pair_norm(ids: torch.Tensor, emb: torch.Tensor, feature: torch.Tensor,
         raise ValueError(f"shapes disagree: ids {tuple(ids.shape)}, emb {tuple(emb.shape)}, feature "
                          f"{tuple(feature.shape)}, weight {tuple(weight.shape)}")
     if not (emb.dtype == feature.dtype == weight.dtype):
-        raise ValueError(f"emb, feature and weight must share a dtype, got {emb.dtype}, {feature.dtype}, {weight.dtype}")
+        raise ValueError(f"emb, feature and weight must share a dtype, got {emb.dtype}, {feature.dtype}, "
+                         f"{weight.dtype}")
     if len({t.device for t in (ids, emb, feature, weight)}) != 1:
         raise ValueError("ids, emb, feature and weight must be on one device")
     if emb.stride(1) != 1 or feature.stride(1) != 1 or weight.stride(0) != 1:

@@ -52,7 +52,8 @@ async def _events(gen, builder: ResponseBuilder, store: ResponseStore | None, me
         yield event("response.in_progress", next(seq), response=builder.body("in_progress", None))
         async for per_choice in gen.batches():
             for kind, item in per_choice.get(0, []):
-                for text in (_text_events(builder, item, seq) if kind == "content" else _call_events(builder, item, seq)):
+                for text in (_text_events(builder, item, seq) if kind == "content"
+                             else _call_events(builder, item, seq)):
                     yield text
         st = gen.choices[0]
         builder.logprobs(gen.logprobs(st))

@@ -1,5 +1,6 @@
 """Routes beside the generation endpoints: one model's card, vLLM's /tokenize and /detokenize (and, with
---allow-cache-reset, its /reset_prefix_cache), and OpenAI's error shape for every HTTP error the framework raises itself (an unknown route, a wrong method)."""
+--allow-cache-reset, its /reset_prefix_cache), and OpenAI's error shape for every HTTP error the framework raises
+itself (an unknown route, a wrong method)."""
 from __future__ import annotations
 
 import asyncio

@@ -53,7 +53,8 @@ def normalize_messages(messages: list) -> list[dict]:
         calls = m.get("tool_calls")
         if calls:
             if m["role"] != "assistant" or not isinstance(calls, list):
-                raise APIError(f"{where}.tool_calls must be a list, on an assistant message", param=f"{where}.tool_calls")
+                raise APIError(f"{where}.tool_calls must be a list, on an assistant message",
+                               param=f"{where}.tool_calls")
             msg["tool_calls"] = [_past_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
         elif msg["content"] is None:
             raise APIError(f"{where}.content is missing", param=f"{where}.content")

@@ -53,7 +53,8 @@ class ChoiceState:
         if out.logprobs is not None:
             self.lp_ids += out.new_token_ids
             self.lp += out.logprobs
-        events = self.parser.feed(out.new_text) if self.parser else ([("content", out.new_text)] if out.new_text else [])
+        events = self.parser.feed(out.new_text) if self.parser else (
+            [("content", out.new_text)] if out.new_text else [])
         if out.finished:
             self.finish, self.error, self.spec = out.finish_reason, out.error, out.spec
             self.cached = out.cached_tokens
@@ -182,7 +183,8 @@ class Generation:
 
     def usage(self) -> dict:
         done = sum(st.tokens for st in self.choices)
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done,
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                 "total_tokens": self.prompt_tokens + done,
                  # the choices share the prompt: the most any of them found cached
                  "prompt_tokens_details": {"cached_tokens": max((st.cached for st in self.choices), default=0)}}
         specs = [st.spec for st in self.choices if st.spec]

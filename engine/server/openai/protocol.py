@@ -1,7 +1,8 @@
 """The OpenAI request bodies the server accepts, and its error type.
 
 Fields the engine cannot honour (echo, suffix, best_of) are declared so that setting them gets a
-400 naming the field instead of being silently ignored; unknown fields are ignored, as OpenAI clients send new ones over time. An explicit `null` is
+400 naming the field instead of being silently ignored; unknown fields are ignored, as OpenAI clients send new
+ones over time. An explicit `null` is
 the field's default, as in the OpenAI API. vLLM's extensions that the engine honours: `ignore_eos`, `top_k`,
 `repetition_penalty`, `min_p`, `min_tokens`,
 the guides (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`), the guide's

@@ -256,4 +256,5 @@ def _usage(usage: dict) -> dict:
 
 
 def event(kind: str, seq: int, **fields) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields}, ensure_ascii=False)}\n\n"
+    return (f"event: {kind}\n"
+            f"data: {json.dumps({'type': kind, 'sequence_number': seq, **fields}, ensure_ascii=False)}\n\n")

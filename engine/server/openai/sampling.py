@@ -66,8 +66,8 @@ def sampling_params(req, max_tokens: int | None, room: int, guide: dict) -> list
                               top_k=req.top_k or 0, seed=req.seed, stop=tuple(stop), ignore_eos=req.ignore_eos,
                               logprobs=req.num_logprobs(), presence_penalty=req.presence_penalty,
                               frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                              min_p=req.min_p, min_tokens=req.min_tokens, logit_bias=req.logit_bias_ids(), guided_backend=backend,
-                              **guide)
+                              min_p=req.min_p, min_tokens=req.min_tokens, logit_bias=req.logit_bias_ids(),
+                              guided_backend=backend, **guide)
     except ValueError as exc:
         raise APIError(str(exc)) from exc
     if req.n == 1:

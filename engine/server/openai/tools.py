@@ -50,7 +50,8 @@ def _check_tool(i: int, tool) -> dict:
                        param=f"{where}.function.name")
     params = fn.get("parameters") or _EMPTY_PARAMS
     if not isinstance(params, dict):
-        raise APIError(f"{where}.function.parameters must be a JSON schema object", param=f"{where}.function.parameters")
+        raise APIError(f"{where}.function.parameters must be a JSON schema object",
+                       param=f"{where}.function.parameters")
     out = {"name": name, "parameters": params}
     if isinstance(fn.get("description"), str):
         out["description"] = fn["description"]

@@ -5,7 +5,8 @@ and slot mapping, so its pages come and go with the sequence's. Every step it ru
 at their (corrected) positions and writes its KV for them, as the target does. A row that drafts then runs K
 single-token forwards: the first from the token the step emitted after its last verified input t (at t + 1),
 each next one from the previous draft (forward j at position t + 1 + j); each argmax is the next draft
-(under the row's grammar in a guided step: FeatureContext.pick). Drafts are greedy (verified as one-hot proposals), so rejection sampling stays lossless.
+(under the row's grammar in a guided step: FeatureContext.pick). Drafts are greedy (verified as one-hot proposals), so
+rejection sampling stays lossless.
 
 Keys written past the step's inputs (the draft forwards') are rewritten by the next steps before anything
 reads them as a verified token's: a step rewrites every position from its first input on. The scheduler

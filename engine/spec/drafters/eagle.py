@@ -4,7 +4,8 @@ target's step graph.
 Every step, the head writes its KV for the step's tokens from the target's hidden states at its feature layers
 (`PagedHead.write_kv`). A row that drafts then runs K single-token layers from its last verified input t:
 step 0 queries at t, step i >= 1 at t + i, and each hidden state's argmax under the target's LM head is the
-next draft (under the row's grammar mask, or grammar-forced, in a guided step: FeatureContext.pick). Drafts are greedy, so verification takes them as one-hot proposals, which
+next draft (under the row's grammar mask, or grammar-forced, in a guided step: FeatureContext.pick). Drafts are
+greedy, so verification takes them as one-hot proposals, which
 keeps rejection sampling lossless. With EngineConfig.draft_gemv an unguided draft of a few rows takes no logits:
 the final norm, LM head and argmax are two kernels of the decode GEMV's dependent-launch chain
 (engine/kernels/matmul/draft_gemv.py), and the layer's residual add is its down projection's epilogue.
