@@ -50,8 +50,8 @@ class EngineConfig:
                                        # cores, no logits, in place of cuBLAS's logits and the argmax's block max,
                                        # where the backend is Triton. Off until measured on a GPU
     head_mma_from: int = 0             # head_mma's steps: 0, those past decode_gemv_rows; N, those of N to 64 rows
-                                       # (1: plain heads of the GEMV's rows too; an EAGLE draft's normed head stays
-                                       # on the GEMV, its norm folded in)
+                                       # (1: the GEMV's rows too, an EAGLE draft's head after the final norm's
+                                       # kernel; the GEMV folds that norm in)
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:

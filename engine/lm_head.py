@@ -4,7 +4,8 @@
   steps of up to decode_gemv_rows rows where the caller allows the GEMV (`gemv`: EngineConfig.head_gemv's plain
   steps, verify_gemv's verifications);
 - head_mma's argmax on tensor cores (EngineConfig.head_mma) for the others up to its MAX_ROWS, and with
-  head_mma_from = N for every plain head of N rows or more, the GEMV's rows included;
+  head_mma_from = N for every head of N rows or more, the GEMV's rows included (an EAGLE draft's after the final
+  norm's kernel);
 - else cuBLAS's logits (the reference path's) and engine/kernels/sampling/argmax.py's two kernels, without the
   logits' float32 copy.
 """
@@ -18,6 +19,8 @@ class HeadArgmax:
     the backend's _draft, _gemv_rows, _head_mma, _head_mma_from, _argmax and ops."""
 
     def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
+        if self._mma_takes(x, weight, x.shape[0] >= self._head_mma_from):
+            return self._head_mma.linear_argmax(self.ops.rms_norm(x, norm_weight, eps), weight, ids)
         if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
                 self._draft.supports(x, norm_weight, weight):
             return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids)

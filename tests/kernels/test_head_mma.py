@@ -109,8 +109,9 @@ def test_refusals():
 
 def test_the_backend_routes_the_steps_past_the_gemv_to_it(monkeypatch):
     """With head_mma the backend's greedy LM head takes steps past decode_gemv_rows (and any step the caller keeps
-    off the GEMV) up to MAX_ROWS on head_mma, the final norm first where there is one; the GEMV keeps its rows,
-    and steps past MAX_ROWS take cuBLAS's logits. Off: never head_mma. Same tokens on every route."""
+    off the GEMV) up to MAX_ROWS on head_mma, the final norm first where there is one; the GEMV keeps its rows
+    unless head_mma_from reaches them, and steps past MAX_ROWS take cuBLAS's logits. Off: never head_mma. Same
+    tokens on every route."""
     from engine.attention import TritonAttention
     dr, ops = triton_module("matmul.draft_gemv"), triton_module("fused_ops")
     calls, real = [], hm.linear_argmax
@@ -133,7 +134,7 @@ def test_the_backend_routes_the_steps_past_the_gemv_to_it(monkeypatch):
     x = randn(4, k, seed=4)
     assert torch.equal(backend.linear_argmax(x, w), torch_argmax(x, w)) and calls == [4]     # the GEMV's rows too
     assert torch.equal(backend.norm_linear_argmax(x, nw, 1e-5, w), torch_argmax(ops.rms_norm(x, nw, 1e-5), w))
-    assert calls == [4]                                 # a draft's normed head keeps the GEMV, its norm folded in
+    assert calls == [4, 4]                              # a draft's normed head too, after the norm's kernel
 
 
 def test_head_mma_from_is_checked():
@@ -162,3 +163,42 @@ def test_engine_outputs_equal_with_head_mma(first, monkeypatch):
         assert_no_leak(eng)
         assert (5 in calls, any(r < 5 for r in calls)) == (on, on and first == 1), calls
     assert out[True] == out[False]
+
+
+def test_eagle_engine_outputs_equal_with_head_mma_on_every_head(tmp_path, monkeypatch):
+    """An EAGLE engine (a 3-layer dummy target) with head_mma on from one row: its drafts' normed heads and the
+    verifications take head_mma, and the drafts and greedy outputs are head_mma off's."""
+    import json
+    from dataclasses import replace
+    from safetensors.torch import save_file
+    from engine.llm_engine import LLMEngine
+    from engine.models import loader
+    from engine.requests.sequence import SamplingParams
+    from engine.spec.eagle_head import EagleHead, HeadConfig
+    cfg = dict(loader._TINY, num_hidden_layers=3)
+    monkeypatch.setitem(loader.DUMMY_SHAPES, "tiny3", cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        head = EagleHead(replace(HeadConfig.for_target(cfg), feature_layers=(0, 1, 2))).requires_grad_(False)
+    for p in head.parameters():
+        if p.dim() == 2:
+            p.mul_(4.0)         # drafts that vary
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / "head.safetensors"))
+    (tmp_path / "head.json").write_text(json.dumps(head.cfg.to_dict()))
+    calls, real = [], hm.linear_argmax
+    monkeypatch.setattr(hm, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    runs = {}
+    for on in (False, True):
+        eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton", depth=1,
+                        max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
+                        spec_head=str(tmp_path), head_mma=on, head_mma_from=1)
+        drafter, drafts = eng.runner.program.drafter, []
+        propose = drafter.propose
+        drafter.propose = lambda ctx, propose=propose, drafts=drafts: drafts.append(propose(ctx)) or drafts[-1]
+        seqs = eng.generate([[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]],
+                            [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 4)])
+        assert_no_leak(eng)
+        runs[on] = [s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]
+        # each spec step: three draft heads of both prompts' rows, then one verification of 2 x 4 rows
+        assert drafts and (calls.count(2) >= 3 * calls.count(8) > 0) == on, calls
+    assert runs[True] == runs[False]
