@@ -45,13 +45,13 @@ class EngineConfig:
                                        # without float32 logits: from draft_gemv's LM head argmax kernels (plain
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
                                        # kernels/sampling/argmax.py, where those run (the Triton backend)
-    head_mma: bool = False             # greedy steps past the GEMV's rows (to 64: plain steps, verifications) take
-                                       # their tokens from engine/kernels/matmul/head_mma.py's argmax on tensor
-                                       # cores, no logits, in place of cuBLAS's logits and the argmax's block max,
-                                       # where the backend is Triton. Off until measured on a GPU
-    head_mma_from: int = 0             # head_mma's steps: 0, those past decode_gemv_rows; N, those of N to 64 rows
-                                       # (1: the GEMV's rows too, an EAGLE draft's head after the final norm's
-                                       # kernel; the GEMV folds that norm in)
+    head_mma: bool = False             # greedy heads of up to 64 rows that the GEMV does not take (plain steps past
+                                       # decode_gemv_rows, verifications) take their tokens from engine/kernels/
+                                       # matmul/head_mma.py's argmax on tensor cores, no logits, in place of cuBLAS's
+                                       # logits and the argmax's block max, where the backend is Triton. Off until
+                                       # measured on a GPU
+    head_mma_from: int = 0             # with head_mma, also the GEMV's heads of N rows or more (0: none; 1: all,
+                                       # an EAGLE draft's after the final norm's kernel, which the GEMV folds in)
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
