@@ -19,23 +19,24 @@ class HeadArgmax:
     the backend's _draft, _gemv_rows, _head_mma, _head_mma_from, _argmax and ops."""
 
     def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
-        if self._mma_takes(x, weight, x.shape[0] >= self._head_mma_from):
-            return self._head_mma.linear_argmax(self.ops.rms_norm(x, norm_weight, eps), weight, ids)
-        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
-                self._draft.supports(x, norm_weight, weight):
+        if self._on_gemv(x, weight, gemv) and self._draft.supports(x, norm_weight, weight):
             return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids)
         return self._off_gemv(self.ops.rms_norm(x, norm_weight, eps), weight, ids)
 
     def linear_argmax(self, x, weight, gemv: bool = True, ids=None):
-        if self._mma_takes(x, weight, x.shape[0] >= self._head_mma_from):
-            return self._head_mma.linear_argmax(x, weight, ids)
-        if gemv and self._draft is not None and x.shape[0] <= self._gemv_rows and \
-                self._draft.supports_linear(x, weight):
+        if self._on_gemv(x, weight, gemv) and self._draft.supports_linear(x, weight):
             return self._draft.linear_argmax(x, weight, ids)
         return self._off_gemv(x, weight, ids)
 
-    def _mma_takes(self, x, weight, rows_ok: bool = True) -> bool:
-        return self._head_mma is not None and rows_ok and self._head_mma.supports(x, weight)
+    def _on_gemv(self, x, weight, gemv: bool) -> bool:
+        """Whether the GEMV may take this head: the caller allows it, draft_gemv is on, the rows are the GEMV's,
+        and head_mma_from does not give them to head_mma."""
+        rows = x.shape[0]
+        return gemv and self._draft is not None and rows <= self._gemv_rows and not (
+            rows >= self._head_mma_from and self._mma_takes(x, weight))
+
+    def _mma_takes(self, x, weight) -> bool:
+        return self._head_mma is not None and self._head_mma.supports(x, weight)
 
     def _off_gemv(self, x, weight, ids=None):
         if self._mma_takes(x, weight):
