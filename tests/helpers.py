@@ -154,6 +154,48 @@ class EagerGraphs(StepGraphs):
         return time.perf_counter() - t0
 
 
+# ---- speculative decoding ------------------------------------------------------------------------------------
+def record_drafts(drafter) -> list:
+    """The list the drafter's proposals go into from now on, in order (its propose wrapped)."""
+    drafts, propose = [], drafter.propose
+    drafter.propose = lambda ctx: drafts.append(propose(ctx)) or drafts[-1]
+    return drafts
+
+
+def greedy_drafts(eng, prompts, lengths) -> tuple[list, list]:
+    """(outputs, each proposal's draft tokens as lists) of greedy requests of max_tokens `lengths`, EOS ignored."""
+    drafts = record_drafts(eng.runner.program.drafter)
+    seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    return [s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]
+
+
+def random_eagle_head(cfg, seed=3):
+    """A random EAGLE head for target config `cfg` reading layers (0, 1, 2), its weights scaled so that its drafts
+    vary."""
+    from dataclasses import replace
+    from engine.spec.eagle_head import EagleHead, HeadConfig
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = EagleHead(replace(HeadConfig.for_target(cfg), feature_layers=(0, 1, 2))).requires_grad_(False)
+    for p in head.parameters():
+        if p.dim() == 2:
+            p.mul_(4.0)
+    return head
+
+
+def eagle_target(monkeypatch, directory) -> str:
+    """Registers the dummy target "tiny3" (three layers) and saves a random_eagle_head for it in `directory`
+    (EngineConfig.spec_head's layout); returns that directory."""
+    from safetensors.torch import save_file
+    from engine.models import loader
+    cfg = dict(loader._TINY, num_hidden_layers=3)
+    monkeypatch.setitem(loader.DUMMY_SHAPES, "tiny3", cfg)
+    head = random_eagle_head(cfg)
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(Path(directory) / "head.safetensors"))
+    (Path(directory) / "head.json").write_text(json.dumps(head.cfg.to_dict()))
+    return str(directory)
+
+
 # ---- grammars -------------------------------------------------------------------------------------------------
 def service(engine) -> GrammarService:
     if engine.guided.service is None:                  # built on the first guided request

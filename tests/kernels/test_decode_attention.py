@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import triton_module
+from helpers import record_drafts
 from test_rope_attention import DEV, DTYPES, make_step
 
 ta = triton_module("attention.paged_attention")
@@ -136,10 +137,8 @@ def test_engine_eagle_outputs_and_drafts_equal_with_decode_attention():
                         speculative="eagle", spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0,
                         decode_attention=on)
         eng.runner.backend._decode_attn = da if on else None     # this file's (interpreter-built) module
-        calls, drafts = [], []
-        real, propose = da.decode_attention, eng.runner.program.drafter.propose
+        calls, drafts, real = [], record_drafts(eng.runner.program.drafter), da.decode_attention
         da.decode_attention = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
-        eng.runner.program.drafter.propose = lambda ctx: drafts.append(propose(ctx)) or drafts[-1]
         try:
             seqs = eng.generate([[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8]],
                                 [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 6, 12)])

@@ -1,8 +1,6 @@
 """engine.kernels.matmul.draft_gemv (a greedy draft's final norm + LM head + argmax) and decode_gemv's residual epilogue
 against the torch ops they replace, bit for bit, and EAGLE drafting with them (EngineConfig.draft_gemv) against
 drafting without. Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py)."""
-import json
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_no_leak, triton_module
-from helpers import INTERPRETER_SETTINGS
+from helpers import INTERPRETER_SETTINGS, eagle_target, greedy_drafts, random_eagle_head
 
 dg = triton_module("matmul.decode_gemv")
 dr = triton_module("matmul.draft_gemv")
@@ -189,18 +187,6 @@ TINY = dict(model_type="llama", vocab_size=301, hidden_size=64, intermediate_siz
 BS, PAGES = 4, 16
 
 
-def _head(cfg, seed=3):
-    """A random head for `cfg` reading layers (0, 1, 2), its weights scaled so that its drafts vary."""
-    from engine.spec.eagle_head import EagleHead, HeadConfig
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        head = EagleHead(replace(HeadConfig.for_target(cfg), feature_layers=(0, 1, 2))).requires_grad_(False)
-    for p in head.parameters():
-        if p.dim() == 2:
-            p.mul_(4.0)
-    return head
-
-
 def _parts(tied: bool, dtype, draft: bool):
     from engine.models.llama import LlamaForCausalLM
     from engine.models.weights import _init_dummy
@@ -211,7 +197,7 @@ def _parts(tied: bool, dtype, draft: bool):
     _init_dummy(target, seed=0)
     target = target.to(DEV, dtype)
     target.init_rope(128, torch.device(DEV))
-    paged = PagedHead(_head(cfg).to(DEV, dtype), target, _backend(draft), PAGES, BS, 128)
+    paged = PagedHead(random_eagle_head(cfg).to(DEV, dtype), target, _backend(draft), PAGES, BS, 128)
     return target, EagleDrafter(3, paged, BS, 128)
 
 
@@ -275,27 +261,15 @@ def test_engine_drafts_and_outputs_equal_with_draft_gemv(tmp_path, monkeypatch):
     """A whole engine (Triton backend, an EAGLE head on a 3-layer dummy target): draft_gemv on gives the drafts
     and greedy outputs of draft_gemv off, and its draft steps take the kernels."""
     from engine.llm_engine import LLMEngine
-    from engine.models import loader
-    from engine.requests.sequence import SamplingParams
-    from safetensors.torch import save_file
-    cfg = dict(loader._TINY, num_hidden_layers=3)
-    monkeypatch.setitem(loader.DUMMY_SHAPES, "tiny3", cfg)
-    head = _head(cfg)
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / "head.safetensors"))
-    (tmp_path / "head.json").write_text(json.dumps(head.cfg.to_dict()))
+    head_dir = eagle_target(monkeypatch, tmp_path)
     calls = _counting(monkeypatch)
     runs = {}
     for draft in (False, True):
         eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton",
                         **INTERPRETER_SETTINGS, depth=1,
                         max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
-                        spec_head=str(tmp_path), draft_gemv=draft)
-        drafter, drafts = eng.runner.program.drafter, []
-        propose = drafter.propose
-        drafter.propose = lambda ctx, propose=propose, drafts=drafts: drafts.append(propose(ctx)) or drafts[-1]
-        seqs = eng.generate([[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]],
-                            [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 3)])
+                        spec_head=head_dir, draft_gemv=draft)
+        runs[draft] = greedy_drafts(eng, [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]], (4, 3))
         assert_no_leak(eng)
-        runs[draft] = [s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]
-        assert drafts and (len(calls) > 0) == draft
+        assert runs[draft][1] and (len(calls) > 0) == draft
     assert runs[True] == runs[False] and 2 in calls        # both prompts' drafts in one call

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak, triton_module
+from helpers import record_drafts
 
 dr = triton_module("matmul.draft_gemv")
 DEV = "cpu" if dr.interpreted() else "cuda"
@@ -48,9 +49,7 @@ def test_drafts_stay_in_the_subset_and_outputs_do_not_change(tmp_path):
     outs, drafted = {}, {}
     for size in (0, 64):
         eng = _engine("triton", tmp_path / "ranks.json" if size else None, size)
-        program, seen = eng.runner.program, []
-        propose = program.drafter.propose
-        program.drafter.propose = lambda ctx, _p=propose: seen.append(_p(ctx)) or seen[-1]
+        seen = record_drafts(eng.runner.program.drafter)
         outs[size] = eng.generate([PROMPT], params)[0].output_token_ids
         drafted[size] = {t for p in seen for t in p.draft_tokens.flatten().tolist()}
         assert_no_leak(eng)

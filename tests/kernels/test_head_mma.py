@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_no_leak, triton_module
+from helpers import eagle_target, greedy_drafts
 
 hm = triton_module("matmul.head_mma")
 DEV = "cpu" if hm.interpreted() else "cuda"
@@ -168,37 +169,17 @@ def test_engine_outputs_equal_with_head_mma(first, monkeypatch):
 def test_eagle_engine_outputs_equal_with_head_mma_on_every_head(tmp_path, monkeypatch):
     """An EAGLE engine (a 3-layer dummy target) with head_mma on from one row: its drafts' normed heads and the
     verifications take head_mma, and the drafts and greedy outputs are head_mma off's."""
-    import json
-    from dataclasses import replace
-    from safetensors.torch import save_file
     from engine.llm_engine import LLMEngine
-    from engine.models import loader
-    from engine.requests.sequence import SamplingParams
-    from engine.spec.eagle_head import EagleHead, HeadConfig
-    cfg = dict(loader._TINY, num_hidden_layers=3)
-    monkeypatch.setitem(loader.DUMMY_SHAPES, "tiny3", cfg)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        head = EagleHead(replace(HeadConfig.for_target(cfg), feature_layers=(0, 1, 2))).requires_grad_(False)
-    for p in head.parameters():
-        if p.dim() == 2:
-            p.mul_(4.0)         # drafts that vary
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / "head.safetensors"))
-    (tmp_path / "head.json").write_text(json.dumps(head.cfg.to_dict()))
+    head_dir = eagle_target(monkeypatch, tmp_path)
     calls, real = [], hm.linear_argmax
     monkeypatch.setattr(hm, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     runs = {}
     for on in (False, True):
         eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton", depth=1,
                         max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
-                        spec_head=str(tmp_path), head_mma=on, head_mma_from=1)
-        drafter, drafts = eng.runner.program.drafter, []
-        propose = drafter.propose
-        drafter.propose = lambda ctx, propose=propose, drafts=drafts: drafts.append(propose(ctx)) or drafts[-1]
-        seqs = eng.generate([[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]],
-                            [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 4)])
+                        spec_head=head_dir, head_mma=on, head_mma_from=1)
+        runs[on] = greedy_drafts(eng, [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]], (5, 4))
         assert_no_leak(eng)
-        runs[on] = [s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]
         # each spec step: three draft heads of both prompts' rows, then one verification of 2 x 4 rows
-        assert drafts and (calls.count(2) >= 3 * calls.count(8) > 0) == on, calls
+        assert runs[on][1] and (calls.count(2) >= 3 * calls.count(8) > 0) == on, calls
     assert runs[True] == runs[False]

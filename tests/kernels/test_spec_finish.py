@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak, triton_module
-from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
+from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS, greedy_drafts
 
 sf = triton_module("spec.spec_finish")
 dr = triton_module("matmul.draft_gemv")
@@ -216,14 +216,10 @@ def _engine(speculative, depth, on, k=2, verify_gemv=False):
 
 def _run(eng, prompts, lengths):
     """-> (outputs, drafts) of greedy requests, with no KV left behind."""
-    from engine.requests.sequence import SamplingParams
-    drafter, drafts = eng.runner.program.drafter, []
-    propose = drafter.propose
-    drafter.propose = lambda ctx: drafts.append(propose(ctx)) or drafts[-1]
-    seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
+    outputs, drafts = greedy_drafts(eng, prompts, lengths)
     assert_no_leak(eng)
     assert drafts
-    return [s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]
+    return outputs, drafts
 
 
 def _counting(monkeypatch):

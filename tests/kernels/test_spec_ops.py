@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak, triton_module
-from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
+from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS, greedy_drafts
 
 so = triton_module("spec.spec_ops")
 DEV = "cpu" if so.interpreted() else "cuda"
@@ -226,7 +226,6 @@ def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch)
     """A whole engine (Triton backend; an untrained EAGLE head, or n-gram drafting, which writes the history):
     spec_kernels on gives the drafts and greedy outputs of spec_kernels off, and its steps take the kernels."""
     from engine.llm_engine import LLMEngine
-    from engine.requests.sequence import SamplingParams
     calls = _counting(monkeypatch)
     prompts = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99], [300, 1, 2, 300, 1]]
     runs = {}
@@ -235,12 +234,8 @@ def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch)
                         **INTERPRETER_SETTINGS, depth=depth,
                         max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                         spec_head="random", num_speculative_tokens=2, spec_min_acceptance=0.0, spec_kernels=on)
-        drafter, drafts = eng.runner.program.drafter, []
-        propose = drafter.propose
-        drafter.propose = lambda ctx, propose=propose, drafts=drafts: drafts.append(propose(ctx)) or drafts[-1]
-        seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 5)])
+        runs[on] = greedy_drafts(eng, prompts, (6, 5))
         assert_no_leak(eng)
-        runs[on] = [s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]
-        assert drafts and (calls["correct"] > 0) == on
+        assert runs[on][1] and (calls["correct"] > 0) == on
     assert runs[True] == runs[False]
     assert (calls["draft_layout"] > 0) == (speculative == "eagle")

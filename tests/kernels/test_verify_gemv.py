@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_no_leak, triton_module
-from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS
+from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS, record_drafts
 
 dg = triton_module("matmul.decode_gemv")
 dr = triton_module("matmul.draft_gemv")
@@ -193,9 +193,8 @@ def _engine(speculative, depth, verify, head):
 
 def _spying(eng):
     """The engine's drafts, and the K of each spec step that computed its logits."""
-    program, drafts, logit_ks = eng.runner.program, [], []
-    propose, spec_logits = program.drafter.propose, program.spec_logits
-    program.drafter.propose = lambda ctx: drafts.append(propose(ctx)) or drafts[-1]
+    program, drafts, logit_ks = eng.runner.program, record_drafts(eng.runner.program.drafter), []
+    spec_logits = program.spec_logits
     program.spec_logits = lambda *a: logit_ks.append(a[-1]) or spec_logits(*a)          # a[-1]: K
     return drafts, logit_ks
 
