@@ -42,7 +42,8 @@ import triton.language as tl
 
 from engine.kernels.matmul import decode_gemv, gemv_checks
 from engine.kernels.matmul.silu_pairs import block_rows, out_columns, silu_store
-from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
+from engine.kernels.sampling.argmax import store_block_max
+from engine.kernels.common import is_interpreted, pdl, reduce_sum, round_to
 
 MIN_ROWS = 1
 MAX_ROWS = 32
@@ -136,13 +137,7 @@ def _epilogue(acc, out_ptr, add_ptr, idx_ptr, stride_out, stride_add, offs_n, n_
     if EPILOGUE == "silu_mul":
         silu_store(out_ptr, tl.trans(y), offs_m, m_ok, stride_out, N, pid, BLOCK_M, BLOCK_N)
     elif EPILOGUE == "argmax":
-        # masked weight rows sit at -inf after every real row; NaN ranks above every number (as decode_gemv)
-        v = tl.where(n_ok[:, None], y.to(tl.float32), float("-inf"))
-        v = tl.where(v != v, float("inf"), v)
-        top = reduce_max(v, 0)
-        tl.store(out_ptr + offs_m * stride_out + pid, top, mask=m_ok)
-        tl.store(idx_ptr + offs_m * stride_out + pid, reduce_min(tl.where(v == top[None, :], offs_n[:, None], N), 0),
-                 mask=m_ok)
+        store_block_max(y, offs_n, n_ok, N, offs_m, m_ok, stride_out, pid, out_ptr, idx_ptr)
     else:
         ok = n_ok[:, None] & m_ok[None, :]
         if EPILOGUE == "add":

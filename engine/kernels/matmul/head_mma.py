@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_min, round_to
+from engine.kernels.common import is_interpreted, pdl, pdl_start, round_to
 from engine.kernels.matmul import gemv_checks
 from engine.kernels.sampling import argmax
 
@@ -62,11 +62,7 @@ def _head_mma_kernel(x_ptr, w_ptr, val_ptr, idx_ptr, stride_x, P, M, V, K, BLOCK
             w = tl.load(w_ptrs + k0, mask=v_ok[:, None] & k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs + k0, mask=k_ok[:, None] & t_ok[None, :], other=0.0)
             acc = _dot(w, xt, acc, UPCAST, PRECISION)
-    y = tl.where(v_ok[:, None], round_to(acc, dtype).to(tl.float32), float("-inf"))
-    y = tl.where(y != y, float("inf"), y)
-    top = reduce_max(y, 0)
-    tl.store(val_ptr + toks * P + pid, top, mask=t_ok)
-    tl.store(idx_ptr + toks * P + pid, reduce_min(tl.where(y == top[None, :], rows[:, None], V), 0), mask=t_ok)
+    argmax.store_block_max(round_to(acc, dtype), rows, v_ok, V, toks, t_ok, P, pid, val_ptr, idx_ptr)
 
 
 @triton.jit

@@ -73,6 +73,20 @@ def _first_max_kernel(val_ptr, idx_ptr, ids_ptr, tok_ptr, stride, P, BLOCK_P: tl
     tl.store(tok_ptr + m, first)
 
 
+@triton.jit
+def store_block_max(y, rows, rows_ok, n_rows, cols, cols_ok, stride, pid, val_ptr, idx_ptr):
+    """A tensor-core argmax epilogue's partials of y [rows, cols] (logits rounded to the dtype: vocabulary rows by
+    the step's rows): val[c, pid] = the largest of column c over the real rows, idx[c, pid] its first row, for
+    first_max. Masked rows sit at -inf after every real row; NaN ranks above every number (as the decode GEMV's
+    epilogue)."""
+    v = tl.where(rows_ok[:, None], y.to(tl.float32), float("-inf"))
+    v = tl.where(v != v, float("inf"), v)
+    top = reduce_max(v, 0)
+    tl.store(val_ptr + cols * stride + pid, top, mask=cols_ok)
+    tl.store(idx_ptr + cols * stride + pid, reduce_min(tl.where(v == top[None, :], rows[:, None], n_rows), 0),
+             mask=cols_ok)
+
+
 def interpreted() -> bool:
     """True when the kernels were built for the Triton CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return is_interpreted(_block_max_kernel)
