@@ -48,8 +48,9 @@ class EngineConfig:
     head_mma: bool = False             # greedy heads of up to 64 rows that the GEMV does not take (plain steps past
                                        # decode_gemv_rows, verifications) take their tokens from engine/kernels/
                                        # matmul/head_mma.py's argmax on tensor cores, no logits, in place of cuBLAS's
-                                       # logits and the argmax's block max, where the backend is Triton. Off until
-                                       # measured on a GPU
+                                       # logits and the argmax's block max, where the backend is Triton. Off: with
+                                       # head_mma_from = 1 it gains 3-5.5% at 2-4 streams, but bench.ab's plain
+                                       # 32 streams lost 4-6% (bench/results/head_mma_step/)
     head_mma_from: int = 0             # with head_mma, also the GEMV's heads of N rows or more (0: none; 1: all,
                                        # an EAGLE draft's after the final norm's kernel, which the GEMV folds in)
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from engine.kernels.sampling import argmax  # noqa: E402
 from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
-from engine.kernels.matmul import decode_gemm, decode_gemv  # noqa: E402
+from engine.kernels.matmul import decode_gemm, decode_gemv, head_mma  # noqa: E402
 from engine.kernels.spec import head_ops, spec_finish, spec_ops  # noqa: E402
 from engine.kernels import step_io  # noqa: E402
 
@@ -67,6 +67,19 @@ def _gemv(k, n, prologue, epilogue, pdl, m=1):
     return (f"decode_gemv M={m} K={k} N={n} {prologue}/{epilogue}", decode_gemv._decode_gemv_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
 
+
+
+def _head_mma(m, pdl, v=49152, k=576):
+    """head_mma.py's kernel at its launch config for m rows of the default model's LM head."""
+    cfg = head_mma.head_config(m, v, k)
+    block_v, warps = cfg.pop("BLOCK_V"), cfg.pop("num_warps")
+    cfg.pop("num_stages")                       # Triton's default (3) for CUDA
+    consts = dict(BLOCK_V=block_v, BLOCK_T=max(16, triton.next_power_of_2(m)), UPCAST=False, PRECISION="tf32",
+                  USE_PDL=pdl, **cfg)
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32", stride_x="i32", P="i32", M="i32",
+                 V="i32", K="i32")
+    return (f"head_mma M={m} K={k} V={v}", head_mma._head_mma_kernel, types, consts, warps,
+            dict(stride_x=k, P=triton.cdiv(v, block_v), M=m, V=v, K=k))
 
 # the argument types of both attention kernels (paged_attention.py's and decode_attention.py's take the same names)
 _ATTENTION_TYPES = ({p: "*bf16" for p in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
@@ -121,6 +134,7 @@ def variants(pdl: bool) -> list[tuple]:
         _gemm(32, 1536, 576, "none", "add", pdl, decode=True),
         _gemm(8, 576, 576, "none", "store", pdl),
         _gemm(16, 576, 49152, "norm", "argmax", pdl),
+        _head_mma(1, pdl), _head_mma(4, pdl), _head_mma(32, pdl),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
         _gemv(1536, 576, "silu", "store", pdl, m=4), _gemv(576, 49152, "none", "argmax", pdl, m=4),

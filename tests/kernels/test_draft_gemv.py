@@ -268,7 +268,7 @@ def test_engine_drafts_and_outputs_equal_with_draft_gemv(tmp_path, monkeypatch):
         eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton",
                         **INTERPRETER_SETTINGS, depth=1,
                         max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
-                        spec_head=head_dir, draft_gemv=draft)
+                        spec_head=head_dir, draft_gemv=draft, head_mma=False)     # the GEMV's route, not head_mma's
         runs[draft] = greedy_drafts(eng, [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]], (4, 3))
         assert_no_leak(eng)
         assert runs[draft][1] and (len(calls) > 0) == draft

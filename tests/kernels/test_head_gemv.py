@@ -36,7 +36,8 @@ def _engine(on: bool, depth: int, eager: bool):
     from engine.llm_engine import LLMEngine
     return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                      **INTERPRETER_SETTINGS, depth=depth,
-                     max_num_seqs=len(PROMPTS), max_model_len=64, enforce_eager=eager, head_gemv=on)
+                     max_num_seqs=len(PROMPTS), max_model_len=64, enforce_eager=eager, head_gemv=on,
+                     head_mma=False)         # the routes counted here: the GEMV's, else cuBLAS + argmax.py
 
 
 def _run(eng, calls, logit_rows):

@@ -205,13 +205,13 @@ def test_refusals():
 
 # ---- whole engines ----
 
-def _engine(speculative, depth, on, k=2, verify_gemv=False):
+def _engine(speculative, depth, on, k=2, verify_gemv=False, **kw):
     from engine.llm_engine import LLMEngine
     return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                      **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                      spec_head="random", num_speculative_tokens=k, spec_min_acceptance=0.0, spec_kernels=on,
-                     spec_finish_kernel=on, draft_gather=on, verify_gemv=verify_gemv)
+                     spec_finish_kernel=on, draft_gather=on, verify_gemv=verify_gemv, **kw)
 
 
 def _run(eng, prompts, lengths):
@@ -249,6 +249,7 @@ def test_engine_with_verify_gemv_and_spec_kernels(speculative, monkeypatch):
     real = dr.linear_argmax
     monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: argmax.append(x.shape[0]) or real(x, *a))
     prompt = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99]]
-    runs = {on: _run(_engine(speculative, 1, on, k=3, verify_gemv=True), prompt, (8,)) for on in (False, True)}
+    runs = {on: _run(_engine(speculative, 1, on, k=3, verify_gemv=True, head_mma=False), prompt, (8,))
+            for on in (False, True)}            # head_mma off: the GEMV's route, counted here
     assert runs[True] == runs[False] and calls and set(calls) == {(1, 4)} and set(argmax) == {4}
     assert len(argmax) == 2 * len(calls)      # each spec step of both engines: the kernel on the kernels' ids

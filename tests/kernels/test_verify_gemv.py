@@ -188,7 +188,7 @@ def _engine(speculative, depth, verify, head):
                      **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                      spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0, verify_gemv=verify,
-                     head_gemv=head)
+                     head_gemv=head, head_mma=False)      # the routes counted here: the GEMV's, else cuBLAS + argmax.py
 
 
 def _spying(eng):
