@@ -142,7 +142,7 @@ class TritonAttention(HeadArgmax, _Matmuls):
                  split_merge: bool = False, silu_epilogue: bool = False, gemm_silu_epilogue: bool = False,
                  decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
                  long_row_gemv: bool = False, head_mma: bool = False, head_mma_from: int = 0,
-                 device=None):
+                 head_mma_to: int = 64, device=None):
         from engine.kernels.sampling import argmax, bitmask
         from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, head_mma as mma
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
@@ -166,6 +166,7 @@ class TritonAttention(HeadArgmax, _Matmuls):
         self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
         self._head_mma = mma if head_mma else None      # the LM head's argmax past the GEMV's rows (lm_head.py)
         self._head_mma_from = head_mma_from or decode_gemv_rows + 1      # or from these rows
+        self._head_mma_to = head_mma_to                                  # up to these rows
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
         self._silu_epilogue = silu_epilogue             # norm_mlp: SiLU * up in the GEMV of gate_up where it takes it
         self._gemm_silu_epilogue = gemm_silu_epilogue   # and in decode_gemm's where that takes it

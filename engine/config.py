@@ -53,6 +53,8 @@ class EngineConfig:
                                        # 32 streams lost 4-6% (bench/results/head_mma_step/)
     head_mma_from: int = 0             # with head_mma, also the GEMV's heads of N rows or more (0: none; 1: all,
                                        # an EAGLE draft's after the final norm's kernel, which the GEMV folds in)
+    head_mma_to: int = 64              # with head_mma, only heads of at most N rows (64: all it can take; with
+                                       # head_mma_from = 1, decode_gemv_rows: the GEMV's rows and no others)
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
@@ -182,6 +184,9 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if not 0 <= self.head_mma_from <= 64:                                 # head_mma.MAX_ROWS
             raise ValueError(f"head_mma_from must be 0 to 64, got {self.head_mma_from}")
+        if not max(1, self.head_mma_from) <= self.head_mma_to <= 64:
+            raise ValueError(f"head_mma_to must be head_mma_from ({self.head_mma_from}) or more, up to 64; got "
+                             f"{self.head_mma_to}")
         if not 1 <= self.decode_gemv_rows <= 8:                               # decode_gemv.MAX_ROWS
             raise ValueError(f"decode_gemv_rows must be 1 to 8, got {self.decode_gemv_rows}")
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:

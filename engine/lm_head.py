@@ -5,7 +5,7 @@
   steps, verify_gemv's verifications);
 - head_mma's argmax on tensor cores (EngineConfig.head_mma) for the others up to its MAX_ROWS, and with
   head_mma_from = N for every head of N rows or more, the GEMV's rows included (an EAGLE draft's after the final
-  norm's kernel);
+  norm's kernel); none past head_mma_to rows;
 - else cuBLAS's logits (the reference path's) and engine/kernels/sampling/argmax.py's two kernels, without the
   logits' float32 copy.
 """
@@ -16,7 +16,7 @@ from engine.kernels.matmul.cpu_gemm import linear
 
 class HeadArgmax:
     """TritonAttention's norm_linear_argmax / linear_argmax (the backend contract's, engine/attention.py). Reads
-    the backend's _draft, _gemv_rows, _head_mma, _head_mma_from, _argmax and ops."""
+    the backend's _draft, _gemv_rows, _head_mma, _head_mma_from, _head_mma_to, _argmax and ops."""
 
     def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
         if self._on_gemv(x, weight, gemv) and self._draft.supports(x, norm_weight, weight):
@@ -36,7 +36,7 @@ class HeadArgmax:
             rows >= self._head_mma_from and self._mma_takes(x, weight))
 
     def _mma_takes(self, x, weight) -> bool:
-        return self._head_mma is not None and self._head_mma.supports(x, weight)
+        return self._head_mma is not None and x.shape[0] <= self._head_mma_to and self._head_mma.supports(x, weight)
 
     def _off_gemv(self, x, weight, ids=None):
         if self._mma_takes(x, weight):

@@ -136,20 +136,31 @@ def test_the_backend_routes_the_steps_past_the_gemv_to_it(monkeypatch):
     assert torch.equal(backend.linear_argmax(x, w), torch_argmax(x, w)) and calls == [4]     # the GEMV's rows too
     assert torch.equal(backend.norm_linear_argmax(x, nw, 1e-5, w), torch_argmax(ops.rms_norm(x, nw, 1e-5), w))
     assert calls == [4, 4]                              # a draft's normed head too, after the norm's kernel
+    backend = TritonAttention(decode_gemv=True, draft_gemv=True, head_mma=True, head_mma_from=1, head_mma_to=4)
+    backend._draft, backend.ops, backend._head_mma = dr, ops, hm
+    for rows, gemv in ((1, True), (4, True), (4, False), (5, True), (5, False)):
+        x = randn(rows, k, seed=rows)
+        assert torch.equal(backend.linear_argmax(x, w, gemv), torch_argmax(x, w))
+    assert calls == [4, 4, 1, 4, 4], calls             # head_mma_to = 4: past it, cuBLAS's logits
 
 
-def test_head_mma_from_is_checked():
+def test_head_mma_rows_are_checked():
     from engine.config import EngineConfig
     assert EngineConfig(head_mma_from=64).head_mma_from == 64
+    assert EngineConfig(head_mma_from=1, head_mma_to=4).head_mma_to == 4
     for bad in (-1, 65):
         with pytest.raises(ValueError, match="head_mma_from"):
             EngineConfig(head_mma_from=bad)
+    for bad in (dict(head_mma_to=0), dict(head_mma_to=65), dict(head_mma_from=5, head_mma_to=4)):
+        with pytest.raises(ValueError, match="head_mma_to"):
+            EngineConfig(**bad)
 
 
-@pytest.mark.parametrize("first", [0, 1])
-def test_engine_outputs_equal_with_head_mma(first, monkeypatch):
-    """head_mma on gives head_mma off's greedy tokens. Steps of five rows (past decode_gemv_rows) take it; with
-    head_mma_from = 1 the steps of fewer rows, as requests finish, take it too, else the GEMV."""
+@pytest.mark.parametrize("first,last", [(0, 64), (1, 64), (1, 4)])
+def test_engine_outputs_equal_with_head_mma(first, last, monkeypatch):
+    """head_mma on gives head_mma off's greedy tokens. Steps of five rows (past decode_gemv_rows) take it unless
+    head_mma_to is below five; with head_mma_from = 1 the steps of fewer rows, as requests finish, take it too,
+    else the GEMV."""
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     calls, real = [], hm.linear_argmax
@@ -158,11 +169,12 @@ def test_engine_outputs_equal_with_head_mma(first, monkeypatch):
     out = {}
     for on in (False, True):
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=2,
-                        enforce_eager=True, max_num_seqs=5, max_model_len=128, head_mma=on, head_mma_from=first)
+                        enforce_eager=True, max_num_seqs=5, max_model_len=128, head_mma=on, head_mma_from=first,
+                        head_mma_to=last)
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 12, 6, 7)]
         out[on] = [s.output_token_ids for s in eng.generate(prompts, params)]
         assert_no_leak(eng)
-        assert (5 in calls, any(r < 5 for r in calls)) == (on, on and first == 1), calls
+        assert (5 in calls, any(r < 5 for r in calls)) == (on and last >= 5, on and first == 1), calls
     assert out[True] == out[False]
 
 
