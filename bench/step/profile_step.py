@@ -63,14 +63,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def split_gemm(overrides: dict) -> tuple[dict, dict]:
+def split_kernel_keys(overrides: dict) -> tuple[dict, dict]:
     """A variant's keys gemm.N.KEY (decode_gemm_config's KEY for weights of N rows), gemm.NxK.KEY (for weights
     of N rows of K) or head.KEY (head_mma's head_config) apart from EngineConfig's: (engine overrides, {N, (N, K) or
     "head": {KEY: value}})."""
-    engine, gemm = {}, {}
+    engine, kernels = {}, {}
     for key, value in overrides.items():
         if key.startswith("head."):         # head.KEY: head_mma's config (EngineConfig.head_mma)
-            gemm.setdefault("head", {})[key[5:]] = value
+            kernels.setdefault("head", {})[key[5:]] = value
             continue
         if not key.startswith("gemm."):
             engine[key] = value
@@ -79,15 +79,15 @@ def split_gemm(overrides: dict) -> tuple[dict, dict]:
         dims = shape.split("x")
         if not name or len(dims) > 2 or not all(d.isdigit() for d in dims):
             raise ValueError(f"{key!r}: a decode_gemm override is gemm.<weight rows>[x<row length>].<config key>")
-        gemm.setdefault(int(dims[0]) if len(dims) == 1 else tuple(map(int, dims)), {})[name] = value
-    return engine, gemm
+        kernels.setdefault(int(dims[0]) if len(dims) == 1 else tuple(map(int, dims)), {})[name] = value
+    return engine, kernels
 
 
 @contextlib.contextmanager
-def gemm_configs(over: dict):
+def kernel_configs(over: dict):
     """decode_gemm_config's choice replaced for the weights named in `over` ({N or (N, K): {KEY: value}}; a shape's
-    keys over its N's) while the block runs. Each launch reads the config, so an engine built and captured inside
-    takes it."""
+    keys over its N's), and head_mma's head_config by over["head"], while the block runs. Each launch reads the
+    config, so an engine built and captured inside takes it."""
     from engine.kernels.matmul import decode_gemm, head_mma
     rule, head_rule = decode_gemm.decode_gemm_config, head_mma.head_config
     if over:
@@ -101,8 +101,8 @@ def gemm_configs(over: dict):
 
 
 def profile(args, streams: int, overrides: dict | None = None) -> dict:
-    extra, gemm = split_gemm(engine_overrides(args) | (overrides or {}))
-    with gemm_configs(gemm):
+    extra, kernels = split_kernel_keys(engine_overrides(args) | (overrides or {}))
+    with kernel_configs(kernels):
         return _profile(args, streams, extra)
 
 

@@ -123,25 +123,25 @@ def test_profile_of_the_speculative_step_on_the_cpu(tmp_path):
 
 def test_variant_keys_set_decode_gemms_launch_config_for_the_weights_named():
     """gemm.N.KEY and gemm.NxK.KEY keys of a variant are decode_gemm_config's, not EngineConfig's: inside
-    gemm_configs a launch for a weight of N rows (of K) takes them (the argmax epilogue's partials show the
+    kernel_configs a launch for a weight of N rows (of K) takes them (the argmax epilogue's partials show the
     programs), other weights the rule, and the rule is back afterwards."""
     gm = triton_module("matmul.decode_gemm")
-    engine, gemm = profile_step.split_gemm({"gemm.64.BLOCK_N": 16, "gemm.64.num_warps": 8, "depth": 2})
+    engine, gemm = profile_step.split_kernel_keys({"gemm.64.BLOCK_N": 16, "gemm.64.num_warps": 8, "depth": 2})
     assert engine == {"depth": 2} and gemm == {64: {"BLOCK_N": 16, "num_warps": 8}}
-    assert profile_step.split_gemm({"gemm.64x128.BLOCK_N": 32})[1] == {(64, 128): {"BLOCK_N": 32}}
+    assert profile_step.split_kernel_keys({"gemm.64x128.BLOCK_N": 32})[1] == {(64, 128): {"BLOCK_N": 32}}
     for bad in ("gemm.BLOCK_N", "gemm.x.BLOCK_N", "gemm.64.", "gemm.64x.BLOCK_N", "gemm.1x2x3.BLOCK_N"):
         with pytest.raises(ValueError, match="gemm.<weight rows>"):
-            profile_step.split_gemm({bad: 1})
+            profile_step.split_kernel_keys({bad: 1})
     dev = "cpu" if gm.interpreted() else "cuda"
     x, w = torch.randn(8, 64, device=dev), torch.randn(64, 64, device=dev)
     rule = gm.decode_gemm_config
     assert rule(8, 64, 64)["BLOCK_N"] == 16
-    with profile_step.gemm_configs({64: {"BLOCK_N": 32}}):
+    with profile_step.kernel_configs({64: {"BLOCK_N": 32}}):
         assert gm.decode_gemm_config(8, 64, 64) == rule(8, 64, 64) | {"BLOCK_N": 32}
         assert gm.decode_gemm_config(8, 32, 64) == rule(8, 32, 64)
         assert gm.launch(x, w, 64, "none", epilogue="argmax")[0].shape == (8, 2)
         assert torch.allclose(gm.decode_linear(x, w), x @ w.T, atol=1e-3)
-    with profile_step.gemm_configs({(64, 128): {"BLOCK_N": 32}, 64: {"BLOCK_N": 64, "num_warps": 8}}):
+    with profile_step.kernel_configs({(64, 128): {"BLOCK_N": 32}, 64: {"BLOCK_N": 64, "num_warps": 8}}):
         assert gm.decode_gemm_config(8, 64, 128) == rule(8, 64, 128) | {"BLOCK_N": 32, "num_warps": 8}
         assert gm.decode_gemm_config(8, 64, 64) == rule(8, 64, 64) | {"BLOCK_N": 64, "num_warps": 8}
     assert gm.decode_gemm_config is rule
@@ -151,12 +151,12 @@ def test_variant_keys_set_decode_gemms_launch_config_for_the_weights_named():
 def test_variant_keys_set_head_mmas_launch_config():
     """head.KEY keys are head_mma's head_config (its partials show the programs), and the rule is back after."""
     hm = triton_module("matmul.head_mma")
-    engine, over = profile_step.split_gemm({"head.BLOCK_V": 64, "head.num_warps": 8, "depth": 2})
+    engine, over = profile_step.split_kernel_keys({"head.BLOCK_V": 64, "head.num_warps": 8, "depth": 2})
     assert engine == {"depth": 2} and over == {"head": {"BLOCK_V": 64, "num_warps": 8}}
     dev = "cpu" if hm.interpreted() else "cuda"
     x, w = torch.randn(8, 64, device=dev), torch.randn(300, 64, device=dev)
     rule = hm.head_config
-    with profile_step.gemm_configs(over):
+    with profile_step.kernel_configs(over):
         assert hm.head_config(8, 300, 64) == rule(8, 300, 64) | over["head"]
         assert hm.partials(x, w)[0].shape == (8, 5)
     assert hm.head_config is rule and hm.partials(x, w)[0].shape == (8, 3)
