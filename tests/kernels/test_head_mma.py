@@ -146,7 +146,7 @@ def test_the_backend_routes_the_steps_past_the_gemv_to_it(monkeypatch):
 
 def test_head_mma_rows_are_checked():
     from engine.config import EngineConfig
-    assert EngineConfig(head_mma_from=64).head_mma_from == 64
+    assert EngineConfig(head_mma_from=64, head_mma_to=64).head_mma_from == 64
     assert EngineConfig(head_mma_from=1, head_mma_to=4).head_mma_to == 4
     for bad in (-1, 65):
         with pytest.raises(ValueError, match="head_mma_from"):
@@ -189,7 +189,7 @@ def test_eagle_engine_outputs_equal_with_head_mma_on_every_head(tmp_path, monkey
     for on in (False, True):
         eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton", depth=1,
                         max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
-                        spec_head=head_dir, head_mma=on, head_mma_from=1)
+                        spec_head=head_dir, head_mma=on, head_mma_from=1, head_mma_to=64)
         runs[on] = greedy_drafts(eng, [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]], (5, 4))
         assert_no_leak(eng)
         # each spec step: three draft heads of both prompts' rows, then one verification of 2 x 4 rows
