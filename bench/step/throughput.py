@@ -8,7 +8,8 @@
 One engine per (depth, streams) with max_num_seqs=streams; a short warm-up generate (other prompts)
 resets nothing but the counters before the timed one.
 ms_per_step = wall / engine steps (prefill steps included). The per-step breakdown (plan, launch,
-wait, commit on the CPU; forward and sampling on the GPU) comes from `engine.timings`.
+wait, commit on the CPU; forward and sampling on the GPU) comes from `engine.timings`; outside_steps_ms is
+the timed generate's wall outside the engine's step calls (its period's).
 On CUDA, read_floor_ms is the time to read the weights a decode step touches (every parameter but an
 untied input embedding) at this GPU's copy bandwidth, measured here; floor_x = ms_per_step / read_floor_ms.
 Writes JSON (`--out`) and a PNG of tok/s vs streams beside it; prints a markdown table last.
@@ -78,6 +79,7 @@ def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: in
     t = eng.timings
     generated = sum(len(s.output_token_ids) for s in seqs)
     out = dict(tok_s=generated / wall, ms_per_step=1e3 * wall / max(t.steps, 1), wall_s=wall,
+               outside_steps_ms=1e3 * (wall - t.wall),      # adding, taking, the final synchronize: not a step's
                generated_tokens=generated, steps=t.steps, step_tokens=t.tokens,
                rows_per_step=t.rows / max(t.steps, 1),
                prompt_tokens=sum(len(p) for p in prompts),
