@@ -60,14 +60,17 @@ def test_a_bench_without_idle_times_leaves_the_idle_columns_empty(tmp_path, cann
 
 def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned):
     """throughput and spec report forward_gpu_ms, guided forward_ms: either is the side's GPU time a step; sides
-    that finished different numbers of requests ran different loads, and the row says so."""
+    that finished different numbers of requests ran different loads, and the row says so. throughput's time
+    outside the engine's steps comes as each side's median."""
     _, runs = canned
     runs[("before", "guided")] = [[dict(streams=32, tok_s=300.0, forward_ms=0.95, requests_done=183)],
                                   [dict(streams=32, tok_s=310.0, forward_ms=0.94, requests_done=183)]]
     runs[("after", "guided")] = [[dict(streams=32, tok_s=280.0, forward_ms=0.99, requests_done=187)],
                                  [dict(streams=32, tok_s=290.0, forward_ms=0.98, requests_done=187)]]
-    runs[("before", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.74)], [dict(streams=32, tok_s=4.0)]]
-    runs[("after", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.73)], [dict(streams=32, tok_s=4.0)]]
+    runs[("before", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.74, outside_steps_ms=1.0)],
+                                 [dict(streams=32, tok_s=4.0, outside_steps_ms=0.8)]]
+    runs[("after", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.73, outside_steps_ms=5.0)],
+                                [dict(streams=32, tok_s=4.0, outside_steps_ms=6.0)]]
     out = tmp_path / "ab.json"
     ab.main(["--before", str(tmp_path / "before"), "--after", str(tmp_path / "after"), "--modes", "guided", "plain",
              "--streams", "32", "--rounds", "2", "--out", str(out)])
@@ -75,6 +78,8 @@ def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned)
     assert (guided["before_forward_ms"], guided["after_forward_ms"]) == (pytest.approx(0.945), pytest.approx(0.985))
     assert (plain["before_forward_ms"], plain["after_forward_ms"]) == (0.74, 0.73)     # runs without it are left out
     assert guided["requests_done"] == "183 / 187" and plain["requests_done"] is None     # the loads differ, or not
+    assert (plain["before_outside_ms"], plain["after_outside_ms"]) == (pytest.approx(0.9), pytest.approx(5.5))
+    assert guided["before_outside_ms"] is None                 # only throughput times what lies outside its steps
     assert "| before_forward_ms | after_forward_ms |" in out.with_suffix(".md").read_text()
 
 
