@@ -8,6 +8,7 @@ between scrapes; the values it is writing meanwhile may be a step old.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -68,12 +69,13 @@ def engine_stats(engine, live: int, up: bool) -> dict:
                 kv_used=engine.blocks.num_blocks - engine.blocks.num_free, kv_total=engine.blocks.num_blocks,
                 compiles=service.compiling() if service is not None else 0, steps=t.steps, gpu_idle=t.gpu_idle,
                 spec_rows=t.spec_rows, spec_proposed=t.spec_proposed, spec_accepted=t.spec_accepted,
-                acceptance_length=t.acceptance_length, up=float(up), **engine.prefix_cache_stats())
+                acceptance_length=t.acceptance_length, up=float(up), frozen_objects=gc.get_freeze_count(),
+                **engine.prefix_cache_stats())
 
 
 DEAD_STATS = dict(queue=0, running=0, live=0, kv_used=0, kv_total=0, compiles=0, steps=0, gpu_idle=0.0, spec_rows=0,
                   spec_proposed=0, spec_accepted=0, acceptance_length=0.0, up=0.0, prefix_query_tokens=0,
-                  prefix_hit_tokens=0, prefix_cached_pages=0, prefix_evictions=0)
+                  prefix_hit_tokens=0, prefix_cached_pages=0, prefix_evictions=0, frozen_objects=0)
 
 
 class EngineCollector:
@@ -109,6 +111,8 @@ class EngineCollector:
         yield _counter("specdec_prefix_cache_evictions", "Cached KV pages taken back for new ones",
                        s["prefix_evictions"])
         yield _gauge("specdec_engine_up", "1 while the engine runs", s["up"])
+        yield _gauge("specdec_engine_frozen_objects", "Objects of the engine's process out of the garbage "
+                     "collector's reach since start (gc.freeze; 0: not frozen)", s["frozen_objects"])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
