@@ -79,7 +79,8 @@ DEAD_STATS = dict(queue=0, running=0, live=0, kv_used=0, kv_total=0, compiles=0,
 
 
 class EngineCollector:
-    """Engine-level series from the last `engine_stats` (set just before each render)."""
+    """Engine-level series from the last `engine_stats` (set just before each render), and the frozen heap of the
+    API process that renders them."""
 
     def __init__(self):
         self.stats = DEAD_STATS
@@ -113,6 +114,8 @@ class EngineCollector:
         yield _gauge("specdec_engine_up", "1 while the engine runs", s["up"])
         yield _gauge("specdec_engine_frozen_objects", "Objects of the engine's process out of the garbage "
                      "collector's reach since start (gc.freeze; 0: not frozen)", s["frozen_objects"])
+        yield _gauge("specdec_api_frozen_objects", "Objects of the API process answering this scrape out of the "
+                     "garbage collector's reach since it serves (gc.freeze; 0: not frozen)", gc.get_freeze_count())
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

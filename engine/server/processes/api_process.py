@@ -14,7 +14,7 @@ def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int,
     """Process entry. `infos` brings the engine's ModelInfo once the engine serves (these imports overlap its
     start-up; EOF: it failed, nothing to serve); `ready` gets the client index once this process serves; `alive`
     reads EOF once the engine process is gone."""
-    from engine.server.processes.engine_process import die_with_parent
+    from engine.server.processes.engine_process import die_with_parent, freeze_heap
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the supervisor stops this process (SIGTERM)
     import uvicorn
@@ -26,7 +26,7 @@ def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int,
         return
     args = argparse.Namespace(**options)
     state = build_state(args, info, addresses, client, alive)
-    state.on_ready = lambda: ready.send(client)
+    state.on_ready = lambda: (freeze_heap(), ready.send(client))   # the event loop's collections: only what comes later
     sock = bind(args.host, port, reuse_port=True)
     config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
