@@ -68,18 +68,18 @@ def _gemv(k, n, prologue, epilogue, pdl, m=1):
             _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
 
 
-
 def _head_mma(m, pdl, v=49152, k=576):
     """head_mma.py's kernel at its launch config for m rows of the default model's LM head."""
     cfg = head_mma.head_config(m, v, k)
     block_v, warps = cfg.pop("BLOCK_V"), cfg.pop("num_warps")
     cfg.pop("num_stages")                       # Triton's default (3) for CUDA
-    consts = dict(BLOCK_V=block_v, BLOCK_T=max(16, triton.next_power_of_2(m)), UPCAST=False, PRECISION="tf32",
+    consts = dict(BLOCK_V=block_v, BLOCK_T=head_mma.block_t(m), UPCAST=False, PRECISION="tf32",
                   USE_PDL=pdl, **cfg)
     types = dict(x_ptr="*bf16", w_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32", stride_x="i32", P="i32", M="i32",
                  V="i32", K="i32")
     return (f"head_mma M={m} K={k} V={v}", head_mma._head_mma_kernel, types, consts, warps,
             dict(stride_x=k, P=triton.cdiv(v, block_v), M=m, V=v, K=k))
+
 
 # the argument types of both attention kernels (paged_attention.py's and decode_attention.py's take the same names)
 _ATTENTION_TYPES = ({p: "*bf16" for p in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "kn_ptr", "vn_ptr")}

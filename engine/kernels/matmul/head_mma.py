@@ -82,6 +82,11 @@ def head_config(m: int, v: int, k: int) -> dict:
     return dict(BLOCK_V=128, BLOCK_K=64, PRELOAD=False, num_warps=4, num_stages=3)
 
 
+def block_t(m: int) -> int:
+    """The kernel's BLOCK_T for m rows: the MMA's N side, a power of two of at least 16."""
+    return max(16, triton.next_power_of_2(m))
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear_argmax takes a call; a caller computes the logits and their argmax otherwise."""
     return gemv_checks.problem(x, weight, x.shape[-1], **_LIMITS) is None
@@ -107,7 +112,7 @@ def partials(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None):
     idx = torch.empty((m, p), dtype=torch.int32, device=x.device)
     upcast = x.dtype == torch.bfloat16 and interpreted()
     _head_mma_kernel[(p,)](x, weight, val, idx, x.stride(0), p, m, v, k, BLOCK_V=block_v,
-                           BLOCK_T=max(16, triton.next_power_of_2(m)), UPCAST=upcast,
+                           BLOCK_T=block_t(m), UPCAST=upcast,
                            PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", **cfg,
                            **pdl(_head_mma_kernel, x.device, m))
     return val, idx
