@@ -26,7 +26,11 @@ def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int,
         return
     args = argparse.Namespace(**options)
     state = build_state(args, info, addresses, client, alive)
-    state.on_ready = lambda: (freeze_heap(), ready.send(client))   # the event loop's collections: only what comes later
+
+    def serving():
+        freeze_heap()                   # the event loop's collections walk only what comes later
+        ready.send(client)
+    state.on_ready = serving
     sock = bind(args.host, port, reuse_port=True)
     config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
