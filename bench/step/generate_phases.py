@@ -1,0 +1,155 @@
+"""Where a timed generate's wall goes outside the engine's steps: adding the requests, the step loop (and the time
+inside `LLMEngine.step` within it), taking the results, the final synchronize, and every garbage collection.
+
+    python -m bench.step.generate_phases --streams 32 --new-tokens 128 --variants off:head_mma=false \
+        mma:head_mma=true,head_mma_from=1 --rounds 3 --profile
+    python -m bench.step.generate_phases --device cpu --dtype float32 --streams 2 --new-tokens 4 --rounds 1
+
+The throughput bench's outside_steps_ms is this bench's add + loop_outside + take + sync. One engine per variant;
+a warm-up generate on other prompts first, then --rounds timed generates of the same prompts. With --profile, one
+more generate runs under cProfile and its top functions by cumulative time go into the record.
+Writes JSON (`--out`) and prints a markdown table last.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import time
+import traceback
+
+from bench.common import (chat_prompts, engine_overrides, markdown_table, note, parse_variants, progress, record,
+                          write_results)
+
+PHASES = ["add_ms", "loop_ms", "in_steps_ms", "loop_outside_ms", "take_ms", "sync_ms", "gc_ms"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model spec (default: the default model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="timed generates per variant")
+    p.add_argument("--variants", nargs="*", default=[], metavar="NAME:KEY=VALUE,...")
+    p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE", help="EngineConfig fields for all")
+    p.add_argument("--profile", action="store_true", help="one more generate under cProfile")
+    p.add_argument("--top", type=int, default=25, help="cProfile's functions kept (by cumulative time)")
+    p.add_argument("--out", default="bench/results/generate_phases.json")
+    return p.parse_args(argv)
+
+
+def _sync():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class GcClock:
+    """Adds up the garbage collections Python runs while installed (gc.callbacks), by generation."""
+
+    def __init__(self):
+        self.ms, self.count, self._t0 = 0.0, {0: 0, 1: 0, 2: 0}, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += 1e3 * (time.perf_counter() - self._t0)
+            self.count[info["generation"]] += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def timed_generate(eng, prompts, params) -> dict:
+    """LLMEngine.generate's own phases, each timed (the same calls in the same order)."""
+    with GcClock() as clock:
+        t0 = time.perf_counter()
+        ids = [eng.add_request(p, params, retain=True) for p in prompts]
+        t1 = time.perf_counter()
+        in_steps0 = eng.timings.wall
+        while eng.has_unfinished():
+            eng.step()
+        t2 = time.perf_counter()
+        seqs = [eng.take(i) for i in ids]
+        t3 = time.perf_counter()
+        _sync()
+        t4 = time.perf_counter()
+    in_steps = 1e3 * (eng.timings.wall - in_steps0)
+    loop = 1e3 * (t2 - t1)
+    return dict(wall_ms=1e3 * (t4 - t0), add_ms=1e3 * (t1 - t0), loop_ms=loop, in_steps_ms=in_steps,
+                loop_outside_ms=loop - in_steps, take_ms=1e3 * (t3 - t2), sync_ms=1e3 * (t4 - t3),
+                gc_ms=clock.ms, gc_counts=dict(clock.count),
+                generated_tokens=sum(len(s.output_token_ids) for s in seqs))
+
+
+def profile_generate(eng, prompts, params, top: int) -> list[str]:
+    prof = cProfile.Profile()
+    prof.enable()
+    eng.generate(prompts, params)
+    _sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
+def build_engine(args, overrides: dict):
+    from engine.llm_engine import LLMEngine
+    kw = dict(dtype=args.dtype, max_num_seqs=args.streams) | engine_overrides(args) | overrides
+    if args.model is not None:
+        kw["model"] = args.model
+    if args.device != "auto":
+        kw["device"] = args.device
+    return LLMEngine(**kw)
+
+
+def run_variant(args, name: str, overrides: dict) -> list[dict]:
+    from engine.requests.sequence import SamplingParams
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    eng = build_engine(args, overrides)
+    dtype = str(eng.runner.dtype).replace("torch.", "")
+    prompts = chat_prompts(eng, 2 * args.streams)
+    eng.generate(prompts[args.streams:], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    _sync()
+    records = []
+    for rnd in range(args.rounds):
+        steps0 = eng.timings.steps
+        fields = timed_generate(eng, prompts[:args.streams], params)
+        steps = eng.timings.steps - steps0
+        tok_s = fields["generated_tokens"] / (fields["wall_ms"] / 1e3)
+        records.append(record("generate_phases", name, eng.source.name, dtype, args.streams, args.new_tokens,
+                              tok_s, fields["wall_ms"] / max(steps, 1), round=rnd, steps=steps,
+                              overrides=overrides, **fields))
+        note(f"{name} round {rnd}: " + ", ".join(f"{k} {fields[k]:.2f}" for k in ["wall_ms"] + PHASES))
+    if args.profile:
+        records[-1]["profile"] = profile_generate(eng, prompts[:args.streams], params, args.top)
+    return records
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    records = []
+    for name, overrides in progress(parse_variants(args.variants).items(), "generate_phases (variant)"):
+        try:
+            records += run_variant(args, name or "default", overrides)
+        except Exception as e:          # noqa: BLE001 - one failing variant must not end the run
+            traceback.print_exc()
+            records.append(record("generate_phases", name, args.model or "default", args.dtype, args.streams,
+                                  args.new_tokens, None, None, error=f"{type(e).__name__}: {e}"))
+        gc.collect()
+    write_results(records, args.out)
+    print(markdown_table(records, ["mode", "round", "tok_s", "ms_per_step", "wall_ms"] + PHASES))
+    return records
+
+
+if __name__ == "__main__":
+    main()
