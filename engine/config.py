@@ -45,23 +45,22 @@ class EngineConfig:
                                        # without float32 logits: from draft_gemv's LM head argmax kernels (plain
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
                                        # kernels/sampling/argmax.py, where those run (the Triton backend)
-    head_mma: bool = False             # greedy heads of up to 64 rows that the GEMV does not take (plain steps past
-                                       # decode_gemv_rows, verifications) take their tokens from engine/kernels/
-                                       # matmul/head_mma.py's argmax on tensor cores, no logits, in place of cuBLAS's
-                                       # logits and the argmax's block max, where the backend is Triton. Off: with
-                                       # head_mma_from = 1 it gains 3-5.5% at 2-4 streams, but bench.ab's plain
-                                       # 32 streams lost 4-6% (bench/results/head_mma_step/)
-    head_mma_from: int = 0             # with head_mma, also the GEMV's heads of N rows or more (0: none; 1: all,
+    head_mma: bool = True              # greedy heads of head_mma_from to head_mma_to rows take their tokens from
+                                       # engine/kernels/matmul/head_mma.py's argmax on tensor cores, no logits, in
+                                       # place of the GEMV's argmax or cuBLAS's logits and the argmax's block max,
+                                       # where the backend is Triton. H200 (bench/results/head_rows/): 16 us a head
+                                       # at 1-4 rows against the GEMV argmax's 19 / 31 / 48; past 4 rows no gain
+    head_mma_from: int = 1             # with head_mma, also the GEMV's heads of N rows or more (0: none; 1: all,
                                        # an EAGLE draft's after the final norm's kernel, which the GEMV folds in)
-    head_mma_to: int = 64              # with head_mma, only heads of at most N rows (64: all it can take; with
-                                       # head_mma_from = 1, decode_gemv_rows: the GEMV's rows and no others)
+    head_mma_to: int = 4               # with head_mma, only heads of at most N rows (up to 64, all it can take)
     long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
                                        # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
                                        # 4.14 -> 4.10 ms a step, 32 kernels fewer (H200, bench/results/
                                        # attention_rules/); SmolLM2 and Llama 1B have no such rows
-    decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
-                                       # rows (1 to 8; at 5-8 slower than decode_gemm: bench/results/decode_rows/)
+    decode_gemv_rows: int = 2          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
+                                       # rows (1 to 8). H200 (bench/results/head_rows/): decode_gemm is faster from
+                                       # 3 rows (4 streams 0.571 -> 0.499 ms a step), the GEMV at 2 (0.482 / 0.493)
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/matmul/decode_gemm.py (tensor cores,
                                        # weights read before the wait) not cuBLAS, where decode_gemv is on; under
@@ -69,7 +68,8 @@ class EngineConfig:
                                        # 0.83 ms a step, 32 streams 1.05 -> 0.90 (bench/results/decode_rows/)
     decode_gemm_split: bool = True     # steps of 3 to decode_gemv_rows rows where decode_gemv is on: decode_gemm takes
                                        # the matmuls the GEMV is slow at (wide, short rows: SmolLM2's gate_up), the
-                                       # GEMV the rest, all rows at once (engine/attention.py, bench/results/gemv_rows/)
+                                       # GEMV the rest, all rows at once (engine/attention.py, bench/results/
+                                       # gemv_rows/); no step has such rows at decode_gemv_rows = 2
     rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
                                        # verification): RoPE and the KV store inside the attention kernel, not a
                                        # kernel of their own (engine/kernels/attention/rope_kv.py), where the backend

@@ -292,7 +292,7 @@ def test_split_routes_wide_matmuls_of_short_rows_to_gemm(monkeypatch):
 def test_the_switch_and_the_dependent_launch_limit():
     from engine.config import EngineConfig
     assert EngineConfig().decode_gemm_rows == 32 and EngineConfig(decode_gemm_rows=16).decode_gemm_rows == 16
-    for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemv_rows=2, decode_gemm_rows=2)):
+    for kw in (dict(decode_gemv_rows=4, decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemm_rows=2)):
         with pytest.raises(ValueError, match="decode_gemm_rows"):
             EngineConfig(**kw)
     assert EngineConfig(decode_gemv_rows=1, decode_gemm_rows=2).decode_gemm_rows == 2

@@ -170,7 +170,7 @@ def test_engine_outputs_equal_with_head_mma(first, last, monkeypatch):
     for on in (False, True):
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=2,
                         enforce_eager=True, max_num_seqs=5, max_model_len=128, head_mma=on, head_mma_from=first,
-                        head_mma_to=last)
+                        head_mma_to=last, decode_gemv_rows=4)
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 12, 6, 7)]
         out[on] = [s.output_token_ids for s in eng.generate(prompts, params)]
         assert_no_leak(eng)

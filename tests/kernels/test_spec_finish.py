@@ -249,7 +249,7 @@ def test_engine_with_verify_gemv_and_spec_kernels(speculative, monkeypatch):
     real = dr.linear_argmax
     monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: argmax.append(x.shape[0]) or real(x, *a))
     prompt = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99]]
-    runs = {on: _run(_engine(speculative, 1, on, k=3, verify_gemv=True, head_mma=False), prompt, (8,))
-            for on in (False, True)}            # head_mma off: the GEMV's route, counted here
+    runs = {on: _run(_engine(speculative, 1, on, k=3, verify_gemv=True, head_mma=False, decode_gemv_rows=4), prompt,
+                     (8,)) for on in (False, True)}     # the GEMV's route (4 rows, head_mma off), counted here
     assert runs[True] == runs[False] and calls and set(calls) == {(1, 4)} and set(argmax) == {4}
     assert len(argmax) == 2 * len(calls)      # each spec step of both engines: the kernel on the kernels' ids

@@ -188,7 +188,8 @@ def _engine(speculative, depth, verify, head):
                      **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                      spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0, verify_gemv=verify,
-                     head_gemv=head, head_mma=False)      # the routes counted here: the GEMV's, else cuBLAS + argmax.py
+                     head_gemv=head, head_mma=False,      # the routes counted here: the GEMV's, else cuBLAS + argmax.py
+                     decode_gemv_rows=4)                  # a verification's 4 rows on the GEMV
 
 
 def _spying(eng):
