@@ -178,6 +178,22 @@ def bars(rows: list[dict], panel: str, label: str, values: list[str], path, titl
 
 
 # ---- workloads -------------------------------------------------------------------------------------
+def engine_kwargs(args, **fields) -> dict:
+    """EngineConfig fields: `fields`, then the bench's --model and --device where given (unset, EngineConfig's
+    defaults: SPECDEC_MODEL or the default model, and the GPU where there is one)."""
+    if getattr(args, "model", None):
+        fields["model"] = args.model
+    if getattr(args, "device", "auto") != "auto":
+        fields["device"] = args.device
+    return fields
+
+
+def dtype_name(eng, default: str = "") -> str:
+    """The engine's dtype as result records name it ("bfloat16"); `default` for an engine that has none."""
+    dtype = getattr(getattr(eng, "runner", None), "dtype", None)
+    return default if dtype is None else str(dtype).replace("torch.", "")
+
+
 def engine_overrides(args) -> dict:
     """--engine KEY=VALUE ... -> EngineConfig fields (values parsed as JSON when they parse)."""
     return _overrides(getattr(args, "engine", None) or [])

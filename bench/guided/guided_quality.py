@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from bench.common import engine_overrides, note, progress, record
+from bench.common import dtype_name, engine_kwargs, engine_overrides, note, progress, record
 # the schema sets live in specdec/ (studies use them too); re-exported for the benchmarks that import them here
 from specdec.datasets import DATASETS, PROMPT, load_schemas, resolve, schema_prompt  # noqa: F401
 from specdec.validate import check_output, explain_output  # noqa: F401
@@ -39,11 +39,8 @@ from specdec.validate import check_output, explain_output  # noqa: F401
 # ---- engine, schemas, prompts ------------------------------------------------------------------------
 def build_engine(args, max_num_seqs: int):
     from engine.llm_engine import LLMEngine
-    kw = dict(dtype=args.dtype, depth=args.depth, max_num_seqs=max_num_seqs, enforce_eager=args.enforce_eager)
-    if args.model:
-        kw["model"] = args.model
-    if args.device != "auto":
-        kw["device"] = args.device
+    kw = engine_kwargs(args, dtype=args.dtype, depth=args.depth, max_num_seqs=max_num_seqs,
+                       enforce_eager=args.enforce_eager)
     return LLMEngine(**(kw | engine_overrides(args)))
 
 
@@ -175,7 +172,7 @@ def run_quality(eng, name: str, schemas, args) -> dict:
     ms = eng.timings.per_step_ms()
     note(f"quality {name}: {len(schemas)} schemas, compiled {stats['compiled_frac']}, finished "
          f"{stats['finished_frac']}, valid {stats['valid_frac']} ({wall:.1f} s)")
-    return record("guided", "guided", eng.source.name, str(eng.runner.dtype).replace("torch.", ""),
+    return record("guided", "guided", eng.source.name, dtype_name(eng),
                   eng.config.max_num_seqs, args.max_tokens, tokens / wall, ms["period"], part="quality",
                   dataset=name, schemas=len(schemas), rejected=rejected, too_long=too_long, wall_s=wall,
                   steps=eng.timings.steps, period_ms=ms["period"], callback_ms=ms["callback"],
@@ -220,7 +217,7 @@ def run_peer(eng, schemas, args) -> list[dict]:
             work.append((schema, schema_prompt(eng, schema), params, service.compile_now(params.guide)))
         except Exception as e:            # noqa: BLE001 - neither side can run it: leave it out of both
             note(f"peer: {stem} left out: {type(e).__name__}: {e}")
-    dtype = eng.runner.dtype
+    dtype = dtype_name(eng)
     hf, sync = hf_guided_generate(eng, args.max_tokens)
 
     def ours(prompt, params):
@@ -246,7 +243,7 @@ def run_peer(eng, schemas, args) -> list[dict]:
     for mode, (items, wall) in results.items():
         tokens = sum(i[4] for i in items)
         same = sum(a[3] == b[3] for a, b in zip(results["guided"][0], results["peer-hf"][0]))
-        rec = record("guided", mode, eng.source.name, str(dtype).replace("torch.", ""), 1, args.max_tokens,
+        rec = record("guided", mode, eng.source.name, dtype, 1, args.max_tokens,
                      tokens / wall, 1e3 * wall / max(tokens, 1), part="peer", dataset=args.peer_dataset,
                      schemas=len(work), wall_s=wall, same_text_frac=_frac(same, len(work)),
                      **summarize(items))

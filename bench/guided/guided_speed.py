@@ -35,7 +35,7 @@ import statistics
 import time
 import traceback
 
-from bench.common import engine_overrides, note, progress, record
+from bench.common import dtype_name, engine_overrides, note, progress, record
 from bench.guided.guided_quality import (build_engine, close_engine, free_engine, guided_params,
                                          load_schemas, resolve, schema_prompt)
 from bench.kernels.kernel_trace import device_events, kernel_summary
@@ -200,7 +200,7 @@ def run_speed(args) -> list[dict]:
                              tok_s_guided_over_free=ratio("tok_s"), host_us_per_row=1e3 * g["callback_ms"] / streams)
             g = agg["guided"]
             for mode, a in agg.items():
-                records.append(record("guided", mode, eng.source.name, str(eng.runner.dtype).replace("torch.", ""),
+                records.append(record("guided", mode, eng.source.name, dtype_name(eng),
                                       streams, args.max_tokens, a.pop("tok_s"), a["period_ms"], part="speed",
                                       depth=args.depth, graphs=eng.runner.graphs is not None, rounds=args.rounds,
                                       schemas=len(work), dataset=args.schemas,

@@ -16,7 +16,7 @@ import gc
 import statistics
 import time
 
-from bench.common import chat_prompts, markdown_table, note, record, write_results
+from bench.common import chat_prompts, dtype_name, engine_kwargs, markdown_table, note, record, write_results
 
 COLUMNS = ["phase", "tracked_objects", "frozen_objects", "full_collect_ms_median", "full_collect_ms_max",
            "loop_collections", "loop_gen2_collections", "loop_max_pause_ms", "loop_s"]
@@ -81,10 +81,7 @@ def main(argv=None):
     args = parse_args(argv)
     from engine.llm_engine import LLMEngine
     from engine.server.processes.engine_process import freeze_heap
-    kw = dict(dtype=args.dtype, max_num_seqs=args.streams)
-    kw |= {"model": args.model} if args.model else {}
-    kw |= {"device": args.device} if args.device != "auto" else {}
-    eng = LLMEngine(**kw)
+    eng = LLMEngine(**engine_kwargs(args, dtype=args.dtype, max_num_seqs=args.streams))
     prompts = chat_prompts(eng, args.streams)
     log = PauseLog()
     gc.callbacks.append(log)
@@ -97,7 +94,7 @@ def main(argv=None):
     finally:
         gc.callbacks.remove(log)
         gc.unfreeze()
-    dtype = str(eng.runner.dtype).replace("torch.", "") if hasattr(eng.runner, "dtype") else args.dtype
+    dtype = dtype_name(eng, args.dtype)
     records = [record("gc_pause", r["phase"], eng.source.name, dtype, args.streams, args.new_tokens, None, None, **r)
                for r in rows]
     path = write_results(records, args.out)

@@ -29,8 +29,8 @@ import os
 import time
 from pathlib import Path
 
-from bench.common import (chat_prompts, engine_overrides, markdown_table, note, parse_variants, plot, record,
-                          write_results)
+from bench.common import (chat_prompts, engine_kwargs, engine_overrides, markdown_table, note, parse_variants, plot,
+                          record, write_results)
 from bench.guided.guided_quality import (DATASETS, close_engines, load_schemas, resolve,
                                          schema_prompt)
 
@@ -85,14 +85,10 @@ def build(args, streams: int, drafter: str, k: int, variant: dict | None = None,
     from engine.llm_engine import LLMEngine
     # several engines live side by side (one per mode): KV pages for `streams` sequences of 2,048 tokens each,
     # not a share of free memory (the third engine's share left too little for its graphs)
-    kw = dict(dtype=args.dtype, depth=args.depth, max_num_seqs=streams, enforce_eager=args.enforce_eager,
-              num_kv_blocks=max(streams, 8) * 2048 // 16, block_size=16)
+    kw = engine_kwargs(args, dtype=args.dtype, depth=args.depth, max_num_seqs=streams,
+                       enforce_eager=args.enforce_eager, num_kv_blocks=max(streams, 8) * 2048 // 16, block_size=16)
     if drafter != "none":
         kw.update(speculative=drafter, num_speculative_tokens=k, spec_max_batch=streams)
-    if args.model:
-        kw["model"] = args.model
-    if args.device != "auto":
-        kw["device"] = args.device
     return LLMEngine(**(kw | extra | engine_overrides(args) | (variant or {})))
 
 

@@ -30,7 +30,7 @@ import argparse
 import os
 import time
 
-from bench.common import markdown_table, note, plot, record, write_results
+from bench.common import engine_kwargs, markdown_table, note, plot, record, write_results
 from bench.guided.guided_quality import (DATASETS, check_output, close_engines, guided_params, hf_guided_generate,
                                          load_schemas, resolve, schema_prompt)
 from specdec.acceptance.measure import draft_masks, forced_per_step
@@ -68,10 +68,8 @@ def parse_args(argv=None):
 
 def build(args, mode: str, rows: int, eager: bool):
     from engine.llm_engine import LLMEngine
-    kw = dict(dtype=args.dtype, max_num_seqs=rows, enforce_eager=eager, spec_min_acceptance=0.0, spec_max_batch=rows,
-              num_speculative_tokens=args.k, **limits(rows))
-    if args.device != "auto":
-        kw["device"] = args.device
+    kw = engine_kwargs(args, dtype=args.dtype, max_num_seqs=rows, enforce_eager=eager, spec_min_acceptance=0.0,
+                       spec_max_batch=rows, num_speculative_tokens=args.k, **limits(rows))
     return LLMEngine(**(kw | MODES[mode]))
 
 

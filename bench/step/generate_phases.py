@@ -20,8 +20,8 @@ import pstats
 import time
 import traceback
 
-from bench.common import (chat_prompts, engine_overrides, markdown_table, note, parse_variants, progress, record,
-                          write_results)
+from bench.common import (chat_prompts, dtype_name, engine_kwargs, engine_overrides, markdown_table, note,
+                          parse_variants, progress, record, write_results)
 
 PHASES = ["add_ms", "loop_ms", "in_steps_ms", "loop_outside_ms", "take_ms", "sync_ms", "gc_ms"]
 
@@ -104,19 +104,15 @@ def profile_generate(eng, prompts, params, top: int) -> list[str]:
 
 def build_engine(args, overrides: dict):
     from engine.llm_engine import LLMEngine
-    kw = dict(dtype=args.dtype, max_num_seqs=args.streams) | engine_overrides(args) | overrides
-    if args.model is not None:
-        kw["model"] = args.model
-    if args.device != "auto":
-        kw["device"] = args.device
-    return LLMEngine(**kw)
+    return LLMEngine(**(engine_kwargs(args, dtype=args.dtype, max_num_seqs=args.streams) | engine_overrides(args)
+                        | overrides))
 
 
 def run_variant(args, name: str, overrides: dict) -> list[dict]:
     from engine.requests.sequence import SamplingParams
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     eng = build_engine(args, overrides)
-    dtype = str(eng.runner.dtype).replace("torch.", "")
+    dtype = dtype_name(eng, args.dtype)
     prompts = chat_prompts(eng, 2 * args.streams)
     eng.generate(prompts[args.streams:], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     _sync()

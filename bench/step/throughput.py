@@ -21,8 +21,8 @@ import gc
 import time
 import traceback
 
-from bench.common import (chat_prompts, copy_bandwidth_gbs, engine_overrides, markdown_table, note, plot, progress,
-                          record, write_results)
+from bench.common import (chat_prompts, copy_bandwidth_gbs, dtype_name, engine_kwargs, engine_overrides,
+                          markdown_table, note, plot, progress, record, write_results)
 
 MODES = {1: "blocking", 2: "pipelined"}
 COLUMNS = ["mode", "streams", "new_tokens", "tok_s", "ms_per_step", "steps"]   # + the *_ms breakdown found
@@ -56,12 +56,7 @@ def _sync():
 def build_engine(args, depth: int, streams: int, **extra):
     """extra: further EngineConfig fields."""
     from engine.llm_engine import LLMEngine
-    kw = dict(model=args.model, dtype=args.dtype, depth=depth, max_num_seqs=streams,
-              enforce_eager=args.enforce_eager)
-    if args.device != "auto":
-        kw["device"] = args.device
-    if kw["model"] is None:
-        kw.pop("model")                   # EngineConfig's default (SPECDEC_MODEL or the default model)
+    kw = engine_kwargs(args, dtype=args.dtype, depth=depth, max_num_seqs=streams, enforce_eager=args.enforce_eager)
     return LLMEngine(**(kw | engine_overrides(args) | extra))
 
 
@@ -129,7 +124,7 @@ def run_one(args, depth: int, streams: int, bandwidth_gbs: float | None = None) 
     try:
         eng = build_engine(args, depth, streams)
         model = eng.source.name
-        dtype = str(eng.runner.dtype).replace("torch.", "") if hasattr(eng.runner, "dtype") else dtype
+        dtype = dtype_name(eng, dtype)
         prompts = shared_prefix(chat_prompts(eng, 2 * streams), args.prompt_tokens)  # timed: [:streams]
         fields = time_generate(eng, prompts[:streams], prompts[streams:], args.new_tokens, args.warmup_tokens)
         tok_s, ms = fields.pop("tok_s"), fields.pop("ms_per_step")

@@ -54,3 +54,20 @@ def test_records_name_the_commit(monkeypatch):
     assert git_commit() == "abc1234"
     monkeypatch.delenv("SPECDEC_GIT_COMMIT")
     assert re.fullmatch(r"[0-9a-f]{4,40}(-dirty)?|unknown", git_commit())
+
+
+def test_engine_kwargs_take_model_and_device_only_where_given():
+    from argparse import Namespace
+    from bench.common import engine_kwargs
+    assert engine_kwargs(Namespace(model=None, device="auto"), dtype="float32") == {"dtype": "float32"}
+    assert engine_kwargs(Namespace(model="dummy:tiny", device="cpu"), max_num_seqs=2) == dict(
+        max_num_seqs=2, model="dummy:tiny", device="cpu")
+    assert engine_kwargs(Namespace(device="cpu")) == {"device": "cpu"}      # a bench without --model
+
+
+def test_dtype_name_reads_the_engine_or_falls_back():
+    from types import SimpleNamespace
+    import torch
+    from bench.common import dtype_name
+    assert dtype_name(SimpleNamespace(runner=SimpleNamespace(dtype=torch.bfloat16))) == "bfloat16"
+    assert dtype_name(SimpleNamespace(runner=SimpleNamespace()), "float16") == "float16"
