@@ -127,7 +127,8 @@ def _differing(before, after):
 
 def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> dict:
     """One (mode, streams) row: each side's median tok/s, idle share, forward and time outside the engine's
-    steps (throughput's outside_steps_ms), after over before, host-bound sides."""
+    steps (throughput's outside_steps_ms) and in garbage collections (its gc_ms), after over before, host-bound
+    sides."""
     pick = {n: [x for x in runs[n] if x["ab_mode"] == mode and x["streams"] == streams] for n in runs}
     tok = {n: [x["tok_s"] for x in rows if x.get("tok_s")] for n, rows in pick.items()}
     med = {n: _median(v) for n, v in tok.items()}
@@ -135,6 +136,7 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
     forward = {n: _median([_forward(x) for x in rows]) for n, rows in pick.items()}
     done = {n: _median([x.get("requests_done") for x in rows]) for n, rows in pick.items()}
     outside = {n: _median([x.get("outside_steps_ms") for x in rows]) for n, rows in pick.items()}
+    gc_ms = {n: _median([x.get("gc_ms") for x in rows]) for n, rows in pick.items()}
     ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
     host_bound = " ".join(n for n in ("before", "after") if (idle[n] or 0.0) > HOST_BOUND) or None
     first = (pick["after"] or [{}])[0]
@@ -143,6 +145,7 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
                   before_idle=idle["before"], after_idle=idle["after"], host_bound=host_bound,
                   before_forward_ms=forward["before"], after_forward_ms=forward["after"],
                   before_outside_ms=outside["before"], after_outside_ms=outside["after"],
+                  before_gc_ms=gc_ms["before"], after_gc_ms=gc_ms["after"],
                   requests_done=_differing(done["before"], done["after"]),
                   before_runs=tok["before"], after_runs=tok["after"], before_tree=str(before_tree),
                   before_engine=args.before_engine, after_engine=args.after_engine, rounds=args.rounds)

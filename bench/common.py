@@ -6,9 +6,11 @@ Every benchmark builds records with `record(...)` (one schema for all of them), 
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 # the prompt sets live in specdec/ (studies use them too; a package never imports bench/); re-exported here
@@ -85,6 +87,34 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float | None:
     end.record()
     end.synchronize()
     return 2 * nbytes * reps / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+class GcClock:
+    """The garbage collections Python runs while installed (a gc.callbacks entry): (generation, ms) each."""
+
+    def __init__(self):
+        self.pauses, self._t0 = [], None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.pauses.append((info["generation"], 1e3 * (time.perf_counter() - self._t0)))
+
+    @property
+    def ms(self) -> float:
+        return sum(ms for _, ms in self.pauses)
+
+    @property
+    def count(self) -> dict[int, int]:
+        return {g: sum(gen == g for gen, _ in self.pauses) for g in range(3)}
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
 
 
 # ---- output ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import gc
 import statistics
 import time
 
-from bench.common import chat_prompts, dtype_name, engine_kwargs, markdown_table, note, record, write_results
+from bench.common import GcClock, chat_prompts, dtype_name, engine_kwargs, markdown_table, note, record, write_results
 
 COLUMNS = ["phase", "tracked_objects", "frozen_objects", "full_collect_ms_median", "full_collect_ms_max",
            "loop_collections", "loop_gen2_collections", "loop_max_pause_ms", "loop_s"]
@@ -34,21 +34,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class PauseLog:
-    """gc.callbacks entry: each collection's generation and wall time while `on`."""
-
-    def __init__(self):
-        self.pauses, self.on, self._start = [], False, 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if not self.on:
-            return
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], 1e3 * (time.perf_counter() - self._start)))
-
-
 def full_collects(n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -58,16 +43,14 @@ def full_collects(n: int) -> list[float]:
     return times
 
 
-def loop(eng, prompts, new_tokens: int, log: PauseLog) -> dict:
-    """One generate with the callback on: Python's own collections inside it."""
+def loop(eng, prompts, new_tokens: int) -> dict:
+    """One generate under a GcClock: Python's own collections inside it."""
     from engine.requests.sequence import SamplingParams
-    log.pauses.clear()
-    log.on = True
-    t = time.perf_counter()
-    eng.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-    seconds = time.perf_counter() - t
-    log.on = False
-    pauses = log.pauses
+    with GcClock() as clock:
+        t = time.perf_counter()
+        eng.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+        seconds = time.perf_counter() - t
+    pauses = clock.pauses
     return dict(loop_collections=len(pauses), loop_gen2_collections=sum(g == 2 for g, _ in pauses),
                 loop_max_pause_ms=max((ms for _, ms in pauses), default=0.0), loop_s=seconds)
 
@@ -83,16 +66,13 @@ def main(argv=None):
     from engine.server.processes.engine_process import freeze_heap
     eng = LLMEngine(**engine_kwargs(args, dtype=args.dtype, max_num_seqs=args.streams))
     prompts = chat_prompts(eng, args.streams)
-    log = PauseLog()
-    gc.callbacks.append(log)
     try:
-        loop(eng, prompts, 4, log)                                   # warm-up
-        rows = [phase_row("tracked", full_collects(args.collects), loop(eng, prompts, args.new_tokens, log))]
+        loop(eng, prompts, 4)                                   # warm-up
+        rows = [phase_row("tracked", full_collects(args.collects), loop(eng, prompts, args.new_tokens))]
         frozen = freeze_heap()
         note(f"froze {frozen:,} objects")
-        rows.append(phase_row("frozen", full_collects(args.collects), loop(eng, prompts, args.new_tokens, log)))
+        rows.append(phase_row("frozen", full_collects(args.collects), loop(eng, prompts, args.new_tokens)))
     finally:
-        gc.callbacks.remove(log)
         gc.unfreeze()
     dtype = dtype_name(eng, args.dtype)
     records = [record("gc_pause", r["phase"], eng.source.name, dtype, args.streams, args.new_tokens, None, None, **r)

@@ -20,7 +20,7 @@ import pstats
 import time
 import traceback
 
-from bench.common import (chat_prompts, dtype_name, engine_kwargs, engine_overrides, markdown_table, note,
+from bench.common import (GcClock, chat_prompts, dtype_name, engine_kwargs, engine_overrides, markdown_table, note,
                           parse_variants, progress, record, write_results)
 
 PHASES = ["add_ms", "loop_ms", "in_steps_ms", "loop_outside_ms", "take_ms", "sync_ms", "gc_ms"]
@@ -46,27 +46,6 @@ def _sync():
     import torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-class GcClock:
-    """Adds up the garbage collections Python runs while installed (gc.callbacks), by generation."""
-
-    def __init__(self):
-        self.ms, self.count, self._t0 = 0.0, {0: 0, 1: 0, 2: 0}, None
-
-    def __call__(self, phase, info):
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            self.ms += 1e3 * (time.perf_counter() - self._t0)
-            self.count[info["generation"]] += 1
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
 
 
 def timed_generate(eng, prompts, params) -> dict:

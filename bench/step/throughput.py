@@ -9,7 +9,8 @@ One engine per (depth, streams) with max_num_seqs=streams; a short warm-up gener
 resets nothing but the counters before the timed one.
 ms_per_step = wall / engine steps (prefill steps included). The per-step breakdown (plan, launch,
 wait, commit on the CPU; forward and sampling on the GPU) comes from `engine.timings`; outside_steps_ms is
-the timed generate's wall outside the engine's step calls (its period's).
+the timed generate's wall outside the engine's step calls (its period's); gc_ms, the garbage collections Python ran
+in it (bench.step.generate_phases splits the wall further).
 On CUDA, read_floor_ms is the time to read the weights a decode step touches (every parameter but an
 untied input embedding) at this GPU's copy bandwidth, measured here; floor_x = ms_per_step / read_floor_ms.
 Writes JSON (`--out`) and a PNG of tok/s vs streams beside it; prints a markdown table last.
@@ -21,7 +22,7 @@ import gc
 import time
 import traceback
 
-from bench.common import (chat_prompts, copy_bandwidth_gbs, dtype_name, engine_kwargs, engine_overrides,
+from bench.common import (GcClock, chat_prompts, copy_bandwidth_gbs, dtype_name, engine_kwargs, engine_overrides,
                           markdown_table, note, plot, progress, record, write_results)
 
 MODES = {1: "blocking", 2: "pipelined"}
@@ -67,14 +68,16 @@ def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: in
     _sync()
     eng.timings.reset()
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    seqs = eng.generate(prompts, params)
-    _sync()
-    wall = time.perf_counter() - t0
+    with GcClock() as clock:
+        t0 = time.perf_counter()
+        seqs = eng.generate(prompts, params)
+        _sync()
+        wall = time.perf_counter() - t0
     t = eng.timings
     generated = sum(len(s.output_token_ids) for s in seqs)
     out = dict(tok_s=generated / wall, ms_per_step=1e3 * wall / max(t.steps, 1), wall_s=wall,
                outside_steps_ms=1e3 * (wall - t.wall),      # adding, taking, the final synchronize: not a step's
+               gc_ms=clock.ms, gc_collections=len(clock.pauses),  # Python's collections, in steps or out
                generated_tokens=generated, steps=t.steps, step_tokens=t.tokens,
                rows_per_step=t.rows / max(t.steps, 1),
                prompt_tokens=sum(len(p) for p in prompts),

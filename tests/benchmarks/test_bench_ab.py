@@ -67,8 +67,8 @@ def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned)
                                   [dict(streams=32, tok_s=310.0, forward_ms=0.94, requests_done=183)]]
     runs[("after", "guided")] = [[dict(streams=32, tok_s=280.0, forward_ms=0.99, requests_done=187)],
                                  [dict(streams=32, tok_s=290.0, forward_ms=0.98, requests_done=187)]]
-    runs[("before", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.74, outside_steps_ms=1.0)],
-                                 [dict(streams=32, tok_s=4.0, outside_steps_ms=0.8)]]
+    runs[("before", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.74, outside_steps_ms=1.0, gc_ms=0.0)],
+                                 [dict(streams=32, tok_s=4.0, outside_steps_ms=0.8, gc_ms=0.2)]]
     runs[("after", "plain")] = [[dict(streams=32, tok_s=4.0, forward_gpu_ms=0.73, outside_steps_ms=5.0)],
                                 [dict(streams=32, tok_s=4.0, outside_steps_ms=6.0)]]
     out = tmp_path / "ab.json"
@@ -79,6 +79,7 @@ def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned)
     assert (plain["before_forward_ms"], plain["after_forward_ms"]) == (0.74, 0.73)     # runs without it are left out
     assert guided["requests_done"] == "183 / 187" and plain["requests_done"] is None     # the loads differ, or not
     assert (plain["before_outside_ms"], plain["after_outside_ms"]) == (pytest.approx(0.9), pytest.approx(5.5))
+    assert (plain["before_gc_ms"], plain["after_gc_ms"]) == (pytest.approx(0.1), None)
     assert guided["before_outside_ms"] is None                 # only throughput times what lies outside its steps
     assert "| before_forward_ms | after_forward_ms |" in out.with_suffix(".md").read_text()
 

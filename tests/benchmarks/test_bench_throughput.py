@@ -13,5 +13,6 @@ def test_throughput_splits_its_wall_into_steps_and_the_rest(tmp_path):
     assert [(r["mode"], r["streams"]) for r in records] == [("blocking", 2), ("pipelined", 2)]
     for r in records:
         assert r["generated_tokens"] == 8 and r["steps"] >= 4 and r["outside_steps_ms"] >= 0, r
+        assert r["gc_ms"] >= 0 and r["gc_collections"] >= 0, r
         in_steps = r["period_ms"] * r["steps"]
         assert in_steps + r["outside_steps_ms"] == pytest.approx(1e3 * r["wall_s"], rel=1e-6), r
