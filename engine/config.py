@@ -45,11 +45,12 @@ class EngineConfig:
                                        # without float32 logits: from draft_gemv's LM head argmax kernels (plain
                                        # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
                                        # kernels/sampling/argmax.py, where those run (the Triton backend)
-    head_mma: bool = True              # greedy heads of head_mma_from to head_mma_to rows take their tokens from
-                                       # engine/kernels/matmul/head_mma.py's argmax on tensor cores, no logits, in
-                                       # place of the GEMV's argmax or cuBLAS's logits and the argmax's block max,
-                                       # where the backend is Triton. H200 (bench/results/head_rows/): 16 us a head
-                                       # at 1-4 rows against the GEMV argmax's 19 / 31 / 48; past 4 rows no gain
+    head_mma: bool = True              # greedy heads of up to head_mma_to rows that the GEMV does not keep (see
+                                       # head_mma_from) take their tokens from engine/kernels/matmul/head_mma.py's
+                                       # argmax on tensor cores, no logits, in place of the GEMV's argmax or cuBLAS's
+                                       # logits and the argmax's block max, where the backend is Triton. H200: 16 us
+                                       # a head at 1-4 rows against the GEMV argmax's 19 / 31 / 48 (bench/results/
+                                       # head_mma_step/); in the step past 4 rows within noise (head_rows/)
     head_mma_from: int = 1             # with head_mma, also the GEMV's heads of N rows or more (0: none; 1: all,
                                        # an EAGLE draft's after the final norm's kernel, which the GEMV folds in)
     head_mma_to: int = 4               # with head_mma, only heads of at most N rows (up to 64, all it can take)
