@@ -4,6 +4,7 @@ are noisy, so a before/after ratio is only worth something when both sides ran t
     python -m bench.ab --before .old --after . --modes plain guided spec --streams 1 8 32 --rounds 2 \
         --out bench/results/refactor_ab.json
     python -m bench.ab --before-engine native_launch=false --modes plain --streams 1 32   # a setting, one tree
+    python -m bench.ab --model dummy:llama1b --before-engine head_mma=false --modes plain --streams 1 4   # both sides
 
 Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHONPATH is the tree, so each side
 imports its own engine, with that side's --before-engine / --after-engine settings (EngineConfig fields); rounds
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--model", default=None, help="model spec for both sides (e.g. dummy:llama1b; default: each "
+                   "bench's default model)")
     p.add_argument("--data", default="tests/data", help="root of maskbench/JME_*.json (guided and spec modes)")
     p.add_argument("--out", default="bench/results/ab.json")
     args = p.parse_args(argv)
@@ -73,7 +76,7 @@ def bench_command(tree: Path, mode: str, args, engine: list, out: Path) -> list[
     else:
         run = [str(tree / "bench" / Path(script).name)]
     return [sys.executable, *run, *rest, "--out", str(out), "--streams", *map(str, args.streams),
-            *(["--engine", *engine] if engine else [])]
+            *(["--model", args.model] if args.model else []), *(["--engine", *engine] if engine else [])]
 
 
 def run_tree(tree: Path, mode: str, args, engine: list) -> list[dict]:

@@ -108,6 +108,14 @@ def test_a_sides_settings_reach_its_bench_as_engine_fields(tmp_path):
     assert cmd[cmd.index("--streams") + 1:cmd.index("--streams") + 3] == ["1", "8"]
     assert cmd[cmd.index("--engine") + 1:] == ["native_launch=true", "split_merge=false"]
     assert "--engine" not in ab.bench_command(tmp_path, "spec", args, args.before_engine, tmp_path / "t.json")
+    assert "--model" not in cmd
+
+
+def test_a_model_reaches_both_sides_benches(tmp_path):
+    args = ab.parse_args(["--model", "dummy:llama1b", "--before-engine", "head_mma=false", "--modes", "plain", "spec"])
+    for mode in args.modes:
+        cmd = ab.bench_command(tmp_path, mode, args, [], tmp_path / "t.json")
+        assert cmd[cmd.index("--model") + 1] == "dummy:llama1b"
 
 
 def _tree(root, *scripts):
