@@ -61,7 +61,8 @@ class EngineConfig:
                                        # attention_rules/); SmolLM2 and Llama 1B have no such rows
     decode_gemv_rows: int = 2          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8). H200 (bench/results/head_rows/): decode_gemm is faster from
-                                       # 3 rows (4 streams 0.571 -> 0.499 ms a step), the GEMV at 2 (0.482 / 0.493)
+                                       # 3 rows (4 streams 0.571 -> 0.499 ms a step), the GEMV at 2 (0.482 against
+                                       # decode_gemm's 0.493)
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/matmul/decode_gemm.py (tensor cores,
                                        # weights read before the wait) not cuBLAS, where decode_gemv is on; under
