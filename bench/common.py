@@ -89,6 +89,13 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float | None:
     return 2 * nbytes * reps / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
+def cuda_sync() -> None:
+    """Wait for the GPU where there is one (a timed span ends when its work does)."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class GcClock:
     """The garbage collections Python runs while installed (a gc.callbacks entry): (generation, ms) each."""
 

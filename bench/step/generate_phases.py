@@ -20,8 +20,8 @@ import pstats
 import time
 import traceback
 
-from bench.common import (GcClock, chat_prompts, dtype_name, engine_kwargs, engine_overrides, markdown_table, note,
-                          parse_variants, progress, record, write_results)
+from bench.common import (GcClock, chat_prompts, cuda_sync, dtype_name, engine_kwargs, engine_overrides,
+                          markdown_table, note, parse_variants, progress, record, write_results)
 
 PHASES = ["add_ms", "loop_ms", "in_steps_ms", "loop_outside_ms", "take_ms", "sync_ms", "gc_ms"]
 
@@ -42,12 +42,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _sync():
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed_generate(eng, prompts, params) -> dict:
     """LLMEngine.generate's own phases, each timed (the same calls in the same order)."""
     with GcClock() as clock:
@@ -60,7 +54,7 @@ def timed_generate(eng, prompts, params) -> dict:
         t2 = time.perf_counter()
         seqs = [eng.take(i) for i in ids]
         t3 = time.perf_counter()
-        _sync()
+        cuda_sync()
         t4 = time.perf_counter()
     in_steps = 1e3 * (eng.timings.wall - in_steps0)
     loop = 1e3 * (t2 - t1)
@@ -74,7 +68,7 @@ def profile_generate(eng, prompts, params, top: int) -> list[str]:
     prof = cProfile.Profile()
     prof.enable()
     eng.generate(prompts, params)
-    _sync()
+    cuda_sync()
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
@@ -94,7 +88,7 @@ def run_variant(args, name: str, overrides: dict) -> list[dict]:
     dtype = dtype_name(eng, args.dtype)
     prompts = chat_prompts(eng, 2 * args.streams)
     eng.generate(prompts[args.streams:], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    _sync()
+    cuda_sync()
     records = []
     for rnd in range(args.rounds):
         steps0 = eng.timings.steps

@@ -22,8 +22,8 @@ import gc
 import time
 import traceback
 
-from bench.common import (GcClock, chat_prompts, copy_bandwidth_gbs, dtype_name, engine_kwargs, engine_overrides,
-                          markdown_table, note, plot, progress, record, write_results)
+from bench.common import (GcClock, chat_prompts, copy_bandwidth_gbs, cuda_sync, dtype_name, engine_kwargs,
+                          engine_overrides, markdown_table, note, plot, progress, record, write_results)
 
 MODES = {1: "blocking", 2: "pipelined"}
 COLUMNS = ["mode", "streams", "new_tokens", "tok_s", "ms_per_step", "steps"]   # + the *_ms breakdown found
@@ -48,12 +48,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _sync():
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def build_engine(args, depth: int, streams: int, **extra):
     """extra: further EngineConfig fields."""
     from engine.llm_engine import LLMEngine
@@ -65,13 +59,13 @@ def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: in
     """Warm up on other prompts, reset the counters, time one generate of all prompts."""
     from engine.requests.sequence import SamplingParams
     eng.generate(warm_prompts, SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True))
-    _sync()
+    cuda_sync()
     eng.timings.reset()
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     with GcClock() as clock:
         t0 = time.perf_counter()
         seqs = eng.generate(prompts, params)
-        _sync()
+        cuda_sync()
         wall = time.perf_counter() - t0
     t = eng.timings
     generated = sum(len(s.output_token_ids) for s in seqs)
