@@ -135,11 +135,15 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
     pick = {n: [x for x in runs[n] if x["ab_mode"] == mode and x["streams"] == streams] for n in runs}
     tok = {n: [x["tok_s"] for x in rows if x.get("tok_s")] for n, rows in pick.items()}
     med = {n: _median(v) for n, v in tok.items()}
-    idle = {n: _median([_idle(x) for x in rows]) for n, rows in pick.items()}
-    forward = {n: _median([_forward(x) for x in rows]) for n, rows in pick.items()}
-    done = {n: _median([x.get("requests_done") for x in rows]) for n, rows in pick.items()}
-    outside = {n: _median([x.get("outside_steps_ms") for x in rows]) for n, rows in pick.items()}
-    gc_ms = {n: _median([x.get("gc_ms") for x in rows]) for n, rows in pick.items()}
+
+    def sides(value) -> dict:
+        """Each side's median of value(run), over the runs that report it."""
+        return {n: _median([value(x) for x in rows]) for n, rows in pick.items()}
+
+    idle, forward = sides(_idle), sides(_forward)
+    done = sides(lambda x: x.get("requests_done"))
+    outside = sides(lambda x: x.get("outside_steps_ms"))
+    gc_ms = sides(lambda x: x.get("gc_ms"))
     ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
     host_bound = " ".join(n for n in ("before", "after") if (idle[n] or 0.0) > HOST_BOUND) or None
     first = (pick["after"] or [{}])[0]
