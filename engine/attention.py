@@ -128,7 +128,7 @@ class TorchAttention(_Matmuls):
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-SPLIT_MIN_ROWS, SPLIT_WIDE, SPLIT_MAX_K = 3, 4, 1024     # TritonAttention._split_to_gemm
+SPLIT_MIN_ROWS, SPLIT_MAX_WEIGHT = 3, 1 << 21      # TritonAttention._split_to_gemm (weight elements)
 SEMAPHORES = 1024   # split_merge's counters, one a group of a merging launch: its programs fit one an SM
 
 
@@ -203,12 +203,13 @@ class TritonAttention(HeadArgmax, _Matmuls):
 
     @staticmethod
     def _split_to_gemm(rows: int, n: int, k: int) -> bool:
-        """decode_gemm_split: whether decode_gemm takes a matmul of the GEMV's rows. The GEMV takes 2-4 rows at
-        once (decode_gemv.AT_ONCE_ROWS), as fast as decode_gemm or faster for SmolLM2's qkv, o and down, but its
-        product's registers grow with rows x BLOCK_N x the padded K: a wide matmul of short rows (SmolLM2's
-        gate_up, N = 5.3 K, K = 576 padded to 1024) is faster on decode_gemm from 3 rows
-        (bench/results/gemv_rows/); Llama 1B's (K = 2048) is not."""
-        return rows >= SPLIT_MIN_ROWS and n >= SPLIT_WIDE * k and k <= SPLIT_MAX_K
+        """decode_gemm_split: whether decode_gemm takes a matmul of the GEMV's rows: from 3 rows, a weight of at
+        most SPLIT_MAX_WEIGHT elements. decode_gemm reads its weight tile before the dependent-launch wait; a small
+        weight's programs all run at once, so the whole read overlaps the kernel before. SmolLM2's four (the
+        largest, gate_up, 1.8 M) are faster there from 3 rows (4 streams 0.571 -> 0.499 ms a step); Llama 1B's (the
+        smallest, o, 4.2 M) are faster on the GEMV (1.41 against 1.67 ms), whose many narrow programs read a large
+        weight faster (H200, bench/results/head_rows/)."""
+        return rows >= SPLIT_MIN_ROWS and n * k <= SPLIT_MAX_WEIGHT
 
     def _launch(self, kernels, meta) -> dict:
         """decode_gemm's keywords for this step: a decode step's (one token a sequence) take its own launch rule,

@@ -59,19 +59,19 @@ class EngineConfig:
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
                                        # 4.14 -> 4.10 ms a step, 32 kernels fewer (H200, bench/results/
                                        # attention_rules/); SmolLM2 and Llama 1B have no such rows
-    decode_gemv_rows: int = 2          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
-                                       # rows (1 to 8). H200 (bench/results/head_rows/): decode_gemm is faster from
-                                       # 3 rows (4 streams 0.571 -> 0.499 ms a step), the GEMV at 2 (0.482 against
-                                       # decode_gemm's 0.493)
+    decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
+                                       # rows (1 to 8), but for the matmuls decode_gemm_split gives decode_gemm
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
                                        # fused path's matmuls are engine/kernels/matmul/decode_gemm.py (tensor cores,
                                        # weights read before the wait) not cuBLAS, where decode_gemv is on; under
                                        # dependent launch (SPECDEC_PDL_MAX_ROWS, 32) on an H100 8 streams 0.97 ->
                                        # 0.83 ms a step, 32 streams 1.05 -> 0.90 (bench/results/decode_rows/)
     decode_gemm_split: bool = True     # steps of 3 to decode_gemv_rows rows where decode_gemv is on: decode_gemm takes
-                                       # the matmuls the GEMV is slow at (wide, short rows: SmolLM2's gate_up), the
-                                       # GEMV the rest, all rows at once (engine/attention.py, bench/results/
-                                       # gemv_rows/); no step has such rows at decode_gemv_rows = 2
+                                       # the matmuls of small weights (at most 2 M elements: all of SmolLM2's), the
+                                       # GEMV the rest (all of Llama 1B's and 8B's). H200 (bench/results/head_rows/):
+                                       # SmolLM2 4 streams 0.571 -> 0.499 ms a step, Llama 1B 1.41 against decode_gemm's
+                                       # 1.67 (engine/attention.py's _split_to_gemm); the GEMV is faster at 2 rows
+                                       # (SmolLM2 0.482 against 0.493)
     rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
                                        # verification): RoPE and the KV store inside the attention kernel, not a
                                        # kernel of their own (engine/kernels/attention/rope_kv.py), where the backend

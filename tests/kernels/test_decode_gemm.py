@@ -261,22 +261,22 @@ def test_backend_tells_decode_gemm_a_decode_step(monkeypatch):
         calls.clear()
 
 
-def test_split_routes_wide_matmuls_of_short_rows_to_gemm(monkeypatch):
-    """decode_gemm_split: from 3 rows, a matmul with N >= SPLIT_WIDE x K and K <= SPLIT_MAX_K goes to decode_gemm
-    (SmolLM2's gate_up from 3 rows), the rest (qkv, o, down; a wide one of longer rows) stay on the GEMV, which
-    takes them all rows at once; the results are F.linear's."""
+def test_split_routes_small_weights_of_3_rows_on_to_gemm(monkeypatch):
+    """decode_gemm_split: from 3 rows, a matmul whose weight has at most SPLIT_MAX_WEIGHT elements goes to
+    decode_gemm (all of SmolLM2's), a larger one stays on the GEMV (all of Llama 1B's), which takes its rows all at
+    once; the results are F.linear's."""
     import engine.attention as attention
     calls = []
     for module in (dg, gm):
         real = module.decode_linear
         monkeypatch.setattr(module, "decode_linear", lambda *a, _r=real, _m=module: calls.append(_m) or _r(*a))
-    monkeypatch.setattr(attention, "SPLIT_MAX_K", 128)               # SmolLM2's 1024 at 1/8
+    monkeypatch.setattr(attention, "SPLIT_MAX_WEIGHT", 120 * 72)
     split = attention.TritonAttention(decode_gemv=True, decode_gemm_split=True)
     split._gemv, split._gemm = dg, gm
     off = attention.TritonAttention(decode_gemv=False)
-    cases = [(2, 384, 72, dg), (3, 384, 72, gm), (4, 384, 72, gm),     # gate_up: N 5.3 K, K 72
-             (4, 120, 72, dg), (4, 72, 192, dg), (3, 72, 72, dg),       # qkv, down, o
-             (4, 800, 192, dg)]                                         # wide, but K past SPLIT_MAX_K
+    cases = [(2, 120, 72, dg), (3, 120, 72, gm), (4, 120, 72, gm),     # at the limit: decode_gemm from 3 rows
+             (4, 72, 72, gm), (3, 24, 192, gm),                         # under it
+             (4, 121, 72, dg), (4, 72, 192, dg)]                        # past it: the GEMV
     for m, n, k, want in cases:
         x, w = randn(m, k, seed=m + k), randn(n, k, seed=n + k)
         close(split.linear(x, w), off.linear(x, w))                  # fp32: summation order only
@@ -320,8 +320,8 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     """A whole engine (Triton backend, a 2-layer dummy model): decode_gemm_rows=32 gives the greedy tokens of 0,
     its prefill and decode steps of 6 rows taking the kernel (the GEMV with decode_gemv_rows=8); with
     decode_gemv_rows=1 and decode_gemm_rows=4 the steps of 2-4 rows take it (a verification of 1 + K tokens from
-    one stream) and those of one row the GEMV; with decode_gemm_split (SPLIT_WIDE at 1 for the tiny shapes)
-    steps of 3-4 rows take it for their wide matmuls."""
+    one stream) and those of one row the GEMV; with decode_gemm_split steps of 3-4 rows take it for the matmuls
+    of small weights (SPLIT_MAX_WEIGHT set between the tiny model's o and gate_up)."""
     import engine.attention as attention
     from engine.kernels.matmul import decode_gemv as dg
     from engine.llm_engine import LLMEngine
@@ -337,7 +337,7 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     prompts = [[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8], [42], [11, 400, 13], [256, 255]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 3, 4, 5, 6, 7)]
     runs, seen = {}, {}
-    monkeypatch.setattr(attention, "SPLIT_WIDE", 1)      # the tiny shapes' qkv and gate_up count as wide
+    monkeypatch.setattr(attention, "SPLIT_MAX_WEIGHT", 128 * 64)   # the tiny model's qkv, o and down; not gate_up
     for rows in ((4, 0), (4, 32), (1, 4), (4, 0, True), (8, 0)):
         for c in (*calls.values(), kinds):
             c.clear()
