@@ -141,8 +141,8 @@ class TritonAttention(HeadArgmax, _Matmuls):
                  decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
                  split_merge: bool = False, silu_epilogue: bool = False, gemm_silu_epilogue: bool = False,
                  decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
-                 long_row_gemv: bool = False, head_mma: bool = False, head_mma_from: int = 0,
-                 head_mma_to: int = 64, device=None):
+                 long_row_gemv: bool = False, long_k_gemv_rows: int = 8, head_mma: bool = False,
+                 head_mma_from: int = 0, head_mma_to: int = 64, device=None):
         from engine.kernels.sampling import argmax, bitmask
         from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, head_mma as mma
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
@@ -155,11 +155,14 @@ class TritonAttention(HeadArgmax, _Matmuls):
         if decode_gemm_rows and not (decode_gemv and decode_gemv_rows < decode_gemm_rows <= gemm.MAX_ROWS):
             raise ValueError(f"decode_gemm_rows must be 0 or {decode_gemv_rows + 1} to {gemm.MAX_ROWS}, with "
                              f"decode_gemv; got {decode_gemm_rows}")
+        if not 1 <= long_k_gemv_rows <= gemv.MAX_ROWS:
+            raise ValueError(f"long_k_gemv_rows must be 1 to {gemv.MAX_ROWS}, got {long_k_gemv_rows}")
         if decode_gemm_split and not decode_gemv:
             raise ValueError("decode_gemm_split shares the decode GEMV's rows with decode_gemm: it needs decode_gemv")
         self._k, self._gemv = paged_attention, gemv if decode_gemv else None
         self._gemv_rows = decode_gemv_rows                  # steps of 1 .. _gemv_rows rows: the GEMV
         self._long_rows = long_row_gemv                     # and its matmuls without a prologue to MAX_K_PLAIN
+        self._long_k_rows = long_k_gemv_rows                # but K past AT_ONCE_MAX_K only to these rows
         self._gemm = gemm if decode_gemm_rows or decode_gemm_split else None
         self._gemm_rows = decode_gemm_rows                  # steps of _gemv_rows + 1 .. _gemm_rows rows: decode_gemm
         self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
@@ -184,15 +187,17 @@ class TritonAttention(HeadArgmax, _Matmuls):
     # is on and there is no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
     def _gemv_for(self, x, weight, bias, plain: bool = False, **kw):
         """The kernel module taking this call, or None. plain: no op before the matmul, so with long_row_gemv the
-        GEMV takes rows up to its MAX_K_PLAIN."""
+        GEMV takes rows up to its MAX_K_PLAIN. A K the GEMV takes one row at a time goes to cuBLAS in steps of more
+        than long_k_gemv_rows rows: Llama 8B's 4-row step 9.68 -> 4.53 ms (H200, bench/results/head_rows/)."""
         if self._gemv is None or bias is not None:
             return None
-        rows = x.shape[0]
+        rows, k = x.shape[0], kw.get("k") or x.shape[-1]
         if rows <= self._gemv_rows:
             kernels = self._gemv
-            if (self._split and self._split_to_gemm(rows, weight.shape[0], kw.get("k") or x.shape[-1])
-                    and self._gemm.supports(x, weight, **kw)):
+            if self._split and self._split_to_gemm(rows, weight.shape[0], k) and self._gemm.supports(x, weight, **kw):
                 kernels = self._gemm
+            elif rows > self._long_k_rows and self._gemv.one_row_at_a_time(k):
+                return None
         elif self._gemm is not None and rows <= self._gemm_rows:
             kernels = self._gemm
         else:

@@ -59,6 +59,10 @@ class EngineConfig:
                                        # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
                                        # 4.14 -> 4.10 ms a step, 32 kernels fewer (H200, bench/results/
                                        # attention_rules/); SmolLM2 and Llama 1B have no such rows
+    long_k_gemv_rows: int = 1          # the decode GEMV takes a matmul of K past 2048, whose rows it takes one at a
+                                       # time (a pass over its registers each), only in steps of at most this many
+                                       # rows (1 to 8); cuBLAS takes larger ones: Llama 8B's 4-row step 9.68 -> 4.53
+                                       # ms (H200, bench/results/head_rows/); SmolLM2 has no such K
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8), but for the matmuls decode_gemm_split gives decode_gemm
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
@@ -189,6 +193,8 @@ class EngineConfig:
         if not max(1, self.head_mma_from) <= self.head_mma_to <= 64:
             raise ValueError(f"head_mma_to must be head_mma_from ({self.head_mma_from}) or more, up to 64; got "
                              f"{self.head_mma_to}")
+        if not 1 <= self.long_k_gemv_rows <= 8:                               # decode_gemv.MAX_ROWS
+            raise ValueError(f"long_k_gemv_rows must be 1 to 8, got {self.long_k_gemv_rows}")
         if not 1 <= self.decode_gemv_rows <= 8:                               # decode_gemv.MAX_ROWS
             raise ValueError(f"decode_gemv_rows must be 1 to 8, got {self.decode_gemv_rows}")
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:

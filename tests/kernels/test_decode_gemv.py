@@ -177,6 +177,34 @@ def test_rows_past_max_k_without_a_prologue(monkeypatch):
     assert EngineConfig().long_row_gemv and not EngineConfig(decode_gemv=False, long_row_gemv=False).long_row_gemv
 
 
+def test_long_k_takes_cublas_past_long_k_gemv_rows(monkeypatch):
+    """A K the GEMV takes one row at a time (past AT_ONCE_MAX_K: Llama 8B's 4096) stays on it in steps of up to
+    long_k_gemv_rows rows, and larger steps take cuBLAS, with F.linear's results either way; a shorter K keeps
+    the GEMV for every row it takes."""
+    from engine.attention import TritonAttention
+    from engine.config import EngineConfig
+    k = 2 * dg.AT_ONCE_MAX_K
+    assert dg.one_row_at_a_time(k) and not dg.one_row_at_a_time(dg.AT_ONCE_MAX_K) and not dg.one_row_at_a_time(1536)
+    calls, real = [], dg.decode_linear
+    monkeypatch.setattr(dg, "decode_linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    backend = TritonAttention(decode_gemv=True, long_k_gemv_rows=2)
+    backend._gemv = dg                                # the interpreter-built module of this test file
+    w = randn(8, k, seed=40, dtype=torch.float32) / k ** 0.5
+    for rows in (1, 2, 3, 4):
+        x = randn(rows, k, seed=41 + rows, dtype=torch.float32)
+        torch.testing.assert_close(backend.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert calls == [(1, k), (2, k)]
+    calls.clear()
+    backend.linear(randn(4, 64, seed=46, dtype=torch.float32), randn(8, 64, seed=47, dtype=torch.float32))
+    assert calls == [(4, 64)]
+    for bad in (0, dg.MAX_ROWS + 1):
+        with pytest.raises(ValueError, match="long_k_gemv_rows"):
+            TritonAttention(decode_gemv=True, long_k_gemv_rows=bad)
+        with pytest.raises(ValueError, match="long_k_gemv_rows"):
+            EngineConfig(long_k_gemv_rows=bad)
+    assert EngineConfig().long_k_gemv_rows == 1
+
+
 @pytest.mark.parametrize("add_residual", [False, True])
 def test_backend_mlp_takes_the_silu_epilogue_where_the_gemv_takes_gate_up(monkeypatch, add_residual):
     """norm_mlp: with silu_epilogue, gate_up's GEMV stores SiLU * up and the down projection reads it (the

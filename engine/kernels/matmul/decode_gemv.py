@@ -198,6 +198,12 @@ def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None) 
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=_warps(block_k))
 
 
+def one_row_at_a_time(k: int) -> bool:
+    """Whether steps of several rows of this K take the loop, a pass over the registers per row (past
+    AT_ONCE_MAX_K), not every row at once."""
+    return triton.next_power_of_2(k) > AT_ONCE_MAX_K
+
+
 def _warps(block_k: int) -> int:
     """4 to FOUR_WARPS_K, 8 past it: 64 weight values a thread at _ELEMS a program, and long rows alike. On an
     H200 at Llama 8B's shapes (bench/results/gemv_prologues/, bench/results/llama8b_floor/): the norm prologue's
