@@ -188,7 +188,7 @@ class TritonAttention(HeadArgmax, _Matmuls):
     def _gemv_for(self, x, weight, bias, plain: bool = False, **kw):
         """The kernel module taking this call, or None. plain: no op before the matmul, so with long_row_gemv the
         GEMV takes rows up to its MAX_K_PLAIN. A K the GEMV takes one row at a time goes to cuBLAS in steps of more
-        than long_k_gemv_rows rows: Llama 8B's 4-row step 9.68 -> 4.53 ms (H200, bench/results/head_rows/)."""
+        than long_k_gemv_rows rows: Llama 8B's 4-row step 9.68 -> 4.59 ms (H200, bench/results/rows_by_model/)."""
         if self._gemv is None or bias is not None:
             return None
         rows, k = x.shape[0], kw.get("k") or x.shape[-1]
@@ -213,7 +213,7 @@ class TritonAttention(HeadArgmax, _Matmuls):
         weight's programs all run at once, so the whole read overlaps the kernel before. SmolLM2's four (the
         largest, gate_up, 1.8 M) are faster there from 3 rows (4 streams 0.571 -> 0.499 ms a step); Llama 1B's (the
         smallest, o, 4.2 M) are faster on the GEMV (1.41 against 1.67 ms), whose many narrow programs read a large
-        weight faster (H200, bench/results/head_rows/)."""
+        weight faster (H200, bench/results/rows_by_model/)."""
         return rows >= SPLIT_MIN_ROWS and n * k <= SPLIT_MAX_WEIGHT
 
     def _launch(self, kernels, meta) -> dict:

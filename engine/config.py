@@ -61,8 +61,8 @@ class EngineConfig:
                                        # attention_rules/); SmolLM2 and Llama 1B have no such rows
     long_k_gemv_rows: int = 1          # the decode GEMV takes a matmul of K past 2048, whose rows it takes one at a
                                        # time (a pass over its registers each), only in steps of at most this many
-                                       # rows (1 to 8); cuBLAS takes larger ones: Llama 8B's 4-row step 9.68 -> 4.53
-                                       # ms (H200, bench/results/head_rows/); SmolLM2 has no such K
+                                       # rows (1 to 8); cuBLAS takes larger ones: Llama 8B's 4-row step 9.68 -> 4.59
+                                       # ms (H200, bench/results/rows_by_model/); SmolLM2 has no such K
     decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
                                        # rows (1 to 8), but for the matmuls decode_gemm_split gives decode_gemm
     decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
@@ -72,9 +72,10 @@ class EngineConfig:
                                        # 0.83 ms a step, 32 streams 1.05 -> 0.90 (bench/results/decode_rows/)
     decode_gemm_split: bool = True     # steps of 3 to decode_gemv_rows rows where decode_gemv is on: decode_gemm takes
                                        # the matmuls of small weights (at most 2 M elements: all of SmolLM2's), the
-                                       # GEMV the rest (all of Llama 1B's and 8B's). H200 (bench/results/head_rows/):
-                                       # SmolLM2 4 streams 0.571 -> 0.499 ms a step, Llama 1B 1.41 against decode_gemm's
-                                       # 1.67 (engine/attention.py's _split_to_gemm); the GEMV is faster at 2 rows
+                                       # GEMV the rest (all of Llama 1B's and 8B's); engine/attention.py's
+                                       # _split_to_gemm. H200, head_mma on: SmolLM2 4 streams 0.540 -> 0.499 ms a step
+                                       # (bench/results/head_rows/); Llama 1B 1.32 against 1.68 with decode_gemm on
+                                       # every matmul (bench/results/rows_by_model/); at 2 rows the GEMV is faster
                                        # (SmolLM2 0.482 against 0.493)
     rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
                                        # verification): RoPE and the KV store inside the attention kernel, not a
