@@ -4,7 +4,7 @@ are noisy, so a before/after ratio is only worth something when both sides ran t
     python -m bench.ab --before .old --after . --modes plain guided spec --streams 1 8 32 --rounds 2 \
         --out bench/results/refactor_ab.json
     python -m bench.ab --before-engine native_launch=false --modes plain --streams 1 32   # a setting, one tree
-    python -m bench.ab --model dummy:llama1b --before-engine head_mma=false --modes plain --streams 1 4   # both sides
+    python -m bench.ab --model dummy:llama-1b --before-engine head_mma=false --modes plain --streams 1 4   # both sides
 
 Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHONPATH is the tree, so each side
 imports its own engine, with that side's --before-engine / --after-engine settings (EngineConfig fields); rounds
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--model", default=None, help="model spec for both sides (e.g. dummy:llama1b; default: each "
+    p.add_argument("--model", default=None, help="model spec for both sides (e.g. dummy:llama-1b; default: each "
                    "bench's default model)")
     p.add_argument("--data", default="tests/data", help="root of maskbench/JME_*.json (guided and spec modes)")
     p.add_argument("--out", default="bench/results/ab.json")
@@ -52,6 +52,9 @@ def parse_args(argv=None):
     if Path(args.before).resolve() == Path(args.after).resolve() and args.before_engine == args.after_engine:
         raise ValueError("before and after are the same tree with the same settings: give another --before or "
                          "--before-engine / --after-engine")
+    if args.model and args.model.startswith("dummy"):
+        from engine.models.loader import resolve_model
+        resolve_model(args.model)       # a misspelt shape fails here, not in every run of both sides
     return args
 
 
