@@ -211,9 +211,9 @@ class TritonAttention(HeadArgmax, _Matmuls):
         """decode_gemm_split: whether decode_gemm takes a matmul of the GEMV's rows: from 3 rows, a weight of at
         most SPLIT_MAX_WEIGHT elements. decode_gemm reads its weight tile before the dependent-launch wait; a small
         weight's programs all run at once, so the whole read overlaps the kernel before. SmolLM2's four (the
-        largest, gate_up, 1.8 M) are faster there from 3 rows (4 streams 0.571 -> 0.499 ms a step); Llama 1B's (the
-        smallest, o, 4.2 M) are faster on the GEMV (1.41 against 1.67 ms), whose many narrow programs read a large
-        weight faster (H200, bench/results/rows_by_model/)."""
+        largest, gate_up, 1.8 M) are faster there from 3 rows (4 streams 0.540 -> 0.499 ms a step,
+        bench/results/head_rows/); Llama 1B's (the smallest, o, 4.2 M) are faster on the GEMV (1.32 against 1.68
+        ms), whose many narrow programs read a large weight faster (H200, bench/results/rows_by_model/)."""
         return rows >= SPLIT_MIN_ROWS and n * k <= SPLIT_MAX_WEIGHT
 
     def _launch(self, kernels, meta) -> dict:

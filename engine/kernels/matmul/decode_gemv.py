@@ -193,7 +193,7 @@ def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None) 
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(_ELEMS // block_k, triton.next_power_of_2(n)))
     if at_once is None:
-        at_once = AT_ONCE_ROWS[0] <= m <= AT_ONCE_ROWS[1] and block_k <= AT_ONCE_MAX_K
+        at_once = AT_ONCE_ROWS[0] <= m <= AT_ONCE_ROWS[1] and not one_row_at_a_time(k)
     rows = triton.next_power_of_2(m) if at_once else 0
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=_warps(block_k))
 
