@@ -24,7 +24,9 @@ class _EmptyHealth(http.server.BaseHTTPRequestHandler):
 def server_and_proc(tmp_path):
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EmptyHealth)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # answers SIGINT as a server does, also where the tests inherit it ignored (started as a background job)
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}", proc, tmp_path / "server.log"
     finally:
