@@ -150,13 +150,12 @@ class TritonAttention(HeadArgmax, _Matmuls):
         for name, on in (("draft_gemv", draft_gemv), ("long_row_gemv", long_row_gemv)):
             if on and not decode_gemv:
                 raise ValueError(f"{name} runs on the decode GEMV: it needs decode_gemv")
-        if not 1 <= decode_gemv_rows <= gemv.MAX_ROWS:
-            raise ValueError(f"decode_gemv_rows must be 1 to {gemv.MAX_ROWS}, got {decode_gemv_rows}")
+        for name, rows in (("decode_gemv_rows", decode_gemv_rows), ("long_k_gemv_rows", long_k_gemv_rows)):
+            if not 1 <= rows <= gemv.MAX_ROWS:
+                raise ValueError(f"{name} must be 1 to {gemv.MAX_ROWS}, got {rows}")
         if decode_gemm_rows and not (decode_gemv and decode_gemv_rows < decode_gemm_rows <= gemm.MAX_ROWS):
             raise ValueError(f"decode_gemm_rows must be 0 or {decode_gemv_rows + 1} to {gemm.MAX_ROWS}, with "
                              f"decode_gemv; got {decode_gemm_rows}")
-        if not 1 <= long_k_gemv_rows <= gemv.MAX_ROWS:
-            raise ValueError(f"long_k_gemv_rows must be 1 to {gemv.MAX_ROWS}, got {long_k_gemv_rows}")
         if decode_gemm_split and not decode_gemv:
             raise ValueError("decode_gemm_split shares the decode GEMV's rows with decode_gemm: it needs decode_gemv")
         self._k, self._gemv = paged_attention, gemv if decode_gemv else None

@@ -194,10 +194,9 @@ class EngineConfig:
         if not max(1, self.head_mma_from) <= self.head_mma_to <= 64:
             raise ValueError(f"head_mma_to must be head_mma_from ({self.head_mma_from}) or more, up to 64; got "
                              f"{self.head_mma_to}")
-        if not 1 <= self.long_k_gemv_rows <= 8:                               # decode_gemv.MAX_ROWS
-            raise ValueError(f"long_k_gemv_rows must be 1 to 8, got {self.long_k_gemv_rows}")
-        if not 1 <= self.decode_gemv_rows <= 8:                               # decode_gemv.MAX_ROWS
-            raise ValueError(f"decode_gemv_rows must be 1 to 8, got {self.decode_gemv_rows}")
+        for name in ("long_k_gemv_rows", "decode_gemv_rows"):
+            if not 1 <= getattr(self, name) <= 8:                             # decode_gemv.MAX_ROWS
+                raise ValueError(f"{name} must be 1 to 8, got {getattr(self, name)}")
         if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:
             raise ValueError(f"decode_gemm_rows must be 0 (off) or decode_gemv_rows + 1 "
                              f"({self.decode_gemv_rows + 1}) to 32, got {self.decode_gemm_rows}")

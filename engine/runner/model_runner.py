@@ -60,8 +60,7 @@ class ModelRunner:
             decode_attention=config.decode_attention, decode_attention_splits=config.decode_attention_splits,
             decode_attention_prefetch=config.decode_attention_prefetch,
             long_row_gemv=config.long_row_gemv and config.decode_gemv, long_k_gemv_rows=config.long_k_gemv_rows,
-            head_mma=config.head_mma,
-            head_mma_from=config.head_mma_from, head_mma_to=config.head_mma_to,
+            head_mma=config.head_mma, head_mma_from=config.head_mma_from, head_mma_to=config.head_mma_to,
             device=self.device)
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)
