@@ -258,6 +258,20 @@ class EngineConfig:
             return "triton" if self.torch_device().type == "cuda" else "torch"
         return self.attention_backend
 
+    def backend_switches(self) -> dict:
+        """The Triton backend's keywords (engine/attention.py TritonAttention, but its device): the GEMV's paths
+        only where decode_gemv is on."""
+        gemv = self.decode_gemv
+        return dict(decode_gemv=gemv, draft_gemv=self.draft_gemv and gemv,
+                    decode_gemm_rows=self.decode_gemm_rows if gemv else 0, decode_gemv_rows=self.decode_gemv_rows,
+                    decode_gemm_split=self.decode_gemm_split and gemv, rope_attention=self.rope_attention,
+                    split_merge=self.split_merge, silu_epilogue=self.silu_epilogue,
+                    gemm_silu_epilogue=self.gemm_silu_epilogue, decode_attention=self.decode_attention,
+                    decode_attention_splits=self.decode_attention_splits,
+                    decode_attention_prefetch=self.decode_attention_prefetch,
+                    long_row_gemv=self.long_row_gemv and gemv, long_k_gemv_rows=self.long_k_gemv_rows,
+                    head_mma=self.head_mma, head_mma_from=self.head_mma_from, head_mma_to=self.head_mma_to)
+
 
 def _cuda_available() -> bool:
     import torch

@@ -50,18 +50,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = build_model(source, self.dtype, self.device, max_model_len, tp)
         self.vocab = source.config["vocab_size"]
-        self.backend = make_backend(
-            config.backend_name(), decode_gemv=config.decode_gemv, draft_gemv=config.draft_gemv and config.decode_gemv,
-            decode_gemm_rows=config.decode_gemm_rows if config.decode_gemv else 0,
-            decode_gemv_rows=config.decode_gemv_rows,
-            decode_gemm_split=config.decode_gemm_split and config.decode_gemv, rope_attention=config.rope_attention,
-            split_merge=config.split_merge, silu_epilogue=config.silu_epilogue,
-            gemm_silu_epilogue=config.gemm_silu_epilogue,
-            decode_attention=config.decode_attention, decode_attention_splits=config.decode_attention_splits,
-            decode_attention_prefetch=config.decode_attention_prefetch,
-            long_row_gemv=config.long_row_gemv and config.decode_gemv, long_k_gemv_rows=config.long_k_gemv_rows,
-            head_mma=config.head_mma, head_mma_from=config.head_mma_from, head_mma_to=config.head_mma_to,
-            device=self.device)
+        self.backend = make_backend(config.backend_name(), **config.backend_switches(), device=self.device)
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)
         self.num_blocks = tp.agree_min(self._num_kv_blocks())    # block tables index every rank's

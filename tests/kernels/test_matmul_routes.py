@@ -14,10 +14,7 @@ GEMV, GEMM, CUBLAS = "gemv", "gemm", "cublas"
 
 def _backend() -> TritonAttention:
     """The backend as the model runner builds it from EngineConfig's defaults."""
-    cfg = EngineConfig()
-    backend = TritonAttention(decode_gemv=cfg.decode_gemv, decode_gemm_rows=cfg.decode_gemm_rows,
-                              decode_gemv_rows=cfg.decode_gemv_rows, decode_gemm_split=cfg.decode_gemm_split,
-                              long_row_gemv=cfg.long_row_gemv, long_k_gemv_rows=cfg.long_k_gemv_rows)
+    backend = TritonAttention(**EngineConfig().backend_switches())
     backend._gemv, backend._gemm = dg, gm           # the modules these tests import (interpreter or CUDA builds)
     return backend
 
