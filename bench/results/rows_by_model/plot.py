@@ -30,6 +30,7 @@ def llama1b(ax):
 def llama8b(ax):
     loop, gemv2, cublas = "GEMV loops long-K rows", "decode_gemv_rows=2 (cuBLAS at 4)", "long K past 1 row on cuBLAS"
     split, longk = load("ab_llama8b_split.json"), load("ab_llama8b_longk.json")
+    longk += [r for r in load("ab_llama8b_3_8.json") if r["streams"] == 3]   # at 8 both sides take cuBLAS
     bars = {loop: {r["streams"]: r["after_forward_ms"] for r in split},
             gemv2: {r["streams"]: r["before_forward_ms"] for r in split if r["streams"] == 4},
             cublas: {r["streams"]: r["after_forward_ms"] for r in longk}}
@@ -37,7 +38,7 @@ def llama8b(ax):
     for i, (label, points) in enumerate(bars.items()):
         xs = sorted(points)
         ax.bar([s + (i - 1) * 0.25 for s in xs], [points[s] for s in xs], 0.25, label=label)
-    ax.set(title="Llama 8B (dummy weights): forward GPU ms a step", xlabel="streams", ylabel="ms", xticks=[1, 2, 4])
+    ax.set(title="Llama 8B (dummy weights): forward GPU ms a step", xlabel="streams", ylabel="ms", xticks=[1, 2, 3, 4])
     ax.legend(fontsize=8)
 
 
