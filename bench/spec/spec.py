@@ -29,8 +29,8 @@ import os
 import time
 from pathlib import Path
 
-from bench.common import (chat_prompts, engine_kwargs, engine_overrides, markdown_table, note, parse_variants, plot,
-                          record, write_results)
+from bench.common import (chat_prompts, cuda_sync, engine_kwargs, engine_overrides, markdown_table, note,
+                          parse_variants, plot, record, write_results)
 from bench.guided.guided_quality import (DATASETS, close_engines, load_schemas, resolve,
                                          schema_prompt)
 
@@ -94,11 +94,9 @@ def build(args, streams: int, drafter: str, k: int, variant: dict | None = None,
 
 def timed_generate(eng, prompts, max_tokens: int) -> dict:
     from engine.requests.sequence import SamplingParams
-    import torch
     eng.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))     # warm-up (kernels, allocator)
     eng.timings.reset()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    cuda_sync()
     t0 = time.perf_counter()
     seqs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     wall = time.perf_counter() - t0
