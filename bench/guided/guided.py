@@ -32,8 +32,8 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import markdown_table, note, plot, record, write_results
-from bench.guided.guided_quality import (DATASETS, build_engine, close_engine, dataset_spec, free_engine, load_schemas,
+from bench.common import free_gpu_memory, markdown_table, note, plot, record, write_results
+from bench.guided.guided_quality import (DATASETS, build_engine, close_engine, dataset_spec, load_schemas,
                                          run_peer, run_quality)
 from bench.guided.guided_speed import COLUMNS as SPEED_COLS, run_speed
 
@@ -86,7 +86,7 @@ def _with_engine(args, seqs, part, fn) -> list[dict]:
     finally:
         close_engine(eng)
         eng = None
-        free_engine()
+        free_gpu_memory()
 
 
 def run_quality_all(args) -> list[dict]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from bench.common import dtype_name, engine_kwargs, engine_overrides, note, progress, record
+from bench.common import dtype_name, engine_kwargs, engine_overrides, free_gpu_memory, note, progress, record
 # the schema sets live in specdec/ (studies use them too); re-exported for the benchmarks that import them here
 from specdec.datasets import DATASETS, PROMPT, load_schemas, resolve, schema_prompt  # noqa: F401
 from specdec.validate import check_output, explain_output  # noqa: F401
@@ -57,15 +57,7 @@ def close_engines(engines) -> None:
     """Close each engine, then give their memory back (several engines of one measurement)."""
     for eng in engines:
         close_engine(eng)
-    free_engine()
-
-
-def free_engine() -> None:
-    import gc
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_gpu_memory()
 
 
 def dataset_spec(item: str, root: str) -> tuple[str, str]:
@@ -238,7 +230,7 @@ def run_peer(eng, schemas, args) -> list[dict]:
             items.append((w[0], reason, error, text, len(toks)))
         results[mode] = (items, wall)
     hf = None
-    free_engine()
+    free_gpu_memory()
     records = []
     for mode, (items, wall) in results.items():
         tokens = sum(i[4] for i in items)

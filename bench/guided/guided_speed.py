@@ -35,8 +35,8 @@ import statistics
 import time
 import traceback
 
-from bench.common import dtype_name, engine_overrides, note, progress, record
-from bench.guided.guided_quality import (build_engine, close_engine, free_engine, guided_params,
+from bench.common import dtype_name, engine_overrides, free_gpu_memory, note, progress, record
+from bench.guided.guided_quality import (build_engine, close_engine, guided_params,
                                          load_schemas, resolve, schema_prompt)
 from bench.kernels.kernel_trace import device_events, kernel_summary
 
@@ -214,5 +214,5 @@ def run_speed(args) -> list[dict]:
                                   None, None, part="speed", error=f"{type(e).__name__}: {e}"))
         close_engine(eng)
         eng = None
-        free_engine()
+        free_gpu_memory()
     return records

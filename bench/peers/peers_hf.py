@@ -28,14 +28,13 @@ From another bench: `from bench.peers.peers_hf import run_peers; records = run_p
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 import traceback
 
 import torch
 
-from bench.common import chat_prompts, markdown_table, note, plot, progress, record, write_results
+from bench.common import chat_prompts, free_gpu_memory, markdown_table, note, plot, progress, record, write_results
 
 MODES = ("hf_cb_sync", "hf_cb_async", "hf_static_compile")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -236,13 +235,9 @@ def run_peers(streams_list=(1, 8, 32), new_tokens=128, modes=MODES, dtype="bfloa
             traceback.print_exc()
             rec = _record(mode, src.name, dtype, n, new_tokens, error=f"{type(e).__name__}: {e}", **extra)
         records.append(rec)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_gpu_memory()
     del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_gpu_memory()
     return records
 
 

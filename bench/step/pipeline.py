@@ -17,14 +17,12 @@ pipelined / tok/s blocking over the whole run.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import time
 
-import torch
 
-from bench.common import chat_prompts, markdown_table, note, plot, progress, record, write_results
+from bench.common import chat_prompts, free_gpu_memory, markdown_table, note, plot, progress, record, write_results
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
 
@@ -105,9 +103,7 @@ def bench_model(spec, args) -> list[dict]:
         prompts = chat_prompts(eng, count)
         records.append(run_one(eng, name, workload, streams, depth, prompts, args.new_tokens))
     del eng
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_gpu_memory()
     return records
 
 

@@ -18,12 +18,12 @@ Writes JSON (`--out`) and a PNG of tok/s vs streams beside it; prints a markdown
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 import traceback
 
 from bench.common import (GcClock, chat_prompts, copy_bandwidth_gbs, cuda_sync, dtype_name, engine_kwargs,
-                          engine_overrides, markdown_table, note, plot, progress, record, write_results)
+                          engine_overrides, free_gpu_memory, markdown_table, note, plot, progress, record,
+                          write_results)
 
 MODES = {1: "blocking", 2: "pipelined"}
 COLUMNS = ["mode", "streams", "new_tokens", "tok_s", "ms_per_step", "steps"]   # + the *_ms breakdown found
@@ -134,15 +134,8 @@ def run_one(args, depth: int, streams: int, bandwidth_gbs: float | None = None) 
                      error=f"{type(e).__name__}: {e}")
     finally:
         eng = None
-        gc.collect()
-        _free_cuda()
+        free_gpu_memory()
     return rec
-
-
-def _free_cuda():
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def table_columns(records) -> list[str]:

@@ -13,11 +13,10 @@ and TP = 2: <= 0.6, with idle_frac < 2%). TP sizes the machine lacks GPUs for ar
 from __future__ import annotations
 
 import argparse
-import gc
 
 import torch
 
-from bench.common import markdown_table, note, plot, random_prompts, record, write_results
+from bench.common import free_gpu_memory, markdown_table, note, plot, random_prompts, record, write_results
 from bench.step.pipeline import closed_loop, steady
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
@@ -64,9 +63,7 @@ def bench_tp(args, tp: int) -> list[dict]:
     finally:
         eng.close()
         del eng
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_gpu_memory()
 
 
 def main(argv=None):
