@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import torch
 
 from engine.kernels.matmul.cpu_gemm import linear
-from engine.lm_head import HeadArgmax
+from engine.kernels.routes import RouteTable
+from engine.lm_head import HEAD_OPS, HeadArgmax
 
 
 @dataclass
@@ -77,8 +78,9 @@ class _Matmuls:
         return self.attend(q, k_cache, v_cache, meta, scale)
 
     # meta: the step's AttentionMetadata where the caller has it; a backend may choose its kernels' launch by it
-    def linear(self, x, weight, bias=None, meta=None):
-        return linear(x, weight, bias)
+    def linear(self, x, weight, bias=None, meta=None, add=None):
+        out = linear(x, weight, bias)
+        return out if add is None else add + out
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, meta=None):
         """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x itself without one)."""
@@ -99,15 +101,15 @@ class _Matmuls:
         gate_up, residual = self.norm_linear(x, residual, norm_weight, eps, gate_up_weight, meta=meta)
         return self.silu_linear(gate_up, down_weight, residual if add_residual else None, meta=meta), residual
 
-    def norm_linear_argmax(self, x, norm_weight, eps, weight, gemv: bool = True, ids=None):
+    def norm_linear_argmax(self, x, norm_weight, eps, weight, ids=None):
         """linear(rms_norm(x)).float().argmax(-1) (int64, the first maximum; ids[it] where an int64 map of
-        weight's rows is given) in kernels of the backend's (`gemv`: the decode GEMV's too), or None where it
-        has none for the call: the caller computes the logits."""
+        weight's rows is given) in kernels of the backend's, or None where it has none for the call: the caller
+        computes the logits."""
         return None
 
-    def linear_argmax(self, x, weight, gemv: bool = True, ids=None):
+    def linear_argmax(self, x, weight, ids=None):
         """linear(x).float().argmax(-1) (int64, the first maximum; ids[it] as norm_linear_argmax's) in kernels
-        of the backend's (`gemv`: the decode GEMV's too), or None where it has none for the call."""
+        of the backend's, or None where it has none for the call."""
         return None
 
 
@@ -128,50 +130,28 @@ class TorchAttention(_Matmuls):
         return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-SPLIT_MIN_ROWS, SPLIT_MAX_WEIGHT = 3, 1 << 21      # TritonAttention._split_to_gemm (weight elements)
 SEMAPHORES = 1024   # split_merge's counters, one a group of a merging launch: its programs fit one an SM
 
 
 class TritonAttention(HeadArgmax, _Matmuls):
-    """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    """Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1). Each matmul and LM head runs the kernel its
+    route table names for the call's (op, N, K, rows) where that kernel takes the call, else cuBLAS
+    (engine/kernels/routes.py)."""
     name = "triton"
     fused = True       # the model takes its fused path (engine.kernels.fused_ops)
 
-    def __init__(self, decode_gemv: bool = False, draft_gemv: bool = False, decode_gemm_rows: int = 0,
-                 decode_gemv_rows: int = 4, decode_gemm_split: bool = False, rope_attention: bool = False,
-                 split_merge: bool = False, silu_epilogue: bool = False, gemm_silu_epilogue: bool = False,
+    def __init__(self, routes: RouteTable | None = None, rope_attention: bool = False, split_merge: bool = False,
                  decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
-                 long_row_gemv: bool = False, long_k_gemv_rows: int = 8, head_mma: bool = False,
-                 head_mma_from: int = 0, head_mma_to: int = 64, device=None):
+                 device=None):
         from engine.kernels.sampling import argmax, bitmask
-        from engine.kernels.matmul import decode_gemm as gemm, decode_gemv as gemv, draft_gemv as draft, head_mma as mma
+        from engine.kernels.matmul import decode_gemm, decode_gemv, draft_gemv, head_mma
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
         from engine.kernels import fused_ops
-        for name, on in (("draft_gemv", draft_gemv), ("long_row_gemv", long_row_gemv)):
-            if on and not decode_gemv:
-                raise ValueError(f"{name} runs on the decode GEMV: it needs decode_gemv")
-        for name, rows in (("decode_gemv_rows", decode_gemv_rows), ("long_k_gemv_rows", long_k_gemv_rows)):
-            if not 1 <= rows <= gemv.MAX_ROWS:
-                raise ValueError(f"{name} must be 1 to {gemv.MAX_ROWS}, got {rows}")
-        if decode_gemm_rows and not (decode_gemv and decode_gemv_rows < decode_gemm_rows <= gemm.MAX_ROWS):
-            raise ValueError(f"decode_gemm_rows must be 0 or {decode_gemv_rows + 1} to {gemm.MAX_ROWS}, with "
-                             f"decode_gemv; got {decode_gemm_rows}")
-        if decode_gemm_split and not decode_gemv:
-            raise ValueError("decode_gemm_split shares the decode GEMV's rows with decode_gemm: it needs decode_gemv")
-        self._k, self._gemv = paged_attention, gemv if decode_gemv else None
-        self._gemv_rows = decode_gemv_rows                  # steps of 1 .. _gemv_rows rows: the GEMV
-        self._long_rows = long_row_gemv                     # and its matmuls without a prologue to MAX_K_PLAIN
-        self._long_k_rows = long_k_gemv_rows                # but K past AT_ONCE_MAX_K only to these rows
-        self._gemm = gemm if decode_gemm_rows or decode_gemm_split else None
-        self._gemm_rows = decode_gemm_rows                  # steps of _gemv_rows + 1 .. _gemm_rows rows: decode_gemm
-        self._split = decode_gemm_split                     # and in the GEMV's rows, see _split_to_gemm
-        self._draft = draft if draft_gemv else None     # argmax (draft steps, verify_gemv) and residual epilogues
-        self._head_mma = mma if head_mma else None      # the LM head's argmax past the GEMV's rows (lm_head.py)
-        self._head_mma_from = head_mma_from or decode_gemv_rows + 1      # or from these rows
-        self._head_mma_to = head_mma_to                                  # up to these rows
+        self.routes = routes if routes is not None else RouteTable()
+        self._k = paged_attention
+        self._mods = {"gemv": decode_gemv, "gemm": decode_gemm}     # the matmul kernels by route name
+        self._draft, self._mma = draft_gemv, head_mma                # the heads' ("gemv", "mma")
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
-        self._silu_epilogue = silu_epilogue             # norm_mlp: SiLU * up in the GEMV of gate_up where it takes it
-        self._gemm_silu_epilogue = gemm_silu_epilogue   # and in decode_gemm's where that takes it
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
         self._decode_prefetch = decode_attention_prefetch                  # its cached tiles read before the wait
@@ -182,74 +162,69 @@ class TritonAttention(HeadArgmax, _Matmuls):
         self._argmax = argmax
         self.ops = fused_ops
 
-    # engine/kernels/matmul/decode_gemv.py (the op before folded in) for steps of up to decode_gemv_rows rows when it
-    # is on and there is no bias, decode_gemm.py for up to decode_gemm_rows rows, else the separate kernel and cuBLAS
-    def _gemv_for(self, x, weight, bias, plain: bool = False, **kw):
-        """The kernel module taking this call, or None. plain: no op before the matmul, so with long_row_gemv the
-        GEMV takes rows up to its MAX_K_PLAIN. A K the GEMV takes one row at a time goes to cuBLAS in steps of more
-        than long_k_gemv_rows rows: Llama 8B's 4-row step 9.68 -> 4.59 ms (H200, bench/results/rows_by_model/)."""
-        if self._gemv is None or bias is not None:
-            return None
-        rows, k = x.shape[0], kw.get("k") or x.shape[-1]
-        if rows <= self._gemv_rows:
-            kernels = self._gemv
-            if self._split and self._split_to_gemm(rows, weight.shape[0], k) and self._gemm.supports(x, weight, **kw):
-                kernels = self._gemm
-            elif rows > self._long_k_rows and self._gemv.one_row_at_a_time(k):
-                return None
-        elif self._gemm is not None and rows <= self._gemm_rows:
-            kernels = self._gemm
-        else:
-            return None
-        if plain and self._long_rows and kernels is self._gemv:
-            kw["max_k"] = kernels.MAX_K_PLAIN
-        return kernels if kernels.supports(x, weight, **kw) else None
+    def can_run(self, kernel: str, op: str, x, weight, k: int | None = None, norm_weight=None, residual=None,
+                add=None) -> bool:
+        """Whether `kernel` takes this call of `op` (k: the matmul's K where x is wider, as gate_up for SiLU)."""
+        if kernel == "cublas":
+            return True
+        if op in HEAD_OPS:
+            if kernel == "mma":
+                return self._mma.supports(x, weight)
+            if kernel != "gemv":
+                return False
+            return self._draft.supports(x, norm_weight, weight) if op == "norm_head" \
+                else self._draft.supports_linear(x, weight)
+        mod = self._mods.get(kernel)
+        if mod is None:
+            return False
+        limit = {"max_k": mod.MAX_K_PLAIN} if kernel == "gemv" and op == "linear" else {}
+        return mod.supports(x, weight, k=k, norm_weight=norm_weight, residual=residual, add=add, **limit) and (
+            op != "norm_linear_silu" or mod.silu_mul_fits(weight))
 
-    @staticmethod
-    def _split_to_gemm(rows: int, n: int, k: int) -> bool:
-        """decode_gemm_split: whether decode_gemm takes a matmul of the GEMV's rows: from 3 rows, a weight of at
-        most SPLIT_MAX_WEIGHT elements. decode_gemm reads its weight tile before the dependent-launch wait; a small
-        weight's programs all run at once, so the whole read overlaps the kernel before. SmolLM2's four (the
-        largest, gate_up, 1.8 M) are faster there from 3 rows (4 streams 0.540 -> 0.499 ms a step,
-        bench/results/head_rows/); Llama 1B's (the smallest, o, 4.2 M) are faster on the GEMV (1.32 against 1.68
-        ms), whose many narrow programs read a large weight faster (H200, bench/results/rows_by_model/)."""
-        return rows >= SPLIT_MIN_ROWS and n * k <= SPLIT_MAX_WEIGHT
+    def kernel_for(self, op: str, x, weight, k: int | None = None, **kw) -> str:
+        """The kernel that runs this call: its route's where that kernel takes it, else cuBLAS."""
+        k = k or x.shape[-1]
+        kernel = self.routes.lookup(op, weight.shape[0], k, x.shape[0])
+        return kernel if self.can_run(kernel, op, x, weight, k=k, **kw) else "cublas"
 
-    def _launch(self, kernels, meta) -> dict:
+    def _launch(self, kernel: str, meta) -> dict:
         """decode_gemm's keywords for this step: a decode step's (one token a sequence) take its own launch rule,
         which gains there and loses in a verification step of the same rows (decode_gemm.DECODE_PROGRAMS)."""
-        return {"decode": True} if kernels is self._gemm and meta is not None and meta.max_query_len == 1 else {}
+        return {"decode": True} if kernel == "gemm" and meta is not None and meta.max_query_len == 1 else {}
 
-    def linear(self, x, weight, bias=None, meta=None):
-        if kernels := self._gemv_for(x, weight, bias, plain=True):
-            return kernels.decode_linear(x, weight, **self._launch(kernels, meta))
-        return super().linear(x, weight, bias)
+    def linear(self, x, weight, bias=None, meta=None, add=None):
+        """x @ weight.T (+ bias), plus `add` where given (rounded as the two torch ops round it)."""
+        kernel = "cublas" if bias is not None else self.kernel_for("linear", x, weight, add=add)
+        if kernel == "gemv":
+            return self._mods["gemv"].decode_linear(x, weight, add)
+        out = self._mods["gemm"].decode_linear(x, weight, **self._launch(kernel, meta)) if kernel == "gemm" \
+            else super().linear(x, weight, bias)
+        return out if add is None else add + out
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, meta=None):
-        if kernels := self._gemv_for(x, weight, bias, norm_weight=norm_weight, residual=residual):
-            return kernels.decode_norm_linear(x, norm_weight, eps, weight, residual, **self._launch(kernels, meta))
-        return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
+        kernel = "cublas" if bias is not None else self.kernel_for("norm_linear", x, weight, norm_weight=norm_weight,
+                                                                   residual=residual)
+        if kernel == "cublas":
+            return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
+        return self._mods[kernel].decode_norm_linear(x, norm_weight, eps, weight, residual,
+                                                     **self._launch(kernel, meta))
+
+    def norm_linear_silu(self, x, residual, norm_weight, eps, weight, meta=None):
+        """(silu(gate) * up of norm_linear(x, residual, ..., weight = [gate; up]), the new residual)."""
+        kernel = self.kernel_for("norm_linear_silu", x, weight, norm_weight=norm_weight, residual=residual)
+        if kernel == "cublas":
+            gate_up, residual = super().norm_linear(x, residual, norm_weight, eps, weight)
+            return self.ops.silu_mul(gate_up), residual
+        return self._mods[kernel].decode_norm_linear_silu(x, norm_weight, eps, weight, residual,
+                                                          **self._launch(kernel, meta))
 
     def silu_linear(self, gate_up, weight, residual=None, meta=None):
-        if residual is not None and self._draft is None:        # the residual epilogue is draft_gemv's
-            return residual + self.silu_linear(gate_up, weight, meta=meta)
-        if kernels := self._gemv_for(gate_up, weight, None, k=gate_up.shape[-1] // 2, add=residual):
-            return kernels.decode_silu_linear(gate_up, weight, residual, **self._launch(kernels, meta))
-        return super().silu_linear(gate_up, weight, residual)
+        return self.linear(self.ops.silu_mul(gate_up), weight, meta=meta, add=residual)
 
     def norm_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual: bool = False,
                  meta=None):
-        gemv, kernels = self._gemv, self._gemv_for(x, gate_up_weight, None, norm_weight=norm_weight, residual=residual)
-        if not (kernels is not None and kernels.silu_mul_fits(gate_up_weight) and
-                (self._silu_epilogue if kernels is gemv else self._gemm_silu_epilogue)):
-            return super().norm_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight, add_residual, meta)
-        act, residual = kernels.decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual,
-                                                        **self._launch(kernels, meta))
-        add = residual if add_residual else None
-        if add is not None and self._draft is not None and self._gemv_for(act, down_weight, None, add=add) is gemv:
-            return gemv.decode_linear(act, down_weight, add), residual      # the residual epilogue is draft_gemv's
-        out = self.linear(act, down_weight, meta=meta)
-        return (out if add is None else add + out), residual
+        act, residual = self.norm_linear_silu(x, residual, norm_weight, eps, gate_up_weight, meta=meta)
+        return self.linear(act, down_weight, meta=meta, add=residual if add_residual else None), residual
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._k.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -271,10 +246,10 @@ class TritonAttention(HeadArgmax, _Matmuls):
         return super().rope_attend(q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale)
 
 
-def make_backend(name: str, **switches):
-    """The attention backend `name`; `switches` (TritonAttention's keywords) configure the Triton one."""
+def make_backend(name: str, **options):
+    """The attention backend `name`; `options` (TritonAttention's keywords) configure the Triton one."""
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        return TritonAttention(**switches)
+        return TritonAttention(**options)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -32,51 +32,10 @@ class EngineConfig:
     prefix_caching: bool = True        # full KV pages shared by prompts with the same prefix, kept after their
                                        # request until evicted (engine/memory/block_manager.py)
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
-    decode_gemv: bool = True           # steps of <= 4 rows: the fused path's matmuls are engine/kernels/matmul/
-                                       # decode_gemv.py (weights read before the dependent-launch wait), not cuBLAS
-    draft_gemv: bool = True            # the EAGLE draft steps' LM head argmax and residual on the decode GEMV
-                                       # (engine/kernels/matmul/draft_gemv.py) where decode_gemv is on
-    spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
-                                       # head's next ids in one kernel (engine/kernels/spec/spec_finish.py)
-    verify_gemv: bool = False          # a greedy verification (unguided, no extras, <= decode_gemv_rows rows) takes
-                                       # the target's LM head argmax from draft_gemv's kernels, no logits, where
-                                       # those run; off: no faster than cuBLAS + argmax at 4 rows on an H100
-    head_gemv: bool = True             # a greedy step (plain or verifying; unguided, no extras) takes its tokens
-                                       # without float32 logits: from draft_gemv's LM head argmax kernels (plain
-                                       # steps of <= decode_gemv_rows rows), else cuBLAS's logits and engine/
-                                       # kernels/sampling/argmax.py, where those run (the Triton backend)
-    head_mma: bool = True              # greedy heads of up to head_mma_to rows that the GEMV does not keep (see
-                                       # head_mma_from) take their tokens from engine/kernels/matmul/head_mma.py's
-                                       # argmax on tensor cores, no logits, in place of the GEMV's argmax or cuBLAS's
-                                       # logits and the argmax's block max, where the backend is Triton. H200: 16 us
-                                       # a head at 1-4 rows against the GEMV argmax's 19 / 31 / 48 (bench/results/
-                                       # head_mma_step/); in the step past 4 rows within noise (head_rows/)
-    head_mma_from: int = 1             # with head_mma, also the GEMV's heads of N rows or more (0: none; 1: all,
-                                       # an EAGLE draft's after the final norm's kernel, which the GEMV folds in)
-    head_mma_to: int = 4               # with head_mma, only heads of at most N rows (up to 64, all it can take)
-    long_row_gemv: bool = True         # the decode GEMV also takes matmuls without a prologue whose rows are past
-                                       # 8192 (up to 16384, 8 warps a row): Llama 8B's down projection (14336),
-                                       # which silu_epilogue left without one, off cuBLAS and its split-K reduce:
-                                       # 4.14 -> 4.10 ms a step, 32 kernels fewer (H200, bench/results/
-                                       # attention_rules/); SmolLM2 and Llama 1B have no such rows
-    long_k_gemv_rows: int = 1          # the decode GEMV takes a matmul of K past 2048, whose rows it takes one at a
-                                       # time (a pass over its registers each), only in steps of at most this many
-                                       # rows (1 to 8); cuBLAS takes larger ones: Llama 8B's 4-row step 9.68 -> 4.59
-                                       # ms (H200, bench/results/rows_by_model/); SmolLM2 has no such K
-    decode_gemv_rows: int = 4          # the decode GEMV (and draft_gemv's argmax) takes steps of at most this many
-                                       # rows (1 to 8), but for the matmuls decode_gemm_split gives decode_gemm
-    decode_gemm_rows: int = 32         # steps of decode_gemv_rows + 1 to this many rows (at most 32; 0: none): the
-                                       # fused path's matmuls are engine/kernels/matmul/decode_gemm.py (tensor cores,
-                                       # weights read before the wait) not cuBLAS, where decode_gemv is on; under
-                                       # dependent launch (SPECDEC_PDL_MAX_ROWS, 32) on an H100 8 streams 0.97 ->
-                                       # 0.83 ms a step, 32 streams 1.05 -> 0.90 (bench/results/decode_rows/)
-    decode_gemm_split: bool = True     # steps of 3 to decode_gemv_rows rows where decode_gemv is on: decode_gemm takes
-                                       # the matmuls of small weights (at most 2 M elements: all of SmolLM2's), the
-                                       # GEMV the rest (all of Llama 1B's and 8B's); engine/attention.py's
-                                       # _split_to_gemm. H200, head_mma on: SmolLM2 4 streams 0.540 -> 0.499 ms a step
-                                       # (bench/results/head_rows/); Llama 1B 1.32 against 1.68 with decode_gemm on
-                                       # every matmul (bench/results/rows_by_model/); at 2 rows the GEMV is faster
-                                       # (SmolLM2 0.482 against 0.493)
+    kernels: str = "auto"              # "auto": each matmul and LM head on the kernel measured fastest for its
+                                       # shape and rows on this GPU (engine/kernels/routes.py, cached on disk);
+                                       # "reference": cuBLAS for all of them, the baseline for equality and speed
+    kernel_routes: str = ""            # a route file pinning kernels over the measured ones (experiments)
     rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
                                        # verification): RoPE and the KV store inside the attention kernel, not a
                                        # kernel of their own (engine/kernels/attention/rope_kv.py), where the backend
@@ -87,12 +46,6 @@ class EngineConfig:
                                        # programs fit one an SM (split_merge.merges). H200 (bench/results/
                                        # llama8b_floor/): Llama 1B 0.838 -> 0.809 ms a step, 8B 4.01 -> 3.96; SmolLM2's
                                        # kernel path 0.417 -> 0.415 ms at 1 stream, 0.634 -> 0.607 at 8
-    silu_epilogue: bool = True         # steps on the decode GEMV: SiLU * up in the epilogue of the gate_up GEMV, so
-                                       # the down projection reads the activation (engine/kernels/matmul/decode_gemv.py)
-    gemm_silu_epilogue: bool = True    # the same in decode_gemm (steps of decode_gemv_rows + 1 .. decode_gemm_rows
-                                       # rows): gate_up stores half as much and down reads half, with no SiLU. H200
-                                       # (bench/results/gemm_silu_epilogue/): forward 0.730 -> 0.653 ms a step at 32
-                                       # streams, 0.603 -> 0.535 at 8
     step_io_kernels: bool = True       # plain and guided steps: their input ids (carried from the token pool) and
                                        # embedding rows in one kernel, and their tokens' copy to the slot and the
                                        # pool in one (engine/kernels/step_io.py), in place of seven torch kernels,
@@ -189,17 +142,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
-        if not 0 <= self.head_mma_from <= 64:                                 # head_mma.MAX_ROWS
-            raise ValueError(f"head_mma_from must be 0 to 64, got {self.head_mma_from}")
-        if not max(1, self.head_mma_from) <= self.head_mma_to <= 64:
-            raise ValueError(f"head_mma_to must be head_mma_from ({self.head_mma_from}) or more, up to 64; got "
-                             f"{self.head_mma_to}")
-        for name in ("long_k_gemv_rows", "decode_gemv_rows"):
-            if not 1 <= getattr(self, name) <= 8:                             # decode_gemv.MAX_ROWS
-                raise ValueError(f"{name} must be 1 to 8, got {getattr(self, name)}")
-        if self.decode_gemm_rows and not self.decode_gemv_rows < self.decode_gemm_rows <= 32:
-            raise ValueError(f"decode_gemm_rows must be 0 (off) or decode_gemv_rows + 1 "
-                             f"({self.decode_gemv_rows + 1}) to 32, got {self.decode_gemm_rows}")
+        if self.kernels not in ("auto", "reference"):
+            raise ValueError(f"unknown kernels {self.kernels!r}; choose from auto, reference")
+        if self.kernel_routes and self.kernels != "auto":
+            raise ValueError("kernel_routes pins routes of kernels='auto'; 'reference' runs cuBLAS for every matmul")
         splits = self.decode_attention_splits
         if splits and (splits < 1 or splits > 32 or splits & (splits - 1)):
             raise ValueError(f"decode_attention_splits must be 0 (by rule) or a power of two up to 32, got {splits}")
@@ -258,19 +204,11 @@ class EngineConfig:
             return "triton" if self.torch_device().type == "cuda" else "torch"
         return self.attention_backend
 
-    def backend_switches(self) -> dict:
-        """The Triton backend's keywords (engine/attention.py TritonAttention, but its device): the GEMV's paths
-        only where decode_gemv is on."""
-        gemv = self.decode_gemv
-        return dict(decode_gemv=gemv, draft_gemv=self.draft_gemv and gemv,
-                    decode_gemm_rows=self.decode_gemm_rows if gemv else 0, decode_gemv_rows=self.decode_gemv_rows,
-                    decode_gemm_split=self.decode_gemm_split and gemv, rope_attention=self.rope_attention,
-                    split_merge=self.split_merge, silu_epilogue=self.silu_epilogue,
-                    gemm_silu_epilogue=self.gemm_silu_epilogue, decode_attention=self.decode_attention,
-                    decode_attention_splits=self.decode_attention_splits,
-                    decode_attention_prefetch=self.decode_attention_prefetch,
-                    long_row_gemv=self.long_row_gemv and gemv, long_k_gemv_rows=self.long_k_gemv_rows,
-                    head_mma=self.head_mma, head_mma_from=self.head_mma_from, head_mma_to=self.head_mma_to)
+    def backend_options(self) -> dict:
+        """The Triton backend's keywords but its routes and device (engine/attention.py TritonAttention)."""
+        return dict(rope_attention=self.rope_attention, split_merge=self.split_merge,
+                    decode_attention=self.decode_attention, decode_attention_splits=self.decode_attention_splits,
+                    decode_attention_prefetch=self.decode_attention_prefetch)
 
 
 def _cuda_available() -> bool:

@@ -16,10 +16,9 @@ from engine.requests.sequence import SamplingParams
 from engine.runner.graphs import StepGraphs
 
 CPU = dict(device="cpu", dtype="float32", attention_backend="torch")
-# Engines on the Triton backend without CUDA run every kernel in the interpreter, where decode_gemm's tiles (steps of
-# 3-16 rows) cost seconds a step; the engine tests of the other kernels leave it to test_decode_gemm.py's, which run
-# it there. With CUDA they keep the default.
-INTERPRETER_SETTINGS = {} if torch.cuda.is_available() else dict(decode_gemm_rows=0)
+# Engines on the Triton backend without CUDA run every kernel in the interpreter; there no route is measured, so
+# every matmul is cuBLAS's unless a test pins one (engine/kernels/routes.py). With CUDA they keep the default.
+INTERPRETER_SETTINGS = {}
 # (drafter, depth) of the kernels' engine tests: all four with CUDA; in the interpreter each costs ~half a minute,
 # so there one depth a drafter (each drafter and each depth still run)
 SPEC_DEPTHS = [("eagle", 2), ("ngram", 1)] + ([("eagle", 1), ("ngram", 2)] if torch.cuda.is_available() else [])

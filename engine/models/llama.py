@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.kernels.matmul.cpu_gemm import Linear, linear
+from engine.kernels.routes import Site
 from engine.parallel.group import SINGLE
 from engine.parallel.sharding import attention_heads, split, vocab_rows
 
@@ -232,6 +233,19 @@ class LlamaForCausalLM(nn.Module):
         if len(self.layers) - 1 in aux_layers:
             aux[len(self.layers) - 1] = last
         return (h, _in_order(aux, aux_layers)) if aux_layers else h
+
+    def route_sites(self) -> list[Site]:
+        """The matmuls whose kernel the route table chooses (engine/kernels/routes.py): a biased QKV (Qwen2) is
+        cuBLAS's alone."""
+        attn, mlp = [layer.self_attn for layer in self.layers], [layer.mlp for layer in self.layers]
+        first = self.layers[0]
+        sites = [] if attn[0].qkv_proj.bias is not None else [
+            Site("norm_linear", [a.qkv_proj.weight for a in attn], first.input_layernorm.weight)]
+        return sites + [Site("linear", [a.o_proj.weight for a in attn]),
+                        Site("norm_linear_silu", [m.gate_up_proj.weight for m in mlp],
+                             first.post_attention_layernorm.weight),
+                        Site("linear", [m.down_proj.weight for m in mlp]),
+                        Site("head", [self.head_weight])]
 
     def final_norm(self, x, backend):
         return backend.ops.rms_norm(x, self.norm.weight, self.norm.eps) if backend.fused else self.norm(x)

@@ -23,6 +23,7 @@ from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
 from engine.runner.graphs import StepGraphs
 from engine.runner import native_launch
+from engine.runner.kernel_routes import route_table
 from engine.runner.rows import fill_slot
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepProgram, StepVariant
@@ -50,7 +51,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = build_model(source, self.dtype, self.device, max_model_len, tp)
         self.vocab = source.config["vocab_size"]
-        self.backend = make_backend(config.backend_name(), **config.backend_switches(), device=self.device)
+        self.backend = make_backend(config.backend_name(), **config.backend_options(), device=self.device)
         self.draft_source = draft
         self.kv_budget = self._kv_budget(source)
         self.num_blocks = tp.agree_min(self._num_kv_blocks())    # block tables index every rank's
@@ -74,11 +75,10 @@ class ModelRunner:
             self.program = SpecStepProgram(*args, state=self.pool, drafter=drafter,
                                            block_size=config.block_size, draft_max_rows=self.spec_rows,
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties,
-                                           spec_kernels=config.use_spec_kernels(), verify_gemv=config.verify_gemv,
-                                           finish_kernel=config.use_spec_kernels() and config.spec_finish_kernel,
-                                           head_gemv=config.head_gemv)
+                                           spec_kernels=config.use_spec_kernels(),
+                                           finish_kernel=config.use_spec_kernels() and config.spec_finish_kernel)
         else:
-            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool, head_gemv=config.head_gemv,
+            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool,
                                        step_io=config.step_io_kernels and self.backend.fused and tp.world == 1)
         # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)
         self.draft_lookahead = self.program.drafter.lookahead if self.spec_k else 0
@@ -89,6 +89,9 @@ class ModelRunner:
         self.step_events = [self._events(("start", "sampled_ready"), timing=True) for _ in range(_EVENT_RING)]
         for slot in self.slots:         # recorded inside the step (graphs too): read at the slot's commit
             slot.marks = self._events(("forward_done", "mask_waited"), timing=True, external=True)
+        if self.backend.name == "triton":      # the drafter's matmuls are routed too: the table comes after it
+            sites = self.model.route_sites() + (self.program.drafter.route_sites() if self.spec_k else [])
+            self.backend.routes = route_table(config, sites, self.backend, self.spec_rows)
         self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None, spec_rows=self.spec_rows)

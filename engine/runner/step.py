@@ -11,9 +11,9 @@ fork the grammar branch (engine/guided/masks.py) at their start and wait for its
 sampling; greedy steps (every sampling row at temperature 0) skip the random-sampling kernels; extras steps
 (some row asks for logprobs, penalties, min_p or min_tokens) count the inputs of penalized rows, penalize the
 logits, filter by min_p and record the logprobs of the sampled tokens (engine/sampling/penalties.py,
-engine/sampling/logprobs.py); no other step runs a kernel for them. With EngineConfig.head_gemv a greedy step that
-is neither guided nor extras computes no float32 logits: its tokens come from the backend's LM head argmax
-kernels (the decode GEMV's, or cuBLAS's logits and engine/kernels/sampling/argmax.py). Logits go: penalties and
+engine/sampling/logprobs.py); no other step runs a kernel for them. A greedy step that is neither guided nor extras
+computes no float32 logits where the backend has an LM head argmax for it (engine/lm_head.py: the route table's
+kernel). Logits go: penalties and
 min_tokens, grammar mask (logprobs are taken here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
@@ -38,7 +38,7 @@ class StepVariant(NamedTuple):
 
 class StepProgram:
     def __init__(self, model, kv_caches, backend, max_model_len: int, compute_stream=None, masks=None,
-                 penalties=None, pool=None, head_gemv: bool = False, step_io: bool = False):
+                 penalties=None, pool=None, step_io: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -49,7 +49,6 @@ class StepProgram:
         self.penalties = penalties              # PenaltyState (None: the engine has no penalties)
         self.pool = pool                        # TokenPool (engine/memory/token_pool.py): carried inputs, emitted
                                                 # tokens
-        self.head_gemv = head_gemv              # EngineConfig.head_gemv: greedy tokens from the head's argmax kernels
         # EngineConfig.step_io_kernels: the input ids + embedding and the emit kernels (Triton: imported only then)
         self.step_io = importlib.import_module("engine.kernels.step_io") if step_io else None
 
@@ -98,9 +97,9 @@ class StepProgram:
         return hidden[slot.dev["logits_indices"][:key.seqs]]
 
     def head_ids(self, hidden, variant: StepVariant):
-        """A greedy step's tokens straight from the backend's LM head argmax kernels (head_gemv), or None where
-        the step needs its logits (head_argmax)."""
-        if not self.head_gemv or hidden is None:
+        """A greedy step's tokens straight from the backend's LM head argmax kernels, or None where the step needs
+        its logits (head_argmax)."""
+        if hidden is None:
             return None
         return head_argmax(self.model, self.backend, hidden, variant)
 
@@ -143,15 +142,14 @@ class StepProgram:
         return tokens
 
 
-def head_argmax(model, backend, hidden, variant: StepVariant, gemv: bool = True):
-    """The LM head's argmax of `hidden` from the backend's kernels (int64; `gemv`: the decode GEMV's where they take
-    the rows), or None where the step needs its logits: a sampled step draws from them, a guided one masks them,
+def head_argmax(model, backend, hidden, variant: StepVariant):
+    """The LM head's argmax of `hidden` from the backend's kernels (int64), or None where the step needs its logits: a sampled step draws from them, a guided one masks them,
     an extras one penalizes them or records their logprobs; a head split over ranks gathers its vocabulary; the
     backend may have no kernels for it."""
     guided, greedy, extras = variant
     if not greedy or guided or extras or model.tp.world > 1:
         return None
-    return backend.linear_argmax(hidden, model.head_weight, gemv)
+    return backend.linear_argmax(hidden, model.head_weight)
 
 
 def mark(slot: DecodeSlot, name: str) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels.matmul.cpu_gemm import linear
+from engine.kernels.routes import Site
 from engine.memory.kv_cache import kv_pages
 from engine.models.llama import rope_inv_freq, rope_tables
 from engine.spec.eagle_head import EagleHead, HeadConfig
@@ -150,6 +151,16 @@ class PagedHead:
             raise ValueError(f"the draft vocabulary's ids must be distinct, in [0, {vocab})")
         if self.target.tp.world == 1:
             self.draft_ids, self.draft_weight = ids, self.target.head_weight[ids].contiguous()
+
+    def route_sites(self) -> list[Site]:
+        """The head's matmuls and its draft LM head (with the final norm), for the route table."""
+        h, t = self.head, self.target
+        sites = [Site("linear", [self.fc_weight]), Site("linear", [self.qkv_weight]), Site("linear", [h.o_proj.weight]),
+                 Site("norm_linear_silu", [self.gate_up_weight], h.post_norm), Site("linear", [h.down_proj.weight])]
+        if t.tp.world == 1:     # guided drafts read the whole vocabulary, unguided ones the draft vocabulary's rows
+            heads = [t.head_weight] + ([] if self.draft_weight is None else [self.draft_weight])
+            sites += [Site("norm_head", [w], t.norm.weight) for w in heads]
+        return sites
 
     def greedy(self, hidden):
         """logits(hidden).argmax(-1) in the backend's norm + LM head + argmax kernels (int64 [N]), or None where it

@@ -9,7 +9,7 @@ Every step of a speculating engine (spec steps and plain ones) runs:
 2. forward + logits: a spec step ("spec" graph key, or eager with slot.spec_k = K) has 1 + K query tokens in
    every row (the last token, then K drafts) and scores all of them. A greedy spec step that nothing else reads
    the logits of (unguided, no extras) takes only their argmax, from the backend's kernels where it has them
-   (target_ids: EngineConfig.head_gemv on cuBLAS's logits, verify_gemv on the decode GEMV).
+   (target_ids: engine/lm_head.py, the route table's kernel).
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
    logprobs step records the target's logprobs of the tokens at every scored position (engine/sampling/logprobs.py):
@@ -32,7 +32,7 @@ from engine.spec.verify import PAD, greedy_accept, greedy_accept_ids, rejection_
 
 class SpecStepProgram(StepProgram):
     def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None,
-                 spec_kernels: bool = False, verify_gemv: bool = False, finish_kernel: bool = False, **kwargs):
+                 spec_kernels: bool = False, finish_kernel: bool = False, **kwargs):
         super().__init__(*args, pool=state, **kwargs)
         self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
@@ -47,7 +47,6 @@ class SpecStepProgram(StepProgram):
         if finish_kernel:                        # EngineConfig.spec_finish_kernel: the greedy finish in one kernel
             from engine.kernels.spec import spec_finish
             self.spec_finish = spec_finish
-        self.verify_gemv = verify_gemv          # EngineConfig.verify_gemv: greedy verification from argmax kernels
 
     def sizes(self, slot, key) -> tuple[int, int, int, int]:
         """(tokens, sequences, sampling rows, K) of a step at its exact size (key None) or padded to a key."""
@@ -115,12 +114,11 @@ class SpecStepProgram(StepProgram):
         return self.model.compute_logits(hidden[slot.dev["logits_indices"][:S]]) if S else None
 
     def target_ids(self, hidden, variant, T: int, S: int, K: int):
-        """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels (head_gemv: on
-        cuBLAS's logits; verify_gemv: on the decode GEMV where it takes the rows), or None where the step computes
-        its float32 logits (engine.runner.step.head_argmax)."""
-        if not (K and S and (self.head_gemv or self.verify_gemv)):
+        """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels, or None where the
+        step computes its float32 logits (engine.runner.step.head_argmax)."""
+        if not (K and S):
             return None
-        ids = head_argmax(self.model, self.backend, hidden[:T], variant, gemv=self.verify_gemv)
+        ids = head_argmax(self.model, self.backend, hidden[:T], variant)
         return None if ids is None else ids.view(S, K + 1)
 
     # ---- 3. verify or sample -------------------------------------------------------------------

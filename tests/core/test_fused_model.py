@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leak, prefill_logits
+from engine.kernels.routes import pins
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
 
@@ -29,12 +30,19 @@ def reference():
     return _tokens("torch", 1)
 
 
+GEMV = pins(dict(kernel="gemv", rows=[1, 8]))                                    # every matmul and head it takes
+GEMM = pins(dict(kernel="gemv", rows=1), *[dict(kernel="gemm", op=op, rows=[2, 32])   # decode_gemm from 2 rows
+                                            for op in ("linear", "norm_linear", "norm_linear_silu")])
+
+
 # in the interpreter each loop with one matmul path (each path and each loop still run); every pair on a GPU
-@pytest.mark.parametrize("depth,decode_gemv", [(1, False), (2, True)] + ([(1, True), (2, False)] if DEVICE == "cuda"
-                                                                         else []))
-def test_fused_path_matches_reference(reference, depth, decode_gemv):
-    # 16 tokens a step: prompts go in chunks; steps of <= 4 rows take the decode GEMV when it is on
-    assert _tokens("triton", depth, max_num_batched_tokens=16, decode_gemv=decode_gemv) == reference
+@pytest.mark.parametrize("depth,routes", [(1, "reference"), (2, GEMV)] + (
+    [(1, GEMV), (2, "reference"), (2, "")] if DEVICE == "cuda" else []))
+def test_fused_path_matches_reference(reference, depth, routes):
+    """16 tokens a step: prompts go in chunks; steps of <= 8 rows take the decode GEMV where it is pinned, every
+    matmul cuBLAS under kernels="reference", the measured routes on a GPU ("")."""
+    kw = dict(kernels="reference") if routes == "reference" else dict(kernel_routes=routes)
+    assert _tokens("triton", depth, max_num_batched_tokens=16, **kw) == reference
 
 
 def test_fused_logits_close_to_reference():
@@ -46,18 +54,9 @@ def test_fused_logits_close_to_reference():
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def test_fused_path_with_silu_as_the_down_projections_prologue(reference):
-    """silu_epilogue off: the decode GEMV of gate_up stores gate_up and the down projection's computes SiLU * up,
-    with the same tokens."""
-    assert _tokens("triton", 2, max_num_batched_tokens=16, decode_gemv=True, silu_epilogue=False) == reference
-
-
-@pytest.mark.parametrize("on", [True, False])
-def test_fused_path_with_and_without_silu_in_decode_gemms_epilogue(reference, on):
-    """gemm_silu_epilogue: decode steps of 2-4 rows take decode_gemm (decode_gemv_rows 1), whose gate_up stores
-    SiLU * up for the down projection (on) or gate_up for down's SiLU prologue (off), with the same tokens."""
-    assert _tokens("triton", 2, max_num_batched_tokens=16, decode_gemv=True, decode_gemv_rows=1, decode_gemm_rows=4,
-                   gemm_silu_epilogue=on) == reference
+def test_fused_path_on_decode_gemm(reference):
+    """Steps of 2-4 rows on decode_gemm (its SiLU * up epilogue in gate_up), with the same tokens."""
+    assert _tokens("triton", 2, max_num_batched_tokens=16, kernel_routes=GEMM) == reference
 
 
 def test_fused_path_without_decode_attention(reference):

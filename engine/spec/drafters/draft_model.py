@@ -50,6 +50,9 @@ class DraftModelDrafter(Drafter):
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = kv_pages(len(model.layers), shape, w.dtype, w.device)
 
+    def route_sites(self) -> list:
+        return [site for site in self.model.route_sites() if site.op != "head"]    # drafts sample from logits
+
     def observe(self, ctx: FeatureContext) -> None:
         self.model(ctx.input_ids, ctx.positions, ctx.meta, self.kv_caches, self.backend)
 

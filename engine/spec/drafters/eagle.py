@@ -39,6 +39,9 @@ class EagleDrafter(Drafter):
         self.spec_kernels = spec_kernels        # draft_layout in one kernel
         self.gather = gather                    # ... which also gathers the step-0 queries and features
 
+    def route_sites(self) -> list:
+        return self.head.route_sites()
+
     def observe(self, ctx: FeatureContext) -> None:
         self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
 

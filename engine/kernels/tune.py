@@ -1,0 +1,224 @@
+"""The route table of a loaded model, measured on its GPU once and cached on disk (engine/kernels/routes.py).
+
+For each site (a matmul or LM head of the model: op, N x K, one weight per layer) and each row count the engine
+captures, every kernel that can run the call is timed and the fastest is routed to. A timing replays a CUDA graph
+of the op over up to CHAIN of the site's layers (their own weights, as a step reads them) after a write that
+evicts the L2 cache, so a kernel that hides its weight read behind the kernel before it (dependent launch) shows
+it, and no weight is read warm. cuBLAS is always a candidate.
+
+The cache is one JSON file per fingerprint (GPU, driver, torch, Triton, dtype and the kernels' source), cells
+keyed by (op, N, K, rows): a model whose shapes were measured before starts without timing; a damaged or stale
+file is measured again, with a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from engine.kernels.routes import HEAD_KERNELS, MATMUL_KERNELS, Pin, RouteTable, Site, kernels_for
+
+CHAIN = 8           # layers' weights one timing reads in a row
+REPEATS = 9         # timed replays a candidate (the median counts)
+MAX_ROWS = 64       # no kernel but cuBLAS takes more rows (head_mma's limit)
+FORMAT = 1          # the cache file's layout
+_KERNEL_SOURCES = ("matmul/decode_gemv.py", "matmul/decode_gemm.py", "matmul/draft_gemv.py", "matmul/head_mma.py",
+                   "matmul/gemv_checks.py", "matmul/silu_pairs.py", "sampling/argmax.py", "common.py", "fused_ops.py",
+                   "tune.py")
+
+
+def unique_sites(sites) -> list[Site]:
+    """One site a key (the EAGLE head's down projection may share the target's shape)."""
+    seen = {}
+    for site in sites:
+        seen.setdefault(site.key, site)
+    return list(seen.values())
+
+
+def tuning_rows(decode_rows, spec_tokens=()) -> list[int]:
+    """The row counts to measure: the captured decode batches and verification widths, up to MAX_ROWS."""
+    return sorted({r for r in (*decode_rows, *spec_tokens) if 0 < r <= MAX_ROWS})
+
+
+# ---- the cache ----------------------------------------------------------------------------------------------------
+def fingerprint(device: torch.device, dtype: torch.dtype) -> dict:
+    import triton
+    props = torch.cuda.get_device_properties(device)
+    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    here = Path(__file__).parent
+    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in _KERNEL_SOURCES)).hexdigest()[:16]
+    return dict(format=FORMAT, gpu=props.name, capability=f"{props.major}.{props.minor}", driver=driver,
+                torch=torch.__version__, triton=triton.__version__, dtype=str(dtype).removeprefix("torch."),
+                kernels=digest)
+
+
+def cache_path(fp: dict) -> Path:
+    from engine.models.loader import cache_dir
+    name = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "routes" / f"{name}.json"
+
+
+def _cell_name(op: str, n: int, k: int, rows: int) -> str:
+    return f"{op} {n} {k} {rows}"
+
+
+def load_cache(path: Path, fp: dict) -> dict:
+    """{cell name: {"kernel": ..., "us": {...}}}; {} with a warning for a damaged or stale file."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("fingerprint") != fp:
+            raise ValueError("it was measured on another GPU, driver, torch, Triton or kernel version")
+        cells = data["cells"]
+        for name, cell in cells.items():
+            op, *dims = name.split()
+            if len(dims) != 3 or cell["kernel"] not in kernels_for(op) or not all(d.isdigit() for d in dims):
+                raise ValueError(f"cell {name!r} is not a route")
+        return cells
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        warnings.warn(f"kernel route cache {path} is not usable ({e}); measuring again", stacklevel=2)
+        return {}
+
+
+def save_cache(path: Path, fp: dict, cells: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"fingerprint": fp, "cells": cells}, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+# ---- timing -------------------------------------------------------------------------------------------------------
+def choose(times_us: dict[str, float]) -> str:
+    """The fastest kernel; cuBLAS on a tie (it is the reference)."""
+    return min(times_us, key=lambda kernel: (times_us[kernel], kernel != "cublas"))
+
+
+def _inputs(site: Site, rows: int):
+    n, k = site.key[1:]
+    w = site.weights[0]
+    x = torch.randn(rows, k, device=w.device, dtype=w.dtype) * 0.5
+    residual = torch.randn_like(x) * 0.5 if site.op in ("norm_linear", "norm_linear_silu") else None
+    return x, residual
+
+
+def call(backend, site: Site, weight, x, residual, decode: bool):
+    """The backend's method for the site's op, as the model calls it."""
+    meta = SimpleNamespace(max_query_len=1 if decode else 2)
+    nw, eps = site.norm_weight, 1e-5
+    if site.op == "linear":
+        return backend.linear(x, weight, meta=meta)
+    if site.op == "norm_linear":
+        return backend.norm_linear(x, residual, nw, eps, weight, meta=meta)
+    if site.op == "norm_linear_silu":
+        return backend.norm_linear_silu(x, residual, nw, eps, weight, meta=meta)
+    if site.op == "head":
+        return backend.linear_argmax(x, weight)
+    return backend.norm_linear_argmax(x, nw, eps, weight)
+
+
+class Timer:
+    """Times one cell's candidates on the GPU: CUDA graphs of the op over CHAIN layers, the L2 cache evicted
+    before each replay."""
+
+    def __init__(self, device: torch.device, backend_factory):
+        props = torch.cuda.get_device_properties(device)
+        self.device = device
+        self.flush = torch.empty(2 * max(props.L2_cache_size, 1 << 20), dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream(device)
+        self.backends = {kernel: backend_factory(RouteTable.pinned(Pin(kernel))) for kernel in
+                         dict.fromkeys(MATMUL_KERNELS + HEAD_KERNELS)}
+
+    def candidates(self, site: Site, rows: int) -> list[str]:
+        x, residual = _inputs(site, rows)
+        backend = self.backends["cublas"]
+        return [kernel for kernel in kernels_for(site.op)
+                if backend.can_run(kernel, site.op, x, site.weights[0], norm_weight=site.norm_weight,
+                                   residual=residual)]
+
+    def time_us(self, site: Site, rows: int, kernel: str, decode: bool) -> float:
+        """Median microseconds of one call of `kernel` on the site's op at `rows` rows."""
+        backend, weights = self.backends[kernel], site.weights[:CHAIN]
+        x, residual = _inputs(site, rows)
+
+        def chain():
+            for w in weights:
+                call(backend, site, w, x, residual, decode)
+
+        with torch.cuda.stream(self.stream):
+            chain()                               # compiles, and warms the allocator's pool for the capture
+        self.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            chain()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        with torch.cuda.stream(self.stream):
+            for _ in range(REPEATS + 1):
+                self.flush.zero_()
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1000 / len(weights))
+        del graph
+        return statistics.median(times[1:])
+
+
+def measure(sites, rows, decode_rows, device, backend_factory, cached: dict | None = None,
+            progress: bool = True) -> tuple[dict, int]:
+    """Every (site, rows) cell not in `cached` timed -> (cells, how many were timed); cells as the cache's."""
+    cells, todo = dict(cached or {}), []
+    for site in unique_sites(sites):
+        for r in rows:
+            if _cell_name(*site.key, r) not in cells:
+                todo.append((site, r))
+    if not todo:
+        return cells, 0
+    from tqdm import tqdm
+    timer = Timer(device, backend_factory)
+    bar = tqdm(todo, desc="measuring kernel routes", unit="cell", file=sys.stderr, disable=not progress)
+    for site, r in bar:
+        times = {}
+        for kernel in timer.candidates(site, r):
+            try:
+                times[kernel] = round(timer.time_us(site, r, kernel, decode=r in decode_rows), 2)
+            except Exception as e:      # a kernel that fails to build or run here is no route
+                if kernel == "cublas":
+                    raise
+                warnings.warn(f"kernel {kernel} failed on {site.op} {site.key[1:]} at {r} rows: {e}", stacklevel=2)
+        cells[_cell_name(*site.key, r)] = {"kernel": choose(times), "us": times}
+    return cells, len(todo)
+
+
+def table_from_cells(cells: dict, pins=()) -> RouteTable:
+    by_site: dict = {}
+    for name, cell in cells.items():
+        op, n, k, rows = name.split()
+        by_site.setdefault((op, int(n), int(k)), {})[int(rows)] = cell["kernel"]
+    return RouteTable(by_site, pins)
+
+
+def measured_table(sites, rows, decode_rows, device, dtype, backend_factory, pins=(), progress: bool = True,
+                   log=print) -> RouteTable:
+    """The model's route table from the cache, measuring the cells it lacks (and saving them)."""
+    fp = fingerprint(device, dtype)
+    path = cache_path(fp)
+    wanted = {_cell_name(*s.key, r) for s in sites for r in rows}
+    begin = time.perf_counter()
+    cached = load_cache(path, fp)
+    with torch.inference_mode():
+        cells, timed = measure(sites, rows, decode_rows, device, backend_factory, cached, progress)
+    if timed:
+        save_cache(path, fp, cells)
+    log(f"kernel routes: {len(wanted) - timed} cells from {path}, {timed} measured in "
+        f"{time.perf_counter() - begin:.1f} s")
+    return table_from_cells({name: cells[name] for name in wanted}, pins)
