@@ -143,9 +143,9 @@ class StepProgram:
 
 
 def head_argmax(model, backend, hidden, variant: StepVariant):
-    """The LM head's argmax of `hidden` from the backend's kernels (int64), or None where the step needs its logits: a sampled step draws from them, a guided one masks them,
-    an extras one penalizes them or records their logprobs; a head split over ranks gathers its vocabulary; the
-    backend may have no kernels for it."""
+    """The LM head's argmax of `hidden` from the backend's kernels (int64), or None where the step needs its
+    logits: a sampled step draws from them, a guided one masks them, an extras one penalizes them or records their
+    logprobs; a head split over ranks gathers its vocabulary; the backend may have no kernels for it."""
     guided, greedy, extras = variant
     if not greedy or guided or extras or model.tp.world > 1:
         return None
