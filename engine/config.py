@@ -71,6 +71,8 @@ class EngineConfig:
                                        # and keeps the Python launch where it cannot run
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
                                        # (engine/kernels/spec/spec_ops.py) where the backend is Triton
+    spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
+                                       # head's next ids in one kernel (engine/kernels/spec/spec_finish.py)
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's
                                        # step-0 query and feature of each row (two torch kernels fewer a step:
                                        # EAGLE K = 3 step 0.802 -> 0.795 ms, H100, bench/results/draft_vocab/)

@@ -32,6 +32,7 @@ CHOICES = {
     "depth": (1, 2),
     "dtype": ("auto", *DTYPES),
     "grammar_node": ("native", "python"),
+    "kernels": ("auto", "reference"),
     "speculative": SPECULATIVE,
     "tp_backend": ("auto", "nccl", "gloo"),
 }
@@ -47,6 +48,7 @@ HELP = {                        # fields without a comment in engine/config.py
     "seed": "draws the sampling seed of each request that sends none",
 }
 GROUPS = (                      # (field name prefixes, argument group); the rest are "engine"
+    (("kernels", "kernel_routes"), "kernels (docs/decode_step.md)"),
     (("grammar_compile_", "guide_max_"), "grammar compilation (bounds on one guide: docs/server.md)"),
     (("speculative", "num_speculative", "spec_", "ngram_", "guided_draft", "guided_forced"),
      "speculative decoding (docs/speculative.md)"),

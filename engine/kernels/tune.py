@@ -173,9 +173,9 @@ class Timer:
         return statistics.median(times[1:])
 
 
-def measure(sites, rows, decode_rows, device, backend_factory, cached: dict | None = None,
-            progress: bool = True) -> tuple[dict, int]:
-    """Every (site, rows) cell not in `cached` timed -> (cells, how many were timed); cells as the cache's."""
+def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progress: bool = True) -> tuple[dict, int]:
+    """Every (site, rows) cell not in `cached` timed by `timer` (a Timer's candidates and time_us) -> (cells, how
+    many were timed); cells as the cache's."""
     cells, todo = dict(cached or {}), []
     for site in unique_sites(sites):
         for r in rows:
@@ -184,7 +184,7 @@ def measure(sites, rows, decode_rows, device, backend_factory, cached: dict | No
     if not todo:
         return cells, 0
     from tqdm import tqdm
-    timer = Timer(device, backend_factory)
+    timer = timer() if callable(timer) else timer         # built only where there is something to time
     bar = tqdm(todo, desc="measuring kernel routes", unit="cell", file=sys.stderr, disable=not progress)
     for site, r in bar:
         times = {}
@@ -216,7 +216,7 @@ def measured_table(sites, rows, decode_rows, device, dtype, backend_factory, pin
     begin = time.perf_counter()
     cached = load_cache(path, fp)
     with torch.inference_mode():
-        cells, timed = measure(sites, rows, decode_rows, device, backend_factory, cached, progress)
+        cells, timed = measure(sites, rows, decode_rows, lambda: Timer(device, backend_factory), cached, progress)
     if timed:
         save_cache(path, fp, cells)
     log(f"kernel routes: {len(wanted) - timed} cells from {path}, {timed} measured in "

@@ -1,0 +1,235 @@
+"""The route table (engine/kernels/routes.py) and its measurement (engine/kernels/tune.py): pins and their
+errors, lookups by rows, the tuner's choice from given timings, the cache's key and how a damaged or stale file is
+measured again, and that every route gives the reference's results in float32 (interpreter here, CUDA there)."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kernels import tune
+from engine.kernels.routes import Pin, RouteTable, Site, load_pins, parse_pins, pins
+from engine.llm_engine import LLMEngine
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- pins and lookups ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("entry,why", [
+    (dict(kernel="fast"), "unknown kernel"), (dict(kernel="gemv", op="conv"), "unknown op"),
+    (dict(kernel="gemm", op="head"), "cannot run 'head'"), (dict(kernel="mma", op="linear"), "cannot run"),
+    (dict(kernel="gemm"), "name the op"), (dict(kernel="gemv", rows=[4, 2]), "rows must be"),
+    (dict(kernel="gemv", rows=0), "rows must be"), (dict(kernel="gemv", n=-1), "n must be"),
+    (dict(kernel="gemv", width=3), "unknown field"),
+])
+def test_a_bad_pin_is_refused_naming_it(entry, why):
+    with pytest.raises(ValueError, match=why):
+        parse_pins({"pins": [entry]})
+
+
+def test_a_route_file_that_is_not_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_pins(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_pins(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="holds"):
+        load_pins('{"routes": []}')
+    (tmp_path / "ok.json").write_text(pins(dict(kernel="cublas", op="linear", n=64, k=32, rows=[1, 4])))
+    assert load_pins(str(tmp_path / "ok.json")) == (Pin("cublas", "linear", 64, 32, (1, 4)),)
+
+
+def test_lookup_takes_the_cell_of_the_next_larger_rows_and_cublas_past_the_table():
+    table = RouteTable({("linear", 64, 32): {1: "gemv", 2: "gemv", 4: "gemm", 8: "gemm", 16: "cublas"}})
+    got = [table.lookup("linear", 64, 32, r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 200)]
+    assert got == ["gemv", "gemv", "gemm", "gemm", "gemm", "gemm", "cublas", "cublas", "cublas", "cublas"]
+    assert table.lookup("linear", 64, 64, 1) == "cublas"              # a matmul the table does not hold
+    assert table.summary() == "linear 64x32: gemv 1-2, gemm 4-8, cublas 16"
+
+
+def test_pins_override_the_table_the_later_one_winning():
+    cells = {("linear", 64, 32): {1: "gemv", 4: "gemm"}, ("head", 100, 32): {1: "mma"}}
+    table = RouteTable(cells, pins=(Pin("cublas", op="linear"), Pin("gemm", op="linear", rows=(3, 4))))
+    assert [table.lookup("linear", 64, 32, r) for r in (1, 3, 4)] == ["cublas", "gemm", "gemm"]
+    assert table.lookup("head", 100, 32, 1) == "mma"
+    assert RouteTable(cells, reference=True).lookup("head", 100, 32, 1) == "cublas"
+
+
+# ---- the tuner ----------------------------------------------------------------------------------------------------
+class GivenTimes:
+    """A timer whose timings are given: (op, rows, kernel) -> us."""
+
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def candidates(self, site, rows):
+        return [kernel for (op, r, kernel) in self.times if op == site.op and r == rows]
+
+    def time_us(self, site, rows, kernel, decode):
+        self.calls.append((site.op, rows, kernel, decode))
+        return self.times[(site.op, rows, kernel)]
+
+
+def _site(op, n=64, k=32):
+    return Site(op, [torch.empty(n, k)])
+
+
+def test_the_tuner_routes_each_cell_to_its_fastest_kernel_cublas_on_a_tie():
+    timer = GivenTimes({("linear", 1, "gemv"): 3.0, ("linear", 1, "gemm"): 4.0, ("linear", 1, "cublas"): 9.0,
+                        ("linear", 8, "gemm"): 5.0, ("linear", 8, "cublas"): 5.0,
+                        ("head", 1, "mma"): 7.0, ("head", 1, "cublas"): 6.0, ("head", 8, "cublas"): 8.0})
+    cells, timed = tune.measure([_site("linear"), _site("head", 100)], [1, 8], {1}, timer, progress=False)
+    assert timed == 4
+    table = tune.table_from_cells(cells)
+    assert table.cells() == {("linear", 64, 32): {1: "gemv", 8: "cublas"},
+                             ("head", 100, 32): {1: "cublas", 8: "cublas"}}
+    assert cells["linear 64 32 1"]["us"] == {"gemv": 3.0, "gemm": 4.0, "cublas": 9.0}
+    assert ("linear", 1, "gemv", True) in timer.calls and ("linear", 8, "gemm", False) in timer.calls  # decode rows
+
+
+def test_cached_cells_are_not_measured_again_and_one_site_a_shape_is():
+    timer = GivenTimes({("linear", 1, "gemv"): 3.0, ("linear", 1, "cublas"): 9.0})
+    cached = {"linear 64 32 1": {"kernel": "cublas", "us": {}}}
+    cells, timed = tune.measure([_site("linear"), _site("linear")], [1], {1}, timer, cached, progress=False)
+    assert timed == 0 and timer.calls == [] and cells == cached
+    cells, timed = tune.measure([_site("linear"), _site("linear")], [1], {1}, timer, progress=False)
+    assert timed == 1 and cells["linear 64 32 1"]["kernel"] == "gemv"
+
+
+def test_the_rows_measured_are_the_captured_ones_up_to_the_kernels_limit():
+    assert tune.tuning_rows([1, 2, 4, 8, 16, 24, 32, 40, 64, 128, 256], [4, 8, 16, 32, 64, 96]) == \
+        [1, 2, 4, 8, 16, 24, 32, 40, 64]
+
+
+# ---- the cache ----------------------------------------------------------------------------------------------------
+FP = dict(format=1, gpu="NVIDIA H200", capability="9.0", driver=13000, torch="2.11", triton="3.6", dtype="bfloat16",
+          kernels="abc")
+
+
+def test_the_cache_key_changes_with_every_part_of_the_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    paths = {tune.cache_path({**FP, name: "other"}) for name in FP}
+    assert len(paths) == len(FP) and tune.cache_path(FP) not in paths
+    cells = {"linear 64 32 1": {"kernel": "gemv", "us": {"gemv": 1.0}}}
+    tune.save_cache(tune.cache_path(FP), FP, cells)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tune.load_cache(tune.cache_path(FP), FP) == cells
+
+
+@pytest.mark.parametrize("content", [
+    "{damaged", json.dumps({"fingerprint": {**FP, "triton": "3.5"}, "cells": {}}),
+    json.dumps({"fingerprint": FP, "cells": {"linear 64 32 1": {"kernel": "mma"}}}),
+    json.dumps({"fingerprint": FP, "cells": {"linear 64 x 1": {"kernel": "gemv"}}}),
+    json.dumps({"fingerprint": FP}), json.dumps([1, 2]),
+])
+def test_a_damaged_or_stale_cache_is_measured_again_with_a_warning(tmp_path, content):
+    path = tmp_path / "routes.json"
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="measuring again"):
+        assert tune.load_cache(path, FP) == {}
+
+
+# ---- the engine's options -----------------------------------------------------------------------------------------
+def test_kernels_must_be_auto_or_reference_and_pins_need_auto():
+    with pytest.raises(ValueError, match="unknown kernels 'fastest'"):
+        EngineConfig(kernels="fastest")
+    with pytest.raises(ValueError, match="kernel_routes pins routes of kernels='auto'"):
+        EngineConfig(kernels="reference", kernel_routes=pins(dict(kernel="gemv")))
+
+
+def test_the_cli_refuses_an_unknown_kernels_value(capsys):
+    from engine.cli import main
+    with pytest.raises(SystemExit):
+        main(["generate", "--kernels", "fastest", "--prompt", "hi"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_a_route_file_naming_a_kernel_that_cannot_run_a_matmul_is_refused_at_start():
+    """dummy:tiny's o_proj is 64 x 64: the GEMV takes 1-8 rows, not the 16 of a captured batch."""
+    kw = dict(model="dummy:tiny", device=DEVICE, dtype="float32", attention_backend="triton", max_num_seqs=16,
+              max_model_len=64, enforce_eager=True)
+    with pytest.raises(ValueError, match=r"pin .*'rows': \(1, 16\).* -> 'gemv'.* cannot run linear 64x64 at 16 rows"):
+        LLMEngine(**kw, kernel_routes=pins(dict(kernel="gemv", op="linear", rows=[1, 16])))
+    with pytest.raises(ValueError, match="route file pin 0: unknown kernel 'gemv2'"):
+        LLMEngine(**kw, kernel_routes=pins(dict(kernel="gemv")).replace('"gemv"', '"gemv2"'))
+
+
+class Recording(RouteTable):
+    """cuBLAS everywhere, remembering every (op, N, K) asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = set()
+
+    def lookup(self, op, n, k, rows):
+        self.asked.add((op, n, k))
+        return super().lookup(op, n, k, rows)
+
+
+@pytest.mark.parametrize("speculative", ["none", "eagle", "draft_model"])
+def test_every_matmul_the_engine_routes_is_a_site_the_tuner_measures(speculative):
+    """A matmul that route_sites() leaves out would never be measured: cuBLAS, whatever is faster."""
+    from engine.requests.sequence import SamplingParams
+    kw = dict(speculative=speculative, spec_head="random", spec_draft_model="dummy:tiny", num_speculative_tokens=2,
+              spec_min_acceptance=0.0) if speculative != "none" else {}
+    engine = LLMEngine(model="dummy:tiny", device=DEVICE, dtype="float32", attention_backend="triton",
+                       max_num_seqs=4, max_model_len=64, enforce_eager=True, **kw)
+    runner = engine.runner
+    runner.backend.routes = recording = Recording()
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    sites = runner.model.route_sites() + (runner.program.drafter.route_sites() if runner.spec_k else [])
+    assert recording.asked and recording.asked <= {s.key for s in sites}
+
+
+# ---- every route gives the reference's results --------------------------------------------------------------------
+def _call(backend, op, x, w, nw, residual):
+    if op == "linear":
+        return backend.linear(x, w)
+    if op == "norm_linear":
+        return backend.norm_linear(x, residual, nw, 1e-5, w)
+    if op == "norm_linear_silu":
+        return backend.norm_linear_silu(x, residual, nw, 1e-5, w)
+    if op == "head":
+        return backend.linear_argmax(x, w)
+    return backend.norm_linear_argmax(x, nw, 1e-5, w)
+
+
+@pytest.mark.parametrize("op,kernel", [(op, kernel) for op in ("linear", "norm_linear", "norm_linear_silu")
+                                       for kernel in ("gemv", "gemm")] + [(op, kernel) for op in ("head", "norm_head")
+                                                                          for kernel in ("gemv", "mma", "cublas")])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_every_route_matches_the_reference_in_float32(op, kernel, rows):
+    from engine.attention import TritonAttention
+    torch.manual_seed(0)
+    n, k = (96, 64) if op != "head" else (500, 64)
+    w = torch.randn(n, k, device=DEVICE) * 0.2
+    x, nw = torch.randn(rows, k, device=DEVICE), torch.rand(k, device=DEVICE) + 0.5
+    residual = torch.randn(rows, k, device=DEVICE) if op.startswith("norm_linear") else None
+    routed = TritonAttention(routes=RouteTable.pinned(Pin(kernel, op=op)), device=DEVICE)
+    assert routed.kernel_for(op, x, w, norm_weight=nw, residual=residual) == kernel
+    reference = TritonAttention(routes=RouteTable.pinned(Pin("cublas")), device=DEVICE)
+    got, want = _call(routed, op, x, w, nw, residual), _call(reference, op, x, w, nw, residual)
+    if op in ("head", "norm_head"):
+        assert torch.equal(got, want)
+        return
+    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# ---- the GPU: a measured table, and its cache ---------------------------------------------------------------------
+@pytest.mark.gpu
+def test_a_gpu_start_measures_every_site_once_and_then_reads_the_cache(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    kw = dict(model="dummy:tiny", device="cuda", dtype="float32", max_num_seqs=8, max_model_len=128)
+    first = LLMEngine(**kw)
+    sites = {s.key for s in first.runner.model.route_sites()}
+    rows = [1, 2, 4, 8]
+    assert set(first.runner.backend.routes.cells()) == sites
+    assert all(sorted(cells) == rows for cells in first.runner.backend.routes.cells().values())
+    assert "0 cells from" in capfd.readouterr().err
+    del first
+    second = LLMEngine(**kw)
+    assert f"{len(sites) * len(rows)} cells from" in capfd.readouterr().err
+    assert second.runner.backend.routes.cells()
