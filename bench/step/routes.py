@@ -1,0 +1,74 @@
+"""The kernel route table of each model shape: what the tuner measured and chose, and how long a start spends on it.
+
+    python -m bench.step.routes --models dummy:smollm2-135m dummy:llama-1b dummy:llama-8b --out $OUT/routes.json
+
+For each model: a cold start (an empty route cache: every cell measured, compiles included, as a first start on a new
+machine) and a warm one (every cell read from the cache), each timed; then the table (op, N x K: kernel by rows) and
+every cell's candidates in microseconds. No KV cache or graphs are built: only the weights and the tuner.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import free_gpu_memory, markdown_table, note, record, write_results
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["dummy:smollm2-135m", "dummy:llama-1b", "dummy:llama-8b"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the engine's rows: the decode batches it captures")
+    p.add_argument("--speculative", default="none", help="none | eagle | ngram | draft_model (its matmuls too)")
+    p.add_argument("--out", default="bench/results/routes.json")
+    return p.parse_args(argv)
+
+
+def start(model: str, args) -> tuple[float, object, list]:
+    """(seconds the route table took, the table, the sites) for one start of `model`."""
+    import torch
+    from engine.attention import TritonAttention
+    from engine.config import EngineConfig
+    from engine.models.loader import resolve_model
+    from engine.models.weights import build_model
+    from engine.runner.kernel_routes import route_table
+    from engine.runner.model_runner import spec_rows_limit
+    config = EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                          speculative=args.speculative)
+    source = resolve_model(model)
+    weights = build_model(source, config.torch_dtype(), torch.device("cuda"), 4096)
+    sites = weights.route_sites()
+    backend = TritonAttention(device=torch.device("cuda"))
+    begin = time.perf_counter()
+    table = route_table(config, sites, backend, spec_rows_limit(config))
+    return time.perf_counter() - begin, table, sites
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    records = []
+    for model in args.models:
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["SPECDEC_CACHE"] = cache
+            cold, table, sites = start(model, args)
+            free_gpu_memory()
+            warm, _, _ = start(model, args)
+            free_gpu_memory()
+            measured = {}
+            for path in Path(cache, "routes").glob("*.json"):
+                measured.update(json.loads(path.read_text())["cells"])
+        note(f"{model}: cold {cold:.1f} s, warm {warm:.2f} s\n{table.summary()}")
+        records.append(record("routes", "start", model, args.dtype, args.max_num_seqs, 0, 0.0, 0.0,
+                              cold_s=round(cold, 2), warm_s=round(warm, 3), cells=sum(map(len, table.cells().values())),
+                              table=table.summary().splitlines(), measured=measured))
+        del sites
+    write_results(records, args.out)
+    print(markdown_table(records, ["model", "cold_s", "warm_s", "cells"]))
+
+
+if __name__ == "__main__":
+    main()
