@@ -36,51 +36,30 @@ class EngineConfig:
                                        # shape and rows on this GPU (engine/kernels/routes.py, cached on disk);
                                        # "reference": cuBLAS for all of them, the baseline for equality and speed
     kernel_routes: str = ""            # a route file pinning kernels over the measured ones (experiments)
-    rope_attention: bool = True        # steps whose sequences' new tokens fit one attention block (decode,
-                                       # verification): RoPE and the KV store inside the attention kernel, not a
-                                       # kernel of their own (engine/kernels/attention/rope_kv.py), where the backend
-                                       # is Triton
-    split_merge: bool = True           # attention split over KV (small batches) merges its splits in the attention
-                                       # kernel (a counter per group, engine/kernels/attention/split_merge.py), not in a
-                                       # combine kernel of its own, where the backend is Triton and the launch's
-                                       # programs fit one an SM (split_merge.merges). H200 (bench/results/
-                                       # llama8b_floor/): Llama 1B 0.838 -> 0.809 ms a step, 8B 4.01 -> 3.96; SmolLM2's
-                                       # kernel path 0.417 -> 0.415 ms at 1 stream, 0.634 -> 0.607 at 8
-    step_io_kernels: bool = True       # plain and guided steps: their input ids (carried from the token pool) and
-                                       # embedding rows in one kernel, and their tokens' copy to the slot and the
-                                       # pool in one (engine/kernels/step_io.py), in place of seven torch kernels,
-                                       # where the backend is Triton and the model on one rank. H200 (bench/results/
-                                       # step_ends/): period 0.414 -> 0.405 ms a step at 1 stream, 0.667 -> 0.654 at 32
-    decode_attention: bool = True      # steps of one new token a sequence (decode, the EAGLE head's draft steps):
-                                       # attention whose metadata, RoPE rows and first cached KV tile load before
-                                       # the dependent-launch wait (engine/kernels/attention/decode_attention.py):
-                                       # SmolLM2 1 stream 0.446 -> 0.414 ms, Llama 1B 0.871 -> 0.799 (H200,
-                                       # bench/results/decode_attention/)
-    decode_attention_splits: int = 0   # decode_attention's KV splits: 0 picks them by paged_attention's rule for the
-                                       # step's grid and context bound; a power of two up to 32 sets them for every
-                                       # such step (2 or 4 beat the rule nowhere on an H200: bench/results/
-                                       # attention_rules/)
-    decode_attention_prefetch: int = 0 # cached KV tiles (64 keys) of each decode_attention split read before the
-                                       # dependent-launch wait: 1 or 2 (227 registers against 185 on sm_90, no
-                                       # spills), 0 by rule: 2 where a launch does not split KV (SmolLM2 32 streams
-                                       # 0.814 -> 0.776 ms a step), else 1 (decode_attention.prefetch_rule)
-    native_launch: bool = True         # graph steps enqueue their upload, events, replay and token download in one
-                                       # native call (engine/runner/native_launch.py), not nine torch calls: the
-                                       # host launch 224 -> 19 us at 1 stream on an H200 machine, guided 1.02 /
-                                       # 1.04 / 1.06x at 1 / 8 / 32 streams (bench/results/native_launch/); warns
-                                       # and keeps the Python launch where it cannot run
+    rope_attention: bool = True        # decode and verification steps: RoPE and the KV store inside the attention
+                                       # kernel, not a kernel of their own (Triton backend)
+    split_merge: bool = True           # attention split over the KV merges its splits in the attention kernel, not in
+                                       # a combine kernel (Triton backend, where the launch's programs fit one an SM)
+    step_io_kernels: bool = True       # plain and guided steps: input ids + embedding rows in one kernel, and the
+                                       # tokens' copy to the slot and the pool in one (Triton backend, one rank)
+    decode_attention: bool = True      # steps of one new token a sequence: attention that loads its metadata, RoPE
+                                       # rows and first KV tile before the dependent-launch wait (Triton backend)
+    decode_attention_splits: int = 0   # decode_attention's KV splits: 0 by paged_attention's rule, else a power of
+                                       # two up to 32 for every such step
+    decode_attention_prefetch: int = 0  # KV tiles each decode_attention split reads before the wait: 1 or 2; 0 by
+                                        # rule (decode_attention.prefetch_rule)
+    native_launch: bool = True         # graph steps enqueue upload, events, replay and download in one native call
+                                       # (engine/runner/native_launch.py); warns and keeps the Python launch where
+                                       # it cannot run
     spec_kernels: bool = True          # the speculative step's correction and draft layout in one Triton kernel each
-                                       # (engine/kernels/spec/spec_ops.py) where the backend is Triton
     spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
-                                       # head's next ids in one kernel (engine/kernels/spec/spec_finish.py)
+                                       # head's next ids in one kernel
     draft_gather: bool = True          # with spec_kernels, the draft layout kernel also gathers the EAGLE head's
-                                       # step-0 query and feature of each row (two torch kernels fewer a step:
-                                       # EAGLE K = 3 step 0.802 -> 0.795 ms, H100, bench/results/draft_vocab/)
+                                       # step-0 query and feature of each row
     guided: bool = True                # guided decoding: grammar masks, and graph variants holding their branch
     grammar_node: str = "native"       # who fills the masks: "native" (the grammar node: C++ through tvm-ffi,
                                        # no GIL) or "python" (xgrammar's Python API; the reference path)
-    grammar_threads: int = 4           # threads the grammar node fills a step's rows on (from 8 rows); H100
-                                       # host, 128 JSON rows: 1.77 / 0.74 / 0.52 ms with 1 / 2 / 4 threads
+    grammar_threads: int = 4           # threads the grammar node fills a step's rows on (from 8 rows)
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): a Python grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
     speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (engine/spec/drafters)
@@ -89,8 +68,7 @@ class EngineConfig:
                                        # token_ranks); unguided drafts come from its first spec_draft_vocab_size
                                        # only, a smaller LM head. "": the head directory's token_ranks.json where
                                        # it has one; "none": the whole vocabulary
-    spec_draft_vocab_size: int = 16384  # 0: every id of the ranking. 16 K of the shipped head's ranking: batch-1
-                                       # chat 1.54x -> 1.62x, JME 2.12x -> 2.13x (bench/results/draft_vocab/)
+    spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many of the ranking's ids (0: all)
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
     grammar_compile_threads: int = 4   # threads compiling grammars (engine/guided/compiler.py)
     grammar_compile_queue: int = 64    # a server's compiles unfinished at once before it answers 429 (a client
@@ -102,13 +80,10 @@ class EngineConfig:
     guide_max_depth: int = 64
     guide_max_repeat: int = 1000
     guided_draft_masks: bool = False   # guided + speculative: each draft step of a head / draft model picks its
-                                       # token under the row's grammar (one grammar node per draft step). Off:
-                                       # acceptance 3.50 -> 3.64, but each draft step waits for its mask on the
-                                       # grammar stream: 1.96x vs the head's 2.35x at batch 1 on an H100, with
-                                       # native nodes (bench/results/grammar_node/spec_guided_streams.md)
+                                       # token under the row's grammar (one grammar node per draft step; off: the
+                                       # draft steps never wait for the grammar stream)
     guided_forced_drafts: bool = False  # guided + speculative: where the grammar allows one continuing text, draft
-                                       # its tokens in place of the drafter's (engine/guided/draft_masks.py); off
-                                       # for the same reason (one callback per step for +0.07 acceptance)
+                                        # its tokens in place of the drafter's (engine/guided/draft_masks.py)
     logprobs: bool = True              # requests may ask for logprobs (engine/sampling/logprobs.py); on CUDA every step
                                        # graph is captured twice, with and without them (False: refused)
     penalty_rows: int = 64             # requests with presence / frequency / repetition penalties holding pages at
