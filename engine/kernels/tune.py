@@ -187,8 +187,11 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
     timer = timer() if callable(timer) else timer         # built only where there is something to time
     bar = tqdm(todo, desc="measuring kernel routes", unit="cell", file=sys.stderr, disable=not progress)
     for site, r in bar:
-        times = {}
-        for kernel in timer.candidates(site, r):
+        times, candidates = {}, timer.candidates(site, r)
+        if len(candidates) == 1:                # nothing to choose: cuBLAS alone runs it
+            cells[_cell_name(*site.key, r)] = {"kernel": candidates[0], "us": {}}
+            continue
+        for kernel in candidates:
             try:
                 times[kernel] = round(timer.time_us(site, r, kernel, decode=r in decode_rows), 2)
             except Exception as e:      # a kernel that fails to build or run here is no route
