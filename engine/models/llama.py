@@ -22,6 +22,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.kernels.matmul.cpu_gemm import Linear, linear
 from engine.kernels.routes import Site
+from engine.models.loader import rope_type
 from engine.parallel.group import SINGLE
 from engine.parallel.sharding import attention_heads, split, vocab_rows
 
@@ -42,9 +43,11 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: dict, head_dim: int) -> torch.Tensor:
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    scaling = cfg.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        inv = _llama3_scale(inv, scaling)
+    kind = rope_type(cfg)
+    if kind == "llama3":
+        inv = _llama3_scale(inv, cfg.get("rope_scaling") or cfg["rope_parameters"])
+    elif kind != "default":
+        raise ValueError(f"rope type {kind!r} is not supported")
     return inv
 
 

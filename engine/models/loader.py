@@ -37,8 +37,30 @@ _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
              eos_token_id=0)  # for tests: small enough for the Triton CPU interpreter
 # a two-layer model with SmolLM2's vocabulary: a cheap draft model for the default model in tests and benchmarks
 _SMOLLM2_TINY = dict(_TINY, vocab_size=49152, tie_word_embeddings=True)
-DUMMY_SHAPES = {"smollm2-135m": _SMOLLM2_135M, "llama-1b": _LLAMA_1B, "llama-8b": _LLAMA_8B, "tiny": _TINY,
+# the published config.json files' dimensions (instruct releases: their context and end-of-turn token)
+_LLAMA_3B = dict(_LLAMA_1B, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128,
+                 rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=8192))
+_QWEN = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+             vocab_size=151936, eos_token_id=151645)
+_QWEN25_05B = dict(_QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                   num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+_QWEN25_15B = dict(_QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                   num_key_value_heads=2, head_dim=128, tie_word_embeddings=True)
+_QWEN25_7B = dict(_QWEN, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, head_dim=128, vocab_size=152064, tie_word_embeddings=False)
+_QWEN3_17B = dict(_QWEN, model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                  tie_word_embeddings=True)
+_QWEN3_8B = dict(_QWEN3_17B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                 tie_word_embeddings=False)
+_MISTRAL_7B = dict(_LLAMA_8B, model_type="mistral", vocab_size=32768, rope_theta=1000000.0,
+                   max_position_embeddings=32768, sliding_window=None, eos_token_id=2)
+DUMMY_SHAPES = {"smollm2-135m": _SMOLLM2_135M, "llama-1b": _LLAMA_1B, "llama-3b": _LLAMA_3B, "llama-8b": _LLAMA_8B,
+                "qwen2.5-0.5b": _QWEN25_05B, "qwen2.5-1.5b": _QWEN25_15B, "qwen2.5-7b": _QWEN25_7B,
+                "qwen3-1.7b": _QWEN3_17B, "qwen3-8b": _QWEN3_8B, "mistral-7b": _MISTRAL_7B, "tiny": _TINY,
                 "smollm2-tiny": _SMOLLM2_TINY}
+ROPE_TYPES = ("default", "llama3")      # what engine/models/llama.py's rope_inv_freq computes
 
 
 @dataclass(frozen=True)
@@ -96,15 +118,70 @@ def _converted_dir(gguf_path: Path, expected_sha: str | None) -> Path:
     return out
 
 
+def rope_type(config: dict) -> str:
+    """The RoPE variant: transformers 5 writes it in rope_parameters, older releases (and the hub's Llama 3.2
+    files) in rope_scaling."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return scaling.get("rope_type", scaling.get("type")) or "default"
+
+
+def sliding_window(config: dict) -> int | None:
+    """The attention window some layer keeps, or None where every layer attends to the whole context: Mistral's
+    sliding_window applies to all layers; Qwen2/3 keep theirs only with use_sliding_window, from layer
+    max_window_layers on (transformers 5 writes the outcome as layer_types)."""
+    window = config.get("sliding_window")
+    if not window:
+        return None
+    if config.get("layer_types") is not None:
+        return int(window) if "sliding_attention" in config["layer_types"] else None
+    if config.get("model_type") == "mistral":
+        return int(window)
+    sliding = config.get("use_sliding_window") and config.get("max_window_layers", 0) < config["num_hidden_layers"]
+    return int(window) if sliding else None
+
+
+def check_config(config: dict, where: str) -> dict:
+    """The config the engine's forward (engine/models/llama.py) computes exactly, or a ValueError naming the field
+    it cannot: loading such a checkpoint would give a model that silently differs from it. A sliding window
+    narrower than the context caps the context at the window, within which it equals full attention."""
+    kind = config.get("model_type")
+    if kind not in SUPPORTED_TYPES:
+        raise ValueError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    if heads % kv_heads:
+        raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (only silu)")
+    if config.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias is not supported")
+    if config.get("attention_bias") and kind != "qwen2":
+        raise ValueError(f"{where}: attention_bias (an o_proj bias in {kind}) is not supported")
+    if rope_type(config) not in ROPE_TYPES:
+        raise ValueError(f"{where}: rope type {rope_type(config)!r} is not supported; supported: "
+                         f"{', '.join(ROPE_TYPES)}")
+    window, context = sliding_window(config), int(config.get("max_position_embeddings", 8192))
+    if window is not None and window < context:
+        print(f"specdec: {where}: sliding_window {window} is narrower than max_position_embeddings {context}; "
+              f"the context is capped at {window} (the engine attends to the whole context)", file=sys.stderr)
+        return dict(config, max_position_embeddings=window)
+    return config
+
+
+def weight_files(path: Path) -> list[str]:
+    """The checkpoint's safetensors files: those its index names where it has one (a Mistral repository also holds
+    consolidated.safetensors, the same weights under Mistral's own names), else all of them."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({str(path / f) for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(glob.glob(str(path / "*.safetensors")))
+
+
 def _hf_source(path: Path, name: str) -> ModelSource:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise ValueError(f"model directory {path} has no config.json")
-    config = json.loads(cfg_file.read_text())
-    if config.get("model_type") not in SUPPORTED_TYPES:
-        raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_TYPES)}")
-    if not glob.glob(str(path / "*.safetensors")):
+    config = check_config(json.loads(cfg_file.read_text()), str(path))
+    if not weight_files(path):
         raise ValueError(f"model directory {path} has no .safetensors weights")
     return ModelSource(name=name, config=config, path=path)
 
@@ -117,7 +194,7 @@ def resolve_model(spec: str | None = None) -> ModelSource:
         shape = spec.split(":", 1)[1] if ":" in spec else "smollm2-135m"
         if shape not in DUMMY_SHAPES:
             raise ValueError(f"unknown dummy shape {shape!r}; known: {', '.join(DUMMY_SHAPES)}")
-        cfg = dict(model_type="llama", rms_norm_eps=1e-5, **DUMMY_SHAPES[shape])
+        cfg = check_config(dict(model_type="llama", rms_norm_eps=1e-5) | DUMMY_SHAPES[shape], f"dummy:{shape}")
         return ModelSource(name=f"dummy:{shape}", config=cfg, path=None)
     path = Path(spec).expanduser()
     if not path.exists():

@@ -5,12 +5,10 @@ from the directory it was converted to) and no rank holds the whole model (engin
 """
 from __future__ import annotations
 
-import glob
-
 import torch
 from safetensors import safe_open
 
-from engine.models.loader import ModelSource
+from engine.models.loader import ModelSource, weight_files
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import SINGLE
 from engine.parallel.sharding import ParamShard, param_shards
@@ -67,7 +65,7 @@ def _load_safetensors(model: LlamaForCausalLM, source: ModelSource, shards: dict
     splits = {"qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
               "gate_up_proj": [model.layers[0].mlp.inter] * 2}
     loaded = set()
-    for file in sorted(glob.glob(str(source.path / "*.safetensors"))):
+    for file in weight_files(source.path):
         with safe_open(file, framework="pt") as f:
             for hf_name in f.keys():
                 if "rotary_emb" in hf_name or (model.tied and hf_name == "lm_head.weight"):
