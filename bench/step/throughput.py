@@ -55,12 +55,13 @@ def build_engine(args, depth: int, streams: int, **extra):
     return LLMEngine(**(kw | engine_overrides(args) | extra))
 
 
-def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: int) -> dict:
-    """Warm up on other prompts, reset the counters, time one generate of all prompts."""
+def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: int, trace: bool = False) -> dict:
+    """Warm up on other prompts, reset the counters, time one generate of all prompts. trace: keep one dict per
+    committed step in eng.timings.trace (bench.step.pipeline.steady takes medians over them)."""
     from engine.requests.sequence import SamplingParams
     eng.generate(warm_prompts, SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True))
     cuda_sync()
-    eng.timings.reset()
+    eng.timings.reset(trace=trace)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     with GcClock() as clock:
         t0 = time.perf_counter()
