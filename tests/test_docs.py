@@ -56,5 +56,6 @@ def test_result_paths_named_in_the_docs_exist():
 
 
 def test_the_checks_see_a_missing_file(tmp_path):
-    assert _exists(REPO, "bench/results/head_v*_free.md") and _exists(REPO, "bench/results/prof_eagle_{off,on}.md")
-    assert not _exists(REPO, "bench/results/prof_eagle_{off,gone}.md") and not _exists(tmp_path, "nothing.md")
+    assert _exists(REPO, "bench/results/eagle_head/head_v*_free.json")
+    assert _exists(REPO, "bench/results/pdl/profile_pdl{0,1}.json")
+    assert not _exists(REPO, "bench/results/pdl/profile_pdl{0,9}.json") and not _exists(tmp_path, "nothing.md")

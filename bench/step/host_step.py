@@ -6,7 +6,7 @@ the forward replaced by nothing, on the CPU.
 
 The pipelined loop keeps the GPU fed only while plan + launch + commit of a step fit in the GPU's step. At 32
 streams they took 0.58 ms a step on an H200 machine's host against a 0.79 ms GPU step
-(bench/results/split_merge_floors/ab_plain_spec.log), and rounds with a slower host go host-bound. This times that
+(bench/results/split_merge_floors/ab_plain_spec.json), and rounds with a slower host go host-bound. This times that
 host work alone, on whatever CPU runs it: one engine per stream count (float32, CPU), every stream a chat prompt
 decoding with EOS ignored; after --warmup-steps real steps, the runner's forward is replaced by nothing (the sampled
 tokens stay what they were, so commit, detokenization and stop checks still run on real tokens), then --steps steps
