@@ -111,11 +111,12 @@ class Drafter(abc.ABC):
     feature_layers: tuple = ()
     lookahead = 0           # positions past a row's inputs it writes KV at (the scheduler reserves pages for them)
 
-    @abc.abstractmethod
     def route_sites(self) -> list:
-        """The drafter's matmuls whose kernels the route table chooses (engine/kernels/routes.py Site)."""
+        """The drafter's matmuls whose kernels the route table chooses (engine/kernels/routes.py Site): none for
+        a drafter without a model."""
         return []
 
+    @abc.abstractmethod
     def propose(self, ctx: DraftContext | FeatureContext) -> Proposal:
         """Draft up to K tokens per row of `ctx`; fixed-shape, no host sync (see the module docstring)."""
 
