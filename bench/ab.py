@@ -4,7 +4,7 @@ are noisy, so a before/after ratio is only worth something when both sides ran t
     python -m bench.ab --before .old --after . --modes plain guided spec --streams 1 8 32 --rounds 2 \
         --out bench/results/refactor_ab.json
     python -m bench.ab --before-engine native_launch=false --modes plain --streams 1 32   # a setting, one tree
-    python -m bench.ab --model dummy:llama-1b --before-engine head_mma=false --modes plain --streams 1 4   # both sides
+    python -m bench.ab --model dummy:llama-1b --before-engine kernels=reference --modes plain --streams 4   # both sides
 
 Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHONPATH is the tree, so each side
 imports its own engine, with that side's --before-engine / --after-engine settings (EngineConfig fields); rounds

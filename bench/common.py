@@ -241,7 +241,8 @@ def dtype_name(eng, default: str = "") -> str:
 
 
 def engine_overrides(args) -> dict:
-    """--engine KEY=VALUE ... -> EngineConfig fields (values parsed as JSON when they parse)."""
+    """--engine KEY=VALUE ... -> EngineConfig fields (values parsed as JSON when they parse, but an object stays
+    text: kernel_routes' route file inline, e.g. kernel_routes='{"pins": [{"kernel": "cublas"}]}')."""
     return _overrides(getattr(args, "engine", None) or [])
 
 
@@ -250,9 +251,10 @@ def _overrides(items: list[str]) -> dict:
     for item in items:
         key, _, value = item.partition("=")
         try:
-            out[key] = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
-            out[key] = value
+            parsed = value
+        out[key] = value if isinstance(parsed, dict) else parsed
     return out
 
 

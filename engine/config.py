@@ -32,6 +32,8 @@ class EngineConfig:
     prefix_caching: bool = True        # full KV pages shared by prompts with the same prefix, kept after their
                                        # request until evicted (engine/memory/block_manager.py)
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
+    spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
+                                       # head's next ids in one kernel (engine/kernels/spec/spec_finish.py)
     kernels: str = "auto"              # "auto": each matmul and LM head on the kernel measured fastest for its
                                        # shape and rows on this GPU (engine/kernels/routes.py, cached on disk);
                                        # "reference": cuBLAS for all of them, the baseline for equality and speed

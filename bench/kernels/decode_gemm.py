@@ -7,7 +7,7 @@ with and without programmatic dependent launch.
 
 Ops per decoder layer (bench/kernels/gemv_kernels.py's cases): norm_qkv (residual add + rms_norm, then qkv),
 norm_gate_up, silu_down (silu_mul, then down), o_proj (plain). Impls: "cublas" (fused_ops' kernels + F.linear,
-the path of steps over 4 rows), "gemm" (decode_gemm), "gemv" (decode_gemv as it picks: all rows at once at 2-4
+the route table's "cublas"), "gemm" (decode_gemm), "gemv" (decode_gemv as it picks: all rows at once at 2-4
 rows, else its row loop, forced past its 4 rows for scale), "gemv_loop" (the row loop at any rows); "_pdl" with
 dependent launch up to 32 rows (common.PDL_MAX_ROWS, as SPECDEC_PDL_MAX_ROWS=32 sets it),
 else none. Timing is gemv_kernels.time_graph's: back-to-back calls in one CUDA graph, the weights cycling over

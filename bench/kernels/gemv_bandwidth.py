@@ -132,7 +132,7 @@ def run_case(model, op, n, k, args, bandwidth):
 
 
 def run_silu_case(model, args, bandwidth):
-    """gate_up with SiLU * up in the epilogue (EngineConfig.silu_epilogue) over SWEEP_REG: shipped = its config."""
+    """gate_up with SiLU * up in the epilogue (the GEMV route's gate_up) over SWEEP_REG: shipped = its config."""
     n, k = SHAPES[model]["gate_up"]
     weights, x, calls, replays, nbytes = operands(n, k, args)
     gate_up = torch.nn.functional.linear(x, weights[0])

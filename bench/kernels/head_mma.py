@@ -1,5 +1,5 @@
 """Per-call GPU time of a greedy LM head's argmax: engine.kernels.matmul.head_mma against cuBLAS's logits +
-argmax.py's two kernels (the path of steps past the GEMV's rows) and draft_gemv's GEMV argmax (1-4 rows).
+argmax.py's two kernels (the route table's "cublas" head) and draft_gemv's GEMV argmax (1-4 rows).
 
     python -m bench.kernels.head_mma --out $OUT/head_mma.json              # SmolLM2's head, 1-32 rows, the sweep
     python -m bench.kernels.head_mma --heads smollm2 llama1b --rows 8 32    # Llama 1B's head (128256 x 2048) too

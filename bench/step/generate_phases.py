@@ -1,8 +1,8 @@
 """Where a timed generate's wall goes outside the engine's steps: adding the requests, the step loop (and the time
 inside `LLMEngine.step` within it), taking the results, the final synchronize, and every garbage collection.
 
-    python -m bench.step.generate_phases --streams 32 --new-tokens 128 --variants off:head_mma=false \
-        mma:head_mma=true,head_mma_from=1 --rounds 3 --profile
+    python -m bench.step.generate_phases --streams 32 --new-tokens 128 --variants ref:kernels=reference \
+        mma:kernel_routes=mma.json --rounds 3 --profile     # mma.json: {"pins": [{"kernel": "mma", "op": "head"}]}
     python -m bench.step.generate_phases --device cpu --dtype float32 --streams 2 --new-tokens 4 --rounds 1
 
 The throughput bench's outside_steps_ms is this bench's add + loop_outside + take + sync. One engine per variant;

@@ -5,8 +5,8 @@
     python -m bench.step.profile_step --device cpu --dtype float32 --streams 2 --steps 4 --out /tmp/p.json  # smoke
     python -m bench.step.profile_step --streams 1 --tag eagle --engine speculative=eagle num_speculative_tokens=3 \
         spec_min_acceptance=0      # the speculative step (any EngineConfig field: --engine KEY=VALUE ...)
-    python -m bench.step.profile_step --streams 1 32 --rounds 2 --by-grid --variants off:silu_epilogue=false \
-        on:silu_epilogue=true --resume --out $OUT/prof.json     # A/B in one run; a cut run resumes
+    python -m bench.step.profile_step --streams 1 32 --rounds 2 --by-grid --variants ref:kernels=reference \
+        auto: --resume --out $OUT/prof.json     # A/B in one run (cuBLAS, the measured routes); a cut run resumes
     python -m bench.step.profile_step --streams 32 --context 1024  # attention at an agent's context
     python -m bench.step.profile_step --streams 32 --by-grid --variants rule: bn32:gemm.3072.BLOCK_N=32 \
         w8:gemm.3072.num_warps=8      # decode_gemm's launch config for weights of 3,072 rows, in the step
@@ -69,7 +69,7 @@ def split_kernel_keys(overrides: dict) -> tuple[dict, dict]:
     "head": {KEY: value}})."""
     engine, kernels = {}, {}
     for key, value in overrides.items():
-        if key.startswith("head."):         # head.KEY: head_mma's config (EngineConfig.head_mma)
+        if key.startswith("head."):         # head.KEY: head_mma's config (where the route table runs it)
             kernels.setdefault("head", {})[key[5:]] = value
             continue
         if not key.startswith("gemm."):

@@ -112,7 +112,8 @@ def test_a_sides_settings_reach_its_bench_as_engine_fields(tmp_path):
 
 
 def test_a_model_reaches_both_sides_benches(tmp_path):
-    args = ab.parse_args(["--model", "dummy:llama-1b", "--before-engine", "head_mma=false", "--modes", "plain", "spec"])
+    args = ab.parse_args(["--model", "dummy:llama-1b", "--before-engine", "kernels=reference", "--modes", "plain",
+                          "spec"])
     for mode in args.modes:
         cmd = ab.bench_command(tmp_path, mode, args, [], tmp_path / "t.json")
         assert cmd[cmd.index("--model") + 1] == "dummy:llama-1b"
@@ -120,7 +121,7 @@ def test_a_model_reaches_both_sides_benches(tmp_path):
 
 def test_a_misspelt_dummy_shape_fails_before_any_run():
     with pytest.raises(ValueError, match="unknown dummy shape 'llama1b'"):
-        ab.parse_args(["--model", "dummy:llama1b", "--before-engine", "head_mma=false"])
+        ab.parse_args(["--model", "dummy:llama1b", "--before-engine", "kernels=reference"])
 
 
 def _tree(root, *scripts):

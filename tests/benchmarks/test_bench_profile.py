@@ -63,22 +63,22 @@ def test_variants_alternate_by_round_and_a_cut_run_resumes(tmp_path, monkeypatch
 
     def fake(args, streams, overrides=None):
         calls.append((streams, dict(overrides)))
-        off = overrides.get("silu_epilogue") is False
+        off = overrides.get("kernels") == "reference"
         return dict(streams=streams, period_ms=2.0 if off else 1.0, path_us=900.0 if off else 600.0,
                     forward_gpu_ms=0.5, command="x", device="cpu", git_commit="c")
 
     monkeypatch.setattr(profile_step, "profile", fake)
     out = tmp_path / "p.json"
-    argv = ["--streams", "1", "4", "--rounds", "2", "--variants", "on:", "off:silu_epilogue=false", "--out", str(out)]
+    argv = ["--streams", "1", "4", "--rounds", "2", "--variants", "on:", "off:kernels=reference", "--out", str(out)]
     main(argv)
-    assert [(n, o.get("silu_epilogue", "on")) for n, o in calls] == [
-        (1, "on"), (1, False), (1, False), (1, "on"), (4, "on"), (4, False), (4, False), (4, "on")]
+    assert [(n, o.get("kernels", "on")) for n, o in calls] == [(1, "on"), (1, "reference"), (1, "reference"), (1, "on"),
+                                                              (4, "on"), (4, "reference"), (4, "reference"), (4, "on")]
     records = json.loads(out.read_text())
     assert [(r["variant"], r["round"]) for r in records[:4]] == [("on", 0), ("off", 0), ("off", 1), ("on", 1)]
     out.write_text(json.dumps(records[:5]))                 # a run cut after its fifth profile
     calls.clear()
     main(argv + ["--resume"])
-    assert calls == [(4, {"silu_epilogue": False}), (4, {"silu_epilogue": False}), (4, {})]
+    assert calls == [(4, {"kernels": "reference"}), (4, {"kernels": "reference"}), (4, {})]
     summary = profile_step.variant_summary(json.loads(out.read_text()))
     assert [(r["streams"], r["variant"], r["rounds"], r["x_first"], r["path_x_first"]) for r in summary] == [
         (1, "on", 2, 1.0, 1.0), (1, "off", 2, 2.0, 1.5), (4, "on", 2, 1.0, 1.0), (4, "off", 2, 2.0, 1.5)]

@@ -1,6 +1,6 @@
 """engine.kernels.matmul.decode_gemm (5 to 32 rows on tensor cores, weights read before the dependent-launch wait)
-against the torch ops it replaces, the backend's routing by row count and an engine with it on and off. Without CUDA the
-kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
+against the torch ops it replaces, the backend running it where the route table pins it, and engines with it pinned
+against cuBLAS. Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import os
 import subprocess
 import sys
@@ -81,24 +81,39 @@ def test_silu_epilogue_matches_norm_linear_then_silu_mul(m, residual, dtype):
         gm.decode_norm_linear_silu(x, nw, EPS, w[:-1], res)
 
 
-@pytest.mark.parametrize("on", [False, True])
-def test_backend_mlp_takes_decode_gemms_silu_epilogue_with_the_switch(monkeypatch, on):
-    """norm_mlp of 5-16 rows: with gemm_silu_epilogue, decode_gemm's gate_up stores SiLU * up and the down
-    projection reads it; off, gate_up then down with its SiLU prologue. The outputs agree."""
+MATMUL_OPS = ("linear", "norm_linear", "norm_linear_silu")
+
+
+def _backend(*routes):
+    """A Triton backend running `routes` ((kernel, rows lo, rows hi) for every matmul op), cuBLAS elsewhere."""
     from engine.attention import TritonAttention
+    from engine.kernels.routes import Pin, RouteTable
+    return TritonAttention(routes=RouteTable.pinned(*[Pin(kernel, op=op, rows=(lo, hi)) for kernel, lo, hi in routes
+                                                      for op in MATMUL_OPS]))
+
+
+def _counting(monkeypatch, modules, record=lambda module, name, a, kw: name):
+    """Each call of the modules' matmul entry points, as record(module, name, args, keywords)."""
     calls = []
-    for name in ("decode_norm_linear_silu", "decode_linear", "decode_norm_linear", "decode_silu_linear"):
-        real = getattr(gm, name)
-        monkeypatch.setattr(gm, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    b = TritonAttention(decode_gemv=True, decode_gemm_rows=16, gemm_silu_epilogue=on)
-    b._gemv, b._gemm = dg, gm                          # the interpreter-built modules of this test file
-    ref = TritonAttention(decode_gemv=False)
+    for module in modules:
+        for name in ("decode_norm_linear_silu", "decode_linear", "decode_norm_linear", "decode_silu_linear"):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _r=real, _m=module, _n=name, **kw:
+                                calls.append(record(_m, _n, a, kw)) or _r(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("add_residual", [False, True])
+def test_backend_mlp_takes_decode_gemms_silu_epilogue(monkeypatch, add_residual):
+    """norm_mlp of 9 rows on decode_gemm: gate_up stores SiLU * up in its epilogue and the down projection reads
+    it (the residual added after); the outputs are cuBLAS's."""
+    calls = _counting(monkeypatch, [gm])
+    b, ref = _backend(("gemm", 1, 32)), _backend()
     args = (randn(9, 64, seed=40), randn(9, 64, seed=41), randn(64, seed=42), EPS, randn(48, 64, seed=43) / 8,
             randn(64, 24, seed=44) / 5)
-    got = b.norm_mlp(*args)
-    assert calls == (["decode_norm_linear_silu", "decode_linear"] if on else ["decode_norm_linear",
-                                                                              "decode_silu_linear"])
-    for a, c in zip(got, ref.norm_mlp(*args)):
+    got = b.norm_mlp(*args, add_residual=add_residual)
+    assert calls == ["decode_norm_linear_silu", "decode_linear"]
+    for a, c in zip(got, ref.norm_mlp(*args, add_residual=add_residual)):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
@@ -193,24 +208,14 @@ def test_refusals():
             call()
 
 
-def test_backend_routes_by_row_count(monkeypatch):
-    """decode_gemv up to 4 rows, decode_gemm from 5 to decode_gemm_rows, cuBLAS past them or with the switch off;
-    the results are the separate kernels' and F.linear's."""
-    from engine.attention import TritonAttention
-    calls = []
-    for module in (dg, gm):
-        for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
-            real = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _r=real, _m=module, **kw: calls.append(_m) or _r(*a, **kw))
-
-    def backend(rows):
-        b = TritonAttention(decode_gemv=True, decode_gemm_rows=rows)
-        b._gemv, b._gemm = dg, gm if rows else None          # the interpreter-built modules of this test file
-        return b
-
+def test_backend_runs_the_pinned_kernel_where_it_takes_the_call(monkeypatch):
+    """The GEMV pinned to 4 rows, decode_gemm from 5 to 16 and from 33 (past its MAX_ROWS): linear, norm_linear
+    and silu_linear (silu_mul, then linear) run the pinned kernel; unpinned rows, rows the kernel cannot take and a
+    bias take cuBLAS. The results are cuBLAS's."""
+    calls = _counting(monkeypatch, (dg, gm), lambda module, name, a, kw: module)
     w, wd, nw = randn(24, 64, seed=20), randn(24, 64, seed=21), randn(64, seed=22)
-    on, off = backend(16), TritonAttention(decode_gemv=False)
-    for m, want in [(2, dg), (5, gm), (16, gm), (17, None)]:
+    on, off = _backend(("gemv", 1, 4), ("gemm", 5, 16), ("gemm", 33, 64)), _backend()
+    for m, want in [(2, dg), (5, gm), (16, gm), (17, None), (33, None)]:
         x, res, gu = randn(m, 64, seed=23), randn(m, 64, seed=24), randn(m, 128, seed=25)
         torch.testing.assert_close(on.linear(x, w), off.linear(x, w), rtol=1e-5, atol=1e-5)
         for a, b in zip(on.norm_linear(x, res, nw, EPS, w), off.norm_linear(x, res, nw, EPS, w)):
@@ -218,12 +223,8 @@ def test_backend_routes_by_row_count(monkeypatch):
         torch.testing.assert_close(on.silu_linear(gu, wd), off.silu_linear(gu, wd), rtol=1e-5, atol=1e-5)
         assert calls == ([want] * 3 if want else []), m
         calls.clear()
-    backend(0).linear(randn(8, 64, seed=26), w)
     on.linear(randn(8, 64, seed=26), w, bias=randn(24, seed=27))
     assert calls == []
-    for kw in (dict(decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemv=False, decode_gemm_rows=8)):
-        with pytest.raises(ValueError, match="decode_gemm_rows"):
-            TritonAttention(**{"decode_gemv": True, **kw})
 
 
 def _meta(rows: int, query_len: int):
@@ -239,15 +240,8 @@ def _meta(rows: int, query_len: int):
 def test_backend_tells_decode_gemm_a_decode_step(monkeypatch):
     """decode_gemm's launch rule by step kind: the backend passes decode=True only for a decode step's metadata (one
     token a sequence) and only to decode_gemm; a verification of the same rows, no metadata and the GEMV get none."""
-    from engine.attention import TritonAttention
-    calls = []
-    for module in (dg, gm):
-        for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
-            real = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _r=real, _m=module, **kw: calls.append((_m, kw)) or
-                                _r(*a, **kw))
-    b = TritonAttention(decode_gemv=True, decode_gemm_rows=16)
-    b._gemv, b._gemm = dg, gm
+    calls = _counting(monkeypatch, (dg, gm), lambda module, name, a, kw: (module, kw))
+    b = _backend(("gemv", 1, 4), ("gemm", 5, 16))
     w, wd, nw = randn(24, 64, seed=30), randn(24, 64, seed=31), randn(64, seed=32)
     for rows, meta, want in [(8, _meta(8, 1), {"decode": True}), (8, _meta(8, 4), {}), (8, None, {}),
                              (4, _meta(4, 1), {})]:
@@ -261,97 +255,52 @@ def test_backend_tells_decode_gemm_a_decode_step(monkeypatch):
         calls.clear()
 
 
-def test_split_routes_small_weights_of_3_rows_on_to_gemm(monkeypatch):
-    """decode_gemm_split: from 3 rows, a matmul whose weight has at most SPLIT_MAX_WEIGHT elements goes to
-    decode_gemm (all of SmolLM2's), a larger one stays on the GEMV (all of Llama 1B's), which takes its rows all at
-    once; the results are F.linear's."""
-    import engine.attention as attention
-    calls = []
-    for module in (dg, gm):
-        real = module.decode_linear
-        monkeypatch.setattr(module, "decode_linear", lambda *a, _r=real, _m=module: calls.append(_m) or _r(*a))
-    monkeypatch.setattr(attention, "SPLIT_MAX_WEIGHT", 120 * 72)
-    split = attention.TritonAttention(decode_gemv=True, decode_gemm_split=True)
-    split._gemv, split._gemm = dg, gm
-    off = attention.TritonAttention(decode_gemv=False)
-    cases = [(2, 120, 72, dg), (3, 120, 72, gm), (4, 120, 72, gm),     # at the limit: decode_gemm from 3 rows
-             (4, 72, 72, gm), (3, 24, 192, gm),                         # under it
-             (4, 121, 72, dg), (4, 72, 192, dg)]                        # past it: the GEMV
-    for m, n, k, want in cases:
-        x, w = randn(m, k, seed=m + k), randn(n, k, seed=n + k)
-        close(split.linear(x, w), off.linear(x, w))                  # fp32: summation order only
-        assert calls == [want], (m, n, k)
-        calls.clear()
-    assert split.linear(randn(5, 72, seed=1), randn(120, 72, seed=2)) is not None and calls == []   # past 4: cuBLAS
-    with pytest.raises(ValueError, match="decode_gemm_split"):
-        attention.TritonAttention(decode_gemm_split=True)
-    from engine.config import EngineConfig
-    assert EngineConfig(decode_gemv=False).decode_gemm_split      # on by default, where decode_gemv is on
-
-
-def test_the_switch_and_the_dependent_launch_limit():
-    from engine.config import EngineConfig
-    assert EngineConfig().decode_gemm_rows == 32 and EngineConfig(decode_gemm_rows=16).decode_gemm_rows == 16
-    for kw in (dict(decode_gemv_rows=4, decode_gemm_rows=4), dict(decode_gemm_rows=33), dict(decode_gemm_rows=2)):
-        with pytest.raises(ValueError, match="decode_gemm_rows"):
-            EngineConfig(**kw)
-    assert EngineConfig(decode_gemv_rows=1, decode_gemm_rows=2).decode_gemm_rows == 2
-    EngineConfig(decode_gemv=False)     # no error for the default decode_gemm_rows: it then takes nothing
-    with pytest.raises(ValueError, match="decode_gemv_rows"):
-        EngineConfig(decode_gemv_rows=9)
+def test_the_dependent_launch_limit():
     code = ("from engine.kernels import common; from engine.kernels.matmul import decode_gemv; "
             "print(common.PDL_MAX_ROWS, decode_gemv.MAX_ROWS)")
     env = {k: v for k, v in os.environ.items() if k != "SPECDEC_PDL_MAX_ROWS"}
     for limit, want in ((None, "32"), ("16", "16")):
         out = subprocess.run([sys.executable, "-c", code], env=env | ({"SPECDEC_PDL_MAX_ROWS": limit} if limit else {}),
                              capture_output=True, text=True, check=True)
-        assert out.stdout.split() == [want, "8"]      # the default decode_gemm_rows; the GEMV's limit stays
-
-
-def test_an_engine_without_the_gemv_takes_no_decode_gemm():
-    """decode_gemv=False means cuBLAS for every matmul: the default decode_gemm_rows is not handed to the backend."""
-    from engine.llm_engine import LLMEngine
-    eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", max_num_seqs=2,
-                    max_model_len=64, enforce_eager=True, decode_gemv=False)
-    assert eng.runner.backend._gemm is None and eng.runner.backend._gemv is None
+        assert out.stdout.split() == [want, "8"]      # decode_gemm's MAX_ROWS; the GEMV's limit stays
 
 
 def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
-    """A whole engine (Triton backend, a 2-layer dummy model): decode_gemm_rows=32 gives the greedy tokens of 0,
-    its prefill and decode steps of 6 rows taking the kernel (the GEMV with decode_gemv_rows=8); with
-    decode_gemv_rows=1 and decode_gemm_rows=4 the steps of 2-4 rows take it (a verification of 1 + K tokens from
-    one stream) and those of one row the GEMV; with decode_gemm_split steps of 3-4 rows take it for the matmuls
-    of small weights (SPLIT_MAX_WEIGHT set between the tiny model's o and gate_up)."""
-    import engine.attention as attention
-    from engine.kernels.matmul import decode_gemv as dg
+    """A whole engine (Triton backend, a 2-layer dummy model): decode_gemm pinned from 5 to 32 rows (the GEMV to
+    4) gives the greedy tokens of cuBLAS everywhere (kernels="reference", where neither kernel runs), its prefill
+    and decode steps of 6 rows taking the kernel, the decode steps by their own launch rule; so do the GEMV to 8
+    rows, and decode_gemm from 2 to 4 rows (a verification of 1 + K tokens from one stream) with the GEMV at 1."""
+    from engine.kernels.routes import pins
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     calls, kinds = {gm: [], dg: []}, []
     monkeypatch.setattr(gm, "launch", lambda *a, _r=gm.launch, **kw: kinds.append((a[0].shape[0], kw.get("decode")))
                         or _r(*a, **kw))
     for mod in calls:
-        for name in ("decode_linear", "decode_norm_linear", "decode_silu_linear"):
+        for name in ("decode_linear", "decode_norm_linear", "decode_norm_linear_silu"):
             real = getattr(mod, name)
             monkeypatch.setattr(mod, name, lambda *a, _r=real, _c=calls[mod], **kw: _c.append(a[0].shape[0])
                                 or _r(*a, **kw))
     prompts = [[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8], [42], [11, 400, 13], [256, 255]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 3, 4, 5, 6, 7)]
+    gemm = lambda rows: [dict(kernel="gemm", op=op, rows=rows) for op in MATMUL_OPS]
+    routes = {"reference": dict(kernels="reference"),
+              "gemm": dict(kernel_routes=pins(dict(kernel="gemv", rows=[1, 4]), *gemm([5, 32]))),
+              "gemv": dict(kernel_routes=pins(dict(kernel="gemv", rows=[1, 8]))),
+              "short_gemm": dict(kernel_routes=pins(dict(kernel="gemv", rows=1), *gemm([2, 4])))}
     runs, seen = {}, {}
-    monkeypatch.setattr(attention, "SPLIT_MAX_WEIGHT", 128 * 64)   # the tiny model's qkv, o and down; not gate_up
-    for rows in ((4, 0), (4, 32), (1, 4), (4, 0, True), (8, 0)):
+    for name, kw in routes.items():
         for c in (*calls.values(), kinds):
             c.clear()
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=1,
-                        max_num_seqs=8, max_model_len=64, enforce_eager=True, decode_gemv_rows=rows[0],
-                        decode_gemm_rows=rows[1], decode_gemm_split=len(rows) > 2)
-        runs[rows] = [s.output_token_ids for s in eng.generate(prompts, params)]
+                        max_num_seqs=8, max_model_len=64, enforce_eager=True, **kw)
+        runs[name] = [s.output_token_ids for s in eng.generate(prompts, params)]
         assert_no_leak(eng)
-        seen[rows] = set(calls[gm]), set(calls[dg])
-        if rows == (4, 32):     # decode steps (6 rows or fewer) launch by the decode rule; prefill steps do not
+        seen[name] = set(calls[gm]), set(calls[dg])
+        if name == "gemm":      # decode steps (6 rows or fewer) launch by the decode rule; prefill steps do not
             assert {d for n, d in kinds if n > 6} == {False} and (6, True) in kinds, kinds
-    assert runs[(4, 32)] == runs[(4, 0)] and runs[(1, 4)] == runs[(4, 0)] and runs[(4, 0, True)] == runs[(4, 0)]
-    assert runs[(8, 0)] == runs[(4, 0)] and not seen[(8, 0)][0] and 6 in seen[(8, 0)][1]
-    assert seen[(4, 0, True)][0] == {3, 4} and 1 in seen[(4, 0, True)][1]
-    assert not seen[(4, 0)][0] and seen[(4, 0)][1] <= {1, 2, 3, 4}
-    assert 6 in seen[(4, 32)][0] and seen[(4, 32)][0] <= set(range(5, 33))
-    assert seen[(1, 4)][0] == {2, 3, 4} and seen[(1, 4)][1] == {1}
+    assert all(run == runs["reference"] for run in runs.values())
+    assert seen["reference"] == (set(), set())
+    assert not seen["gemv"][0] and 6 in seen["gemv"][1] and seen["gemv"][1] <= set(range(1, 9))
+    assert 6 in seen["gemm"][0] and seen["gemm"][0] <= set(range(5, 33)) and seen["gemm"][1] <= {1, 2, 3, 4}
+    assert seen["short_gemm"][0] == {2, 3, 4} and seen["short_gemm"][1] == {1}

@@ -1,6 +1,7 @@
 """engine.kernels.matmul.draft_gemv (a greedy draft's final norm + LM head + argmax) and decode_gemv's residual epilogue
-against the torch ops they replace, bit for bit, and EAGLE drafting with them (EngineConfig.draft_gemv) against
-drafting without. Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py)."""
+against the torch ops they replace, bit for bit, and EAGLE drafting with them (the GEMV pinned for the draft's
+"norm_head") against drafting without. Without CUDA the kernels run in the Triton CPU interpreter
+(tests/conftest.py)."""
 from types import SimpleNamespace
 
 import pytest
@@ -108,14 +109,15 @@ def test_logits_are_compared_as_the_dtype_rounds_them(dtype, case):
 @pytest.mark.parametrize("m", [1, 4])
 def test_residual_epilogue_equals_the_add_after(dtype, m):
     """hidden + silu_linear(gate_up, w) of the EAGLE head's layer: one kernel, the same bits as the matmul's
-    output added to the residual by torch, on the backend too (draft_gemv on vs off)."""
+    output added to the residual by torch; on the backend with the GEMV pinned too (silu_mul's kernel, then the
+    GEMV's residual epilogue)."""
     gu, w, r = (randn(m, 2 * 96, seed=7, dtype=dtype), randn(72, 96, seed=8, dtype=dtype),
                 randn(m, 72, seed=9, dtype=dtype))
     assert dg.supports(gu, w, k=96, add=r)
     got = dg.decode_silu_linear(gu, w, residual=r)
     assert torch.equal(got, r + dg.decode_silu_linear(gu, w))
-    assert torch.equal(_backend(True).silu_linear(gu, w, residual=r), got)
-    assert torch.equal(_backend(False).silu_linear(gu, w, residual=r), got)
+    act = ops.silu_mul(gu)
+    assert torch.equal(_backend(True).silu_linear(gu, w, residual=r), r + dg.decode_linear(act, w))
 
 
 @DTYPES
@@ -147,36 +149,31 @@ def test_refusals():
             dg.decode_silu_linear(gu, wd, residual=res)
 
 
-def test_the_switch(monkeypatch):
-    """The backend's draft_gemv needs decode_gemv (EngineConfig's applies where decode_gemv is on, so turning the
-    GEMV off alone is no error). The GEMV's kernels take up to decode_gemv_rows rows with draft_gemv; past them,
-    and with draft_gemv off, the head's tokens are the argmax kernels' on cuBLAS's logits; the torch backend has
-    no argmax kernel (None: the caller computes the logits)."""
+def test_backend_runs_the_heads_pinned_kernel(monkeypatch):
+    """The backend's normed head takes the GEMV's kernels where its route pins them and they take the rows; past
+    their rows, and pinned to cuBLAS, the head's tokens are the argmax kernels' on cuBLAS's logits; the reference
+    table and the torch backend have no argmax kernel (None: the caller computes the logits)."""
     from engine.attention import TorchAttention, TritonAttention
-    from engine.config import EngineConfig
-    with pytest.raises(ValueError, match="decode_gemv"):
-        TritonAttention(decode_gemv=False, draft_gemv=True)
-    assert EngineConfig(decode_gemv=False).draft_gemv
+    from engine.kernels.routes import RouteTable
     x, nw, w = randn(2, 64, seed=1), randn(64, seed=2), randn(100, 64, seed=3)
     calls = _counting(monkeypatch)
     backend = _backend(True)
     assert torch.equal(backend.norm_linear_argmax(x, nw, EPS, w), torch_argmax(x, nw, w)) and calls == [2]
-    five = randn(5, 64, seed=6)                          # past the engine's decode_gemv_rows (4): not the GEMV
-    for rows in (randn(dr.MAX_ROWS + 1, 64, seed=4), five):
-        assert torch.equal(backend.norm_linear_argmax(rows, nw, EPS, w), torch_argmax(rows, nw, w))
-    assert calls == [2]
-    wide = _backend(True, rows=8)
-    assert torch.equal(wide.norm_linear_argmax(five, nw, EPS, w), torch_argmax(five, nw, w))
+    wide = randn(dr.MAX_ROWS + 1, 64, seed=4)
+    assert torch.equal(backend.norm_linear_argmax(wide, nw, EPS, w), torch_argmax(wide, nw, w))
     assert torch.equal(_backend(False).norm_linear_argmax(x, nw, EPS, w), torch_argmax(x, nw, w))
+    assert calls == [2]
+    assert TritonAttention(routes=RouteTable(reference=True)).norm_linear_argmax(x, nw, EPS, w) is None
     assert TorchAttention().norm_linear_argmax(x, nw, EPS, w) is None
 
 
-def _backend(draft: bool, rows: int = 4):
+def _backend(draft: bool):
+    """A Triton backend with the GEMV pinned for every matmul, and for the heads with `draft`, else cuBLAS's
+    logits and the argmax kernels."""
     from engine.attention import TritonAttention
-    backend = TritonAttention(decode_gemv=True, draft_gemv=draft, decode_gemv_rows=rows)
-    backend._gemv, backend.ops = dg, ops               # the interpreter-built modules of this test file
-    backend._draft = dr if draft else None
-    return backend
+    from engine.kernels.routes import Pin, RouteTable
+    cublas = [] if draft else [Pin("cublas", op="head"), Pin("cublas", op="norm_head")]
+    return TritonAttention(routes=RouteTable.pinned(Pin("gemv"), *cublas))
 
 
 # ---- the EAGLE head and drafter ----
@@ -242,8 +239,8 @@ def test_head_greedy_equals_the_logits_argmax(dtype, tied, monkeypatch):
 
 @DTYPES
 def test_drafts_with_and_without_the_kernels_agree(dtype, monkeypatch):
-    """The same drafts from a prompt, K = 3 (step 0 and two draft steps); with draft_gemv every pick is the
-    kernels', except in a guided step, which keeps ctx.pick on the logits."""
+    """The same drafts from a prompt, K = 3 (step 0 and two draft steps); with the GEMV pinned for the head every
+    pick is the kernels', except in a guided step, which keeps ctx.pick on the logits."""
     calls = _counting(monkeypatch)
     drafts = {}
     for draft in (False, True):
@@ -258,17 +255,20 @@ def test_drafts_with_and_without_the_kernels_agree(dtype, monkeypatch):
 
 
 def test_engine_drafts_and_outputs_equal_with_draft_gemv(tmp_path, monkeypatch):
-    """A whole engine (Triton backend, an EAGLE head on a 3-layer dummy target): draft_gemv on gives the drafts
-    and greedy outputs of draft_gemv off, and its draft steps take the kernels."""
+    """A whole engine (Triton backend, an EAGLE head on a 3-layer dummy target, the GEMV pinned for every matmul):
+    the GEMV pinned for the draft heads too gives the drafts and greedy outputs of cuBLAS's logits there, and its
+    draft steps take the kernels."""
+    from engine.kernels.routes import pins
     from engine.llm_engine import LLMEngine
     head_dir = eagle_target(monkeypatch, tmp_path)
     calls = _counting(monkeypatch)
+    gemv = dict(kernel="gemv", rows=[1, 8])
     runs = {}
     for draft in (False, True):
+        routes = pins(gemv) if draft else pins(gemv, dict(kernel="cublas", op="norm_head"))
         eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton",
-                        **INTERPRETER_SETTINGS, depth=1,
-                        max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
-                        spec_head=head_dir, draft_gemv=draft, head_mma=False)     # the GEMV's route, not head_mma's
+                        **INTERPRETER_SETTINGS, depth=1, max_num_seqs=4, max_model_len=128, enforce_eager=True,
+                        speculative="eagle", spec_head=head_dir, kernel_routes=routes)
         runs[draft] = greedy_drafts(eng, [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]], (4, 3))
         assert_no_leak(eng)
         assert runs[draft][1] and (len(calls) > 0) == draft

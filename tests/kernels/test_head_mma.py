@@ -1,6 +1,6 @@
 """engine.kernels.matmul.head_mma (a greedy step's LM head argmax on tensor cores, no logits) against F.linear and
-torch.argmax, and the backend's routing of steps past the decode GEMV's rows to it (EngineConfig.head_mma).
-Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
+torch.argmax, and the backend and engines running it where the route table pins it for the LM heads ("head",
+"norm_head"). Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,88 +108,78 @@ def test_refusals():
         hm.linear_argmax(x[0], w)
 
 
-def test_the_backend_routes_the_steps_past_the_gemv_to_it(monkeypatch):
-    """With head_mma the backend's greedy LM head takes steps past decode_gemv_rows (and any step the caller keeps
-    off the GEMV) up to MAX_ROWS on head_mma, the final norm first where there is one; the GEMV keeps its rows
-    unless head_mma_from reaches them, and steps past MAX_ROWS take cuBLAS's logits. Off: never head_mma. Same
-    tokens on every route."""
-    from engine.attention import TritonAttention
-    dr, ops = triton_module("matmul.draft_gemv"), triton_module("fused_ops")
+def _counting(monkeypatch):
     calls, real = [], hm.linear_argmax
     monkeypatch.setattr(hm, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    return calls
+
+
+@pytest.mark.parametrize("kernel", ["mma", "gemv", "cublas"])
+def test_the_backend_runs_head_mma_where_pinned(kernel, monkeypatch):
+    """With the heads pinned to "mma" the backend's greedy LM head takes head_mma up to its MAX_ROWS, the final
+    norm first where there is one, and steps past MAX_ROWS take cuBLAS's logits; pinned to the GEMV or cuBLAS,
+    never head_mma. The same tokens on every route."""
+    from engine.attention import TritonAttention
+    from engine.kernels.routes import Pin, RouteTable
+    ops = triton_module("fused_ops")
+    calls = _counting(monkeypatch)
     k, v = SHAPES[1]
     w, nw = randn(v, k, seed=1) / k ** 0.5, randn(k, seed=2)
-    for on in (False, True):
-        backend = TritonAttention(decode_gemv=True, draft_gemv=True, head_mma=on)
-        backend._draft, backend.ops = dr, ops                    # the interpreter-built modules of this test file
-        backend._head_mma = hm if on else None
-        for rows, gemv in ((4, True), (4, False), (5, True), (hm.MAX_ROWS, True), (hm.MAX_ROWS + 1, True)):
-            x = randn(rows, k, seed=rows)
-            assert torch.equal(backend.linear_argmax(x, w, gemv), torch_argmax(x, w))
-            assert torch.equal(backend.norm_linear_argmax(x, nw, 1e-5, w, gemv),
-                               torch_argmax(ops.rms_norm(x, nw, 1e-5), w))
-        assert calls == ([4, 4, 5, 5, hm.MAX_ROWS, hm.MAX_ROWS] if on else []), calls
-        calls.clear()
-    backend = TritonAttention(decode_gemv=True, draft_gemv=True, head_mma=True, head_mma_from=1)
-    backend._draft, backend.ops, backend._head_mma = dr, ops, hm
-    x = randn(4, k, seed=4)
-    assert torch.equal(backend.linear_argmax(x, w), torch_argmax(x, w)) and calls == [4]     # the GEMV's rows too
-    assert torch.equal(backend.norm_linear_argmax(x, nw, 1e-5, w), torch_argmax(ops.rms_norm(x, nw, 1e-5), w))
-    assert calls == [4, 4]                              # a draft's normed head too, after the norm's kernel
-    backend = TritonAttention(decode_gemv=True, draft_gemv=True, head_mma=True, head_mma_from=1, head_mma_to=4)
-    backend._draft, backend.ops, backend._head_mma = dr, ops, hm
-    for rows, gemv in ((1, True), (4, True), (4, False), (5, True), (5, False)):
+    backend = TritonAttention(routes=RouteTable.pinned(Pin(kernel, op="head"), Pin(kernel, op="norm_head")))
+    for rows in (1, 4, 5, hm.MAX_ROWS, hm.MAX_ROWS + 1):
         x = randn(rows, k, seed=rows)
-        assert torch.equal(backend.linear_argmax(x, w, gemv), torch_argmax(x, w))
-    assert calls == [4, 4, 1, 4, 4], calls             # head_mma_to = 4: past it, cuBLAS's logits
+        assert torch.equal(backend.linear_argmax(x, w), torch_argmax(x, w))
+        assert torch.equal(backend.norm_linear_argmax(x, nw, 1e-5, w), torch_argmax(ops.rms_norm(x, nw, 1e-5), w))
+    assert calls == ([1, 1, 4, 4, 5, 5, hm.MAX_ROWS, hm.MAX_ROWS] if kernel == "mma" else []), calls
 
 
-def test_head_mma_rows_are_checked():
-    from engine.config import EngineConfig
-    assert EngineConfig(head_mma_from=64, head_mma_to=64).head_mma_from == 64
-    assert EngineConfig(head_mma_from=1, head_mma_to=4).head_mma_to == 4
-    for bad in (-1, 65):
-        with pytest.raises(ValueError, match="head_mma_from"):
-            EngineConfig(head_mma_from=bad)
-    for bad in (dict(head_mma_to=0), dict(head_mma_to=65), dict(head_mma_from=5, head_mma_to=4)):
-        with pytest.raises(ValueError, match="head_mma_to"):
-            EngineConfig(**bad)
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2], list(range(40, 61)), [11] * 5, [8, 1, 64, 64, 2]]
 
 
-@pytest.mark.parametrize("first,last", [(0, 64), (1, 64), (1, 4)])
-def test_engine_outputs_equal_with_head_mma(first, last, monkeypatch):
-    """head_mma on gives head_mma off's greedy tokens. Steps of five rows (past decode_gemv_rows) take it unless
-    head_mma_to is below five; with head_mma_from = 1 the steps of fewer rows, as requests finish, take it too,
-    else the GEMV."""
+def _tokens(**kw):
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
-    calls, real = [], hm.linear_argmax
-    monkeypatch.setattr(hm, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    prompts = [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2], list(range(40, 61)), [11] * 5, [8, 1, 64, 64, 2]]
-    out = {}
-    for on in (False, True):
-        eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=2,
-                        enforce_eager=True, max_num_seqs=5, max_model_len=128, head_mma=on, head_mma_from=first,
-                        head_mma_to=last, decode_gemv_rows=4)
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 12, 6, 7)]
-        out[on] = [s.output_token_ids for s in eng.generate(prompts, params)]
-        assert_no_leak(eng)
-        assert (5 in calls, any(r < 5 for r in calls)) == (on and last >= 5, on and first == 1), calls
-    assert out[True] == out[False]
+    eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=2,
+                    enforce_eager=True, max_num_seqs=5, max_model_len=128, **kw)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 12, 6, 7)]
+    out = [s.output_token_ids for s in eng.generate(PROMPTS, params)]
+    assert_no_leak(eng)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """cuBLAS for every matmul, the head's tokens from its logits."""
+    return _tokens(kernels="reference")
+
+
+@pytest.mark.parametrize("rows", [(1, 64), (5, 64), (1, 4)])
+def test_engine_outputs_equal_with_head_mma(rows, reference, monkeypatch):
+    """head_mma pinned for the LM head's steps of `rows` (the GEMV's below them) gives the reference's greedy
+    tokens; steps of five rows take it where the pin reaches five, steps of fewer rows, as requests finish,
+    where it starts at one."""
+    from engine.kernels.routes import pins
+    calls = _counting(monkeypatch)
+    routes = [dict(kernel="gemv", op="head", rows=[1, 4])] if rows[0] > 1 else []
+    routes.append(dict(kernel="mma", op="head", rows=list(rows)))
+    assert _tokens(kernel_routes=pins(*routes)) == reference
+    assert (5 in calls, any(r < 5 for r in calls)) == (rows[1] >= 5, rows[0] == 1), calls
 
 
 def test_eagle_engine_outputs_equal_with_head_mma_on_every_head(tmp_path, monkeypatch):
-    """An EAGLE engine (a 3-layer dummy target) with head_mma on from one row: its drafts' normed heads and the
-    verifications take head_mma, and the drafts and greedy outputs are head_mma off's."""
+    """An EAGLE engine (a 3-layer dummy target) with head_mma pinned for every head: its drafts' normed heads and
+    the verifications take head_mma, and the drafts and greedy outputs are the reference's (cuBLAS, logits)."""
+    from engine.kernels.routes import pins
     from engine.llm_engine import LLMEngine
     head_dir = eagle_target(monkeypatch, tmp_path)
-    calls, real = [], hm.linear_argmax
-    monkeypatch.setattr(hm, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    calls = _counting(monkeypatch)
+    mma = pins(dict(kernel="mma", op="head"), dict(kernel="mma", op="norm_head"))
     runs = {}
     for on in (False, True):
+        kw = dict(kernel_routes=mma) if on else dict(kernels="reference")
         eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton", depth=1,
                         max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
-                        spec_head=head_dir, head_mma=on, head_mma_from=1, head_mma_to=64)
+                        spec_head=head_dir, **kw)
         runs[on] = greedy_drafts(eng, [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]], (5, 4))
         assert_no_leak(eng)
         # each spec step: three draft heads of both prompts' rows, then one verification of 2 x 4 rows

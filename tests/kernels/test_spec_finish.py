@@ -136,7 +136,7 @@ def _program(on, history):
 @pytest.mark.parametrize("history", [True, False], ids=["history", "next_ids"])
 @pytest.mark.parametrize("source", ["logits", "target_ids"])
 def test_verify_finish_routes_greedy_steps_through_the_kernel(source, history, monkeypatch):
-    """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or verify_gemv's ids:
+    """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or the head kernels' ids:
     the same tokens and writes on and off; guided and sampled steps keep the torch path."""
     from engine.spec.program import SpecStepProgram
     from engine.runner.step import StepVariant
@@ -205,13 +205,13 @@ def test_refusals():
 
 # ---- whole engines ----
 
-def _engine(speculative, depth, on, k=2, verify_gemv=False, **kw):
+def _engine(speculative, depth, on, k=2, **kw):
     from engine.llm_engine import LLMEngine
     return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                      **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
                      spec_head="random", num_speculative_tokens=k, spec_min_acceptance=0.0, spec_kernels=on,
-                     spec_finish_kernel=on, draft_gather=on, verify_gemv=verify_gemv, **kw)
+                     spec_finish_kernel=on, draft_gather=on, **kw)
 
 
 def _run(eng, prompts, lengths):
@@ -243,13 +243,15 @@ def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch)
 
 
 @pytest.mark.parametrize("speculative", ["eagle", "ngram"])
-def test_engine_with_verify_gemv_and_spec_kernels(speculative, monkeypatch):
-    """One stream, K = 3, verify_gemv: the kernel verifies the argmax kernels' ids, as the torch path does."""
+def test_engine_with_the_gemv_head_and_spec_kernels(speculative, monkeypatch):
+    """One stream, K = 3, the verification's head (4 rows) pinned to the GEMV: the kernel verifies the argmax
+    kernels' ids, as the torch path does."""
+    from engine.kernels.routes import pins
     calls, argmax = _counting(monkeypatch), []
     real = dr.linear_argmax
     monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: argmax.append(x.shape[0]) or real(x, *a))
     prompt = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99]]
-    runs = {on: _run(_engine(speculative, 1, on, k=3, verify_gemv=True, head_mma=False, decode_gemv_rows=4), prompt,
-                     (8,)) for on in (False, True)}     # the GEMV's route (4 rows, head_mma off), counted here
+    gemv = pins(dict(kernel="gemv", op="head", rows=4))     # the GEMV's route, counted here
+    runs = {on: _run(_engine(speculative, 1, on, k=3, kernel_routes=gemv), prompt, (8,)) for on in (False, True)}
     assert runs[True] == runs[False] and calls and set(calls) == {(1, 4)} and set(argmax) == {4}
     assert len(argmax) == 2 * len(calls)      # each spec step of both engines: the kernel on the kernels' ids

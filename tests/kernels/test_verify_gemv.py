@@ -1,6 +1,7 @@
-"""EngineConfig.verify_gemv: engine.kernels.matmul.draft_gemv.linear_argmax (the target's LM head + argmax on the decode
-GEMV) against the torch ops it replaces, greedy_accept_ids against greedy_accept, which steps of SpecStepProgram
-take the kernels, and whole engines with the switch on against off. Without CUDA the kernels run in the Triton CPU
+"""A greedy verification's target ids without float32 logits: engine.kernels.matmul.draft_gemv.linear_argmax (the
+target's LM head + argmax on the decode GEMV, the "gemv" route of op "head") against the torch ops it replaces,
+greedy_accept_ids against greedy_accept, which steps of SpecStepProgram take the kernels, and whole engines with
+the head's routes pinned against the reference (cuBLAS, logits). Without CUDA the kernels run in the Triton CPU
 interpreter (tests/conftest.py)."""
 from types import SimpleNamespace
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_no_leak, triton_module
+from engine.kernels.routes import pins
 from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS, record_drafts
 
 dg = triton_module("matmul.decode_gemv")
@@ -89,26 +91,27 @@ def test_refusals():
             dr.linear_argmax(*args)
 
 
-def _backend(draft: bool):
+def _backend(kernel: str):
+    """A Triton backend with the LM head (op "head") pinned to `kernel`."""
     from engine.attention import TritonAttention
-    backend = TritonAttention(decode_gemv=True, draft_gemv=draft)
-    backend._gemv, backend.ops = dg, ops               # the interpreter-built modules of this test file
-    backend._draft = dr if draft else None
-    return backend
+    from engine.kernels.routes import Pin, RouteTable
+    return TritonAttention(routes=RouteTable.pinned(Pin(kernel, op="head")))
 
 
 def test_backend_dispatch(monkeypatch):
-    """The GEMV kernels on a Triton backend with draft_gemv, for up to decode_gemv_rows rows; cuBLAS's logits and
-    engine/kernels/sampling/argmax.py past them, without draft_gemv and with gemv=False; None on the torch backend (the
-    caller computes the logits)."""
-    from engine.attention import TorchAttention
+    """The GEMV kernels on a Triton backend with the head pinned to them, up to their MAX_ROWS rows; cuBLAS's logits
+    and engine/kernels/sampling/argmax.py past them and pinned to cuBLAS; None with the reference table and on the
+    torch backend (the caller computes the logits)."""
+    from engine.attention import TorchAttention, TritonAttention
+    from engine.kernels.routes import RouteTable
     calls, real = [], dr.linear_argmax
     monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    x, w, five = randn(4, 64, seed=1), randn(100, 64, seed=3), randn(5, 64, seed=4)
-    assert torch.equal(_backend(True).linear_argmax(x, w), torch_argmax(x, w)) and calls == [4]
-    for backend, rows, gemv in [(_backend(True), five, True), (_backend(False), x, True), (_backend(True), x, False)]:
-        assert torch.equal(backend.linear_argmax(rows, w, gemv), torch_argmax(rows, w))
+    x, w, wide = randn(4, 64, seed=1), randn(100, 64, seed=3), randn(dr.MAX_ROWS + 1, 64, seed=4)
+    assert torch.equal(_backend("gemv").linear_argmax(x, w), torch_argmax(x, w)) and calls == [4]
+    for backend, rows in [(_backend("gemv"), wide), (_backend("cublas"), x)]:
+        assert torch.equal(backend.linear_argmax(rows, w), torch_argmax(rows, w))
     assert calls == [4]
+    assert TritonAttention(routes=RouteTable(reference=True)).linear_argmax(x, w) is None
     assert TorchAttention().linear_argmax(x, w) is None
 
 
@@ -142,31 +145,29 @@ def test_greedy_accept_ids_refuses_bad_shapes():
 
 # ---- which steps take the kernels ----
 
-def _program(verify: bool, head: bool, world: int = 1):
-    """SpecStepProgram's attributes target_ids reads, with a backend counting its linear_argmax calls."""
+def _program(kernels: bool, world: int = 1):
+    """SpecStepProgram's attributes target_ids reads, with a backend counting its linear_argmax calls (kernels:
+    it has a head kernel for them, else None as the reference table's)."""
     calls = []
-    backend = SimpleNamespace(linear_argmax=lambda x, w, gemv: calls.append((x.shape[0], gemv)) or
-                              torch.zeros(x.shape[0]).long())
+    backend = SimpleNamespace(linear_argmax=lambda x, w: calls.append(x.shape[0]) or (
+        torch.zeros(x.shape[0]).long() if kernels else None))
     model = SimpleNamespace(tp=SimpleNamespace(world=world), head_weight=torch.zeros(10, 8))
-    return SimpleNamespace(verify_gemv=verify, head_gemv=head, backend=backend, model=model), calls
+    return SimpleNamespace(backend=backend, model=model), calls
 
 
-@pytest.mark.parametrize("variant,world,k,verify,head", [
-    ((False, True, False), 1, 3, True, True), ((False, True, False), 1, 3, False, True),
-    ((False, True, False), 1, 3, True, False), ((True, True, False), 1, 3, True, True),
-    ((False, False, False), 1, 3, True, True), ((False, True, True), 1, 3, True, True),
-    ((False, True, False), 2, 3, True, True), ((False, True, False), 1, 0, True, True),
-    ((False, True, False), 1, 3, False, False)],
-    ids=["greedy", "head_only", "verify_only", "guided", "sampled", "extras", "tp2", "plain_step", "off"])
-def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, k, verify, head):
-    """head_gemv: the argmax kernels on cuBLAS's logits (gemv False); verify_gemv: the GEMV's (gemv True)."""
+@pytest.mark.parametrize("variant,world,k,kernels", [
+    ((False, True, False), 1, 3, True), ((True, True, False), 1, 3, True), ((False, False, False), 1, 3, True),
+    ((False, True, True), 1, 3, True), ((False, True, False), 2, 3, True), ((False, True, False), 1, 0, True),
+    ((False, True, False), 1, 3, False)],
+    ids=["greedy", "guided", "sampled", "extras", "tp2", "plain_step", "reference"])
+def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, k, kernels):
     from engine.spec.program import SpecStepProgram
     from engine.runner.step import StepVariant
-    program, calls = _program(verify, head, world)
+    program, calls = _program(kernels, world)
     got = SpecStepProgram.target_ids(program, torch.zeros(k + 1, 8), StepVariant(*variant), k + 1, 1, k)
-    taken = variant == (False, True, False) and world == 1 and k and (verify or head)
-    assert (got is not None) == bool(taken) and calls == ([(k + 1, verify)] if taken else [])
-    if taken:
+    asked = variant == (False, True, False) and world == 1 and k
+    assert (got is not None) == bool(asked and kernels) and calls == ([k + 1] if asked else [])
+    if got is not None:
         assert got.shape == (1, k + 1)
 
 
@@ -182,14 +183,17 @@ def _counting(monkeypatch):
     return calls
 
 
-def _engine(speculative, depth, verify, head):
+ROUTES = {"reference": dict(kernels="reference"),                                    # cuBLAS, the logits
+          "cublas": dict(),                                                              # cuBLAS + argmax.py
+          "gemv": dict(kernel_routes=pins(dict(kernel="gemv", op="head", rows=[1, 8])))}  # the GEMV's argmax
+
+
+def _engine(speculative, depth, routes):
     from engine.llm_engine import LLMEngine
     return LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                      **INTERPRETER_SETTINGS, depth=depth,
                      max_num_seqs=4, max_model_len=64, enforce_eager=True, speculative=speculative,
-                     spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0, verify_gemv=verify,
-                     head_gemv=head, head_mma=False,      # the routes counted here: the GEMV's, else cuBLAS + argmax.py
-                     decode_gemv_rows=4)                  # a verification's 4 rows on the GEMV
+                     spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0, **ROUTES[routes])
 
 
 def _spying(eng):
@@ -202,20 +206,19 @@ def _spying(eng):
 
 @pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
 def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
-    """One stream, K = 3 (4 rows a verification): verify_gemv (the GEMV's argmax; n-gram engine) and head_gemv
-    alone (cuBLAS's logits, engine/kernels/sampling/argmax.py) give the drafts and greedy outputs of both off, and their
-    greedy spec steps compute no float32 logits; only verify_gemv's take the GEMV. A sampled stream and a greedy one
-    with logprobs keep their logits on spec steps, with the same tokens and logprobs."""
+    """One stream, K = 3 (4 rows a verification): the head pinned to the GEMV (its argmax; n-gram engine) and to
+    cuBLAS (its logits, engine/kernels/sampling/argmax.py) give the drafts and greedy outputs of the reference,
+    and their greedy spec steps compute no float32 logits; only the GEMV's take the GEMV. A sampled stream and a
+    greedy one with logprobs keep their logits on spec steps, with the same tokens and logprobs."""
     from engine.requests.sequence import SamplingParams
     calls = _counting(monkeypatch)
     requests = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                 SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True),
                 SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)]
     runs = {}
-    # verify_gemv (off by default) on the n-gram engine only; EAGLE with it: tests/kernels/test_spec_finish.py
-    configs = ((False, False), (False, True)) + (((True, False),) if speculative == "ngram" else ())
-    for verify, head in configs:
-        eng = _engine(speculative, depth, verify, head)
+    # the GEMV's head on the n-gram engine only; EAGLE with it: tests/kernels/test_spec_finish.py
+    for routes in ("reference", "cublas") + (("gemv",) if speculative == "ngram" else ()):
+        eng = _engine(speculative, depth, routes)
         drafts, logit_ks = _spying(eng)
         outs, taken, spec_logits = [], [], []
         for params in requests:                 # one stream at a time: each verification has 4 rows
@@ -225,8 +228,8 @@ def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
             spec_logits.append(sum(k > 0 for k in logit_ks[ks:]))
         assert_no_leak(eng)
         assert drafts and spec_logits[1] and spec_logits[2] and taken[1:] == [0, 0]
-        assert (taken[0] > 0, spec_logits[0] > 0) == (verify, not (verify or head))
-        runs[verify, head] = ([s.output_token_ids for s in outs], outs[2].logprobs,
-                              [d.draft_tokens.tolist() for d in drafts])
-    assert all(run == runs[False, False] for run in runs.values())
-    assert set(calls) == ({4} if speculative == "ngram" else set())
+        assert (taken[0] > 0, spec_logits[0] > 0) == (routes == "gemv", routes == "reference")
+        runs[routes] = ([s.output_token_ids for s in outs], outs[2].logprobs,
+                        [d.draft_tokens.tolist() for d in drafts])
+    assert all(run == runs["reference"] for run in runs.values())
+    assert (4 in calls and set(calls) <= {1, 4}) if speculative == "ngram" else not calls   # plain steps: 1 row

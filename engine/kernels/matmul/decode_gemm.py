@@ -8,8 +8,8 @@
     decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual=None) -> (act, new_residual)
                                                   (= fused_ops.silu_mul(decode_norm_linear(...)[0]))
 
-engine/kernels/matmul/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens (from one stream: the
-engine takes it past EngineConfig.decode_gemv_rows) or a tree of 8-32 tokens, where its loop over rows (a pass
+engine/kernels/matmul/decode_gemv.py for the rows of 32 streams, a verification of 1 + K tokens (from one stream, where
+the route table gives it decode_gemm) or a tree of 8-32 tokens, where its loop over rows (a pass
 over the registers each) would cost more than cuBLAS. The
 same idea: each program owns BLOCK_N whole weight rows and loads all of them into registers before gdc_wait, so
 under programmatic dependent launch the HBM read overlaps the kernel before; after the wait it reads x (L2),

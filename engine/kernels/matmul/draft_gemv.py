@@ -14,7 +14,7 @@ sampling/argmax.py's first_max) reduces the partials of each row to its first ma
 rule: the partials come in vocabulary order, and a later one wins only if strictly larger.
 
 linear_argmax is the same two kernels without the norm (decode_gemv's "none" prologue), for a greedy
-verification of a few rows on the target's already normed hidden states (EngineConfig.verify_gemv).
+verification of a few rows on the target's already normed hidden states (the route table's "gemv" for "head").
 
 The logits' summation order differs from cuBLAS (decode_gemv.py), so on a GPU a near-tie may pick another
 token than the torch ops: a draft is a guess, verified either way; a verification then emits the other token.

@@ -6,7 +6,8 @@ Every step, the head writes its KV for the step's tokens from the target's hidde
 step 0 queries at t, step i >= 1 at t + i, and each hidden state's argmax under the target's LM head is the
 next draft (under the row's grammar mask, or grammar-forced, in a guided step: FeatureContext.pick). Drafts are
 greedy, so verification takes them as one-hot proposals, which
-keeps rejection sampling lossless. With EngineConfig.draft_gemv an unguided draft of a few rows takes no logits:
+keeps rejection sampling lossless. Where the route table gives the draft's head ("norm_head") the GEMV, an
+unguided draft of a few rows takes no logits:
 the final norm, LM head and argmax are two kernels of the decode GEMV's dependent-launch chain
 (engine/kernels/matmul/draft_gemv.py), and the layer's residual add is its down projection's epilogue.
 
@@ -60,6 +61,6 @@ class EagleDrafter(Drafter):
 
     def _pick(self, ctx: FeatureContext, j: int, hidden):
         """Draft j from the head's hidden states: unguided, the backend's argmax kernels where it has them
-        (draft_gemv), else ctx.pick on the logits."""
+        (engine/lm_head.py), else ctx.pick on the logits."""
         tokens = self.head.greedy(hidden) if ctx.guide is None else None
         return tokens if tokens is not None else ctx.pick(j, self.head.logits(hidden))
