@@ -13,7 +13,7 @@ from engine.requests.sequence import Sequence
 from engine.sampling.logprobs import HostLogprobs
 from engine.sampling.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
-from engine.spec.plan import commit_row
+from engine.speculative.plan import commit_row
 from engine.timings import StepTimings
 
 

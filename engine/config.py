@@ -33,7 +33,7 @@ class EngineConfig:
                                        # request until evicted (engine/memory/block_manager.py)
     enforce_eager: bool = False        # True: no CUDA graphs (steps are captured on CUDA + Triton)
     spec_finish_kernel: bool = True    # with spec_kernels, a greedy unguided spec step's acceptance, finish and the
-                                       # head's next ids in one kernel (engine/kernels/spec/spec_finish.py)
+                                       # head's next ids in one kernel (engine/kernels/speculative/spec_finish.py)
     kernels: str = "auto"              # "auto": each matmul and LM head on the kernel measured fastest for its
                                        # shape and rows on this GPU (engine/kernels/routes.py, cached on disk);
                                        # "reference": cuBLAS for all of them, the baseline for equality and speed
@@ -64,7 +64,7 @@ class EngineConfig:
     grammar_threads: int = 4           # threads the grammar node fills a step's rows on (from 8 rows)
     switch_interval: float = 2e-4      # Python's GIL switch interval set on CUDA (0: leave it): a Python grammar
                                        # callback waits up to this for the GIL (the default 5 ms > a step)
-    speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (engine/spec/drafters)
+    speculative: str = "none"          # drafter: "none" | "ngram" | "eagle" | "draft_model" (speculative/drafters)
     spec_head: str = ""                # eagle: a head directory ("" = the one shipped for the model, "random")
     spec_draft_vocab: str = ""         # eagle: a JSON list of token ids, most frequent first (specdec.eagle.
                                        # token_ranks); unguided drafts come from its first spec_draft_vocab_size

@@ -35,7 +35,7 @@ from engine.requests.validation import check_request, prompt_ids
 from engine.runner.rows import RowError
 from engine.runner.slots import DecodeSlot
 from engine.scheduler import Scheduler
-from engine.spec.plan import SpecPolicy
+from engine.speculative.plan import SpecPolicy
 from engine.timings import StepTimings
 from engine.workers.cluster import start_runner
 

@@ -45,7 +45,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, spec=None,
                  row_pools=()):
         self.blocks = block_manager
-        self.spec = spec            # SpecPolicy (engine/spec/plan.py) when the engine speculates
+        self.spec = spec            # SpecPolicy (engine/speculative/plan.py) when the engine speculates
         # RowPools of per-sequence device rows, handed out with pages and taken back with them: the token
         # pool's (engine/memory/token_pool.py; every sequence), the penalties' (engine/sampling/penalties.py;
         # penalized ones)

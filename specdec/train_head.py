@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engine.spec.eagle_head import new_head
+from engine.speculative.eagle_head import new_head
 from specdec.eagle import data as head_data
 from specdec.eagle.train import Target, evaluate, train
 
@@ -168,8 +168,8 @@ def initial_head(args, target_config: dict, device):
     """A random head, or (--init) an exported one to go on training: float32, trainable."""
     if not args.init:
         return new_head(target_config, torch.float32, device)
-    from engine.spec.eagle_head import HeadConfig
-    from engine.spec.eagle_paged import load_head
+    from engine.speculative.eagle_head import HeadConfig
+    from engine.speculative.eagle_paged import load_head
     head = load_head(args.init, torch.float32, device).train().requires_grad_(True)
     if head.cfg != HeadConfig.for_target(target_config):   # export rebuilds the head from the target's config
         raise ValueError(f"--init {args.init}: its head config {head.cfg} is not the one this trainer builds for "

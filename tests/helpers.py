@@ -172,7 +172,7 @@ def random_eagle_head(cfg, seed=3):
     """A random EAGLE head for target config `cfg` reading layers (0, 1, 2), its weights scaled so that its drafts
     vary."""
     from dataclasses import replace
-    from engine.spec.eagle_head import EagleHead, HeadConfig
+    from engine.speculative.eagle_head import EagleHead, HeadConfig
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = EagleHead(replace(HeadConfig.for_target(cfg), feature_layers=(0, 1, 2))).requires_grad_(False)

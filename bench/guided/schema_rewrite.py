@@ -68,7 +68,7 @@ def disagreements(original, rewritten, tests) -> int:
 
 def family(pattern: str) -> dict:
     from engine.guided.schema_check import unenforced_keywords
-    from engine.guided.spec import grammar_schema
+    from engine.guided.guide import grammar_schema
     c, before, after, took, newly = Counter(), Counter(), Counter(), [], []
     for name, schema, tests in load(pattern):
         c["schemas"] += 1

@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from engine.kernels.sampling import argmax  # noqa: E402
 from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
 from engine.kernels.matmul import decode_gemm, decode_gemv, head_mma  # noqa: E402
-from engine.kernels.spec import head_ops, spec_finish, spec_ops  # noqa: E402
+from engine.kernels.speculative import head_ops, spec_finish, spec_ops  # noqa: E402
 from engine.kernels import step_io  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -34,7 +34,7 @@ import xgrammar as xgr
 
 from engine.guided import llg, native
 from engine.guided.compile_pool import CompilePool
-from engine.guided.spec import Guide, grammar_schema
+from engine.guided.guide import Guide, grammar_schema
 
 _XGR_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")      # xgrammar's "[time] file.cc:line: " before its message
 CACHE_BYTES = 512 << 20     # compiled grammars kept by the service (xgrammar's memory_size_bytes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from engine.guided.spec import Guide
+from engine.guided.guide import Guide
 
 # {n}, {n,} and {n,m} in regexes, JSON Schema patterns and EBNF (xgrammar's EBNF repeats the same way)
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")

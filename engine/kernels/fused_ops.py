@@ -45,7 +45,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, res_ptr, out_ptr, new_res_ptr, stride_x, stri
 @triton.jit
 def rms_norm_row(h, w_ptr, cols, ok, n_cols, eps, DTYPE: tl.constexpr):
     """RMSNorm of one row h [BLOCK] (columns `cols`, `ok` of them real) with weight w_ptr, rounded to DTYPE where
-    engine.models.llama.RMSNorm rounds (rms_norm's kernel, and engine/kernels/spec/head_ops.py's)."""
+    engine.models.llama.RMSNorm rounds (rms_norm's kernel, and engine/kernels/speculative/head_ops.py's)."""
     hf = h.to(tl.float32)
     inv = tl.rsqrt(reduce_sum(hf * hf, 0) / n_cols + eps)
     normed = (hf * inv).to(DTYPE)  # rounded before the weight multiply, like RMSNorm

@@ -9,7 +9,7 @@ EngineConfig.step_io_kernels):
 Both compute exactly what the torch code does (a copy of integers and of embedding rows), which stays the
 reference path and the test oracle. Grids depend on shapes only, so a step's CUDA graph captures them. Pool
 rows are read as torch indexing reads them: -1 (a graph padding row) is the last, dummy row
-(engine/memory/token_pool.py). Speculative steps have their own (engine/kernels/spec/).
+(engine/memory/token_pool.py). Speculative steps have their own (engine/kernels/speculative/).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ speculating, the drafts for its next step) stays on the device. Each sequence ho
 handed out by `engine.memory.row_pool.RowPool` with its pages (`seq.pool_row`):
 - `last_token[row]`: the last token the sequence's latest step emitted (written by that step's sampling or
   verification);
-- `drafts[row, :K]`, `draft_count[row]`: the drafter's guesses for its next step (engine/spec/).
+- `drafts[row, :K]`, `draft_count[row]`: the drafter's guesses for its next step (engine/speculative/).
 A step's input t names where its id comes from, for plain and speculative steps alike (engine/runner/slots.py):
 `carry_src[t]` = -1 the host's `input_ids[t]`, 0 the last token of row `tok_row[t]`, j >= 1 its draft j.
 Row `dummy` (the last) absorbs the reads and writes of graph padding rows: the host names them -1, which

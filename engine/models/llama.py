@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, backend, aux_layers=(), embeds=None):
         """Final hidden states [T, hidden]; with aux_layers, also the outputs of those layers (the residual
         stream after each, HF's hidden_states[i + 1]) concatenated to [T, len(aux_layers) * hidden], for a
-        draft head (engine/spec/eagle_paged.py). embeds: input_ids' embedding rows, looked up already."""
+        draft head (engine/speculative/eagle_paged.py). embeds: input_ids' embedding rows, looked up already."""
         if backend.fused:
             return self._forward_fused(input_ids, positions, meta, kv_caches, backend, aux_layers, embeds)
         x, aux = self.embed_tokens(input_ids) if embeds is None else embeds, {}

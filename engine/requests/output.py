@@ -28,7 +28,7 @@ class RequestOutput(NamedTuple):
     error: str | None = None                    # message when finish_reason == "error"
     token_ids: tuple[int, ...] | None = None    # whole output, only on the final output
     text: str | None = None                     # whole output text, only on the final output
-    spec: dict | None = None                    # speculation statistics (engine/spec/state.py), final output only
+    spec: dict | None = None                    # speculation statistics (speculative/state.py), final output only
     logprobs: tuple | None = None               # an engine.sampling.logprobs.Entry per new token (params.logprobs set):
                                                 # (its logprob, [(token id, logprob), ...] best first)
     cached_tokens: int = 0                      # prompt tokens found in the prefix cache, final output only

@@ -6,7 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from engine.guided.spec import GUIDE_FIELDS, Guide, make_guide
+from engine.guided.guide import GUIDE_FIELDS, Guide, make_guide
 from engine.requests.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -49,7 +49,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # stop strings (excluded from the output text)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # Guided decoding, at most one (engine/guided/spec.py): the output matches it and ends when it completes.
+    # Guided decoding, at most one (engine/guided/guide.py): the output matches it and ends when it completes.
     json_schema: dict | str | None = None
     json_object: bool = False         # any JSON object
     regex: str | None = None
@@ -57,7 +57,7 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None
     structural_tag: dict | str | None = None   # xgrammar structural tag: free text with constrained regions
     any_whitespace: bool = False      # JSON guides: free whitespace between tokens (default: compact)
-    # "auto": xgrammar, or llguidance for a JSON schema only it enforces; or name one (engine/guided/spec.py)
+    # "auto": xgrammar, or llguidance for a JSON schema only it enforces; or name one (engine/guided/guide.py)
     guided_backend: str = "auto"
     num_speculative_tokens: int | None = None   # drafts per step: None = the engine's K, 0 = no speculation
     # Logprobs of each output token (engine/sampling/logprobs.py: log_softmax of the logits the token was chosen from,

@@ -4,7 +4,7 @@
 A row covers positions [start, start + n) of its sequence. Its tokens are the host's where it knows them;
 a sequence with a token in flight (`num_pending`) starts or ends at that token, which the device carries from
 the sequence's token-pool row (carry_src 0), and a speculating row's K drafts follow it (carry_src 1..K):
-[last token, draft 1, ..., draft K]. A plain row is a speculating row with K = 0. engine/spec/plan.py adds
+[last token, draft 1, ..., draft K]. A plain row is a speculating row with K = 0. engine/speculative/plan.py adds
 what only speculation reads (corrections for rejected drafts, the next token of each input, page caps);
 engine/sampling/penalties.py what only penalized rows read (fill_extras).
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.requests.validation import min_tokens_stops
 from engine.sampling import penalties
-from engine.spec import plan as spec_plan
+from engine.speculative import plan as spec_plan
 
 
 # a plain step's leading one-token rows, from this many, are written a field at a time (_fill_decode): its 13 array

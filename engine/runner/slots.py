@@ -27,10 +27,10 @@ _FIELDS = {  # name -> (dtype, shape key)
     "top_k": (torch.int64, "seqs"), "top_p": (torch.float32, "seqs"), "seeds": (torch.int64, "seqs"),
     "steps": (torch.int64, "seqs"), "tok_row": (torch.int64, "tokens"), "smp_row": (torch.int64, "seqs"),
 }
-# With speculation (engine/spec/): whether the host planned a token / sequence / sampling row as if the sequence's
+# With speculation (speculative/): whether the host planned a token / sequence / sampling row as if the sequence's
 # in-flight drafts were all accepted (shift, smp_shift; seq_shift: its pool row, or -1: the device corrects them),
 # each token's row in the step (for its block table), each sampling row's draft cap, the token after each input
-# (for a draft head: engine/spec/program.py next_tokens) and the tokens each sequence's pages hold.
+# (for a draft head: engine/speculative/program.py next_tokens) and the tokens each sequence's pages hold.
 _SPEC_FIELDS = {
     "tok_seq": (torch.int64, "tokens"), "shift": (torch.int64, "tokens"),
     "seq_shift": (torch.int64, "seqs"), "smp_shift": (torch.int64, "seqs"),

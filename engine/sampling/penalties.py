@@ -25,7 +25,7 @@ prepared (`bias_writes`), outside the step but on the compute stream ahead of th
 earlier step that still reads the row's previous owner is done before it changes. Penalized requests do not
 speculate: a spec step's inputs hold drafts that may be rejected, and rejection sampling would need the penalized
 distribution at every draft position (engine steps with any penalized row do not speculate at all;
-engine/spec/plan.py).
+engine/speculative/plan.py).
 
 All of it runs only in steps whose variant has `extras` (engine/runner/step.py): no kernel for steps without such rows.
 """

@@ -35,7 +35,7 @@ from engine.workers.worker import WorkerSpec
 def start_runner(config, source, max_model_len: int, encode):
     """(this process's ModelRunner, the Cluster of the other ranks or None with one rank)."""
     from engine.runner.model_runner import ModelRunner
-    from engine.spec.drafters.draft_model import draft_source
+    from engine.speculative.drafters.draft_model import draft_source
     # resolved once (resolving the default model hashes its GGUF), for every rank
     draft = draft_source(config, source) if config.speculative == "draft_model" else None
     if config.tensor_parallel_size == 1:

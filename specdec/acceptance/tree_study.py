@@ -78,8 +78,8 @@ def generate(args, device, items: list[str]):
 def head_ranks(args, device, responses: dict):
     """Yields (dataset name, [ranks [len(response), depth] per response]): row j drafts from the response's
     (j - 1)-th token (row 0: the prompt's last), depth i scores response token j + 1 + i."""
-    from engine.spec.eagle_head import unrolled_logits
-    from engine.spec.eagle_paged import HEADS, load_head
+    from engine.speculative.eagle_head import unrolled_logits
+    from engine.speculative.eagle_paged import HEADS, load_head
     from specdec.eagle.train import Target
     from specdec.train_head import load_target
     _, model, device, dtype = load_target(argparse.Namespace(model=args.model, device=str(device)))

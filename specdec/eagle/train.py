@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.spec.eagle_head import EagleHead, unrolled_logits
+from engine.speculative.eagle_head import EagleHead, unrolled_logits
 
 
 class Target:

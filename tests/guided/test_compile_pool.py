@@ -6,7 +6,7 @@ import time
 import pytest
 
 from engine.guided.compile_pool import CompileBusy, CompilePool
-from engine.guided.spec import Guide
+from engine.guided.guide import Guide
 
 
 def blocker():

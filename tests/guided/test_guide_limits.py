@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.guided.limits import check_guide
-from engine.guided.spec import Guide
+from engine.guided.guide import Guide
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
 C = EngineConfig(device="cpu")

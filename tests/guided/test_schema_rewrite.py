@@ -9,7 +9,7 @@ import xgrammar as xgr
 
 from engine.guided.compiler import tokenizer_info
 from engine.guided.schema_rewrite import MAX_MERGES, rewrite_schema
-from engine.guided.spec import grammar_schema
+from engine.guided.guide import grammar_schema
 from engine.requests.sequence import SamplingParams
 
 INT, STR = {"type": "integer"}, {"type": "string"}

@@ -187,8 +187,8 @@ BS, PAGES = 4, 16
 def _parts(tied: bool, dtype, draft: bool):
     from engine.models.llama import LlamaForCausalLM
     from engine.models.weights import _init_dummy
-    from engine.spec.drafters.eagle import EagleDrafter
-    from engine.spec.eagle_paged import PagedHead
+    from engine.speculative.drafters.eagle import EagleDrafter
+    from engine.speculative.eagle_paged import PagedHead
     cfg = dict(TINY, tie_word_embeddings=tied)
     target = LlamaForCausalLM(cfg)
     _init_dummy(target, seed=0)
@@ -201,7 +201,7 @@ def _parts(tied: bool, dtype, draft: bool):
 def _ctx(n, dtype, guide=None):
     """One sequence's prompt of n tokens (pages 5, 2, 9, ...), drafting from its last."""
     from engine.attention import AttentionMetadata
-    from engine.spec.drafters.base import FeatureContext
+    from engine.speculative.drafters.base import FeatureContext
     g = torch.Generator().manual_seed(n)
     table = torch.tensor([[5, 2, 9, 1, 12, 7, 3, 0]], dtype=torch.int32)
     pos = torch.arange(n)

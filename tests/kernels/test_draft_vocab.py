@@ -59,7 +59,7 @@ def test_drafts_stay_in_the_subset_and_outputs_do_not_change(tmp_path):
 
 def test_refusals(tmp_path):
     from engine.config import EngineConfig
-    from engine.spec.drafters import load_draft_vocab
+    from engine.speculative.drafters import load_draft_vocab
     head = _engine("torch").runner.program.drafter.head
     for bad in ([], [1, 1], [-1], [512], [[1, 2]]):
         with pytest.raises(ValueError, match="draft vocabulary"):
@@ -99,7 +99,7 @@ def test_token_ranks_counts_responses_and_scores_held_out_coverage(tmp_path, cap
 
 def test_the_heads_ranking_is_the_default(tmp_path):
     """spec_draft_vocab "": the head directory's token_ranks.json where it has one; "none": every id."""
-    from engine.spec.drafters import draft_vocab_file
+    from engine.speculative.drafters import draft_vocab_file
     (tmp_path / "token_ranks.json").write_text(json.dumps([3, 2, 1]))
     assert draft_vocab_file("", str(tmp_path)) == str(tmp_path / "token_ranks.json")
     assert draft_vocab_file("mine.json", str(tmp_path)) == "mine.json"

@@ -1,5 +1,5 @@
-"""engine.kernels.spec.head_ops.embed_pair_norm: the EAGLE head's input (embedding, two RMS norms, side by side) in one
-kernel, with the bits of the torch embedding, stack and fused_ops.rms_norm it replaces.
+"""engine.kernels.speculative.head_ops.embed_pair_norm: the EAGLE head's input (embedding, two RMS norms, side by
+side) in one kernel, with the bits of the torch embedding, stack and fused_ops.rms_norm it replaces.
 
 Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
 """
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import triton_module
 
-ho = triton_module("spec.head_ops")
+ho = triton_module("speculative.head_ops")
 fo = triton_module("fused_ops")
 DEV = "cpu" if ho.interpreted() else "cuda"
 

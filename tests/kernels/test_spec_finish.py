@@ -1,5 +1,5 @@
-"""engine.kernels.spec.spec_finish (a greedy speculative step's verification, finish and next tokens in one kernel)
-against the torch code it replaces (verify.greedy_accept_ids, SpecStepProgram.finish with TokenPool.emit,
+"""engine.kernels.speculative.spec_finish (a greedy speculative step's verification, finish and next tokens in one
+kernel) against the torch code it replaces (verify.greedy_accept_ids, SpecStepProgram.finish with TokenPool.emit,
 SpecStepProgram.next_tokens), bit for bit, and whole engines with EngineConfig.spec_kernels and
 spec_finish_kernel on against off. Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import copy
@@ -11,7 +11,7 @@ import torch
 from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS, greedy_drafts
 
-sf = triton_module("spec.spec_finish")
+sf = triton_module("speculative.spec_finish")
 dr = triton_module("matmul.draft_gemv")
 DEV = "cpu" if sf.interpreted() else "cuda"
 MML, ROWS, VOCAB = 40, 160, 50      # max_model_len, pool rows, token ids
@@ -22,7 +22,7 @@ def _ints(g, low, high, *shape):
 
 
 def _pool(g, k):
-    from engine.spec.state import SpecState
+    from engine.speculative.state import SpecState
     st = SpecState(ROWS, MML, k, torch.device("cpu"))
     st.last_token.copy_(_ints(g, 0, VOCAB, ROWS + 1))
     st.rejected.copy_(_ints(g, 0, k + 1, ROWS + 1))
@@ -69,8 +69,8 @@ def _clone(slot, st):
 
 def _reference(slot, st, ids, target, drafted, K, history):
     """The torch path: SpecStepProgram.verify's greedy route on target ids, finish and next_tokens."""
-    from engine.spec.program import SpecStepProgram
-    from engine.spec.verify import greedy_accept_ids
+    from engine.speculative.program import SpecStepProgram
+    from engine.speculative.verify import greedy_accept_ids
     S = target.shape[0]
     accepted, tokens = greedy_accept_ids(ids.view(S, K + 1)[:, 1:], target, drafted)
     program = SimpleNamespace(state=st, drafter=SimpleNamespace(uses_history=history))
@@ -125,7 +125,7 @@ def test_greedy_finish_equals_torch(K, dtype, history):
 
 def _program(on, history):
     """A SpecStepProgram with what verify_finish reads."""
-    from engine.spec.program import SpecStepProgram
+    from engine.speculative.program import SpecStepProgram
     program = SpecStepProgram.__new__(SpecStepProgram)
     program.state, program.drafter = None, SimpleNamespace(uses_history=history)
     program.spec_finish = sf if on else None
@@ -138,7 +138,7 @@ def _program(on, history):
 def test_verify_finish_routes_greedy_steps_through_the_kernel(source, history, monkeypatch):
     """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or the head kernels' ids:
     the same tokens and writes on and off; guided and sampled steps keep the torch path."""
-    from engine.spec.program import SpecStepProgram
+    from engine.speculative.program import SpecStepProgram
     from engine.runner.step import StepVariant
     calls = []
     real = sf.greedy_finish

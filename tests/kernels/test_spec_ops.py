@@ -1,5 +1,5 @@
-"""engine.kernels.spec.spec_ops (the speculative step's correction and draft layout, one kernel each) against the torch
-code they replace (SpecStepProgram.correct with TokenPool.carried, drafters/base.py draft_layout), bit for bit,
+"""engine.kernels.speculative.spec_ops (the speculative step's correction and draft layout, one kernel each) against the
+torch code they replace (SpecStepProgram.correct with TokenPool.carried, drafters/base.py draft_layout), bit for bit,
 and whole engines with EngineConfig.spec_kernels on against off. Without CUDA the kernels run in the Triton CPU
 interpreter (tests/conftest.py)."""
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import torch
 from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS, greedy_drafts
 
-so = triton_module("spec.spec_ops")
+so = triton_module("speculative.spec_ops")
 DEV = "cpu" if so.interpreted() else "cuda"
 BS, MML = 4, 40                 # block size, max_model_len
 MAX_BLOCKS = (MML + 8) // BS    # room for positions a little past max_model_len
@@ -21,7 +21,7 @@ def _ints(g, low, high, n):
 
 
 def _pool(g, rows, k):
-    from engine.spec.state import SpecState
+    from engine.speculative.state import SpecState
     st = SpecState(rows, MML, k, torch.device("cpu"))
     st.last_token.copy_(_ints(g, 0, 500, rows + 1))
     st.drafts.copy_(torch.randint(0, 500, st.drafts.shape, generator=g))
@@ -79,7 +79,7 @@ def _clone(d, st):
 
 def _torch_correct(d, st, T, B, S, history):
     """The reference: SpecStepProgram.correct's torch path on a stand-in program and slot."""
-    from engine.spec.program import SpecStepProgram
+    from engine.speculative.program import SpecStepProgram
     program = SimpleNamespace(state=st, block_size=BS, spec_ops=None, drafter=SimpleNamespace(uses_history=history))
     return SpecStepProgram.correct(program, SimpleNamespace(dev=d), T, B, S)
 
@@ -109,7 +109,7 @@ def test_correct_equals_torch(k, history):
 
 def _ctx(seed, S, B, max_blocks=MAX_BLOCKS):
     from engine.attention import AttentionMetadata
-    from engine.spec.drafters.base import FeatureContext
+    from engine.speculative.drafters.base import FeatureContext
     g = torch.Generator().manual_seed(seed)
     tables = torch.randint(0, 99, (B + 3, max_blocks), generator=g, dtype=torch.int32)
     meta = AttentionMetadata(None, None, None, tables[:B], 4, 77)
@@ -130,7 +130,7 @@ def _ctx_to(ctx):
 @pytest.mark.parametrize("k", [1, 3, 4])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_draft_layout_equals_torch(k, offset):
-    from engine.spec.drafters.base import draft_layout
+    from engine.speculative.drafters.base import draft_layout
     for seed, (S, B, max_blocks) in enumerate([(1, 1, MAX_BLOCKS), (3, 2, MAX_BLOCKS), (6, 4, 5), (16, 3, 3),
                                                (9, 9, 300)]):
         ctx, start = _ctx(seed, S, B, max_blocks)
@@ -152,8 +152,8 @@ def test_draft_layout_gathers_each_rows_last_input(dtypes):
     """draft_gather: the layout kernel also reads row `last` of the head's queries [T, heads, dim] and features
     [T, H] (a padding row's -1 wraps to the last input, as torch indexing does); rows it cannot take (two dtypes)
     fall back to torch indexing. Either way the result is x[ctx.last], and the layout is unchanged."""
-    from engine.spec.drafters.base import draft_layout
-    from engine.kernels.spec import spec_ops
+    from engine.speculative.drafters.base import draft_layout
+    from engine.kernels.speculative import spec_ops
     g = torch.Generator().manual_seed(3)
     for S, T in ((1, 4), (5, 20), (3, 3)):
         ctx, start = _ctx(S, S, 2)
@@ -172,7 +172,7 @@ def test_draft_layout_gathers_each_rows_last_input(dtypes):
 
 
 def test_draft_layout_of_no_rows():
-    from engine.spec.drafters.base import draft_layout
+    from engine.speculative.drafters.base import draft_layout
     ctx, start = _ctx(0, 0, 2)
     got_pos, got, _ = draft_layout(ctx, start, 0, 2, BS, MML, kernels=True)
     want_pos, want, _ = draft_layout(ctx, start, 0, 2, BS, MML)

@@ -118,7 +118,7 @@ def test_backend_dispatch(monkeypatch):
 # ---- greedy acceptance from ids ----
 
 def test_greedy_accept_ids_equals_greedy_accept():
-    from engine.spec.verify import greedy_accept, greedy_accept_ids
+    from engine.speculative.verify import greedy_accept, greedy_accept_ids
     g = torch.Generator().manual_seed(0)
     for case in range(40):
         n, k, v = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g)), 7
@@ -133,7 +133,7 @@ def test_greedy_accept_ids_equals_greedy_accept():
 
 
 def test_greedy_accept_ids_refuses_bad_shapes():
-    from engine.spec.verify import greedy_accept_ids
+    from engine.speculative.verify import greedy_accept_ids
     drafts, ids, n = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), torch.ones(2).long()
     bad = [((drafts, ids[:, :3], n), "target_ids"), ((drafts, ids.float(), n), "target_ids"),
            ((drafts.float(), ids, n), "draft_tokens"), ((drafts, ids, n[:1]), "num_drafts"),
@@ -161,7 +161,7 @@ def _program(kernels: bool, world: int = 1):
     ((False, True, False), 1, 3, False)],
     ids=["greedy", "guided", "sampled", "extras", "tp2", "plain_step", "reference"])
 def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, k, kernels):
-    from engine.spec.program import SpecStepProgram
+    from engine.speculative.program import SpecStepProgram
     from engine.runner.step import StepVariant
     program, calls = _program(kernels, world)
     got = SpecStepProgram.target_ids(program, torch.zeros(k + 1, 8), StepVariant(*variant), k + 1, 1, k)

@@ -72,7 +72,7 @@ def test_heads_compared_in_one_study(tmp_path):
     from specdec.acceptance.study import Method
     shipped = Method("eagle", 1).engine_kwargs(Study(datasets=["chat"])).get("spec_head")
     assert shipped is None, "no --head: the engine's own shipped head"
-    from engine.spec.eagle_paged import HEADS
+    from engine.speculative.eagle_paged import HEADS
     src = HEADS / "smollm2-135m"
     heads = [str(shutil.copytree(src, tmp_path / name)) for name in ("first", "second")]
     records = run_study(Study(datasets=["chat"], drafters=["eagle"], ks=[2], guided=[False], prompts=2, batch=2,

@@ -6,10 +6,10 @@ import torch
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.models.llama import LlamaForCausalLM
 from engine.models.weights import _init_dummy
-from engine.spec.drafters.base import FeatureContext
-from engine.spec.drafters.eagle import EagleDrafter
-from engine.spec.eagle_head import new_head, unrolled_logits
-from engine.spec.eagle_paged import PagedHead, check_head
+from engine.speculative.drafters.base import FeatureContext
+from engine.speculative.drafters.eagle import EagleDrafter
+from engine.speculative.eagle_head import new_head, unrolled_logits
+from engine.speculative.eagle_paged import PagedHead, check_head
 
 TINY = dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,

@@ -175,7 +175,7 @@ def test_gpu_graphs_speculation_equals_plain(spec_workload, drafter, k):
 
 
 def test_policy_pauses_on_low_acceptance_and_probes():
-    from engine.spec.plan import SpecPolicy
+    from engine.speculative.plan import SpecPolicy
     policy = SpecPolicy(k=3, max_rows=8, max_model_len=512, min_acceptance=1.5, probe_every=4)
     assert not policy._paused(), "nothing measured yet: speculate"
     for _ in range(12):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from engine.spec.eagle_head import EagleHead, HeadConfig, new_head, unrolled_logits
+from engine.speculative.eagle_head import EagleHead, HeadConfig, new_head, unrolled_logits
 from specdec.eagle.data import (KINDS, first_turn, generate, load_records, load_sequences, prompt_items, split,
                                 tool_items)
 from specdec.eagle.prompts import FAMILIES, STYLES, chat_prompts

@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from engine.spec.drafters import DraftContext, Drafter, NgramDrafter, Proposal, ngram_propose
-from engine.spec.drafters.ngram import PAD_TOKEN
+from engine.speculative.drafters import DraftContext, Drafter, NgramDrafter, Proposal, ngram_propose
+from engine.speculative.drafters.ngram import PAD_TOKEN
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

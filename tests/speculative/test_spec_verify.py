@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.sampling.sampler import filter_top_k_top_p
-from engine.spec.verify import PAD, greedy_accept, rejection_sample, target_probs
+from engine.speculative.verify import PAD, greedy_accept, rejection_sample, target_probs
 
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}   # 0.999 quantiles, by df
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.guided.spec import BACKENDS
+from engine.guided.guide import BACKENDS
 from engine.requests.sequence import SamplingParams
 from engine.server.openai.protocol import APIError
 

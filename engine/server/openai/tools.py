@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from engine.guided.spec import grammar_schema
+from engine.guided.guide import grammar_schema
 from engine.server.openai.protocol import APIError
 from engine.server.openai.tool_formats import Hermes, ToolFormat
 

@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from engine.guided.spec import Guide
+from engine.guided.guide import Guide
 from engine.requests.sequence import SamplingParams
 
 

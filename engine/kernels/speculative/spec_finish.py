@@ -1,6 +1,7 @@
-"""One Triton kernel for the end of a greedy speculative step (engine/spec/program.py, EngineConfig.spec_finish_kernel):
+"""One Triton kernel for the end of a greedy speculative step (engine/speculative/program.py,
+EngineConfig.spec_finish_kernel):
 
-- `greedy_finish`: engine/spec/verify.py greedy_accept_ids on the target's argmax ids, then what
+- `greedy_finish`: engine/speculative/verify.py greedy_accept_ids on the target's argmax ids, then what
   SpecStepProgram.finish writes (the emitted tokens into `slot.spec_out` and `slot.sampled`, each row's last
   token (TokenPool.emit) and rejected count, the n-gram history) and, for a draft head, SpecStepProgram.next_tokens.
 
@@ -21,8 +22,8 @@ import triton.language as tl
 
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_min, wrap_row as _wrap
 from engine.kernels.fused_ops import _check_device, _check_entries, _check_tensor
-from engine.kernels.spec.spec_ops import _check_int, _check_rows
-from engine.spec.verify import PAD
+from engine.kernels.speculative.spec_ops import _check_int, _check_rows
+from engine.speculative.verify import PAD
 
 _I32, _I64, _INT = (torch.int32,), (torch.int64,), (torch.int32, torch.int64)
 _PAD = tl.constexpr(PAD)

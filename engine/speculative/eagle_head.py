@@ -8,7 +8,7 @@ with the head). Drafting K tokens feeds the head its own hidden state in place o
 from the second draft on; training unrolls the same thing (`unrolled_logits`, EAGLE-3's training-time test).
 
 This file holds the weights and the dense (training / offline evaluation) forward. The in-engine forward
-over paged KV (engine/spec/eagle_paged.py) computes the same layer with the norm weights folded into the matmuls;
+over paged KV (engine/speculative/eagle_paged.py) computes the same layer with the norm weights folded into the matmuls;
 tests/speculative/test_spec_eagle.py checks that its drafts equal `unrolled_logits`'.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""EAGLE-3-style drafting with a trained one-layer head (engine/spec/eagle_head.py, eagle_paged.py), inside the
+"""EAGLE-3-style drafting with a trained one-layer head (engine/speculative/eagle_head.py, eagle_paged.py), inside the
 target's step graph.
 
 Every step, the head writes its KV for the step's tokens from the target's hidden states at its feature layers
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.spec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
-from engine.spec.eagle_paged import PagedHead
+from engine.speculative.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
+from engine.speculative.eagle_paged import PagedHead
 
 
 class EagleDrafter(Drafter):

@@ -1,8 +1,9 @@
-"""One Triton kernel each for the speculative step's bookkeeping (engine/spec/program.py, EngineConfig.spec_kernels):
+"""One Triton kernel each for the speculative step's bookkeeping (engine/speculative/program.py,
+EngineConfig.spec_kernels):
 
 - `correct`: SpecStepProgram.correct, i.e. the rejected-draft correction of a step's positions, slot mapping,
   seq_lens and sampling steps, its carried input ids (TokenPool.carried) and the history write;
-- `draft_layout`: engine/spec/drafters/base.py draft_layout, where a paged drafter's K draft forwards sit.
+- `draft_layout`: engine/speculative/drafters/base.py draft_layout, where a paged drafter's K draft forwards sit.
 
 Each replaces some twenty small torch kernels with one launch and computes exactly what they do (integers
 only), so the torch code stays the reference path and the test oracle. Grids depend on shapes only: both are
@@ -220,7 +221,7 @@ def gathers(ctx, rows) -> bool:
 
 
 def draft_layout(ctx, start, offset: int, k: int, block_size: int, max_model_len: int, rows=()):
-    """The tensors of engine/spec/drafters/base.py draft_layout in one launch: (positions [K, S], slot mappings
+    """The tensors of engine/speculative/drafters/base.py draft_layout in one launch: (positions [K, S], slot mappings
     [K, S], seq_lens [K, S] int32, the rows' gathered block tables [S, max_blocks], cu_seqlens [S + 1], and each
     of `rows` indexed by ctx.last where `gathers` takes them, else ())."""
     _check_layout(ctx, start, offset, k, block_size, max_model_len)

@@ -94,7 +94,7 @@ class Proposal(NamedTuple):
 
     Drafts are verified as deterministic proposals (the draft distribution q one-hot at the draft token), which
     keeps rejection sampling lossless whatever the drafter: a drafter that samples its drafts loses no
-    correctness, only acceptance. (engine/spec/verify.py's rejection_sample takes a full q, but the step keeps
+    correctness, only acceptance. (engine/speculative/verify.py's rejection_sample takes a full q, but the step keeps
     only the K drafts per row between steps, not K distributions over the vocabulary.)
     """
     draft_tokens: torch.Tensor
@@ -135,11 +135,11 @@ def draft_layout(ctx: FeatureContext, start, offset: int, k: int, block_size: in
     slot and attending to its sequence up to there. A row whose pages (kv_cap) or context do not reach the position
     writes nothing (slot -1) and attends to what its pages hold up to `start` (always written); so do padding rows
     (last_valid False). kernels (EngineConfig.spec_kernels): the tensors in one launch
-    (engine/kernels/spec/spec_ops.py), else torch ops; gather (EngineConfig.draft_gather): that launch also gathers
-    `rows` where it can."""
+    (engine/kernels/speculative/spec_ops.py), else torch ops; gather (EngineConfig.draft_gather): that launch also
+    gathers `rows` where it can."""
     gathered = ()
     if kernels:
-        from engine.kernels.spec import spec_ops
+        from engine.kernels.speculative import spec_ops
         pos, mapping, seq_lens, table, cu, gathered = spec_ops.draft_layout(ctx, start, offset, k, block_size,
                                                                              max_model_len, rows if gather else ())
     else:

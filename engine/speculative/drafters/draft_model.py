@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.memory.kv_cache import kv_pages
-from engine.spec.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
+from engine.speculative.drafters.base import Drafter, FeatureContext, Proposal, draft_layout
 
 
 def draft_source(config, target_source):

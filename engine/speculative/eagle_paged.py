@@ -23,7 +23,7 @@ from engine.kernels.matmul.cpu_gemm import linear
 from engine.kernels.routes import Site
 from engine.memory.kv_cache import kv_pages
 from engine.models.llama import rope_inv_freq, rope_tables
-from engine.spec.eagle_head import EagleHead, HeadConfig
+from engine.speculative.eagle_head import EagleHead, HeadConfig
 
 # The shipped heads live with the training code that writes them (`specdec.train_head --ship`); the engine only
 # reads them as files, found beside the engine package (repository root, or site-packages), never by importing specdec.
@@ -82,11 +82,11 @@ class PagedHead:
                                          w.device)
         self.scale = c.head_dim ** -0.5
         self.draft_ids = self.draft_weight = None       # restrict(): a draft vocabulary
-        # the embedding, both norms and their stack in one kernel (engine/kernels/spec/head_ops.py) on the fused path
-        # with the whole vocabulary here (one rank)
+        # the embedding, both norms and their stack in one kernel (engine/kernels/speculative/head_ops.py) on the fused
+        # path with the whole vocabulary here (one rank)
         self._pair_norm = None
         if backend.fused and target.tp.world == 1:
-            from engine.kernels.spec import head_ops
+            from engine.kernels.speculative import head_ops
             self._pair_norm = head_ops.embed_pair_norm
 
     def _unit_norm(self, x, parts: int):

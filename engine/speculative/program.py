@@ -26,8 +26,8 @@ import torch
 from engine.runner.step import StepProgram, head_argmax, mark
 from engine.sampling.logprobs import record
 from engine.sampling.sampler import NO_TOKEN
-from engine.spec.drafters.base import DraftContext, FeatureContext
-from engine.spec.verify import PAD, greedy_accept, greedy_accept_ids, rejection_sample
+from engine.speculative.drafters.base import DraftContext, FeatureContext
+from engine.speculative.verify import PAD, greedy_accept, greedy_accept_ids, rejection_sample
 
 
 class SpecStepProgram(StepProgram):
@@ -42,10 +42,10 @@ class SpecStepProgram(StepProgram):
         self.aux_layers = tuple(drafter.feature_layers)
         self.spec_ops = self.spec_finish = None  # EngineConfig.spec_kernels: correct in one kernel
         if spec_kernels:
-            from engine.kernels.spec import spec_ops
+            from engine.kernels.speculative import spec_ops
             self.spec_ops = spec_ops
         if finish_kernel:                        # EngineConfig.spec_finish_kernel: the greedy finish in one kernel
-            from engine.kernels.spec import spec_finish
+            from engine.kernels.speculative import spec_finish
             self.spec_finish = spec_finish
 
     def sizes(self, slot, key) -> tuple[int, int, int, int]:

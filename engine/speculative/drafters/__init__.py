@@ -1,6 +1,6 @@
 """Drafters for speculative decoding: the interface (base.py) and one file per method."""
-from engine.spec.drafters.base import DraftContext, Drafter, FeatureContext, Proposal
-from engine.spec.drafters.ngram import NgramDrafter, ngram_propose
+from engine.speculative.drafters.base import DraftContext, Drafter, FeatureContext, Proposal
+from engine.speculative.drafters.ngram import NgramDrafter, ngram_propose
 
 __all__ = ["DraftContext", "Drafter", "FeatureContext", "NgramDrafter", "Proposal", "make_drafter",
            "ngram_propose", "default_head_dir", "drafter_caches"]
@@ -11,8 +11,8 @@ def drafter_caches(config, source, draft=None) -> list:
     before anything is loaded so the page budget counts them: a head's one layer, a draft model's layers."""
     from engine.memory.kv_cache import PagedCache
     if config.speculative == "eagle":
-        from engine.spec.eagle_head import HeadConfig
-        from engine.spec.eagle_paged import head_config
+        from engine.speculative.eagle_head import HeadConfig
+        from engine.speculative.eagle_paged import head_config
         where = head_dir(config, source)
         cfg = HeadConfig.for_target(source.config) if where == "random" else head_config(where)
         return [PagedCache("eagle head", 1, cfg.num_kv_heads, cfg.head_dim)]
@@ -30,9 +30,9 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         return NgramDrafter(config.num_speculative_tokens, config.ngram_min_n, config.ngram_max_n)
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if config.speculative == "eagle":
-        from engine.spec.drafters.eagle import EagleDrafter
-        from engine.spec.eagle_head import new_head
-        from engine.spec.eagle_paged import PagedHead, check_head, load_head
+        from engine.speculative.drafters.eagle import EagleDrafter
+        from engine.speculative.eagle_head import new_head
+        from engine.speculative.eagle_paged import PagedHead, check_head, load_head
         where = head_dir(config, source)
         head = new_head(source.config, dtype, device).requires_grad_(False) if where == "random" \
             else load_head(where, dtype, device)
@@ -45,7 +45,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(), config.draft_gather)
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
-        from engine.spec.drafters.draft_model import DraftModelDrafter
+        from engine.speculative.drafters.draft_model import DraftModelDrafter
         return DraftModelDrafter(config.num_speculative_tokens, build_model(draft, dtype, device, max_model_len + 1),
                                  backend, num_blocks, config.block_size, max_model_len, config.use_spec_kernels())
     raise ValueError(f"no drafter for speculative={config.speculative!r}")
@@ -85,7 +85,7 @@ def head_dir(config, source) -> str:
 def default_head_dir(source) -> str:
     """The shipped head trained for this model (specdec/heads/*/head.json names its target)."""
     import json
-    from engine.spec.eagle_paged import HEADS
+    from engine.speculative.eagle_paged import HEADS
     def stem(name: str) -> str:            # "SmolLM2-135M-Instruct.Q4_1" (a converted GGUF) names the same model
         return name.split(".")[0].lower()
     for meta in sorted(HEADS.glob("*/head.json")):

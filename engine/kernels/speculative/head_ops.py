@@ -1,5 +1,5 @@
 """The EAGLE head's input in one kernel: each row's token embedding and feature, each RMS-normed on its own,
-side by side (engine/spec/eagle_paged.py), where torch launches an embedding, a stack and the norm.
+side by side (engine/speculative/eagle_paged.py), where torch launches an embedding, a stack and the norm.
 
     embed_pair_norm(ids [N], emb [V, H], feature [N, H], weight [H], eps) -> [N, 2H]
         = fused_ops.rms_norm(stack([emb[ids], feature], 1).reshape(2N, H), weight, eps).view(N, 2H)

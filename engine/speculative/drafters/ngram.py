@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.spec.drafters.base import DraftContext, Drafter, Proposal
+from engine.speculative.drafters.base import DraftContext, Drafter, Proposal
 
 PAD_TOKEN = 0   # draft positions past num_drafts hold this (a valid id, so the target can embed it)
 
