@@ -184,7 +184,7 @@ class EngineConfig:
         return self.attention_backend
 
     def backend_options(self) -> dict:
-        """The Triton backend's keywords but its routes and device (engine/attention.py TritonAttention)."""
+        """The Triton backend's keywords but its routes and device (engine/backend.py RoutedBackend)."""
         return dict(rope_attention=self.rope_attention, split_merge=self.split_merge,
                     decode_attention=self.decode_attention, decode_attention_splits=self.decode_attention_splits,
                     decode_attention_prefetch=self.decode_attention_prefetch)

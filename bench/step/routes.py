@@ -31,7 +31,7 @@ def parse_args(argv=None):
 def start(model: str, args) -> tuple[float, object, list]:
     """(seconds the route table took, the table, the sites) for one start of `model`."""
     import torch
-    from engine.attention import TritonAttention
+    from engine.backend import RoutedBackend
     from engine.config import EngineConfig
     from engine.models.loader import resolve_model
     from engine.models.weights import build_model
@@ -42,7 +42,7 @@ def start(model: str, args) -> tuple[float, object, list]:
     source = resolve_model(model)
     weights = build_model(source, config.torch_dtype(), torch.device("cuda"), 4096)
     sites = weights.route_sites()
-    backend = TritonAttention(device=torch.device("cuda"))
+    backend = RoutedBackend(device=torch.device("cuda"))
     begin = time.perf_counter()
     table = route_table(config, sites, backend, spec_rows_limit(config))
     return time.perf_counter() - begin, table, sites

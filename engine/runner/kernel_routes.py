@@ -55,8 +55,8 @@ def route_table(config, sites, backend, spec_rows: int = 0) -> RouteTable:
     from engine.kernels.common import kernels_interpreted
     if device.type != "cuda" or kernels_interpreted():
         return RouteTable(pins=pins)
-    from engine.attention import TritonAttention
+    from engine.backend import RoutedBackend
     table = measured_table(sites, rows, set(decode), device, sites[0].weights[0].dtype,
-                           lambda routes: TritonAttention(routes=routes, device=device), pins,
+                           lambda routes: RoutedBackend(routes=routes, device=device), pins,
                            log=lambda line: print(f"specdec: {line}", file=sys.stderr))
     return table

@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from engine.attention import make_backend
+from engine.backend import make_backend
 from engine.config import EngineConfig
 from engine.guided.draft_masks import DraftMasks
 from engine.guided.masks import GrammarMasks

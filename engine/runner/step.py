@@ -12,7 +12,7 @@ sampling; greedy steps (every sampling row at temperature 0) skip the random-sam
 (some row asks for logprobs, penalties, min_p or min_tokens) count the inputs of penalized rows, penalize the
 logits, filter by min_p and record the logprobs of the sampled tokens (engine/sampling/penalties.py,
 engine/sampling/logprobs.py); no other step runs a kernel for them. A greedy step that is neither guided nor extras
-computes no float32 logits where the backend has an LM head argmax for it (engine/lm_head.py: the route table's
+computes no float32 logits where the backend has an LM head argmax for it (engine/backend.py: the route table's
 kernel). Logits go: penalties and
 min_tokens, grammar mask (logprobs are taken here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.

@@ -9,7 +9,7 @@ Every step of a speculating engine (spec steps and plain ones) runs:
 2. forward + logits: a spec step ("spec" graph key, or eager with slot.spec_k = K) has 1 + K query tokens in
    every row (the last token, then K drafts) and scores all of them. A greedy spec step that nothing else reads
    the logits of (unguided, no extras) takes only their argmax, from the backend's kernels where it has them
-   (target_ids: engine/lm_head.py, the route table's kernel).
+   (target_ids: engine/backend.py, the route table's kernel).
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
    logprobs step records the target's logprobs of the tokens at every scored position (engine/sampling/logprobs.py):

@@ -86,9 +86,9 @@ MATMUL_OPS = ("linear", "norm_linear", "norm_linear_silu")
 
 def _backend(*routes):
     """A Triton backend running `routes` ((kernel, rows lo, rows hi) for every matmul op), cuBLAS elsewhere."""
-    from engine.attention import TritonAttention
+    from engine.backend import RoutedBackend
     from engine.kernels.routes import Pin, RouteTable
-    return TritonAttention(routes=RouteTable.pinned(*[Pin(kernel, op=op, rows=(lo, hi)) for kernel, lo, hi in routes
+    return RoutedBackend(routes=RouteTable.pinned(*[Pin(kernel, op=op, rows=(lo, hi)) for kernel, lo, hi in routes
                                                       for op in MATMUL_OPS]))
 
 

@@ -128,9 +128,9 @@ MATMUL_OPS = ("linear", "norm_linear", "norm_linear_silu")
 
 def _backend(gemv: bool = True):
     """A Triton backend with the GEMV pinned for every matmul (gemv), or cuBLAS for all of them."""
-    from engine.attention import TritonAttention
+    from engine.backend import RoutedBackend
     from engine.kernels.routes import Pin, RouteTable
-    return TritonAttention(routes=RouteTable.pinned(*[Pin("gemv", op=op) for op in MATMUL_OPS if gemv]))
+    return RoutedBackend(routes=RouteTable.pinned(*[Pin("gemv", op=op) for op in MATMUL_OPS if gemv]))
 
 
 def _counting(monkeypatch, record=lambda name, a: name):
@@ -143,7 +143,7 @@ def _counting(monkeypatch, record=lambda name, a: name):
 
 
 def test_backend_takes_the_gemv_where_pinned_and_falls_back_otherwise(monkeypatch):
-    """TritonAttention's linears with the GEMV pinned: a few rows without bias go to it (silu_linear as silu_mul,
+    """RoutedBackend's linears with the GEMV pinned: a few rows without bias go to it (silu_linear as silu_mul,
     then the GEMV), with the results of cuBLAS; more rows than it takes, a bias or no pin go to cuBLAS."""
     calls = _counting(monkeypatch)
     on, off = _backend(), _backend(gemv=False)

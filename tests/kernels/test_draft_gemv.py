@@ -153,7 +153,7 @@ def test_backend_runs_the_heads_pinned_kernel(monkeypatch):
     """The backend's normed head takes the GEMV's kernels where its route pins them and they take the rows; past
     their rows, and pinned to cuBLAS, the head's tokens are the argmax kernels' on cuBLAS's logits; the reference
     table and the torch backend have no argmax kernel (None: the caller computes the logits)."""
-    from engine.attention import TorchAttention, TritonAttention
+    from engine.backend import RoutedBackend, TorchBackend
     from engine.kernels.routes import RouteTable
     x, nw, w = randn(2, 64, seed=1), randn(64, seed=2), randn(100, 64, seed=3)
     calls = _counting(monkeypatch)
@@ -163,17 +163,17 @@ def test_backend_runs_the_heads_pinned_kernel(monkeypatch):
     assert torch.equal(backend.norm_linear_argmax(wide, nw, EPS, w), torch_argmax(wide, nw, w))
     assert torch.equal(_backend(False).norm_linear_argmax(x, nw, EPS, w), torch_argmax(x, nw, w))
     assert calls == [2]
-    assert TritonAttention(routes=RouteTable(reference=True)).norm_linear_argmax(x, nw, EPS, w) is None
-    assert TorchAttention().norm_linear_argmax(x, nw, EPS, w) is None
+    assert RoutedBackend(routes=RouteTable(reference=True)).norm_linear_argmax(x, nw, EPS, w) is None
+    assert TorchBackend().norm_linear_argmax(x, nw, EPS, w) is None
 
 
 def _backend(draft: bool):
     """A Triton backend with the GEMV pinned for every matmul, and for the heads with `draft`, else cuBLAS's
     logits and the argmax kernels."""
-    from engine.attention import TritonAttention
+    from engine.backend import RoutedBackend
     from engine.kernels.routes import Pin, RouteTable
     cublas = [] if draft else [Pin("cublas", op="head"), Pin("cublas", op="norm_head")]
-    return TritonAttention(routes=RouteTable.pinned(Pin("gemv"), *cublas))
+    return RoutedBackend(routes=RouteTable.pinned(Pin("gemv"), *cublas))
 
 
 # ---- the EAGLE head and drafter ----

@@ -119,13 +119,13 @@ def test_the_backend_runs_head_mma_where_pinned(kernel, monkeypatch):
     """With the heads pinned to "mma" the backend's greedy LM head takes head_mma up to its MAX_ROWS, the final
     norm first where there is one, and steps past MAX_ROWS take cuBLAS's logits; pinned to the GEMV or cuBLAS,
     never head_mma. The same tokens on every route."""
-    from engine.attention import TritonAttention
+    from engine.backend import RoutedBackend
     from engine.kernels.routes import Pin, RouteTable
     ops = triton_module("fused_ops")
     calls = _counting(monkeypatch)
     k, v = SHAPES[1]
     w, nw = randn(v, k, seed=1) / k ** 0.5, randn(k, seed=2)
-    backend = TritonAttention(routes=RouteTable.pinned(Pin(kernel, op="head"), Pin(kernel, op="norm_head")))
+    backend = RoutedBackend(routes=RouteTable.pinned(Pin(kernel, op="head"), Pin(kernel, op="norm_head")))
     for rows in (1, 4, 5, hm.MAX_ROWS, hm.MAX_ROWS + 1):
         x = randn(rows, k, seed=rows)
         assert torch.equal(backend.linear_argmax(x, w), torch_argmax(x, w))

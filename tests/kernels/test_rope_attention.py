@@ -95,13 +95,14 @@ def test_bad_rope_arguments_raise():
 
 
 def test_backend_fuses_where_it_fits_and_falls_back_otherwise(monkeypatch):
-    """TritonAttention.rope_attend takes the fused kernel for one-block steps with the switch on; a prefill, or
+    """RoutedBackend.rope_attend takes the fused kernel for one-block steps with the switch on; a prefill, or
     the switch off, runs rope_store_kv then attention, with the same result."""
-    from engine.attention import AttentionMetadata, TritonAttention
+    from engine.attention import AttentionMetadata
+    from engine.backend import RoutedBackend
     calls = []
     real = fo.rope_store_kv
     monkeypatch.setattr(fo, "rope_store_kv", lambda *a: calls.append(1) or real(*a))
-    on, off = TritonAttention(rope_attention=True), TritonAttention(rope_attention=False)
+    on, off = RoutedBackend(rope_attention=True), RoutedBackend(rope_attention=False)
     for b in (on, off):
         b._k, b.ops = ta, fo                          # the interpreter-built modules of this test file
     s = make_step([1, 2], [20, 33], 4, 2, seed=9)

@@ -201,15 +201,15 @@ def _call(backend, op, x, w, nw, residual):
                                                                           for kernel in ("gemv", "mma", "cublas")])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_every_route_matches_the_reference_in_float32(op, kernel, rows):
-    from engine.attention import TritonAttention
+    from engine.backend import RoutedBackend
     torch.manual_seed(0)
     n, k = (96, 64) if op != "head" else (500, 64)
     w = torch.randn(n, k, device=DEVICE) * 0.2
     x, nw = torch.randn(rows, k, device=DEVICE), torch.rand(k, device=DEVICE) + 0.5
     residual = torch.randn(rows, k, device=DEVICE) if op.startswith("norm_linear") else None
-    routed = TritonAttention(routes=RouteTable.pinned(Pin(kernel, op=op)), device=DEVICE)
+    routed = RoutedBackend(routes=RouteTable.pinned(Pin(kernel, op=op)), device=DEVICE)
     assert routed.kernel_for(op, x, w, norm_weight=nw, residual=residual) == kernel
-    reference = TritonAttention(routes=RouteTable.pinned(Pin("cublas")), device=DEVICE)
+    reference = RoutedBackend(routes=RouteTable.pinned(Pin("cublas")), device=DEVICE)
     got, want = _call(routed, op, x, w, nw, residual), _call(reference, op, x, w, nw, residual)
     if op in ("head", "norm_head"):
         assert torch.equal(got, want)

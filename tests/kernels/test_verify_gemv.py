@@ -93,16 +93,16 @@ def test_refusals():
 
 def _backend(kernel: str):
     """A Triton backend with the LM head (op "head") pinned to `kernel`."""
-    from engine.attention import TritonAttention
+    from engine.backend import RoutedBackend
     from engine.kernels.routes import Pin, RouteTable
-    return TritonAttention(routes=RouteTable.pinned(Pin(kernel, op="head")))
+    return RoutedBackend(routes=RouteTable.pinned(Pin(kernel, op="head")))
 
 
 def test_backend_dispatch(monkeypatch):
     """The GEMV kernels on a Triton backend with the head pinned to them, up to their MAX_ROWS rows; cuBLAS's logits
     and engine/kernels/sampling/argmax.py past them and pinned to cuBLAS; None with the reference table and on the
     torch backend (the caller computes the logits)."""
-    from engine.attention import TorchAttention, TritonAttention
+    from engine.backend import RoutedBackend, TorchBackend
     from engine.kernels.routes import RouteTable
     calls, real = [], dr.linear_argmax
     monkeypatch.setattr(dr, "linear_argmax", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
@@ -111,8 +111,8 @@ def test_backend_dispatch(monkeypatch):
     for backend, rows in [(_backend("gemv"), wide), (_backend("cublas"), x)]:
         assert torch.equal(backend.linear_argmax(rows, w), torch_argmax(rows, w))
     assert calls == [4]
-    assert TritonAttention(routes=RouteTable(reference=True)).linear_argmax(x, w) is None
-    assert TorchAttention().linear_argmax(x, w) is None
+    assert RoutedBackend(routes=RouteTable(reference=True)).linear_argmax(x, w) is None
+    assert TorchBackend().linear_argmax(x, w) is None
 
 
 # ---- greedy acceptance from ids ----

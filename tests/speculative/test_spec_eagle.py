@@ -3,7 +3,8 @@ it leaves greedy output unchanged (the equality tests with the real head are in 
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention import AttentionMetadata
+from engine.backend import TorchBackend
 from engine.models.llama import LlamaForCausalLM
 from engine.models.weights import _init_dummy
 from engine.speculative.drafters.base import FeatureContext
@@ -64,7 +65,7 @@ def test_paged_drafts_equal_the_dense_unrolled_head(parts, k):
     toks = [torch.randint(0, TINY["vocab_size"], (n + k + 2,), generator=gen).tolist() for n in lengths]
     feats = [torch.randn(n + k + 2, 3 * TINY["hidden_size"], generator=gen) * 3 for n in lengths]
     tables = [[5, 17, 2, 9, 11, 0, 20, 14], [3, 8, 21, 1, 13, 6, 19, 4]]
-    paged = PagedHead(head, target, TorchAttention(), PAGES, BS, 128)
+    paged = PagedHead(head, target, TorchBackend(), PAGES, BS, 128)
     drafter = EagleDrafter(k, paged, BS, 128)
     caps = [len(t) * BS for t in tables]
     with torch.no_grad():
@@ -86,7 +87,7 @@ def test_drafts_past_the_pages_write_nothing(parts):
     """A draft position past a sequence's pages (kv_cap) writes no key there: the page after belongs to another
     sequence."""
     target, head = parts
-    paged = PagedHead(head, target, TorchAttention(), PAGES, BS, 128)
+    paged = PagedHead(head, target, TorchBackend(), PAGES, BS, 128)
     drafter = EagleDrafter(4, paged, BS, 128)
     gen = torch.Generator().manual_seed(1)
     toks = [torch.randint(0, TINY["vocab_size"], (12,), generator=gen).tolist()]

@@ -61,6 +61,6 @@ class EagleDrafter(Drafter):
 
     def _pick(self, ctx: FeatureContext, j: int, hidden):
         """Draft j from the head's hidden states: unguided, the backend's argmax kernels where it has them
-        (engine/lm_head.py), else ctx.pick on the logits."""
+        (engine/backend.py), else ctx.pick on the logits."""
         tokens = self.head.greedy(hidden) if ctx.guide is None else None
         return tokens if tokens is not None else ctx.pick(j, self.head.logits(hidden))
