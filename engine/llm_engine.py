@@ -32,12 +32,14 @@ from engine.requests.output import OutputProcessor, RequestOutput
 from engine.requests.request_handle import RequestHandle
 from engine.requests.sequence import SamplingParams, Sequence
 from engine.requests.validation import check_request, prompt_ids
+from engine.runner.model_runner import ModelRunner
 from engine.runner.rows import RowError
 from engine.runner.slots import DecodeSlot
 from engine.scheduler import Scheduler
+from engine.speculative.drafters.draft_model import draft_source
 from engine.speculative.plan import SpecPolicy
 from engine.timings import StepTimings
-from engine.workers.cluster import start_runner
+from engine.workers.cluster import start_ranks
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestHandle", "TensorParallelError"]
 
@@ -62,7 +64,13 @@ class LLMEngine(EngineFrontend):
         ctx = int(self.source.config.get("max_position_embeddings", 8192))
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         encode = (lambda text: self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer else None
-        self.runner, self.cluster = start_runner(config, self.source, self.max_model_len, encode)
+        # resolved once (resolving the default model hashes its GGUF), for every rank
+        draft = draft_source(config, self.source) if config.speculative == "draft_model" else None
+        if config.tensor_parallel_size == 1:            # one GPU: no workers
+            self.runner = ModelRunner(config, self.source, self.max_model_len, encode, draft=draft)
+            self.cluster = None
+        else:
+            self.runner, self.cluster = start_ranks(config, self.source, draft, self.max_model_len, encode)
         if self.tokenizer is not None and len(self.tokenizer) > self.runner.vocab:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
                              f"{self.runner.vocab}")

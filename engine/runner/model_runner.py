@@ -41,7 +41,7 @@ class ModelRunner:
     """One rank's runner. With tensor parallelism (`tp` a DistGroup) every rank builds the same runner over
     its shard of the model and runs the same steps; rank 0's engine plans them and fills the grammar masks,
     the other ranks receive both (engine/workers/worker.py). `draft`: the draft model's ModelSource with
-    speculative="draft_model" (engine/workers/cluster.py start_runner resolves it, once for every rank)."""
+    speculative="draft_model" (LLMEngine resolves it, once for every rank)."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, encode=None, tp=SINGLE,
                  draft=None):

@@ -28,18 +28,14 @@ import torch.distributed as dist
 
 from engine.parallel.group import DistGroup, TensorParallelError
 from engine.parallel.sharding import param_shards
+from engine.runner.model_runner import ModelRunner
 from engine.workers.channel import StepChannel
 from engine.workers.worker import WorkerSpec
 
 
-def start_runner(config, source, max_model_len: int, encode):
-    """(this process's ModelRunner, the Cluster of the other ranks or None with one rank)."""
-    from engine.runner.model_runner import ModelRunner
-    from engine.speculative.drafters.draft_model import draft_source
-    # resolved once (resolving the default model hashes its GGUF), for every rank
-    draft = draft_source(config, source) if config.speculative == "draft_model" else None
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(config, source, max_model_len, encode, draft=draft), None
+def start_ranks(config, source, draft, max_model_len: int, encode):
+    """(rank 0's ModelRunner, the Cluster of the other ranks) for tensor_parallel_size > 1; `draft`: the draft
+    model's source, resolved once for every rank."""
     param_shards(source.config, 0, config.tensor_parallel_size)     # a model that cannot be cut: say so now
     cluster = Cluster(config, source, draft, max_model_len, has_encode=encode is not None)
     try:
