@@ -31,7 +31,7 @@ from engine.sampling.logprobs import HostLogprobs
 from engine.sampling.penalties import PenaltyState
 from engine.sampling.sampler import apply_bitmask
 from engine.speculative.drafters import drafter_caches, make_drafter
-from engine.speculative.program import SpecStepProgram
+from engine.runner.spec_step import SpecStepProgram
 from engine.speculative.state import SpecState
 
 _EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most

@@ -30,7 +30,7 @@ _FIELDS = {  # name -> (dtype, shape key)
 # With speculation (speculative/): whether the host planned a token / sequence / sampling row as if the sequence's
 # in-flight drafts were all accepted (shift, smp_shift; seq_shift: its pool row, or -1: the device corrects them),
 # each token's row in the step (for its block table), each sampling row's draft cap, the token after each input
-# (for a draft head: engine/speculative/program.py next_tokens) and the tokens each sequence's pages hold.
+# (for a draft head: engine/runner/spec_step.py next_tokens) and the tokens each sequence's pages hold.
 _SPEC_FIELDS = {
     "tok_seq": (torch.int64, "tokens"), "shift": (torch.int64, "tokens"),
     "seq_shift": (torch.int64, "seqs"), "smp_shift": (torch.int64, "seqs"),

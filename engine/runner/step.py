@@ -2,7 +2,7 @@
 
 Carry-over and sampling go through the token pool (engine/memory/token_pool.py): a step takes the inputs the host has
 not seen from its sequences' rows and writes each sampling row's token back to its row, for the next step.
-A plain step is a speculative step with K = 0 in this respect (engine/speculative/program.py reads and writes the same
+A plain step is a speculative step with K = 0 in this respect (engine/runner/spec_step.py reads and writes the same
 rows, drafts included).
 
 Eager steps and CUDA graph captures (engine/runner/graphs.py) run these same methods, so a graph holds exactly

@@ -1,6 +1,6 @@
 """Host side of speculation: which steps speculate and how far (SpecPolicy), and what a row's step inputs hold
 besides its tokens (fill_spec_row, fill_spec_sampling; engine/runner/rows.py writes the tokens), for
-engine/speculative/program.py.
+engine/runner/spec_step.py.
 
 A step speculates (every row gets 1 + K query tokens: its last token, then K drafts) only when all its
 rows are decode rows (guided or not: a guided row's drafts are walked by its grammar), no waiting request could be

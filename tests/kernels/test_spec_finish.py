@@ -69,7 +69,7 @@ def _clone(slot, st):
 
 def _reference(slot, st, ids, target, drafted, K, history):
     """The torch path: SpecStepProgram.verify's greedy route on target ids, finish and next_tokens."""
-    from engine.speculative.program import SpecStepProgram
+    from engine.runner.spec_step import SpecStepProgram
     from engine.speculative.verify import greedy_accept_ids
     S = target.shape[0]
     accepted, tokens = greedy_accept_ids(ids.view(S, K + 1)[:, 1:], target, drafted)
@@ -125,7 +125,7 @@ def test_greedy_finish_equals_torch(K, dtype, history):
 
 def _program(on, history):
     """A SpecStepProgram with what verify_finish reads."""
-    from engine.speculative.program import SpecStepProgram
+    from engine.runner.spec_step import SpecStepProgram
     program = SpecStepProgram.__new__(SpecStepProgram)
     program.state, program.drafter = None, SimpleNamespace(uses_history=history)
     program.spec_finish = sf if on else None
@@ -138,7 +138,7 @@ def _program(on, history):
 def test_verify_finish_routes_greedy_steps_through_the_kernel(source, history, monkeypatch):
     """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or the head kernels' ids:
     the same tokens and writes on and off; guided and sampled steps keep the torch path."""
-    from engine.speculative.program import SpecStepProgram
+    from engine.runner.spec_step import SpecStepProgram
     from engine.runner.step import StepVariant
     calls = []
     real = sf.greedy_finish

@@ -79,7 +79,7 @@ def _clone(d, st):
 
 def _torch_correct(d, st, T, B, S, history):
     """The reference: SpecStepProgram.correct's torch path on a stand-in program and slot."""
-    from engine.speculative.program import SpecStepProgram
+    from engine.runner.spec_step import SpecStepProgram
     program = SimpleNamespace(state=st, block_size=BS, spec_ops=None, drafter=SimpleNamespace(uses_history=history))
     return SpecStepProgram.correct(program, SimpleNamespace(dev=d), T, B, S)
 

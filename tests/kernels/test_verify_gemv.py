@@ -161,7 +161,7 @@ def _program(kernels: bool, world: int = 1):
     ((False, True, False), 1, 3, False)],
     ids=["greedy", "guided", "sampled", "extras", "tp2", "plain_step", "reference"])
 def test_only_greedy_unguided_steps_without_extras_skip_the_logits(variant, world, k, kernels):
-    from engine.speculative.program import SpecStepProgram
+    from engine.runner.spec_step import SpecStepProgram
     from engine.runner.step import StepVariant
     program, calls = _program(kernels, world)
     got = SpecStepProgram.target_ids(program, torch.zeros(k + 1, 8), StepVariant(*variant), k + 1, 1, k)

@@ -1,4 +1,4 @@
-"""One Triton kernel for the end of a greedy speculative step (engine/speculative/program.py,
+"""One Triton kernel for the end of a greedy speculative step (engine/runner/spec_step.py,
 EngineConfig.spec_finish_kernel):
 
 - `greedy_finish`: engine/speculative/verify.py greedy_accept_ids on the target's argmax ids, then what

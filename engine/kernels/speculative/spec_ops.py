@@ -1,4 +1,4 @@
-"""One Triton kernel each for the speculative step's bookkeeping (engine/speculative/program.py,
+"""One Triton kernel each for the speculative step's bookkeeping (engine/runner/spec_step.py,
 EngineConfig.spec_kernels):
 
 - `correct`: SpecStepProgram.correct, i.e. the rejected-draft correction of a step's positions, slot mapping,
