@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 from engine.guided.guide import GUIDE_FIELDS, Guide, make_guide
 from engine.requests.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from engine.sampling.limits import MAX_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_TOKENS_LIMIT = 2 ** 31 - 1      # counters that reach the device are int64; keep far from overflow
 MAX_LOGIT_BIAS = 1024               # tokens one request may bias (OpenAI allows 300)
-MAX_LOGPROBS = 20                   # top entries a request may ask for (OpenAI's bound)
 
 
 def _integer(name: str, value, lo: int, hi: int) -> int:

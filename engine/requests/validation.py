@@ -7,7 +7,7 @@ import numbers
 
 from engine.memory.block_manager import BlockManager
 from engine.requests.sequence import SamplingParams
-from engine.sampling.penalties import MAX_STOPS
+from engine.sampling.limits import MAX_STOPS
 
 
 def prompt_ids(prompt, encode) -> list[int]:

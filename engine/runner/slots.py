@@ -17,7 +17,7 @@ import math
 import torch
 
 from engine.sampling.logprobs import ENTRY_WIDTH
-from engine.sampling.penalties import MAX_STOPS
+from engine.sampling.limits import MAX_STOPS
 
 _FIELDS = {  # name -> (dtype, shape key)
     "input_ids": (torch.int64, "tokens"), "positions": (torch.int64, "tokens"),

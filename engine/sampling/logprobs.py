@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.requests.sequence import MAX_LOGPROBS
+from engine.sampling.limits import MAX_LOGPROBS
 
 ENTRY_WIDTH = 1 + 2 * MAX_LOGPROBS  # floats per (sampling row, position) in a slot's buffer
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import torch
 
-MAX_STOPS = 8               # EOS ids + stop token ids that min_tokens masks, per request
-
 
 class PenaltyState:
     def __init__(self, num_rows: int, vocab: int, device: torch.device):

@@ -11,7 +11,7 @@ import xgrammar as xgr
 from conftest import assert_no_leak, prefill_logits
 from engine.guided.compiler import compile_guide
 from engine.llm_engine import LLMEngine
-from engine.sampling.logprobs import MAX_LOGPROBS
+from engine.sampling.limits import MAX_LOGPROBS
 from engine.requests.sequence import SamplingParams
 from engine.requests.validation import check_request
 from helpers import CAT, CPU, PREEMPTING, REPEATING, EagerGraphs, allowed, drive

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.requests.sequence import MAX_LOGPROBS
+from engine.sampling.limits import MAX_LOGPROBS
 
 
 class APIError(Exception):

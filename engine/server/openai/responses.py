@@ -26,7 +26,7 @@ import uuid
 
 from pydantic import Field
 
-from engine.requests.sequence import MAX_LOGPROBS
+from engine.sampling.limits import MAX_LOGPROBS
 from engine.server.openai.protocol import APIError, RequestBody
 
 RESPONSES_KEPT = 1024
