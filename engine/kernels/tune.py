@@ -60,10 +60,10 @@ def fingerprint(device: torch.device, dtype: torch.dtype) -> dict:
                 kernels=digest)
 
 
-def cache_path(fp: dict) -> Path:
-    from engine.models.loader import cache_dir
+def cache_path(directory: Path, fp: dict) -> Path:
+    """Where the measurements of `fp` are kept under `directory`, the engine's cache (the caller's to name)."""
     name = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "routes" / f"{name}.json"
+    return directory / "routes" / f"{name}.json"
 
 
 def _cell_name(op: str, n: int, k: int, rows: int) -> str:
@@ -210,11 +210,11 @@ def table_from_cells(cells: dict, pins=()) -> RouteTable:
     return RouteTable(by_site, pins)
 
 
-def measured_table(sites, rows, decode_rows, device, dtype, backend_factory, pins=(), progress: bool = True,
-                   log=print) -> RouteTable:
-    """The model's route table from the cache, measuring the cells it lacks (and saving them)."""
+def measured_table(sites, rows, decode_rows, device, dtype, backend_factory, directory: Path, pins=(),
+                   progress: bool = True, log=print) -> RouteTable:
+    """The model's route table from the cache under `directory`, measuring the cells it lacks (and saving them)."""
     fp = fingerprint(device, dtype)
-    path = cache_path(fp)
+    path = cache_path(directory, fp)
     wanted = {_cell_name(*s.key, r) for s in sites for r in rows}
     begin = time.perf_counter()
     cached = load_cache(path, fp)

@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from engine.kernels.routes import RouteTable, load_pins
+from engine.models.loader import cache_dir
 from engine.runner.graphs import graph_batch_sizes
 
 
@@ -57,6 +58,6 @@ def route_table(config, sites, backend, spec_rows: int = 0) -> RouteTable:
         return RouteTable(pins=pins)
     from engine.backend import RoutedBackend
     table = measured_table(sites, rows, set(decode), device, sites[0].weights[0].dtype,
-                           lambda routes: RoutedBackend(routes=routes, device=device), pins,
+                           lambda routes: RoutedBackend(routes=routes, device=device), cache_dir(), pins,
                            log=lambda line: print(f"specdec: {line}", file=sys.stderr))
     return table

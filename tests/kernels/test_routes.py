@@ -107,15 +107,14 @@ FP = dict(format=1, gpu="NVIDIA H200", capability="9.0", driver=13000, torch="2.
           kernels="abc")
 
 
-def test_the_cache_key_changes_with_every_part_of_the_fingerprint(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    paths = {tune.cache_path({**FP, name: "other"}) for name in FP}
-    assert len(paths) == len(FP) and tune.cache_path(FP) not in paths
+def test_the_cache_key_changes_with_every_part_of_the_fingerprint(tmp_path):
+    paths = {tune.cache_path(tmp_path, {**FP, name: "other"}) for name in FP}
+    assert len(paths) == len(FP) and tune.cache_path(tmp_path, FP) not in paths
     cells = {"linear 64 32 1": {"kernel": "gemv", "us": {"gemv": 1.0}}}
-    tune.save_cache(tune.cache_path(FP), FP, cells)
+    tune.save_cache(tune.cache_path(tmp_path, FP), FP, cells)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert tune.load_cache(tune.cache_path(FP), FP) == cells
+        assert tune.load_cache(tune.cache_path(tmp_path, FP), FP) == cells
 
 
 @pytest.mark.parametrize("content", [

@@ -101,6 +101,12 @@ def _assert_same_writes(slot, st, slot2, st2, pads, where):
 CASES = [(1, 0), (1, 1), (2, 0), (3, 1), (4, 2), (6, 3), (40, 5), (150, 4)]       # (S, padding rows)
 
 
+def test_the_kernel_pads_as_verification_does():
+    """The kernels sit below engine/speculative/ and keep their own copy of its PAD."""
+    from engine.speculative.verify import PAD
+    assert sf.PAD == PAD
+
+
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("history", [True, False], ids=["history", "next_ids"])

@@ -23,8 +23,8 @@ import triton.language as tl
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_min, wrap_row as _wrap
 from engine.kernels.fused_ops import _check_device, _check_entries, _check_tensor
 from engine.kernels.speculative.spec_ops import _check_int, _check_rows
-from engine.speculative.verify import PAD
 
+PAD = -1                # engine/speculative/verify.py's PAD, after the emitted tokens (test_spec_finish pins it)
 _I32, _I64, _INT = (torch.int32,), (torch.int64,), (torch.int32, torch.int64)
 _PAD = tl.constexpr(PAD)
 _MAX_BLOCK = 128        # rows and inputs one program takes
