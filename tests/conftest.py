@@ -26,14 +26,15 @@ CHAT_PROMPTS = [
 
 
 def triton_module(name: str):
-    """engine.kernels.<name>, with its kernels built for the Triton interpreter when there is no CUDA.
+    """engine.kernels.<name> (or the bench module `name` names whole, "bench.kernels.gemv"), with its kernels built
+    for the Triton interpreter when there is no CUDA.
 
     TRITON_INTERPRET (set above when there is no GPU) is read when @triton.jit decorates: for our kernels
     when their module is first imported. If something imported it earlier without the flag, it is reloaded,
     after engine.kernels.common whose reductions the kernels call. Skips the calling test module if the
     interpreter cannot be enabled (TRITON_INTERPRET=0 set, or triton.knobs.runtime.interpret forced off)."""
     pytest.importorskip("triton")
-    module = importlib.import_module(f"engine.kernels.{name}")
+    module = importlib.import_module(name if name.startswith("bench.") else f"engine.kernels.{name}")
     if not torch.cuda.is_available() and not module.interpreted():
         importlib.reload(importlib.import_module("engine.kernels.common"))
         module = importlib.reload(module)

@@ -1,4 +1,4 @@
-"""Per-call GPU time of engine.kernels.matmul.gemv's fused small-M GEMVs vs the unfused kernels + cuBLAS, in CUDA
+"""Per-call GPU time of bench.kernels.gemv's fused small-M GEMVs vs the unfused kernels + cuBLAS, in CUDA
 graphs.
 
     python -m bench.kernels.gemv_kernels               # H100: SmolLM2-135M and Llama-3.2-1B shapes, M 1/4/16, bf16
@@ -79,7 +79,7 @@ def make_impls(op, M, K, N, copies, dev, dtype):
     """(unfused, fused, ref): callables of the call index i (weights cycle over `copies`)."""
     import torch.nn.functional as F
 
-    from engine.kernels.matmul import gemv as gv
+    from bench.kernels import gemv as gv
     from engine.kernels import fused_ops as ops
     a = operands(op, M, K, N, copies, dev, dtype)
     ws, x, res, nw, gu = a["ws"], a.get("x"), a.get("res"), a.get("nw"), a.get("gu")
@@ -133,7 +133,7 @@ def time_eager(fn, calls, replays):
 
 def sweep(fused, calls, replays):
     """Best fused time over SWEEP configs (the entry points look gemv_config up at each call)."""
-    from engine.kernels.matmul import gemv as gv
+    from bench.kernels import gemv as gv
     default, best = gv.gemv_config, (float("inf"), None)
     try:
         for cfg in SWEEP:
@@ -153,7 +153,7 @@ def run(args):
     import torch
 
     from bench.common import note, record
-    from engine.kernels.matmul import gemv as gv
+    from bench.kernels import gemv as gv
     dev, dtype = args.device, torch.bfloat16
     models, timer = (MODELS, time_graph) if dev == "cuda" else (TINY, time_eager)
     records = []

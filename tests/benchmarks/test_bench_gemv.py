@@ -1,4 +1,4 @@
-"""engine.kernels.matmul.gemv (small-M GEMV with a fused RMSNorm / SiLU*up prologue) against its torch references.
+"""bench/kernels/gemv.py (small-M GEMV with a fused RMSNorm / SiLU*up prologue) against its torch references.
 
 Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py: triton_module).
 The CPU tests also force small blocks so that the K loop, the N grid and their masked tails all run.
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import triton_module
 from engine.kernels.fused_ops import rms_norm_ref, silu_mul_ref
 
-gv = triton_module("matmul.gemv")
+pytestmark = pytest.mark.kernels
+gv = triton_module("bench.kernels.gemv")
 
 DEV = "cpu" if gv.interpreted() else "cuda"
 EPS = 1e-5

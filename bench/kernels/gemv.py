@@ -1,4 +1,5 @@
-"""Small-M GEMV kernels for the decode step, with the op before the matmul fused into its prologue.
+"""Small-M GEMV kernels for the decode step, with the op before the matmul fused into its prologue: the first GEMVs,
+kept for bench/kernels/gemv_kernels.py (the engine runs engine/kernels/matmul/decode_gemv.py).
 
     norm_linear(x, norm_weight, eps, weight, bias=None, residual=None) -> (out, new_residual)
         = F.linear(rms_norm(x [+ residual]), weight, bias), rounding as engine.kernels.fused_ops.rms_norm_ref
