@@ -1,3 +1,9 @@
+"""Fixtures and marks every test folder shares (helpers.py holds the plain functions, serving.py the server's).
+
+The folders mirror the packages: tests/<name>/ tests engine/<name>/, tests/ itself engine's top-level modules
+(llm_engine.py, scheduler.py, cli.py, ...). Three folders are named apart from their packages, since a test folder
+named like a top-level package would stand in for it on the import path: tests/native/ tests hostfunc/,
+tests/benchmarks/ bench/, and tests/speculative/ also specdec/ (head training, acceptance studies)."""
 import gc
 import importlib
 import os

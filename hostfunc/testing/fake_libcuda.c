@@ -1,5 +1,5 @@
 // A stand-in libcuda.so.1 for CPU tests of hostfunc's real launch path (tests/native/test_hostfunc.py) and of
-// launch_step's calls (tests/native/test_native_launch.py).
+// launch_step's calls (tests/runner/test_native_launch.py).
 //
 // Host functions run in FIFO order on one worker thread, like the driver's per-stream callback thread. The
 // queue is small, so cuLaunchHostFunc blocks when it is full: a launcher that kept the GIL there would

@@ -1,4 +1,4 @@
-"""launch_step against fake_libcuda.c; run by tests/native/test_native_launch.py as
+"""launch_step against fake_libcuda.c; run by tests/runner/test_native_launch.py as
 
     LD_LIBRARY_PATH=<dir holding the built fake libcuda.so.1> python -m hostfunc.testing.fake_step_launch_scenario
 

@@ -135,7 +135,7 @@ def test_a_scheduler_exception_fails_its_requests_and_frees_their_pages(engine, 
 
 
 def test_a_row_whose_mask_allowed_nothing_fails_alone(engine, chat_prompts, alone, monkeypatch):
-    """The sampler marks such a row NO_TOKEN (tests/core/test_sampler.py); the commit fails that request only, and
+    """The sampler marks such a row NO_TOKEN (tests/sampling/test_sampler.py); the commit fails that request only, and
     the carry-over feeds the next step a valid id meanwhile."""
     sample, victim = engine.runner.program.sample, {}
 

@@ -123,7 +123,7 @@ def test_pipelined_graph_layout_preemption_and_speculation_equal_blocking(engine
     workload = _workload(engine, chat_prompts)
     ref = drive(LLMEngine(**CPU, depth=1), workload)
     # preempting: without the prefix cache (requests sharing cached pages would leave the small pool enough room),
-    # there in the graphs' padded layouts, and with it (tests/core/test_prefix_cache.py covers a penalized recompute
+    # there in the graphs' padded layouts, and with it (tests/memory/test_prefix_cache.py covers a penalized recompute
     # that maps its own outputs)
     spec = dict(speculative="ngram", num_speculative_tokens=2, penalty_rows=2, spec_min_acceptance=0.0)
     for cfg, graphs in ((dict(PREEMPTING, prefix_caching=False), True), (PREEMPTING, False), (spec, False)):

@@ -56,7 +56,7 @@ GPU_BF16_GRAPHS = dict(device="cuda", dtype="bfloat16", attention_backend="trito
 
 
 # the prompts share their chat template's head: with prefix caching the small pool rarely runs out, so the
-# preempting cases turn it off to make sure preemption happens (tests/core/test_prefix_cache.py has both at once)
+# preempting cases turn it off to make sure preemption happens (tests/memory/test_prefix_cache.py has both at once)
 UNCACHED = dict(PREEMPTING, prefix_caching=False)
 
 
