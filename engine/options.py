@@ -47,7 +47,7 @@ HELP = {                        # fields without a comment in engine/config.py
     "seed": "draws the sampling seed of each request that sends none",
 }
 GROUPS = (                      # (field name prefixes, argument group); the rest are "engine"
-    (("grammar_compile_", "guide_max_"), "grammar compilation (bounds on one guide: docs/server.md)"),
+    (("grammar_compile_", "grammar_cache_", "guide_max_"), "grammar compilation (bounds on one guide: docs/server.md)"),
     (("speculative", "num_speculative", "spec_", "ngram_", "guided_draft", "guided_forced"),
      "speculative decoding (docs/speculative.md)"),
     (("tensor_parallel", "tp_"), "tensor parallelism (docs/tensor_parallel.md)"),
