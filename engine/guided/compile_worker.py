@@ -3,9 +3,9 @@
 xgrammar has no cancellation point and its compile threads take whole cores, so a compile running in the engine
 process outlives the request that gave up on it and slows every step meanwhile. This process (started by
 engine/guided/compile_procs.py, `python -m engine.guided.compile_worker FD FOLDER THREADS`) imports xgrammar and
-builds the tokenizer info once, then forks one child per compile. The child runs at the lowest CPU priority,
-compiles, writes xgrammar's serialised form (`serialize_json`) to FOLDER and exits; a compile its requests gave up on
-is killed (SIGKILL), which returns its CPU and memory at once.
+builds the tokenizer info once, then forks one child per compile. The child runs at the lowest CPU priority
+(SCHED_IDLE), compiles, writes xgrammar's serialised form (`serialize_json`) to FOLDER and exits; a compile its
+requests gave up on is killed (SIGKILL), which returns its CPU and memory at once.
 
 Protocol on the socket FD (multiprocessing Connection, pickled tuples):
 - in: the tokenizer info's JSON (once), then ("compile", job, guide tuple), ("kill", job), ("stop",);
@@ -27,7 +27,7 @@ import xgrammar as xgr
 
 from engine.guided.spec import Guide, grammar_schema
 
-NICE = 19       # compiles take only the CPU that serving leaves idle
+NICE = 19       # where SCHED_IDLE is refused: compiles take only the CPU that serving leaves idle
 
 
 def _choice_grammar(source: str) -> str:
@@ -56,7 +56,7 @@ def _child(info: xgr.TokenizerInfo, threads: int, guide: Guide, path: str) -> No
     """In the forked child: compile, write the result (or the error's text to path + '.err'), exit."""
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG: never outlive the compile process
-        os.nice(NICE)
+        _lowest_priority()
         compiled = compile_guide(xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False), guide)
         with open(path + ".tmp", "w") as f:
             f.write(compiled.serialize_json())
@@ -67,6 +67,14 @@ def _child(info: xgr.TokenizerInfo, threads: int, guide: Guide, path: str) -> No
             f.write(f"{exc}"[:4000])
         code = 1
     os._exit(code)
+
+
+def _lowest_priority() -> None:
+    """SCHED_IDLE where the system allows it (runs only on a core nothing else wants), else nice 19."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(NICE)
 
 
 class Zygote:
@@ -151,7 +159,10 @@ def _remove(*paths: str) -> None:
 def main(argv: list[str]) -> None:
     fd, folder, threads = int(argv[0]), argv[1], int(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # the engine decides when this process stops
-    zygote = Zygote(Connection(fd), folder, threads)
+    try:
+        zygote = Zygote(Connection(fd), folder, threads)
+    except EOFError:                    # the engine went away while this process started
+        return
     try:
         zygote.run()
     finally:
