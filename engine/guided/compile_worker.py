@@ -4,7 +4,7 @@ xgrammar has no cancellation point and its compile threads take whole cores, so 
 process outlives the request that gave up on it and slows every step meanwhile. This process (started by
 engine/guided/compile_procs.py, `python -m engine.guided.compile_worker FD FOLDER THREADS`) imports xgrammar and
 builds the tokenizer info once, then forks one child per compile. The child runs at the lowest CPU priority
-(SCHED_IDLE), compiles, writes xgrammar's serialised form (`serialize_json`) to FOLDER and exits; a compile its
+(nice 19), compiles, writes xgrammar's serialised form (`serialize_json`) to FOLDER and exits; a compile its
 requests gave up on is killed (SIGKILL), which returns its CPU and memory at once.
 
 Protocol on the socket FD (multiprocessing Connection, pickled tuples):
@@ -27,7 +27,7 @@ import xgrammar as xgr
 
 from engine.guided.spec import Guide, grammar_schema
 
-NICE = 19       # where SCHED_IDLE is refused: compiles take only the CPU that serving leaves idle
+NICE = 19       # compiles take the CPU that serving leaves idle, and little of the rest
 
 
 def _choice_grammar(source: str) -> str:
@@ -70,11 +70,10 @@ def _child(info: xgr.TokenizerInfo, threads: int, guide: Guide, path: str) -> No
 
 
 def _lowest_priority() -> None:
-    """SCHED_IDLE where the system allows it (runs only on a core nothing else wants), else nice 19."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(NICE)
+    """nice 19: a compile gets a share of a busy core (1/70 of a nice-0 thread's), so a small one still ends within
+    its budget while the CPU serves; SCHED_IDLE would give it none, and a guided request could time out behind
+    a CPU forward."""
+    os.nice(NICE)
 
 
 class Zygote:
