@@ -2,6 +2,7 @@
 connections that send their request a byte at a time. The others keep their pace, the abandoned compiles end with
 their 400s, the slow connections end at their read deadline, and the engine's memory comes back."""
 import json
+import select
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ from serving import CPU_ARGS, serve
 ASK = [{"role": "user", "content": "Name three colours."}]
 PLAIN = {"messages": ASK, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 SMALL = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
-COMPILE_TIMEOUT, READ_TIMEOUT, PER_CLIENT = 10.0, 3.0, 8
+COMPILE_TIMEOUT, READ_TIMEOUT, PER_CLIENT = 20.0, 3.0, 8
 SLACK_S = 0.25          # timer and scheduling jitter on a shared 2-core machine
 RUN: dict = {}          # what the heavy test leaves for the memory test at the end
 
@@ -84,7 +85,8 @@ def test_heavy_compiles_of_one_client_slow_no_other(server):
     assert compiling(server) >= 3, "the heavy compiles never started"
     plain, plain_s = post(server, PLAIN, "b")
     cached, cached_s = post(server, guided(SMALL), "c")
-    assert compiling(server) >= 3, "the compiles ended before the requests beside them did: nothing was measured"
+    assert compiling(server) >= 3, f"the compiles ended before the requests beside them ({plain_s:.2f} s, " \
+        f"{cached_s:.2f} s; alone {solo_plain:.2f}, {solo_cached:.2f}): nothing was measured"
     for t in heavies:
         t.join(120)
     refused_at = time.monotonic()
@@ -104,7 +106,8 @@ def test_heavy_compiles_of_one_client_slow_no_other(server):
 
 
 def slow_client(server, address: str, body_bytes: bool, out: list) -> None:
-    """One connection from `address` sending a request a byte a second (its headers whole first, or not)."""
+    """One connection from `address` sending a request a byte a second (its headers whole first, or not); records
+    the first line of what the server answers and when it did."""
     url = httpx.URL(server.url)
     body = json.dumps({"model": server.model, "messages": ASK}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
@@ -112,17 +115,18 @@ def slow_client(server, address: str, body_bytes: bool, out: list) -> None:
     whole, rest = (head, body) if body_bytes else (b"", head + body)
     t0 = time.monotonic()
     with socket.create_connection((url.host, url.port), timeout=30, source_address=(address, 0)) as sock:
+        answer = b""
         try:
+            if select.select([sock], [], [], 0.3)[0]:           # refused as it opened
+                rest = whole = b""
             sock.sendall(whole)
             for byte in rest:
                 sock.sendall(bytes([byte]))
-                time.sleep(1)
-        except OSError:                 # closed by the server: its answer, if any, is still there to read
-            pass
-        try:
+                if select.select([sock], [], [], 1.0)[0]:       # answered (or closed): stop sending
+                    break
             answer = sock.recv(4096)
         except OSError:
-            answer = b""
+            pass
     out.append((answer.split(b"\r\n", 1)[0].decode(errors="replace"), time.monotonic() - t0))
 
 
@@ -142,7 +146,7 @@ def test_slow_connections_are_dropped_at_the_deadline_and_slow_no_other(server):
     refused = [s for s in statuses if " 429 " in s]
     dropped = [(s, t) for s, t in out if " 408 " in s]
     assert len(refused) == 20 - PER_CLIENT and len(dropped) == PER_CLIENT, statuses
-    assert all(READ_TIMEOUT - 0.5 <= t <= READ_TIMEOUT + 2 for _, t in dropped), dropped
+    assert all(READ_TIMEOUT - 0.1 <= t <= READ_TIMEOUT + 1 for _, t in dropped), dropped
     solo = max(solo, alone(server, PLAIN, "b"))
     assert beside <= 1.5 * solo + SLACK_S, f"{beside:.2f} s beside 20 slow clients, {solo:.2f} alone"
     m = server.wait_idle()
