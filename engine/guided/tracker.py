@@ -19,7 +19,8 @@ CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before
 class GuidedTracker:
     def __init__(self, tokenizer, vocab_size: int, eos_ids, config, cuda: bool):
         self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids, config.grammar_compile_threads,
-                                            config.grammar_compile_queue)
+                                            config.grammar_compile_queue, config.grammar_compile_processes,
+                                            config.grammar_cache_mb << 20)
         self.service: GrammarService | None = None      # built on the first guided request (~0.3 s)
         self.enabled, self.cuda, self.has_tokenizer = config.guided, cuda, tokenizer is not None
         self.timeout_s = config.grammar_compile_timeout_s
