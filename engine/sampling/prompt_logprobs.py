@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention import AttentionMetadata
+from engine.backend import TorchBackend
 from engine.memory.kv_cache import kv_pages
 
 CHUNK = 512
@@ -28,7 +29,7 @@ class PromptScorer:
         self.model, self.device, self.dtype = runner.model, runner.device, runner.dtype
         self.stream = runner.compute_stream
         self.block_size = block_size
-        self.backend = TorchAttention()
+        self.backend = TorchBackend()
         attn = self.model.layers[0].self_attn
         self.kv_shape = (block_size, attn.num_kv_heads, attn.head_dim)
 

@@ -61,17 +61,13 @@ def build_state(args):
     return ServerState.for_engine(args, aengine, tokenizer)
 
 
-def connection_guard(args):
-    from engine.server.api.connections import ConnectionGuard
-    return ConnectionGuard(args.request_read_timeout, args.max_connections_per_client)
-
-
 def cmd_serve(args) -> int:
     if args.max_queued < 0 or args.stream_interval < 0:
         raise ValueError("--max-queued and --stream-interval must be >= 0")
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
-    connection_guard(args)                      # its bounds are checked before any process starts
+    from engine.server.api.connections import ConnectionGuard
+    ConnectionGuard.from_args(args)             # its bounds are checked before any process starts
     if args.single_process:
         if args.api_server_count != 1:
             raise ValueError("--single-process runs one API server: drop --api-server-count")
@@ -86,7 +82,8 @@ def serve_in_process(args) -> int:
 
     from engine.server.processes.api_process import bind
     from engine.server.api.app import create_app
-    guard = connection_guard(args)
+    from engine.server.api.connections import ConnectionGuard
+    guard = ConnectionGuard.from_args(args)
     state = build_state(args)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -29,6 +29,11 @@ class ConnectionGuard:
         self.open: collections.Counter = collections.Counter()     # peer address -> open connections
         self.dropped = 0                                            # connections closed at their read deadline
 
+    @classmethod
+    def from_args(cls, args) -> ConnectionGuard:
+        """The guard `specdec serve`'s --request-read-timeout and --max-connections-per-client ask for."""
+        return cls(args.request_read_timeout, args.max_connections_per_client)
+
     def protocol(self) -> type:
         """The uvicorn HTTP protocol class (uvicorn.Config's `http`) that applies this guard."""
         return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": self})
