@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class CompileProcesses:
         self._proc = self._conn = None
         self._closed = False
         self._ready = False                   # the process has its tokenizer info and takes compiles
+        self.ready_since: float | None = None  # time.monotonic() it became ready (None: starting)
         self._waiting: list[tuple[Job, tuple]] = []     # jobs sent once it is ready
         self.folder = tempfile.mkdtemp(prefix="specdec-grammars-")
         with self._lock:
@@ -116,7 +118,7 @@ class CompileProcesses:
                                        self.folder, str(self.threads)], pass_fds=[theirs.fileno()], env=env,
                                       stdin=subprocess.DEVNULL)
         theirs.close()
-        self._conn, self._ready = Connection(ours.detach()), False
+        self._conn, self._ready, self.ready_since = Connection(ours.detach()), False, None
         threading.Thread(target=self._read, args=(self._conn,), name="grammar-compile-reader", daemon=True).start()
 
     def _read(self, conn: Connection) -> None:
@@ -126,7 +128,7 @@ class CompileProcesses:
                 msg = conn.recv()
                 with self._lock:
                     if msg[0] == "ready":
-                        self._ready = True
+                        self._ready, self.ready_since = True, time.monotonic()
                         for job, guide in self._waiting:
                             conn.send(("compile", job.id, guide))
                         self._waiting = []

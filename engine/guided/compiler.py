@@ -246,6 +246,14 @@ class GrammarService:
                 self._cache_bytes -= old.memory_size_bytes
         return compiled
 
+    def compile_clock_start(self, started: float) -> float | None:
+        """When a compile submitted at `started` (time.monotonic()) began to count against its budget: not before
+        the compile process could take it (its interpreter's start is no grammar's cost); None while it starts."""
+        if self.procs is None:
+            return started
+        ready = self.procs.ready_since
+        return None if ready is None else max(started, ready)
+
     def compiling(self) -> int:
         """Compiles submitted and not finished (queued or running, abandoned ones included)."""
         return self.pool.unfinished()

@@ -80,7 +80,8 @@ class GuidedTracker:
                 seq.guided.cancel()          # aborted while compiling: a queued compile never runs
                 continue
             message = seq.guided.poll()
-            if message is None and not seq.guided.ready and now - seq.guided.started > self.timeout_s:
+            begun = self.service.compile_clock_start(seq.guided.started)
+            if message is None and not seq.guided.ready and begun is not None and now - begun > self.timeout_s:
                 seq.guided.cancel()
                 message = self.timeout_message(seq.guided.guide)
             if message is not None:
