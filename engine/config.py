@@ -142,9 +142,9 @@ class EngineConfig:
                                        # may have a quarter of them, and run grammar_compile_threads - 1)
     grammar_compile_timeout_s: float = 10.0     # a request whose grammar compiles longer fails (and its compile
                                                 # is stopped, with grammar_compile_processes)
-    grammar_compile_processes: bool = True      # xgrammar compiles in child processes at the lowest CPU priority,
-                                                # killed once no request waits (engine/guided/compile_procs.py);
-                                                # off: on threads of the engine's process, run to their end
+    grammar_compile_processes: bool = False     # xgrammar compiles in child processes at low CPU priority, killed
+                                                # once no request waits (engine/guided/compile_procs.py; serve's
+                                                # default); off: on threads of this process, run to their end
     grammar_cache_mb: int = 512        # compiled grammars kept for reuse, by their size; least recently used go first
     guide_max_bytes: int = 256 << 10   # bounds on one guide, checked before compiling (engine/guided/limits.py)
     guide_max_enum: int = 4096

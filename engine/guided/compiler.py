@@ -7,12 +7,13 @@ a message naming the guide.
 
 One client cannot fill the pool: compiles not yet finished are bounded in all and per owner (the server passes
 its client), past which `submit` raises CompileBusy (engine/guided/compile_pool.py). xgrammar cannot stop a compile
-once it runs, and its threads take whole cores: with `processes` (the engine's default) each xgrammar compile runs
-in a child of the compile process (engine/guided/compile_procs.py) at the lowest CPU priority, and comes back
-serialised. When the last request for a grammar gives up (its time budget, an abort), its compile is cancelled if
-queued and killed if running, so an abandoned compile holds no thread, core or memory. Without `processes` a
-running compile finishes into the cache. llguidance builds its grammars lazily (a lexer per state as reached), in
-milliseconds, so its compiles stay on the pool's threads. The cache is bounded in bytes (`cache_bytes`).
+once it runs, and its threads take whole cores: with `processes` (`specdec serve`'s default) each xgrammar compile
+runs in a child of the compile process (engine/guided/compile_procs.py) at low CPU priority on a quarter of the
+CPUs, and comes back serialised. When the last request for a grammar gives up (its time budget, an abort), its
+compile is cancelled if queued and killed if running, so an abandoned compile holds no thread, core or memory.
+Without `processes` a running compile finishes into the cache. llguidance builds its grammars lazily (a lexer per
+state as reached), in milliseconds, so its compiles stay on the pool's threads. The cache is bounded in bytes
+(`cache_bytes`).
 
 Tokenizer info: xgrammar's `from_huggingface` detects special tokens by their decoded text, which our
 GGUF-converted tokenizer does not give it, so `<|im_start|>` and friends would be allowed inside JSON strings.

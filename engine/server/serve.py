@@ -11,7 +11,9 @@ from engine.server.openai.tool_formats import NAMES as TOOL_FORMATS
 
 
 # two busy threads (the engine's loop and the event loop's): the engine gets the GIL back sooner (measured)
-SERVER_DEFAULTS = {"switch_interval": (5e-5, "the engine shares the GIL with the server's threads")}
+SERVER_DEFAULTS = {"switch_interval": (5e-5, "the engine shares the GIL with the server's threads"),
+                   "grammar_compile_processes": (True, "a client's compile must not slow the others, and one given up "
+                                                       "on must stop")}
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
