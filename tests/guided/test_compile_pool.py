@@ -159,3 +159,18 @@ def test_an_abandoned_compile_is_killed_at_once_and_the_next_one_runs(isolated):
     assert all("stopped" in r.poll() for r in heavy)
     again = isolated.submit(Guide("regex", "after-[0-9]{2}", False), "greedy")
     assert again.future.result(60) is not None
+
+
+def test_a_lost_compile_process_fails_its_compiles_and_the_next_starts_another(isolated):
+    import os
+    import signal
+    running = isolated.submit(Guide("json_schema", heavy_schema("lost"), False), "a")
+    deadline = time.monotonic() + 60
+    while not running.future.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    old = isolated.procs._proc.pid
+    time.sleep(0.5)                                     # the compile is under way in a child
+    os.kill(old, signal.SIGKILL)
+    assert running.future.exception(30) is not None and "exited" in running.poll()
+    again = isolated.submit(Guide("regex", "again-[0-9]{3}", False), "a")
+    assert again.future.result(120) is not None and isolated.procs._proc.pid != old

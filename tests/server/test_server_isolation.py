@@ -16,7 +16,7 @@ from serving import CPU_ARGS, serve
 ASK = [{"role": "user", "content": "Name three colours."}]
 PLAIN = {"messages": ASK, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 SMALL = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
-COMPILE_TIMEOUT, READ_TIMEOUT, PER_CLIENT = 20.0, 3.0, 8
+COMPILE_TIMEOUT, READ_TIMEOUT, PER_CLIENT = 30.0, 3.0, 8
 SLACK_S = 0.25          # timer and scheduling jitter on a shared 2-core machine
 RUN: dict = {}          # what the heavy test leaves for the memory test at the end
 
@@ -83,10 +83,14 @@ def test_heavy_compiles_of_one_client_slow_no_other(server):
     while compiling(server) < 3 and time.monotonic() < deadline:      # its share: 3 run, 1 waits
         time.sleep(0.05)
     assert compiling(server) >= 3, "the heavy compiles never started"
-    plain, plain_s = post(server, PLAIN, "b")
-    cached, cached_s = post(server, guided(SMALL), "c")
-    assert compiling(server) >= 3, f"the compiles ended before the requests beside them ({plain_s:.2f} s, " \
-        f"{cached_s:.2f} s; alone {solo_plain:.2f}, {solo_cached:.2f}): nothing was measured"
+    beside: dict = {"b": [], "c": []}               # times of requests that ran wholly beside 3 compiles
+    for body, client in [(PLAIN, "b"), (guided(SMALL), "c")] * 2:
+        r, seconds = post(server, body, client)
+        assert r.status_code == 200, r.text[:300]
+        if compiling(server) >= 3:
+            beside[client].append(seconds)
+    assert beside["b"] and beside["c"], f"the compiles ended before the requests beside them: {beside}"
+    plain_s, cached_s = min(beside["b"]), min(beside["c"])          # best of two, as alone
     for t in heavies:
         t.join(120)
     refused_at = time.monotonic()
@@ -100,7 +104,6 @@ def test_heavy_compiles_of_one_client_slow_no_other(server):
     # alone again right after, under the machine's load of the moment (other test workers come and go)
     solo_plain = max(solo_plain, alone(server, PLAIN, "b"))
     solo_cached = max(solo_cached, alone(server, guided(SMALL), "c"))
-    assert plain.status_code == 200 and cached.status_code == 200, (plain.text[:200], cached.text[:200])
     assert plain_s <= 1.5 * solo_plain + SLACK_S, f"plain: {plain_s:.2f} s beside the compiles, {solo_plain:.2f} alone"
     assert cached_s <= 2 * solo_cached + SLACK_S, f"cached: {cached_s:.2f} s beside them, {solo_cached:.2f} alone"
 
