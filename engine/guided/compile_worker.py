@@ -207,6 +207,7 @@ def main(argv: list[str]) -> None:
     try:
         zygote = Zygote(Connection(fd), folder, threads)
     except EOFError:                    # the engine went away while this process started
+        shutil.rmtree(folder, ignore_errors=True)
         return
     try:
         zygote.run()
