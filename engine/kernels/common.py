@@ -20,9 +20,9 @@ import triton.language as tl
 # Programmatic dependent launch, on unless SPECDEC_PDL=0 (read once, at import), for launches of at most
 # PDL_MAX_ROWS rows: steps whose matmuls are ours (engine/kernels/matmul/decode_gemv.py or decode_gemm.py, up to
 # its 32 rows, where the route table gives them the step), so that a decode layer is all our kernels, each loading
-# what does not depend on the one before while that one finishes (0.93 -> 0.62 ms a step at one stream on an
-# H100; decode_gemm gains only under it). Next to cuBLAS matmuls, which never signal early, it gains nothing and
-# cost ~2% at 32 streams (bench/results/pdl.md), so larger launches are plain. SPECDEC_PDL_MAX_ROWS (read once, at
+# what does not depend on the one before while that one finishes (decode_gemm gains only under it). Next to cuBLAS
+# matmuls, which never signal early, it gains nothing and costs a little (docs/decode_step.md), so larger launches
+# are plain. SPECDEC_PDL_MAX_ROWS (read once, at
 # import; default 32, decode_gemm's MAX_ROWS) moves the limit, e.g. down where the route table gives the larger
 # steps to cuBLAS.
 PDL_MAX_ROWS = int(os.environ.get("SPECDEC_PDL_MAX_ROWS", "32"))

@@ -4,8 +4,7 @@
     with ids [V] int64: ids[that argmax] (a draft vocabulary)
 
 On the "cublas" head route (engine/kernels/routes.py) a greedy step's tokens are cuBLAS's [M, V] logits, then
-argmax.py's two kernels. At 32 rows of SmolLM2 that is 17 us of GEMM at ~3.3 TB/s (one 384-row tile an SM, 128
-programs) and 3 us of block max.
+argmax.py's two kernels: a GEMM of few, large tiles, then the block max.
 Here each program takes BLOCK_V vocabulary rows on the MMA's M side and all of the step's rows on its N side (a
 swapped GEMM: no row count is padded to 64), loops over K in BLOCK_K chunks, and keeps only each row's largest
 logit of its block and that logit's first vocabulary row; argmax.first_max then reduces those partials, as after
