@@ -76,7 +76,7 @@ class Commits:
         if not reason:
             return out
         return out._replace(spec=seq.spec.as_dict() if seq.spec is not None else None,
-                            cached_tokens=seq.num_cached_tokens)
+                            cached_tokens=seq.num_cached_tokens, prompt_logprobs=seq.prompt_logprobs)
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         seq.finish_time = now or time.perf_counter()

@@ -72,11 +72,15 @@ class EngineConfig:
                                        # it has one; "none": the whole vocabulary
     spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many of the ranking's ids (0: all)
     spec_draft_model: str = ""         # draft_model: a model spec sharing the tokenizer (path, "default", "dummy:X")
-    grammar_compile_threads: int = 4   # threads compiling grammars (engine/guided/compiler.py)
+    grammar_compile_threads: int = 4   # grammars compiling at once (engine/guided/compiler.py)
     grammar_compile_queue: int = 64    # a server's compiles unfinished at once before it answers 429 (a client
                                        # may have a quarter of them, and run grammar_compile_threads - 1)
-    grammar_compile_timeout_s: float = 10.0     # a request whose grammar compiles longer fails (the compile goes on
-                                                # into the cache: xgrammar cannot be stopped)
+    grammar_compile_timeout_s: float = 10.0     # a request whose grammar compiles longer fails (and its compile
+                                                # is stopped, with grammar_compile_processes)
+    grammar_compile_processes: bool = False     # xgrammar compiles in child processes at low CPU priority, killed
+                                                # once no request waits (engine/guided/compile_procs.py; serve's
+                                                # default); off: on threads of this process, run to their end
+    grammar_cache_mb: int = 512        # compiled grammars kept for reuse, by their size; least recently used go first
     guide_max_bytes: int = 256 << 10   # bounds on one guide, checked before compiling (engine/guided/limits.py)
     guide_max_enum: int = 4096
     guide_max_depth: int = 64
@@ -115,8 +119,8 @@ class EngineConfig:
             raise ValueError(f"grammar_node must be 'native' or 'python', got {self.grammar_node!r}")
         if self.grammar_threads < 1:
             raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
-        for name in ("grammar_compile_threads", "grammar_compile_queue", "guide_max_bytes", "guide_max_enum",
-                     "guide_max_depth", "guide_max_repeat"):
+        for name in ("grammar_compile_threads", "grammar_compile_queue", "grammar_cache_mb", "guide_max_bytes",
+                     "guide_max_enum", "guide_max_depth", "guide_max_repeat"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.grammar_compile_timeout_s > 0:

@@ -101,6 +101,7 @@ class LLMEngine(EngineFrontend):
         self._last_committed: int | None = None
         self._last_commit_time = self._tokens_landed = time.perf_counter()
         self._restart = False                           # the loop drained: period counts from the next launch
+        self._prompt_scorer = None                      # built for the first request asking for prompt_logprobs
         if self.runner.cuda and config.guided and config.switch_interval > 0:
             sys.setswitchinterval(config.switch_interval)     # process-wide: see EngineConfig.switch_interval
 
@@ -149,6 +150,8 @@ class LLMEngine(EngineFrontend):
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(self._next_id, ids, params, seed=seed, arrival=time.perf_counter(), retain=retain,
                        max_len=min(len(ids) + params.max_tokens, self.max_model_len))
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = self._scorer().score(ids, params.prompt_logprobs)
         if params.guide is not None:
             self.guided.start(seq)
         self._next_id += 1
@@ -156,6 +159,12 @@ class LLMEngine(EngineFrontend):
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def _scorer(self):
+        if self._prompt_scorer is None:
+            from engine.sampling.prompt_logprobs import PromptScorer
+            self._prompt_scorer = PromptScorer(self.runner, self.config.block_size)
+        return self._prompt_scorer
 
     def abort(self, request_id: int) -> bool:
         """End a live request now (finish_reason "abort"); its final output comes with the next step.

@@ -49,7 +49,7 @@ HELP = {                        # fields without a comment in engine/config.py
 }
 GROUPS = (                      # (field name prefixes, argument group); the rest are "engine"
     (("kernels", "kernel_routes"), "kernels (docs/decode_step.md)"),
-    (("grammar_compile_", "guide_max_"), "grammar compilation (bounds on one guide: docs/server.md)"),
+    (("grammar_compile_", "grammar_cache_", "guide_max_"), "grammar compilation (bounds on one guide: docs/server.md)"),
     (("speculative", "num_speculative", "spec_", "ngram_", "guided_draft", "guided_forced"),
      "speculative decoding (docs/speculative.md)"),
     (("tensor_parallel", "tp_"), "tensor parallelism (docs/tensor_parallel.md)"),

@@ -1,28 +1,29 @@
 """Soak: `specdec serve` under a mixed load with hostile requests in it, for minutes; is it still well?
 
     python -m bench.serving.soak --minutes 10 --streams 32             # GPU: the default model
-    python -m bench.serving.soak --minutes 0.5 --streams 4 --max-tokens 16 \\
+    python -m bench.serving.soak --minutes 1 --baseline-minutes 1 --streams 4 --max-tokens 16 \\
         --server-args="--device cpu --dtype float32 --attention-backend torch --max-model-len 1024" \\
         --out /tmp/soak_cpu.json                                                                     # CPU smoke
 
---streams closed-loop workers (asyncio, one client process) each send one request after another for
---minutes. Each request is, by --mix weights: `chat` (a question, --max-tokens), `guided` (a JME schema as
-response_format), `tools` (a forced tool call with a JME schema as its parameters) or `hostile` (a turn through
-HOSTILE: a 100,000-char stop string, 20 stop strings, a 100,000-value enum, a schema that compiles for a
-minute or more, a 2 MB prompt, a body nested 10,000 deep, a body past --max-request-bytes, broken JSON). Well-behaved
-requests must answer 200 and hostile ones their 4xx; anything else (a 5xx, a timeout, a wrong status) is counted as an
-error with its text. Every --sample-s the bench records the server's RSS, the GPU memory in use
+First a baseline: --baseline-minutes of the same load with the hostile share sent as chat (0: none). Then the soak:
+--streams closed-loop workers (asyncio, one client process) each send one request after another for --minutes. Each
+request is, by --mix weights: `chat` (a question, --max-tokens), `guided` (a JME schema as response_format), `tools`
+(a forced tool call with a JME schema as its parameters) or `hostile` (a turn through HOSTILE,
+bench/serving/soak_hostile.py: oversized and broken bodies, stop strings past the bounds, grammars that compile for
+minutes, a body sent a byte a second), from another source address on loopback. Well-behaved requests must answer
+200 and hostile ones their 4xx; anything else (a 5xx, a timeout, a wrong status) is counted as an error with its
+text. Every --sample-s the bench records the server's RSS (all its processes), the GPU memory in use
 (torch.cuda.mem_get_info, or 0 on CPU) and the engine's KV pages from /metrics (bench/serving/soak_state.py). Per
 minute: requests by kind, errors, and the p50 / p99 latency of the well-behaved ones. At the end, once idle: KV pages
-held (must be 0). Writes --out (JSON), a .md beside it (printed last) and a .png (p99 latency per minute; RSS and GPU
-memory over time).
+held (must be 0). The verdict: no error among well-behaved requests, their p99 within 1.5x the baseline's, and RSS
+flat (within --rss-flat-mb) over the last half of the soak, at most its last 5 minutes. Writes --out (JSON), a .md
+beside it (printed last) and a .png (p99 latency per minute; RSS and GPU memory over time).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
-import itertools
 import json
 import os
 import random
@@ -35,41 +36,19 @@ from pathlib import Path
 from bench.common import QUESTIONS, markdown_table, note, record, write_results
 from bench.guided.guided_quality import DATASETS, load_schemas, resolve
 from bench.serving.serve_servers import launch, log_tail, stop
+from bench.serving.soak_hostile import HOSTILE, slow_body
 from bench.serving.soak_state import gpu_used_mb, metric, rss_mb, sampler
 
-HOSTILE = {   # name: (body, or a function of the model giving the raw bytes; the status it must get)
-    "stop_100k": ({"stop": ["x" * 100_000]}, 400),
-    "stop_20": ({"stop": [f"s{i}" for i in range(20)]}, 400),
-    "enum_100k": ({"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": {
-        "type": "object", "properties": {"v": {"enum": [f"v{i}" for i in range(100_000)]}}}}}}, 400),
-    "prompt_2mb": ({"messages": [{"role": "user", "content": "ab " * 700_000}]}, 400),
-    "nested_10k": (lambda model: b'{"model": "%s", "messages": ' % model.encode() + b"[" * 10_000 + b"]" * 10_000
-                   + b"}", 400),
-    "body_too_large": (None, 413),           # built from --max-request-bytes
-    "broken_json": (lambda model: b'{"model": "%s", "messages": [' % model.encode(), 400),
-    # within every size bound, ~1 s of compile per property: refused at --grammar-compile-timeout (400), or
-    # 429 while this client's share of the compile pool is taken by earlier ones
-    "slow_grammar": (lambda model: slow_grammar(model), (400, 429)),
-}
-
-
-_SLOW = itertools.count()
 HOSTILE_ADDRESS = "127.0.0.2"      # the hostile client's source address when the server is on loopback
-
-
-def slow_grammar(model: str) -> bytes:
-    """A new schema each time (a cached one would compile at once)."""
-    tag = f"p{next(_SLOW)}_"
-    props = {f"{tag}{i}": {"type": "string", "minLength": i + 1, "maxLength": 1000} for i in range(90)}
-    return json.dumps({"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
-                       "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
-                           "type": "object", "properties": props}}}}).encode()
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--baseline-minutes", type=float, default=None, help="the load without hostile requests first "
+                   "(default: --minutes; 0: none)")
+    p.add_argument("--rss-flat-mb", type=float, default=200.0, help="RSS growth allowed over the soak's last part")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--mix", default="chat=0.35,guided=0.3,tools=0.25,hostile=0.1")
@@ -95,9 +74,11 @@ class Requests:
         self.hostile = sorted(HOSTILE)
         self.turn = 0
 
-    def next(self, rng: random.Random) -> tuple[str, bytes, int]:
-        """(kind or hostile name, body bytes, the status it must get)."""
+    def next(self, rng: random.Random, hostile: bool = True) -> tuple[str, bytes | None, int]:
+        """(kind or hostile name, body bytes (None: slow_body), the status it must get). hostile=False: the hostile
+        share goes to chat (the baseline)."""
         kind = rng.choices(self.kinds, self.weights)[0]
+        kind = "chat" if kind == "hostile" and not hostile else kind
         if kind == "hostile":
             name = self.hostile[self.turn % len(self.hostile)]
             self.turn += 1
@@ -116,6 +97,8 @@ class Requests:
 
     def _hostile(self, name: str) -> bytes:
         body, _ = HOSTILE[name]
+        if name == "slow_body":
+            return None
         if name == "body_too_large":
             return json.dumps({"model": self.model, "messages": [{"role": "user", "content": "a" * (
                 self.args.max_request_bytes + 1024)}]}).encode()
@@ -125,39 +108,45 @@ class Requests:
         return json.dumps(base | body).encode()
 
 
-async def worker(clients, url: str, reqs: Requests, seed: int, deadline: float, out: list) -> None:
+async def worker(clients, url: str, reqs: Requests, seed: int, deadline: float, out: list, hostile: bool,
+                 address: str | None) -> None:
     """clients: (well-behaved, hostile): the hostile requests come from their own address, as from another
-    client, so the server's per-client shares (the grammar compile pool's) keep them apart."""
+    client, so the server's per-client shares (the grammar compile pool's, its connections) keep them apart."""
     import httpx
     rng = random.Random(seed)
     while time.perf_counter() < deadline:
-        kind, body, want = reqs.next(rng)
+        kind, body, want = reqs.next(rng, hostile)
         wanted = want if isinstance(want, tuple) else (want,)
         t0 = time.perf_counter()
         try:
-            r = await clients[want != 200].post(url, content=body, headers={"content-type": "application/json"})
-            status = r.status_code
-            text = "" if status in wanted else r.text[:200]
-        except httpx.HTTPError as e:
+            if body is None:
+                u = httpx.URL(url)
+                status, text = await slow_body(u.host, u.port, address, reqs.model, reqs.args.timeout_s)
+            else:
+                r = await clients[want != 200].post(url, content=body, headers={"content-type": "application/json"})
+                status, text = r.status_code, r.text[:200]
+            text = "" if status in wanted else text
+        except (httpx.HTTPError, OSError) as e:
             status, text = 0, f"{type(e).__name__}: {e}"[:200]
         out.append(dict(kind=kind, t=t0, s=time.perf_counter() - t0, status=status, ok=status in wanted,
                         good=want == 200, error=text or None))
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
-async def soak(args, base: str, model: str, pid: int) -> tuple[list, list, float]:
+async def soak(args, base: str, model: str, pid: int, minutes: float, hostile: bool) -> tuple[list, list, float]:
+    """One phase: --streams workers for `minutes` (hostile=False: the baseline), then idle."""
     import httpx
     reqs = Requests(args, model)
     limits = httpx.Limits(max_connections=args.streams + 4)
-    hostile_from = httpx.AsyncHTTPTransport(local_address=HOSTILE_ADDRESS, limits=limits) \
-        if base.startswith("http://127.") else None
+    address = HOSTILE_ADDRESS if base.startswith("http://127.") else None
+    hostile_from = httpx.AsyncHTTPTransport(local_address=address, limits=limits) if address else None
     async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client, \
-            httpx.AsyncClient(timeout=args.timeout_s, limits=limits, transport=hostile_from) as hostile:
+            httpx.AsyncClient(timeout=args.timeout_s, limits=limits, transport=hostile_from) as bad:
         t0 = time.perf_counter()
-        deadline = t0 + 60 * args.minutes
+        deadline = t0 + 60 * minutes
         done, samples = [], []
-        tasks = [worker((client, hostile), f"{base}/v1/chat/completions", reqs, args.seed + i, deadline, done)
-                 for i in range(args.streams)]
+        tasks = [worker((client, bad), f"{base}/v1/chat/completions", reqs, args.seed + i, deadline, done, hostile,
+                        address) for i in range(args.streams)]
         await asyncio.gather(sampler(client, base, pid, args.sample_s, deadline, samples), *tasks)
         for _ in range(100):                 # idle: every page back
             kv = await metric(client, base, "specdec_kv_blocks_used")
@@ -215,8 +204,17 @@ def plot_soak(rows: list[dict], samples: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def rss_growth(samples: list[dict], minutes_: float) -> float:
+    """RSS growth (MB) over the last half of the soak, at most its last 5 minutes (load samples only)."""
+    load = [x for x in samples if not x.get("idle")]
+    start = load[-1]["t"] - min(300.0, 30.0 * minutes_) if load else 0.0
+    window = [x["rss_mb"] for x in load if x["t"] >= start]
+    return round(max(window) - window[0], 1) if window else 0.0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    base_minutes = args.minutes if args.baseline_minutes is None else args.baseline_minutes
     logdir = Path(tempfile.mkdtemp(prefix="soak-"))
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", args.model, "--port", "0",
            "--max-num-seqs", str(args.streams), "--max-request-bytes", str(args.max_request_bytes)]
@@ -228,34 +226,49 @@ def main(argv=None):
         raise SystemExit(f"the server did not start: {log_tail(logdir / 'server.log')}")
     import httpx
     model = httpx.get(found["url"] + "/v1/models", timeout=30).json()["data"][0]["id"]
-    note(f"soak: {args.streams} streams for {args.minutes} min against {found['url']}")
+    note(f"soak: {args.streams} streams, {base_minutes} min baseline then {args.minutes} min against {found['url']}")
     try:
-        done, samples, t0 = asyncio.run(soak(args, found["url"], model, proc.pid))
+        baseline = asyncio.run(soak(args, found["url"], model, proc.pid, base_minutes, False))[0] \
+            if base_minutes > 0 else []
+        done, samples, t0 = asyncio.run(soak(args, found["url"], model, proc.pid, args.minutes, True))
     finally:
         alive = proc.poll() is None
         stop(proc)
     rows = minutes(done, t0)
     good = [1e3 * d["s"] for d in done if d["good"] and d["ok"]]
+    base_good = [1e3 * d["s"] for d in baseline if d["ok"]]
     errors = [d for d in done if not d["ok"]]
     by_kind = collections.Counter(f"{d['kind']} {d['status']}" for d in errors)
+    good_errors = sum(d["good"] for d in errors)
+    ratio = round(pct(good, 0.99) / pct(base_good, 0.99), 3) if good and base_good else None
+    growth = rss_growth(samples, args.minutes)
     summary = dict(requests=len(done), hostile=sum(not d["good"] for d in done), errors=len(errors),
-                   errors_by_kind=dict(by_kind.most_common()),
+                   good_errors=good_errors, errors_by_kind=dict(by_kind.most_common()),
                    error_examples=sorted({f"{d['kind']}: {d['status']} {d['error']}" for d in errors})[:10],
-                   good_p50_ms=pct(good, 0.5), good_p99_ms=pct(good, 0.99), server_alive_at_end=alive,
+                   good_p50_ms=pct(good, 0.5), good_p99_ms=pct(good, 0.99), baseline_requests=len(baseline),
+                   baseline_errors=sum(not d["ok"] for d in baseline), baseline_p99_ms=pct(base_good, 0.99),
+                   baseline_error_examples=sorted({f"{d['kind']}: {d['status']} {d['error']}" for d in baseline
+                                                   if not d["ok"]})[:5],
+                   p99_vs_baseline=ratio, rss_growth_last_mb=growth, server_alive_at_end=alive,
                    rss_mb_start=samples[0]["rss_mb"], rss_mb_end=samples[-1]["rss_mb"],
                    gpu_mb_start=samples[0]["gpu_mb"], gpu_mb_end=samples[-1]["gpu_mb"],
                    kv_blocks_idle_at_end=samples[-1]["kv_blocks"],
                    compiles_at_end=samples[-1].get("compiles"),
-                   compiles_drain_s=samples[-1].get("compiles_drain_s"), minutes=rows, samples=samples)
+                   compiles_drain_s=samples[-1].get("compiles_drain_s"),
+                   passed=bool(alive and good_errors == 0 and (ratio is None or ratio <= 1.5)
+                               and growth <= args.rss_flat_mb and samples[-1]["kv_blocks"] == 0),
+                   minutes=rows, samples=samples)
     rec = record("soak", "mixed+hostile", model, "", args.streams, args.max_tokens, None, None, mix=args.mix,
                  duration_min=args.minutes, server_cmd=" ".join(cmd), **summary)
     out = write_results([rec], args.out)
-    head = {k: v for k, v in summary.items() if k not in ("minutes", "samples", "error_examples", "errors_by_kind")}
+    head = {k: v for k, v in summary.items()
+            if k not in ("minutes", "samples", "error_examples", "errors_by_kind", "baseline_error_examples")}
     text = (f"Command: `{rec['command']}` on {rec['device']}, commit {rec['git_commit']}; mix {args.mix}.\n\n"
             + markdown_table([head], list(head)) + "\n\n### Per minute\n\n"
             + markdown_table(rows, list(rows[0]))
             + "\n\nErrors by kind and status: " + (json.dumps(summary["errors_by_kind"]) if errors else "none")
-            + "\n\nExamples: " + ("; ".join(summary["error_examples"]) or "none"))
+            + "\n\nExamples: " + ("; ".join(summary["error_examples"]) or "none")
+            + "\n\nBaseline errors: " + ("; ".join(summary["baseline_error_examples"]) or "none"))
     out.with_suffix(".md").write_text(text + "\n")
     print(text, flush=True)
     plot_soak(rows, samples, out.with_suffix(".png"))     # last: matplotlib's first import on a fresh machine is slow

@@ -8,17 +8,20 @@ from pathlib import Path
 
 
 def rss_mb(pid: int) -> float:
-    """Resident memory of the server: its process and every process under it (engine, API processes)."""
-    return sum(_own_rss_mb(p) for p in (pid, *_descendants(pid)))
+    """Resident memory of the server: its process and every process under it (engine, API processes, the grammar
+    compile process and its children), each counted by its proportional share (Pss) of the pages it shares: a
+    compile child forked from the compile process shares most of its pages, which RSS would count twice."""
+    return sum(_own_mb(p) for p in (pid, *_descendants(pid)))
 
 
-def _own_rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
+def _own_mb(pid: int) -> float:
+    for path, key in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
+        try:
+            for line in Path(path).read_text().splitlines():
+                if line.startswith(key):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            continue
     return 0.0
 
 

@@ -7,12 +7,13 @@ a message naming the guide.
 
 One client cannot fill the pool: compiles not yet finished are bounded in all and per owner (the server passes
 its client), past which `submit` raises CompileBusy (engine/guided/compile_pool.py). xgrammar cannot stop a compile
-once it runs, so
-a request that gives up (its time budget, an abort) cancels its compile only while it is queued; a running one
-finishes into the cache and holds its thread until then. A worker process could be killed instead, but the
-compiled grammar would have to come back serialised, and xgrammar's `serialize_json` takes several times the
-compile itself (a 1.5 s compile gave 139 MB of JSON in 8.6 s): the size bounds of engine/guided/limits.py
-keep every admitted compile short instead.
+once it runs, and its threads take whole cores: with `processes` (`specdec serve`'s default) each xgrammar compile
+runs in a child of the compile process (engine/guided/compile_procs.py) at low CPU priority on a quarter of the
+CPUs, and comes back serialised. When the last request for a grammar gives up (its time budget, an abort), its
+compile is cancelled if queued and killed if running, so an abandoned compile holds no thread, core or memory.
+Without `processes` a running compile finishes into the cache. llguidance builds its grammars lazily (a lexer per
+state as reached), in milliseconds, so its compiles stay on the pool's threads. The cache is bounded in bytes
+(`cache_bytes`).
 
 Tokenizer info: xgrammar's `from_huggingface` detects special tokens by their decoded text, which our
 GGUF-converted tokenizer does not give it, so `<|im_start|>` and friends would be allowed inside JSON strings.
@@ -34,10 +35,13 @@ import xgrammar as xgr
 
 from engine.guided import llg, native
 from engine.guided.compile_pool import CompilePool
-from engine.guided.guide import Guide, grammar_schema
+from engine.guided.compile_procs import CompileAbandoned, CompileCrashed, CompileProcesses
+from engine.guided.compile_worker import compile_guide
+from engine.guided.guide import Guide
 
 _XGR_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")      # xgrammar's "[time] file.cc:line: " before its message
 CACHE_BYTES = 512 << 20     # compiled grammars kept by the service (xgrammar's memory_size_bytes)
+__all__ = ["compile_guide", "GrammarService", "GuidedRequest"]
 
 
 def compile_error(guide: Guide, exc: BaseException) -> str:
@@ -45,6 +49,8 @@ def compile_error(guide: Guide, exc: BaseException) -> str:
     failed: ...") are its own limits, not the user's mistake: a schema that is valid JSON Schema gets a message
     saying so and naming the backend, not the assertion text."""
     text = _XGR_PREFIX.sub("", str(exc)).strip()
+    if isinstance(exc, (CompileAbandoned, CompileCrashed)):
+        return f"compiling the {guide.kind} failed: {text}"
     if guide.backend == "llguidance":
         return f"invalid {guide.kind} for the llguidance backend: {text}"
     if "Check failed" not in text:
@@ -86,28 +92,6 @@ def _tokenizer_info(tokenizer, vocab_size: int, eos_ids: tuple) -> xgr.Tokenizer
             vocab[i] = ""
     return xgr.TokenizerInfo(vocab, hf.vocab_type, vocab_size=vocab_size, stop_token_ids=list(eos_ids),
                              add_prefix_space=hf.add_prefix_space)
-
-
-def _choice_grammar(source: str) -> str:
-    alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(source))
-    return f"root ::= {alternatives}"
-
-
-def compile_guide(compiler: xgr.GrammarCompiler, guide: Guide) -> xgr.CompiledGrammar:
-    kind, src, ws, _ = guide
-    if kind == "json_schema":      # the rewritten schema (checked when the guide was made): same instances
-        src = json.dumps(grammar_schema(json.loads(src)), ensure_ascii=False)
-    if kind in ("json_schema", "json_object"):
-        return compiler.compile_json_schema(src, any_whitespace=ws, strict_mode=True)
-    if kind == "regex":
-        return compiler.compile_regex(src)
-    if kind == "ebnf":
-        return compiler.compile_grammar(src)
-    if kind == "choice":
-        return compiler.compile_grammar(_choice_grammar(src))
-    if kind == "structural_tag":
-        return compiler.compile_structural_tag(src)
-    raise ValueError(f"unknown guide kind {kind!r}")
 
 
 class GuidedRequest:
@@ -173,20 +157,30 @@ def new_matcher(compiled):
     return compiled.matcher()
 
 
+class _Compile:
+    """One grammar's compile under way: its future, the requests waiting on it, and its job (None: a thread)."""
+
+    def __init__(self, job):
+        self.job, self.waiting, self.future = job, 0, None
+
+
 class GrammarService:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, threads: int = 4, queue: int = 64):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, threads: int = 4, queue: int = 64,
+                 processes: bool = False, cache_bytes: int = CACHE_BYTES):
         self.vocab_size, self._hf, self._eos = vocab_size, tokenizer, sorted(eos_ids)
         self._llg_tokenizer = None          # llguidance's (~0.3 s), built by the first compile that needs it
         self.info = tokenizer_info(tokenizer, vocab_size, eos_ids)
         # the service caches compiled grammars and shares compiles itself: xgrammar's own cache would hold a
         # second reference to each, and keep them past the service's bound
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self.procs = CompileProcesses(self.info, threads) if processes else None
         self.pool = CompilePool(threads, queue)
+        self.cache_bytes = cache_bytes
         self._lock = threading.Lock()       # guards the cache and the in-flight table (any thread)
         self._llg_lock = threading.Lock()   # guards building llguidance's tokenizer
         self._cache: collections.OrderedDict[Guide, xgr.CompiledGrammar] = collections.OrderedDict()
         self._cache_bytes = 0
-        self._inflight: dict[Guide, list] = {}      # guide -> [its compile's future, requests waiting on it]
+        self._inflight: dict[Guide, _Compile] = {}
 
     def submit(self, guide: Guide, owner=None) -> GuidedRequest:
         """A request for `guide`'s grammar: done at once when cached, sharing the compile when one is under
@@ -201,17 +195,25 @@ class GrammarService:
                 return GuidedRequest(guide, future)
             entry = self._inflight.get(guide)
             if entry is None:
-                entry = [self.pool.submit(lambda: self._compile(guide), owner, bounded=owner is not None), 0]
+                isolated = self.procs is not None and guide.backend != "llguidance"
+                entry = _Compile(self.procs.job() if isolated else None)
+                entry.future = self.pool.submit(lambda: self._compile(guide, entry), owner, bounded=owner is not None)
                 self._inflight[guide] = entry
-            entry[1] += 1
-        return GuidedRequest(guide, entry[0], lambda: self._release(guide, entry))
+            entry.waiting += 1
+        return GuidedRequest(guide, entry.future, lambda: self._release(guide, entry))
 
-    def _release(self, guide: Guide, entry: list) -> None:
-        """A request gave up on its compile: the last one to do so cancels it if it has not started."""
+    def _release(self, guide: Guide, entry: _Compile) -> None:
+        """A request gave up on its compile: the last one to do so cancels it while queued, or kills it while it
+        runs in a process. A later request for the guide starts a compile of its own."""
         with self._lock:
-            entry[1] -= 1
-            if entry[1] == 0 and self._inflight.get(guide) is entry and entry[0].cancel():
+            entry.waiting -= 1
+            if entry.waiting or self._inflight.get(guide) is not entry:
+                return
+            if entry.future.cancel():
                 del self._inflight[guide]
+            elif entry.job is not None:
+                del self._inflight[guide]
+                entry.job.kill()
 
     def llg_tokenizer(self):
         with self._llg_lock:    # compile threads: one builds it, the others wait for it
@@ -219,27 +221,39 @@ class GrammarService:
                 self._llg_tokenizer = llg.tokenizer(self._hf, self.info, self._eos)
             return self._llg_tokenizer
 
-    def _build(self, guide: Guide):
-        if guide.backend != "llguidance":
-            return compile_guide(self.compiler, guide)
-        return llg.LLGrammar(self.llg_tokenizer(), llg.guide_grammar(guide))
+    def _build(self, guide: Guide, job=None):
+        if guide.backend == "llguidance":
+            return llg.LLGrammar(self.llg_tokenizer(), llg.guide_grammar(guide))
+        if job is not None:
+            return self.procs.run(job, guide)
+        return compile_guide(self.compiler, guide)
 
-    def _compile(self, guide: Guide):
+    def _compile(self, guide: Guide, entry: _Compile):
         try:
-            compiled = self._build(guide)
+            compiled = self._build(guide, entry.job)
         except BaseException:
             with self._lock:
-                self._inflight.pop(guide, None)
+                if self._inflight.get(guide) is entry:
+                    del self._inflight[guide]
             raise
         with self._lock:        # leaves in-flight and enters the cache at once: no submit finds it in neither
-            self._inflight.pop(guide, None)
+            if self._inflight.get(guide) is entry:
+                del self._inflight[guide]
             if guide not in self._cache:
                 self._cache[guide] = compiled
                 self._cache_bytes += compiled.memory_size_bytes
-            while self._cache_bytes > CACHE_BYTES and len(self._cache) > 1:
+            while self._cache_bytes > self.cache_bytes and len(self._cache) > 1:
                 _, old = self._cache.popitem(last=False)
                 self._cache_bytes -= old.memory_size_bytes
         return compiled
+
+    def compile_clock_start(self, started: float) -> float | None:
+        """When a compile submitted at `started` (time.monotonic()) began to count against its budget: not before
+        the compile process could take it (its interpreter's start is no grammar's cost); None while it starts."""
+        if self.procs is None:
+            return started
+        ready = self.procs.ready_since
+        return None if ready is None else max(started, ready)
 
     def compiling(self) -> int:
         """Compiles submitted and not finished (queued or running, abandoned ones included)."""
@@ -251,3 +265,5 @@ class GrammarService:
 
     def close(self) -> None:
         self.pool.close()
+        if self.procs is not None:
+            self.procs.close()

@@ -69,3 +69,52 @@ def _check_json(node, kind: str, path: str, depth: int, bounds: tuple[int, int, 
 def timeout_message(guide, timeout_s: float) -> str:
     return (f"compiling the {guide.kind} took longer than {timeout_s:g} s (grammar_compile_timeout_s); "
             "it was abandoned")
+
+
+_SCALARS = {"integer": 1, "number": 1, "boolean": 4, "null": 4}
+
+
+def min_chars(schema, depth: int = 0) -> int:
+    """A lower bound of the characters of any JSON instance of `schema` (compact): what minLength, minItems,
+    minProperties and required properties force. 0 where it cannot tell ($ref, nesting past 64)."""
+    if not isinstance(schema, dict) or "$ref" in schema or depth > 64:
+        return 0
+    own = 0
+    for key, pick in (("allOf", max), ("anyOf", min), ("oneOf", min)):
+        branches = [min_chars(b, depth + 1) for b in schema.get(key) or [] if isinstance(b, dict)]
+        if branches:
+            own = max(own, pick(branches))
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(values, list) and values:
+        return max(own, min(len(json.dumps(v, separators=(",", ":"))) for v in values))
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind else _implied(schema)
+    typed = [_typed_min(schema, k, depth) for k in kinds]
+    return max(own, min(typed)) if typed else own
+
+
+def _implied(schema: dict) -> list[str]:
+    if {"properties", "required", "minProperties"} & set(schema):
+        return ["object"]
+    if {"items", "minItems"} & set(schema):
+        return ["array"]
+    return ["string"] if {"minLength", "pattern"} & set(schema) else []
+
+
+def _typed_min(schema: dict, kind, depth: int) -> int:
+    if kind == "string":
+        return 2 + _count(schema.get("minLength"))
+    if kind == "array":
+        n, items = _count(schema.get("minItems")), schema.get("items")
+        return 2 + n * max(1, min_chars(items, depth + 1)) + max(0, n - 1)
+    if kind == "object":
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = [k for k in schema.get("required") or [] if isinstance(k, str)]
+        sizes = [len(json.dumps(k)) + 1 + max(1, min_chars(props.get(k), depth + 1)) for k in required]
+        n = max(len(sizes), _count(schema.get("minProperties")))
+        return 2 + sum(sizes) + 4 * (n - len(sizes)) + max(0, n - 1)   # a property is at least `"":0`
+    return _SCALARS.get(kind, 0)
+
+
+def _count(value) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0

@@ -19,7 +19,8 @@ CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before
 class GuidedTracker:
     def __init__(self, tokenizer, vocab_size: int, eos_ids, config, cuda: bool):
         self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids, config.grammar_compile_threads,
-                                            config.grammar_compile_queue)
+                                            config.grammar_compile_queue, config.grammar_compile_processes,
+                                            config.grammar_cache_mb << 20)
         self.service: GrammarService | None = None      # built on the first guided request (~0.3 s)
         self.enabled, self.cuda, self.has_tokenizer = config.guided, cuda, tokenizer is not None
         self.timeout_s = config.grammar_compile_timeout_s
@@ -79,7 +80,8 @@ class GuidedTracker:
                 seq.guided.cancel()          # aborted while compiling: a queued compile never runs
                 continue
             message = seq.guided.poll()
-            if message is None and not seq.guided.ready and now - seq.guided.started > self.timeout_s:
+            begun = self.service.compile_clock_start(seq.guided.started)
+            if message is None and not seq.guided.ready and begun is not None and now - begun > self.timeout_s:
                 seq.guided.cancel()
                 message = self.timeout_message(seq.guided.guide)
             if message is not None:

@@ -32,6 +32,7 @@ class RequestOutput(NamedTuple):
     logprobs: tuple | None = None               # an engine.sampling.logprobs.Entry per new token (params.logprobs set):
                                                 # (its logprob, [(token id, logprob), ...] best first)
     cached_tokens: int = 0                      # prompt tokens found in the prefix cache, final output only
+    prompt_logprobs: list | None = None         # engine/sampling/prompt_logprobs.py entries, final output only
 
 
 # text that tokenization-space cleanup would change (" ." -> ".", " 's" -> "'s", ...)
@@ -119,10 +120,11 @@ class IncrementalDetokenizer:
 class OutputState:
     """Per-request output state (seq.out). Lazy (no stop strings, text not streamed): no per-token decode;
     the text is decoded once when the request ends, and the final output releases all of it."""
-    __slots__ = ("detok", "stops", "stop_state", "sent", "num_new", "reason", "cut", "lazy", "token_stop")
+    __slots__ = ("detok", "stops", "stop_state", "sent", "num_new", "reason", "cut", "lazy", "token_stop", "keep_stop")
 
-    def __init__(self, detok: IncrementalDetokenizer | None, stops: tuple[str, ...], lazy: bool = False):
-        self.detok = detok
+    def __init__(self, detok: IncrementalDetokenizer | None, stops: tuple[str, ...], lazy: bool = False,
+                 keep_stop: bool = False):
+        self.detok, self.keep_stop = detok, keep_stop     # keep_stop: the text ends after the stop string
         self.lazy = lazy and not stops and detok is not None
         self.token_stop = False     # the last token ended the request by itself (EOS, stop id): not text
         # without a tokenizer there is no text to stop on
@@ -151,7 +153,8 @@ class OutputProcessor:
         if not detokenize and seq.params.stop:
             raise ValueError("stop strings need the engine's text: they cannot go with detokenize=False")
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and detokenize else None
-        seq.out = OutputState(detok, tuple(seq.params.stop), lazy=not stream)
+        seq.out = OutputState(detok, tuple(seq.params.stop), lazy=not stream,
+                              keep_stop=seq.params.include_stop_str_in_output)
 
     def _state(self, seq) -> OutputState:
         st = getattr(seq, "out", None)
@@ -199,7 +202,8 @@ class OutputProcessor:
         start = None
         if st.stops is not None:
             st.stop_state, start = st.stops.feed(st.stop_state, piece)
-        seq.text = text if start is None else text[:before + start]
+        end = start if start is None or not st.keep_stop else start + st.stops.match[st.stop_state]
+        seq.text = text if start is None else text[:before + end]
         st.cut = start is not None
         return st.cut
 

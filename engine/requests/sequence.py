@@ -47,6 +47,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None           # per-request seed: same seed, same tokens
     stop: tuple[str, ...] = ()        # stop strings (excluded from the output text)
+    include_stop_str_in_output: bool = False    # a stop string that ends the request stays in its text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # Guided decoding, at most one (engine/guided/guide.py): the output matches it and ends when it completes.
@@ -64,6 +65,9 @@ class SamplingParams:
     # after penalties, logit_bias and the grammar mask, before temperature / top-k / top-p): None = off, 0 = the
     # token's own only, 1..MAX_LOGPROBS = also that many of the most likely tokens.
     logprobs: int | None = None
+    # vLLM's prompt_logprobs (engine/sampling/prompt_logprobs.py): None = off, else each prompt token's logprob and
+    # rank, and that many of the most likely tokens at its place.
+    prompt_logprobs: int | None = None
     # engine/sampling/penalties.py: OpenAI's presence / frequency penalties (over output tokens), vLLM's repetition
     # penalty (over prompt and output), min_p (after temperature / top-k / top-p), min_tokens (EOS and stop ids masked)
     presence_penalty: float = 0.0
@@ -71,8 +75,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
-    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits after the penalties (stored as sorted
-    # (id, bias) pairs, hashable like every other field)
+    # OpenAI's logit_bias: {token id: bias in [-100, 100], or -inf: never chosen (vLLM's bad_words)} added to the logits
+    # after the penalties (stored as sorted (id, bias) pairs, hashable like every other field)
     logit_bias: dict | tuple | None = None
 
     def __post_init__(self):
@@ -95,13 +99,17 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         ids = _sequence_of("stop_token_ids", self.stop_token_ids, numbers.Integral)
         object.__setattr__(self, "stop_token_ids", tuple(_integer("a stop token id", t, 0, INT64_MAX) for t in ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_speculative_tokens is not None:
             object.__setattr__(self, "num_speculative_tokens",
                                _integer("num_speculative_tokens", self.num_speculative_tokens, 0, 16))
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if self.prompt_logprobs is not None:
+            object.__setattr__(self, "prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, 0,
+                                                                 MAX_LOGPROBS))
         self._check_penalties()
         guide = make_guide({k: getattr(self, k) for k in GUIDE_FIELDS}, self.any_whitespace, self.guided_backend)
         if guide is not None and self.min_tokens:
@@ -162,9 +170,11 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise ValueError(f"logit_bias must map token ids to biases, got the entry {item!r}"[:200])
         token = _integer("a logit_bias token id", item[0], 0, INT64_MAX)
-        bias = _real(f"logit_bias[{token}]", item[1])
-        if not -100.0 <= bias <= 100.0:
-            raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        bias = item[1]
+        if not (isinstance(bias, float) and bias == -math.inf):       # -inf: a banned token
+            bias = _real(f"logit_bias[{token}]", bias)
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100] (or -inf), got {bias}")
         out[token] = bias
     if len(out) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(out)}")
@@ -208,6 +218,7 @@ class Sequence:
     spec: object = None                         # SpecStats of a request that speculated
     logprobs: list | None = None                # one engine.sampling.logprobs.Entry per output token (params.logprobs
                                                 # set)
+    prompt_logprobs: list | None = None         # engine/sampling/prompt_logprobs.py entries (params.prompt_logprobs)
     pen_row: int = -1                           # its row of the device-side penalty state (engine/sampling/
                                                 # penalties.py)
     first_token_time: float | None = None

@@ -45,6 +45,8 @@ def check_request(ids: list[int], params, vocab: int, max_model_len: int, blocks
                          f"(EngineConfig speculative / num_speculative_tokens)")
     if params.logprobs is not None and not logprobs:
         raise ValueError("logprobs: this engine computes none (EngineConfig.logprobs is False)")
+    if params.prompt_logprobs is not None and tensor_parallel:
+        raise ValueError("prompt_logprobs is not supported with tensor parallelism (tensor_parallel_size > 1)")
     if params.penalized and not penalties:
         raise ValueError("penalties, logit_bias, min_p and min_tokens: this engine has none "
                          "(EngineConfig.penalty_rows is 0)")

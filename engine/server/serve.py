@@ -11,7 +11,9 @@ from engine.server.openai.tool_formats import NAMES as TOOL_FORMATS
 
 
 # two busy threads (the engine's loop and the event loop's): the engine gets the GIL back sooner (measured)
-SERVER_DEFAULTS = {"switch_interval": (5e-5, "the engine shares the GIL with the server's threads")}
+SERVER_DEFAULTS = {"switch_interval": (5e-5, "the engine shares the GIL with the server's threads"),
+                   "grammar_compile_processes": (True, "a client's compile must not slow the others, and one given up "
+                                                       "on must stop")}
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -26,6 +28,12 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
                    help="tokens per streamed chunk (0: auto, one token until 8 streams are active, then more)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (larger: 413 before it is parsed)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="S",
+                   help="a request must arrive whole (headers and body) within this of its first byte, else 408 and "
+                        "the connection is closed")
+    p.add_argument("--max-connections-per-client", type=int, default=256, metavar="N",
+                   help="open connections one peer address may hold (per API process); more get 429 at once. 0: no "
+                        "cap. Behind a proxy every client is the proxy's address")
     p.add_argument("--client-key-header", default=None, metavar="NAME",
                    help="take a request's client, for its share of the grammar compiles, from this header (e.g. a "
                         "gateway's user header) instead of its address; only behind a proxy that sets it")
@@ -60,6 +68,8 @@ def cmd_serve(args) -> int:
         raise ValueError("--max-queued and --stream-interval must be >= 0")
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
+    from engine.server.api.connections import ConnectionGuard
+    ConnectionGuard.from_args(args)             # its bounds are checked before any process starts
     if args.single_process:
         if args.api_server_count != 1:
             raise ValueError("--single-process runs one API server: drop --api-server-count")
@@ -74,12 +84,15 @@ def serve_in_process(args) -> int:
 
     from engine.server.processes.api_process import bind
     from engine.server.api.app import create_app
+    from engine.server.api.connections import ConnectionGuard
+    guard = ConnectionGuard.from_args(args)
     state = build_state(args)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     state.on_ready = lambda: print(f"specdec serve: listening on http://{host}:{port} (model {state.model_name})",
                                    flush=True)
-    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5,
+                            http=guard.protocol())
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:                   # uvicorn re-raises the signal once it has shut down

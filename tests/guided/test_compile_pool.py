@@ -105,3 +105,72 @@ def test_a_valid_schema_the_backend_cannot_compile_says_so(service):
     assert "Check failed" not in message
     bad = Guide("json_schema", '{"type": "strin"}', False)
     assert compile_error(bad, RuntimeError("Check failed: x")).startswith("invalid json_schema: ")
+
+
+# ---- compiles in processes (engine/guided/compile_procs.py) -----------------------------------------------------
+def heavy_schema(tag: str) -> str:
+    """Within every size bound, yet xgrammar compiles it for minutes: 40 branches of 30 patterned strings."""
+    import json
+    branch = lambda b: {"type": "object", "required": [f"{tag}{b}_0"], "properties": {   # noqa: E731
+        f"{tag}{b}_{i}": {"type": "string", "pattern": "[a-z]{1,50}(x|y)+[0-9]{1,40}"} for i in range(30)}}
+    return json.dumps({"anyOf": [branch(b) for b in range(40)]})
+
+
+@pytest.fixture(scope="module")
+def isolated(engine):
+    from engine.guided.compiler import GrammarService
+    s = GrammarService(engine.tokenizer, engine.runner.vocab, engine.eos_ids, threads=2, queue=8, processes=True)
+    yield s
+    s.close()
+
+
+def test_a_grammar_compiled_in_a_process_masks_as_one_compiled_here(isolated):
+    import torch
+    import xgrammar as xgr
+    guide = Guide("json_schema", '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}',
+                  False)
+    there, here = isolated.submit(guide, "a").future.result(120), isolated.compile_now(guide)
+    masks = xgr.allocate_token_bitmask(2, isolated.vocab_size)
+    for i, compiled in enumerate((there, here)):
+        matcher = xgr.GrammarMatcher(compiled)
+        for token in isolated._hf.encode('{"n": 1', add_special_tokens=False):
+            assert matcher.accept_token(token)
+        matcher.fill_next_token_bitmask(masks, i)
+    assert torch.equal(masks[0], masks[1])
+    bad = isolated.submit(Guide("regex", "[", False), "a")
+    assert bad.future.exception(120) is not None and "Unclosed" in bad.poll()
+
+
+def test_an_abandoned_compile_is_killed_at_once_and_the_next_one_runs(isolated):
+    import psutil
+    heavy = [isolated.submit(Guide("json_schema", heavy_schema(f"h{i}"), False), owner) for i, owner in enumerate("ab")]
+    zygote = psutil.Process(isolated.procs._proc.pid)
+    deadline = time.monotonic() + 60
+    while len(zygote.children()) < 2 and time.monotonic() < deadline:     # both compiling in children
+        time.sleep(0.05)
+    assert len(zygote.children()) == 2 and isolated.compiling() == 2
+    t0 = time.monotonic()
+    for request in heavy:
+        request.cancel()
+    while isolated.compiling() and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert isolated.compiling() == 0 and not zygote.children(), "killed, not left to run"
+    assert time.monotonic() - t0 < 1.0
+    assert all("stopped" in r.poll() for r in heavy)
+    again = isolated.submit(Guide("regex", "after-[0-9]{2}", False), "greedy")
+    assert again.future.result(60) is not None
+
+
+def test_a_lost_compile_process_fails_its_compiles_and_the_next_starts_another(isolated):
+    import os
+    import signal
+    running = isolated.submit(Guide("json_schema", heavy_schema("lost"), False), "a")
+    deadline = time.monotonic() + 60
+    while not running.future.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    old = isolated.procs._proc.pid
+    time.sleep(0.5)                                     # the compile is under way in a child
+    os.kill(old, signal.SIGKILL)
+    assert running.future.exception(30) is not None and "exited" in running.poll()
+    again = isolated.submit(Guide("regex", "again-[0-9]{3}", False), "a")
+    assert again.future.result(120) is not None and isolated.procs._proc.pid != old

@@ -52,3 +52,28 @@ def test_every_real_schema_passes_the_default_bounds():
     for f in files:
         data = json.loads(f.read_text())
         check_guide(schema(data["schema"] if "maskbench" in f.parts else data), *BOUNDS)
+
+
+@pytest.mark.parametrize("obj, shortest", [
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3}}, "required": ["a"]}, '{"a":"xxx"}'),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, "[0,0]"),
+    ({"type": "object", "minProperties": 2}, '{"":0,"":0}'),
+    ({"anyOf": [{"type": "string", "minLength": 5}, {"type": "integer"}]}, "0"),
+    ({"allOf": [{"type": "string", "minLength": 5}, {"type": "string", "minLength": 2}]}, '"xxxxx"'),
+    ({"enum": ["abc", [1, 2]]}, '"abc"'),
+    ({"type": ["string", "null"], "minLength": 9}, "null"),
+    ({"properties": {"a": {"type": "array", "minItems": 3}}, "required": ["a"]}, '{"a":[0,0,0]}'),
+    ({"$ref": "#/definitions/x", "definitions": {"x": {"type": "string", "minLength": 99}}}, ""),
+])
+def test_min_chars_is_the_shortest_instance_where_it_can_tell(obj, shortest):
+    from engine.guided.limits import min_chars
+    assert min_chars(obj) == len(shortest)
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="the schema collection is not beside this checkout")
+def test_min_chars_of_the_real_schemas_fits_a_small_context():
+    """Only one real schema forces more than a few hundred characters (an array of minItems 600 objects)."""
+    from engine.guided.limits import min_chars
+    sizes = sorted(min_chars(json.loads(f.read_text()).get("schema", {}) if "maskbench" in f.parts
+                             else json.loads(f.read_text())) for f in DATA.rglob("*.json"))
+    assert sizes[-2] < 512 and sizes[-1] < 20_000, sizes[-3:]

@@ -159,3 +159,22 @@ def test_gpu_graphs_logprobs_equal_eager(engine, chat_prompts, cfg):
     _same(drive(eng, workload), ref)
     assert eng.runner.graphs.replays["decode" if not cfg else "spec"] > 0
     assert_no_leak(eng)
+
+
+def test_prompt_logprobs_are_the_prompts_log_softmax(engine, chat_prompts, monkeypatch):
+    """vLLM's prompt_logprobs (engine/sampling/prompt_logprobs.py), its forward in chunks of 7 tokens."""
+    import engine.sampling.prompt_logprobs as scoring
+    monkeypatch.setattr(scoring, "CHUNK", 7)
+    prompt = chat_prompts[2]
+    outs = list(engine.stream(prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)))
+    entries = outs[-1].prompt_logprobs
+    assert all(o.prompt_logprobs is None for o in outs[:-1]) and len(entries) == len(prompt) - 1
+    ref = torch.log_softmax(prefill_logits(engine, prompt, last=len(prompt))[:-1], dim=-1)
+    for i, (token, logprob, rank, top) in enumerate(entries):
+        assert token == prompt[i + 1] and logprob == pytest.approx(ref[i, token].item(), abs=TOL)
+        assert rank == int((ref[i] > ref[i, token] + TOL).sum()) + 1 or rank == int((ref[i] > ref[i, token]).sum()) + 1
+        best = ref[i].topk(3)
+        assert [t for t, _ in top] == best.indices.tolist(), i
+        assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=TOL)
+    assert next(iter(engine.stream(prompt, SamplingParams(max_tokens=1)))).prompt_logprobs is None
+    assert_no_leak(engine)

@@ -134,8 +134,7 @@ def test_a_slow_grammar_is_refused_at_its_time_budget_and_its_client_cannot_queu
     assert busy.status_code == 429 and busy.json()["error"]["code"] == "grammar_compile_busy", busy.text[:300]
     other = got["other"]                        # another client (by the trusted header) has its own share
     assert other.status_code in (200, 400) and other.json().get("error", {}).get("code") != "grammar_compile_busy"
-    assert server.metrics()["specdec_grammar_compiles_unfinished"] >= 1     # the abandoned compile still runs
-    m = server.wait_idle(60)                                                # ...and ends, freeing its thread
+    m = server.wait_idle(5)                     # the abandoned compile was killed with its 400, not left to run
     assert m["specdec_kv_blocks_used"] == 0
 
 

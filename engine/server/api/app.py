@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.server.api.guides import ClientGone, admit_guide, until_disconnect
+from engine.server.api.guides import ClientGone, admit_guide, blamed, until_disconnect
 from engine.server.api.limits import RequestLimits, read_json
 from engine.server.api.responses_route import add_responses_route
 from engine.server.api.utility_routes import add_utility_routes
@@ -25,7 +25,7 @@ from engine.server.openai.chat import chat_prompt, normalize_messages, template_
 from engine.server.openai.generation import ChatFormat, CompletionFormat, Generation
 from engine.server.openai.logprobs import token_table
 from engine.server.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, validated
-from engine.server.openai.sampling import response_format_guide, sampling_params, vllm_guide
+from engine.server.openai.sampling import notes, response_format_guide, sampling_params, vllm_guide
 from engine.server.openai.tool_formats import ToolFormat
 from engine.server.openai.tool_formats import resolve as resolve_tool_format
 from engine.server.openai.tools import HERMES, plan_tools
@@ -94,12 +94,14 @@ def create_app(state: ServerState) -> FastAPI:
         metrics.request(endpoint, err.status)
         return JSONResponse(err.body(), status_code=err.status)
 
-    async def admit(endpoint: str, request: Request, req, ids, params, fmt, tools, arrival: float):
-        gen = await start(request, ids, params, fmt, tools, arrival, bool(req.stream))
+    async def admit(endpoint: str, request: Request, req, prep: Prepared, fmt, arrival: float):
+        gen = await start(request, prep, fmt, arrival, bool(req.stream))
         return await respond(endpoint, request, gen, req)
 
-    async def start(request: Request, ids, params, fmt, tools, arrival: float, streamed: bool) -> Generation:
-        table = await off_loop(token_table, state.tokenizer) if params[0].logprobs is not None else None
+    async def start(request: Request, prep: Prepared, fmt, arrival: float, streamed: bool) -> Generation:
+        ids, params = prep.ids, prep.params
+        asks = params[0].logprobs is not None or params[0].prompt_logprobs is not None
+        table = await off_loop(token_table, state.tokenizer) if asks else None
         try:
             if params[0].guide is not None:
                 await admit_guide(aengine.guides, params[0].guide, request, state.client_key_header)
@@ -111,16 +113,17 @@ def create_app(state: ServerState) -> FastAPI:
         except EngineDead as exc:
             raise APIError(str(exc), status=503, type="server_error", code="engine_stopped") from exc
         metrics.admitted(len(ids))
-        return Generation(fmt, sub, state.model_name, len(ids), tools, metrics, arrival, table)
+        return Generation(fmt, sub, state.model_name, len(ids), prep.tools, metrics, arrival, table, prep.notes,
+                          prep.request_id)
 
     async def respond(endpoint: str, request: Request, gen: Generation, req):
         if req.stream:
             opts = req.stream_options or StreamOptions()
             metrics.request(endpoint, 200)
             return StreamingResponse(stream(gen, opts), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache"} | gen.headers())
         body = await whole(endpoint, request, gen)
-        return Response(status_code=499) if body is None else JSONResponse(body)
+        return Response(status_code=499) if body is None else JSONResponse(body, headers=gen.headers())
 
     async def whole(endpoint: str, request: Request, gen: Generation) -> dict | None:
         """The whole response's body, or None when the client left first (its request is aborted)."""
@@ -166,9 +169,10 @@ def create_app(state: ServerState) -> FastAPI:
         except Exception as exc:                # a bug: the request fails, the server goes on
             return error(endpoint, APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error"))
 
-    async def prepare_chat(req: ChatCompletionRequest):
+    async def prepare_chat(req: ChatCompletionRequest) -> Prepared:
         """A chat request's prompt ids, its per-choice SamplingParams, its ToolPlan, and its messages."""
         state.check_model(req.model)
+        req.ignored()                       # refuses the fields the server cannot honour
         messages = normalize_messages(req.messages)
         guide, asked = response_format_guide(req.response_format), vllm_guide(req)
         if guide and asked:
@@ -179,26 +183,43 @@ def create_app(state: ServerState) -> FastAPI:
         guide = {"structural_tag": plan.guide} if plan.guide else guide
         ids = await off_loop(chat_prompt, state.tokenizer, messages, plan.tools, state.limits, template_options(req),
                              state.tool_format)
-        params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
-                                 state.info.max_model_len - len(ids), guide)
-        return ids, params, plan, messages
+        prep = prepared(req, ids, req.max_completion_tokens or req.max_tokens, guide, plan, messages)
+        if plan.mode in ("required", "named"):          # the output is calls: the shortest one must fit
+            room = state.info.max_model_len - len(prep.ids)
+            forced = [t["function"] for t in plan.tools if plan.mode == "required" or t["function"]["name"] ==
+                      req.tool_choice["function"]["name"]]
+            state.limits.check_output_fits({"anyOf": [f["parameters"] for f in forced]}, room,
+                                           "the tools' parameters", "tools")
+        return prep
+
+    def prepared(req, ids: list[int], asked: int | None, guide: dict, plan=None, messages=None) -> Prepared:
+        ids = truncated(req, ids)
+        room = state.info.max_model_len - len(ids)
+        params = sampling_params(req, asked, room, guide, state.tokenizer)
+        if params[0].guide is not None:
+            state.limits.check_guide_fits(params[0].guide, room, blamed(params[0].guide))
+        return Prepared(ids, params, plan, messages, notes(req, asked, room), req.request_id)
 
     async def build_chat(request: Request, arrival: float):
         req = await _parse(request, ChatCompletionRequest, state.limits)
-        ids, params, tools, _ = await prepare_chat(req)
-        return await admit("chat", request, req, ids, params, ChatFormat(), tools, arrival)
+        return await admit("chat", request, req, await prepare_chat(req), ChatFormat(), arrival)
 
     async def run_chat(request: Request, body: dict, arrival: float):
         """A chat request given as a dict (the Responses API's translation): its Generation and messages."""
-        ids, params, tools, messages = await prepare_chat(validated(ChatCompletionRequest, body))
-        return await start(request, ids, params, ChatFormat(), tools, arrival, True), messages
+        prep = await prepare_chat(validated(ChatCompletionRequest, body))
+        return await start(request, prep, ChatFormat(), arrival, True), prep.messages
 
     async def build_completion(request: Request, arrival: float):
         req = await _parse(request, CompletionRequest, state.limits)
         state.check_model(req.model)
-        ids = await off_loop(completion_prompt, state.tokenizer, req.prompt, state.limits)
-        params = sampling_params(req, req.max_tokens, state.info.max_model_len - len(ids), vllm_guide(req))
-        return await admit("completions", request, req, ids, params, CompletionFormat(), None, arrival)
+        req.ignored()
+        guide, asked = response_format_guide(req.response_format), vllm_guide(req)
+        if guide and asked:
+            raise APIError("response_format cannot be combined with structured_outputs or guided_* fields",
+                           param="response_format")
+        ids = await off_loop(completion_prompt, state.tokenizer, req.prompt, state.limits, bool(req.add_special_tokens))
+        return await admit("completions", request, req, prepared(req, ids, req.max_tokens, guide or asked),
+                           CompletionFormat(), arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -229,12 +250,30 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to be admitted: prompt ids, per-choice SamplingParams, tools (a ToolPlan or None), the
+    chat messages, the notes its response carries, and the id the client asked for."""
+    ids: list
+    params: list
+    tools: object = None
+    messages: list | None = None
+    notes: list = ()
+    request_id: str | None = None
+
+
+def truncated(req, ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens."""
+    n = req.truncate_prompt_tokens
+    return ids[-n:] if n and len(ids) > n else ids
+
+
 async def off_loop(fn, *args):
     """Templating and tokenizing on a worker thread: the event loop goes on streaming others' tokens."""
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-def completion_prompt(tokenizer, prompt, limits: RequestLimits) -> list[int]:
+def completion_prompt(tokenizer, prompt, limits: RequestLimits, special: bool = False) -> list[int]:
     """One prompt: text, or token ids (a model without a tokenizer takes only ids)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -244,5 +283,5 @@ def completion_prompt(tokenizer, prompt, limits: RequestLimits) -> list[int]:
         if tokenizer is None:
             raise APIError("this model has no tokenizer: give the prompt as token ids", param="prompt")
         limits.check_prompt(prompt)
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenizer.encode(prompt, add_special_tokens=special)
     return list(prompt)

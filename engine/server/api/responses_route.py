@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.server.openai.generation import failure
 from engine.server.openai.responses import ResponseBuilder, ResponsesRequest, ResponseStore, chat_body, event
+from engine.server.openai.sampling import ignored_note
 
 
 def add_responses_route(app: FastAPI, state, handle, parse, run_chat, whole) -> None:
@@ -19,13 +20,16 @@ def add_responses_route(app: FastAPI, state, handle, parse, run_chat, whole) -> 
     async def build(request: Request, arrival: float):
         req = await parse(request, ResponsesRequest)
         state.check_model(req.model)
+        ignored = ignored_note(req)
         history = store.get(req.previous_response_id) if req.previous_response_id else []
         gen, messages = await run_chat(request, chat_body(req, history), arrival)
+        gen.notes[:0] = ignored
         builder = ResponseBuilder(req, state.model_name)
         if req.stream:
             state.metrics.request("responses", 200)
             return StreamingResponse(_events(gen, builder, store if req.store else None, messages, state),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"} | gen.headers())
         body = await whole(request, gen)
         if body is None:
             return Response(status_code=499)
@@ -38,7 +42,7 @@ def add_responses_route(app: FastAPI, state, handle, parse, run_chat, whole) -> 
             builder.call(call)
         if req.store:
             store.put(builder.id, builder.conversation(messages))
-        return JSONResponse(builder.body("completed", body["usage"], choice["finish_reason"]))
+        return JSONResponse(builder.body("completed", body["usage"], choice["finish_reason"]), headers=gen.headers())
 
     @app.post("/v1/responses")
     async def responses(request: Request):

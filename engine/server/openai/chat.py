@@ -42,8 +42,9 @@ def _text(content, where: str) -> str | None:
 
 
 def normalize_messages(messages: list) -> list[dict]:
-    """Checked copies: role, text content, assistant tool_calls, tool_call_id."""
-    out = []
+    """Checked copies: role, text content, assistant tool_calls, tool_call_id (a tool message answers an earlier
+    assistant call, as OpenAI requires)."""
+    out, call_ids = [], None        # None: no assistant call yet; else the ids of those seen
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
@@ -58,10 +59,22 @@ def normalize_messages(messages: list) -> list[dict]:
             msg["tool_calls"] = [_past_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
         elif msg["content"] is None:
             raise APIError(f"{where}.content is missing", param=f"{where}.content")
+        if calls:
+            call_ids = (call_ids or set()) | {c["id"] for c in msg["tool_calls"]}
         if m["role"] == "tool":
             msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+            _check_answer(msg["tool_call_id"], call_ids, where)
         out.append(msg)
     return out
+
+
+def _check_answer(call_id: str, call_ids: set | None, where: str) -> None:
+    if call_ids is None:
+        raise APIError(f"{where}: a message with role 'tool' must answer a tool call of an earlier assistant message",
+                       param=f"{where}.role")
+    if call_id and call_ids - {""} and call_id not in call_ids:
+        raise APIError(f"{where}.tool_call_id {call_id!r} answers no tool call of an earlier assistant message"[:300],
+                       param=f"{where}.tool_call_id")
 
 
 def _past_call(call, where: str) -> dict:
@@ -147,14 +160,16 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, limit
                        param="messages") from exc
     if limits is not None:
         limits.check_prompt(text)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=bool((options or {}).get("add_special_tokens")))
 
 
 def template_options(req) -> dict:
-    """A chat request's options for its template (chat_prompt's `options`)."""
+    """A chat request's options for its template (chat_prompt's `options`); add_special_tokens: the tokenizer's
+    own BOS / EOS around the templated text too (vLLM's, off by default: templates write their own)."""
     given = req.model_fields_set
     return {"chat_template_kwargs": req.chat_template_kwargs, "continue_final_message": req.continue_final_message,
-            "add_generation_prompt": req.add_generation_prompt if "add_generation_prompt" in given else None}
+            "add_generation_prompt": req.add_generation_prompt if "add_generation_prompt" in given else None,
+            "add_special_tokens": req.add_special_tokens}
 
 
 _RESERVED = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message")

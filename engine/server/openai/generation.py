@@ -7,11 +7,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine.server.openai.logprobs import TokenTable, chat_content, completion_logprobs
+from engine.server.openai.logprobs import TokenTable, chat_content, completion_logprobs, prompt_logprobs
 from engine.server.openai.protocol import APIError
 from engine.server.openai.tools import ToolCallParser
 from engine.server.processes.submission import ENGINE_STOPPED, Submission
 
+WARNING_HEADER = "specdec-warning"      # what a response did not do as asked (docs/server.md)
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
@@ -45,6 +46,7 @@ class ChoiceState:
     lp: list = field(default_factory=list)
     lp_sent: int = 0                   # entries streamed so far
     lp_offset: int = 0                 # completions: characters of token text streamed so far (text_offset)
+    prompt_lp: list | None = None      # prompt_logprobs entries (engine/sampling/prompt_logprobs.py)
 
     def take(self, out) -> list[tuple[str, object]]:
         """Fold in one RequestOutput; -> the content / tool-call events it releases (a call carries its index
@@ -57,7 +59,7 @@ class ChoiceState:
             [("content", out.new_text)] if out.new_text else [])
         if out.finished:
             self.finish, self.error, self.spec = out.finish_reason, out.error, out.spec
-            self.cached = out.cached_tokens
+            self.cached, self.prompt_lp = out.cached_tokens, out.prompt_logprobs
             events += self.parser.finish() if self.parser else []
         released = []
         for kind, item in events:
@@ -149,15 +151,24 @@ class Generation:
     """Drives one Submission to the end, for a whole response or as SSE."""
 
     def __init__(self, fmt: Format, sub: Submission, model: str, prompt_tokens: int, tools, metrics,
-                 arrival: float, table: TokenTable | None = None):
+                 arrival: float, table: TokenTable | None = None, notes=(), request_id: str | None = None):
         """tools: the request's ToolPlan (its parser splits each choice's output), or None. table: token texts,
-        when the choices ask for logprobs."""
+        when the choices ask for logprobs. notes: what the response header `specdec-warning` says. request_id:
+        vLLM's, the response's id after the prefix."""
         self.fmt, self.sub, self.model, self.prompt_tokens, self.metrics = fmt, sub, model, prompt_tokens, metrics
-        self.arrival, self.table = arrival, table
-        self.id = fmt.id_prefix + uuid.uuid4().hex
+        self.arrival, self.notes = arrival, list(notes)
+        self.table = table if sub.params[0].logprobs is not None else None
+        self.prompt_table = table if sub.params[0].prompt_logprobs is not None else None
+        self.id = fmt.id_prefix + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
         self.choices = [ChoiceState(tools.parser() if tools else None) for _ in sub.params]
         self.open = len(self.choices)
+
+    def headers(self) -> dict:
+        """The notes as a header (ASCII: a header's bytes are Latin-1)."""
+        if not self.notes:
+            return {}
+        return {WARNING_HEADER: "; ".join(self.notes).encode("ascii", "backslashreplace").decode()}
 
     async def batches(self):
         """Per batch of outputs: {choice index: the content / tool-call events it released}."""
@@ -211,9 +222,17 @@ class Generation:
         errors = [st.error or "failed" for st in self.choices if st.finish == "error"]
         if errors:
             raise failure(errors[0])
-        return {"id": self.id, "object": self.fmt.object_full, "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": self.fmt.object_full, "created": self.created, "model": self.model,
                 "choices": [self.fmt.full_choice(i, st, self.logprobs(st)) for i, st in enumerate(self.choices)],
                 "usage": self.usage()}
+        if self.prompt_table is not None:          # vLLM's places: chat's at the top, each completion choice's
+            scored = [prompt_logprobs(self.prompt_table, st.prompt_lp or []) for st in self.choices]
+            if self.fmt.id_prefix == "chatcmpl-":
+                body["prompt_logprobs"] = scored[0]
+            else:
+                for choice, entries in zip(body["choices"], scored):
+                    choice["prompt_logprobs"] = entries
+        return body
 
     def logprobs(self, st: ChoiceState, streamed: bool = False):
         """The logprobs object of the choice's entries not streamed yet (all of them: a whole response), or None

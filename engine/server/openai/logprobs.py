@@ -55,3 +55,15 @@ def completion_logprobs(table: TokenTable, ids, entries, offset: int = 0) -> tup
     body = {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
             "top_logprobs": [{table.text(t): v for t, v in top} for _, top in entries], "text_offset": offsets}
     return body, offset
+
+
+def prompt_logprobs(table: TokenTable, entries) -> list:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} for it and the most likely tokens at its place (engine/sampling/prompt_logprobs.py)."""
+    out: list = [None]
+    for token, logprob, rank, top in entries:
+        scores = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": table.text(token)}}
+        for i, (t, v) in enumerate(top):
+            scores.setdefault(str(t), {"logprob": v, "rank": i + 1, "decoded_token": table.text(t)})
+        out.append(scores)
+    return out

@@ -52,6 +52,10 @@ def _check_tool(i: int, tool) -> dict:
     if not isinstance(params, dict):
         raise APIError(f"{where}.function.parameters must be a JSON schema object",
                        param=f"{where}.function.parameters")
+    kind = params.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and kind == ["object"]):
+        raise APIError(f"{where}.function.parameters must be a JSON schema of type 'object' (a call's arguments are "
+                       f"an object), got type {json.dumps(kind)[:100]}", param=f"{where}.function.parameters")
     out = {"name": name, "parameters": params}
     if isinstance(fn.get("description"), str):
         out["description"] = fn["description"]

@@ -32,7 +32,9 @@ def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int,
         ready.send(client)
     state.on_ready = serving
     sock = bind(args.host, port, reuse_port=True)
-    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    from engine.server.api.connections import ConnectionGuard
+    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5,
+                            http=ConnectionGuard.from_args(args).protocol())
     uvicorn.Server(config).run(sockets=[sock])
 
 

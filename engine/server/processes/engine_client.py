@@ -50,7 +50,7 @@ class TextStream:
             if item.finished:
                 text += self.detok.flush()
         return RequestOutput(item.sub, tuple(ids), text, item.finished, item.reason, item.error, spec=item.spec,
-                             logprobs=item.logprobs, cached_tokens=item.cached)
+                             logprobs=item.logprobs, cached_tokens=item.cached, prompt_logprobs=item.prompt_lp)
 
 
 class EngineClient(Router):

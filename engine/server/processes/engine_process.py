@@ -204,7 +204,7 @@ class EngineServer:
             client, sub, choice, text = route
             per_client.setdefault(client, []).append(ipc.Out(
                 sub, choice, list(o.new_token_ids), o.new_text if text else None, o.finished, o.finish_reason,
-                o.error, o.spec, o.logprobs, o.cached_tokens))
+                o.error, o.spec, o.logprobs, o.cached_tokens, o.prompt_logprobs))
             if o.finished:
                 del self.routes[o.request_id]
                 left = self.subs.get((client, sub))

@@ -73,6 +73,7 @@ class Out(msgspec.Struct, array_like=True):
     spec: dict | None = None
     logprobs: list | None = None    # an entry per new id (engine/sampling/logprobs.py), for choices that asked
     cached: int = 0                 # prompt tokens found in the prefix cache (final output)
+    prompt_lp: list | None = None   # prompt_logprobs entries (final output of a choice that asked)
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):
