@@ -6,6 +6,10 @@ of the op over up to CHAIN of the site's layers (their own weights, as a step re
 evicts the L2 cache, so a kernel that hides its weight read behind the kernel before it (dependent launch) shows
 it, and no weight is read warm. cuBLAS is always a candidate.
 
+Alone, one op over layers does not see what the step sees between different ops under dependent launch, so
+where kernels are near a tie alone they are timed again inside their layer: the layer's ops in call order over
+CHAIN layers, one op's kernel changed at a time (coordinate descent from the choices made alone).
+
 The cache is one JSON file per fingerprint (GPU, driver, torch, Triton, dtype and the kernels' source), cells
 keyed by (op, N, K, rows): a model whose shapes were measured before starts without timing; a damaged or stale
 file is measured again, with a warning.
@@ -29,6 +33,7 @@ from engine.kernels.routes import HEAD_KERNELS, MATMUL_KERNELS, Pin, RouteTable,
 CHAIN = 8           # layers' weights one timing reads in a row
 REPEATS = 9         # timed replays a candidate (the median counts)
 MAX_ROWS = 64       # no kernel but cuBLAS takes more rows (head_mma's limit)
+NEAR = 1.3          # kernels within this factor of a cell's fastest alone are timed again inside the layer
 FORMAT = 1          # the cache file's layout
 _KERNEL_SOURCES = ("matmul/decode_gemv.py", "matmul/decode_gemm.py", "matmul/draft_gemv.py", "matmul/head_mma.py",
                    "matmul/gemv_checks.py", "matmul/silu_pairs.py", "sampling/argmax.py", "common.py", "fused_ops.py",
@@ -41,6 +46,16 @@ def unique_sites(sites) -> list[Site]:
     for site in sites:
         seen.setdefault(site.key, site)
     return list(seen.values())
+
+
+def layer_groups(sites) -> list[list[Site]]:
+    """The ops of each layer stack in call order (sites sharing a layer count above one), where there are two or
+    more to interleave."""
+    groups: dict[int, list[Site]] = {}
+    for site in sites:
+        if len(site.weights) > 1:
+            groups.setdefault(len(site.weights), []).append(site)
+    return [group for group in groups.values() if len(group) > 1]
 
 
 def tuning_rows(decode_rows, spec_tokens=()) -> list[int]:
@@ -152,7 +167,22 @@ class Timer:
         def chain():
             for w in weights:
                 call(backend, site, w, x, residual, decode)
+        return self._replay_us(chain) / len(weights)
 
+    def time_layer_us(self, group: list[Site], rows: int, choice: dict, decode: bool) -> float:
+        """Median microseconds of one layer of `group`'s ops in call order, each op on its kernel in `choice`
+        (site key -> kernel)."""
+        inputs = [_inputs(site, rows) for site in group]
+        depth = min(CHAIN, *(len(site.weights) for site in group))
+
+        def chain():
+            for layer in range(depth):
+                for site, (x, residual) in zip(group, inputs):
+                    call(self.backends[choice[site.key]], site, site.weights[layer], x, residual, decode)
+        return self._replay_us(chain) / depth
+
+    def _replay_us(self, chain) -> float:
+        """Median microseconds of a CUDA graph of `chain`, the L2 cache evicted before each replay."""
         with torch.cuda.stream(self.stream):
             chain()                               # compiles, and warms the allocator's pool for the capture
         self.stream.synchronize()
@@ -168,9 +198,25 @@ class Timer:
                 graph.replay()
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end) * 1000 / len(weights))
+                times.append(start.elapsed_time(end) * 1000)
         del graph
         return statistics.median(times[1:])
+
+
+def refine_in_layer(group: list[Site], rows: int, cells: dict, timer, decode: bool) -> None:
+    """Each op of the layer whose kernels are near a tie alone (within NEAR) is routed to the one fastest inside
+    the layer, the other ops on their current choice; the timings go to the cell as "layer_us"."""
+    names = {site.key: _cell_name(*site.key, rows) for site in group}
+    choice = {key: cells[name]["kernel"] for key, name in names.items()}
+    for key, name in names.items():
+        alone = cells[name]["us"]
+        near = [kernel for kernel, us in alone.items() if us <= NEAR * min(alone.values())] if alone else []
+        if len(near) < 2:
+            continue
+        in_layer = {kernel: round(timer.time_layer_us(group, rows, {**choice, key: kernel}, decode), 2)
+                    for kernel in near}
+        choice[key] = choose(in_layer)
+        cells[name] = {**cells[name], "kernel": choice[key], "layer_us": in_layer}
 
 
 def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progress: bool = True) -> tuple[dict, int]:
@@ -199,6 +245,11 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
                     raise
                 warnings.warn(f"kernel {kernel} failed on {site.op} {site.key[1:]} at {r} rows: {e}", stacklevel=2)
         cells[_cell_name(*site.key, r)] = {"kernel": choose(times), "us": times}
+    timed = {(site.key, r) for site, r in todo}
+    for group in layer_groups(sites):
+        for r in rows:
+            if any((site.key, r) in timed for site in group):
+                refine_in_layer(group, r, cells, timer, decode=r in decode_rows)
     return cells, len(todo)
 
 

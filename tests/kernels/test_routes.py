@@ -97,6 +97,32 @@ def test_cached_cells_are_not_measured_again_and_one_site_a_shape_is():
     assert timed == 1 and cells["linear 64 32 1"]["kernel"] == "gemv"
 
 
+class LayerTimes(GivenTimes):
+    """Given times alone, and inside the layer a cost for each (op, kernel) the layer runs on."""
+
+    def __init__(self, times, in_layer):
+        super().__init__(times)
+        self.in_layer, self.layer_calls = in_layer, []
+
+    def time_layer_us(self, group, rows, choice, decode):
+        self.layer_calls.append(dict(choice))
+        return sum(self.in_layer[(site.op, choice[site.key])] for site in group)
+
+
+def test_near_ties_alone_are_decided_inside_the_layer_and_clear_wins_are_not_timed_again():
+    layer = [Site("norm_linear", [torch.empty(96, 32)] * 2), Site("linear", [torch.empty(32, 32)] * 2)]
+    timer = LayerTimes({("norm_linear", 4, "gemv"): 2.6, ("norm_linear", 4, "gemm"): 2.7,
+                        ("norm_linear", 4, "cublas"): 9.0, ("linear", 4, "gemv"): 2.0,
+                        ("linear", 4, "gemm"): 5.0, ("linear", 4, "cublas"): 6.0},
+                       {("norm_linear", "gemv"): 3.0, ("norm_linear", "gemm"): 2.5, ("linear", "gemv"): 1.0})
+    cells, _ = tune.measure(layer, [4], {4}, timer, progress=False)
+    assert cells["norm_linear 96 32 4"]["kernel"] == "gemm"              # slower alone, faster in its layer
+    assert cells["norm_linear 96 32 4"]["layer_us"] == {"gemv": 4.0, "gemm": 3.5}
+    assert cells["linear 32 32 4"]["kernel"] == "gemv" and "layer_us" not in cells["linear 32 32 4"]
+    assert all(choice[("linear", 32, 32)] == "gemv" for choice in timer.layer_calls)
+    assert len(timer.layer_calls) == 2
+
+
 def test_the_rows_measured_are_the_captured_ones_up_to_the_kernels_limit():
     assert tune.tuning_rows([1, 2, 4, 8, 16, 24, 32, 40, 64, 128, 256], [4, 8, 16, 32, 64, 96]) == \
         [1, 2, 4, 8, 16, 24, 32, 40, 64]
