@@ -54,7 +54,7 @@ class InflightStep:
 
 class LLMEngine(EngineFrontend):
     def __init__(self, config: EngineConfig | None = None, **overrides):
-        config = config or EngineConfig(**overrides)
+        config = config or EngineConfig.of(**overrides)
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (each decode row takes a token)")
         self.config = config
@@ -102,8 +102,8 @@ class LLMEngine(EngineFrontend):
         self._last_commit_time = self._tokens_landed = time.perf_counter()
         self._restart = False                           # the loop drained: period counts from the next launch
         self._prompt_scorer = None                      # built for the first request asking for prompt_logprobs
-        if self.runner.cuda and config.guided and config.switch_interval > 0:
-            sys.setswitchinterval(config.switch_interval)     # process-wide: see EngineConfig.switch_interval
+        if self.runner.cuda and config.guided and config.tuning.switch_interval > 0:
+            sys.setswitchinterval(config.tuning.switch_interval)     # process-wide
 
     def _tp_watch(self):
         return self.cluster.watch() if self.cluster is not None else contextlib.nullcontext()

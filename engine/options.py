@@ -1,8 +1,9 @@
 """The engine's command-line options, made from EngineConfig's fields, and the EngineConfig they make.
 
 `specdec generate`, `chat` and `serve` all take them from `engine_options`, so a new EngineConfig field is a flag
-of every subcommand without an edit here: field `foo_bar` is `--foo-bar`, with the field's type and default, and
-the comment beside the field as its help. The tables below only add what a field cannot say: names kept from
+of every subcommand without an edit here: field `foo_bar` is `--foo-bar`, with the field's type and default, the
+comment beside the field as its help and the section comment above it as its group. Tuning's fields are flags too,
+listed in one line (experiments and A/B runs). The tables below only add what a field cannot say: names kept from
 before (older scripts pass them), choices, and help for the fields that carry no comment."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import tokenize
 import typing
 from functools import cache
 
-from engine.config import DTYPES, SPECULATIVE, EngineConfig
+from engine.config import DTYPES, SPECULATIVE, EngineConfig, Tuning
 
 ALIASES = {                     # field -> more flags that set it
     "num_speculative_tokens": ("--num-draft-tokens",),
@@ -39,37 +40,44 @@ CHOICES = {
 HELP = {                        # fields without a comment in engine/config.py
     "model": "'default' (the bundled SmolLM2-135M), 'dummy:<shape>', a .gguf file or an HF directory; "
              "$SPECDEC_MODEL sets the default",
-    "kv_cache_memory_fraction": "share of free device memory the KV cache takes when num_kv_blocks is 0",
-    "guide_max_enum": "values of one enum, or choices",
-    "guide_max_depth": "nesting of a JSON schema",
-    "guide_max_repeat": "the count in a {n,m} repetition of a regex, pattern or grammar",
-    "ngram_min_n": "ngram drafter: shortest suffix looked up in the prompt and output",
-    "ngram_max_n": "ngram drafter: longest suffix looked up",
-    "seed": "draws the sampling seed of each request that sends none",
 }
-GROUPS = (                      # (field name prefixes, argument group); the rest are "engine"
-    (("kernels", "kernel_routes"), "kernels (docs/decode_step.md)"),
-    (("grammar_compile_", "grammar_cache_", "guide_max_"), "grammar compilation (bounds on one guide: docs/server.md)"),
-    (("speculative", "num_speculative", "spec_", "ngram_", "guided_draft", "guided_forced"),
-     "speculative decoding (docs/speculative.md)"),
-    (("tensor_parallel", "tp_"), "tensor parallelism (docs/tensor_parallel.md)"),
-)
+TUNING_GROUP = "tuning (experiments and A/B runs: docs/configuration.md)"
+
+
+def option_fields() -> list[dataclasses.Field]:
+    """The fields that are flags: EngineConfig's (but its Tuning) and then Tuning's."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.name != "tuning"] + list(dataclasses.fields(Tuning))
 
 
 @cache
-def field_comments(cls=EngineConfig) -> dict[str, str]:
-    """The comment beside each field of a dataclass, its continuation lines joined."""
+def _comments(cls) -> tuple[dict[str, str], dict[str, str]]:
+    """({field: the comment on its line}, {field: the section comment above it})."""
     source = textwrap.dedent(inspect.getsource(cls))
     body = ast.parse(source).body[0].body
-    starts = sorted((node.lineno, node.target.id if isinstance(node, ast.AnnAssign) else None) for node in body)
-    found: dict[str, list[str]] = {}
+    lines = {node.lineno: node.target.id for node in body if isinstance(node, ast.AnnAssign)}
+    beside, sections, section = {}, {}, ""
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type != tokenize.COMMENT:
             continue
-        owner = [name for line, name in starts if line <= tok.start[0]]
-        if owner and owner[-1]:
-            found.setdefault(owner[-1], []).append(tok.string.lstrip("#").strip())
-    return {name: " ".join(parts) for name, parts in found.items()}
+        text = tok.string.lstrip("#").strip()
+        if tok.start[0] in lines:
+            beside[lines[tok.start[0]]] = text
+        elif tok.line[:tok.start[1]].strip() == "":
+            section = text
+            for line, name in lines.items():
+                if line > tok.start[0]:
+                    sections[name] = section
+    return beside, sections
+
+
+def field_comments(cls=EngineConfig) -> dict[str, str]:
+    """The comment beside each field of a dataclass."""
+    return _comments(cls)[0]
+
+
+def field_sections(cls=EngineConfig) -> dict[str, str]:
+    """The section comment above each field of a dataclass ("" for fields before the first)."""
+    return _comments(cls)[1]
 
 
 def field_default(f: dataclasses.Field):
@@ -85,14 +93,10 @@ def dest(name: str) -> str:
     return RENAMED[name].lstrip("-").replace("-", "_") if name in RENAMED else name
 
 
-def _group(groups: dict, name: str):
-    title = next((title for prefixes, title in GROUPS if name.startswith(prefixes)), "engine (EngineConfig)")
-    return groups[title]
-
-
-def _add(group, f: dataclasses.Field, kind: type, default, why: str) -> None:
-    text = (HELP.get(f.name) or field_comments().get(f.name, "")).replace("%", "%%")
+def _add(group, f: dataclasses.Field, kind: type, default, why: str, listed: bool = True) -> None:
+    text = (HELP.get(f.name) or field_comments(EngineConfig).get(f.name, "")).replace("%", "%%")
     text = (f"{text}; here {why}" if why else text) + " (default: %(default)s)"
+    text = text if listed else argparse.SUPPRESS
     if kind is bool:
         group.add_argument(*flags(f.name), dest=dest(f.name), action=argparse.BooleanOptionalAction, default=default,
                            help=text)
@@ -103,20 +107,26 @@ def _add(group, f: dataclasses.Field, kind: type, default, why: str) -> None:
 
 
 def engine_options(p: argparse.ArgumentParser, defaults: dict[str, tuple[object, str]] | None = None) -> None:
-    """One flag per EngineConfig field. `defaults` maps a field to (this command's default, why), shown in help."""
+    """One flag per EngineConfig field, grouped by its section, and per Tuning field (listed in one line).
+    `defaults` maps a field to (this command's default, why), shown in help."""
     defaults = defaults or {}
-    unknown = set(defaults) - {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = set(defaults) - {f.name for f in option_fields()}
     if unknown:
-        raise ValueError(f"not EngineConfig fields: {sorted(unknown)}")
-    hints = typing.get_type_hints(EngineConfig)
-    groups = {title: p.add_argument_group(title) for title in ["engine (EngineConfig)", *(t for _, t in GROUPS)]}
-    for f in dataclasses.fields(EngineConfig):
+        raise ValueError(f"not EngineConfig or Tuning fields: {sorted(unknown)}")
+    hints = typing.get_type_hints(EngineConfig) | typing.get_type_hints(Tuning)
+    sections, groups = field_sections(EngineConfig), {}
+    tuning_names = {f.name for f in dataclasses.fields(Tuning)}
+    tuning_list = "each field a flag, --name-with-dashes (--no-... for a switch): " + \
+        ", ".join(f.name for f in dataclasses.fields(Tuning))
+    for f in option_fields():
+        title = TUNING_GROUP if f.name in tuning_names else sections.get(f.name) or "engine"
+        if title not in groups:
+            groups[title] = p.add_argument_group(title, tuning_list if title == TUNING_GROUP else None)
         default, why = defaults.get(f.name, (field_default(f), ""))
-        _add(_group(groups, f.name), f, hints[f.name], default, why)
+        _add(groups[title], f, hints[f.name], default, why, listed=f.name not in tuning_names)
 
 
 def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     """The EngineConfig of parsed options (`extra` wins over them)."""
-    fields = dataclasses.fields(EngineConfig)
-    given = {f.name: getattr(args, dest(f.name)) for f in fields if hasattr(args, dest(f.name))}
-    return EngineConfig(**(given | extra))
+    given = {f.name: getattr(args, dest(f.name)) for f in option_fields() if hasattr(args, dest(f.name))}
+    return EngineConfig.of(**(given | extra))

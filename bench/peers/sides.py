@@ -33,7 +33,7 @@ class Specdec:
                              **drafter, **s.get("engine", {}))
         c = self.eng.config
         self.info = dict(engine="specdec", depth=c.depth, graphs=self.eng.runner.graphs is not None,
-                         attention_backend=c.attention_backend, grammar_node=c.grammar_node)
+                         attention_backend=c.attention_backend, grammar_node=c.tuning.grammar_node)
         if spec:
             self.info.update(spec_max_batch=c.spec_max_batch, spec_min_acceptance=c.spec_min_acceptance)
         self.drafts = 0

@@ -121,7 +121,7 @@ def start_engine(shape: str, side: str, args):
     from engine.config import EngineConfig
     from engine.models.loader import resolve_model
     cfg = resolve_model(f"dummy:{shape}").config
-    chosen = EngineConfig(model=f"dummy:{shape}", **engine_overrides(args))     # the budget and page size it gets
+    chosen = EngineConfig.of(model=f"dummy:{shape}", **engine_overrides(args))     # the budget and page size it gets
     size = engine_size(cfg, args, chosen.max_num_batched_tokens, chosen.block_size)
     spec = SimpleNamespace(model=f"dummy:{shape}", device=args.device, dtype=args.dtype, enforce_eager=False,
                            engine=args.engine)

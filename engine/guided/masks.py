@@ -29,7 +29,7 @@ its row unmasked; a failure of the callback as a whole is kept in `snapshot.fail
 
 The Python path (engine/guided/matching.py) does the same steps through xgrammar's Python API. A step runs
 it when one of its rows has a matcher that is not xgrammar's own (a wrapper, as failure tests use), or
-when the engine asks for it (`EngineConfig.grammar_node="python"`: the reference the native node is tested
+when the engine asks for it (`Tuning.grammar_node="python"`: the reference the native node is tested
 and measured against); the node then calls it through hostfunc's trampoline, which takes the GIL.
 """
 from __future__ import annotations

@@ -24,7 +24,8 @@ class GuidedTracker:
         self.service: GrammarService | None = None      # built on the first guided request (~0.3 s)
         self.enabled, self.cuda, self.has_tokenizer = config.guided, cuda, tokenizer is not None
         self.timeout_s = config.grammar_compile_timeout_s
-        self.bounds = (config.guide_max_bytes, config.guide_max_enum, config.guide_max_depth, config.guide_max_repeat)
+        t = config.tuning
+        self.bounds = (t.guide_max_bytes, t.guide_max_enum, t.guide_max_depth, t.guide_max_repeat)
         self.compiling: list = []                       # sequences whose grammar is not ready yet
 
     def start(self, seq) -> None:

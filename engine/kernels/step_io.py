@@ -1,5 +1,5 @@
 """One Triton kernel each for the glue at a plain or guided step's two ends (engine/runner/step.py,
-EngineConfig.step_io_kernels):
+Tuning.step_io_kernels):
 
 - `inputs`: the step's input ids (TokenPool.carried: the host's id, or the pool's last token of the sequence's
   row) and their embedding rows, in place of a gather, a compare, a select and the embedding lookup;

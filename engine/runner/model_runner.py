@@ -59,8 +59,9 @@ class ModelRunner:
         new_stream = (lambda: torch.cuda.Stream(self.device)) if self.cuda else (lambda: None)
         self.compute_stream, self.copy_in_stream, self.copy_out_stream = new_stream(), new_stream(), new_stream()
         self.spec_k = config.spec_k
-        self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, config.grammar_threads,
-                                  self.spec_k, tp, python=config.grammar_node == "python") if config.guided else None
+        tuning = config.tuning
+        self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, tuning.grammar_threads, self.spec_k,
+                                  tp, python=tuning.grammar_node == "python") if config.guided else None
         self.spec_rows = spec_rows_limit(config)
         # a row for every sequence that may hold pages: running ones, and finished ones in in-flight steps
         pool_rows = 3 * config.max_num_seqs
@@ -76,10 +77,10 @@ class ModelRunner:
                                            block_size=config.block_size, draft_max_rows=self.spec_rows,
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties,
                                            spec_kernels=config.use_spec_kernels(),
-                                           finish_kernel=config.use_spec_kernels() and config.spec_finish_kernel)
+                                           finish_kernel=config.use_spec_kernels() and config.tuning.spec_finish_kernel)
         else:
             self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool,
-                                       step_io=config.step_io_kernels and self.backend.fused and tp.world == 1)
+                                       step_io=config.tuning.step_io_kernels and self.backend.fused and tp.world == 1)
         # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)
         self.draft_lookahead = self.program.drafter.lookahead if self.spec_k else 0
         max_blocks = -(-max_model_len // config.block_size)
@@ -96,7 +97,7 @@ class ModelRunner:
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None, spec_rows=self.spec_rows)
             self.graphs.capture(self.program, self.slots, self.compute_stream)
-        self.native = native_launch.for_runner(self, config.native_launch)
+        self.native = native_launch.for_runner(self, config.tuning.native_launch)
 
     # ---- setup -------------------------------------------------------------------------------
     def _kv_shape(self, cfg):
@@ -129,10 +130,10 @@ class ModelRunner:
     def _draft_masks(self, drafter, encode):
         """Grammar masks / forced tokens for the draft steps of a drafter that picks tokens (not n-gram)."""
         c = self.config
-        forced = c.guided_forced_drafts and encode is not None
-        if self.masks is None or drafter.uses_history or not (c.guided_draft_masks or forced):
+        forced = c.tuning.guided_forced_drafts and encode is not None
+        if self.masks is None or drafter.uses_history or not (c.tuning.guided_draft_masks or forced):
             return None
-        return DraftMasks(self.masks, self.spec_k, self.spec_rows, c.guided_draft_masks, forced, encode,
+        return DraftMasks(self.masks, self.spec_k, self.spec_rows, c.tuning.guided_draft_masks, forced, encode,
                           getattr(self.backend, "apply_bitmask", apply_bitmask))
 
     def _events(self, names, timing: bool, external: bool = False):
@@ -222,7 +223,7 @@ class ModelRunner:
 
     def sync_guard(self):
         """debug_sync: any device->host synchronisation while enqueuing a step raises (CUDA only)."""
-        if not (self.config.debug_sync and self.cuda):
+        if not (self.config.tuning.debug_sync and self.cuda):
             return contextlib.nullcontext()
         return _sync_debug_mode("error")
 

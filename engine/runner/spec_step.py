@@ -13,7 +13,7 @@ Every step of a speculating engine (spec steps and plain ones) runs:
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
    logprobs step records the target's logprobs of the tokens at every scored position (engine/sampling/logprobs.py):
-   the host keeps those of the emitted ones. With EngineConfig.spec_finish_kernel a greedy spec step without
+   the host keeps those of the emitted ones. With Tuning.spec_finish_kernel a greedy spec step without
    grammar does all of it (and the draft head's next_tokens) in one kernel, on the target's argmax.
 4. draft: the drafter guesses the next K tokens of each sampling row into SpecState.drafts, if the step
    has few enough rows that its sequences may speculate next.
@@ -40,11 +40,11 @@ class SpecStepProgram(StepProgram):
         self.block_size = block_size
         self.draft_max_rows = draft_max_rows    # steps with more sampling rows skip drafting
         self.aux_layers = tuple(drafter.feature_layers)
-        self.spec_ops = self.spec_finish = None  # EngineConfig.spec_kernels: correct in one kernel
+        self.spec_ops = self.spec_finish = None  # Tuning.spec_kernels: correct in one kernel
         if spec_kernels:
             from engine.kernels.speculative import spec_ops
             self.spec_ops = spec_ops
-        if finish_kernel:                        # EngineConfig.spec_finish_kernel: the greedy finish in one kernel
+        if finish_kernel:                        # Tuning.spec_finish_kernel: the greedy finish in one kernel
             from engine.kernels.speculative import spec_finish
             self.spec_finish = spec_finish
 

@@ -49,7 +49,7 @@ class StepProgram:
         self.penalties = penalties              # PenaltyState (None: the engine has no penalties)
         self.pool = pool                        # TokenPool (engine/memory/token_pool.py): carried inputs, emitted
                                                 # tokens
-        # EngineConfig.step_io_kernels: the input ids + embedding and the emit kernels (Triton: imported only then)
+        # Tuning.step_io_kernels: the input ids + embedding and the emit kernels (Triton: imported only then)
         self.step_io = importlib.import_module("engine.kernels.step_io") if step_io else None
 
     def inputs(self, slot: DecodeSlot, size: int, carry: bool = True):

@@ -140,7 +140,7 @@ class PagedHead:
         return self.target.compute_logits(self.target.final_norm(hidden, self.backend))
 
     def restrict(self, token_ids) -> None:
-        """Unguided drafts from these token ids only (EngineConfig.spec_draft_vocab): their rows of the LM head
+        """Unguided drafts from these token ids only (Tuning.spec_draft_vocab): their rows of the LM head
         are gathered once, so a draft step reads len(token_ids) rows instead of the vocabulary. Guided drafts keep
         the whole vocabulary (the grammar's mask is over it); so does a target split over ranks."""
         ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.target.head_weight.device)

@@ -49,7 +49,7 @@ def start_ranks(config, source, draft, max_model_len: int, encode):
 
 class Cluster:
     def __init__(self, config, source, draft, max_model_len: int, has_encode: bool):
-        self.world, self.timeout = config.tensor_parallel_size, config.tp_timeout_s
+        self.world, self.timeout = config.tensor_parallel_size, config.tuning.tp_timeout_s
         backend, devices = _placement(config)
         self.failure: str | None = None
         self._lock, self._closing = threading.Lock(), threading.Event()
@@ -187,7 +187,9 @@ def _close_at_exit(ref) -> None:
 def _placement(config) -> tuple[str, list[str]]:
     """(device-group backend, each rank's device)."""
     device, world = config.torch_device(), config.tensor_parallel_size
-    backend = config.tp_backend if config.tp_backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+    backend = config.tuning.tp_backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type != "cuda":
         return backend, ["cpu"] * world
     base = device.index if device.index is not None else torch.cuda.current_device()

@@ -41,7 +41,7 @@ def worker_main(spec: WorkerSpec) -> None:
     _exit_with_parent(os.getppid())
     c = spec.config
     store = dist.TCPStore("127.0.0.1", spec.port, spec.world, is_master=False,
-                          timeout=datetime.timedelta(seconds=c.tp_timeout_s))
+                          timeout=datetime.timedelta(seconds=c.tuning.tp_timeout_s))
     try:
         _serve(spec, store)
     except BaseException as exc:
@@ -61,7 +61,7 @@ def _serve(spec: WorkerSpec, store) -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
     store.set(f"hello/{spec.rank}", str(os.getpid()))
-    group = DistGroup(store, spec.rank, spec.world, spec.backend, c.tp_timeout_s)
+    group = DistGroup(store, spec.rank, spec.world, spec.backend, c.tuning.tp_timeout_s)
     encode = _no_encode if spec.has_encode else None
     runner = ModelRunner(c, spec.source, spec.max_model_len, encode, tp=group, draft=spec.draft)
     channel = StepChannel(group)

@@ -10,7 +10,7 @@ from engine.guided.guide import Guide
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
 C = EngineConfig(device="cpu")
-BOUNDS = (C.guide_max_bytes, C.guide_max_enum, C.guide_max_depth, C.guide_max_repeat)
+BOUNDS = (C.tuning.guide_max_bytes, C.tuning.guide_max_enum, C.tuning.guide_max_depth, C.tuning.guide_max_repeat)
 
 
 def schema(obj) -> Guide:
@@ -25,10 +25,10 @@ def deep(n: int) -> dict:
 
 
 @pytest.mark.parametrize("guide,word", [
-    (schema({"description": "x" * (C.guide_max_bytes + 1)}), "guide_max_bytes"),
-    (schema({"properties": {"v": {"enum": list(range(C.guide_max_enum + 1))}}}), "guide_max_enum"),
-    (Guide("choice", json.dumps([str(i) for i in range(C.guide_max_enum + 1)]), False), "guide_max_enum"),
-    (schema(deep(C.guide_max_depth)), "guide_max_depth"),
+    (schema({"description": "x" * (C.tuning.guide_max_bytes + 1)}), "guide_max_bytes"),
+    (schema({"properties": {"v": {"enum": list(range(C.tuning.guide_max_enum + 1))}}}), "guide_max_enum"),
+    (Guide("choice", json.dumps([str(i) for i in range(C.tuning.guide_max_enum + 1)]), False), "guide_max_enum"),
+    (schema(deep(C.tuning.guide_max_depth)), "guide_max_depth"),
     (schema({"type": "string", "pattern": "[a-z]{2000}"}), "guide_max_repeat"),
     (schema({"patternProperties": {"^a{5,20000}$": {}}}), "guide_max_repeat"),
     (Guide("regex", "(ab){3,1001}", False), "guide_max_repeat"),

@@ -199,9 +199,9 @@ def test_engine_with_decode_attention_splits_and_prefetch_set_keeps_the_tokens(m
 def test_decode_attention_splits_must_be_zero_or_a_power_of_two_to_32(splits):
     from engine.config import EngineConfig
     with pytest.raises(ValueError, match="decode_attention_splits"):
-        EngineConfig(decode_attention_splits=splits)
-    assert EngineConfig(decode_attention_splits=32).decode_attention_splits == 32
+        EngineConfig.of(decode_attention_splits=splits)
+    assert EngineConfig.of(decode_attention_splits=32).tuning.decode_attention_splits == 32
     for tiles in (-1, 3):
         with pytest.raises(ValueError, match="decode_attention_prefetch"):
-            EngineConfig(decode_attention_prefetch=tiles)
-    assert EngineConfig().decode_attention_prefetch == 0
+            EngineConfig.of(decode_attention_prefetch=tiles)
+    assert EngineConfig().tuning.decode_attention_prefetch == 0

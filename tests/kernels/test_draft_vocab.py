@@ -1,4 +1,4 @@
-"""EngineConfig.spec_draft_vocab: the EAGLE head drafts from a ranked subset of the vocabulary (PagedHead.restrict),
+"""Tuning.spec_draft_vocab: the EAGLE head drafts from a ranked subset of the vocabulary (PagedHead.restrict),
 and specdec.eagle.token_ranks ranks the target's response tokens for it. Without CUDA the Triton backend runs in
 the CPU interpreter (tests/conftest.py)."""
 import json
@@ -72,7 +72,7 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="list of token ids"):
         load_draft_vocab(str(tmp_path / "w.json"))
     with pytest.raises(ValueError, match="spec_draft_vocab_size"):
-        EngineConfig(spec_draft_vocab="v.json", spec_draft_vocab_size=-1)
+        EngineConfig.of(spec_draft_vocab="v.json", spec_draft_vocab_size=-1)
 
 
 def test_token_ranks_counts_responses_and_scores_held_out_coverage(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """engine.kernels.speculative.spec_finish (a greedy speculative step's verification, finish and next tokens in one
 kernel) against the torch code it replaces (verify.greedy_accept_ids, SpecStepProgram.finish with TokenPool.emit,
-SpecStepProgram.next_tokens), bit for bit, and whole engines with EngineConfig.spec_kernels and
+SpecStepProgram.next_tokens), bit for bit, and whole engines with Tuning.spec_kernels and
 spec_finish_kernel on against off. Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import copy
 from types import SimpleNamespace

@@ -1,6 +1,6 @@
 """engine.kernels.speculative.spec_ops (the speculative step's correction and draft layout, one kernel each) against the
 torch code they replace (SpecStepProgram.correct with TokenPool.carried, drafters/base.py draft_layout), bit for bit,
-and whole engines with EngineConfig.spec_kernels on against off. Without CUDA the kernels run in the Triton CPU
+and whole engines with Tuning.spec_kernels on against off. Without CUDA the kernels run in the Triton CPU
 interpreter (tests/conftest.py)."""
 from types import SimpleNamespace
 
@@ -204,10 +204,10 @@ def test_refusals():
     with pytest.raises(ValueError, match="no columns"):
         so.draft_layout(ctx, start, 0, 2, BS, MML)
     # Triton kernels: on where the backend is Triton, off (not an error) on the torch backend
-    assert not EngineConfig(spec_kernels=True, attention_backend="torch").use_spec_kernels()
-    assert not EngineConfig(spec_kernels=True, attention_backend="auto", device="cpu").use_spec_kernels()
+    assert not EngineConfig.of(spec_kernels=True, attention_backend="torch").use_spec_kernels()
+    assert not EngineConfig.of(spec_kernels=True, attention_backend="auto", device="cpu").use_spec_kernels()
     assert EngineConfig(attention_backend="triton").use_spec_kernels()
-    assert not EngineConfig(spec_kernels=False, attention_backend="triton").use_spec_kernels()
+    assert not EngineConfig.of(spec_kernels=False, attention_backend="triton").use_spec_kernels()
 
 
 def _counting(monkeypatch):

@@ -1,6 +1,6 @@
 """engine.kernels.step_io (a plain step's input ids + embedding, and its emit, one kernel each) against the torch code
 they replace (TokenPool.carried + the embedding lookup; the slot copy + TokenPool.emit), bit for bit, and whole
-engines with EngineConfig.step_io_kernels on against off. Without CUDA the kernels run in the Triton CPU
+engines with Tuning.step_io_kernels on against off. Without CUDA the kernels run in the Triton CPU
 interpreter (tests/conftest.py)."""
 import pytest
 import torch

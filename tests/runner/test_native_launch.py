@@ -37,7 +37,7 @@ def test_without_a_driver_it_says_why_and_refuses():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback without a CUDA driver")
 def test_on_by_default_it_warns_and_keeps_the_python_launch_where_it_cannot_run():
-    assert EngineConfig().native_launch
+    assert EngineConfig().tuning.native_launch
     runner = types.SimpleNamespace(graphs=object())      # a runner with graph steps, on a machine with no driver
     with pytest.warns(UserWarning, match="native_launch cannot run here .*graph steps use the Python launch"):
         assert native_launch.for_runner(runner, enabled=True) is None

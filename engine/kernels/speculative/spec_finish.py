@@ -1,5 +1,5 @@
 """One Triton kernel for the end of a greedy speculative step (engine/runner/spec_step.py,
-EngineConfig.spec_finish_kernel):
+Tuning.spec_finish_kernel):
 
 - `greedy_finish`: engine/speculative/verify.py greedy_accept_ids on the target's argmax ids, then what
   SpecStepProgram.finish writes (the emitted tokens into `slot.spec_out` and `slot.sampled`, each row's last

@@ -1,5 +1,5 @@
 """One Triton kernel each for the speculative step's bookkeeping (engine/runner/spec_step.py,
-EngineConfig.spec_kernels):
+Tuning.spec_kernels):
 
 - `correct`: SpecStepProgram.correct, i.e. the rejected-draft correction of a step's positions, slot mapping,
   seq_lens and sampling steps, its carried input ids (TokenPool.carried) and the history write;

@@ -39,10 +39,11 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         check_head(head, source.config)
         k = config.num_speculative_tokens
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
-        vocab = draft_vocab_file(config.spec_draft_vocab, where)
+        vocab = draft_vocab_file(config.tuning.spec_draft_vocab, where)
         if vocab:
             paged.restrict(load_draft_vocab(vocab, config.spec_draft_vocab_size))
-        return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(), config.draft_gather)
+        return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(),
+                            config.tuning.draft_gather)
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
         from engine.speculative.drafters.draft_model import DraftModelDrafter
@@ -52,7 +53,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
 
 
 def draft_vocab_file(spec_draft_vocab: str, head: str) -> str:
-    """The ranking unguided drafts come from: EngineConfig.spec_draft_vocab's file, or ("") the head directory's
+    """The ranking unguided drafts come from: Tuning.spec_draft_vocab's file, or ("") the head directory's
     token_ranks.json where it has one; "" for the whole vocabulary ("none", a random head, a head without one)."""
     from pathlib import Path
     if spec_draft_vocab == "none":

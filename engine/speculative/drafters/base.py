@@ -134,8 +134,8 @@ def draft_layout(ctx: FeatureContext, start, offset: int, k: int, block_size: in
     `rows` indexed by ctx.last), forward i of every sampling row at position start + offset + i, writing its KV
     slot and attending to its sequence up to there. A row whose pages (kv_cap) or context do not reach the position
     writes nothing (slot -1) and attends to what its pages hold up to `start` (always written); so do padding rows
-    (last_valid False). kernels (EngineConfig.spec_kernels): the tensors in one launch
-    (engine/kernels/speculative/spec_ops.py), else torch ops; gather (EngineConfig.draft_gather): that launch also
+    (last_valid False). kernels (Tuning.spec_kernels): the tensors in one launch
+    (engine/kernels/speculative/spec_ops.py), else torch ops; gather (Tuning.draft_gather): that launch also
     gathers `rows` where it can."""
     gathered = ()
     if kernels:
