@@ -2,8 +2,9 @@
 
 Queued compiles are taken round robin across owners, and an owner runs at most `threads - 1` at once (all of
 them with one thread), so another owner's compile starts on a free thread however many one owner has queued.
-Unfinished compiles are bounded: `queue` in all and a quarter of it per owner, beyond which `submit` raises
-CompileBusy. A queued compile is cancelled with its future; a running one cannot be (xgrammar has no
+Unfinished compiles are bounded: `queue` in all, beyond which `submit` raises CompileBusy, and an owner's share:
+once no more than a quarter of the queue is free, an owner holding a quarter of it is refused too. A lone client
+(or one gateway) may so fill three quarters, and a crowd of them still leaves room for another client. A queued compile is cancelled with its future; a running one cannot be (xgrammar has no
 cancellation point) and runs to its end.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ class CompilePool:
     def __init__(self, threads: int, queue: int):
         self.threads, self.queue = threads, queue
         self.owner_cap = max(1, threads - 1)           # running compiles of one owner
-        self.owner_queue = max(1, queue // 4)          # unfinished compiles of one owner
+        self.owner_queue = max(1, queue // 4)          # unfinished compiles of one owner once the queue is crowded
         self._cond = threading.Condition()
         self._waiting: collections.OrderedDict = collections.OrderedDict()    # owner -> deque of (future, fn)
         self._running: collections.Counter = collections.Counter()
@@ -37,9 +38,10 @@ class CompilePool:
                 raise RuntimeError("the grammar compile pool is closed")
             if bounded and sum(self._unfinished.values()) >= self.queue:
                 raise CompileBusy(f"{self.queue} grammars are compiling; try again shortly")
-            if bounded and self._unfinished[owner] >= self.owner_queue:
-                raise CompileBusy(f"this client has {self._unfinished[owner]} grammars compiling; at most "
-                                  f"{self.owner_queue} at a time")
+            crowded = sum(self._unfinished.values()) >= self.queue - self.owner_queue
+            if bounded and crowded and self._unfinished[owner] >= self.owner_queue:
+                raise CompileBusy(f"this client has {self._unfinished[owner]} grammars compiling and the queue is "
+                                  f"nearly full; at most {self.owner_queue} a client then")
             self._unfinished[owner] += 1
             self._waiting.setdefault(owner, collections.deque()).append((future, fn))
             if self._alive < self.threads:

@@ -36,18 +36,19 @@ def test_one_owner_cannot_take_every_thread():
     pool.close()
 
 
-def test_bounds_refuse_an_owner_past_its_share_and_all_past_the_queue():
-    pool = CompilePool(threads=1, queue=8)       # a quarter of the queue per owner: 2
+def test_bounds_refuse_an_owner_past_its_share_once_crowded_and_all_past_the_queue():
+    pool = CompilePool(threads=1, queue=8)       # a quarter of the queue per owner once 6 are unfinished: 2
     job, started, release = blocker()
     pool.submit(job, "a", bounded=True)
-    pool.submit(lambda: 1, "a", bounded=True)
-    with pytest.raises(CompileBusy, match="this client has 2 grammars compiling; at most 2"):
+    for _ in range(5):                           # alone, a client takes up to three quarters
         pool.submit(lambda: 1, "a", bounded=True)
-    for owner in "bcd":
-        pool.submit(lambda: 1, owner, bounded=True)
-        pool.submit(lambda: 1, owner, bounded=True)
+    with pytest.raises(CompileBusy, match="this client has 6 grammars compiling and the queue is nearly full; at "
+                                          "most 2"):
+        pool.submit(lambda: 1, "a", bounded=True)
+    pool.submit(lambda: 1, "b", bounded=True)    # another client still has room
+    pool.submit(lambda: 1, "b", bounded=True)
     with pytest.raises(CompileBusy, match="8 grammars are compiling"):
-        pool.submit(lambda: 1, "e", bounded=True)
+        pool.submit(lambda: 1, "c", bounded=True)
     pool.submit(lambda: 1, None, bounded=False)  # the engine's own: never refused
     release.set()
     deadline = time.monotonic() + 5

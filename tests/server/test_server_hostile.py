@@ -120,17 +120,21 @@ def slow_schema(n: int, tag: str) -> dict:
     return guided(schema)
 
 
-def test_a_slow_grammar_is_refused_at_its_time_budget_and_its_client_cannot_queue_more(server):
+def test_a_slow_grammar_is_refused_at_its_time_budget_and_a_crowding_client_cannot_queue_more(server):
     got: dict = {}
-    slow = threading.Thread(target=lambda: got.setdefault("slow", timed(post, server, slow_schema(4, "a"))))
-    slow.start()
+    slow = [threading.Thread(target=lambda tag=tag: got.setdefault(tag, timed(post, server, slow_schema(4, tag))))
+            for tag in "abc"]                   # three of the queue's four: it is crowded now
+    for thread in slow:
+        thread.start()
     time.sleep(0.3)
-    busy = post(server, slow_schema(4, "b"))          # the same client, a second uncached grammar: no share left
-    got["other"] = post(server, slow_schema(1, "c"), headers={"x-client": "someone else"})
-    slow.join(60)
-    r, seconds = got["slow"]
-    assert r.status_code == 400 and "grammar_compile_timeout_s" in r.json()["error"]["message"], r.text[:300]
-    assert seconds < COMPILE_TIMEOUT + 3, seconds
+    busy = post(server, slow_schema(4, "d"))          # the same client, past its share of a crowded queue
+    got["other"] = post(server, slow_schema(1, "e"), headers={"x-client": "someone else"})
+    for thread in slow:
+        thread.join(60)
+    for tag in "abc":
+        r, seconds = got[tag]
+        assert r.status_code == 400 and "grammar_compile_timeout_s" in r.json()["error"]["message"], r.text[:300]
+        assert seconds < COMPILE_TIMEOUT + 3, seconds
     assert busy.status_code == 429 and busy.json()["error"]["code"] == "grammar_compile_busy", busy.text[:300]
     other = got["other"]                        # another client (by the trusted header) has its own share
     assert other.status_code in (200, 400) and other.json().get("error", {}).get("code") != "grammar_compile_busy"
