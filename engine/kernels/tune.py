@@ -67,12 +67,23 @@ def tuning_rows(decode_rows, spec_tokens=()) -> list[int]:
 def fingerprint(device: torch.device, dtype: torch.dtype) -> dict:
     import triton
     props = torch.cuda.get_device_properties(device)
-    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    driver = driver_version()
     here = Path(__file__).parent
     digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in _KERNEL_SOURCES)).hexdigest()[:16]
     return dict(format=FORMAT, gpu=props.name, capability=f"{props.major}.{props.minor}", driver=driver,
                 torch=torch.__version__, triton=triton.__version__, dtype=str(dtype).removeprefix("torch."),
                 kernels=digest)
+
+
+def driver_version() -> int:
+    """The CUDA driver's API version (13000 for 13.0) from libcuda, 0 where it cannot be read."""
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    version = ctypes.c_int(0)
+    return version.value if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else 0
 
 
 def cache_path(directory: Path, fp: dict) -> Path:

@@ -258,3 +258,4 @@ def test_a_gpu_start_measures_every_site_once_and_then_reads_the_cache(tmp_path,
     second = LLMEngine(**kw)
     assert f"{len(sites) * len(rows)} cells from" in capfd.readouterr().err
     assert second.runner.backend.routes.cells()
+    assert tune.fingerprint(torch.device("cuda"), torch.float32)["driver"] > 0     # a new driver measures again
