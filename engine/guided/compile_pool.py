@@ -4,8 +4,9 @@ Queued compiles are taken round robin across owners, and an owner runs at most `
 them with one thread), so another owner's compile starts on a free thread however many one owner has queued.
 Unfinished compiles are bounded: `queue` in all, beyond which `submit` raises CompileBusy, and an owner's share:
 once no more than a quarter of the queue is free, an owner holding a quarter of it is refused too. A lone client
-(or one gateway) may so fill three quarters, and a crowd of them still leaves room for another client. A queued compile is cancelled with its future; a running one cannot be (xgrammar has no
-cancellation point) and runs to its end.
+(or one gateway) may so fill three quarters, and a crowd of them still leaves room for another client. A queued
+compile is cancelled with its future; a running one cannot be (xgrammar has no cancellation point) and runs to its
+end.
 """
 from __future__ import annotations
 
