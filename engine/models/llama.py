@@ -6,10 +6,11 @@ sequence's new tokens and pages are. QKV and gate/up projections are fused into 
 Two paths with the same math: the reference path (torch ops, the `torch` attention backend; in float32
 it equals Hugging Face transformers) and the fused path (`backend.fused`: Triton kernels for residual
 add + RMSNorm, RoPE + KV store and SiLU * up; in decode and verification steps RoPE + KV store run inside the
-attention kernel, so a decode layer is ~8 kernels). In steps of at most 4 rows the fused path's matmuls are
-engine/kernels/matmul/decode_gemv.py, with the norm and SiLU * up before them folded in: 5 kernels a layer, launched
-dependently (bench/results/decode_gemv.md, bench/results/rope_attention.md). Both paths compute RoPE and SiLU * up in
-float32 and round once, so in bf16 they differ only in summation order (engine/kernels/fused_ops.py).
+attention kernel, so a decode layer is ~8 kernels). The fused path's matmuls run on the kernel the route table
+measured fastest at the step's rows (engine/kernels/routes.py): the decode GEMV or decode_gemm, with the norm and
+SiLU * up folded in (5 kernels a layer, launched dependently: docs/decode_step.md), or cuBLAS. Both paths compute
+RoPE and SiLU * up in float32 and round once, so in bf16 they differ only in summation order
+(engine/kernels/fused_ops.py).
 """
 from __future__ import annotations
 

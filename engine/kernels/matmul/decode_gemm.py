@@ -54,7 +54,7 @@ _PROGRAMS = 90  # the fewest programs a wider weight tile may leave (an H100 has
 # the same in a decode step (one token a sequence). There o_proj and down at 25-32 rows take 32 weight rows a program
 # (72 programs, not 144 of 16): slower themselves, but the kernels after them (gate_up, attention) load their weights
 # beside fewer programs, 0.767 -> 0.74 ms a step at 32 streams (H200). A verification step of the same rows
-# (8 streams x 4 tokens) lost 2.7% with it: bench/results/gemm_configs_step/.
+# (8 streams x 4 tokens) lost 2.7% with it (docs/decode_step.md, "The decode launch rule").
 DECODE_PROGRAMS = 72
 
 
@@ -111,7 +111,7 @@ def _piece(w, nw, inv, x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, ST
            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The piece's share of acc[n, m] = w[n, :] . A[m, :], A = the prologue of x rounded as the separate kernels
     round it: rms_norm ("norm", inv = each row's 1 / rms), silu_mul ("silu") or x itself. Masked lanes are 0.
-    A 2-D dot of one chunk (Hopper's warpgroup MMA) was slower in the step (bench/results/gemm_configs_step/)."""
+    A 2-D dot of one chunk (Hopper's warpgroup MMA) was slower in the step."""
     dtype = x_ptr.dtype.element_ty
     if PROLOGUE == "norm":
         h, _ = _load_h(x_ptr, res_ptr, stride_x, stride_res, offs_m, m_ok, K, START, WIDTH, BLOCK_K, HAS_RESIDUAL)
@@ -207,7 +207,7 @@ def decode_gemm_config(m: int, n: int, k: int, decode: bool = False) -> dict:
     """Launch parameters by shape and step kind (a bench may replace this function; decode: every row is a
     sequence's one token). Groups of BLOCK_M = 8 tokens, one a program: the programs of a step's row groups each
     read the weight tile again (from L2 after the first), and that parallelism beats reusing the tile in registers
-    (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows, bench/results/decode_rows/). BLOCK_N: the widest of
+    (GROUPS 2 or BLOCK_M 16-32 were slower at 16-32 rows). BLOCK_N: the widest of
     64 / 32 weight rows that still gives >= _PROGRAMS (DECODE_PROGRAMS) programs and fits _TILE weights, else 16.
     BLOCK_K: columns a chunk. No loop to pipeline: num_stages 1."""
     width, groups = sum(pieces(k)), triton.cdiv(m, 8)

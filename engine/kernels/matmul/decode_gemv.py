@@ -28,8 +28,8 @@ down, 2048 programs).
 
 Rows. In a loop over rows each row is a pass waiting on the one before (x load, reductions, stores): ~0.4-1.6 us
 a row at SmolLM2's shapes. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at K = 3) reduce one
-[rows, BLOCK_N, BLOCK_K] product of every row's x, loaded at once, equal to the loop's up to K's summation order
-(bench/results/gemv_rows/); past 4 rows or K > 2048 its registers spill, and single rows gain nothing: those keep
+[rows, BLOCK_N, BLOCK_K] product of every row's x, loaded at once, equal to the loop's up to K's summation order;
+past 4 rows or K > 2048 its registers spill, and single rows gain nothing: those keep
 the loop.
 
 Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype to nearest even, as torch rounds
@@ -52,7 +52,7 @@ MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K the
 MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K (no prologue)
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
 AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
-AT_ONCE_MAX_K = 2048    # past these the product's registers spill (bench/results/gemv_rows/variants.json)
+AT_ONCE_MAX_K = 2048    # past these the product's registers spill
 FOUR_WARPS_K = 4096     # rows up to this K run 4 warps, longer ones 8 (_warps)
 
 
@@ -206,7 +206,7 @@ def one_row_at_a_time(k: int) -> bool:
 
 def _warps(block_k: int) -> int:
     """4 to FOUR_WARPS_K, 8 past it: 64 weight values a thread at _ELEMS a program, and long rows alike. On an
-    H200 at Llama 8B's shapes (bench/results/gemv_prologues/, bench/results/llama8b_floor/): the norm prologue's
+    H200 at Llama 8B's shapes: the norm prologue's
     two row reductions cost gate_up 9% of its bandwidth on 8 warps; o_proj (K = 4096) on 4 keeps twice the
     programs resident, so twice the weight loaded while attention runs (its path 292 -> 240 us a step); the down
     projection's 14336-long rows on 8 instead of 16 (988 -> 906 us)."""
