@@ -3,8 +3,8 @@
 A turn through HOSTILE sends, in order of name: a body past --max-request-bytes, a broken JSON body, a 100,000-value
 enum, a grammar that compiles for minutes (40 anyOf branches of 30 patterned strings, new each time: refused at the
 compile budget, or 429 while the queue is crowded and this client holds its share), a body nested 10,000 deep, a
-2 MB prompt, a connection that sends its request a byte a second (408 at the server's read deadline), a grammar that compiles for
-about a second per property, a 100,000-char stop string and 20 stop strings.
+2 MB prompt, a connection that sends its request a byte a second (408 at the server's read deadline), a grammar
+that compiles for about a second per property, a 100,000-char stop string and 20 stop strings.
 """
 from __future__ import annotations
 
