@@ -103,13 +103,14 @@ class RoutedBackend(_Matmuls):
                  decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
                  device=None):
         from engine.kernels.sampling import argmax, bitmask
-        from engine.kernels.matmul import decode_gemm, decode_gemv, draft_gemv, head_mma
+        from engine.kernels.matmul import decode_gemm, decode_gemv, draft_gemv, head_mma, stream_gemm
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
         from engine.kernels import fused_ops
         self.routes = routes if routes is not None else RouteTable()
         self._k = paged_attention
         self._mods = {"gemv": decode_gemv, "gemm": decode_gemm}     # the matmul kernels by route name
         self._draft, self._mma = draft_gemv, head_mma                # the heads' ("gemv", "mma")
+        self._stream = stream_gemm                                   # "stream": the matmul alone
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
@@ -133,6 +134,8 @@ class RoutedBackend(_Matmuls):
                 return False
             return self._draft.supports(x, norm_weight, weight) if op == "norm_head" \
                 else self._draft.supports_linear(x, weight)
+        if kernel == "stream":
+            return self._stream.supports(x, weight)
         mod = self._mods.get(kernel)
         if mod is None:
             return False
@@ -156,6 +159,9 @@ class RoutedBackend(_Matmuls):
         kernel = "cublas" if bias is not None else self.kernel_for("linear", x, weight, add=add)
         if kernel == "gemv":
             return self._mods["gemv"].decode_linear(x, weight, add)
+        if kernel == "stream":
+            out = self._stream.linear(x, weight)
+            return out if add is None else add + out
         out = self._mods["gemm"].decode_linear(x, weight, **self._launch(kernel, meta)) if kernel == "gemm" \
             else super().linear(x, weight, bias)
         return out if add is None else add + out
@@ -165,6 +171,9 @@ class RoutedBackend(_Matmuls):
                                                                    residual=residual)
         if kernel == "cublas":
             return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
+        if kernel == "stream":
+            normed, residual = self._norm(x, residual, norm_weight, eps)
+            return self._stream.linear(normed, weight), residual
         return self._mods[kernel].decode_norm_linear(x, norm_weight, eps, weight, residual,
                                                      **self._launch(kernel, meta))
 
@@ -174,8 +183,17 @@ class RoutedBackend(_Matmuls):
         if kernel == "cublas":
             gate_up, residual = super().norm_linear(x, residual, norm_weight, eps, weight)
             return self.ops.silu_mul(gate_up), residual
+        if kernel == "stream":
+            normed, residual = self._norm(x, residual, norm_weight, eps)
+            return self.ops.silu_mul(self._stream.linear(normed, weight)), residual
         return self._mods[kernel].decode_norm_linear_silu(x, norm_weight, eps, weight, residual,
                                                           **self._launch(kernel, meta))
+
+    def _norm(self, x, residual, norm_weight, eps):
+        """(rms_norm(x [+ residual]), the new residual), as _Matmuls.norm_linear computes them."""
+        if residual is None:
+            return self.ops.rms_norm(x, norm_weight, eps), x
+        return self.ops.rms_norm(x, norm_weight, eps, residual)
 
     def silu_linear(self, gate_up, weight, residual=None, meta=None):
         return self.linear(self.ops.silu_mul(gate_up), weight, meta=meta, add=residual)

@@ -8,8 +8,9 @@ An op is a matmul with what the engine folds around it:
 - "norm_head": argmax(rms_norm(x) @ W.T) (an EAGLE draft step's head, the final norm folded in)
 
 Kernels: "gemv" (engine/kernels/matmul/decode_gemv.py, with draft_gemv.py's argmax for heads), "gemm"
-(decode_gemm.py), "mma" (head_mma.py, heads only) and "cublas" (torch's matmul, the op around it as kernels of
-its own, and for heads engine/kernels/sampling/argmax.py). cuBLAS runs everything, so it is every cell's fallback.
+(decode_gemm.py), "stream" (stream_gemm.py: 2-64 rows over large weights, the op around it as kernels of its own),
+"mma" (head_mma.py, heads only) and "cublas" (torch's matmul, the op around it as kernels of its own, and for heads
+engine/kernels/sampling/argmax.py). cuBLAS runs everything, so it is every cell's fallback.
 
 The table holds the rows the engine captures (engine/kernels/tune.py measures them); a step of other rows takes
 the cell of the next larger rows, and past the table's last rows cuBLAS. Pins from a route file override it:
@@ -28,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OPS = ("linear", "norm_linear", "norm_linear_silu", "head", "norm_head")
-MATMUL_KERNELS = ("gemv", "gemm", "cublas")
+MATMUL_KERNELS = ("gemv", "gemm", "stream", "cublas")
 HEAD_KERNELS = ("gemv", "mma", "cublas")
-KERNELS = ("gemv", "gemm", "mma", "cublas")
+KERNELS = ("gemv", "gemm", "stream", "mma", "cublas")
 MODES = ("auto", "reference")
 
 
@@ -93,7 +94,7 @@ def _pin(i: int, entry) -> Pin:
         raise ValueError(f"{where}: unknown op {op!r}; choose from {OPS}")
     if op is not None and kernel not in kernels_for(op):
         raise ValueError(f"{where}: kernel {kernel!r} cannot run {op!r} (it runs {kernels_for(op)})")
-    if op is None and kernel in ("gemm", "mma"):
+    if op is None and kernel in ("gemm", "stream", "mma"):
         raise ValueError(f"{where}: kernel {kernel!r} runs only some ops: name the op")
     for name in ("n", "k"):
         if name in entry and not (isinstance(entry[name], int) and entry[name] > 0):

@@ -36,8 +36,8 @@ MAX_ROWS = 64       # no kernel but cuBLAS takes more rows (head_mma's limit)
 NEAR = 1.3          # kernels within this factor of a cell's fastest alone are timed again inside the layer
 FORMAT = 1          # the cache file's layout
 _KERNEL_SOURCES = ("matmul/decode_gemv.py", "matmul/decode_gemm.py", "matmul/draft_gemv.py", "matmul/head_mma.py",
-                   "matmul/gemv_checks.py", "matmul/silu_pairs.py", "sampling/argmax.py", "common.py", "fused_ops.py",
-                   "tune.py")
+                   "matmul/gemv_checks.py", "matmul/stream_gemm.py", "matmul/silu_pairs.py", "sampling/argmax.py",
+                   "common.py", "fused_ops.py", "tune.py")
 
 
 def unique_sites(sites) -> list[Site]:

@@ -1,0 +1,91 @@
+"""engine.kernels.matmul.stream_gemm (2-64 rows over a large weight, streamed over K on tensor cores) against
+F.linear, its refusals, the backend running it where the route table pins it, and an engine with it pinned against
+cuBLAS. Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import triton_module
+from engine.kernels.routes import Pin, RouteTable, pins
+
+sg = triton_module("matmul.stream_gemm")
+DEV = "cpu" if sg.interpreted() else "cuda"
+# fp32: summation order only; bf16 (CUDA): one output rounding apart
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 * 2 ** -7, 2 * 2 ** -8)}
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def randn(*shape, seed, dtype=torch.float32):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=DEV) * 0.5).to(dtype)
+
+
+# rows across every BLOCK_M (16, 32, 64); N not a multiple of BLOCK_N; K not a multiple of BLOCK_K
+@pytest.mark.parametrize("m,n,k", [(2, 40, 64), (3, 100, 300), (16, 33, 256), (17, 70, 96), (33, 20, 512),
+                                   (64, 48, 16)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_linear_matches_torch(m, n, k, dtype):
+    x, w = randn(m, k, seed=1, dtype=dtype), randn(n, k, seed=2, dtype=dtype)
+    got = sg.linear(x, w)
+    want = F.linear(x.float(), w.float()).to(dtype)
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+def test_rows_of_a_strided_x_are_read_where_they_are():
+    wide = randn(5, 128, seed=3)
+    x, w = wide[:, :64], randn(24, 64, seed=4)             # rows 128 apart, each contiguous
+    torch.testing.assert_close(sg.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x,w,words", [
+    (torch.zeros(1, 64), torch.zeros(8, 64), "1 rows"),
+    (torch.zeros(65, 64), torch.zeros(8, 64), "65 rows"),
+    (torch.zeros(4, 64), torch.zeros(8, 32), "K must match"),
+    (torch.zeros(4, 8), torch.zeros(8, 8), "at least 16"),
+    (torch.zeros(4, 64), torch.zeros(8, 64, dtype=torch.float64), "share a float dtype"),
+    (torch.zeros(64, 4).t(), torch.zeros(8, 64), "contiguous"),
+])
+def test_what_it_cannot_take_is_refused_naming_why(x, w, words):
+    x, w = x.to(DEV), w.to(DEV)
+    assert not sg.supports(x, w)
+    with pytest.raises(ValueError, match=words):
+        sg.linear(x, w)
+
+
+@pytest.mark.parametrize("op", ["linear", "norm_linear", "norm_linear_silu"])
+def test_the_backend_runs_each_matmul_op_on_it_where_pinned(op):
+    from engine.backend import RoutedBackend
+    n, k, rows = 96, 64, 5
+    w, x = randn(n, k, seed=5), randn(rows, k, seed=6)
+    nw, residual = torch.rand(k, device=DEV) + 0.5, randn(rows, k, seed=7)
+    add = randn(rows, n, seed=8)
+    routed = RoutedBackend(routes=RouteTable.pinned(Pin("stream", op=op)), device=DEV)
+    reference = RoutedBackend(routes=RouteTable.pinned(Pin("cublas")), device=DEV)
+    assert routed.kernel_for(op, x, w, norm_weight=nw, residual=residual) == "stream"
+    assert routed.kernel_for(op, x[:1], w, norm_weight=nw, residual=residual[:1]) == "cublas"   # one row: not its
+
+    def run(backend):
+        if op == "linear":
+            return (backend.linear(x, w, add=add),)
+        fn = backend.norm_linear if op == "norm_linear" else backend.norm_linear_silu
+        return fn(x, residual, nw, 1e-5, w)
+    for got, want in zip(run(routed), run(reference)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_with_every_matmul_pinned_to_it_matches_cublas_greedy():
+    from engine.llm_engine import LLMEngine
+    from engine.requests.sequence import SamplingParams
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for name, routes in (("stream", pins(*({"kernel": "stream", "op": op, "rows": [2, 64]} for op in
+                                         ("linear", "norm_linear", "norm_linear_silu")))),
+                         ("reference", "")):
+        kw = dict(kernel_routes=routes) if routes else dict(kernels="reference")
+        engine = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
+                           max_num_seqs=4, max_model_len=64, enforce_eager=DEV == "cpu", **kw)
+        outs[name] = [list(s.output_token_ids) for s in engine.generate(prompts, params)]
+        engine.close()
+    assert outs["stream"] == outs["reference"]
