@@ -34,6 +34,7 @@ CHAIN = 8           # layers' weights one timing reads in a row
 REPEATS = 9         # timed replays a candidate (the median counts)
 MAX_ROWS = 64       # no kernel but cuBLAS takes more rows (head_mma's limit)
 NEAR = 1.3          # kernels within this factor of a cell's fastest alone are timed again inside the layer
+AGREE_FP32, AGREE_HALF = 1e-3, 2 ** -5      # a candidate's largest error against cuBLAS, over cuBLAS's largest value
 FORMAT = 1          # the cache file's layout
 _KERNEL_SOURCES = ("matmul/decode_gemv.py", "matmul/decode_gemm.py", "matmul/draft_gemv.py", "matmul/head_mma.py",
                    "matmul/gemv_checks.py", "matmul/stream_gemm.py", "matmul/silu_pairs.py", "sampling/argmax.py",
@@ -170,6 +171,19 @@ class Timer:
                 if backend.can_run(kernel, site.op, x, site.weights[0], norm_weight=site.norm_weight,
                                    residual=residual)]
 
+    def agrees(self, site: Site, rows: int, kernel: str, decode: bool) -> bool:
+        """Whether `kernel`'s output on the site's op agrees with cuBLAS's to its dtype's rounding (heads, whose
+        argmax may break a near tie either way, are not compared): a kernel that computes wrong is no route."""
+        if site.op in ("head", "norm_head"):
+            return True
+        x, residual = _inputs(site, rows)
+        got = call(self.backends[kernel], site, site.weights[0], x, residual, decode)
+        want = call(self.backends["cublas"], site, site.weights[0], x, residual, decode)
+        got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+        scale = want.float().abs().max().clamp_min(1e-6)
+        error = ((got.float() - want.float()).abs().max() / scale).item()
+        return error <= (AGREE_FP32 if x.dtype == torch.float32 else AGREE_HALF)
+
     def time_us(self, site: Site, rows: int, kernel: str, decode: bool) -> float:
         """Median microseconds of one call of `kernel` on the site's op at `rows` rows."""
         backend, weights = self.backends[kernel], site.weights[:CHAIN]
@@ -250,6 +264,10 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
             continue
         for kernel in candidates:
             try:
+                if kernel != "cublas" and not timer.agrees(site, r, kernel, decode=r in decode_rows):
+                    warnings.warn(f"kernel {kernel} disagrees with cuBLAS on {site.op} {site.key[1:]} at {r} rows: "
+                                  "not a route there", stacklevel=2)
+                    continue
                 times[kernel] = round(timer.time_us(site, r, kernel, decode=r in decode_rows), 2)
             except Exception as e:      # a kernel that fails to build or run here is no route
                 if kernel == "cublas":

@@ -60,11 +60,14 @@ def test_pins_override_the_table_the_later_one_winning():
 class GivenTimes:
     """A timer whose timings are given: (op, rows, kernel) -> us."""
 
-    def __init__(self, times):
-        self.times, self.calls = times, []
+    def __init__(self, times, wrong=()):
+        self.times, self.calls, self.wrong = times, [], set(wrong)
 
     def candidates(self, site, rows):
         return [kernel for (op, r, kernel) in self.times if op == site.op and r == rows]
+
+    def agrees(self, site, rows, kernel, decode):
+        return (site.op, rows, kernel) not in self.wrong
 
     def time_us(self, site, rows, kernel, decode):
         self.calls.append((site.op, rows, kernel, decode))
@@ -86,6 +89,15 @@ def test_the_tuner_routes_each_cell_to_its_fastest_kernel_cublas_on_a_tie():
                              ("head", 100, 32): {1: "cublas", 8: "cublas"}}
     assert cells["linear 64 32 1"]["us"] == {"gemv": 3.0, "gemm": 4.0, "cublas": 9.0}
     assert ("linear", 1, "gemv", True) in timer.calls and ("linear", 8, "gemm", False) in timer.calls  # decode rows
+
+
+def test_a_kernel_that_disagrees_with_cublas_is_not_timed_nor_routed():
+    timer = GivenTimes({("linear", 4, "gemv"): 1.0, ("linear", 4, "stream"): 2.0, ("linear", 4, "cublas"): 9.0},
+                       wrong={("linear", 4, "gemv")})
+    with pytest.warns(UserWarning, match="gemv disagrees with cuBLAS on linear"):
+        cells, _ = tune.measure([_site("linear")], [4], set(), timer, progress=False)
+    assert cells["linear 64 32 4"] == {"kernel": "stream", "us": {"stream": 2.0, "cublas": 9.0}}
+    assert ("linear", 4, "gemv", False) not in timer.calls
 
 
 def test_cached_cells_are_not_measured_again_and_one_site_a_shape_is():
@@ -259,3 +271,16 @@ def test_a_gpu_start_measures_every_site_once_and_then_reads_the_cache(tmp_path,
     assert f"{len(sites) * len(rows)} cells from" in capfd.readouterr().err
     assert second.runner.backend.routes.cells()
     assert tune.fingerprint(torch.device("cuda"), torch.float32)["driver"] > 0     # a new driver measures again
+
+
+@pytest.mark.gpu
+def test_the_timer_checks_each_candidate_against_cublas():
+    from engine.backend import RoutedBackend
+    torch.manual_seed(0)
+    w = [torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(2)]
+    site = Site("linear", w)
+    timer = tune.Timer(torch.device("cuda"), lambda routes: RoutedBackend(routes=routes, device="cuda"))
+    assert all(timer.agrees(site, 8, kernel, decode=True) for kernel in timer.candidates(site, 8))
+    timer.backends["stream"].linear = lambda x, weight, meta=None, add=None: torch.zeros(
+        x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)          # a kernel that computes wrong
+    assert not timer.agrees(site, 8, "stream", decode=True)
