@@ -56,8 +56,7 @@ def compile_guide(compiler: xgr.GrammarCompiler, guide: Guide) -> xgr.CompiledGr
 
 def compile_cpus() -> set[int]:
     """The CPUs compiles may run on: the last quarter of this process's (at least one). Even at the lowest priority
-    a compile's threads slow the serving threads of the cores they run on (measured on a 2-core VM: three idle-class
-    busy loops doubled a CPU request's time, one did not), so they keep to a few."""
+    a compile's threads slow the serving threads of the cores they run on, so they keep to a few (docs/server.md)."""
     cpus = sorted(os.sched_getaffinity(0))
     return set(cpus[-max(1, len(cpus) // 4):])
 

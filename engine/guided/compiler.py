@@ -76,7 +76,7 @@ def _schema_problem(guide: Guide) -> str | None:
 
 
 def tokenizer_info(tokenizer, vocab_size: int, eos_ids) -> xgr.TokenizerInfo:
-    """Immutable once built (~0.7 s): the engines of a process that share a tokenizer share it too."""
+    """Immutable, and slow to build: the engines of a process that share a tokenizer share it too."""
     return _tokenizer_info(tokenizer, vocab_size, tuple(sorted(eos_ids)))
 
 
@@ -168,7 +168,7 @@ class GrammarService:
     def __init__(self, tokenizer, vocab_size: int, eos_ids, threads: int = 4, queue: int = 64,
                  processes: bool = False, cache_bytes: int = CACHE_BYTES):
         self.vocab_size, self._hf, self._eos = vocab_size, tokenizer, sorted(eos_ids)
-        self._llg_tokenizer = None          # llguidance's (~0.3 s), built by the first compile that needs it
+        self._llg_tokenizer = None          # llguidance's (not cheap), built by the first compile that needs it
         self.info = tokenizer_info(tokenizer, vocab_size, eos_ids)
         # the service caches compiled grammars and shares compiles itself: xgrammar's own cache would hold a
         # second reference to each, and keep them past the service's bound

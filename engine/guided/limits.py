@@ -1,9 +1,8 @@
 """Bounds on one guide, checked before it is compiled: what makes xgrammar's compile time or grammar explode.
 
-Measured with SmolLM2's vocabulary (one compile thread pool of 4): an `enum` of 5,000 strings compiles in
-0.05 s, of 20,000 in 5.4 s, of 100,000 in minutes; a pattern `[a-z]{10000}` takes 6.7 s before xgrammar
-gives up on it; nesting 100 objects deep takes 0.2 s. The real schemas under test (JSON Mode Eval, BFCL,
-Glaive, GitHub: 4,269 schemas) reach at most 6.9 KB, an enum of 238, nesting 16 and a repetition of 255, so
+An `enum`'s compile time grows much faster than its size, and a long repetition in a pattern runs long before
+xgrammar gives up on it (docs/server.md, "Bounds on one request"). The real schemas under test (JSON Mode Eval,
+BFCL, Glaive, GitHub: 4,269 schemas) reach at most 6.9 KB, an enum of 238, nesting 16 and a repetition of 255, so
 the defaults leave them an order of magnitude of room. Each bound is an EngineConfig field and a serve flag.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ class GuidedTracker:
         self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids, config.grammar_compile_threads,
                                             config.grammar_compile_queue, config.grammar_compile_processes,
                                             config.grammar_cache_mb << 20)
-        self.service: GrammarService | None = None      # built on the first guided request (~0.3 s)
+        self.service: GrammarService | None = None      # built on the first guided request (not cheap)
         self.enabled, self.cuda, self.has_tokenizer = config.guided, cuda, tokenizer is not None
         self.timeout_s = config.grammar_compile_timeout_s
         t = config.tuning
@@ -38,7 +38,7 @@ class GuidedTracker:
         if self.service is None:
             self.service = self._make()
         seq.guided = self.service.submit(seq.params.guide)
-        # A cached grammar compiles in ~0.1 ms: waiting that long lets the request sample in its first step
+        # A cached grammar is ready almost at once: waiting for it lets the request sample in its first step
         # (a later poll would find it ready one step late); an uncached one goes on in the background.
         concurrent.futures.wait([seq.guided.future], timeout=CACHED_COMPILE_WAIT)
         seq.guided.poll()

@@ -93,7 +93,7 @@ def _fetch_default_gguf() -> Path:
 
 @functools.lru_cache(maxsize=8)
 def _digest(path: str, size: int, mtime_ns: int) -> str:
-    """A file's sha256, once per process while its size and time stay (~0.1 s for the default GGUF)."""
+    """A file's sha256, once per process while its size and time stay (hashing reads the whole file)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -210,7 +210,7 @@ def resolve_model(spec: str | None = None) -> ModelSource:
 
 def load_tokenizer(source: ModelSource):
     """The tokenizer (with chat template) from the same source as the weights; None for dummy. Engines of one
-    process share it (they only read it; loading one costs ~0.7 s)."""
+    process share it (they only read it, and loading one is slow)."""
     if source.path is None:
         return None
     return _tokenizer(str(source.path.resolve()))

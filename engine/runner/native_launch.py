@@ -1,12 +1,11 @@
 """A graph step's enqueue in one native call (hostfunc._C.launch_step, hostfunc/csrc/step_launch.cpp).
 
-ModelRunner.launch's CUDA work for a step is an upload on the copy-in stream, four event records, two stream
-waits, the graph's replay and the token download on the copy-out stream: nine torch calls, each a Python wrapper
-with its own cost on the host. At one stream the default model's host launch took ~0.23 ms of a 0.43 ms step on
-an H200 machine, of which the replay itself was 0.02 (docs/pipeline.md). This makes the same
-calls, in the same order on the same streams, from C++ on handles resolved once: the streams, the events (made
-on their first record, so recorded once here), each graph's exec handle (StepGraphs.exec_handle) and the slots'
-buffers (DecodeSlot.raw_copies).
+ModelRunner.launch's CUDA work for a step is an upload on the copy-in stream, four event records, two stream waits,
+the graph's replay and the token download on the copy-out stream: nine torch calls, each a Python wrapper with its
+own cost on the host. At one stream a small model's host launch is then a large share of its step, and the replay
+itself a small part of the launch (docs/pipeline.md). This makes the same calls, in the same order on the same
+streams, from C++ on handles resolved once: the streams, the events (made on their first record, so recorded once
+here), each graph's exec handle (StepGraphs.exec_handle) and the slots' buffers (DecodeSlot.raw_copies).
 
 Steps that write penalty, bias or n-gram history state before their graph (torch calls on the compute stream)
 keep the Python launch, as eager steps do; the two paths interleave freely.

@@ -18,7 +18,7 @@ from engine.speculative import plan as spec_plan
 
 
 # a plain step's leading one-token rows, from this many, are written a field at a time (_fill_decode): its 13 array
-# writes cost more than a few rows' scalar writes (host_step on a 2-core CPU: 1 row 4.3 -> 7.2 us, 8 rows 17.4 -> 15.3)
+# writes cost more than a few rows' scalar writes, less than many rows' (docs/pipeline.md)
 DECODE_ARRAYS_MIN_ROWS = 8
 
 

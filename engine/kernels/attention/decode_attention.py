@@ -4,8 +4,8 @@ engine/kernels/attention/paged_attention.py's `rope=` path, with as little as po
     decode_attention(q, k, v, positions, cos, sin, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                      slot_mapping, scale, ...) -> out         (= paged_attention(q, ..., rope=(k, v, positions, ...)))
 
-At one stream a SmolLM2 step spends ~40% of its critical path in attention (H200, docs/decode_step.md):
-~5 us a layer in which every load waits on the one before (the query's offsets, its position, the RoPE rows, q,
+At one stream attention is the longest kernel on a small model's critical path (docs/decode_step.md): in
+each layer a chain of loads, each waiting on the one before (the query's offsets, its position, the RoPE rows, q,
 the new key's store, a barrier, the page ids, the keys). Only q and the new key and value come from the kernel
 before (the qkv matmul). So here, before the wait: the metadata (written by the step's upload), the RoPE rows of
 the position, and the split's first tile of cached keys and values (earlier steps wrote them). After it: q and the
@@ -143,15 +143,15 @@ def interpreted() -> bool:
 
 def warps(head_pad: int, tile_warps: int) -> int:
     """8 warps for heads of 128 and wider, else the tile config's: at one stream a program's latency is the
-    attention's, and at 4 warps Llama 8B's heads hold 255 registers a thread, 194 on 8 (sm_90); its attention
-    path 291 -> 244 us a step, the step 3.88 -> 3.82 ms (H200)."""
+    attention's, and at 4 warps Llama 8B's heads hold 255 registers a thread, 194 on 8 (sm_90): on 8 the
+    attention's share of the step's critical path is shorter (docs/decode_step.md)."""
     return 8 if head_pad >= WIDE_HEAD else tile_warps
 
 
 def prefetch_rule(num_splits: int) -> int:
-    """Cached tiles a split reads before the wait: two where one split walks the whole context (SmolLM2 at 32
-    streams: attention 229 -> 194 us of the step's critical path), one where the context is split (at one stream
-    two cost 119 -> 146 us; H200)."""
+    """Cached tiles a split reads before the wait: two where one split walks the whole context (the second
+    shortens attention's share of the step's critical path), one where the context is split (there a second
+    lengthens it; docs/decode_step.md)."""
     return 2 if num_splits == 1 else 1
 
 

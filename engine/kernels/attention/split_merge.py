@@ -102,8 +102,8 @@ def combine_kernel(part_acc, part_m, part_l, out_ptr, cu_q, num_seqs, num_heads,
 def merges(num_splits: int, semaphores, groups: int, device) -> bool:
     """Whether a launch of `groups` groups split num_splits ways merges its splits in the kernel: with a semaphore
     buffer of a counter a group, and where its programs fit one an SM. A fuller grid keeps the combine kernel:
-    merged there, 32-stream guided decoding's forward took 0.983-0.995 ms a step against 0.945-0.954, in a load
-    its bf16 outputs changed (H200)."""
+    merging there slowed 32-stream guided decoding's forward, in a load its bf16 outputs changed
+    (docs/decode_step.md)."""
     if num_splits == 1 or semaphores is None or _check_semaphores(semaphores, device) < groups:
         return False
     if device.type != "cuda":
@@ -158,9 +158,8 @@ def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
     A grid under half an SM a program: splits up to one program an SM, at most one per 2 tiles of the bound (at
     one stream even ~170-key contexts decode faster split 3 ways plus the merge than unsplit). A fuller grid
     splits only for long bounds (>= LONG_TILES tiles: the decode graphs of the model's whole context, eager long
-    steps), up to ~3 programs an SM: several are resident on an SM at once. Measured on an H200, SmolLM2 heads,
-    decode: 32 streams at 1024 keys 18.8 -> 12.9 us (4 splits), 64 streams
-    29.8 -> 21.6 (2); at 256 keys splits lose (6.7 -> 6.9 us), so the 512-key graphs keep one."""
+    steps), up to ~3 programs an SM: several are resident on an SM at once. With SmolLM2's heads at 32-64 streams
+    splits win at 1024 keys and lose at 256, so the 512-key graphs keep one (docs/decode_step.md)."""
     if device.type != "cuda":
         return 1
     sms = sm_count(device)

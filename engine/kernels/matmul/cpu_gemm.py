@@ -2,10 +2,9 @@
 elsewhere.
 
 A CPU decode step reads every weight once, so its matmuls are bound by memory bandwidth. torch's BLAS sgemm reaches
-that bound for one row but not for 2-16 (speculative verification, small batches): on an AVX2 machine (2-core AMD
-EPYC, one thread) it reads weights at 3-4 GB/s for 2-8 rows, the native kernel at 7-10 GB/s, both ~10 GB/s for
-one row. The native kernel also makes a row's result independent of the rows beside it (batch-invariant), which
-BLAS does not promise.
+that bound for one row but not for 2-16 (speculative verification, small batches), where the native kernel reads
+weights faster; for one row the two are even (docs/results.md, cpu_gemm). The native kernel also makes a row's
+result independent of the rows beside it (batch-invariant), which BLAS does not promise.
 
 The kernel has no backward: inputs that need gradients take F.linear.
 """

@@ -50,11 +50,11 @@ MAX_ROWS = 32
 MAX_K = 2048
 _LIMITS = dict(rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
 _TILE = 49152  # weight elements a program may hold (64 x 576); 16 rows of any K <= MAX_K fit, so 4 warps always
-_PROGRAMS = 90  # the fewest programs a wider weight tile may leave (an H100 has 132 SMs)
+_PROGRAMS = 90  # the fewest programs a wider weight tile may leave (about two thirds of a 132-SM GPU)
 # the same in a decode step (one token a sequence). There o_proj and down at 25-32 rows take 32 weight rows a program
 # (72 programs, not 144 of 16): slower themselves, but the kernels after them (gate_up, attention) load their weights
-# beside fewer programs, 0.767 -> 0.74 ms a step at 32 streams (H200). A verification step of the same rows
-# (8 streams x 4 tokens) lost 2.7% with it (docs/decode_step.md, "The decode launch rule").
+# beside fewer programs, and the step is shorter. A verification step of the same rows (8 streams x 4 tokens) is
+# longer with it, so it keeps _PROGRAMS (docs/decode_step.md, "The decode launch rule").
 DECODE_PROGRAMS = 72
 
 

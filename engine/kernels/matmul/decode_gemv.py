@@ -8,8 +8,8 @@
     decode_norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual=None) -> (act, new_residual)
                                                   (= fused_ops.silu_mul(decode_norm_linear(...)[0]))
 
-At one stream a decode step's matmuls read 7 MB of weights per SmolLM2 layer in ~4 µs kernels whose bandwidth
-floor is ~0.5 µs: they are latency, not bandwidth. Each program here owns BLOCK_N whole weight rows and loads
+At one stream a decode step's matmuls read a small model's weights in kernels that take several times their
+bandwidth floor: they are latency, not bandwidth. Each program here owns BLOCK_N whole weight rows and loads
 them into registers first. Launched with programmatic dependent launch (engine/kernels/common.pdl), that load
 runs while the kernel before it (the norm, the attention, SiLU * up) is still finishing, since weights never
 change during a step. Only then does it wait (gdc_wait) and read x, so what remains after the dependency is an
@@ -17,7 +17,7 @@ L2 read of x, a row reduction and a store. Without PDL it is a plain GEMV.
 
 A program holds whole rows of x too, so the op before the matmul comes free: the residual add + RMSNorm before
 qkv and gate_up, SiLU * up before down. Each program recomputes it on its copy of x (576 or 1536 values), and
-program 0 stores the new residual; the separate norm and SiLU kernels, 90 of a step's ~310, are gone.
+program 0 stores the new residual; the layers run no norm or SiLU kernel of their own.
 
 The op after comes free too (EPILOGUE): the EAGLE head's residual add after its down projection, the argmax of
 each row over the program's outputs (the LM head's first half of a greedy draft, engine/kernels/matmul/draft_gemv.py),
@@ -26,11 +26,10 @@ the activation itself. The down projection after it then reads I values a row, n
 with the SiLU prologue every one of its programs recomputed the whole row's (8192 exp a program at Llama 1B's
 down, 2048 programs).
 
-Rows. In a loop over rows each row is a pass waiting on the one before (x load, reductions, stores): ~0.4-1.6 us
-a row at SmolLM2's shapes. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at K = 3) reduce one
+Rows. In a loop over rows each row is a pass waiting on the one before (x load, reductions, stores), so each row
+adds its own latency. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at K = 3) reduce one
 [rows, BLOCK_N, BLOCK_K] product of every row's x, loaded at once, equal to the loop's up to K's summation order;
-past 4 rows or K > 2048 its registers spill, and single rows gain nothing: those keep
-the loop.
+past 4 rows or K > 2048 its registers spill, and single rows gain nothing: those keep the loop.
 
 Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype to nearest even, as torch rounds
 (common.round_to, the interpreter included); the summation order differs from cuBLAS, so results agree to
@@ -131,7 +130,7 @@ def _rows_at_once(x_ptr, res_ptr, w, nw, out_ptr, new_res_ptr, add_ptr, idx_ptr,
     prologue on all of it, one product [ROWS, BLOCK_N, BLOCK_K] reduced over K. The row loop's passes wait on
     each other (a row's x load, its reductions and stores, then the next row's); here those latencies overlap.
     Each row's value is the loop's, rounding included, up to the order in which the compiled reduction sums K
-    (the same bits in the interpreter, and in bf16 on an H200 at SmolLM2's and Llama 1B's K <= 2048)."""
+    (the same bits in the interpreter, and in bf16 on sm_90 at SmolLM2's and Llama 1B's K <= 2048)."""
     a, offs_m, m_ok = _rows_prologue(x_ptr, res_ptr, nw, new_res_ptr, stride_x, stride_res, stride_new_res, M, K,
                                      eps, pid, offs_k, k_ok, PROLOGUE, HAS_RESIDUAL, ROWS)
     dtype = x_ptr.dtype.element_ty
@@ -205,11 +204,10 @@ def one_row_at_a_time(k: int) -> bool:
 
 
 def _warps(block_k: int) -> int:
-    """4 to FOUR_WARPS_K, 8 past it: 64 weight values a thread at _ELEMS a program, and long rows alike. On an
-    H200 at Llama 8B's shapes: the norm prologue's
-    two row reductions cost gate_up 9% of its bandwidth on 8 warps; o_proj (K = 4096) on 4 keeps twice the
-    programs resident, so twice the weight loaded while attention runs (its path 292 -> 240 us a step); the down
-    projection's 14336-long rows on 8 instead of 16 (988 -> 906 us)."""
+    """4 to FOUR_WARPS_K, 8 past it: 64 weight values a thread at _ELEMS a program, and long rows alike. At Llama
+    8B's shapes: on 8 warps the norm prologue's two row reductions cost gate_up bandwidth; o_proj (K = 4096) on 4
+    keeps twice the programs resident, so twice the weight is loaded while attention runs; the down projection's
+    14336-long rows are faster on 8 than on 16 (docs/decode_step.md)."""
     return 4 if block_k <= FOUR_WARPS_K else 8
 
 

@@ -4,11 +4,10 @@
     argmax_rows(x, ids [V] int64) -> int64 [M]                       (= ids[x.argmax(-1)]: a draft vocabulary)
 
 A greedy step's tokens were the LM head's cuBLAS GEMM, a cast of its [M, V] logits to float32 and torch's argmax
-(one block-wide reduce per row: ~13 us for 4 x 49152 logits on an H100). Here the cast is gone (the argmax of
-the dtype's logits is that of their float32 copy: the cast is exact) and the reduction is spread: kernel 1 gives
-each program BLOCK_V logits of one row and keeps their maximum and its first column; kernel 2 reduces a row's
-partials to its first maximal column. draft_gemv.py's GEMV argmax epilogue writes the same partials and ends
-with the same kernel 2.
+(one block-wide reduce per row). Here the cast is gone (the argmax of the dtype's logits is that of their float32
+copy: the cast is exact) and the reduction is spread: kernel 1 gives each program BLOCK_V logits of one row and
+keeps their maximum and its first column; kernel 2 reduces a row's partials to its first maximal column.
+draft_gemv.py's GEMV argmax epilogue writes the same partials and ends with the same kernel 2.
 
 Tie rule, as torch.argmax: the first maximal column wins; a row holding a NaN gives its first NaN.
 """
@@ -23,7 +22,7 @@ from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
 
 BLOCK_V = 1024    # logits of a row per kernel-1 program (4 rows of SmolLM2's 49152: 192 programs)
 BLOCK_P = 8192    # partials of a row kernel 2 reads at a time: every wave of loads is one wait (the LM head
-                  # GEMV's argmax at Llama 8B leaves 64 K partials a row: 34 us a step in waves of 1024 on an H200)
+                  # GEMV's argmax at Llama 8B leaves 64 K partials a row: 8 waves, not 64 at 1024)
 _NO_COLUMN = tl.constexpr(2147483647)
 
 

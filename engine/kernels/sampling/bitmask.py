@@ -1,10 +1,9 @@
 """Grammar bitmask applied to logits in one Triton kernel (engine.sampling.sampler.apply_bitmask is its torch twin).
 
-The torch version unpacks the bitmask into a [N, V] bool tensor, reduces it and fills: ~7 kernels per
-guided step, ~20 us of a ~1 ms step at one stream. Here one program per row first ORs the row's words
-(bits past the vocabulary ignored) to learn whether any token is allowed, then sets every disallowed
-logit to -inf, unless none is allowed: such a row stays unmasked and is reported unsatisfiable, so the
-sampler gives it NO_TOKEN instead of a NaN. No host sync, shapes only in the grid: capturable.
+The torch version unpacks the bitmask into a [N, V] bool tensor, reduces it and fills: ~7 kernels per guided step.
+Here one program per row first ORs the row's words (bits past the vocabulary ignored) to learn whether any token is
+allowed, then sets every disallowed logit to -inf, unless none is allowed: such a row stays unmasked and is reported
+unsatisfiable, so the sampler gives it NO_TOKEN instead of a NaN. No host sync, shapes only in the grid: capturable.
 """
 from __future__ import annotations
 

@@ -54,10 +54,10 @@ class Router:
         self.live = 0                                  # choices submitted here and not finished
 
     def _interval(self, active: int) -> int:
-        """Tokens a stream collects before its consumer wakes. Every chunk costs the event loop ~0.1 ms; past
+        """Tokens a stream collects before its consumer wakes. Every chunk costs the event loop time; past
         CHUNKS_PER_STEP active streams, chunks carry more tokens so that the loop's share of a step stays
-        bounded (measured on an H100: with the loop in the engine's process, 32 streams of one token per
-        chunk left the compute stream idle half the time)."""
+        bounded (with the loop in the engine's process, one token a chunk at many streams starved the compute
+        stream; docs/server.md)."""
         if self.stream_interval:
             return self.stream_interval
         return -(-active // CHUNKS_PER_STEP)

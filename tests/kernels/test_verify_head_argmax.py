@@ -1,8 +1,10 @@
-"""A greedy verification's target ids without float32 logits: engine.kernels.matmul.draft_gemv.linear_argmax (the
-target's LM head + argmax on the decode GEMV, the "gemv" route of op "head") against the torch ops it replaces,
-greedy_accept_ids against greedy_accept, which steps of SpecStepProgram take the kernels, and whole engines with
-the head's routes pinned against the reference (cuBLAS, logits). Without CUDA the kernels run in the Triton CPU
-interpreter (tests/conftest.py)."""
+"""A greedy verification's target ids from the LM head's argmax kernels, without float32 logits:
+engine.kernels.matmul.draft_gemv.linear_argmax (the target's LM head + argmax on the decode GEMV, the "gemv" route
+of op "head") against the torch ops it replaces, greedy_accept_ids against greedy_accept, which steps of
+SpecStepProgram take the kernels, and whole speculative engines with the head's routes pinned (the GEMV; cuBLAS +
+engine/kernels/sampling/argmax.py) against the reference (cuBLAS, logits). The plain step's side:
+tests/kernels/test_step_head_argmax.py. Without CUDA the kernels run in the Triton CPU interpreter
+(tests/conftest.py)."""
 from types import SimpleNamespace
 
 import pytest
@@ -205,7 +207,7 @@ def _spying(eng):
 
 
 @pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
-def test_engine_outputs_equal_with_verify_gemv(speculative, depth, monkeypatch):
+def test_engine_outputs_equal_across_head_routes(speculative, depth, monkeypatch):
     """One stream, K = 3 (4 rows a verification): the head pinned to the GEMV (its argmax; n-gram engine) and to
     cuBLAS (its logits, engine/kernels/sampling/argmax.py) give the drafts and greedy outputs of the reference,
     and their greedy spec steps compute no float32 logits; only the GEMV's take the GEMV. A sampled stream and a

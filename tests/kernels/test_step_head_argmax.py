@@ -1,8 +1,9 @@
 """A greedy plain step's tokens from the LM head's argmax kernels, no logits: engine.kernels.matmul.draft_gemv.
-linear_argmax (the LM head + argmax on the decode GEMV, tested against torch in tests/kernels/test_verify_gemv.py)
-where the route table pins "gemv" for the "head" op, else cuBLAS's logits and engine/kernels/sampling/argmax.py.
-Which steps of StepProgram take the kernels, and whole engines with the GEMV pinned against the reference (cuBLAS,
-logits). Without CUDA the kernels run in the Triton CPU interpreter (tests/conftest.py)."""
+linear_argmax (the LM head + argmax on the decode GEMV, tested against torch in
+tests/kernels/test_verify_head_argmax.py) where the route table pins "gemv" for the "head" op, else cuBLAS's logits
+and engine/kernels/sampling/argmax.py. Which steps of StepProgram take the kernels, and whole engines with the GEMV
+pinned against the reference (cuBLAS, logits). Without CUDA the kernels run in the Triton CPU interpreter
+(tests/conftest.py)."""
 from types import SimpleNamespace
 
 import pytest
@@ -66,7 +67,7 @@ def _run(eng, calls, logit_rows):
 
 # in the interpreter (~40 s a case) the pipelined loop only; both loops and the graphs on a GPU
 @pytest.mark.parametrize("depth,eager", [(2, True)] + ([(1, True), (2, False)] if DEV == "cuda" else []))
-def test_engine_outputs_equal_with_head_gemv(depth, eager, monkeypatch):
+def test_engine_outputs_equal_with_the_gemv_head(depth, eager, monkeypatch):
     """The GEMV pinned for the LM head to 4 rows gives the reference's greedy outputs (cuBLAS, every step's
     logits), and its greedy one-row steps compute no logits; a sampled request and one with logprobs keep their
     logits, with the same tokens and logprobs; steps of five rows take cuBLAS's logits and engine/kernels/
