@@ -80,6 +80,7 @@ class EngineConfig:
     num_kv_blocks: int = 0             # KV pages (0: from kv_cache_memory_fraction)
     kv_cache_memory_fraction: float = 0.5  # share of free device memory the KV cache takes
     prefix_caching: bool = True        # prompts with a common prefix share its full KV pages
+    kv_events_endpoint: str = ""       # publish cached-page events (vLLM's KVEvents) on this ZMQ address
     # scheduler
     max_num_seqs: int = 64             # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (longer prompts are prefilled in chunks)
@@ -159,6 +160,13 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.tuning.tp_backend == "gloo" and self.device != "cpu" \
                 and not self.enforce_eager and _cuda_available():
             raise ValueError("tp_backend='gloo' on CUDA cannot be captured in CUDA graphs: set enforce_eager=True")
+        if self.kv_events_endpoint:
+            scheme, sep, rest = self.kv_events_endpoint.partition("://")
+            if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+                raise ValueError(f"kv_events_endpoint {self.kv_events_endpoint!r} is not a ZMQ address: give "
+                                 "tcp://HOST:PORT (e.g. tcp://*:5557), ipc://PATH or inproc://NAME")
+            if not self.prefix_caching:
+                raise ValueError("kv_events_endpoint publishes the prefix cache's pages: it needs prefix_caching")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
 
