@@ -40,6 +40,7 @@ class Tuning:
     guide_max_repeat: int = 1000       # the count of one {n,m} repetition of a regex, pattern or grammar
     # speculation
     spec_draft_vocab: str = ""         # eagle: a JSON token ranking for unguided drafts ("": the head's, "none")
+    spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many of the ranking's tokens (0: all)
     guided_draft_masks: bool = False   # guided + speculative: every draft step picks its token under the grammar
     guided_forced_drafts: bool = False  # guided + speculative: text the grammar forces is drafted as it is
     # tensor parallelism and debugging
@@ -59,6 +60,8 @@ class Tuning:
         if self.decode_attention_prefetch not in (0, 1, 2):
             raise ValueError("decode_attention_prefetch must be 0 (by rule), 1 or 2, got "
                              f"{self.decode_attention_prefetch}")
+        if self.spec_draft_vocab_size < 0:
+            raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
         if self.tp_backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"unknown tp_backend {self.tp_backend!r}; choose from auto, nccl, gloo")
         if not self.tp_timeout_s > 0:
@@ -80,6 +83,7 @@ class EngineConfig:
     num_kv_blocks: int = 0             # KV pages (0: from kv_cache_memory_fraction)
     kv_cache_memory_fraction: float = 0.5  # share of free device memory the KV cache takes
     prefix_caching: bool = True        # prompts with a common prefix share its full KV pages
+    kv_events_endpoint: str = ""       # publish cached-page events (vLLM's KVEvents) on this ZMQ address
     # scheduler
     max_num_seqs: int = 64             # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (longer prompts are prefilled in chunks)
@@ -91,7 +95,6 @@ class EngineConfig:
     num_speculative_tokens: int = 3    # drafts a speculating sequence verifies a step
     spec_head: str = ""                # eagle: a head directory ("": the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model sharing the tokenizer (a path, "default", "dummy:X")
-    spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many most frequent tokens (0: all)
     spec_max_batch: int = 32           # steps with more sequences do not speculate
     spec_min_acceptance: float = 1.3   # speculation pauses while tokens accepted per verification fall below this
     ngram_min_n: int = 1               # ngram: the shortest suffix looked up in the prompt and output
@@ -140,8 +143,6 @@ class EngineConfig:
             raise ValueError(f"unknown kernels {self.kernels!r}; choose from auto, reference")
         if self.kernel_routes and self.kernels != "auto":
             raise ValueError("kernel_routes pins routes of kernels='auto'; 'reference' runs cuBLAS for every matmul")
-        if self.spec_draft_vocab_size < 0:
-            raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
         if self.depth not in (1, 2):
             raise ValueError(f"depth must be 1 (blocking) or 2 (pipelined), got {self.depth}")
         if self.speculative not in SPECULATIVE:
@@ -159,6 +160,13 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.tuning.tp_backend == "gloo" and self.device != "cpu" \
                 and not self.enforce_eager and _cuda_available():
             raise ValueError("tp_backend='gloo' on CUDA cannot be captured in CUDA graphs: set enforce_eager=True")
+        if self.kv_events_endpoint:
+            scheme, sep, rest = self.kv_events_endpoint.partition("://")
+            if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+                raise ValueError(f"kv_events_endpoint {self.kv_events_endpoint!r} is not a ZMQ address: give "
+                                 "tcp://HOST:PORT (e.g. tcp://*:5557), ipc://PATH or inproc://NAME")
+            if not self.prefix_caching:
+                raise ValueError("kv_events_endpoint publishes the prefix cache's pages: it needs prefix_caching")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
 

@@ -75,6 +75,12 @@ class LLMEngine(EngineFrontend):
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
                              f"{self.runner.vocab}")
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, caching=config.prefix_caching)
+        self.kv_events = None
+        if config.kv_events_endpoint:
+            from engine.memory.kv_events import KVEventPublisher
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.block_size,
+                                              "GPU" if self.runner.cuda else "CPU")
+            self.blocks.events = []
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, config.spec_min_acceptance,
                           lookahead=self.runner.draft_lookahead) if self.spec_k else None
@@ -114,6 +120,8 @@ class LLMEngine(EngineFrontend):
         try:
             self.runner.close()
             self.guided.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
         finally:
             if self.cluster is not None:
                 self.cluster.close()
@@ -125,7 +133,15 @@ class LLMEngine(EngineFrontend):
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (pages held by live requests stay with them); returns how many."""
-        return self.blocks.reset_cache()
+        dropped = self.blocks.reset_cache()
+        self._publish_kv_events()
+        return dropped
+
+    def _publish_kv_events(self) -> None:
+        """Hand what changed in the cached pages since the last call to the KV event publisher (if any)."""
+        if self.blocks.events:
+            self.kv_events.publish(self.blocks.events)
+            self.blocks.events = []
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.source.config.get("eos_token_id")
@@ -212,6 +228,7 @@ class LLMEngine(EngineFrontend):
             if not outputs:
                 self.guided.wait_for_compile(timeout=0.05)  # only compiling grammars hold the requests back
         self._deliver(outputs)
+        self._publish_kv_events()
         self.timings.wall += time.perf_counter() - t0
         return outputs
 

@@ -46,6 +46,7 @@ class BlockManager:
         self._page: dict[bytes, int] = {}                  # digest -> registered page
         self._evictable: OrderedDict[int, None] = OrderedDict()   # registered pages nobody holds, oldest first
         self.hit_tokens = self.query_tokens = self.evictions = 0
+        self.events: list | None = None     # a list: the cached set's changes are recorded (memory/kv_events.py)
 
     @property
     def num_free(self) -> int:
@@ -74,8 +75,11 @@ class BlockManager:
         if self._free:
             return self._free.popleft()
         b, _ = self._evictable.popitem(last=False)
-        del self._page[self._digest.pop(b)]
+        digest = self._digest.pop(b)
+        del self._page[digest]
         self.evictions += 1
+        if self.events is not None:
+            self.events.append(("removed", [digest]))
         return b
 
     def free(self, blocks: list[int]) -> None:
@@ -104,12 +108,14 @@ class BlockManager:
             self._refs[b] += 1
         return pages
 
-    def register(self, block: int, digest: bytes) -> None:
-        """`block` holds the page `digest` names. A page with the same digest already registered stays the one
-        (this copy goes back to the free list when its holder lets go)."""
-        if digest not in self._page and block not in self._digest:
-            self._page[digest] = block
-            self._digest[block] = digest
+    def register(self, block: int, digest: bytes) -> bool:
+        """`block` holds the page `digest` names; whether it was registered now. A page with the same digest
+        already registered stays the one (this copy goes back to the free list when its holder lets go)."""
+        if digest in self._page or block in self._digest:
+            return False
+        self._page[digest] = block
+        self._digest[block] = digest
+        return True
 
     def count_query(self, tokens: int, hit: int) -> None:
         self.query_tokens += tokens
@@ -118,6 +124,8 @@ class BlockManager:
     def reset_cache(self) -> int:
         """Forget every registered page (held pages stay with their holders); returns how many were dropped."""
         dropped = len(self._page)
+        if self.events is not None:
+            self.events.append(("cleared",))
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._page.clear()

@@ -70,6 +70,18 @@ class PrefixMap:
         if full <= seq.num_registered:
             return
         self._digest_pages(seq, full)
-        for i in range(seq.num_registered, full):
-            self.blocks.register(seq.block_table[i], seq.block_digests[i])
+        new = [i for i in range(seq.num_registered, full)
+               if self.blocks.register(seq.block_table[i], seq.block_digests[i])]
         seq.num_registered = full
+        if new and self.blocks.events is not None:
+            self._record_stored(seq, new)
+
+    def _record_stored(self, seq, pages: list[int]) -> None:
+        """One "stored" record a run of consecutive newly registered pages: digests, parent digest, tokens."""
+        bs, digests, start = self.blocks.block_size, seq.block_digests, 0
+        for j in range(1, len(pages) + 1):
+            if j == len(pages) or pages[j] != pages[j - 1] + 1:
+                first, last = pages[start], pages[j - 1]
+                self.blocks.events.append(("stored", digests[first:last + 1], digests[first - 1] if first else None,
+                                           seq.tokens(first * bs, (last + 1) * bs)))
+                start = j

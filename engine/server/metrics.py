@@ -1,10 +1,11 @@
 """/metrics: prometheus-client, in a registry of the server's own (several servers may share a process).
 
-Request-level series (status, tokens, TTFT, ITL, latency) are observed on the event loop as responses are
-made. With several API processes (PROMETHEUS_MULTIPROC_DIR set), prometheus-client keeps them in files that
-every process sums when scraped. Engine-level series (queue, running, KV, steps, GPU idle, speculation) are
-read from the engine when scraped (`engine_stats`, in the engine's process), so the loop pays nothing for them
-between scrapes; the values it is writing meanwhile may be a step old.
+The series that routers and dashboards built for vLLM read are exposed under vLLM's names too
+(engine/server/metrics_vllm.py). Request-level series (status, tokens, TTFT, ITL, latency) are observed on the
+event loop as responses are made. With several API processes (PROMETHEUS_MULTIPROC_DIR set), prometheus-client
+keeps them in files that every process sums when scraped. Engine-level series (queue, running, KV, steps, GPU
+idle, speculation) are read from the engine when scraped (`engine_stats`, in the engine's process), so the loop
+pays nothing for them between scrapes; the values it is writing meanwhile may be a step old.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.server import metrics_vllm
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
@@ -34,7 +37,8 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS)
         self.latency = Histogram("specdec_request_latency_seconds", "Arrival to last token", registry=r,
                                  buckets=LATENCY_BUCKETS)
-        self.engine = EngineCollector()
+        self.vllm = metrics_vllm.VllmRequestSeries(r, model_name)     # the same values under vLLM's names
+        self.engine = EngineCollector(model_name)
         self.exposed = _exposed(r)
         self.exposed.register(self.engine)
 
@@ -43,18 +47,24 @@ class ServerMetrics:
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.vllm.prompt_tokens.inc(prompt_tokens)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.vllm.ttft.observe(seconds)
 
     def inter_token(self, gap: float, tokens: int) -> None:
         self.itl.observe(gap / tokens)
+        self.vllm.itl.observe(gap / tokens)
 
     def finished(self, gen) -> None:
-        self.latency.observe(time.perf_counter() - gen.arrival)
+        seconds = time.perf_counter() - gen.arrival
+        self.latency.observe(seconds)
+        self.vllm.e2e.observe(seconds)
         for st in gen.choices:
             self.finishes.labels(st.finish or "unknown").inc()
             self.generation_tokens.inc(st.tokens)
+            self.vllm.finished(st.finish or "unknown", st.tokens)
 
     def render(self, stats: dict) -> bytes:
         """Everything, with the engine's series from `stats` (call on the event loop: no await in between)."""
@@ -70,23 +80,24 @@ def engine_stats(engine, live: int, up: bool) -> dict:
                 compiles=service.compiling() if service is not None else 0, steps=t.steps, gpu_idle=t.gpu_idle,
                 spec_rows=t.spec_rows, spec_proposed=t.spec_proposed, spec_accepted=t.spec_accepted,
                 acceptance_length=t.acceptance_length, up=float(up), frozen_objects=gc.get_freeze_count(),
-                **engine.prefix_cache_stats())
+                preemptions=engine.scheduler.num_preemptions, **engine.prefix_cache_stats())
 
 
 DEAD_STATS = dict(queue=0, running=0, live=0, kv_used=0, kv_total=0, compiles=0, steps=0, gpu_idle=0.0, spec_rows=0,
                   spec_proposed=0, spec_accepted=0, acceptance_length=0.0, up=0.0, prefix_query_tokens=0,
-                  prefix_hit_tokens=0, prefix_cached_pages=0, prefix_evictions=0, frozen_objects=0)
+                  prefix_hit_tokens=0, prefix_cached_pages=0, prefix_evictions=0, frozen_objects=0, preemptions=0)
 
 
 class EngineCollector:
     """Engine-level series from the last `engine_stats` (set just before each render), and the frozen heap of the
     API process that renders them."""
 
-    def __init__(self):
-        self.stats = DEAD_STATS
+    def __init__(self, model_name: str = ""):
+        self.stats, self.model_name = DEAD_STATS, model_name
 
     def collect(self):
         s = self.stats
+        yield from metrics_vllm.engine_series(s, self.model_name)
         yield _gauge("specdec_queue_length", "Requests waiting to be scheduled", s["queue"])
         yield _gauge("specdec_running_requests", "Requests being scheduled", s["running"])
         yield _gauge("specdec_server_requests_in_progress", "Requests admitted by the server, not finished", s["live"])

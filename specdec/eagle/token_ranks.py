@@ -4,7 +4,7 @@
 
 Reads the responses `specdec.train_head --stage generate` wrote (the target's own outputs), counts each token of
 every response, and writes the token ids most frequent first (then the ones never seen, by id) with their counts.
-Tuning.spec_draft_vocab takes the file and spec_draft_vocab_size its first N ids: the EAGLE head then drafts
+Tuning.spec_draft_vocab takes the file and Tuning.spec_draft_vocab_size its first N ids: the EAGLE head then drafts
 only from those rows of the LM head (a smaller matmul each draft step, as EAGLE-3's reduced draft vocabulary).
 Every `--holdout-every`-th response is left out of the counts and scored instead: the share of its tokens a draft
 vocabulary of each `--sizes` covers, by response kind (a draft outside it is always rejected).

@@ -206,3 +206,25 @@ def test_metrics_move(server, client):
     assert after["specdec_time_to_first_token_seconds_count"] == before["specdec_time_to_first_token_seconds_count"] + 1
     assert after["specdec_steps_total"] > before["specdec_steps_total"]
     assert after["specdec_engine_up"] == 1 and after["specdec_kv_blocks_total"] > 0
+
+
+def test_metrics_under_vllms_names_say_what_ours_say(server, client):
+    """Routers and dashboards built for vLLM (llm-d's endpoint picker, autoscalers) read these names."""
+    labels = f"engine=0,model_name={server.model}"
+    before = server.metrics()
+    chat(client, server, max_tokens=5)
+    after = server.wait_idle()
+
+    def moved(name):
+        return after[f"{name}{{{labels}}}"] - before.get(f"{name}{{{labels}}}", 0)
+    assert moved("vllm:time_to_first_token_seconds_count") == 1 and moved("vllm:e2e_request_latency_seconds_count") == 1
+    assert moved("vllm:generation_tokens_total") == 5 and moved("vllm:prompt_tokens_total") > 0
+    success = f"vllm:request_success_total{{engine=0,finished_reason=length,model_name={server.model}}}"
+    assert after[success] == before.get(success, 0) + 1
+    for ours, theirs in (("specdec_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+                         ("specdec_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")):
+        assert moved(theirs) == after[ours] - before[ours]
+    assert after[f"vllm:num_requests_running{{{labels}}}"] == after["specdec_running_requests"] == 0
+    assert after[f"vllm:num_requests_waiting{{{labels}}}"] == after["specdec_queue_length"] == 0
+    assert after[f"vllm:kv_cache_usage_perc{{{labels}}}"] == after["specdec_kv_cache_usage_ratio"]
+    assert after[f"vllm:num_preemptions_total{{{labels}}}"] >= 0

@@ -51,7 +51,7 @@ class ServerState:
         """The state `serve`'s options give, in front of `aengine` (an engine thread or the engine process)."""
         names = args.served_model_name or [aengine.info.name]
         limits = RequestLimits.for_model(tokenizer, aengine.info.max_model_len, args.max_request_bytes)
-        return cls(aengine, tokenizer, names[0], ServerMetrics(), limits, aliases=tuple(names[1:]),
+        return cls(aengine, tokenizer, names[0], ServerMetrics(names[0]), limits, aliases=tuple(names[1:]),
                    client_key_header=args.client_key_header,
                    allow_cache_reset=getattr(args, "allow_cache_reset", False),
                    tool_format=resolve_tool_format(tokenizer, getattr(args, "tool_call_parser", "auto")))

@@ -41,7 +41,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
         vocab = draft_vocab_file(config.tuning.spec_draft_vocab, where)
         if vocab:
-            paged.restrict(load_draft_vocab(vocab, config.spec_draft_vocab_size))
+            paged.restrict(load_draft_vocab(vocab, config.tuning.spec_draft_vocab_size))
         return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(),
                             config.tuning.draft_gather)
     if config.speculative == "draft_model":
