@@ -45,10 +45,14 @@ class _Matmuls:
 
     def norm_linear(self, x, residual, norm_weight, eps, weight, bias=None, meta=None):
         """(linear(rms_norm(x [+ residual])), the new residual: x + residual, or x itself without one)."""
-        if residual is None:
-            return linear(self.ops.rms_norm(x, norm_weight, eps), weight, bias), x
-        normed, residual = self.ops.rms_norm(x, norm_weight, eps, residual)
+        normed, residual = self._norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias), residual
+
+    def _norm(self, x, residual, norm_weight, eps):
+        """(rms_norm(x [+ residual]), the new residual: x + residual, or x itself without one)."""
+        if residual is None:
+            return self.ops.rms_norm(x, norm_weight, eps), x
+        return self.ops.rms_norm(x, norm_weight, eps, residual)
 
     def silu_linear(self, gate_up, weight, residual=None, meta=None):
         """linear(silu_mul(gate_up)), plus the residual when one is given."""
@@ -188,12 +192,6 @@ class RoutedBackend(_Matmuls):
             return self.ops.silu_mul(self._stream.linear(normed, weight)), residual
         return self._mods[kernel].decode_norm_linear_silu(x, norm_weight, eps, weight, residual,
                                                           **self._launch(kernel, meta))
-
-    def _norm(self, x, residual, norm_weight, eps):
-        """(rms_norm(x [+ residual]), the new residual), as _Matmuls.norm_linear computes them."""
-        if residual is None:
-            return self.ops.rms_norm(x, norm_weight, eps), x
-        return self.ops.rms_norm(x, norm_weight, eps, residual)
 
     def silu_linear(self, gate_up, weight, residual=None, meta=None):
         return self.linear(self.ops.silu_mul(gate_up), weight, meta=meta, add=residual)

@@ -118,14 +118,14 @@ class EngineConfig:
     @classmethod
     def of(cls, **options) -> "EngineConfig":
         """An EngineConfig from flat options: Tuning's fields may be given beside EngineConfig's."""
-        tuning = {name: options.pop(name) for name in list(options) if name in TUNING}
-        base = options.pop("tuning", None) or Tuning()
-        return cls(**options, tuning=replace(base, **tuning) if tuning else base)
+        own, tuning = _split(options)
+        base = own.pop("tuning", None) or Tuning()
+        return cls(**own, tuning=replace(base, **tuning) if tuning else base)
 
     def with_options(self, **options) -> "EngineConfig":
         """This config with some options changed, Tuning's fields among them."""
-        tuning = {name: options.pop(name) for name in list(options) if name in TUNING}
-        return replace(self, **options, tuning=replace(self.tuning, **tuning))
+        own, tuning = _split(options)
+        return replace(self, **own, tuning=replace(self.tuning, **tuning))
 
     def __post_init__(self):
         if not isinstance(self.tuning, Tuning):
@@ -202,6 +202,11 @@ class EngineConfig:
         return dict(rope_attention=t.rope_attention, split_merge=t.split_merge, decode_attention=t.decode_attention,
                     decode_attention_splits=t.decode_attention_splits,
                     decode_attention_prefetch=t.decode_attention_prefetch)
+
+def _split(options: dict) -> tuple[dict, dict]:
+    """(EngineConfig's options, Tuning's) of flat options."""
+    return ({k: v for k, v in options.items() if k not in TUNING}, {k: v for k, v in options.items() if k in TUNING})
+
 
 def _cuda_available() -> bool:
     import torch

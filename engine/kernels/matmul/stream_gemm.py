@@ -24,9 +24,11 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import is_interpreted, pdl
+from engine.kernels.matmul import gemv_checks
 
 MIN_ROWS, MAX_ROWS = 2, 64       # one row is the GEMV's; past 64 rows cuBLAS's tiles are full
 MIN_K = 16                       # a tensor-core tile's K
+MAX_K = 1 << 16                  # any model's K: the weight is streamed, not held
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -62,20 +64,13 @@ def interpreted() -> bool:
 
 
 def problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why this kernel cannot take x @ weight.T, or None where it can."""
-    if x.dim() != 2 or weight.dim() != 2:
-        return "x and weight must be 2-D"
-    if not MIN_ROWS <= x.shape[0] <= MAX_ROWS:
-        return f"{x.shape[0]} rows: this kernel takes {MIN_ROWS}-{MAX_ROWS}"
-    if x.shape[1] != weight.shape[1] or x.shape[1] < MIN_K:
+    """Why this kernel cannot take x @ weight.T, or None where it can: its own conditions (a tensor-core tile of K,
+    a float dtype), then those it shares with the decode GEMV (gemv_checks.problem)."""
+    if x.dim() == 2 and weight.dim() == 2 and (x.shape[1] != weight.shape[1] or x.shape[1] < MIN_K):
         return f"K must match and be at least {MIN_K}"
     if x.dtype != weight.dtype or x.dtype not in DTYPES:
         return "x and weight must share a float dtype"
-    if x.device != weight.device or (x.device.type != "cuda" and not interpreted()):
-        return "needs CUDA (or Triton's CPU interpreter)"
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        return "rows must be contiguous"
-    return None
+    return gemv_checks.problem(x, weight, x.shape[1], rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
