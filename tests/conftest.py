@@ -107,6 +107,13 @@ def guided_workload(engine):
     return helpers.guided_workload(engine)
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """An openai client of the test module's own `server` fixture (tests/server/)."""
+    from serving import api_client
+    return api_client(server.url)
+
+
 @pytest.fixture(scope="session")
 def hf_model(engine):
     """Hugging Face transformers' Llama on the very weights the engine loaded."""

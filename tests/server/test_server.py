@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from engine.requests.sequence import SamplingParams
-from serving import CPU_ARGS, api_client, serve
+from serving import CPU_ARGS, serve
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
                                             "unit": {"type": "string", "enum": ["c", "f"]}},
@@ -24,11 +24,6 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 def server():
     with serve(*CPU_ARGS, "--max-num-seqs", "8", "--max-model-len", "512") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return api_client(server.url)
 
 
 def chat(client, server, **kw):

@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from serving import CPU_ARGS, api_client, serve
+from serving import CPU_ARGS, serve
 
 ASK = [{"role": "user", "content": "Give me a small JSON object about a cat."}]
 CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -20,11 +20,6 @@ def server():
     with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", "--served-model-name", "smol", "smol-b",
                "--allow-cache-reset") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return api_client(server.url)
 
 
 def post(server, path, body) -> httpx.Response:

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from serving import CPU_ARGS, api_client, serve
+from serving import CPU_ARGS, serve
 
 ASK = [{"role": "user", "content": "Name three colours."}]
 WARNING = "specdec-warning"
@@ -17,11 +17,6 @@ WARNING = "specdec-warning"
 def server():
     with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return api_client(server.url)
 
 
 def chat(client, server, max_tokens: int = 12, **extra):

@@ -6,7 +6,7 @@ import pytest
 
 from engine.requests.sequence import SamplingParams
 from engine.server.openai.logprobs import token_table
-from serving import CPU_ARGS, api_client, serve
+from serving import CPU_ARGS, serve
 
 ASK = [{"role": "user", "content": "Name three colours."}]
 CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -18,11 +18,6 @@ def server(request):
     extra = ("--single-process",) if request.param == "single-process" else ()
     with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "512", *extra) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return api_client(server.url)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import jsonschema
 import openai
 import pytest
 
-from serving import CPU_ARGS, api_client, serve
+from serving import CPU_ARGS, serve
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
            "required": ["city"], "additionalProperties": False}
@@ -20,11 +20,6 @@ CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 
 def server():
     with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "1024") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return api_client(server.url)
 
 
 def test_text_equals_the_chat_endpoints(server, client):
