@@ -80,7 +80,9 @@ def start_replicas(args, logdir: Path) -> list[tuple]:
 
 
 def start_gateway(args, urls: list[str], policy: str, logdir: Path):
-    """The gateway over `urls` with `policy`, once it answers a chat request -> (process, url, log)."""
+    """The gateway over `urls` with `policy`, once every replica is a ready worker of it and it answers a chat
+    request -> (process, url, log). (It registers workers in the background: a load sent before the last one joins
+    goes to the others alone.)"""
     port, log = free_port(), logdir / f"gateway_{policy}.log"
     cmd = [args.gateway, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
            "--policy", policy, "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
@@ -89,13 +91,20 @@ def start_gateway(args, urls: list[str], policy: str, logdir: Path):
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if httpx.post(f"{url}/v1/chat/completions", json=chat(0, 0, args, "ping"), timeout=60).status_code == 200:
+            if ready_workers(url) >= len(urls) and httpx.post(f"{url}/v1/chat/completions",
+                                                              json=chat(0, 0, args, "ping"), timeout=60).is_success:
                 return proc, url, log
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     stop(proc)
     raise RuntimeError(f"the gateway did not start: {log_tail(log)}")
+
+
+def ready_workers(gateway: str) -> int:
+    """Workers the gateway lists as healthy and ready (its GET /workers)."""
+    workers = httpx.get(f"{gateway}/workers", timeout=10).json().get("workers", [])
+    return sum(w.get("is_healthy", False) and w.get("status") == "ready" for w in workers)
 
 
 def chat(agent: int, turn: int, args, question: str | None = None) -> dict:
