@@ -185,9 +185,11 @@ def _counting(monkeypatch):
     return calls
 
 
-ROUTES = {"reference": dict(kernels="reference"),                                    # cuBLAS, the logits
-          "cublas": dict(),                                                              # cuBLAS + argmax.py
-          "gemv": dict(kernel_routes=pins(dict(kernel="gemv", op="head", rows=[1, 8])))}  # the GEMV's argmax
+# every other matmul on cuBLAS too: on a GPU the tuner's routes would round the logprobs differently
+CUBLAS = dict(kernel="cublas")
+ROUTES = {"reference": dict(kernels="reference"),                                     # cuBLAS, the logits
+          "cublas": dict(kernel_routes=pins(CUBLAS)),                                     # cuBLAS + argmax.py
+          "gemv": dict(kernel_routes=pins(CUBLAS, dict(kernel="gemv", op="head", rows=[1, 8])))}  # the GEMV's argmax
 
 
 def _engine(speculative, depth, routes):

@@ -35,7 +35,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _stream_gemm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_w, stride_out, M, N, K,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+                        NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)          # weight rows: the output's columns
     rows = tl.arange(0, BLOCK_M)                          # token rows
@@ -49,11 +49,11 @@ def _stream_gemm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_w, stride_out, M
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     xt = tl.load(x_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
-    acc = tl.dot(w, xt.to(w.dtype), out_dtype=tl.float32)
+    acc = tl.dot(w, xt.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & (ks[None, :] + k0 < K), other=0.0)
         xt = tl.load(x_ptrs + k0, mask=row_ok[None, :] & (ks[:, None] + k0 < K), other=0.0)
-        acc += tl.dot(w, xt.to(w.dtype), out_dtype=tl.float32)
+        acc += tl.dot(w, xt.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
     out_ptrs = out_ptr + rows[None, :] * stride_out + cols[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
@@ -96,6 +96,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cfg = config(m, n, k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+    precision = "ieee" if weight.dtype == torch.float32 else "tf32"     # tf32 would round float32 inputs
     _stream_gemm_kernel[grid](x, weight, out, x.stride(0), weight.stride(0), out.stride(0), m, n, k, **cfg,
-                              **pdl(_stream_gemm_kernel, x.device, m))
+                              PRECISION=precision, **pdl(_stream_gemm_kernel, x.device, m))
     return out
