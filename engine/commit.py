@@ -49,6 +49,7 @@ class Commits:
                     else tokens[row.sample_idx:row.sample_idx + 1]
                 if row.spec_k:
                     self.scheduler.rejected(row, len(new) - 1)
+                if row.num_drafts:      # (a row that verified no draft did not speculate)
                     spec_rows, spec_accepted = spec_rows + 1, spec_accepted + len(new) - 1
                     self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
                 lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
@@ -67,6 +68,8 @@ class Commits:
             return self.fail(seq, "no token was allowed here (the request's token mask was empty)")
         before = len(seq.output_token_ids)
         reason = self.output.commit(seq, new)
+        if seq.closer is not None and not reason:
+            seq.closer.committed(seq, len(seq.output_token_ids) - before)
         if logprobs is not None:
             seq.logprobs.extend(logprobs[:len(seq.output_token_ids) - before])
         seq.first_token_time = seq.first_token_time or now
@@ -76,7 +79,8 @@ class Commits:
         if not reason:
             return out
         return out._replace(spec=seq.spec.as_dict() if seq.spec is not None else None,
-                            cached_tokens=seq.num_cached_tokens, prompt_logprobs=seq.prompt_logprobs)
+                            cached_tokens=seq.num_cached_tokens, prompt_logprobs=seq.prompt_logprobs,
+                            closed_by=seq.closed_by)
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         seq.finish_time = now or time.perf_counter()

@@ -108,6 +108,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0  # a request whose grammar compiles longer fails
     grammar_compile_processes: bool = False  # compile in child processes, killed once no request waits
     grammar_cache_mb: int = 512        # compiled grammars kept for reuse, least recently used dropped first
+    guided_repeat_limit: int = 48      # a JSON value repeating one n-gram this many tokens is closed (0: never)
     # kernels and parallelism
     attention_backend: str = "auto"    # "triton", "torch", or "auto" (triton on cuda)
     kernels: str = "auto"              # "auto": each matmul on the kernel measured fastest here; "reference": cuBLAS
@@ -137,6 +138,8 @@ class EngineConfig:
         for name in ("grammar_compile_threads", "grammar_compile_queue", "grammar_cache_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.guided_repeat_limit < 0:
+            raise ValueError(f"guided_repeat_limit must be >= 0 (0: no guard), got {self.guided_repeat_limit}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.kernels not in ("auto", "reference"):

@@ -79,7 +79,8 @@ class Scheduler:
             seq = self.running[i]
             scheduled = seq.num_scheduled_tokens          # read once: seq.schedule_target is this less grammar_blocked
             n = min(scheduled - seq.grammar_blocked - seq.num_computed_tokens, budget)
-            if n <= 0 or scheduled >= seq.max_len:     # nothing new, or capped
+            # nothing new, capped, or a guided output about to close that waits for its token in flight
+            if n <= 0 or scheduled >= seq.max_len or (seq.closer is not None and seq.closer.hold(seq)):
                 i += 1
                 continue
             n = n + k                           # a spec step: the last token and k drafts
@@ -160,6 +161,8 @@ class Scheduler:
             seq.block_table += self.blocks.allocate(need)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if seq.closer is not None:
+                seq.closer.hold(seq)            # its first token may already be a closing's (nothing is in flight)
             rows.append(self._row(seq, n))
             rows[-1].cached = matched
             budget -= n
@@ -171,8 +174,8 @@ class Scheduler:
         start = seq.num_computed_tokens
         scheduled = seq.num_scheduled_tokens if scheduled is None else scheduled
         row = ScheduledRow(seq, start, n, sample=start + n - k == scheduled, spec_k=k, epoch=seq.num_preemptions)
-        if k:
-            row.num_drafts = self.spec.row_drafts(seq, k)
+        if k:       # a guided output closing runs a token a step (engine/guided/closing.py)
+            row.num_drafts = 0 if seq.closer is not None and seq.closer.stepwise else self.spec.row_drafts(seq, k)
         return row
 
     def preempt(self, seq: Sequence) -> None:

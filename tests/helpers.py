@@ -83,7 +83,8 @@ def staggered(prompts):
             (1, prompts[4], UNGUIDED),
             (2, prompts[1], SamplingParams(max_tokens=10, temperature=0, regex="[a-z ]+")),
             (4, prompts[2], SamplingParams(max_tokens=24, temperature=0, ebnf=PRIMES)),
-            (6, prompts[4], SamplingParams(max_tokens=12, temperature=0.8, seed=3, regex=f"{WORDS}( {WORDS})*")),
+            (6, prompts[4], SamplingParams(max_tokens=12, temperature=0.8, seed=3, regex=f"{WORDS}( {WORDS})*",
+                                           close_at_budget=False)),     # cut by its budget
             (7, prompts[0], SamplingParams(max_tokens=16, temperature=0, json_object=True))]
 
 

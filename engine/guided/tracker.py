@@ -10,6 +10,7 @@ import xgrammar as xgr
 
 import hostfunc
 from engine.guided import limits
+from engine.guided.closing import JSON_KINDS, Closer, ClosingVocab, budget_problem
 from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.masks import Snapshot
 
@@ -27,6 +28,9 @@ class GuidedTracker:
         t = config.tuning
         self.bounds = (t.guide_max_bytes, t.guide_max_enum, t.guide_max_depth, t.guide_max_repeat)
         self.compiling: list = []                       # sequences whose grammar is not ready yet
+        self.repeat_limit = config.guided_repeat_limit
+        self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
+        self._vocab: ClosingVocab | None = None         # built on the first closer
 
     def start(self, seq) -> None:
         """At add_request: start compiling (raises ValueError if guided decoding cannot run here)."""
@@ -85,12 +89,33 @@ class GuidedTracker:
             if message is None and not seq.guided.ready and begun is not None and now - begun > self.timeout_s:
                 seq.guided.cancel()
                 message = self.timeout_message(seq.guided.guide)
+            if message is None and seq.guided.ready:
+                message = self._start_closing(seq)
             if message is not None:
                 failed.append((seq, message))
             elif not seq.guided.ready:
                 still.append(seq)
         self.compiling = still
         return failed
+
+    def closer(self, compiled, params) -> Closer | None:
+        """A Closer for a request's compiled grammar (None: xgrammar runs neither of its features for it)."""
+        guard = self.repeat_limit if params.repetition_guard and params.guide.kind in JSON_KINDS else 0
+        if not isinstance(compiled, xgr.CompiledGrammar) or not (params.close_at_budget or guard):
+            return None
+        if self._vocab is None:
+            self._vocab = ClosingVocab(self.service.info)
+        return Closer(compiled, self._vocab, params.close_at_budget, guard, self.spec_k)
+
+    def _start_closing(self, seq) -> str | None:
+        """Its grammar is ready: its Closer, or why its max_tokens can hold no valid output."""
+        try:
+            seq.closer = self.closer(seq.guided.future.result(), seq.params)
+        except Exception as exc:            # noqa: BLE001 - this request alone fails
+            return f"guided decoding failed: {type(exc).__name__}: {exc}"
+        if seq.closer is None or not seq.params.close_at_budget:
+            return None
+        return budget_problem(seq.closer.minimum, seq.max_len - len(seq.prompt_token_ids), seq.params.guide)
 
     def wait_for_compile(self, timeout: float) -> None:
         """Nothing can run until a grammar is ready: sleep on the compiles instead of spinning."""

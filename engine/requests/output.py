@@ -33,6 +33,8 @@ class RequestOutput(NamedTuple):
                                                 # (its logprob, [(token id, logprob), ...] best first)
     cached_tokens: int = 0                      # prompt tokens found in the prefix cache, final output only
     prompt_logprobs: list | None = None         # engine/sampling/prompt_logprobs.py entries, final output only
+    closed_by: str | None = None                # a guided output the engine closed: "budget" or "repetition"
+                                                # (engine/guided/closing.py), final output only
 
 
 # text that tokenization-space cleanup would change (" ." -> ".", " 's" -> "'s", ...)

@@ -78,6 +78,10 @@ class SamplingParams:
     # OpenAI's logit_bias: {token id: bias in [-100, 100], or -inf: never chosen (vLLM's bad_words)} added to the logits
     # after the penalties (stored as sorted (id, bias) pairs, hashable like every other field)
     logit_bias: dict | tuple | None = None
+    # Guided outputs that end valid (engine/guided/closing.py, xgrammar guides): close the output before max_tokens
+    # cuts it; close a JSON value that repeats one n-gram (the engine's guided_repeat_limit tokens)
+    close_at_budget: bool = True
+    repetition_guard: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT))
@@ -99,7 +103,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         ids = _sequence_of("stop_token_ids", self.stop_token_ids, numbers.Integral)
         object.__setattr__(self, "stop_token_ids", tuple(_integer("a stop token id", t, 0, INT64_MAX) for t in ids))
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "close_at_budget", "repetition_guard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_speculative_tokens is not None:
@@ -212,6 +216,7 @@ class Sequence:
     out: object = None                          # output state: incremental detokenizer, streamed text
     error: str | None = None                    # why the request failed (finish_reason "error")
     guided: object = None                       # GuidedRequest (engine/guided/compiler.py) of a guided request
+    closer: object = None                       # its Closer (engine/guided/closing.py), once its grammar is ready
     retain: bool = False                        # keep it after it finishes, until LLMEngine.take()
     num_preemptions: int = 0
     pool_row: int = -1                          # its row of the device-side token pool (engine/memory/token_pool.py)
@@ -250,6 +255,11 @@ class Sequence:
         """Tokens it may compute now: all it knows, less the last one while its grammar is blocked (that
         token's step would sample)."""
         return self.num_scheduled_tokens - self.grammar_blocked
+
+    @property
+    def closed_by(self) -> str | None:
+        """A guided output the engine closed: "budget" or "repetition" (engine/guided/closing.py), else None."""
+        return self.closer.closed_by if self.closer is not None else None
 
     @property
     def capped(self) -> bool:

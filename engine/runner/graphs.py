@@ -60,6 +60,7 @@ def _pad_sampling(h, start: int, end: int) -> None:
     h["seeds"][start:end] = 0
     h["steps"][start:end] = 0
     h["smp_row"][start:end] = -1        # no token-pool row: its writes go to the dummy row
+    h["forced"][start:end] = -1
     if "pen_row" in h:
         neutral(h, start, end)
     if "smp_shift" in h:

@@ -84,7 +84,7 @@ def _fill_decode(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
     the host unless it is pending (then carried from the token pool), so every field is written."""
     h, bs = slot.np, block_size
     ids, pos, slots, carry, pool, lens, pick = [], [], [], [], [], [], []
-    temp, top_k, top_p, seeds, steps, smp = [], [], [], [], [], []
+    temp, top_k, top_p, seeds, steps, smp, forced = [], [], [], [], [], [], []
     for i, row in enumerate(rows):
         seq, start = row.seq, row.start
         try:
@@ -107,10 +107,12 @@ def _fill_decode(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
             seeds.append(seq.seed)
             steps.append(len(seq.output_token_ids) + seq.num_pending)
             smp.append(seq.pool_row)
+            forced.append(-1 if seq.closer is None else seq.closer.forced_at(steps[-1]))
     n, s = len(rows), len(pick)
     for name, values in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots), ("carry_src", carry),
                          ("tok_row", pool), ("seq_lens", lens), ("logits_indices", pick), ("temperature", temp),
-                         ("top_k", top_k), ("top_p", top_p), ("seeds", seeds), ("steps", steps), ("smp_row", smp)):
+                         ("top_k", top_k), ("top_p", top_p), ("seeds", seeds), ("steps", steps), ("smp_row", smp),
+                         ("forced", forced)):
         h[name][:len(values)] = values
     h["cu_seqlens_q"][1:n + 1] = range(1, n + 1)
     return n, s, 1 if n else 0, max(lens, default=0), carry.count(0)
@@ -182,6 +184,7 @@ def fill_sampling(h, s: int, token_index: int, seq) -> None:
     h["seeds"][s] = seq.seed
     h["steps"][s] = len(seq.output_token_ids) + seq.num_pending
     h["smp_row"][s] = seq.pool_row
+    h["forced"][s] = -1 if seq.closer is None else seq.closer.forced_at(h["steps"][s])
 
 
 def write_block_table(slot, i: int, seq) -> None:

@@ -26,6 +26,7 @@ _FIELDS = {  # name -> (dtype, shape key)
     "logits_indices": (torch.int64, "seqs"), "temperature": (torch.float32, "seqs"),
     "top_k": (torch.int64, "seqs"), "top_p": (torch.float32, "seqs"), "seeds": (torch.int64, "seqs"),
     "steps": (torch.int64, "seqs"), "tok_row": (torch.int64, "tokens"), "smp_row": (torch.int64, "seqs"),
+    "forced": (torch.int64, "seqs"),
 }
 # With speculation (speculative/): whether the host planned a token / sequence / sampling row as if the sequence's
 # in-flight drafts were all accepted (shift, smp_shift; seq_shift: its pool row, or -1: the device corrects them),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runner.step import StepProgram, head_argmax, mark
+from engine.runner.step import StepProgram, forced, head_argmax, mark
 from engine.sampling.logprobs import record
 from engine.sampling.sampler import NO_TOKEN
 from engine.speculative.drafters.base import DraftContext, FeatureContext
@@ -184,6 +184,8 @@ class SpecStepProgram(StepProgram):
         if lead is not None:
             first = torch.arange(K + 1, device=tokens.device)[None, :] == 0
             tokens = torch.where(first & (lead == 0)[:, None], NO_TOKEN, tokens)
+            # a row closing its output verifies no draft: its one token is the host's (engine/guided/closing.py)
+            tokens = torch.cat([forced(tokens[:, :1], d["forced"][:S, None]), tokens[:, 1:]], dim=1)
         return tokens, accepted, drafted
 
     # ---- 4. record and draft -------------------------------------------------------------------

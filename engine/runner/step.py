@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib
 from typing import NamedTuple
 
+import torch
+
 from engine.attention import AttentionMetadata
 from engine.runner.slots import DecodeSlot
 from engine.sampling.logprobs import record
@@ -136,10 +138,18 @@ class StepProgram:
             min_p = d["min_p"][:rows]
         tokens = sample(logits, d["temperature"][:rows], d["top_k"][:rows], d["top_p"][:rows], d["seeds"][:rows],
                         d["steps"][:rows], bitmask=mask, all_greedy=greedy, masker=self.masker, min_p=min_p)
+        if mask is not None:
+            tokens = forced(tokens, d["forced"][:rows])
         self.emit(slot, tokens, rows)
         if extras and slot.logprobs is not None:
             record(slot.logprobs[:rows, :1], logits, tokens[:, None])
         return tokens
+
+
+def forced(tokens: torch.Tensor, forced_ids: torch.Tensor) -> torch.Tensor:
+    """A guided step's tokens, with the host's choice where it forces one (>= 0): the closing of a guided output
+    (engine/guided/closing.py)."""
+    return torch.where(forced_ids >= 0, forced_ids, tokens)
 
 
 def head_argmax(model, backend, hidden, variant: StepVariant):

@@ -196,15 +196,19 @@ def test_each_guide_kind_shapes_the_output_and_ends_it(engine, chat_prompts):
                 (chat_prompts[3], SamplingParams(max_tokens=48, temperature=0.7, seed=2, json_object=True)),
                 (chat_prompts[3], SamplingParams(max_tokens=5, temperature=0, json_object=True)),
                 (chat_prompts[2], SamplingParams(max_tokens=32, temperature=0, regex=nums)),
-                (chat_prompts[3], SamplingParams(max_tokens=48, temperature=0, structural_tag=TAG))]
+                (chat_prompts[3], SamplingParams(max_tokens=48, temperature=0, structural_tag=TAG)),
+                (chat_prompts[3], SamplingParams(max_tokens=5, temperature=0, json_object=True, close_at_budget=False))]
     seqs = _finals(engine, requests)
     eos = engine.eos_ids
     for seq in seqs[:2]:
         assert seq.finish_reason == "stop" and seq.text in CITIES, (seq.finish_reason, seq.text)
     for seq in seqs[2:4]:
         assert seq.finish_reason == "stop" and isinstance(json.loads(seq.text), dict), (seq.finish_reason, seq.text)
-    cut = seqs[4]
+    closed, cut = seqs[4], seqs[7]          # five tokens: closed before the budget, or cut by it
+    assert closed.finish_reason == "stop" and closed.closed_by == "budget" and len(closed.output_token_ids) <= 5
+    assert isinstance(json.loads(closed.text), dict), closed.text
     assert cut.finish_reason == "length" and len(cut.output_token_ids) == 5 and cut.text.startswith("{")
+    assert cut.closed_by is None
     with pytest.raises(json.JSONDecodeError):
         json.loads(cut.text)
     assert seqs[5].finish_reason == "stop" and re.fullmatch(nums, seqs[5].text), seqs[5].text

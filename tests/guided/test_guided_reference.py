@@ -61,7 +61,7 @@ def hf_guided(engine, hf_model, prompt, params):
 @pytest.fixture(scope="module")
 def cases(engine):
     """name -> (prompt, params): five JME schemas, a regex, an EBNF grammar, a choice."""
-    greedy = dict(max_tokens=NEW, temperature=0)
+    greedy = dict(max_tokens=NEW, temperature=0, close_at_budget=False, repetition_guard=False)   # as transformers
     out = {}
     if BENCH.is_dir():
         out = {n: (schema_prompt(engine, schema(n)), SamplingParams(json_schema=schema(n), **greedy)) for n in JME}

@@ -3,6 +3,7 @@ for every drafter (n-gram cut by the grammar, the EAGLE head and a draft model d
 grammar-forced tokens), K 1 and 3, depth 1 and 2, batched with unguided and sampled rows; every output that
 ends "stop" validates; failures in the draft callbacks end their request alone.
 """
+import dataclasses
 import json
 
 import jsonschema
@@ -221,9 +222,12 @@ def test_gpu_32_guided_speculative_rows_finish_without_deadlock(engine):
     assert_no_leak(eng)
 
 
-def test_eos_inside_accepted_drafts_ends_the_request(guided_workload, reference):
+def test_eos_inside_accepted_drafts_ends_the_request(guided_workload):
     """The target drafting for itself under draft masks drafts the grammar's EOS and the target accepts it: the
     request ends at the EOS, tokens after it in the same step are dropped, the output equals the reference."""
+    workload = [(0, prompt, dataclasses.replace(params, close_at_budget=False))     # its own EOS, not a closing's
+                for _, prompt, params in guided_workload[:1]]
+    reference = run(workload, depth=1)[1]
     eng = LLMEngine(**CPU, **DRAFTERS["draft_model"])
     commit, cuts = eng.output.commit, []
 
@@ -233,7 +237,7 @@ def test_eos_inside_accepted_drafts_ends_the_request(guided_workload, reference)
         cuts.append((tokens, len(seq.output_token_ids) - before, reason))
         return reason
     eng.output.commit = probe
-    got = drive(eng, guided_workload[:1])
+    got = drive(eng, workload)
     assert got[0].output_token_ids == reference[0].output_token_ids and got[0].finish_reason == "stop"
     eos = [(toks, n) for toks, n, reason in cuts if reason == "stop" and any(t in eng.eos_ids for t in toks)]
     assert eos and eos[-1][0].index(next(t for t in eos[-1][0] if t in eng.eos_ids)) > 0, \

@@ -1,0 +1,221 @@
+"""Guided outputs that end valid within their token budget, and values that do not repeat forever.
+
+The grammar keeps an output on a valid path, but nothing steers it to an end: a small model can stay inside a
+string or an array until max_tokens cuts it, and the client gets half a tool call. Each guided request on
+xgrammar gets a `Closer` (loop thread only). It follows the committed output with a matcher of its own (the
+grammar node's matchers belong to the grammar stream's callbacks) and asks it for a closing text: a short
+continuation after which the grammar is complete, found greedily from the grammar itself (its jump-forward
+string where it has one, else the first byte it accepts of a list that prefers closing a string, an array or an
+object). Tokenized by longest match over the vocabulary and followed by the stop token, that text is what the row
+emits once its budget left reaches the closing's length plus a margin: the request ends valid, with
+finish_reason "stop" and `closed_by` "budget".
+
+The repetition guard watches the committed output for one n-gram (period up to MAX_PERIOD tokens) repeated over
+`limit` tokens; it then closes the value being written (the closing text up to its first closing byte: the end
+of a string, array or object) and lets the model go on as the schema allows. A third firing closes the output.
+
+Forcing: the host knows each token a closing row will emit, so the step's `forced` input carries it and the
+sampler emits it in place of its own choice (the grammar's mask allows it: the text came from the grammar). The
+closing text starts from committed output: a row due to close with a token in flight sits out one step first.
+Outputs that end on their own before any of this are untouched.
+"""
+from __future__ import annotations
+
+import xgrammar as xgr
+
+MAX_PERIOD = 8          # longest repeated n-gram the guard sees, in tokens
+MAX_CLOSING = 512       # bytes a closing text may take before the search gives up
+REFRESH = 32            # committed tokens between estimates outside the closing zone
+CLOSERS = b'"]}'
+JSON_KINDS = ("json_schema", "json_object")    # the guides the repetition guard watches
+# bytes tried in order where the grammar forces nothing: first what closes a string, array or object, then what
+# starts the shortest values, then anything printable
+_FIRST = [b'"', b"}", b"]", b"0", b"a", b"[", b"{", b"t", b"f", b"n", b"-", b",", b":", b" ", b"1", b"A"]
+CANDIDATES = tuple(_FIRST + [bytes([c]) for c in range(32, 127) if bytes([c]) not in _FIRST] + [b"\n"])
+
+
+def budget_problem(minimum: int | None, max_tokens: int, guide) -> str | None:
+    """Why `max_tokens` cannot hold any whole output of `guide` (its shortest takes `minimum`), or None."""
+    if minimum is None or max_tokens >= minimum:
+        return None
+    return (f"max_tokens={max_tokens} cannot hold any complete output of this {guide.kind}: the shortest takes "
+            f"{minimum} tokens (set max_tokens >= {minimum}, or close_at_budget=false to accept a cut output)")
+
+
+class ClosingVocab:
+    """The vocabulary's bytes, for feeding a matcher committed tokens and tokenizing a closing text."""
+
+    def __init__(self, info: xgr.TokenizerInfo):
+        self.bytes = [b if isinstance(b, bytes) else b.encode() for b in info.decoded_vocab]
+        special = set(info.special_token_ids) | set(info.stop_token_ids)
+        self.ids = {}
+        for i, b in enumerate(self.bytes):
+            if b and i not in special:
+                self.ids.setdefault(b, i)
+        self.longest = max(map(len, self.ids), default=1)
+        self.stop = info.stop_token_ids[0]
+
+    def text(self, tokens) -> bytes:
+        return b"".join(self.bytes[t] for t in tokens)
+
+    def tokens(self, text: bytes) -> list[int]:
+        """Longest-match tokens of `text` (every byte has a token in a byte-level vocabulary)."""
+        out, i = [], 0
+        while i < len(text):
+            for n in range(min(self.longest, len(text) - i), 0, -1):
+                tok = self.ids.get(text[i:i + n])
+                if tok is not None:
+                    out.append(tok)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"no token spells {text[i:i + 1]!r}")
+        return out
+
+
+def closing_text(matcher: xgr.GrammarMatcher, limit: int = MAX_CLOSING) -> bytes | None:
+    """A continuation after which `matcher`'s grammar is complete (b"" if it is already), or None if the greedy
+    search finds none within `limit` bytes. The matcher is left as it was."""
+    out, steps = bytearray(), 0
+    try:
+        while len(out) <= limit:
+            if matcher.is_completed():
+                return bytes(out)
+            forced = matcher.find_jump_forward_string().encode()
+            if forced and matcher.accept_string(forced):
+                out += forced
+                steps += 1
+                continue
+            for byte in CANDIDATES:
+                if matcher.accept_string(byte):
+                    out += byte
+                    steps += 1
+                    break
+            else:
+                return None
+        return None
+    finally:
+        if steps:
+            matcher.rollback(steps)
+
+
+class Closer:
+    """One guided request's closing: its matcher over the committed output, the estimate of what closing takes
+    (tokens, stop token included), and the tokens it forces from output index `start`. `margin`: budget left past
+    the estimate at which the row enters its closing zone, where it has no token in flight when it is planned, so
+    each estimate is exact."""
+
+    def __init__(self, compiled, vocab: ClosingVocab, budget: bool, guard_limit: int, spec_k: int = 0):
+        self.vocab, self.budget, self.guard_limit = vocab, budget, guard_limit
+        # A step commits up to 1 + K tokens: near a decision (its closing zone, a repetition near the guard's
+        # limit) a row goes one token a step with nothing in flight, so each decision falls on the same output
+        # index whatever the loop's depth or K: greedy outputs stay those of the simple loop.
+        self.spec_k, self.margin, self.watch_from = spec_k, 8 + 2 * spec_k, guard_limit - 2 - 2 * spec_k
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.fed = 0                    # committed output tokens the matcher has accepted
+        self.text = b""                 # the closing text of the last estimate
+        self.minimum = self._closing_tokens()   # the shortest whole output, stop token included (None: not found)
+        self.estimate, self.estimated_at = self.minimum or 0, 0
+        self.forced: list[int] = []
+        self.start = 0                   # output index of forced[0]
+        self.zone = False                # in its closing zone
+        self.watch = False               # a repetition is near the guard's limit
+        self.repeating = False           # the guard fired: close the value at the next chance
+        self.fired = 0                   # times the guard fired
+        self.runs = [0] * (MAX_PERIOD + 1)
+        self.closed_by: str | None = None
+
+    @property
+    def stepwise(self) -> bool:
+        """One token a step, none in flight when planned (a speculative step verifies no draft of it)."""
+        return self.zone or self.watch or self.repeating or bool(self.forced)
+
+    def forced_at(self, index: int) -> int:
+        """The token output index `index` must be, or -1."""
+        i = index - self.start
+        return self.forced[i] if 0 <= i < len(self.forced) else -1
+
+    def hold(self, seq) -> bool:
+        """Before a step is planned: True when the row sits out this step (in its closing zone, or due to close a
+        value, with a token in flight: the closing text must start from committed output). A closer that breaks
+        turns itself off: the request runs on as it would without one."""
+        try:
+            return self._hold(seq)
+        except Exception:               # noqa: BLE001 - never the loop's failure
+            self.budget, self.guard_limit, self.zone, self.repeating, self.forced = False, 0, False, False, []
+            return False
+
+    def _hold(self, seq) -> bool:
+        out = len(seq.output_token_ids)
+        if self.forced:
+            if out + seq.num_pending < self.start + len(self.forced):
+                # still emitting a closing: its index is known while a plain step is in flight, not a speculative one
+                return self.spec_k > 0 and seq.num_pending > 0
+            self.forced = []
+        left = seq.max_len - seq.num_tokens   # tokens it may still emit after the committed output
+        if self.budget and not self.zone:
+            if out - self.estimated_at >= (4 if left <= self.estimate + 2 * self.margin else REFRESH):
+                self._refresh(seq)
+            self.zone = left <= self.estimate + self.margin
+        if not (self.zone or self.watch or self.repeating):
+            return False
+        if seq.num_pending:
+            return True
+        self._refresh(seq)
+        if self.text is None:
+            return False
+        if self.repeating:
+            self._close_value(seq)
+        elif self.text and left <= self.estimate + 2:    # room for two more free tokens, no longer
+            self._force(seq, self.vocab.tokens(self.text) + [self.vocab.stop], "budget")
+        return False
+
+    def committed(self, seq, new: int) -> None:
+        """After `new` tokens were appended: the repetition guard."""
+        if not self.guard_limit or self.repeating or self.forced:
+            return
+        out, runs = seq.output_token_ids, self.runs
+        for i in range(len(out) - new, len(out)):
+            longest = 0
+            for p in range(1, MAX_PERIOD + 1):
+                runs[p] = runs[p] + 1 if i >= p and out[i] == out[i - p] else 0
+                longest = max(longest, runs[p] + p)
+            if longest >= self.guard_limit:
+                self.repeating, self.watch = True, False
+                self.runs = [0] * (MAX_PERIOD + 1)
+                return
+            self.watch = longest >= self.watch_from
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _feed(self, seq) -> None:
+        out = seq.output_token_ids
+        if self.fed < len(out):
+            if not self.matcher.accept_string(self.vocab.text(out[self.fed:])):
+                raise ValueError("the closing matcher rejected the committed output")
+            self.fed = len(out)
+
+    def _closing_tokens(self) -> int | None:
+        """Tokens the closing from the matcher's state takes, stop token included; None (and the closer off)
+        where the search finds no closing: the request runs as it would without it."""
+        self.text = closing_text(self.matcher)
+        if self.text is None:
+            self.budget, self.guard_limit, self.zone, self.repeating = False, 0, False, False
+            return None
+        return len(self.vocab.tokens(self.text)) + 1
+
+    def _refresh(self, seq) -> None:
+        self._feed(seq)
+        self.estimate, self.estimated_at = self._closing_tokens() or 0, len(seq.output_token_ids)
+
+    def _force(self, seq, tokens: list[int], why: str) -> None:
+        self.forced, self.start, self.closed_by = tokens, len(seq.output_token_ids), why
+
+    def _close_value(self, seq) -> None:
+        """The guard fired: close the value being written (up to the closing's first closing byte), or the output
+        on the third firing or where nothing is open."""
+        self.repeating, self.fired = False, self.fired + 1
+        ends = [self.text.index(b) for b in CLOSERS if b in self.text]
+        if self.fired >= 3 or not ends:
+            self._force(seq, self.vocab.tokens(self.text) + [self.vocab.stop], "repetition")
+        else:
+            self._force(seq, self.vocab.tokens(self.text[:min(ends) + 1]), "repetition")
