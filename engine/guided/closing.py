@@ -24,13 +24,17 @@ from __future__ import annotations
 import xgrammar as xgr
 
 MAX_PERIOD = 8          # longest repeated n-gram the guard sees, in tokens
-MAX_CLOSING = 512       # bytes a closing text may take before the search gives up
+MAX_CLOSING = 256       # bytes a closing text may take before the search gives up
+# budget left past the closing's length when a row starts closing: room for a last free token whose value grows
+# the closing (a comma that opens another property). Outputs that would end on their own within it can change.
+SLACK = 4
 REFRESH = 32            # committed tokens between estimates outside the closing zone
 CLOSERS = b'"]}'
-JSON_KINDS = ("json_schema", "json_object")    # the guides the repetition guard watches
+JSON_KINDS = ("json_schema", "json_object", "structural_tag")   # what the repetition guard watches (tools: a tag)
 # bytes tried in order where the grammar forces nothing: first what closes a string, array or object, then what
 # starts the shortest values, then anything printable
-_FIRST = [b'"', b"}", b"]", b"0", b"a", b"[", b"{", b"t", b"f", b"n", b"-", b",", b":", b" ", b"1", b"A"]
+# (a comma before digits: after "12.0" the next required key, not more digits)
+_FIRST = [b'"', b"}", b"]", b",", b"0", b"a", b"[", b"{", b"t", b"f", b"n", b"-", b":", b" ", b"1", b"A"]
 CANDIDATES = tuple(_FIRST + [bytes([c]) for c in range(32, 127) if bytes([c]) not in _FIRST] + [b"\n"])
 
 
@@ -154,7 +158,9 @@ class Closer:
             self.forced = []
         left = seq.max_len - seq.num_tokens   # tokens it may still emit after the committed output
         if self.budget and not self.zone:
-            if out - self.estimated_at >= (4 if left <= self.estimate + 2 * self.margin else REFRESH):
+            # estimates grow denser towards the zone: a closing would have to grow by more than a token a token
+            # to be found late
+            if out - self.estimated_at >= min(REFRESH, max(1, (left - self.estimate - self.margin) // 2)):
                 self._refresh(seq)
             self.zone = left <= self.estimate + self.margin
         if not (self.zone or self.watch or self.repeating):
@@ -166,7 +172,7 @@ class Closer:
             return False
         if self.repeating:
             self._close_value(seq)
-        elif self.text and left <= self.estimate + 2:    # room for two more free tokens, no longer
+        elif self.text and left <= self.estimate + SLACK:
             self._force(seq, self.vocab.tokens(self.text) + [self.vocab.stop], "budget")
         return False
 

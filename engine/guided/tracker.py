@@ -61,10 +61,11 @@ class GuidedTracker:
         limits.check_guide(guide, *self.bounds)
         return self.service.submit(guide, owner)
 
-    def check_compiled(self, request: GuidedRequest) -> None:
+    def check_compiled(self, request: GuidedRequest) -> int | None:
         """After `admit`'s compile is done: raise ValueError naming the problem if it failed, or if its first
-        mask allows no token. The request's own compile then hits the cache. (A grammar that dead-ends later
-        is caught only when a step's mask allows nothing.)"""
+        mask allows no token; else the guide's shortest whole output in tokens (None: not known). The request's
+        own compile then hits the cache. (A grammar that dead-ends later is caught only when a step's mask
+        allows nothing.)"""
         message = request.poll()
         if message is not None:
             raise ValueError(message)
@@ -72,6 +73,8 @@ class GuidedTracker:
         new_matcher(request.future.result()).fill_next_token_bitmask(mask, 0)
         if not torch.any(mask != 0):
             raise ValueError(f"{request.guide.kind} allows no output at all (unsatisfiable)")
+        closer = self.closer(request.future.result(), None)
+        return closer.minimum if closer is not None else None
 
     def timeout_message(self, guide) -> str:
         return limits.timeout_message(guide, self.timeout_s)
@@ -99,13 +102,16 @@ class GuidedTracker:
         return failed
 
     def closer(self, compiled, params) -> Closer | None:
-        """A Closer for a request's compiled grammar (None: xgrammar runs neither of its features for it)."""
-        guard = self.repeat_limit if params.repetition_guard and params.guide.kind in JSON_KINDS else 0
-        if not isinstance(compiled, xgr.CompiledGrammar) or not (params.close_at_budget or guard):
+        """A Closer for a request's compiled grammar (None: xgrammar runs neither of its features for it);
+        params None: both on (to read its `minimum`)."""
+        budget = params is None or params.close_at_budget
+        guard = self.repeat_limit if params is None or (params.repetition_guard and params.guide.kind in JSON_KINDS) \
+            else 0
+        if not isinstance(compiled, xgr.CompiledGrammar) or not (budget or guard):
             return None
         if self._vocab is None:
             self._vocab = ClosingVocab(self.service.info)
-        return Closer(compiled, self._vocab, params.close_at_budget, guard, self.spec_k)
+        return Closer(compiled, self._vocab, budget, guard, self.spec_k)
 
     def _start_closing(self, seq) -> str | None:
         """Its grammar is ready: its Closer, or why its max_tokens can hold no valid output."""

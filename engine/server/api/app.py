@@ -104,7 +104,7 @@ def create_app(state: ServerState) -> FastAPI:
         table = await off_loop(token_table, state.tokenizer) if asks else None
         try:
             if params[0].guide is not None:
-                await admit_guide(aengine.guides, params[0].guide, request, state.client_key_header)
+                await admit_guide(aengine.guides, params[0], request, state.client_key_header)
             sub = await aengine.submit(ids, params, stream=streamed)
         except ValueError as exc:
             raise APIError(str(exc)) from exc

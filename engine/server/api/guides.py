@@ -13,6 +13,7 @@ import re
 
 from fastapi import Request
 
+from engine.guided.closing import budget_problem
 from engine.guided.compile_pool import CompileBusy
 from engine.guided.limits import timeout_message
 from engine.server.openai.protocol import APIError
@@ -35,9 +36,11 @@ def client_key(request: Request, header: str | None) -> str | None:
     return request.client.host if request.client else None
 
 
-async def admit_guide(guides, guide, request: Request, key_header: str | None = None) -> None:
-    """Raise APIError (400: a bound, a compile error or the time budget; 429: the pool is busy) or ClientGone.
-    On return the grammar is compiled and cached, and its first mask allows a token."""
+async def admit_guide(guides, params, request: Request, key_header: str | None = None) -> None:
+    """Raise APIError (400: a bound, a compile error, the time budget, or a max_tokens that holds no whole output;
+    429: the pool is busy) or ClientGone. On return the grammar is compiled and cached, and its first mask allows
+    a token."""
+    guide = params.guide
     try:
         ticket = guides.start(guide, client_key(request, key_header))
         if not ticket.finished():
@@ -49,7 +52,9 @@ async def admit_guide(guides, guide, request: Request, key_header: str | None = 
             if not ticket.finished():
                 ticket.cancel()
                 raise APIError(timeout_message(guide, guides.timeout_s), param=blamed(guide))
-        await ticket.result()
+        problem = budget_problem(await ticket.result(), params.max_tokens, guide) if params.close_at_budget else None
+        if problem:
+            raise APIError(problem, param="max_tokens")
     except ValueError as exc:
         raise APIError(str(exc), param=blamed(guide, str(exc))) from exc
     except CompileBusy as exc:
@@ -130,5 +135,5 @@ class _LocalTicket:
     def cancel(self) -> None:
         self.pending.cancel()
 
-    async def result(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.tracker.check_compiled, self.pending)
+    async def result(self) -> int | None:
+        return await asyncio.get_running_loop().run_in_executor(None, self.tracker.check_compiled, self.pending)

@@ -47,6 +47,7 @@ class ChoiceState:
     lp_sent: int = 0                   # entries streamed so far
     lp_offset: int = 0                 # completions: characters of token text streamed so far (text_offset)
     prompt_lp: list | None = None      # prompt_logprobs entries (engine/sampling/prompt_logprobs.py)
+    closed_by: str | None = None       # the engine closed this guided output: "budget" or "repetition"
 
     def take(self, out) -> list[tuple[str, object]]:
         """Fold in one RequestOutput; -> the content / tool-call events it releases (a call carries its index
@@ -59,7 +60,7 @@ class ChoiceState:
             [("content", out.new_text)] if out.new_text else [])
         if out.finished:
             self.finish, self.error, self.spec = out.finish_reason, out.error, out.spec
-            self.cached, self.prompt_lp = out.cached_tokens, out.prompt_logprobs
+            self.cached, self.prompt_lp, self.closed_by = out.cached_tokens, out.prompt_logprobs, out.closed_by
             events += self.parser.finish() if self.parser else []
         released = []
         for kind, item in events:
@@ -75,6 +76,13 @@ class ChoiceState:
         if self.tool_calls:
             return "tool_calls"
         return "length" if self.finish == "length" else "stop"
+
+
+def closed(choice: dict, st: ChoiceState) -> dict:
+    """A choice whose guided output the engine closed says so (engine/guided/closing.py): `closed_by`."""
+    if st.closed_by is not None:
+        choice["closed_by"] = st.closed_by
+    return choice
 
 
 class Format:
@@ -223,7 +231,8 @@ class Generation:
         if errors:
             raise failure(errors[0])
         body = {"id": self.id, "object": self.fmt.object_full, "created": self.created, "model": self.model,
-                "choices": [self.fmt.full_choice(i, st, self.logprobs(st)) for i, st in enumerate(self.choices)],
+                "choices": [closed(self.fmt.full_choice(i, st, self.logprobs(st)), st)
+                            for i, st in enumerate(self.choices)],
                 "usage": self.usage()}
         if self.prompt_table is not None:          # vLLM's places: chat's at the top, each completion choice's
             scored = [prompt_logprobs(self.prompt_table, st.prompt_lp or []) for st in self.choices]
@@ -273,8 +282,8 @@ class Generation:
                     err = failure(st.error or "failed")
                     yield f"data: {_DUMPS(err.body())}\n\n"
                     continue
-                yield self._chunk([self.fmt.chunk_choice(index, self.fmt.closing(st), st.finish_reason(),
-                                                         self.logprobs(st, True))], usage)
+                yield self._chunk([closed(self.fmt.chunk_choice(index, self.fmt.closing(st), st.finish_reason(),
+                                                                self.logprobs(st, True)), st)], usage)
         self._finished()
         if include_usage:
             yield self._chunk([], self.usage())

@@ -132,6 +132,9 @@ class _Common(RequestBody):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     request_id: str | None = Field(None, max_length=128)     # the response's id is the prefix and this
     add_special_tokens: bool | None = None                   # the tokenizer's BOS / EOS around the prompt text
+    # a guided output ends valid before max_tokens; a JSON value repeating itself is closed (docs/guided.md)
+    close_at_budget: bool = True
+    repetition_guard: bool = True
     # vLLM's guides (at most one, and not beside response_format or tools)
     guided_json: dict | str | None = None
     guided_regex: str | None = None

@@ -57,6 +57,8 @@ class ResponsesRequest(RequestBody):
     seed: int | None = None
     top_k: int | None = None
     ignore_eos: bool = False
+    close_at_budget: bool = True
+    repetition_guard: bool = True
 
 
 class ResponseStore:
@@ -113,7 +115,8 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
         messages.append({"role": "system", "content": req.instructions})
     messages += input_messages(req.input)
     body = {"model": req.model, "messages": messages, "parallel_tool_calls": req.parallel_tool_calls,
-            "ignore_eos": req.ignore_eos}
+            "ignore_eos": req.ignore_eos, "close_at_budget": req.close_at_budget,
+            "repetition_guard": req.repetition_guard}
     for key, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
                        ("seed", req.seed), ("top_k", req.top_k)):
         if value is not None:

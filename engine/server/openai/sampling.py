@@ -74,6 +74,7 @@ def sampling_params(req, max_tokens: int | None, room: int, guide: dict, tokeniz
                               presence_penalty=req.presence_penalty,
                               frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                               min_p=req.min_p, min_tokens=req.min_tokens, logit_bias=bias or None,
+                              close_at_budget=req.close_at_budget, repetition_guard=req.repetition_guard,
                               guided_backend=guide_backend(req), **guide)
     except ValueError as exc:
         raise APIError(str(exc)) from exc

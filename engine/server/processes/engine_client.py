@@ -50,7 +50,8 @@ class TextStream:
             if item.finished:
                 text += self.detok.flush()
         return RequestOutput(item.sub, tuple(ids), text, item.finished, item.reason, item.error, spec=item.spec,
-                             logprobs=item.logprobs, cached_tokens=item.cached, prompt_logprobs=item.prompt_lp)
+                             logprobs=item.logprobs, cached_tokens=item.cached, prompt_logprobs=item.prompt_lp,
+                             closed_by=item.closed_by)
 
 
 class EngineClient(Router):
@@ -145,7 +146,7 @@ class EngineClient(Router):
             if entry is not None and not entry[0].added.done():
                 entry[0].added.set_result((msg.code, msg.message))
         elif isinstance(msg, ipc.Compiled):
-            self._answer(("compile", msg.token), (msg.code, msg.message))
+            self._answer(("compile", msg.token), (msg.code, msg.message, msg.minimum))
         elif isinstance(msg, ipc.StatsReply):
             self._answer(("stats", msg.token), msg.stats)
         elif isinstance(msg, ipc.Fatal):
@@ -250,9 +251,11 @@ class _RemoteTicket:
         if self.client.error is None:
             self.client._send(ipc.CancelCompile(self.client.client, self.token))
 
-    async def result(self) -> None:
-        code, message = await self.done             # raises EngineDead if the engine went first
+    async def result(self) -> int | None:
+        """The guide's shortest whole output in tokens (None: not known), once it compiled."""
+        code, message, minimum = await self.done    # raises EngineDead if the engine went first
         if code == "busy":
             raise CompileBusy(message)
         if code != "ok":
             raise ValueError(message)
+        return minimum or None

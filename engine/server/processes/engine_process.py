@@ -204,7 +204,7 @@ class EngineServer:
             client, sub, choice, text = route
             per_client.setdefault(client, []).append(ipc.Out(
                 sub, choice, list(o.new_token_ids), o.new_text if text else None, o.finished, o.finish_reason,
-                o.error, o.spec, o.logprobs, o.cached_tokens, o.prompt_logprobs))
+                o.error, o.spec, o.logprobs, o.cached_tokens, o.prompt_logprobs, o.closed_by))
             if o.finished:
                 del self.routes[o.request_id]
                 left = self.subs.get((client, sub))
@@ -235,8 +235,8 @@ class EngineServer:
     def _check(self, key: tuple[int, int], pending) -> None:
         """A compile thread: whether the compiled grammar can start (tracker.check_compiled), as a reply."""
         try:
-            self.engine.guided.check_compiled(pending)
-            reply = ipc.Compiled(key[1], "ok")
+            minimum = self.engine.guided.check_compiled(pending)
+            reply = ipc.Compiled(key[1], "ok", minimum=minimum or 0)
         except ValueError as exc:
             reply = ipc.Compiled(key[1], "invalid", str(exc))
         except Exception as exc:              # cancelled while queued: nobody waits for it

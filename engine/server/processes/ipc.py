@@ -74,6 +74,7 @@ class Out(msgspec.Struct, array_like=True):
     logprobs: list | None = None    # an entry per new id (engine/sampling/logprobs.py), for choices that asked
     cached: int = 0                 # prompt tokens found in the prefix cache (final output)
     prompt_lp: list | None = None   # prompt_logprobs entries (final output of a choice that asked)
+    closed_by: str | None = None    # a guided output the engine closed (final output)
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):
@@ -84,6 +85,7 @@ class Compiled(msgspec.Struct, tag=True, array_like=True):
     token: int
     code: str                   # "ok", "invalid" (400) or "busy" (429)
     message: str = ""
+    minimum: int = 0            # "ok": the guide's shortest whole output in tokens (0: not known)
 
 
 class StatsReply(msgspec.Struct, tag=True, array_like=True):

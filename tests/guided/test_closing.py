@@ -1,0 +1,170 @@
+"""Guided outputs that end valid within their budget (engine/guided/closing.py): the closing text the grammar
+gives completes real schemas from any prefix; at budgets down to each schema's minimum every output validates
+and ends "stop"; outputs that end on their own are the same with closing on and off; the repetition guard
+closes a value that repeats; a budget no output fits is refused; speculative rows close as plain ones do."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import xgrammar as xgr
+
+from conftest import assert_no_leak
+from engine.guided.closing import SLACK, ClosingVocab, closing_text
+from engine.guided.compiler import compile_guide
+from engine.llm_engine import LLMEngine
+from engine.requests.sequence import SamplingParams
+
+jsonschema = pytest.importorskip("jsonschema")
+DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[2] / "../shared/data"))
+BENCH = DATA / "jsonschemabench" / "maskbench"
+if not BENCH.is_dir():                       # a bare clone: the schemas kept beside the tests
+    BENCH = Path(__file__).resolve().parents[1] / "data" / "maskbench"
+needs_data = pytest.mark.skipif(not BENCH.is_dir(), reason=f"no JSONSchemaBench schemas under {BENCH}")
+NAMES = ["JME_0", "JME_7", "JME_17", "JME_21", "JME_38", "JME_45", "JME_52", "JME_89", "JME_91", "BFCL_simple_1",
+         "BFCL_simple_68", "BFCL_simple_242", "BFCL_multiple_73"]
+TEXT = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
+def case(name):
+    data = json.loads((BENCH / f"{name}.json").read_text())
+    return data["schema"], [t["data"] for t in data.get("tests", []) if t.get("valid", True)]
+
+
+def available():
+    return [n for n in NAMES if (BENCH / f"{n}.json").is_file()]
+
+
+def prompt(engine, schema):
+    return engine.apply_chat_template([{"role": "user", "content": "Produce a JSON object that matches this "
+                                                                   "schema: " + json.dumps(schema)}])
+
+
+def guided(engine):
+    engine.guided.ensure_service()
+    return engine.guided.service
+
+
+def validate(seq, schema):
+    assert seq.error is None, seq.error
+    jsonschema.validate(json.loads(seq.text), schema)
+
+
+@needs_data
+def test_the_closing_text_completes_every_prefix_of_real_outputs(engine):
+    """From cuts of each schema's valid example (a third, two thirds, all but its last token), the prefix plus
+    the closing text parses and validates; the matcher is left where it was."""
+    service = guided(engine)
+    vocab = ClosingVocab(service.info)
+    checked = 0
+    for name in available():
+        schema, examples = case(name)
+        guide = SamplingParams(json_schema=schema).guide
+        compiled = compile_guide(service.compiler, guide)
+        for example in examples[:1]:
+            text = json.dumps(example, ensure_ascii=False)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            for cut in (len(ids) // 3, 2 * len(ids) // 3, len(ids) - 1):
+                matcher = xgr.GrammarMatcher(compiled)
+                if not all(matcher.accept_token(t) for t in ids[:cut]):
+                    break                       # compact output differs from json.dumps' spacing: stop there
+                closing = closing_text(matcher)
+                assert closing is not None, (name, cut)
+                whole = vocab.text(ids[:cut]) + closing
+                jsonschema.validate(json.loads(whole), schema)
+                assert matcher.accept_string(closing) and matcher.is_completed()      # (the state it had)
+                checked += 1
+    assert checked >= 10
+
+
+@needs_data
+@pytest.mark.parametrize("slack", [0, 6])
+def test_every_output_validates_at_budgets_down_to_the_minimum(engine, slack):
+    """Real schemas, max_tokens the shortest output's length (plus `slack`): every output ends "stop" within
+    max_tokens and validates; closed ones say so."""
+    names = available()
+    schemas = [case(n)[0] for n in names]
+    minima = [engine.guided.closer(compile_guide(guided(engine).compiler, SamplingParams(json_schema=s).guide),
+                                   None).minimum for s in schemas]
+    params = [SamplingParams(max_tokens=m + slack, temperature=0, json_schema=s) for s, m in zip(schemas, minima)]
+    seqs = engine.generate([prompt(engine, s) for s in schemas], params)
+    for name, s, p, seq in zip(names, schemas, params, seqs):
+        assert seq.finish_reason == "stop" and len(seq.output_token_ids) <= p.max_tokens, (name, seq.text)
+        validate(seq, s)
+        assert seq.closed_by in (None, "budget")
+    assert sum(seq.closed_by == "budget" for seq in seqs) >= len(seqs) // 2
+    assert_no_leak(engine)
+
+
+@needs_data
+def test_outputs_that_end_on_their_own_are_the_same_with_closing_off(engine):
+    """A budget some outputs reach and others do not: those that end before it (with more than the closing's
+    slack to spare) are the same tokens with closing on and off; the ones cut with it off end valid with it on."""
+    names = available()[:8]
+    schemas = [case(n)[0] for n in names]
+    prompts = [prompt(engine, s) for s in schemas]
+    runs = {on: engine.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, json_schema=s,
+                                                         close_at_budget=on, repetition_guard=on) for s in schemas])
+            for on in (False, True)}
+    ended = cut = 0
+    for s, off, on in zip(schemas, runs[False], runs[True]):
+        if off.finish_reason == "stop" and len(off.output_token_ids) < 40 - SLACK:
+            assert on.output_token_ids == off.output_token_ids and on.closed_by is None
+            ended += 1
+        elif off.finish_reason == "stop":
+            validate(on, s)
+        else:
+            assert off.finish_reason == "length" and on.finish_reason == "stop" and on.closed_by == "budget"
+            validate(on, s)
+            cut += 1
+    assert ended and cut, (ended, cut)
+
+
+def test_the_repetition_guard_closes_a_repeating_string(engine):
+    """logit_bias drives a string into one repeated word: the guard closes the string and the object ends
+    valid; with the guard (and closing) off the same request runs to its budget, cut."""
+    word = engine.tokenizer.encode(" la", add_special_tokens=False)
+    assert len(word) == 1
+    ask = prompt(engine, TEXT)
+    on, off = engine.generate([ask, ask], [
+        SamplingParams(max_tokens=120, temperature=0, json_schema=TEXT, logit_bias={word[0]: 30.0}),
+        SamplingParams(max_tokens=120, temperature=0, json_schema=TEXT, logit_bias={word[0]: 30.0},
+                       repetition_guard=False, close_at_budget=False)])
+    assert off.finish_reason == "length" and off.closed_by is None
+    assert on.finish_reason == "stop" and on.closed_by == "repetition", on.text
+    validate(on, TEXT)
+    assert len(on.output_token_ids) < 80 and " la la la" in on.text
+    assert_no_leak(engine)
+
+
+def test_a_budget_no_output_fits_fails_the_request_naming_the_minimum(engine):
+    schema = {"type": "object", "properties": {"first_name": {"type": "string"}, "last_name": {"type": "string"}},
+              "required": ["first_name", "last_name"]}
+    too_small, cut = engine.generate([prompt(engine, schema)] * 2, [
+        SamplingParams(max_tokens=3, temperature=0, json_schema=schema),
+        SamplingParams(max_tokens=3, temperature=0, json_schema=schema, close_at_budget=False)])
+    assert too_small.finish_reason == "error" and "max_tokens=3" in too_small.error
+    assert "the shortest takes" in too_small.error and not too_small.output_token_ids
+    assert cut.finish_reason == "length" and len(cut.output_token_ids) == 3
+    assert_no_leak(engine)
+
+
+@needs_data
+@pytest.mark.parametrize("depth,k", [(1, 1), (2, 3)])
+def test_speculative_rows_close_as_plain_ones(engine, depth, k):
+    """n-gram speculation at tight budgets gives the plain loop's tokens, closings included: drafts never run
+    past a closing decision."""
+    names = available()[:6]
+    schemas = [case(n)[0] for n in names]
+    prompts = [prompt(engine, s) for s in schemas]
+    params = [SamplingParams(max_tokens=m, temperature=0, json_schema=s) for s, m in zip(schemas, (24, 30, 36) * 2)]
+    plain = engine.generate(prompts, params)
+    spec = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, depth=depth,
+                     speculative="ngram", num_speculative_tokens=k, spec_min_acceptance=0.0)
+    got = spec.generate(prompts, params)
+    for a, b in zip(got, plain):
+        assert (a.output_token_ids, a.finish_reason, a.closed_by) == (b.output_token_ids, b.finish_reason,
+                                                                      b.closed_by), a.text
+    assert any(s.closed_by == "budget" for s in got)
+    assert spec.timings.spec_accepted > 0
+    assert_no_leak(spec)
