@@ -43,12 +43,15 @@ class Tuning:
     spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many of the ranking's tokens (0: all)
     guided_draft_masks: bool = False   # guided + speculative: every draft step picks its token under the grammar
     guided_forced_drafts: bool = False  # guided + speculative: text the grammar forces is drafted as it is
+    guided_repeat_limit: int = 48      # a JSON value repeating one n-gram this many tokens is closed (0: never)
     # tensor parallelism and debugging
     tp_backend: str = "auto"           # the collectives: "auto" (NCCL on CUDA, gloo on the CPU), "nccl", "gloo"
     tp_timeout_s: float = 120.0        # a step or worker start taking longer ends the engine (a hung worker)
     debug_sync: bool = False           # raise on any device-to-host sync while a step is enqueued (CUDA)
 
     def __post_init__(self):
+        if self.guided_repeat_limit < 0:
+            raise ValueError(f"guided_repeat_limit must be >= 0 (0: no guard), got {self.guided_repeat_limit}")
         if self.grammar_node not in ("native", "python"):
             raise ValueError(f"grammar_node must be 'native' or 'python', got {self.grammar_node!r}")
         for name in ("grammar_threads", "guide_max_bytes", "guide_max_enum", "guide_max_depth", "guide_max_repeat"):
@@ -108,7 +111,6 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0  # a request whose grammar compiles longer fails
     grammar_compile_processes: bool = False  # compile in child processes, killed once no request waits
     grammar_cache_mb: int = 512        # compiled grammars kept for reuse, least recently used dropped first
-    guided_repeat_limit: int = 48      # a JSON value repeating one n-gram this many tokens is closed (0: never)
     # kernels and parallelism
     attention_backend: str = "auto"    # "triton", "torch", or "auto" (triton on cuda)
     kernels: str = "auto"              # "auto": each matmul on the kernel measured fastest here; "reference": cuBLAS
@@ -138,8 +140,6 @@ class EngineConfig:
         for name in ("grammar_compile_threads", "grammar_compile_queue", "grammar_cache_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.guided_repeat_limit < 0:
-            raise ValueError(f"guided_repeat_limit must be >= 0 (0: no guard), got {self.guided_repeat_limit}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.kernels not in ("auto", "reference"):

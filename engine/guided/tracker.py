@@ -28,7 +28,7 @@ class GuidedTracker:
         t = config.tuning
         self.bounds = (t.guide_max_bytes, t.guide_max_enum, t.guide_max_depth, t.guide_max_repeat)
         self.compiling: list = []                       # sequences whose grammar is not ready yet
-        self.repeat_limit = config.guided_repeat_limit
+        self.repeat_limit = t.guided_repeat_limit
         self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
         self._vocab: ClosingVocab | None = None         # built on the first closer
 

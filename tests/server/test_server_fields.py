@@ -171,3 +171,31 @@ def test_a_request_that_cannot_work_is_refused_naming_the_problem(server, case):
     assert r.status_code == 400, r.text[:300]
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+PERSON = {"type": "object", "properties": {"first_name": {"type": "string"}, "last_name": {"type": "string"}},
+          "required": ["first_name", "last_name"]}
+
+
+def person_format():
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+
+def test_a_guided_output_closes_before_its_budget_and_says_so(client, server):
+    """A structured output at a budget the model overruns: it ends valid with finish_reason "stop" and
+    `closed_by`; with close_at_budget false it is cut. A budget no output fits is a 400 naming the minimum."""
+    ask = [{"role": "user", "content": "Describe a person at great length, with a long biography in first_name."}]
+    closed = client.chat.completions.create(model=server.model, messages=ask, max_tokens=14, temperature=0,
+                                            response_format=person_format())
+    choice = closed.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra.get("closed_by") == "budget", choice
+    assert set(json.loads(choice.message.content)) == {"first_name", "last_name"}
+    assert closed.usage.completion_tokens <= 14
+    cut = client.chat.completions.create(model=server.model, messages=ask, max_tokens=14, temperature=0,
+                                         response_format=person_format(), extra_body={"close_at_budget": False})
+    assert cut.choices[0].finish_reason == "length" and "closed_by" not in cut.choices[0].model_extra
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, messages=ask, max_tokens=3, temperature=0,
+                                       response_format=person_format())
+    assert "max_tokens=3" in str(info.value) and "the shortest takes" in str(info.value)
+    assert info.value.body["param"] == "max_tokens"
