@@ -28,7 +28,6 @@ MAX_CLOSING = 256       # bytes a closing text may take before the search gives 
 # budget left past the closing's length when a row starts closing: room for a last free token whose value grows
 # the closing (a comma that opens another property). Outputs that would end on their own within it can change.
 SLACK = 4
-REFRESH = 32            # committed tokens between estimates outside the closing zone
 CLOSERS = b'"]}'
 JSON_KINDS = ("json_schema", "json_object", "structural_tag")   # what the repetition guard watches (tools: a tag)
 # bytes tried in order where the grammar forces nothing: first what closes a string, array or object, then what
@@ -160,7 +159,7 @@ class Closer:
         if self.budget and not self.zone:
             # estimates grow denser towards the zone: a closing would have to grow by more than a token a token
             # to be found late
-            if out - self.estimated_at >= min(REFRESH, max(1, (left - self.estimate - self.margin) // 2)):
+            if out - self.estimated_at >= max(1, (left - self.estimate - self.margin) // 2):
                 self._refresh(seq)
             self.zone = left <= self.estimate + self.margin
         if not (self.zone or self.watch or self.repeating):
