@@ -132,7 +132,8 @@ def bench(args) -> list[dict]:
                         max_num_seqs=max(args.agents), max_model_len=4096, prefix_caching=caching)
         system, tools = system_prompt(eng, tools_from(args.data), args.system_tokens)
         # graphs, and each listed tool's grammar compiled once: TTFT measures serving, not compiles
-        run_agents(eng, [Agent(10**4 + i, "Warm-up. " + system, tools, 1) for i in range(len(tools))], 8)
+        run_agents(eng, [Agent(10**4 + i, "Warm-up. " + system, tools, 1) for i in range(len(tools))],
+               args.max_tokens)      # (a whole tool call: a budget shorter than one is refused)
         for n in args.agents:
             if caching:
                 eng.reset_prefix_cache()        # each run starts cold: only its own requests fill the cache

@@ -37,14 +37,6 @@ _FIRST = [b'"', b"}", b"]", b",", b"0", b"a", b"[", b"{", b"t", b"f", b"n", b"-"
 CANDIDATES = tuple(_FIRST + [bytes([c]) for c in range(32, 127) if bytes([c]) not in _FIRST] + [b"\n"])
 
 
-def budget_problem(minimum: int | None, max_tokens: int, guide) -> str | None:
-    """Why `max_tokens` cannot hold any whole output of `guide` (its shortest takes `minimum`), or None."""
-    if minimum is None or max_tokens >= minimum:
-        return None
-    return (f"max_tokens={max_tokens} cannot hold any complete output of this {guide.kind}: the shortest takes "
-            f"{minimum} tokens (set max_tokens >= {minimum}, or close_at_budget=false to accept a cut output)")
-
-
 class ClosingVocab:
     """The vocabulary's bytes, for feeding a matcher committed tokens and tokenizing a closing text."""
 
@@ -181,6 +173,10 @@ class Closer:
             return
         out, runs = seq.output_token_ids, self.runs
         for i in range(len(out) - new, len(out)):
+            if out[i] not in out[max(0, i - MAX_PERIOD):i]:     # no period ends here: every run breaks
+                if self.watch or any(runs):
+                    runs[:], self.watch = [0] * (MAX_PERIOD + 1), False
+                continue
             longest = 0
             for p in range(1, MAX_PERIOD + 1):
                 runs[p] = runs[p] + 1 if i >= p and out[i] == out[i - p] else 0

@@ -117,3 +117,11 @@ def _typed_min(schema: dict, kind, depth: int) -> int:
 
 def _count(value) -> int:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0
+
+
+def budget_problem(minimum: int | None, max_tokens: int, guide) -> str | None:
+    """Why `max_tokens` cannot hold any whole output of `guide` (its shortest takes `minimum`), or None."""
+    if minimum is None or max_tokens >= minimum:
+        return None
+    return (f"max_tokens={max_tokens} cannot hold any complete output of this {guide.kind}: the shortest takes "
+            f"{minimum} tokens (set max_tokens >= {minimum}, or close_at_budget=false to accept a cut output)")

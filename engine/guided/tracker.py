@@ -10,7 +10,7 @@ import xgrammar as xgr
 
 import hostfunc
 from engine.guided import limits
-from engine.guided.closing import JSON_KINDS, Closer, ClosingVocab, budget_problem
+from engine.guided.closing import JSON_KINDS, Closer, ClosingVocab
 from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.masks import Snapshot
 
@@ -30,7 +30,7 @@ class GuidedTracker:
         self.compiling: list = []                       # sequences whose grammar is not ready yet
         self.repeat_limit = t.guided_repeat_limit
         self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
-        self._vocab: ClosingVocab | None = None         # built on the first closer
+        self._vocab: ClosingVocab | None = None         # built with the service
 
     def start(self, seq) -> None:
         """At add_request: start compiling (raises ValueError if guided decoding cannot run here)."""
@@ -40,7 +40,7 @@ class GuidedTracker:
             raise ValueError("guided decoding needs the model's tokenizer, and this model has none")
         limits.check_guide(seq.params.guide, *self.bounds)
         if self.service is None:
-            self.service = self._make()
+            self._start_service()
         seq.guided = self.service.submit(seq.params.guide)
         # A cached grammar is ready almost at once: waiting for it lets the request sample in its first step
         # (a later poll would find it ready one step late); an uncached one goes on in the background.
@@ -51,7 +51,11 @@ class GuidedTracker:
     def ensure_service(self) -> None:
         """Build the compiler now (before another thread may call `check`)."""
         if self.enabled and self.has_tokenizer and self.service is None:
-            self.service = self._make()
+            self._start_service()
+
+    def _start_service(self) -> None:
+        self.service = self._make()
+        self._vocab = ClosingVocab(self.service.info)     # (not cheap either: with the service, not a request)
 
     def admit(self, guide, owner) -> GuidedRequest:
         """Server, before queueing a request: check `guide`'s bounds and start compiling it for `owner` (a
@@ -109,9 +113,14 @@ class GuidedTracker:
             else 0
         if not isinstance(compiled, xgr.CompiledGrammar) or not (budget or guard):
             return None
+        return Closer(compiled, self.vocab, budget, guard, self.spec_k)
+
+    @property
+    def vocab(self) -> ClosingVocab:
+        """The closers' view of the vocabulary: built once, by whichever thread asks first (the same either way)."""
         if self._vocab is None:
             self._vocab = ClosingVocab(self.service.info)
-        return Closer(compiled, self._vocab, budget, guard, self.spec_k)
+        return self._vocab
 
     def _start_closing(self, seq) -> str | None:
         """Its grammar is ready: its Closer, or why its max_tokens can hold no valid output."""
@@ -121,7 +130,7 @@ class GuidedTracker:
             return f"guided decoding failed: {type(exc).__name__}: {exc}"
         if seq.closer is None or not seq.params.close_at_budget:
             return None
-        return budget_problem(seq.closer.minimum, seq.max_len - len(seq.prompt_token_ids), seq.params.guide)
+        return limits.budget_problem(seq.closer.minimum, seq.max_len - len(seq.prompt_token_ids), seq.params.guide)
 
     def wait_for_compile(self, timeout: float) -> None:
         """Nothing can run until a grammar is ready: sleep on the compiles instead of spinning."""

@@ -9,7 +9,7 @@ from bench.serving.agent import main
 def test_agents_with_dummy_weights_and_a_borrowed_tokenizer(tmp_path):
     out = tmp_path / "agent.json"
     main(["--model", "dummy:smollm2-tiny", "--tokenizer", "default", "--device", "cpu", "--dtype", "float32",
-          "--agents", "2", "--turns", "2", "--system-tokens", "300", "--max-tokens", "8", "--out", str(out)])
+          "--agents", "2", "--turns", "2", "--system-tokens", "300", "--max-tokens", "40", "--out", str(out)])
     records = json.loads(out.read_text())
     records = records["records"] if isinstance(records, dict) else records
     by_mode = {r["mode"]: r for r in records}

@@ -35,8 +35,8 @@ def test_rows_of_any_length_and_start_write_every_token_as_defined(block_size):
         pending = rng.choice([0, 0, 1])                    # the last token may still be in flight
         tokens = [rng.randrange(50000) for _ in range(start + n - pending)]
         table = rng.sample(range(10000), (start + n + block_size - 1) // block_size)
-        seq = NS(block_table=table, num_tokens=len(tokens), pool_row=rng.randrange(64), num_pending=pending,
-                 token_at=tokens.__getitem__, tokens=lambda a, b, tokens=tokens: tokens[a:b])
+        seq = NS(closer=None, block_table=table, num_tokens=len(tokens), pool_row=rng.randrange(64),
+                 num_pending=pending, token_at=tokens.__getitem__, tokens=lambda a, b, tokens=tokens: tokens[a:b])
         row = NS(seq=seq, num_tokens=n, start=start, spec_k=0)
         t = rng.randrange(0, 64)
         h = {k: np.zeros(t + n + 8, dtype=np.int64) for k in FIELDS}
@@ -53,7 +53,7 @@ def _decode_rows(rng, n: int, block_size: int) -> list:
         start, pending = rng.randrange(0, 300), rng.choice([0, 0, 1])
         tokens = [rng.randrange(50000) for _ in range(start + 1 - pending)]
         params = NS(temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([-1, 5]), top_p=rng.choice([1.0, 0.9]))
-        seq = NS(block_table=rng.sample(range(10000), start // block_size + 1), num_tokens=len(tokens),
+        seq = NS(closer=None, block_table=rng.sample(range(10000), start // block_size + 1), num_tokens=len(tokens),
                  pool_row=i, num_pending=pending, token_at=tokens.__getitem__, params=params, seed=rng.randrange(2**40),
                  output_token_ids=tokens[:rng.randrange(len(tokens) + 1)])
         rows.append(NS(seq=seq, start=start, num_tokens=1, sample=rng.random() < 0.9, spec_k=0, sample_idx=-1))
@@ -90,8 +90,8 @@ def _chunk_row(rng, block_size: int):
     total = start + n + rng.choice([0, 0, 5])
     tokens = [rng.randrange(50000) for _ in range(total)]
     params = NS(temperature=0.0, top_k=-1, top_p=1.0)
-    seq = NS(block_table=rng.sample(range(10000), (start + n) // block_size + 1), num_tokens=total, pool_row=40,
-             num_pending=0, token_at=tokens.__getitem__, tokens=lambda a, b, tokens=tokens: tokens[a:b],
+    seq = NS(closer=None, block_table=rng.sample(range(10000), (start + n) // block_size + 1), num_tokens=total,
+             pool_row=40, num_pending=0, token_at=tokens.__getitem__, tokens=lambda a, b, tokens=tokens: tokens[a:b],
              params=params, seed=7, output_token_ids=[])
     return NS(seq=seq, start=start, num_tokens=n, sample=start + n == total, spec_k=0, sample_idx=-1, cached=0)
 

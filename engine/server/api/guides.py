@@ -13,9 +13,8 @@ import re
 
 from fastapi import Request
 
-from engine.guided.closing import budget_problem
 from engine.guided.compile_pool import CompileBusy
-from engine.guided.limits import timeout_message
+from engine.guided.limits import budget_problem, timeout_message
 from engine.server.openai.protocol import APIError
 
 
