@@ -64,9 +64,20 @@ def run(eng, schemas, max_tokens: int, closing: bool) -> dict:
                 wall_s=round(wall, 1))
 
 
-def main() -> None:
+def write(out: Path, meta: dict, records: list[dict]) -> str:
+    """finish.json and finish.md as they stand (after every run: a cut sweep keeps what it measured)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "finish.json").write_text(json.dumps(dict(meta, records=records), indent=1) + "\n")
+    table = markdown_table(records, COLUMNS)
+    (out / "finish.md").write_text(f"Command: `{meta['command']}` on {meta['device']}, {meta['dtype']}, "
+                                   f"{meta['model']}\n\n{table}\n")
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=os.environ.get("SPECDEC_MODEL") or None)
+    p.add_argument("--tokenizer", default=None, help="a dummy model's tokenizer (default: the model's own)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--datasets", nargs="+", default=["JME", "BFCL"], choices=["JME", "BFCL"])
@@ -75,13 +86,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 512])
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--out", default="bench/results/guided_finish")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from engine.llm_engine import LLMEngine
     cpu = args.device == "cpu" or (args.device == "auto" and not __import__("torch").cuda.is_available())
     dtype = args.dtype or ("float32" if cpu else "bfloat16")
+    extra = dict(tokenizer=args.tokenizer) if args.tokenizer else {}
     eng = LLMEngine(**engine_kwargs(args, dtype=dtype, max_num_seqs=args.max_num_seqs,
-                                    max_model_len=max(args.max_tokens) + 2048))
-    records = []
+                                    max_model_len=max(args.max_tokens) + 2048, **extra))
+    out, records = Path(args.out), []
+    meta = dict(command=command_line(), device=device_name(), dtype=dtype, model=str(eng.config.model))
     for dataset in args.datasets:
         schemas = load_schemas(resolve(DATASETS[dataset], args.data), limit=args.limit)
         for max_tokens in args.max_tokens:
@@ -90,17 +103,9 @@ def main() -> None:
                 note(f"{dataset} max_tokens={max_tokens} closing {rec['closing']}: valid {rec['valid_frac']}, "
                      f"stop/length/error {rec['stop']}/{rec['length']}/{rec['error']} ({rec['wall_s']} s)")
                 records.append(rec)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command=command_line(), device=device_name(), dtype=dtype, model=str(eng.config.model))
-    (out / "finish.json").write_text(json.dumps(dict(meta, records=records), indent=1) + "\n")
-    table = markdown_table(records, COLUMNS)
-    (out / "finish.md").write_text(f"Command: `{meta['command']}` on {meta['device']}, {dtype}, "
-                                   f"{meta['model']}\n\n{table}\n")
-    for rec in records:
-        rec["run"] = f"{rec['max_tokens']} {rec['closing']}"
-    bars(records, "dataset", "run", ["valid_frac", "required_frac"], out / "finish.png",
-         "guided outputs at a token budget: closing off and on")
+                table = write(out, meta, records)
+    bars([dict(r, run=f"{r['max_tokens']} {r['closing']}") for r in records], "dataset", "run",
+         ["valid_frac", "required_frac"], out / "finish.png", "guided outputs at a token budget: closing off and on")
     print(table)
 
 
