@@ -180,7 +180,8 @@ class Closer:
             longest = 0
             for p in range(1, MAX_PERIOD + 1):
                 runs[p] = runs[p] + 1 if i >= p and out[i] == out[i - p] else 0
-                longest = max(longest, runs[p] + p)
+                if runs[p]:                                     # the last runs[p] + p tokens have period p
+                    longest = max(longest, runs[p] + p)
             if longest >= self.guard_limit:
                 self.repeating, self.watch = True, False
                 self.runs = [0] * (MAX_PERIOD + 1)

@@ -168,3 +168,27 @@ def test_speculative_rows_close_as_plain_ones(engine, depth, k):
     assert any(s.closed_by == "budget" for s in got)
     assert spec.timings.spec_accepted > 0
     assert_no_leak(spec)
+
+
+def test_the_guard_fires_on_a_period_and_never_on_distinct_tokens(engine):
+    """The guard's run counters on their own: distinct tokens never fire it (nor put it on watch), a period-3 run
+    fires it once it spans the limit, and a broken run starts again."""
+    from types import SimpleNamespace as NS
+
+    from engine.guided.closing import Closer
+    service = guided(engine)
+    compiled = compile_guide(service.compiler, SamplingParams(json_object=True).guide)
+    closer = Closer(compiled, ClosingVocab(service.info), budget=False, guard_limit=12)
+    seq = NS(output_token_ids=[])
+
+    def commit(tokens):
+        seq.output_token_ids += tokens
+        closer.committed(seq, len(tokens))
+    commit(list(range(100, 140)))
+    assert not closer.repeating and not closer.watch
+    commit([7, 8, 9] * 3 + [7])                 # period 3 over 10 tokens: watched, not yet fired
+    assert closer.watch and not closer.repeating
+    commit([5])                                 # broken
+    assert not closer.watch and not closer.repeating
+    commit([7, 8, 9] * 4)                       # 12 tokens of period 3
+    assert closer.repeating
