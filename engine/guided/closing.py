@@ -158,7 +158,8 @@ class Closer:
             return False
         if seq.num_pending:
             return True
-        self._refresh(seq)
+        if self.estimated_at != out:        # (the estimate above may have just been made from this output)
+            self._refresh(seq)
         if self.text is None:
             return False
         if self.repeating:
