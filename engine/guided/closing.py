@@ -8,7 +8,9 @@ continuation after which the grammar is complete, found greedily from the gramma
 string where it has one, else the first byte it accepts of a list that prefers closing a string, an array or an
 object). Tokenized by longest match over the vocabulary and followed by the stop token, that text is what the row
 emits once its budget left reaches the closing's length plus a margin: the request ends valid, with
-finish_reason "stop" and `closed_by` "budget".
+finish_reason "stop" and `closed_by` "budget". The budget also holds the longest closing through a branch a free
+token could take (a comma before another array item): the row closes before the model can open what it could not
+finish.
 
 The repetition guard watches the committed output for one n-gram (period up to MAX_PERIOD tokens) repeated over
 `limit` tokens; it then closes the value being written (the closing text up to its first closing byte: the end
@@ -25,10 +27,15 @@ import xgrammar as xgr
 
 MAX_PERIOD = 8          # longest repeated n-gram the guard sees, in tokens
 MAX_CLOSING = 256       # bytes a closing text may take before the search gives up
-# budget left past the closing's length when a row starts closing: room for a last free token whose value grows
-# the closing (a comma that opens another property). Outputs that would end on their own within it can change.
+# budget left past the closing's length (or its longest branch's) when a row starts closing: room for a free token
+# that goes past a branch into a longer path (the key of a longer property). Outputs that would end on their own
+# within it can change.
 SLACK = 4
 CLOSERS = b'"]}'
+# bytes that open another item where a closing would end the current one: a free token taking one grows the
+# closing (a comma before another array item or a property whose required value is long)
+BRANCHES = (b",", b"{", b"[", b'"')
+BRANCH_POINTS = 4       # places along the closing text where a branch is tried: its start and its first closers
 JSON_KINDS = ("json_schema", "json_object", "structural_tag")   # what the repetition guard watches (tools: a tag)
 # bytes tried in order where the grammar forces nothing: first what closes a string, array or object, then what
 # starts the shortest values, then anything printable
@@ -94,6 +101,30 @@ def closing_text(matcher: xgr.GrammarMatcher, limit: int = MAX_CLOSING) -> bytes
             matcher.rollback(steps)
 
 
+def branch_closings(matcher: xgr.GrammarMatcher, text: bytes) -> list[bytes]:
+    """Closings through a branch off `text` (the closing from `matcher`'s state): at its start and after each of
+    its first closing bytes, each branch byte the grammar accepts there in place of the closing's own, followed by
+    the closing from there. A free token can take such a branch, so the budget must hold the longest before the row
+    lets the model choose. The matcher is left as it was."""
+    points = [0] + [i + 1 for i, b in enumerate(text) if b in CLOSERS][:BRANCH_POINTS - 1]
+    out = []
+    for j in points:
+        if j and not matcher.accept_string(text[:j]):
+            break
+        try:
+            for b in BRANCHES:
+                if text[j:j + 1] == b or not matcher.accept_string(b):
+                    continue
+                rest = closing_text(matcher)
+                matcher.rollback(1)
+                if rest is not None:
+                    out.append(text[:j] + b + rest)
+        finally:
+            if j:
+                matcher.rollback(1)
+    return out
+
+
 class Closer:
     """One guided request's closing: its matcher over the committed output, the estimate of what closing takes
     (tokens, stop token included), and the tokens it forces from output index `start`. `margin`: budget left past
@@ -111,6 +142,7 @@ class Closer:
         self.text = b""                 # the closing text of the last estimate
         self.minimum = self._closing_tokens()   # the shortest whole output, stop token included (None: not found)
         self.estimate, self.estimated_at = self.minimum or 0, 0
+        self.reserve = 0                 # tokens of the longest closing through a branch (see branch_closings)
         self.forced: list[int] = []
         self.start = 0                   # output index of forced[0]
         self.zone = False                # in its closing zone
@@ -143,7 +175,10 @@ class Closer:
     def _hold(self, seq) -> bool:
         out = len(seq.output_token_ids)
         if self.forced:
-            if out + seq.num_pending < self.start + len(self.forced):
+            # a closing row verifies no draft: a speculative step in flight carries one of its tokens, though its
+            # sequence counts 1 + K pending
+            in_flight = min(seq.num_pending, 1) if self.spec_k else seq.num_pending
+            if out + in_flight < self.start + len(self.forced):
                 # still emitting a closing: its index is known while a plain step is in flight, not a speculative one
                 return self.spec_k > 0 and seq.num_pending > 0
             self.forced = []
@@ -151,9 +186,9 @@ class Closer:
         if self.budget and not self.zone:
             # estimates grow denser towards the zone: a closing would have to grow by more than a token a token
             # to be found late
-            if out - self.estimated_at >= max(1, (left - self.estimate - self.margin) // 2):
+            if out - self.estimated_at >= max(1, (left - self.need - self.margin) // 2):
                 self._refresh(seq)
-            self.zone = left <= self.estimate + self.margin
+            self.zone = left <= self.need + self.margin
         if not (self.zone or self.watch or self.repeating):
             return False
         if seq.num_pending:
@@ -164,7 +199,7 @@ class Closer:
             return False
         if self.repeating:
             self._close_value(seq)
-        elif self.text and left <= self.estimate + SLACK:
+        elif self.text and left <= self.need + SLACK:
             self._force(seq, self.vocab.tokens(self.text) + [self.vocab.stop], "budget")
         return False
 
@@ -206,9 +241,19 @@ class Closer:
             return None
         return len(self.vocab.tokens(self.text)) + 1
 
+    @property
+    def need(self) -> int:
+        """Budget a row must keep to close whatever its next free token does (short of the slack)."""
+        return max(self.estimate, self.reserve)
+
     def _refresh(self, seq) -> None:
         self._feed(seq)
         self.estimate, self.estimated_at = self._closing_tokens() or 0, len(seq.output_token_ids)
+        if self.budget and self.text:
+            branches = branch_closings(self.matcher, self.text)
+            self.reserve = max((len(self.vocab.tokens(t)) + 1 for t in branches), default=0)
+        else:
+            self.reserve = 0
 
     def _force(self, seq, tokens: list[int], why: str) -> None:
         self.forced, self.start, self.closed_by = tokens, len(seq.output_token_ids), why

@@ -244,13 +244,14 @@ def refine_in_layer(group: list[Site], rows: int, cells: dict, timer, decode: bo
         cells[name] = {**cells[name], "kernel": choice[key], "layer_us": in_layer}
 
 
-def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progress: bool = True) -> tuple[dict, int]:
-    """Every (site, rows) cell not in `cached` timed by `timer` (a Timer's candidates and time_us) -> (cells, how
-    many were timed); cells as the cache's."""
+def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progress: bool = True,
+            pinned=lambda op, n, k, rows: False) -> tuple[dict, int]:
+    """Every (site, rows) cell not in `cached` and not `pinned` timed by `timer` (a Timer's candidates and
+    time_us) -> (cells, how many were timed); cells as the cache's."""
     cells, todo = dict(cached or {}), []
     for site in unique_sites(sites):
         for r in rows:
-            if _cell_name(*site.key, r) not in cells:
+            if _cell_name(*site.key, r) not in cells and not pinned(*site.key, r):
                 todo.append((site, r))
     if not todo:
         return cells, 0
@@ -277,7 +278,8 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
     timed = {(site.key, r) for site, r in todo}
     for group in layer_groups(sites):
         for r in rows:
-            if any((site.key, r) in timed for site in group):
+            if any((site.key, r) in timed for site in group) and all(
+                    _cell_name(*site.key, r) in cells for site in group):
                 refine_in_layer(group, r, cells, timer, decode=r in decode_rows)
     return cells, len(todo)
 
@@ -295,13 +297,16 @@ def measured_table(sites, rows, decode_rows, device, dtype, backend_factory, dir
     """The model's route table from the cache under `directory`, measuring the cells it lacks (and saving them)."""
     fp = fingerprint(device, dtype)
     path = cache_path(directory, fp)
-    wanted = {_cell_name(*s.key, r) for s in sites for r in rows}
+    table = RouteTable(pins=pins)
+    pinned = lambda *cell: any(pin.matches(*cell) for pin in table.pins)     # a pinned cell is never looked up
+    wanted = {_cell_name(*s.key, r) for s in sites for r in rows if not pinned(*s.key, r)}
     begin = time.perf_counter()
     cached = load_cache(path, fp)
     with torch.inference_mode():
-        cells, timed = measure(sites, rows, decode_rows, lambda: Timer(device, backend_factory), cached, progress)
+        cells, timed = measure(sites, rows, decode_rows, lambda: Timer(device, backend_factory), cached, progress,
+                               pinned)
     if timed:
         save_cache(path, fp, cells)
     log(f"kernel routes: {len(wanted) - timed} cells from {path}, {timed} measured in "
-        f"{time.perf_counter() - begin:.1f} s")
+        f"{time.perf_counter() - begin:.1f} s" + (" (pins route the rest)" if table.pins else ""))
     return table_from_cells({name: cells[name] for name in wanted}, pins)

@@ -10,7 +10,7 @@ import pytest
 import xgrammar as xgr
 
 from conftest import assert_no_leak
-from engine.guided.closing import SLACK, ClosingVocab, closing_text
+from engine.guided.closing import SLACK, ClosingVocab, branch_closings, closing_text
 from engine.guided.compiler import compile_guide
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
@@ -118,6 +118,45 @@ def test_outputs_that_end_on_their_own_are_the_same_with_closing_off(engine):
             validate(on, s)
             cut += 1
     assert ended and cut, (ended, cut)
+
+
+def test_the_budget_holds_a_branch_that_grows_the_closing(engine):
+    """An array of objects: after an item, a comma opens another whose required properties the closing must then
+    write. The branch's closing is longer than the closing, and it completes the grammar; from inside a string a
+    comma is one more character."""
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"kind": {"type": "string"}, "amount": {"type": "number"}},
+        "required": ["kind", "amount"]}}}, "required": ["items"]}
+    compiled = compile_guide(guided(engine).compiler, SamplingParams(json_schema=schema).guide)
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string(b'{"items": [{"kind": "a", "amount": 1}')
+    closing = closing_text(matcher)
+    branches = branch_closings(matcher, closing)
+    longest = max(branches, key=len)
+    assert closing == b"]}" and longest.startswith(b", {") and len(longest) > len(closing) + 20
+    for text in branches:
+        assert matcher.accept_string(text) and matcher.is_completed()
+        matcher.rollback(1)
+    assert matcher.accept_string(b"]}") and matcher.is_completed()          # (the matcher is where it was)
+    inside = xgr.GrammarMatcher(compiled)
+    assert inside.accept_string(b'{"items": [{"kind": "ab')
+    closing = closing_text(inside)
+    in_string = [t for t in branch_closings(inside, closing) if t[:1] in b",{["]
+    assert len(in_string) == 3 and all(t[1:] == closing for t in in_string)
+
+
+@needs_data
+def test_an_array_of_required_objects_closes_within_its_budget(engine):
+    """JSON Mode Eval's insurance policy: the model adds array items of two required properties each until the
+    budget runs out. A comma at the last free step once opened an item the closing could not finish in the
+    budget left; the budget now holds that branch, and the output ends valid."""
+    schema = case("JME_28")[0]
+    from specdec.datasets import schema_prompt
+    [seq] = engine.generate([schema_prompt(engine, schema)], SamplingParams(max_tokens=128, temperature=0,
+                                                                              json_schema=schema))
+    assert seq.finish_reason == "stop" and seq.closed_by == "budget", seq.text
+    validate(seq, schema)
+    assert seq.text.count('"coverageType"') >= 2
 
 
 def test_the_repetition_guard_closes_a_repeating_string(engine):

@@ -284,10 +284,11 @@ def test_engine_outputs_equal_with_decode_gemm(monkeypatch):
     prompts = [[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8], [42], [11, 400, 13], [256, 255]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 3, 4, 5, 6, 7)]
     gemm = lambda rows: [dict(kernel="gemm", op=op, rows=rows) for op in MATMUL_OPS]
+    cublas = dict(kernel="cublas")      # under the pins: on a GPU the tuner's routes would take the other rows
     routes = {"reference": dict(kernels="reference"),
-              "gemm": dict(kernel_routes=pins(dict(kernel="gemv", rows=[1, 4]), *gemm([5, 32]))),
-              "gemv": dict(kernel_routes=pins(dict(kernel="gemv", rows=[1, 8]))),
-              "short_gemm": dict(kernel_routes=pins(dict(kernel="gemv", rows=1), *gemm([2, 4])))}
+              "gemm": dict(kernel_routes=pins(cublas, dict(kernel="gemv", rows=[1, 4]), *gemm([5, 32]))),
+              "gemv": dict(kernel_routes=pins(cublas, dict(kernel="gemv", rows=[1, 8]))),
+              "short_gemm": dict(kernel_routes=pins(cublas, dict(kernel="gemv", rows=1), *gemm([2, 4])))}
     runs, seen = {}, {}
     for name, kw in routes.items():
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton", depth=1,
