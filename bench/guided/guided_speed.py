@@ -25,12 +25,16 @@ and commit_ms (the host's phases); tok_s = tokens committed in the window / its 
 period / free period (target <= 1.03; idle_frac target < 2%). On CPU there are no graphs and the CUDA-event
 times are 0.
 
+`--open-too`: one more guided mode, guided-open, with close_at_budget and repetition_guard off: the closing's own
+cost is guided's period over guided-open's (their outputs end at different points, so the loads differ somewhat).
+
 `--profile` (CUDA): after the rounds, one more round of each mode with its window's kernels traced: path_ms is
 their critical path a step (bench/step/profile_step.py's path_us), and the record's `profile` holds the kernels by
 kind. A forward over path_ms is GPU time left idle inside the step.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import traceback
@@ -75,9 +79,12 @@ def _quantile(xs, q):
 def run_round(eng, work, mode: str, streams: int, args, lengths: dict, prof=None) -> dict:
     """One round (the module's docstring); `prof`: a torch profiler started and stopped around the window."""
     from engine.requests.sequence import SamplingParams
-    free = {}
+    free, opened = {}, {}
 
     def params(k):
+        if mode == "guided-open":       # the closing's own cost: the same guides, never closed
+            p = work[k % len(work)][2]
+            return opened.setdefault(id(p), dataclasses.replace(p, close_at_budget=False, repetition_guard=False))
         if mode.startswith("guided"):
             return work[k % len(work)][2]
         n = lengths.get(k, args.max_tokens)
@@ -96,7 +103,7 @@ def run_round(eng, work, mode: str, streams: int, args, lengths: dict, prof=None
                 kk = active.pop(out.request_id)
                 done += timed
                 errors += out.finish_reason == "error"
-                if mode.startswith("guided") and out.finish_reason == "stop":
+                if mode == "guided" and out.finish_reason == "stop":
                     lengths[kk] = len(out.token_ids)
         if timed and t.steps >= args.steps:
             break
@@ -180,7 +187,8 @@ def run_speed(args) -> list[dict]:
                  f"{'off' if eng.runner.graphs is None else eng.runner.graphs.sizes}")
             work = work or speed_work(eng, args)
             lengths: dict[int, int] = {}
-            modes = ("guided", "free") + (("guided-python",) if args.python_node else ())
+            modes = ("guided", "free") + (("guided-python",) if args.python_node else ()) + \
+                (("guided-open",) if args.open_too else ())
             for mode in modes:                                    # untimed: JIT, grammar cache, lengths
                 _round(eng, work, mode, streams, args, lengths)
             rounds = {m: [] for m in modes}

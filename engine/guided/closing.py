@@ -54,7 +54,8 @@ class ClosingVocab:
         for i, b in enumerate(self.bytes):
             if b and i not in special:
                 self.ids.setdefault(b, i)
-        self.longest = max(map(len, self.ids), default=1)
+        # proper prefixes of the tokens: a longest match stops where its text is none (a few lookups a token)
+        self.prefixes = {b[:j] for b in self.ids for j in range(1, len(b))}
         self.stop = info.stop_token_ids[0]
 
     def text(self, tokens) -> bytes:
@@ -64,14 +65,18 @@ class ClosingVocab:
         """Longest-match tokens of `text` (every byte has a token in a byte-level vocabulary)."""
         out, i = [], 0
         while i < len(text):
-            for n in range(min(self.longest, len(text) - i), 0, -1):
-                tok = self.ids.get(text[i:i + n])
+            best = size = 0
+            for n in range(1, len(text) - i + 1):
+                piece = text[i:i + n]
+                tok = self.ids.get(piece)
                 if tok is not None:
-                    out.append(tok)
-                    i += n
+                    best, size = tok, n
+                if piece not in self.prefixes:
                     break
-            else:
+            if not size:
                 raise ValueError(f"no token spells {text[i:i + 1]!r}")
+            out.append(best)
+            i += size
         return out
 
 
@@ -102,8 +107,8 @@ def closing_text(matcher: xgr.GrammarMatcher, limit: int = MAX_CLOSING) -> bytes
 
 
 def branch_closings(matcher: xgr.GrammarMatcher, text: bytes) -> list[bytes]:
-    """Closings through a branch off `text` (the closing from `matcher`'s state): at its start and after each of
-    its first closing bytes, each branch byte the grammar accepts there in place of the closing's own, followed by
+    """Closings through a branch off `text` (the closing from `matcher`'s state): at its start each branch byte the
+    grammar accepts there in place of the closing's own, after each of its first closing bytes a comma, followed by
     the closing from there. A free token can take such a branch, so the budget must hold the longest before the row
     lets the model choose. The matcher is left as it was."""
     points = [0] + [i + 1 for i, b in enumerate(text) if b in CLOSERS][:BRANCH_POINTS - 1]
@@ -112,7 +117,7 @@ def branch_closings(matcher: xgr.GrammarMatcher, text: bytes) -> list[bytes]:
         if j and not matcher.accept_string(text[:j]):
             break
         try:
-            for b in BRANCHES:
+            for b in BRANCHES if j == 0 else BRANCHES[:1]:     # past a closer only a comma opens another item
                 if text[j:j + 1] == b or not matcher.accept_string(b):
                     continue
                 rest = closing_text(matcher)
