@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--python-node", action="store_true",
                    help="speed: also run guided rounds on the Python grammar path (mode guided-python)")
     p.add_argument("--open-too", action="store_true",
-                   help="speed: also run guided rounds with close_at_budget and repetition_guard off (mode guided-open)")
+                   help="speed: also guided rounds with close_at_budget and repetition_guard off (mode guided-open)")
     p.add_argument("--profile", action="store_true",
                    help="speed: one more round of each mode with its kernels traced (CUDA): path_ms")
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), help="quality: NAME or NAME=PATH")
