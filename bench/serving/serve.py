@@ -13,7 +13,7 @@ chat (fixed length: max_tokens + ignore_eos), half JSON-schema requests of --dat
 forced tool calls with --json-mode tools; they end with the JSON), shuffled with --seed. Per --rates value,
 Poisson arrivals; per --concurrency value, C closed-loop workers (--duration: each cycles for that long).
 A run stops and cancels what is in flight after --run-timeout s (ours) / --peer-timeout s (the peer).
-Before the runs, up to --warmup distinct requests of 8 tokens (graphs, grammar compiles). Target (set
+Before the runs, up to --warmup distinct requests, chat ones of 8 tokens (graphs, grammar compiles). Target (set
 for this bench): at 32 streams p50 ITL <= 1.5 ms and >= 10x the peer's out_tok_s; the .md's last lines say.
 
 vLLM (--peer vllm): its OpenAI server (vllm.entrypoints.openai.api_server, staged as docs/peers.md says, only

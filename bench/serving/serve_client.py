@@ -63,7 +63,7 @@ def request_body(req: dict, model: str, opts: dict, max_tokens: int | None = Non
         elif opts["fixed_length"]:
             body["ignore_eos"] = True
         return body
-    body["max_tokens"] = max_tokens or opts["json_max_tokens"]
+    body["max_tokens"] = opts["json_max_tokens"]     # not a warm-up cap: a guide refuses less than its shortest
     name = "".join(c if c.isalnum() else "_" for c in req["name"])[:64]
     if opts["json_mode"] == "tools":
         body["tools"] = [{"type": "function", "function": {"name": name, "parameters": req["schema"]}}]

@@ -27,6 +27,7 @@ import xgrammar as xgr
 
 MAX_PERIOD = 8          # longest repeated n-gram the guard sees, in tokens
 MAX_CLOSING = 256       # bytes a closing text may take before the search gives up
+MEMO = 4096             # tokenized closings a vocabulary remembers
 # budget left past the closing's length (or its longest branch's) when a row starts closing: room for a free token
 # that goes past a branch into a longer path (the key of a longer property). Outputs that would end on their own
 # within it can change.
@@ -57,12 +58,22 @@ class ClosingVocab:
         # proper prefixes of the tokens: a longest match stops where its text is none (a few lookups a token)
         self.prefixes = {b[:j] for b in self.ids for j in range(1, len(b))}
         self.stop = info.stop_token_ids[0]
+        self._memo: dict[bytes, list[int]] = {}     # closings recur step after step (a string's end, say)
 
     def text(self, tokens) -> bytes:
         return b"".join(self.bytes[t] for t in tokens)
 
     def tokens(self, text: bytes) -> list[int]:
-        """Longest-match tokens of `text` (every byte has a token in a byte-level vocabulary)."""
+        """Longest-match tokens of `text` (every byte has a token in a byte-level vocabulary); the caller must
+        not change the list."""
+        out = self._memo.get(text)
+        if out is None:
+            if len(self._memo) >= MEMO:
+                self._memo.clear()
+            out = self._memo[text] = self._tokens(text)
+        return out
+
+    def _tokens(self, text: bytes) -> list[int]:
         out, i = [], 0
         while i < len(text):
             best = size = 0
@@ -136,7 +147,8 @@ class Closer:
     the estimate at which the row enters its closing zone, where it has no token in flight when it is planned, so
     each estimate is exact."""
 
-    def __init__(self, compiled, vocab: ClosingVocab, budget: bool, guard_limit: int, spec_k: int = 0):
+    def __init__(self, compiled, vocab: ClosingVocab, budget: bool, guard_limit: int, spec_k: int = 0,
+                 initial: list | None = None):
         self.vocab, self.budget, self.guard_limit = vocab, budget, guard_limit
         # A step commits up to 1 + K tokens: near a decision (its closing zone, a repetition near the guard's
         # limit) a row goes one token a step with nothing in flight, so each decision falls on the same output
@@ -145,7 +157,8 @@ class Closer:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.fed = 0                    # committed output tokens the matcher has accepted
         self.text = b""                 # the closing text of the last estimate
-        self.minimum = self._closing_tokens()   # the shortest whole output, stop token included (None: not found)
+        # the shortest whole output, stop token included (None: not found); `initial` caches its closing per guide
+        self.minimum = self._closing_tokens(initial)
         self.estimate, self.estimated_at = self.minimum or 0, 0
         self.reserve = 0                 # tokens of the longest closing through a branch (see branch_closings)
         self.forced: list[int] = []
@@ -237,10 +250,16 @@ class Closer:
                 raise ValueError("the closing matcher rejected the committed output")
             self.fed = len(out)
 
-    def _closing_tokens(self) -> int | None:
+    def _closing_tokens(self, cache: list | None = None) -> int | None:
         """Tokens the closing from the matcher's state takes, stop token included; None (and the closer off)
-        where the search finds no closing: the request runs as it would without it."""
-        self.text = closing_text(self.matcher)
+        where the search finds no closing: the request runs as it would without it. `cache`: [] to fill with
+        the closing text, or [text] to take it from."""
+        if cache:
+            self.text = cache[0]
+        else:
+            self.text = closing_text(self.matcher)
+            if cache is not None:
+                cache.append(self.text)
         if self.text is None:
             self.budget, self.guard_limit, self.zone, self.repeating = False, 0, False, False
             return None

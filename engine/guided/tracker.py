@@ -15,6 +15,7 @@ from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.masks import Snapshot
 
 CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before leaving it to the pool
+INITIAL_CACHE = 1024          # guides whose first closing a tracker remembers
 
 
 class GuidedTracker:
@@ -31,6 +32,7 @@ class GuidedTracker:
         self.repeat_limit = t.guided_repeat_limit
         self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
         self._vocab: ClosingVocab | None = None         # built with the service
+        self._initial: dict = {}                        # guide -> [its closing from the start] (see closer)
 
     def start(self, seq) -> None:
         """At add_request: start compiling (raises ValueError if guided decoding cannot run here)."""
@@ -77,7 +79,7 @@ class GuidedTracker:
         new_matcher(request.future.result()).fill_next_token_bitmask(mask, 0)
         if not torch.any(mask != 0):
             raise ValueError(f"{request.guide.kind} allows no output at all (unsatisfiable)")
-        closer = self.closer(request.future.result(), None)
+        closer = self.closer(request.future.result(), None, request.guide)
         return closer.minimum if closer is not None else None
 
     def timeout_message(self, guide) -> str:
@@ -105,15 +107,22 @@ class GuidedTracker:
         self.compiling = still
         return failed
 
-    def closer(self, compiled, params) -> Closer | None:
+    def closer(self, compiled, params, guide=None) -> Closer | None:
         """A Closer for a request's compiled grammar (None: xgrammar runs neither of its features for it);
-        params None: both on (to read its `minimum`)."""
+        params None: both on (to read its `minimum`). Its first closing is the same for every request of a guide:
+        found once (any thread: a list's append and a dict's get and set are atomic)."""
         budget = params is None or params.close_at_budget
         guard = self.repeat_limit if params is None or (params.repetition_guard and params.guide.kind in JSON_KINDS) \
             else 0
         if not isinstance(compiled, xgr.CompiledGrammar) or not (budget or guard):
             return None
-        return Closer(compiled, self.vocab, budget, guard, self.spec_k)
+        guide = guide if guide is not None or params is None else params.guide
+        initial = self._initial.get(guide) if guide is not None else None
+        if initial is None and guide is not None:
+            if len(self._initial) >= INITIAL_CACHE:
+                self._initial.clear()
+            initial = self._initial[guide] = []
+        return Closer(compiled, self.vocab, budget, guard, self.spec_k, initial)
 
     @property
     def vocab(self) -> ClosingVocab:
