@@ -33,6 +33,7 @@ MEMO = 4096             # tokenized closings a vocabulary remembers
 # within it can change.
 SLACK = 4
 CLOSERS = b'"]}'
+STRUCTURE = frozenset(b'"\\{}[],:')     # bytes that can change where a value ends
 # bytes that open another item where a closing would end the current one: a free token taking one grows the
 # closing (a comma before another array item or a property whose required value is long)
 BRANCHES = (b",", b"{", b"[", b'"')
@@ -161,6 +162,7 @@ class Closer:
         self.minimum = self._closing_tokens(initial)
         self.estimate, self.estimated_at = self.minimum or 0, 0
         self.reserve = 0                 # tokens of the longest closing through a branch (see branch_closings)
+        self.branched = None             # the closing text `reserve` was found for
         self.forced: list[int] = []
         self.start = 0                   # output index of forced[0]
         self.zone = False                # in its closing zone
@@ -243,12 +245,16 @@ class Closer:
             self.watch = longest >= self.watch_from
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _feed(self, seq) -> None:
+    def _feed(self, seq) -> bytes:
+        """Feed the matcher the committed output it has not seen; returns those bytes."""
         out = seq.output_token_ids
+        text = b""
         if self.fed < len(out):
-            if not self.matcher.accept_string(self.vocab.text(out[self.fed:])):
+            text = self.vocab.text(out[self.fed:])
+            if not self.matcher.accept_string(text):
                 raise ValueError("the closing matcher rejected the committed output")
             self.fed = len(out)
+        return text
 
     def _closing_tokens(self, cache: list | None = None) -> int | None:
         """Tokens the closing from the matcher's state takes, stop token included; None (and the closer off)
@@ -271,13 +277,14 @@ class Closer:
         return max(self.estimate, self.reserve)
 
     def _refresh(self, seq) -> None:
-        self._feed(seq)
+        fed = self._feed(seq)
         self.estimate, self.estimated_at = self._closing_tokens() or 0, len(seq.output_token_ids)
-        if self.budget and self.text:
+        if not (self.budget and self.text):
+            self.reserve = 0
+        elif self.text != self.branched or STRUCTURE.intersection(fed):    # (else more of a string or a number)
             branches = branch_closings(self.matcher, self.text)
             self.reserve = max((len(self.vocab.tokens(t)) + 1 for t in branches), default=0)
-        else:
-            self.reserve = 0
+            self.branched = self.text
 
     def _force(self, seq, tokens: list[int], why: str) -> None:
         self.forced, self.start, self.closed_by = tokens, len(seq.output_token_ids), why
