@@ -212,3 +212,18 @@ def test_the_supervisor_checks_the_options_without_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_api_processes_that_die_starting_are_reported_not_raised(capsys):
+    """Every API process gone before it said it serves (its ready pipe at EOF, their sentinels not yet seen):
+    start-up fails with a message, not a traceback from the pipe."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from engine.server.processes.supervisor import _wait_ready
+    ready_r, ready_w = mp.Pipe(duplex=False)
+    (api_r, _api_w), (engine_r, _engine_w) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)   # live processes'
+    ready_w.close()                                                                     # sentinels: never ready
+    api, engine = SimpleNamespace(sentinel=api_r.fileno()), SimpleNamespace(sentinel=engine_r.fileno())
+    assert _wait_ready([api], ready_r, engine, []) is False
+    assert "API processes exited during start-up" in capsys.readouterr().err

@@ -109,7 +109,11 @@ def _wait_ready(apis, ready_r, engine, stopping) -> bool:
             return False
         for obj in wait([ready_r, engine.sentinel, *waiting], timeout=0.5):
             if obj is ready_r:
-                ready_r.recv()
+                try:
+                    ready_r.recv()
+                except EOFError:            # every API process is gone (one that failed to start says why)
+                    print("specdec: error: the API processes exited during start-up", file=sys.stderr)
+                    return False
                 count += 1
             else:
                 print("specdec: error: a server process exited during start-up", file=sys.stderr)
