@@ -109,6 +109,15 @@ def test_cached_cells_are_not_measured_again_and_one_site_a_shape_is():
     assert timed == 1 and cells["linear 64 32 1"]["kernel"] == "gemv"
 
 
+def test_pinned_cells_are_not_measured():
+    """A pin decides its cells whatever they measure: the tuner times only the others (a test pinning cuBLAS
+    everywhere starts with no tuning at all)."""
+    timer = GivenTimes({("linear", r, k): 1.0 for r in (1, 8) for k in ("gemv", "cublas")})
+    pinned = lambda op, n, k, rows: rows == 1      # noqa: E731
+    cells, timed = tune.measure([_site("linear")], [1, 8], {1}, timer, progress=False, pinned=pinned)
+    assert timed == 1 and set(cells) == {"linear 64 32 8"} and {c[1] for c in timer.calls} == {8}
+
+
 class LayerTimes(GivenTimes):
     """Given times alone, and inside the layer a cost for each (op, kernel) the layer runs on."""
 
