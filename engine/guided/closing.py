@@ -28,6 +28,7 @@ import xgrammar as xgr
 MAX_PERIOD = 8          # longest repeated n-gram the guard sees, in tokens
 MAX_CLOSING = 256       # bytes a closing text may take before the search gives up
 MEMO = 4096             # tokenized closings a vocabulary remembers
+WAKE_NEVER = 1 << 62    # a closer with nothing left to decide at any output count
 # budget left past the closing's length (or its longest branch's) when a row starts closing: room for a free token
 # that goes past a branch into a longer path (the key of a longer property). Outputs that would end on their own
 # within it can change.
@@ -170,6 +171,7 @@ class Closer:
         self.repeating = False           # the guard fired: close the value at the next chance
         self.fired = 0                   # times the guard fired
         self.runs = [0] * (MAX_PERIOD + 1)
+        self.wake = 0                    # committed outputs before which hold() has nothing to decide
         self.closed_by: str | None = None
 
     @property
@@ -186,11 +188,25 @@ class Closer:
         """Before a step is planned: True when the row sits out this step (in its closing zone, or due to close a
         value, with a token in flight: the closing text must start from committed output). A closer that breaks
         turns itself off: the request runs on as it would without one."""
+        if len(seq.output_token_ids) < self.wake:
+            return False
         try:
-            return self._hold(seq)
+            hold = self._hold(seq)
+            self.wake = 0 if self.stepwise else self._next_decision(seq) if self.budget else WAKE_NEVER
+            return hold
         except Exception:               # noqa: BLE001 - never the loop's failure
             self.budget, self.guard_limit, self.zone, self.repeating, self.forced = False, 0, False, False, []
+            self.wake = WAKE_NEVER
             return False
+
+    def _next_decision(self, seq) -> int:
+        """The first committed-output count at which a row outside its zone refreshes its estimate or enters the
+        zone (the two conditions of _hold, solved for the output count; both only grow true as it grows)."""
+        budget = seq.max_len - len(seq.prompt_token_ids)        # left = budget - outputs
+        zone_at = budget - self.need - self.margin
+        # a refresh once out - e >= max(1, (budget - out - need - margin) // 2), e = estimated_at: x = out - e
+        d = budget - self.estimated_at - self.need - self.margin
+        return min(zone_at, self.estimated_at + max(1, -((1 - d) // 3)))
 
     def _hold(self, seq) -> bool:
         out = len(seq.output_token_ids)
@@ -239,10 +255,12 @@ class Closer:
                 if runs[p]:                                     # the last runs[p] + p tokens have period p
                     longest = max(longest, runs[p] + p)
             if longest >= self.guard_limit:
-                self.repeating, self.watch = True, False
+                self.repeating, self.watch, self.wake = True, False, 0
                 self.runs = [0] * (MAX_PERIOD + 1)
                 return
             self.watch = longest >= self.watch_from
+            if self.watch:
+                self.wake = 0
 
     # ---- internals ---------------------------------------------------------------------------------
     def _feed(self, seq) -> bytes:

@@ -231,3 +231,25 @@ def test_the_guard_fires_on_a_period_and_never_on_distinct_tokens(engine):
     assert not closer.watch and not closer.repeating
     commit([7, 8, 9] * 4)                       # 12 tokens of period 3
     assert closer.repeating
+
+
+def test_hold_wakes_where_the_closer_first_has_something_to_decide(engine):
+    """Outside its zone a row's hold() is skipped until its next decision: the first output count at which it
+    refreshes its estimate or enters the zone, found as the plain per-step checks would find it."""
+    import random
+    from types import SimpleNamespace as NS
+
+    from engine.guided.closing import Closer
+    service = guided(engine)
+    closer = Closer(compile_guide(service.compiler, SamplingParams(json_object=True).guide),
+                    ClosingVocab(service.info), budget=True, guard_limit=0)
+    rng = random.Random(0)
+    for _ in range(2000):
+        budget, prompt = rng.randint(1, 600), [0] * rng.randint(1, 9)
+        closer.estimated_at, closer.estimate, closer.reserve = rng.randint(0, budget), rng.randint(0, 99), 0
+        closer.margin = rng.choice([8, 10, 14])
+        seq = NS(max_len=len(prompt) + budget, prompt_token_ids=prompt)
+        first = next(out for out in range(closer.estimated_at, budget + 400)
+                     if out - closer.estimated_at >= max(1, (budget - out - closer.need - closer.margin) // 2)
+                     or budget - out <= closer.need + closer.margin)
+        assert max(closer._next_decision(seq), closer.estimated_at) == first
