@@ -1,7 +1,9 @@
 """Guided outputs that end valid within their budget (engine/guided/closing.py): the closing text the grammar
 gives completes real schemas from any prefix; at budgets down to each schema's minimum every output validates
-and ends "stop"; outputs that end on their own are the same with closing on and off; the repetition guard
-closes a value that repeats; a budget no output fits is refused; speculative rows close as plain ones do."""
+and ends "stop"; outputs that end on their own are the same with closing on and off; the budget holds a branch
+that grows the closing (an array item of required properties); the repetition guard closes a value that repeats;
+a budget no output fits is refused; speculative rows close as plain ones do; hold() wakes where the per-step
+checks would act."""
 import json
 import os
 from pathlib import Path
