@@ -297,8 +297,7 @@ def measured_table(sites, rows, decode_rows, device, dtype, backend_factory, dir
     """The model's route table from the cache under `directory`, measuring the cells it lacks (and saving them)."""
     fp = fingerprint(device, dtype)
     path = cache_path(directory, fp)
-    table = RouteTable(pins=pins)
-    pinned = lambda *cell: any(pin.matches(*cell) for pin in table.pins)     # a pinned cell is never looked up
+    pinned = lambda *cell: any(pin.matches(*cell) for pin in pins)     # a pinned cell is never looked up
     wanted = {_cell_name(*s.key, r) for s in sites for r in rows if not pinned(*s.key, r)}
     begin = time.perf_counter()
     cached = load_cache(path, fp)
@@ -308,5 +307,5 @@ def measured_table(sites, rows, decode_rows, device, dtype, backend_factory, dir
     if timed:
         save_cache(path, fp, cells)
     log(f"kernel routes: {len(wanted) - timed} cells from {path}, {timed} measured in "
-        f"{time.perf_counter() - begin:.1f} s" + (" (pins route the rest)" if table.pins else ""))
+        f"{time.perf_counter() - begin:.1f} s" + (" (pins route the rest)" if pins else ""))
     return table_from_cells({name: cells[name] for name in wanted}, pins)
