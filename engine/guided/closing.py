@@ -29,6 +29,7 @@ MAX_PERIOD = 8          # longest repeated n-gram the guard sees, in tokens
 MAX_CLOSING = 256       # bytes a closing text may take before the search gives up
 MEMO = 4096             # tokenized closings a vocabulary remembers
 WAKE_NEVER = 1 << 62    # a closer with nothing left to decide at any output count
+UNKNOWN = object()      # a Closer's first closing, not yet found
 # budget left past the closing's length (or its longest branch's) when a row starts closing: room for a free token
 # that goes past a branch into a longer path (the key of a longer property). Outputs that would end on their own
 # within it can change.
@@ -150,7 +151,7 @@ class Closer:
     each estimate is exact."""
 
     def __init__(self, compiled, vocab: ClosingVocab, budget: bool, guard_limit: int, spec_k: int = 0,
-                 initial: list | None = None):
+                 initial=UNKNOWN):
         self.vocab, self.budget, self.guard_limit = vocab, budget, guard_limit
         # A step commits up to 1 + K tokens: near a decision (its closing zone, a repetition near the guard's
         # limit) a row goes one token a step with nothing in flight, so each decision falls on the same output
@@ -159,7 +160,8 @@ class Closer:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.fed = 0                    # committed output tokens the matcher has accepted
         self.text = b""                 # the closing text of the last estimate
-        # the shortest whole output, stop token included (None: not found); `initial` caches its closing per guide
+        # the shortest whole output, stop token included (None: not found); `initial`: its closing text where the
+        # caller knows it (every request of a guide has the same), then `text` until the first refresh
         self.minimum = self._closing_tokens(initial)
         self.estimate, self.estimated_at = self.minimum or 0, 0
         self.reserve = 0                 # tokens of the longest closing through a branch (see branch_closings)
@@ -274,16 +276,10 @@ class Closer:
             self.fed = len(out)
         return text
 
-    def _closing_tokens(self, cache: list | None = None) -> int | None:
-        """Tokens the closing from the matcher's state takes, stop token included; None (and the closer off)
-        where the search finds no closing: the request runs as it would without it. `cache`: [] to fill with
-        the closing text, or [text] to take it from."""
-        if cache:
-            self.text = cache[0]
-        else:
-            self.text = closing_text(self.matcher)
-            if cache is not None:
-                cache.append(self.text)
+    def _closing_tokens(self, text=UNKNOWN) -> int | None:
+        """Tokens the closing from the matcher's state (`text`, where known) takes, stop token included; None
+        (and the closer off) where the search finds no closing: the request runs as it would without it."""
+        self.text = closing_text(self.matcher) if text is UNKNOWN else text
         if self.text is None:
             self.budget, self.guard_limit, self.zone, self.repeating = False, 0, False, False
             return None

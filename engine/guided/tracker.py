@@ -10,7 +10,7 @@ import xgrammar as xgr
 
 import hostfunc
 from engine.guided import limits
-from engine.guided.closing import JSON_KINDS, Closer, ClosingVocab
+from engine.guided.closing import JSON_KINDS, UNKNOWN, Closer, ClosingVocab
 from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.masks import Snapshot
 
@@ -32,7 +32,7 @@ class GuidedTracker:
         self.repeat_limit = t.guided_repeat_limit
         self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
         self._vocab: ClosingVocab | None = None         # built with the service
-        self._initial: dict = {}                        # guide -> [its closing from the start] (see closer)
+        self._initial: dict = {}                        # guide -> its closing from the start (see closer)
 
     def start(self, seq) -> None:
         """At add_request: start compiling (raises ValueError if guided decoding cannot run here)."""
@@ -110,19 +110,20 @@ class GuidedTracker:
     def closer(self, compiled, params, guide=None) -> Closer | None:
         """A Closer for a request's compiled grammar (None: xgrammar runs neither of its features for it);
         params None: both on (to read its `minimum`). Its first closing is the same for every request of a guide:
-        found once (any thread: a list's append and a dict's get and set are atomic)."""
+        found once (any thread: a dict's get and set are atomic)."""
         budget = params is None or params.close_at_budget
         guard = self.repeat_limit if params is None or (params.repetition_guard and params.guide.kind in JSON_KINDS) \
             else 0
         if not isinstance(compiled, xgr.CompiledGrammar) or not (budget or guard):
             return None
         guide = guide if guide is not None or params is None else params.guide
-        initial = self._initial.get(guide) if guide is not None else None
-        if initial is None and guide is not None:
+        initial = self._initial.get(guide, UNKNOWN) if guide is not None else UNKNOWN
+        closer = Closer(compiled, self.vocab, budget, guard, self.spec_k, initial)
+        if initial is UNKNOWN and guide is not None:
             if len(self._initial) >= INITIAL_CACHE:
                 self._initial.clear()
-            initial = self._initial[guide] = []
-        return Closer(compiled, self.vocab, budget, guard, self.spec_k, initial)
+            self._initial[guide] = closer.text
+        return closer
 
     @property
     def vocab(self) -> ClosingVocab:
