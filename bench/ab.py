@@ -9,7 +9,8 @@ are noisy, so a before/after ratio is only worth something when both sides ran t
 Each (round, mode, tree) runs that tree's own bench in a subprocess whose PYTHONPATH is the tree, so each side
 imports its own engine, with that side's --before-engine / --after-engine settings (EngineConfig fields); rounds
 alternate the order (A B, B A, ...). Modes: plain = `python -m bench.step.throughput --depth 2` (EOS ignored);
-guided = `python -m bench.guided.guided --only speed` (JSON Mode Eval schemas, guided rows' tok/s); spec =
+guided = `python -m bench.guided.guided --only speed` (JSON Mode Eval schemas, guided rows' tok/s); guided-open =
+the same with close_at_budget and repetition_guard off (a tree from before them: its guided mode); spec =
 `python -m bench.spec.spec --only speed --drafters ngram` (K = 3, JSON Mode Eval prompts). A tree with the older flat
 bench/ layout runs the same scripts as files (bench/<script>.py) instead. Schemas and prompts come
 from `--data` (default: the few kept in tests/data). The table gives the median tok/s per side and after/before, and
@@ -58,11 +59,16 @@ def parse_args(argv=None):
     return args
 
 
+OPEN_FLAG = "--open-too"      # guided bench: also run guided rows with the closing off
+
 # mode -> (the tree's bench and its arguments, which of its rows are the mode's tok/s)
 MODES = {
     "plain": (lambda a: ["step/throughput.py", "--depth", "2", "--new-tokens", str(a.new_tokens)], lambda r: True),
     "guided": (lambda a: ["guided/guided.py", "--only", "speed", "--rounds", "1", "--steps", "400", "--max-tokens",
                           str(a.new_tokens), "--data", str(Path(a.data).resolve())], lambda r: r["mode"] == "guided"),
+    # guided with the closing off (close_at_budget, repetition_guard): guided-open rows; a tree without the closing
+    # (its guided bench has no --open-too) runs its guided mode, which is the same thing there
+    "guided-open": (lambda a: [*MODES["guided"][0](a), OPEN_FLAG], lambda r: r["mode"] in ("guided", "guided-open")),
     "spec": (lambda a: ["spec/spec.py", "--only", "speed", "--drafters", "ngram", "--datasets", "JME", "--rounds", "1",
                         "--max-tokens", str(a.new_tokens), "--data", str(Path(a.data).resolve())],
              lambda r: r.get("drafter") not in (None, "none")),
@@ -74,6 +80,8 @@ def bench_command(tree: Path, mode: str, args, engine: list, out: Path) -> list[
     with bench/<group>/<script>.py runs it as `-m bench.<group>.<script>` (from the tree, its cwd); an older checkout
     with the flat layout, as the file bench/<script>.py."""
     script, *rest = MODES[mode][0](args)
+    if OPEN_FLAG in rest and not _knows_open(tree):
+        rest.remove(OPEN_FLAG)
     if (tree / "bench" / script).is_file():
         run = ["-m", "bench." + script.removesuffix(".py").replace("/", ".")]
     else:
@@ -82,12 +90,22 @@ def bench_command(tree: Path, mode: str, args, engine: list, out: Path) -> list[
             *(["--model", args.model] if args.model else []), *(["--engine", *engine] if engine else [])]
 
 
+def _knows_open(tree: Path) -> bool:
+    """Whether the tree's guided bench has the guided-open mode (a tree from before the closing has not)."""
+    script = next((p for p in (tree / "bench" / "guided" / "guided.py", tree / "bench" / "guided.py") if p.is_file()),
+                  None)
+    return script is not None and OPEN_FLAG in script.read_text()
+
+
 def run_tree(tree: Path, mode: str, args, engine: list) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.json"
         env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         subprocess.run(bench_command(tree, mode, args, engine, out), cwd=tree, env=env, check=True)
-        return [dict(r, ab_mode=mode) for r in json.loads(out.read_text()) if MODES[mode][1](r)]
+        rows = [r for r in json.loads(out.read_text()) if MODES[mode][1](r)]
+        if mode == "guided-open" and any(r["mode"] == "guided-open" for r in rows):
+            rows = [r for r in rows if r["mode"] == "guided-open"]
+        return [dict(r, ab_mode=mode) for r in rows]
 
 
 HOST_BOUND = 0.10      # idle share of a step over which a side's run was host-bound

@@ -145,3 +145,16 @@ def test_each_tree_runs_its_bench_in_its_own_layout(tmp_path, mode, grouped, fla
     cmd = ab.bench_command(old, mode, args, [], out)
     assert cmd[1] == str(old / "bench" / flat) and cmd[2] != "-m"
     assert ab.bench_command(new, mode, args, [], out)[3:] == cmd[2:]        # the same arguments either way
+
+
+def test_guided_open_asks_only_a_tree_with_the_closing_for_its_open_rows(tmp_path):
+    """guided-open passes --open-too to a tree whose guided bench knows it, and runs a tree from before the closing
+    in its guided mode, with the same arguments otherwise."""
+    args = ab.parse_args(["--after-engine", "native_launch=true", "--modes", "guided-open"])
+    new = _tree(tmp_path / "new", "__init__.py", "guided/guided.py", "common.py")
+    (new / "bench" / "guided" / "guided.py").write_text('p.add_argument("--open-too")')
+    old = _tree(tmp_path / "old", "__init__.py", "guided/guided.py", "common.py")
+    out = tmp_path / "t.json"
+    with_open, without = (ab.bench_command(t, "guided-open", args, [], out) for t in (new, old))
+    assert ab.OPEN_FLAG in with_open and ab.OPEN_FLAG not in without
+    assert [a for a in with_open if a != ab.OPEN_FLAG] == without
