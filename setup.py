@@ -12,7 +12,8 @@ ext_modules = [
     # The grammar node calls xgrammar's matchers through tvm-ffi's C ABI and llguidance's through its C API, both
     # resolved at run time (libtvm_ffi, llguidance's extension).
     Pybind11Extension("engine.guided._native", ["engine/guided/csrc/grammar_node.cpp", "engine/guided/csrc/node.cpp",
-                                                 "engine/guided/csrc/llg.cpp", "engine/guided/csrc/llg_py.cpp"],
+                                                 "engine/guided/csrc/llg.cpp", "engine/guided/csrc/llg_py.cpp",
+                                                 "engine/guided/csrc/closing.cpp", "engine/guided/csrc/closing_py.cpp"],
                       cxx_std=17, libraries=["dl"], extra_compile_args=["-O2"]),
     # CPU matmuls of a few rows (AVX2 + FMA, chosen at run time): needs only the pybind11 headers
     Pybind11Extension("engine.kernels.matmul._cpu_gemm", ["engine/kernels/matmul/csrc/cpu_gemm.cpp"], cxx_std=17,

@@ -25,123 +25,17 @@ from __future__ import annotations
 
 import xgrammar as xgr
 
+from engine.guided.closing_search import CLOSERS, ClosingVocab, branch_closings, closing_text
+
 MAX_PERIOD = 8          # longest repeated n-gram the guard sees, in tokens
-MAX_CLOSING = 256       # bytes a closing text may take before the search gives up
-MEMO = 4096             # tokenized closings a vocabulary remembers
 WAKE_NEVER = 1 << 62    # a closer with nothing left to decide at any output count
 UNKNOWN = object()      # a Closer's first closing, not yet found
 # budget left past the closing's length (or its longest branch's) when a row starts closing: room for a free token
 # that goes past a branch into a longer path (the key of a longer property). Outputs that would end on their own
 # within it can change.
 SLACK = 4
-CLOSERS = b'"]}'
 STRUCTURE = frozenset(b'"\\{}[],:')     # bytes that can change where a value ends
-# bytes that open another item where a closing would end the current one: a free token taking one grows the
-# closing (a comma before another array item or a property whose required value is long)
-BRANCHES = (b",", b"{", b"[", b'"')
-BRANCH_POINTS = 4       # places along the closing text where a branch is tried: its start and its first closers
 JSON_KINDS = ("json_schema", "json_object", "structural_tag")   # what the repetition guard watches (tools: a tag)
-# bytes tried in order where the grammar forces nothing: first what closes a string, array or object, then what
-# starts the shortest values, then anything printable
-# (a comma before digits: after "12.0" the next required key, not more digits)
-_FIRST = [b'"', b"}", b"]", b",", b"0", b"a", b"[", b"{", b"t", b"f", b"n", b"-", b":", b" ", b"1", b"A"]
-CANDIDATES = tuple(_FIRST + [bytes([c]) for c in range(32, 127) if bytes([c]) not in _FIRST] + [b"\n"])
-
-
-class ClosingVocab:
-    """The vocabulary's bytes, for feeding a matcher committed tokens and tokenizing a closing text."""
-
-    def __init__(self, info: xgr.TokenizerInfo):
-        self.bytes = [b if isinstance(b, bytes) else b.encode() for b in info.decoded_vocab]
-        special = set(info.special_token_ids) | set(info.stop_token_ids)
-        self.ids = {}
-        for i, b in enumerate(self.bytes):
-            if b and i not in special:
-                self.ids.setdefault(b, i)
-        # proper prefixes of the tokens: a longest match stops where its text is none (a few lookups a token)
-        self.prefixes = {b[:j] for b in self.ids for j in range(1, len(b))}
-        self.stop = info.stop_token_ids[0]
-        self._memo: dict[bytes, list[int]] = {}     # closings recur step after step (a string's end, say)
-
-    def text(self, tokens) -> bytes:
-        return b"".join(self.bytes[t] for t in tokens)
-
-    def tokens(self, text: bytes) -> list[int]:
-        """Longest-match tokens of `text` (every byte has a token in a byte-level vocabulary); the caller must
-        not change the list."""
-        out = self._memo.get(text)
-        if out is None:
-            if len(self._memo) >= MEMO:
-                self._memo.clear()
-            out = self._memo[text] = self._tokens(text)
-        return out
-
-    def _tokens(self, text: bytes) -> list[int]:
-        out, i = [], 0
-        while i < len(text):
-            best = size = 0
-            for n in range(1, len(text) - i + 1):
-                piece = text[i:i + n]
-                tok = self.ids.get(piece)
-                if tok is not None:
-                    best, size = tok, n
-                if piece not in self.prefixes:
-                    break
-            if not size:
-                raise ValueError(f"no token spells {text[i:i + 1]!r}")
-            out.append(best)
-            i += size
-        return out
-
-
-def closing_text(matcher: xgr.GrammarMatcher, limit: int = MAX_CLOSING) -> bytes | None:
-    """A continuation after which `matcher`'s grammar is complete (b"" if it is already), or None if the greedy
-    search finds none within `limit` bytes. The matcher is left as it was."""
-    out, steps = bytearray(), 0
-    try:
-        while len(out) <= limit:
-            if matcher.is_completed():
-                return bytes(out)
-            forced = matcher.find_jump_forward_string().encode()
-            if forced and matcher.accept_string(forced):
-                out += forced
-                steps += 1
-                continue
-            for byte in CANDIDATES:
-                if matcher.accept_string(byte):
-                    out += byte
-                    steps += 1
-                    break
-            else:
-                return None
-        return None
-    finally:
-        if steps:
-            matcher.rollback(steps)
-
-
-def branch_closings(matcher: xgr.GrammarMatcher, text: bytes) -> list[bytes]:
-    """Closings through a branch off `text` (the closing from `matcher`'s state): at its start each branch byte the
-    grammar accepts there in place of the closing's own, after each of its first closing bytes a comma, followed by
-    the closing from there. A free token can take such a branch, so the budget must hold the longest before the row
-    lets the model choose. The matcher is left as it was."""
-    points = [0] + [i + 1 for i, b in enumerate(text) if b in CLOSERS][:BRANCH_POINTS - 1]
-    out = []
-    for j in points:
-        if j and not matcher.accept_string(text[:j]):
-            break
-        try:
-            for b in BRANCHES if j == 0 else BRANCHES[:1]:     # past a closer only a comma opens another item
-                if text[j:j + 1] == b or not matcher.accept_string(b):
-                    continue
-                rest = closing_text(matcher)
-                matcher.rollback(1)
-                if rest is not None:
-                    out.append(text[:j] + b + rest)
-        finally:
-            if j:
-                matcher.rollback(1)
-    return out
 
 
 class Closer:
@@ -296,9 +190,18 @@ class Closer:
         if not (self.budget and self.text):
             self.reserve = 0
         elif self.text != self.branched or STRUCTURE.intersection(fed):    # (else more of a string or a number)
-            branches = branch_closings(self.matcher, self.text)
-            self.reserve = max((len(self.vocab.tokens(t)) + 1 for t in branches), default=0)
+            self.reserve = self._longest(branch_closings(self.matcher, self.text))
             self.branched = self.text
+
+    def _longest(self, texts: list[bytes]) -> int:
+        """Tokens of the longest-tokenized text, stop token included; 0 for none. A text takes at most a token a
+        byte, so those no longer than the best so far are not tokenized."""
+        best = 0
+        for text in sorted(texts, key=len, reverse=True):
+            if len(text) + 1 <= best:
+                break
+            best = max(best, len(self.vocab.tokens(text)) + 1)
+        return best
 
     def _force(self, seq, tokens: list[int], why: str) -> None:
         self.forced, self.start, self.closed_by = tokens, len(seq.output_token_ids), why

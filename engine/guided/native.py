@@ -2,7 +2,8 @@
 
 xgrammar 0.2.8's GrammarMatcher is an apache-tvm-ffi object; its type info lists its methods as tvm-ffi
 Function objects, callable through tvm-ffi's C API (`TVMFFIFunctionCall`) with no interpreter. The node gets
-their handles and libtvm_ffi's path once per process; both are immutable after that. llguidance's rows hand the
+their handles and libtvm_ffi's path once per process; both are immutable after that. The closing search
+(engine/guided/closing.py) calls a few more of them the same way. llguidance's rows hand the
 node their native matcher instead (engine/guided/csrc/llg.h).
 """
 from __future__ import annotations
@@ -30,6 +31,20 @@ def matchers() -> _native.Matchers:
         raise RuntimeError(f"xgrammar {xgr.__version__}'s GrammarMatcher lacks {', '.join(missing)}: "
                            f"the grammar node needs them")
     return _native.matchers(libinfo.find_libtvm_ffi(), *(funcs[name].__chandle__() for name in _METHODS))
+
+
+@functools.lru_cache(maxsize=None)
+def closing_search(candidates: tuple, branches: tuple, closers: bytes, branch_points: int) -> _native.ClosingSearch:
+    """The native closing search (engine/guided/closing.py's constants), bound once per process."""
+    info = xgr.base._core.GrammarMatcher.__tvm_ffi_type_info__
+    funcs = {m.name: m.func for m in info.methods if not m.is_static}
+    names = ("accept_string", "find_jump_forward_string", "is_completed", "rollback")
+    missing = [name for name in names if name not in funcs]
+    if missing:
+        raise RuntimeError(f"xgrammar {xgr.__version__}'s GrammarMatcher lacks {', '.join(missing)}: "
+                           f"the closing search needs them")
+    return _native.closing_search(libinfo.find_libtvm_ffi(), *(funcs[name].__chandle__() for name in names),
+                                  list(candidates), list(branches), closers, branch_points)
 
 
 def llg_matcher(matcher):

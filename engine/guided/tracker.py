@@ -10,7 +10,8 @@ import xgrammar as xgr
 
 import hostfunc
 from engine.guided import limits
-from engine.guided.closing import JSON_KINDS, UNKNOWN, Closer, ClosingVocab
+from engine.guided.closing import JSON_KINDS, UNKNOWN, Closer
+from engine.guided.closing_search import ClosingVocab
 from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.masks import Snapshot
 

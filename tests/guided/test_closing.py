@@ -3,7 +3,7 @@ gives completes real schemas from any prefix; at budgets down to each schema's m
 and ends "stop"; outputs that end on their own are the same with closing on and off; the budget holds a branch
 that grows the closing (an array item of required properties); the repetition guard closes a value that repeats;
 a budget no output fits is refused; speculative rows close as plain ones do; hold() wakes where the per-step
-checks would act."""
+checks would act; the native closing search walks as the Python one."""
 import json
 import os
 from pathlib import Path
@@ -12,7 +12,11 @@ import pytest
 import xgrammar as xgr
 
 from conftest import assert_no_leak
-from engine.guided.closing import SLACK, ClosingVocab, branch_closings, closing_text
+from engine.guided import native
+from engine.guided._native import closing_text as native_closing_text
+from engine.guided.closing import SLACK
+from engine.guided.closing_search import (BRANCH_POINTS, BRANCHES, CANDIDATES, CLOSERS, ClosingVocab,
+                                          branch_closings, closing_text, python_branch_closings, python_closing_text)
 from engine.guided.compiler import compile_guide
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
@@ -77,6 +81,31 @@ def test_the_closing_text_completes_every_prefix_of_real_outputs(engine):
                 assert matcher.accept_string(closing) and matcher.is_completed()      # (the state it had)
                 checked += 1
     assert checked >= 10
+
+
+@needs_data
+def test_the_native_search_walks_as_the_python_one(engine):
+    """At every byte of each schema's valid example, the native closing and branches equal the Python walk's,
+    and both leave the matcher where it was (the rest of the example still completes it)."""
+    service = guided(engine)
+    checked = 0
+    for name in available():
+        schema, examples = case(name)
+        text = json.dumps(examples[0], separators=(",", ":")).encode() if examples else b""
+        matcher = xgr.GrammarMatcher(compile_guide(service.compiler, SamplingParams(json_schema=schema).guide))
+        for i in range(len(text)):
+            if not matcher.accept_string(text[i:i + 1]):
+                break
+            closing = closing_text(matcher)
+            assert closing == python_closing_text(matcher), (name, i)
+            if closing:
+                assert branch_closings(matcher, closing) == python_branch_closings(matcher, closing), (name, i)
+            checked += 1
+        else:
+            assert matcher.is_completed() == bool(text), name
+    assert checked >= 100
+    with pytest.raises(ValueError, match="null matcher handle"):
+        native_closing_text(native.closing_search(CANDIDATES, BRANCHES, CLOSERS, BRANCH_POINTS), 0, 8)
 
 
 @needs_data

@@ -39,7 +39,7 @@ struct FfiObject {  // TVMFFIObject: the header of every heap object
 
 struct FfiAny {  // TVMFFIAny: 16 bytes
   int32_t type_index;
-  uint32_t zero_padding;
+  uint32_t zero_padding;  // a small string's length (kSmallStr), else zero
   union {
     int64_t v_int64;
     double v_float64;
@@ -51,7 +51,8 @@ struct FfiAny {  // TVMFFIAny: 16 bytes
 struct FfiByteArray { const char* data; size_t size; };
 struct FfiErrorCell { FfiByteArray kind; FfiByteArray message; };  // follows the error object's header
 
-constexpr int32_t kNone = 0, kInt = 1, kBool = 2, kDLTensorPtr = 7, kStaticObjectBegin = 64;
+constexpr int32_t kNone = 0, kInt = 1, kBool = 2, kDLTensorPtr = 7, kRawStr = 8, kSmallStr = 11;
+constexpr int32_t kStaticObjectBegin = 64, kStr = 65;
 
 struct FfiApi {
   int (*function_call)(void* func, FfiAny* args, int32_t num_args, FfiAny* result) = nullptr;
@@ -81,12 +82,33 @@ inline FfiApi load_ffi(const std::string& path) {
 
 inline FfiAny any_int(int64_t v) { FfiAny a{}; a.type_index = kInt; a.v_int64 = v; return a; }
 inline FfiAny any_bool(bool v) { FfiAny a{}; a.type_index = kBool; a.v_int64 = v; return a; }
+inline FfiAny any_raw_str(const char* text) {  // NUL-terminated, borrowed for the call
+  FfiAny a{};
+  a.type_index = kRawStr;
+  a.v_ptr = const_cast<char*>(text);
+  return a;
+}
 inline FfiAny any_tensor(DLTensor* t) { FfiAny a{}; a.type_index = kDLTensorPtr; a.v_ptr = t; return a; }
 inline FfiAny any_object(void* obj) {  // a borrowed view: the type index is the object's own
   FfiAny a{};
   a.v_obj = static_cast<FfiObject*>(obj);
   a.type_index = a.v_obj->type_index;
   return a;
+}
+
+// A function's string result: a small string inline (up to 7 bytes), or a String object, whose reference the
+// caller owns (it is released here). Anything else is "".
+inline std::string take_string(const FfiApi& api, const FfiAny& out) {
+  if (out.type_index == kSmallStr)
+    return std::string(reinterpret_cast<const char*>(&out.v_int64), out.zero_padding);
+  if (out.type_index < kStaticObjectBegin) return std::string();
+  std::string text;
+  if (out.type_index == kStr) {
+    auto* cell = reinterpret_cast<const FfiByteArray*>(reinterpret_cast<const char*>(out.v_obj) + sizeof(FfiObject));
+    text.assign(cell->data, cell->size);
+  }
+  api.object_dec_ref(out.v_obj);
+  return text;
 }
 
 }  // namespace grammar_node

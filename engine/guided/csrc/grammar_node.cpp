@@ -12,7 +12,8 @@
 namespace py = pybind11;
 using namespace grammar_node;
 
-void bind_llg(py::module_& m);  // llg_py.cpp
+void bind_llg(py::module_& m);      // llg_py.cpp
+void bind_closing(py::module_& m);  // closing_py.cpp
 
 namespace {
 
@@ -168,6 +169,7 @@ PYBIND11_MODULE(_native, m) {
           return py::make_tuple(c.ok, c.value, c.error);
         }, "One fill_next_token_bitmask call as the node makes it: (ok, result, error text).");
   bind_llg(m);
+  bind_closing(m);
   m.attr("TARGET_NODE") = reinterpret_cast<uintptr_t>(&target_node);
   m.attr("DRAFT_NODE") = reinterpret_cast<uintptr_t>(&draft_node);
 }
