@@ -11,6 +11,7 @@ a bad regex) fails the request when it compiles (engine/guided/compiler.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from engine.guided.schema_rewrite import rewrite_schema
 GUIDE_FIELDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 BACKENDS = ("auto", "xgrammar", "llguidance")
 LLGUIDANCE_KINDS = ("json_schema", "json_object", "regex", "choice")
+SCHEMA_CACHE = 256      # schema texts whose check a process remembers
 
 
 class Guide(NamedTuple):
@@ -103,6 +105,13 @@ def _schema_backend(schema: dict, backend: str, any_whitespace: bool) -> str:
         return "llguidance"
 
 
+@functools.lru_cache(maxsize=SCHEMA_CACHE)
+def _text_backend(text: str, backend: str, any_whitespace: bool) -> str:
+    """_schema_backend of a schema's JSON text. Agents send the same few schemas again and again, and the check
+    rewrites each (a pure function of the text): each text is checked once. A refusal raises and is not kept."""
+    return _schema_backend(json.loads(text), backend, any_whitespace)
+
+
 def _llguidance_check(schema: dict, any_whitespace: bool, xgrammar_refusal: ValueError | None) -> None:
     from engine.guided import llg      # loaded on the first schema that needs it
     if xgrammar_refusal is None:        # (auto: grammar_schema has rewritten it already, without a contradiction)
@@ -124,7 +133,7 @@ def _source(kind: str, value, backend: str, any_whitespace: bool) -> tuple[str, 
     chosen = "xgrammar" if backend == "auto" else backend
     if kind == "json_schema":
         text = _json_text(kind, value, dict)
-        return text, _schema_backend(json.loads(text), backend, any_whitespace)
+        return text, _text_backend(text, backend, any_whitespace)
     if kind == "structural_tag":
         return _json_text(kind, value, dict), chosen
     if kind == "json_object":

@@ -79,3 +79,18 @@ def test_message_lists_where_and_counts_the_rest():
     with pytest.raises(ValueError) as err:
         SamplingParams(json_schema=schema)
     assert "#/properties/p0/not" in str(err.value) and "(and 2 more)" in str(err.value)
+
+
+def test_a_schema_text_is_checked_once_and_a_refusal_every_time():
+    """The check of a schema's text is remembered (agents resend the same schemas); a refused schema is refused
+    again, with the same message, each time it is sent."""
+    from engine.guided.guide import _text_backend
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"]}
+    first = SamplingParams(json_schema=schema).guide
+    hits = _text_backend.cache_info().hits
+    assert SamplingParams(json_schema=dict(schema)).guide == first
+    assert _text_backend.cache_info().hits == hits + 1
+    bad = {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot enforce"):
+            SamplingParams(json_schema=bad, guided_backend="xgrammar")
