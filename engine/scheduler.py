@@ -28,7 +28,7 @@ from engine.memory.prefix_map import PrefixMap
 from engine.requests.sequence import Sequence, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRow:
     seq: Sequence
     start: int          # first position computed in this step

@@ -180,6 +180,19 @@ class OutputProcessor:
         st.num_new = len(seq.output_token_ids) - before
         return self._finalize(seq, st, reason) if reason else None
 
+    def commit_plain(self, seq, token: int) -> RequestOutput | None:
+        """commit and output in one call for the common decode row: one token that ends nothing, for a request
+        whose text is not streamed (decoded at the end, or none) and that wants no logprobs. None: not that case,
+        and nothing was done (the caller takes commit and output)."""
+        st = getattr(seq, "out", None)
+        if st is None or st.reason is not None or not (st.lazy or st.detok is None) or seq.logprobs is not None \
+                or token < 0 or token in self.eos_ids or token in seq.params.stop_token_ids \
+                or seq.num_tokens + 1 >= seq.max_len:
+            return None
+        seq.output_token_ids.append(token)
+        st.num_new = 1
+        return RequestOutput(seq.seq_id, (token,), "", False)
+
     def _commit_one(self, seq, st: OutputState, token: int) -> str | None:
         seq.output_token_ids.append(token)
         p = seq.params

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from engine.runner import rows as rows_mod
+from engine.runner.graphs import pad_rows
 from engine.runner.rows import fill_tokens
 from engine.runner.slots import DecodeSlot
 
 FIELDS = ("positions", "slot_mapping", "tok_row", "carry_src", "input_ids")
+SAMPLING = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps", "smp_row", "forced")
 
 
 def _reference(row, block_size: int) -> dict:
@@ -108,3 +110,52 @@ def test_a_step_of_decode_rows_then_prompt_chunks_fills_as_row_by_row(lead):
     assert got == rows_mod._fill_rows(slots[1], rows, 16, 0) and idx == [r.sample_idx for r in rows]
     for name, values in slots[1].np.items():
         assert np.array_equal(slots[0].np[name], values), name
+
+
+def _advance(rng, row, block_size: int):
+    """The same sequence one decode step on: its next position, its token known (or in flight), pages as needed."""
+    seq, start = row.seq, row.start + 1
+    tokens = [rng.randrange(50000) for _ in range(start + 1)]
+    seq.block_table += [rng.randrange(10000) for _ in range(start // block_size + 1 - len(seq.block_table))]
+    seq.num_pending = rng.choice([0, 1, 1])
+    seq.num_tokens, seq.token_at = start + 1 - seq.num_pending, tokens.__getitem__
+    seq.output_token_ids = tokens[:rng.randrange(start + 1)]
+    return NS(seq=seq, start=start, num_tokens=1, sample=True, spec_k=0, sample_idx=-1)
+
+
+def test_a_slot_filled_again_holds_what_a_fresh_fill_writes():
+    """One slot filled step after step (rows keep their sequences, gain new ones, swap places; a sequence comes
+    back with a new pool row; a row that does not sample; a mixed step; padding past the rows) holds, in every row
+    it fills, what a fresh slot filled row by row holds: a sequence's constants are skipped only where valid."""
+    rng, bs = random.Random(11), 16
+    slot = DecodeSlot(0, 512, 40, 400, torch.device("cpu"))
+    rows = _decode_rows(rng, 24, bs)
+    for r in rows:
+        r.sample = True
+    for step in range(16):
+        rows = [_advance(rng, r, bs) for r in rows]
+        if step % 3 == 1:
+            rows[rng.randrange(len(rows))] = _decode_rows(rng, 1, bs)[0]            # a new request in a row
+        if step % 4 == 2:
+            i, j = rng.sample(range(len(rows)), 2)
+            rows[i], rows[j] = rows[j], rows[i]
+        if step == 5:
+            rows[3].seq.pool_row = 39                                               # re-admitted elsewhere
+        if step == 7:
+            rows[1].sample = False
+        chunks = [_chunk_row(rng, bs)] if step == 9 else []
+        fresh = DecodeSlot(0, 512, 40, 400, torch.device("cpu"))
+        got = rows_mod._fill(slot, rows + chunks, bs, 0)
+        idx = [r.sample_idx for r in rows + chunks]
+        assert got == rows_mod._fill_rows(fresh, rows + chunks, bs, 0)
+        assert idx == [r.sample_idx for r in rows + chunks]
+        t, s, n = got[0], got[1], len(rows + chunks)
+        for i, r in enumerate(rows + chunks):        # a table's pages; past them a row may keep an older table's
+            pages = len(r.seq.block_table)
+            assert np.array_equal(slot.np["block_tables"][i, :pages], fresh.np["block_tables"][i, :pages])
+        for name, values in fresh.np.items():
+            if name == "block_tables":
+                continue
+            size = t if name in FIELDS else s if name in SAMPLING else n + (name == "cu_seqlens_q")
+            assert np.array_equal(slot.np[name][:size], values[:size]), (name, step)
+        pad_rows(slot, n, n + 4)                                                    # a graph's padding
