@@ -44,13 +44,13 @@ class Commits:
             if guided_error:
                 outputs.append(self.fail(seq, guided_error))
                 continue
-            if not self.spec_k and seq.closer is None:
-                out = self.output.commit_plain(seq, tokens[row.sample_idx])
-                if out is not None:             # the common decode row: nothing more to do
-                    seq.first_token_time = seq.first_token_time or now
-                    outputs.append(out)
-                    continue
             try:
+                if not self.spec_k and seq.closer is None:
+                    out = self.output.commit_plain(seq, tokens[row.sample_idx])
+                    if out is not None:         # the common decode row: nothing more to do
+                        seq.first_token_time = seq.first_token_time or now
+                        outputs.append(out)
+                        continue
                 new = commit_row(seq, row, tokens[row.sample_idx], self.spec_k) if self.spec_k \
                     else tokens[row.sample_idx:row.sample_idx + 1]
                 if row.spec_k:

@@ -74,18 +74,25 @@ class Scheduler:
         return rows
 
     def _schedule_running(self, rows, budget, k: int = 0) -> int:
-        i, page_tokens = 0, self.blocks.block_size
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        i, page_tokens, running, plain = 0, self.blocks.block_size, self.running, self.spec is None
+        while i < len(running) and budget > 0:
+            seq = running[i]
             scheduled = seq.num_scheduled_tokens          # read once: seq.schedule_target is this less grammar_blocked
-            n = min(scheduled - seq.grammar_blocked - seq.num_computed_tokens, budget)
+            computed = seq.num_computed_tokens
+            n = min(scheduled - seq.grammar_blocked - computed, budget)
             # nothing new, capped, or a guided output about to close that waits for its token in flight
             if n <= 0 or scheduled >= seq.max_len or (seq.closer is not None and seq.closer.hold(seq)):
                 i += 1
                 continue
+            if plain and n == 1 and computed < len(seq.block_table) * page_tokens:
+                # the common decode row: within its pages (no reservation), its one token samples
+                rows.append(ScheduledRow(seq, computed, 1, computed + 1 == scheduled, -1, 0, 0, seq.num_preemptions))
+                budget -= 1
+                i += 1
+                continue
             n = n + k                           # a spec step: the last token and k drafts
-            # (a plain step's row within its pages needs no reservation: the common decode row)
-            fits = self.spec is None and seq.num_computed_tokens + n <= len(seq.block_table) * page_tokens
+            # (a plain step's row within its pages needs no reservation)
+            fits = plain and computed + n <= len(seq.block_table) * page_tokens
             if not fits and not self._reserve(seq, n, victims_after=i):
                 continue                        # seq itself was preempted; running[i] is the next one
             rows.append(self._row(seq, n, k, scheduled))

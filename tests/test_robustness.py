@@ -76,14 +76,18 @@ def test_a_request_that_slipped_past_validation_fails_alone(engine, chat_prompts
 
 
 def test_an_exception_at_commit_fails_that_request_alone(engine, chat_prompts, alone, monkeypatch):
-    commit, victim = engine.output.commit, {}
+    """Whichever way a row commits (the common row's short path or the general one), its failure fails it alone."""
+    victim = {}
 
-    def failing(seq, tokens):
-        if seq.seq_id == victim.get("id") and len(seq.output_token_ids) == 4:
-            raise TypeError("injected commit failure")
-        return commit(seq, tokens)
+    def failing(real):
+        def commit(seq, tokens):
+            if seq.seq_id == victim.get("id") and len(seq.output_token_ids) == 4:
+                raise TypeError("injected commit failure")
+            return real(seq, tokens)
+        return commit
 
-    monkeypatch.setattr(engine.output, "commit", failing)
+    for name in ("commit", "commit_plain"):
+        monkeypatch.setattr(engine.output, name, failing(getattr(engine.output, name)))
     good = engine.add_request(chat_prompts[0], GREEDY)
     victim["id"] = engine.add_request(chat_prompts[1], GREEDY)
     finals = {}

@@ -215,8 +215,8 @@ def write_block_table(slot, i: int, seq) -> None:
 def fill_extras(slot, rows, penalty_state, eos_ids) -> None:
     """Whether the step runs its extras variant (logprobs, penalties), and the penalty inputs if so (penalty_state:
     the engine's PenaltyState, None without penalties; eos_ids: what min_tokens masks besides stop ids)."""
-    sampling = [r.seq.params for r in rows if r.sample]
-    slot.want_logprobs = slot.logprobs is not None and any(p.logprobs is not None for p in sampling)
+    slot.want_logprobs = slot.logprobs is not None and any(r.sample and r.seq.params.logprobs is not None
+                                                           for r in rows)
     penalized = penalty_state is not None and any(r.seq.params.penalized for r in rows)
     slot.extras = slot.want_logprobs or penalized
     slot.bias_writes, slot.span_writes = [], []
