@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import xgrammar as xgr
 
-from engine.guided import native
-from engine.guided._native import branch_closings as native_branch_closings
-from engine.guided._native import closing_text as native_closing_text
+from engine.guided import _native, native
 
 MAX_CLOSING = 256       # bytes a closing text may take before the search gives up
 MEMO = 4096             # tokenized closings a vocabulary remembers
@@ -84,7 +82,7 @@ def closing_text(matcher: xgr.GrammarMatcher, limit: int = MAX_CLOSING) -> bytes
     code (engine/guided/csrc/closing.cpp), anything else here (the same walk)."""
     handle = native.handle(matcher)
     if handle:
-        return native_closing_text(_native_search(), handle, limit)
+        return _native.closing_text(_native_search(), handle, limit)
     return python_closing_text(matcher, limit)
 
 
@@ -120,7 +118,7 @@ def branch_closings(matcher: xgr.GrammarMatcher, text: bytes) -> list[bytes]:
     lets the model choose. The matcher is left as it was."""
     handle = native.handle(matcher)
     if handle:
-        return native_branch_closings(_native_search(), handle, text, MAX_CLOSING)
+        return _native.branch_closings(_native_search(), handle, text, MAX_CLOSING)
     return python_branch_closings(matcher, text)
 
 

@@ -12,8 +12,7 @@ import pytest
 import xgrammar as xgr
 
 from conftest import assert_no_leak
-from engine.guided import native
-from engine.guided._native import closing_text as native_closing_text
+from engine.guided import _native, native
 from engine.guided.closing import SLACK
 from engine.guided.closing_search import (BRANCH_POINTS, BRANCHES, CANDIDATES, CLOSERS, ClosingVocab,
                                           branch_closings, closing_text, python_branch_closings, python_closing_text)
@@ -105,7 +104,7 @@ def test_the_native_search_walks_as_the_python_one(engine):
             assert matcher.is_completed() == bool(text), name
     assert checked >= 100
     with pytest.raises(ValueError, match="null matcher handle"):
-        native_closing_text(native.closing_search(CANDIDATES, BRANCHES, CLOSERS, BRANCH_POINTS), 0, 8)
+        _native.closing_text(native.closing_search(CANDIDATES, BRANCHES, CLOSERS, BRANCH_POINTS), 0, 8)
 
 
 @needs_data
