@@ -45,9 +45,11 @@ class Commits:
                 outputs.append(self.fail(seq, guided_error))
                 continue
             try:
-                if not self.spec_k and seq.closer is None:
+                if not self.spec_k:
                     out = self.output.commit_plain(seq, tokens[row.sample_idx])
-                    if out is not None:         # the common decode row: nothing more to do
+                    if out is not None:         # the common decode row: one token that ends nothing
+                        if seq.closer is not None:
+                            seq.closer.committed(seq, 1)
                         seq.first_token_time = seq.first_token_time or now
                         outputs.append(out)
                         continue
