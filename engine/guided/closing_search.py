@@ -8,6 +8,8 @@ and runs any other matcher.
 """
 from __future__ import annotations
 
+import functools
+
 import xgrammar as xgr
 
 from engine.guided import _native, native
@@ -72,7 +74,9 @@ class ClosingVocab:
         return out
 
 
+@functools.cache
 def _native_search():
+    """The native search with this module's constants, bound once per process (not rehashed at every call)."""
     return native.closing_search(CANDIDATES, BRANCHES, CLOSERS, BRANCH_POINTS)
 
 

@@ -3,7 +3,7 @@
 xgrammar 0.2.8's GrammarMatcher is an apache-tvm-ffi object; its type info lists its methods as tvm-ffi
 Function objects, callable through tvm-ffi's C API (`TVMFFIFunctionCall`) with no interpreter. The node gets
 their handles and libtvm_ffi's path once per process; both are immutable after that. The closing search
-(engine/guided/closing.py) calls a few more of them the same way. llguidance's rows hand the
+(engine/guided/closing_search.py) calls a few more of them the same way. llguidance's rows hand the
 node their native matcher instead (engine/guided/csrc/llg.h).
 """
 from __future__ import annotations
@@ -19,31 +19,29 @@ from engine.guided.llg import LLGMatcher
 TARGET_NODE, DRAFT_NODE = _native.TARGET_NODE, _native.DRAFT_NODE
 Node, RowState, NativeSnapshot = _native.Node, _native.RowState, _native.Snapshot
 _METHODS = ("accept_token", "fill_next_token_bitmask", "rollback", "is_terminated")
+_SEARCH_METHODS = ("accept_string", "find_jump_forward_string", "is_completed", "rollback")
+
+
+def _handles(names: tuple, user: str) -> list[int]:
+    """The tvm-ffi handles of these GrammarMatcher methods; RuntimeError naming `user` if xgrammar lacks one."""
+    info = xgr.base._core.GrammarMatcher.__tvm_ffi_type_info__
+    funcs = {m.name: m.func for m in info.methods if not m.is_static}
+    missing = [name for name in names if name not in funcs]
+    if missing:
+        raise RuntimeError(f"xgrammar {xgr.__version__}'s GrammarMatcher lacks {', '.join(missing)}: "
+                           f"{user} needs them")
+    return [funcs[name].__chandle__() for name in names]
 
 
 @functools.lru_cache(maxsize=None)
 def matchers() -> _native.Matchers:
     """The method handles of xgrammar's GrammarMatcher, bound once per process."""
-    info = xgr.base._core.GrammarMatcher.__tvm_ffi_type_info__
-    funcs = {m.name: m.func for m in info.methods if not m.is_static}
-    missing = [name for name in _METHODS if name not in funcs]
-    if missing:
-        raise RuntimeError(f"xgrammar {xgr.__version__}'s GrammarMatcher lacks {', '.join(missing)}: "
-                           f"the grammar node needs them")
-    return _native.matchers(libinfo.find_libtvm_ffi(), *(funcs[name].__chandle__() for name in _METHODS))
+    return _native.matchers(libinfo.find_libtvm_ffi(), *_handles(_METHODS, "the grammar node"))
 
 
-@functools.lru_cache(maxsize=None)
 def closing_search(candidates: tuple, branches: tuple, closers: bytes, branch_points: int) -> _native.ClosingSearch:
-    """The native closing search (engine/guided/closing.py's constants), bound once per process."""
-    info = xgr.base._core.GrammarMatcher.__tvm_ffi_type_info__
-    funcs = {m.name: m.func for m in info.methods if not m.is_static}
-    names = ("accept_string", "find_jump_forward_string", "is_completed", "rollback")
-    missing = [name for name in names if name not in funcs]
-    if missing:
-        raise RuntimeError(f"xgrammar {xgr.__version__}'s GrammarMatcher lacks {', '.join(missing)}: "
-                           f"the closing search needs them")
-    return _native.closing_search(libinfo.find_libtvm_ffi(), *(funcs[name].__chandle__() for name in names),
+    """The native closing search, bound with engine/guided/closing_search.py's constants (its caller keeps it)."""
+    return _native.closing_search(libinfo.find_libtvm_ffi(), *_handles(_SEARCH_METHODS, "the closing search"),
                                   list(candidates), list(branches), closers, branch_points)
 
 
