@@ -85,7 +85,8 @@ class Scheduler:
                 i += 1
                 continue
             if plain and n == 1 and computed < len(seq.block_table) * page_tokens:
-                # the common decode row: within its pages (no reservation), its one token samples
+                # the common decode row: within its pages (no reservation), its one token samples. Positional
+                # (seq, start, num_tokens, sample, sample_idx, spec_k, num_drafts, epoch): a keyword costs here
                 rows.append(ScheduledRow(seq, computed, 1, computed + 1 == scheduled, -1, 0, 0, seq.num_preemptions))
                 budget -= 1
                 i += 1
