@@ -21,8 +21,8 @@ from engine.speculative import plan as spec_plan
 # writes cost more than a few rows' scalar writes, less than many rows' (docs/pipeline.md)
 DECODE_ARRAYS_MIN_ROWS = 8
 # _fill_decode's fields, in the order of its tuples
-DECODE_INPUTS = ("input_ids", "positions", "slot_mapping", "carry_src", "seq_lens")
-DECODE_SAMPLING = ("logits_indices", "steps", "forced")
+DECODE_INPUTS = ("input_ids", "positions", "slot_mapping", "carry_src", "tok_row", "seq_lens")
+DECODE_SAMPLING = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps", "smp_row", "forced")
 
 
 class RowError(Exception):
@@ -57,7 +57,6 @@ def _fill(slot, rows, block_size: int, spec_k: int) -> tuple[int, int, int, int,
         while lead < len(rows) and rows[lead].num_tokens == 1:
             lead += 1
     if lead < DECODE_ARRAYS_MIN_ROWS:
-        slot.decode_owners = ([], [])
         return _fill_rows(slot, rows, block_size, spec_k)
     t, s, max_q, max_len, carries = _fill_decode(slot, rows[:lead], block_size)
     if lead == len(rows):
@@ -85,57 +84,33 @@ def _fill_rows(slot, rows, block_size: int, spec_k: int, first: int = 0, t: int 
 def _fill_decode(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
     """_fill_rows for a plain step whose rows are one token each (decoding): the same values, a tuple per row and
     per sampling row, written a field at a time, not ~14 scalar writes and three calls a row. Such a row's token
-    is known to the host unless it is pending (then carried from the token pool), so every field is written, but
-    a sequence's constants (its pool row, sampling parameters, seed) only where its row held another sequence in
-    this slot's last decode fill (`slot.decode_owners`: the sequences and pool rows of its rows; nothing else
-    writes those rows' fields between two fills of a slot but padding, past the rows it covers)."""
+    is known to the host unless it is pending (then carried from the token pool), so every field is written."""
     h, bs = slot.np, block_size
-    held_seqs, held_pools = slot.decode_owners
-    inputs, sampling, seqs, pools, fresh = [], [], [], [], []
+    inputs, sampling = [], []
     for i, row in enumerate(rows):
         seq, start = row.seq, row.start
         pending = seq.num_pending
         try:
             _check_pool_row(seq, pending)
             inputs.append((0 if pending else seq.token_at(start), start, seq.block_table[start // bs] * bs + start % bs,
-                           0 if pending else -1, start + 1))
+                           0 if pending else -1, seq.pool_row, start + 1))
             write_block_table(slot, i, seq)
         except Exception as exc:
             raise RowError(i, exc) from exc
-        seqs.append(seq)
-        pools.append(seq.pool_row)
-        if i >= len(held_seqs) or held_seqs[i] is not seq or held_pools[i] != pools[i]:
-            fresh.append(i)
         if row.sample:
-            row.sample_idx = len(sampling)
+            row.sample_idx, p = len(sampling), seq.params
             step = len(seq.output_token_ids) + pending
-            sampling.append((i, step, -1 if seq.closer is None else seq.closer.forced_at(step)))
+            sampling.append((i, p.temperature, p.top_k, p.top_p, seq.seed, step, seq.pool_row,
+                             -1 if seq.closer is None else seq.closer.forced_at(step)))
     n, s = len(rows), len(sampling)
-    columns = list(zip(*inputs)) if inputs else [()] * 5
+    columns = list(zip(*inputs)) if inputs else [()] * len(DECODE_INPUTS)
     for name, values in zip(DECODE_INPUTS, columns):
         h[name][:n] = values
     for name, values in zip(DECODE_SAMPLING, zip(*sampling) if sampling else ()):
         h[name][:s] = values
     h["cu_seqlens_q"][1:n + 1] = range(1, n + 1)
-    every_row_samples = s == n          # then row i is sampling row i
-    for i in fresh if every_row_samples else range(n):
-        h["tok_row"][i] = pools[i]
-    for row in rows if not every_row_samples else (rows[i] for i in fresh):
-        if row.sample:
-            _write_constants(h, row.sample_idx, row.seq)
-    slot.decode_owners = (seqs, pools) if every_row_samples else ([], [])
-    lens, carry = columns[4], columns[3]
-    return n, s, 1 if n else 0, max(lens, default=0), carry.count(0)
-
-
-def _write_constants(h, s: int, seq) -> None:
-    """Sampling row s's fields that stay the same for its sequence's life: parameters, seed, pool row."""
-    p = seq.params
-    h["temperature"][s] = p.temperature
-    h["top_k"][s] = p.top_k
-    h["top_p"][s] = p.top_p
-    h["seeds"][s] = seq.seed
-    h["smp_row"][s] = seq.pool_row
+    fields = dict(zip(DECODE_INPUTS, columns))
+    return n, s, 1 if n else 0, max(fields["seq_lens"], default=0), fields["carry_src"].count(0)
 
 
 def _fill_row(slot, i: int, row, t: int, s: int, block_size: int, spec_k: int) -> tuple[int, int]:
@@ -196,9 +171,14 @@ def fill_tokens(h, row, t: int, block_size: int) -> None:
 
 def fill_sampling(h, s: int, token_index: int, seq) -> None:
     """Sampling row s: the logits row it reads, its sampling parameters and the pool row it writes."""
+    p = seq.params
     h["logits_indices"][s] = token_index
-    _write_constants(h, s, seq)
+    h["temperature"][s] = p.temperature
+    h["top_k"][s] = p.top_k
+    h["top_p"][s] = p.top_p
+    h["seeds"][s] = seq.seed
     h["steps"][s] = len(seq.output_token_ids) + seq.num_pending
+    h["smp_row"][s] = seq.pool_row
     h["forced"][s] = -1 if seq.closer is None else seq.closer.forced_at(h["steps"][s])
 
 

@@ -99,7 +99,6 @@ class DecodeSlot:
         self.graph_key = None                                           # which graph runs it (None: eager)
         self.rows = []                                                  # ScheduledRows of this step
         self.bt_rows = [(None, 0)] * max_seqs                          # (block table, pages) each row holds
-        self.decode_owners = ([], [])                                   # engine/runner/rows.py _fill_decode
         self.marks = None                                               # timing events recorded inside the step
         # (device, host) buffers of a step's results, a row per sampling row: the tokens (spec_out with
         # speculation), then the logprobs, read back only where the step asked for them (`want_logprobs`)

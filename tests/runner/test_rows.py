@@ -126,7 +126,7 @@ def _advance(rng, row, block_size: int):
 def test_a_slot_filled_again_holds_what_a_fresh_fill_writes():
     """One slot filled step after step (rows keep their sequences, gain new ones, swap places; a sequence comes
     back with a new pool row; a row that does not sample; a mixed step; padding past the rows) holds, in every row
-    it fills, what a fresh slot filled row by row holds: a sequence's constants are skipped only where valid."""
+    it fills, what a fresh slot filled row by row holds."""
     rng, bs = random.Random(11), 16
     slot = DecodeSlot(0, 512, 40, 400, torch.device("cpu"))
     rows = _decode_rows(rng, 24, bs)
