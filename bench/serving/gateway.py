@@ -6,7 +6,9 @@ its cache-aware routing against round robin on the same agent load, and a replic
 
 Each replica is `specdec serve` with --kv-pages KV pages, sized to hold about half of the agents' system prompts.
 Load: --agents agents, each with a system prompt of its own (its id first, so no two share a page) and --turns
-questions; the agents take turns, one request at a time, in the same order under both policies. An odd number of
+questions. Their first questions go out together, as a fleet of agents starting at once; then the agents take
+turns, one request at a time, in the same order under both policies. (A gateway places a prefix it has not seen by
+load: sent one at a time, every first question would find the replicas idle and go to the first.) An odd number of
 agents makes round robin send each agent to every replica in turn, so each replica must hold every agent's prompt
 and evicts them; cache-aware routing sends an agent back to the replica that holds its prompt. The hit rate is the
 replicas' prompt tokens found in their prefix cache over those looked up (their /metrics), per policy, the caches
@@ -129,14 +131,23 @@ def hit_rate(args, gateway: str, urls: list[str]) -> dict:
     for url in urls:
         httpx.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()
     q0, h0 = cache_counters(urls)
-    begin, failed = time.perf_counter(), 0
+    begin, status = time.perf_counter(), []
     with httpx.Client(timeout=args.timeout_s) as client:
-        for turn in range(args.turns):
+        def send(agent: int, turn: int):
+            status.append(client.post(f"{gateway}/v1/chat/completions", json=chat(agent, turn, args)).status_code)
+
+        first = [threading.Thread(target=send, args=(agent, 0)) for agent in range(args.agents)]
+        for t in first:
+            t.start()
+        for t in first:
+            t.join()
+        for turn in range(1, args.turns):
             for agent in range(args.agents):
-                failed += client.post(f"{gateway}/v1/chat/completions", json=chat(agent, turn, args)).status_code != 200
+                send(agent, turn)
     q1, h1 = cache_counters(urls)
-    return dict(requests=args.agents * args.turns, failed=failed, seconds=round(time.perf_counter() - begin, 1),
-                query_tokens=int(q1 - q0), hit_tokens=int(h1 - h0), hit_rate=round((h1 - h0) / max(q1 - q0, 1), 3))
+    return dict(requests=len(status), failed=sum(s != 200 for s in status),
+                seconds=round(time.perf_counter() - begin, 1), query_tokens=int(q1 - q0), hit_tokens=int(h1 - h0),
+                hit_rate=round((h1 - h0) / max(q1 - q0, 1), 3))
 
 
 def failover(args, gateway: str, victim) -> dict:
