@@ -88,6 +88,17 @@ DEAD_STATS = dict(queue=0, running=0, live=0, kv_used=0, kv_total=0, compiles=0,
                   prefix_hit_tokens=0, prefix_cached_pages=0, prefix_evictions=0, frozen_objects=0, preemptions=0)
 
 
+def combine_stats(replies: list[dict]) -> dict:
+    """One engine's stats from several: counts and sums add up; acceptance length is the mean over verifying rows;
+    `up` counts the engines that answered."""
+    if len(replies) == 1:
+        return replies[0]
+    out = {k: sum(r[k] for r in replies) for k in replies[0]}
+    rows = out["spec_rows"]
+    out["acceptance_length"] = sum(r["acceptance_length"] * r["spec_rows"] for r in replies) / rows if rows else 0.0
+    return out
+
+
 class EngineCollector:
     """Engine-level series from the last `engine_stats` (set just before each render), and the frozen heap of the
     API process that renders them."""

@@ -1,6 +1,6 @@
-"""`specdec serve`: an engine process and API processes in front of it (engine/server/processes/supervisor.py), or
-with --single-process the engine on a thread beside the app. Port 0 picks a free port; the "listening" line names
-the real one once requests can be served."""
+"""`specdec serve`: engine processes (one, or --data-parallel-size) and API processes in front of them
+(engine/server/processes/supervisor.py), or with --single-process the engine on a thread beside the app. Port 0
+picks a free port; the "listening" line names the real one once requests can be served."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +42,12 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
                         "benchmarks and operators; any client reaching the server could call it)")
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="API processes (HTTP, templates, tokenization, SSE) in front of the one engine process")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="engine processes, one a GPU, behind the same API processes; each request goes to the one "
+                        "whose prefix cache holds the most of its prompt, else to the least loaded")
+    p.add_argument("--data-parallel-share-device", action="store_true",
+                   help="run the --data-parallel-size engines on one GPU, each with 1/N of the KV memory (for tests "
+                        "and overhead measurements)")
     p.add_argument("--single-process", action="store_true",
                    help="run the engine on a thread of the one HTTP process instead of a process of its own")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_FORMATS],
@@ -70,9 +76,13 @@ def cmd_serve(args) -> int:
         raise ValueError("--api-server-count must be >= 1")
     from engine.server.api.connections import ConnectionGuard
     ConnectionGuard.from_args(args)             # its bounds are checked before any process starts
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.single_process:
         if args.api_server_count != 1:
             raise ValueError("--single-process runs one API server: drop --api-server-count")
+        if args.data_parallel_size != 1:
+            raise ValueError("--single-process runs one engine on a thread: drop --data-parallel-size")
         return serve_in_process(args)
     from engine.server.processes.supervisor import run
     return run(args)

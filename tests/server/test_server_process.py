@@ -225,5 +225,5 @@ def test_api_processes_that_die_starting_are_reported_not_raised(capsys):
     (api_r, _api_w), (engine_r, _engine_w) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)   # live processes'
     ready_w.close()                                                                     # sentinels: never ready
     api, engine = SimpleNamespace(sentinel=api_r.fileno()), SimpleNamespace(sentinel=engine_r.fileno())
-    assert _wait_ready([api], ready_r, engine, []) is False
+    assert _wait_ready([api], ready_r, [engine], []) is False
     assert "API processes exited during start-up" in capsys.readouterr().err

@@ -103,9 +103,10 @@ def create_app(state: ServerState) -> FastAPI:
         asks = params[0].logprobs is not None or params[0].prompt_logprobs is not None
         table = await off_loop(token_table, state.tokenizer) if asks else None
         try:
+            engine = aengine.place(ids)
             if params[0].guide is not None:
-                await admit_guide(aengine.guides, params[0], request, state.client_key_header)
-            sub = await aengine.submit(ids, params, stream=streamed)
+                await admit_guide(aengine.guides, params[0], request, state.client_key_header, engine)
+            sub = await aengine.submit(ids, params, stream=streamed, engine=engine)
         except ValueError as exc:
             raise APIError(str(exc)) from exc
         except Overloaded as exc:

@@ -2,7 +2,7 @@
 the event loop (no thread waits) until it is done, its time budget runs out or its client leaves.
 
 The compile runs where the engine is: `LocalGuides` for an engine thread of this process, `RemoteGuides`
-(engine/server/processes/engine_client.py) for an engine process. Either hands out tickets: `finished()`, `done`
+(engine/server/processes/remote_guides.py) for an engine process. Either hands out tickets: `finished()`, `done`
 (an asyncio future), `cancel()` (stops a compile only while it is queued: xgrammar cannot be interrupted) and
 `result()` (raises ValueError naming the problem, or CompileBusy)."""
 from __future__ import annotations
@@ -35,13 +35,14 @@ def client_key(request: Request, header: str | None) -> str | None:
     return request.client.host if request.client else None
 
 
-async def admit_guide(guides, params, request: Request, key_header: str | None = None) -> None:
+async def admit_guide(guides, params, request: Request, key_header: str | None = None,
+                      engine: int | None = None) -> None:
     """Raise APIError (400: a bound, a compile error, the time budget, or a max_tokens that holds no whole output;
     429: the pool is busy) or ClientGone. On return the grammar is compiled and cached, and its first mask allows
-    a token."""
+    a token. `engine`: the engine process the request will go to (several: it compiles there)."""
     guide = params.guide
     try:
-        ticket = guides.start(guide, client_key(request, key_header))
+        ticket = guides.start(guide, client_key(request, key_header), engine)
         if not ticket.finished():
             try:
                 await _wait(ticket.done, request, guides.timeout_s)
@@ -118,7 +119,7 @@ class LocalGuides:
     def __init__(self, tracker):
         self.tracker, self.timeout_s = tracker, tracker.timeout_s
 
-    def start(self, guide, owner) -> "_LocalTicket":
+    def start(self, guide, owner, engine: int | None = None) -> "_LocalTicket":
         return _LocalTicket(self.tracker, self.tracker.admit(guide, owner))
 
 

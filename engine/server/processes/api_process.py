@@ -10,10 +10,10 @@ import socket
 from engine.server.processes import ipc
 
 
-def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int, alive, ready) -> None:
-    """Process entry. `infos` brings the engine's ModelInfo once the engine serves (these imports overlap its
-    start-up; EOF: it failed, nothing to serve); `ready` gets the client index once this process serves; `alive`
-    reads EOF once the engine process is gone."""
+def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int, alives: list, ready) -> None:
+    """Process entry. `infos` brings the engines' ModelInfo once they serve (these imports overlap their start-up;
+    EOF: one failed, nothing to serve); `ready` gets the client index once this process serves; `alives[i]` reads
+    EOF once engine process i is gone."""
     from engine.server.processes.engine_process import die_with_parent, freeze_heap
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the supervisor stops this process (SIGTERM)
@@ -25,7 +25,7 @@ def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int,
     except EOFError:
         return
     args = argparse.Namespace(**options)
-    state = build_state(args, info, addresses, client, alive)
+    state = build_state(args, info, addresses, client, alives)
 
     def serving():
         freeze_heap()                   # the event loop's collections walk only what comes later
@@ -38,14 +38,14 @@ def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int,
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def build_state(args, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int, alive):
+def build_state(args, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int, alives: list):
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.server.api.app import ServerState
     from engine.server.processes.engine_client import EngineClient
 
     # the engine resolved (and converted) the model already: this finds its directory
     tokenizer = load_tokenizer(resolve_model(info.tokenizer_path)) if info.tokenizer_path else None
-    eclient = EngineClient(addresses, client, info, tokenizer, alive, stream_interval=args.stream_interval)
+    eclient = EngineClient(addresses, client, info, tokenizer, alives, stream_interval=args.stream_interval)
     return ServerState.for_engine(args, eclient, tokenizer)
 
 

@@ -61,7 +61,11 @@ class AsyncEngine(Router):
         self._send(("reset", done))
         return await done
 
-    async def submit(self, prompt_ids: list[int], params: list, stream: bool = True) -> Submission:
+    def place(self, prompt_ids: list[int]) -> None:
+        """One engine: nothing to choose."""
+        return None
+
+    async def submit(self, prompt_ids: list[int], params: list, stream: bool = True, engine=None) -> Submission:
         """Add one request per SamplingParams (all or none). Raises Overloaded, EngineDead, or the ValueError
         that names what is wrong with the request."""
         if not self.healthy():

@@ -1,5 +1,6 @@
-"""An API process's handle on the engine process: the interface of AsyncEngine (submit, abort, guides, stats,
-healthy), over ZeroMQ (engine/server/processes/ipc.py).
+"""An API process's handle on the engine processes: the interface of AsyncEngine (place, submit, abort, guides,
+stats, healthy), over ZeroMQ (engine/server/processes/ipc.py). With several engines (--data-parallel-size) each
+request goes where `Placement` says (engine/server/processes/placement.py) and stays there.
 
 Outputs come back as token ids; this process turns them into text (`TextStream`), so detokenization costs the
 engine nothing. A choice with stop strings is the exception: the engine must read its text to stop on it, and
@@ -7,8 +8,9 @@ sends that text along.
 
 Invariants:
 - Only the event loop touches the sockets, `_subs` and the waiters; one task (`_read`) receives.
-- The engine is gone when `alive` (a pipe only the engine process writes to) reads EOF, or when it says so
-  (`Fatal`): every open request then ends with an error naming it (503) and later ones get 503.
+- An engine is gone when its `alive` pipe (only that engine process writes to it) reads EOF, or when it says so
+  (`Fatal`): every open request on it then ends with an error naming it, and later ones go to the others. With
+  none left every request gets 503.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import traceback
 import zmq
 import zmq.asyncio
 
-from engine.guided.compile_pool import CompileBusy
 from engine.requests.output import IncrementalDetokenizer, RequestOutput
-from engine.server.metrics import DEAD_STATS
+from engine.server.metrics import DEAD_STATS, combine_stats
 from engine.server.processes import ipc
+from engine.server.processes.placement import Placement, start_following
+from engine.server.processes.remote_guides import RemoteGuides
 from engine.server.processes.submission import ENGINE_STOPPED, EngineDead, Overloaded, Router, Submission
 
 STATS_TIMEOUT_S = 5.0
@@ -55,16 +58,18 @@ class TextStream:
 
 
 class EngineClient(Router):
-    def __init__(self, addresses: ipc.Addresses, client: int, info: ipc.ModelInfo, tokenizer, alive,
+    def __init__(self, addresses: ipc.Addresses, client: int, info: ipc.ModelInfo, tokenizer, alives: list,
                  stream_interval: int = 0):
         super().__init__(stream_interval)
-        self.addresses, self.client, self.info, self.tokenizer, self._alive = addresses, client, info, tokenizer, alive
+        self.addresses, self.client, self.info, self.tokenizer = addresses, client, info, tokenizer
+        self._alives = list(alives)
+        self.placement = Placement(len(self._alives), info.block_size)
         self.eos_ids = frozenset(info.eos_ids)
         self.guides = RemoteGuides(self)
         self.started = info.started
         self.error: str | None = None
-        self._subs: dict[int, tuple[Submission, list[TextStream]]] = {}
-        self._waiters: dict[tuple[str, int], asyncio.Future] = {}     # ("stats" | "compile", token) -> reply
+        self._subs: dict[int, tuple[Submission, list[TextStream], int]] = {}     # id -> (.., .., its engine)
+        self._waiters: dict[tuple[str, int], tuple[asyncio.Future, int]] = {}   # (kind, token) -> (reply, engine)
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -72,15 +77,22 @@ class EngineClient(Router):
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._sync, self._async = zmq.Context(), zmq.asyncio.Context()
-        self._push = self._sync.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(self.addresses.inbox)
+        self._pushes = []
+        for engine in range(len(self._alives)):
+            push = self._sync.socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(self.addresses.inbox(engine))
+            self._pushes.append(push)
         self._pull = self._async.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.addresses.outbox(self.client))
         self._reader = loop.create_task(self._read())
-        loop.add_reader(self._alive.fileno(), self._engine_gone)
+        for engine, alive in enumerate(self._alives):
+            loop.add_reader(alive.fileno(), self._engine_gone, engine)
+        if len(self._alives) > 1 and self.info.prefix_caching:
+            self._followers = start_following(self.placement, [self.addresses.kv_events(i) for i in
+                                                               range(len(self._alives))], self._async, loop)
 
     def shutdown(self) -> None:
         """From a worker thread at exit (as AsyncEngine.shutdown): the sockets go with the process."""
@@ -89,16 +101,29 @@ class EngineClient(Router):
         return self.error is None
 
     # ---- requests --------------------------------------------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], params: list, stream: bool = True) -> Submission:
-        """Add one request per SamplingParams (all or none). Raises Overloaded, EngineDead, or the ValueError
-        that names what is wrong with the request."""
+    def place(self, prompt_ids: list[int]) -> int:
+        """The engine process for a request of this prompt (its compile and its submission go there). Raises
+        EngineDead when none is left."""
+        if self.error is not None:
+            raise EngineDead(f"{ENGINE_STOPPED}: {self.error}")
+        if len(self._alives) == 1:
+            return 0
+        return self.placement.choose(prompt_ids)
+
+    async def submit(self, prompt_ids: list[int], params: list, stream: bool = True,
+                     engine: int | None = None) -> Submission:
+        """Add one request per SamplingParams (all or none) on `engine` (None, or one gone since: placed now).
+        Raises Overloaded, EngineDead, or the ValueError that names what is wrong with the request."""
+        if engine is None or self.placement.dead[engine]:
+            engine = self.place(prompt_ids)
         if self.error is not None:
             raise EngineDead(f"{ENGINE_STOPPED}: {self.error}")
         sid = next(self._ids)
         sub = Submission(prompt_ids, params, stream, added=self._loop.create_future(), open_choices=len(params), id=sid)
-        self._subs[sid] = (sub, [TextStream(self.tokenizer, p, self.eos_ids) for p in params])
+        self._subs[sid] = (sub, [TextStream(self.tokenizer, p, self.eos_ids) for p in params], engine)
         self.live += len(params)
-        self._send(ipc.Add(self.client, sid, list(prompt_ids), [ipc.params_to_wire(p) for p in params]))
+        self.placement.load[engine] += len(params)
+        self._send(ipc.Add(self.client, sid, list(prompt_ids), [ipc.params_to_wire(p) for p in params]), engine)
         try:
             code, message = await asyncio.shield(sub.added)
         except asyncio.CancelledError:        # the client left before the engine answered: undo once it has
@@ -117,16 +142,18 @@ class EngineClient(Router):
 
     def abort(self, sub: Submission) -> None:
         """The client went away: end whatever of it still runs (its KV pages go back)."""
-        if sub.open_choices and self.error is None:
-            self._send(ipc.Abort(self.client, sub.id))
+        entry = self._subs.get(sub.id)
+        if sub.open_choices and entry is not None and not self.placement.dead[entry[2]]:
+            self._send(ipc.Abort(self.client, sub.id), entry[2])
 
     def _forget(self, sid: int) -> None:
         entry = self._subs.pop(sid, None)
         if entry is not None:
             self.live -= entry[0].open_choices
+            self.placement.load[entry[2]] -= entry[0].open_choices
 
-    def _send(self, msg) -> None:
-        self._push.send(ipc.encode(msg))
+    def _send(self, msg, engine: int = 0) -> None:
+        self._pushes[engine].send(ipc.encode(msg))
 
     # ---- replies ---------------------------------------------------------------------------------------------
     async def _read(self) -> None:
@@ -150,112 +177,106 @@ class EngineClient(Router):
         elif isinstance(msg, ipc.StatsReply):
             self._answer(("stats", msg.token), msg.stats)
         elif isinstance(msg, ipc.Fatal):
-            self._die(msg.message)
+            self._lose(msg.engine, msg.message)
 
     def _outputs(self, items: list) -> None:
-        batch = []
+        batch, load = [], self.placement.load
         for item in items:
             entry = self._subs.get(item.sub)
             if entry is None:
                 continue
-            sub, streams = entry
+            sub, streams, engine = entry
             batch.append((sub, item.choice, streams[item.choice].output(item)))
-            if item.finished and all(s.finished for s in streams):
-                del self._subs[item.sub]
+            if item.finished:
+                load[engine] -= 1
+                if all(s.finished for s in streams):
+                    del self._subs[item.sub]
         self.route(batch)
 
     def _answer(self, key, value) -> None:
-        waiter = self._waiters.pop(key, None)
+        waiter, _ = self._waiters.pop(key, (None, 0))
         if waiter is not None and not waiter.done():
             waiter.set_result(value)
 
-    def _expect(self, kind: str, make) -> tuple[int, asyncio.Future]:
-        """Send make(token); -> the token and the future its reply (or EngineDead) resolves."""
+    def _expect(self, kind: str, make, engine: int = 0) -> tuple[int, asyncio.Future]:
+        """Send make(token) to `engine`; -> the token and the future its reply (or EngineDead) resolves."""
         token = next(self._ids)
-        waiter = self._waiters[(kind, token)] = self._loop.create_future()
-        self._send(make(token))
+        waiter = self._loop.create_future()
+        self._waiters[(kind, token)] = (waiter, engine)
+        self._send(make(token), engine)
         return token, waiter
+
+    def _alive_engines(self) -> list[int]:
+        return [i for i, dead in enumerate(self.placement.dead) if not dead]
+
+    async def _ask_all(self, make) -> list:
+        """make(token)'s StatsReply from every engine left, in one wait; a timeout or a death raises."""
+        asked = [(self._expect("stats", make, engine)) for engine in self._alive_engines()]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(w for _, w in asked)), STATS_TIMEOUT_S)
+        finally:
+            for token, _ in asked:
+                self._waiters.pop(("stats", token), None)
 
     async def stats(self) -> dict:
         if self.error is not None:
             return DEAD_STATS
-        token, waiter = self._expect("stats", lambda t: ipc.Stats(self.client, t))
         try:
-            return await asyncio.wait_for(waiter, STATS_TIMEOUT_S)
+            return combine_stats(await self._ask_all(lambda t: ipc.Stats(self.client, t)))
         except (asyncio.TimeoutError, EngineDead):
             return dict(DEAD_STATS, up=float(self.error is None))
-        finally:
-            self._waiters.pop(("stats", token), None)
 
     async def reset_prefix_cache(self) -> int:
-        """Forget the prefix cache's unheld pages; returns how many. Raises EngineDead."""
+        """Forget the prefix caches' unheld pages; returns how many. Raises EngineDead."""
         if self.error is not None:
             raise EngineDead(f"the engine has stopped: {self.error}")
-        token, waiter = self._expect("stats", lambda t: ipc.ResetCache(self.client, t))
         try:
-            return (await asyncio.wait_for(waiter, STATS_TIMEOUT_S))["reset_pages"]
+            replies = await self._ask_all(lambda t: ipc.ResetCache(self.client, t))
         except asyncio.TimeoutError:
             raise EngineDead("the engine did not answer") from None
-        finally:
-            self._waiters.pop(("stats", token), None)
+        return sum(r["reset_pages"] for r in replies)
 
-    # ---- the engine's end ------------------------------------------------------------------------------------
-    def _engine_gone(self) -> None:
-        """The pipe closed: the engine process is gone. Its last frames (a `Fatal` saying why) may still be on
+    # ---- an engine's end -------------------------------------------------------------------------------------
+    def _engine_gone(self, engine: int) -> None:
+        """Its pipe closed: the engine process is gone. Its last frames (a `Fatal` saying why) may still be on
         their way through the socket, so the verdict waits for them a moment."""
-        self._loop.remove_reader(self._alive.fileno())
-        self._loop.call_later(GONE_GRACE_S, self._die, "the engine process exited")
+        self._loop.remove_reader(self._alives[engine].fileno())
+        self._loop.call_later(GONE_GRACE_S, self._lose, engine, "the engine process exited")
+
+    def _lose(self, engine: int, message: str) -> None:
+        """Engine `engine` stopped: its requests and questions fail with `message`; the last one: all do."""
+        if self.placement.dead[engine]:
+            return
+        self.placement.forget(engine)
+        if not self._alive_engines():
+            self._die(message)
+            return
+        error = f"{ENGINE_STOPPED}: {message}"
+        self._fail([sid for sid, entry in self._subs.items() if entry[2] == engine], error)
+        for waiter, on in self._waiters.values():
+            if on == engine and not waiter.done():
+                waiter.set_exception(EngineDead(error))
 
     def _die(self, message: str) -> None:
         if self.error is None:
             self.error = message
-        batch, error = [], f"{ENGINE_STOPPED}: {self.error}"
-        for sub, streams in list(self._subs.values()):
+        error = f"{ENGINE_STOPPED}: {self.error}"
+        self._fail(list(self._subs), error)
+        for waiter, _ in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDead(error))
+
+    def _fail(self, sids: list[int], error: str) -> None:
+        batch = []
+        for sid in sids:
+            sub, streams, engine = self._subs[sid]
             if not sub.added.done():
                 sub.added.set_result(("dead", error))       # its submit forgets it
                 continue
             for choice, stream in enumerate(streams):
                 if not stream.finished:
                     batch.append((sub, choice, RequestOutput(sub.id, (), "", True, "error", error)))
-            del self._subs[sub.id]
+            del self._subs[sid]
+            self.placement.load[engine] -= sub.open_choices     # (route counts them off `live`)
         if batch:
             self.route(batch)
-        for waiter in self._waiters.values():
-            if not waiter.done():
-                waiter.set_exception(EngineDead(error))
-
-
-class RemoteGuides:
-    """Compiles on the engine process's grammar service (where the grammars are used)."""
-
-    def __init__(self, client: EngineClient):
-        self.client, self.timeout_s = client, client.info.compile_timeout_s
-
-    def start(self, guide, owner) -> "_RemoteTicket":
-        if self.client.error is not None:
-            raise EngineDead(f"{ENGINE_STOPPED}: {self.client.error}")
-        return _RemoteTicket(self.client, guide, owner)
-
-
-class _RemoteTicket:
-    def __init__(self, client: EngineClient, guide, owner):
-        self.client = client
-        self.token, self.done = client._expect(
-            "compile", lambda token: ipc.Compile(client.client, token, ipc.guide_to_wire(guide), owner))
-
-    def finished(self) -> bool:
-        return self.done.done()
-
-    def cancel(self) -> None:
-        self.client._waiters.pop(("compile", self.token), None)
-        if self.client.error is None:
-            self.client._send(ipc.CancelCompile(self.client.client, self.token))
-
-    async def result(self) -> int | None:
-        """The guide's shortest whole output in tokens (None: not known), once it compiled."""
-        code, message, minimum = await self.done    # raises EngineDead if the engine went first
-        if code == "busy":
-            raise CompileBusy(message)
-        if code != "ok":
-            raise ValueError(message)
-        return minimum or None

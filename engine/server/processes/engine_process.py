@@ -52,18 +52,19 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
-def main(config: EngineConfig, max_queued: int, addresses: ipc.Addresses, clients: int, ready, alive) -> None:
+def main(config: EngineConfig, max_queued: int, addresses: ipc.Addresses, clients: int, ready, alive,
+         index: int = 0) -> None:
     """Process entry. `config` is the engine's whole configuration, as the supervisor parsed it; `max_queued` is
     how many requests may wait beyond its rows. `ready` gets ("ready", ModelInfo) or ("error", message); `alive`
     is the write end of a pipe that only this process holds: API processes see EOF on it once this process is
-    gone."""
+    gone. `index`: which of the server's engine processes this is (its inbox)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the supervisor decides when to stop (SIGTERM)
     try:
         from engine.llm_engine import LLMEngine
         engine = LLMEngine(config)
         engine.guided.ensure_service()
-        server = EngineServer(engine, addresses, clients, engine.config.max_num_seqs + max_queued)
+        server = EngineServer(engine, addresses, clients, engine.config.max_num_seqs + max_queued, index)
     except Exception as exc:
         ready.send(("error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)))
         raise SystemExit(2)
@@ -80,11 +81,12 @@ def main(config: EngineConfig, max_queued: int, addresses: ipc.Addresses, client
 
 
 class EngineServer:
-    def __init__(self, engine, addresses: ipc.Addresses, clients: int, capacity: int, idle_wait_ms: int = 50):
-        self.engine, self.capacity, self.idle_wait_ms = engine, capacity, idle_wait_ms
+    def __init__(self, engine, addresses: ipc.Addresses, clients: int, capacity: int, index: int = 0,
+                 idle_wait_ms: int = 50):
+        self.engine, self.capacity, self.index, self.idle_wait_ms = engine, capacity, index, idle_wait_ms
         self.context = zmq.Context()
         self.inbox = self.context.socket(zmq.PULL)
-        self.inbox.bind(addresses.inbox)
+        self.inbox.bind(addresses.inbox(index))
         self.outboxes = []
         for client in range(clients):
             sock = self.context.socket(zmq.PUSH)
@@ -121,7 +123,7 @@ class EngineServer:
         except Exception as exc:          # a bug or a lost tensor-parallel worker, not a bad request
             self.error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
-            self._broadcast(ipc.Fatal(self.error))
+            self._broadcast(ipc.Fatal(self.error, self.index))
         finally:
             for rid in list(self.routes):
                 self.engine.abort(rid)

@@ -1,8 +1,9 @@
 """The frames between API processes and the engine process: msgspec structs, msgpack-encoded, over ZeroMQ IPC
 sockets (engine/server/processes/engine_process.py, engine/server/processes/engine_client.py).
 
-Sockets: every API process PUSHes to the engine's one PULL socket (`inbox`); the engine PUSHes to each API
-process's own PULL socket (`outbox_<client>`). One frame per message; a step's outputs for one API process
+Sockets: every API process PUSHes to each engine process's PULL socket (`inbox`, one an engine); each engine PUSHes
+to each API process's own PULL socket (`outbox_<client>`), which all engines share: a frame names its submission
+or token, and those are the API process's own. One frame per message; a step's outputs for one API process
 travel as one `Outputs` frame. Requests go in as token ids; text comes back only for the choices that have
 stop strings (the engine must read text to stop on it), every other choice is detokenized by its API process.
 """
@@ -95,6 +96,7 @@ class StatsReply(msgspec.Struct, tag=True, array_like=True):
 
 class Fatal(msgspec.Struct, tag=True, array_like=True):
     message: str                # the engine stopped: why
+    engine: int = 0             # which of the server's engine processes
 
 
 ToEngine = Add | Abort | Compile | CancelCompile | Stats | ResetCache
@@ -145,12 +147,15 @@ class ModelInfo:
     tokenizer_path: str | None          # the engine's tokenizer directory (None: the model has none)
     compile_timeout_s: float
     started: float                      # time.time() when the engine came up
+    block_size: int = 16                # tokens a KV page
+    prefix_caching: bool = False
 
 
 def model_info(engine) -> ModelInfo:
     path = engine.tokenizer_source.path if engine.tokenizer is not None else None
     return ModelInfo(engine.source.name, engine.max_model_len, engine.runner.vocab, tuple(sorted(engine.eos_ids)),
-                     str(path) if path is not None else None, engine.config.grammar_compile_timeout_s, time.time())
+                     str(path) if path is not None else None, engine.config.grammar_compile_timeout_s, time.time(),
+                     engine.config.block_size, engine.config.prefix_caching)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +167,12 @@ class Addresses:
     def create(cls) -> "Addresses":
         return cls(tempfile.mkdtemp(prefix="specdec-ipc-"))
 
-    @property
-    def inbox(self) -> str:
-        return f"ipc://{self.folder}/engine"
+    def inbox(self, engine: int = 0) -> str:
+        return f"ipc://{self.folder}/engine-{engine}"
+
+    def kv_events(self, engine: int) -> str:
+        """Where engine `engine` publishes its cached pages, for the API processes' placement (several engines)."""
+        return f"ipc://{self.folder}/kv-{engine}"
 
     def outbox(self, client: int) -> str:
         return f"ipc://{self.folder}/api-{client}"

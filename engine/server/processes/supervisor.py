@@ -1,20 +1,22 @@
-"""`specdec serve`'s first process: starts the engine process and --api-server-count API processes on one port
-(these import and wait for the engine's model info, so both start-ups overlap), prints the "listening" line once
-all serve, and stops them all on SIGINT/SIGTERM.
+"""`specdec serve`'s first process: starts the engine process (--data-parallel-size of them, one a GPU) and
+--api-server-count API processes on one port (these import and wait for the engines' model info, so both start-ups
+overlap), prints the "listening" line once all serve, and stops them all on SIGINT/SIGTERM.
 
-Failure handling: the engine process ending (a bug, a lost tensor-parallel worker, a kill) leaves the API
-processes up, answering 503 that names it (they see it on the `alive` pipe); an API process ending stops the
-server (the engine goes too). Every child dies with this process (PR_SET_PDEATHSIG), so nothing is left
-holding the GPU even when this one is killed outright.
+Failure handling: an engine process ending (a bug, a lost tensor-parallel worker, a kill) fails the requests it
+held; the API processes see it on its `alive` pipe and send later requests to the other engines, or answer 503 that
+names it when none is left. An API process ending stops the server (the engines go too). Every child dies with this
+process (PR_SET_PDEATHSIG), so nothing is left holding the GPU even when this one is killed outright.
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import sys
 import tempfile
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 from engine.options import engine_config
@@ -24,37 +26,44 @@ STOP_WAIT_S = 10.0
 
 
 def run(args) -> int:
-    config = engine_config(args)          # a bad option is refused here, before any process starts
+    setups = engine_setups(engine_config(args), args)   # a bad option is refused here, before any process starts
     ctx = mp.get_context("spawn")
     addresses = ipc.Addresses.create()
     stopping = []
     previous = {s: signal.signal(s, lambda *_: stopping.append(1)) for s in (signal.SIGINT, signal.SIGTERM)}
     metrics_dir = _metrics_dir(args.api_server_count)
-    engine = apis = None
+    engines, apis = [], None
     try:
         reservation = _reserve(args.host, args.port)
         host, port = reservation.getsockname()[:2]
-        engine, engine_ready, alive = _spawn_engine(ctx, config, args, addresses)
-        apis, infos, ready = _start_apis(ctx, args, addresses, port, alive)
-        alive.close()                     # the API processes hold its read end
-        info = _engine_info(engine, engine_ready)
-        if info is None:
+        if len(setups) > 1 and setups[0][0].prefix_caching:      # each engine's cached pages, for the placement
+            setups = [(dataclasses.replace(config, kv_events_endpoint=addresses.kv_events(i)), env)
+                      for i, (config, env) in enumerate(setups)]
+        started = [_spawn_engine(ctx, config, env, args, addresses, i) for i, (config, env) in enumerate(setups)]
+        engines = [proc for proc, _, _ in started]
+        alives = [alive for _, _, alive in started]
+        apis, infos, ready = _start_apis(ctx, args, addresses, port, alives)
+        for alive in alives:
+            alive.close()                 # the API processes hold their read ends
+        found = [_engine_info(proc, engine_ready) for proc, engine_ready, _ in started]
+        if any(info is None for info in found):
             return 2
         for conn in infos:
             try:
-                conn.send(info)
+                conn.send(found[0])
             except OSError:               # that API process died starting: _wait_ready reports it
                 pass
             conn.close()
-        if not _wait_ready(apis, ready, engine, stopping):
+        if not _wait_ready(apis, ready, engines, stopping):
             return 1
         reservation.close()
-        name = args.served_model_name[0] if args.served_model_name else info.name
-        print(f"specdec serve: listening on http://{host}:{port} (model {name}; engine pid {engine.pid}, "
-              f"API pids {' '.join(str(p.pid) for p in apis)})", flush=True)
-        return _watch(engine, apis, stopping)
+        name = args.served_model_name[0] if args.served_model_name else found[0].name
+        pids = " ".join(str(p.pid) for p in engines)
+        print(f"specdec serve: listening on http://{host}:{port} (model {name}; engine pid{'s' * (len(engines) > 1)} "
+              f"{pids}, API pids {' '.join(str(p.pid) for p in apis)})", flush=True)
+        return _watch(engines, apis, stopping)
     finally:
-        _stop(apis or [], engine)
+        _stop(apis or [], engines)
         for s, handler in previous.items():
             signal.signal(s, handler)
         addresses.remove()
@@ -62,12 +71,64 @@ def run(args) -> int:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _spawn_engine(ctx, config, args, addresses):
+def engine_setups(config, args, visible: list[str] | None = None) -> list[tuple]:
+    """(EngineConfig, environment) of each engine process. Several engines: each takes a GPU of its own
+    (CUDA_VISIBLE_DEVICES), or with --data-parallel-share-device a 1/N share of one GPU's KV memory. `visible`:
+    the GPUs (default: as CUDA sees them). Raises ValueError naming what cannot be run."""
+    n = args.data_parallel_size
+    if n < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {n}")
+    if n == 1:
+        return [(config, {})]
+    if config.tensor_parallel_size > 1:
+        raise ValueError("--data-parallel-size with --tensor-parallel-size > 1 is not supported: run tensor-parallel "
+                         "replicas behind a gateway (docs/scale_out.md)")
+    if config.kv_events_endpoint:
+        raise ValueError("--kv-events-endpoint names one socket, and --data-parallel-size starts several engines: "
+                         "run one `specdec serve` a GPU for a router that reads KV events (docs/scale_out.md)")
+    envs: list[dict] = [{} for _ in range(n)]
+    if config.torch_device().type == "cuda":
+        visible = _visible_gpus() if visible is None else visible
+        if args.data_parallel_share_device:
+            config = dataclasses.replace(config, kv_cache_memory_fraction=config.kv_cache_memory_fraction / n)
+        elif n > len(visible):
+            raise ValueError(f"--data-parallel-size {n} needs {n} GPUs and {len(visible)} are visible "
+                             f"(CUDA_VISIBLE_DEVICES); --data-parallel-share-device runs them all on one")
+        else:
+            envs = [{"CUDA_VISIBLE_DEVICES": visible[i]} for i in range(n)]
+    return [(config, env) for env in envs]
+
+
+def _visible_gpus() -> list[str]:
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+@contextmanager
+def _environ(extra: dict):
+    """os.environ with `extra` while a spawned child starts (it copies the environment then)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _spawn_engine(ctx, config, env, args, addresses, index: int):
     ready_r, ready_w = ctx.Pipe(duplex=False)
     alive_r, alive_w = ctx.Pipe(duplex=False)
-    engine = ctx.Process(target=engine_process.main, name="specdec-engine",
-                         args=(config, args.max_queued, addresses, args.api_server_count, ready_w, alive_w))
-    engine.start()
+    engine = ctx.Process(target=engine_process.main, name=f"specdec-engine-{index}",
+                         args=(config, args.max_queued, addresses, args.api_server_count, ready_w, alive_w, index))
+    with _environ(env):
+        engine.start()
     ready_w.close()
     alive_w.close()                   # from now on only the engine process holds the write end
     return engine, ready_r, alive_r
@@ -86,14 +147,14 @@ def _engine_info(engine, ready_r):
     return value
 
 
-def _start_apis(ctx, args, addresses, port, alive):
-    """The API processes, each waiting on its pipe of `infos` for the engine's ModelInfo."""
+def _start_apis(ctx, args, addresses, port, alives):
+    """The API processes, each waiting on its pipe of `infos` for the engines' ModelInfo."""
     ready_r, ready_w = ctx.Pipe(duplex=False)
     apis, infos = [], []
     for client in range(args.api_server_count):
         info_r, info_w = ctx.Pipe(duplex=False)
         p = ctx.Process(target=api_process.main, name=f"specdec-api-{client}",
-                        args=(vars(args), info_r, addresses, client, port, alive, ready_w))
+                        args=(vars(args), info_r, addresses, client, port, alives, ready_w))
         p.start()
         info_r.close()
         apis.append(p)
@@ -102,12 +163,12 @@ def _start_apis(ctx, args, addresses, port, alive):
     return apis, infos, ready_r
 
 
-def _wait_ready(apis, ready_r, engine, stopping) -> bool:
-    waiting, count = [p.sentinel for p in apis], 0
+def _wait_ready(apis, ready_r, engines, stopping) -> bool:
+    waiting, count = [p.sentinel for p in apis + engines], 0
     while count < len(apis):
         if stopping:
             return False
-        for obj in wait([ready_r, engine.sentinel, *waiting], timeout=0.5):
+        for obj in wait([ready_r, *waiting], timeout=0.5):
             if obj is ready_r:
                 try:
                     ready_r.recv()
@@ -121,14 +182,16 @@ def _wait_ready(apis, ready_r, engine, stopping) -> bool:
     return True
 
 
-def _watch(engine, apis, stopping) -> int:
-    code = 0
-    sentinels = {engine.sentinel: engine, **{p.sentinel: p for p in apis}}
+def _watch(engines, apis, stopping) -> int:
+    code, left = 0, len(engines)
+    sentinels = {p.sentinel: p for p in engines + apis}
     while not stopping:
         for obj in wait(list(sentinels), timeout=0.5):
             proc = sentinels.pop(obj)
-            if proc is engine:        # the API processes answer 503 from now on
-                print(f"specdec serve: the engine process exited (exit code {engine.exitcode})", file=sys.stderr)
+            if proc in engines:       # the API processes use the others, or answer 503 once none is left
+                left -= 1
+                print(f"specdec serve: engine process {proc.name} exited (exit code {proc.exitcode}); "
+                      f"{left} left", file=sys.stderr)
                 code = 1
             else:
                 print(f"specdec serve: API process {proc.name} exited (exit code {proc.exitcode}); stopping",
@@ -137,9 +200,9 @@ def _watch(engine, apis, stopping) -> int:
     return code
 
 
-def _stop(apis, engine) -> None:
-    """API processes first (uvicorn finishes its responses), then the engine; whatever lingers is killed."""
-    for group in (apis, [engine] if engine is not None else []):
+def _stop(apis, engines) -> None:
+    """API processes first (uvicorn finishes its responses), then the engines; whatever lingers is killed."""
+    for group in (apis, engines):
         for p in group:
             if p.is_alive():
                 p.terminate()
