@@ -38,6 +38,8 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff>=0.6", "accelerate", "jsonschema", "triton>=3.2",
                  "openai>=1.40", "httpx"],
         "bench": ["matplotlib"],
+        # engine/server/ray_serve.py, tests/server/test_ray_serve.py (not in `make test`: ~500 MB)
+        "ray": ["ray[serve]>=2.40"],
         # client libraries checked against `specdec serve` (tests/server/test_clients.py; not in `make test`: ~350 MB)
         "clients": ["openai-agents==0.24.0", "pydantic-ai-slim[openai]==2.38.0", "langchain-openai==1.7.4",
                     "instructor==1.17.0", "litellm==1.110.2"],
