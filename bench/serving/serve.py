@@ -92,6 +92,9 @@ def parse_args(argv=None):
                    help="ours: after the runs, TTFT at one stream for a chat prompt this long (0: skip)")
     p.add_argument("--single-process-too", action="store_true",
                    help="also run ours with --single-process (engine thread beside the HTTP loop), same run: the A/B")
+    p.add_argument("--data-parallel-too", type=int, default=0, metavar="N",
+                   help="also run ours with --data-parallel-size N on the one GPU (--data-parallel-share-device), "
+                        "same run: the overhead of N engine processes against one")
     p.add_argument("--ours-args", default="", help="more `specdec serve` flags: --ours-args=\"--flag value\"")
     p.add_argument("--ours-cmd", default=None, help=argparse.SUPPRESS)   # replaces `python -m engine.cli serve`
     return p.parse_args(argv)
@@ -120,12 +123,14 @@ def warmup(url, model, requests, target, args) -> None:
 
 
 def bench_target(variant: str, args, requests, logdir: Path) -> list[dict]:
-    """variant: "ours", "ours-1p" (ours with --single-process), "peer" (transformers serve) or "vllm"."""
+    """variant: "ours", "ours-1p" (ours with --single-process), "ours-dp" (ours with --data-parallel-too engines
+    on one GPU), "peer" (transformers serve) or "vllm"."""
     target = variant if variant in ("peer", "vllm") else "ours"
     reqs = requests[:args.peer_requests] if target == "peer" else requests
     spec = f"+{args.speculative}(K={args.num_draft_tokens})" if args.speculative != "none" else ""
     mode = {"peer": "transformers-serve", "vllm": "vllm-serve" + spec}.get(
-        target, "specdec" + spec + (" one-process" if variant == "ours-1p" else ""))
+        target, "specdec" + spec + {"ours-1p": " one-process",
+                                    "ours-dp": f" dp={args.data_parallel_too} shared"}.get(variant, ""))
     head = dict(target=target, mode=mode)
     try:
         if target == "peer":
@@ -133,8 +138,9 @@ def bench_target(variant: str, args, requests, logdir: Path) -> list[dict]:
         elif target == "vllm":
             proc, url, model, info = start_vllm(args, reqs, logdir)
         else:
-            proc, url, model, info = start_ours(args, reqs, logdir,
-                                                ["--single-process"] if variant == "ours-1p" else [])
+            extra = {"ours-1p": ["--single-process"],
+                     "ours-dp": ["--data-parallel-size", str(args.data_parallel_too), "--data-parallel-share-device"]}
+            proc, url, model, info = start_ours(args, reqs, logdir, extra.get(variant, []))
     except Exception as e:                          # noqa: BLE001 - recorded; the other target still runs
         note(f"{target}: did not start: {e}")
         return [dict(head, error=f"did not start: {e}"[:3000])]
@@ -190,6 +196,12 @@ def target_lines(records: list[dict]) -> list[str]:
             line += (f"; {ours['out_tok_s'] / vllm['out_tok_s']:.2f}x vLLM's {vllm['out_tok_s']:.0f} tok/s, per-token "
                      f"ITL {itl} vs {vllm.get('itl_tok_p50_ms')} ms")
         out.append(line + ".")
+    plain = {r["x"]: r for r in records if r.get("load") == "closed" and r.get("ok") and r["mode"] == "specdec"}
+    for r in records:
+        if " dp=" in r["mode"] and r.get("load") == "closed" and r.get("ok") and plain.get(r["x"], {}).get("out_tok_s"):
+            ratio = r["out_tok_s"] / plain[r["x"]]["out_tok_s"]
+            out.append(f"{r['mode']} at {r['x']} streams: {ratio:.2f}x one engine's tok/s (>= 1.0: "
+                       f"{'yes' if ratio >= 1.0 else 'no'}).")
     return out or ["Target: no successful run of ours at 32 streams."]
 
 
@@ -244,6 +256,8 @@ def main(argv=None):
     targets = {"both": ["ours", peer], "ours": ["ours"], "peer": [peer]}[args.only]
     if args.single_process_too and "ours" in targets:
         targets.insert(0, "ours-1p")
+    if args.data_parallel_too > 1 and "ours" in targets:
+        targets.insert(targets.index("ours") + 1, "ours-dp")
     # a timeout's SIGTERM unwinds through bench_target's `finally`, so no server outlives the bench holding GPU memory
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print(markdown_table([], COLUMNS), flush=True)
