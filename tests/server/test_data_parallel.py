@@ -2,6 +2,7 @@
 engine whose prefix cache holds its prompt (learnt from the engines' KV events), else to the least loaded; a killed
 engine fails only its own requests and the others keep serving; options that cannot run are refused at start."""
 import argparse
+import json
 import os
 import signal
 import threading
@@ -127,6 +128,11 @@ def test_two_engines_keep_each_agent_where_its_prompt_is_and_survive_a_kill():
         found = m["specdec_prefix_cache_hits_total"] - before["specdec_prefix_cache_hits_total"]
         assert found / asked > 0.55, (found, asked)        # two of three turns, less each question's last page
         assert m["specdec_engine_up"] == 2
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+        for agent in range(2):          # its grammar compiles on the engine it is placed on, then runs there
+            r = _chat(server, agent, 3, max_tokens=40, response_format={
+                "type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+            assert r.status_code == 200 and "city" in json.loads(r.json()["choices"][0]["message"]["content"]), r.text
 
         outcomes = []
 
