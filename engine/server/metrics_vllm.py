@@ -1,7 +1,7 @@
 """vLLM's metric names beside specdec's own, so that what was built for vLLM reads this server unchanged: routers
 and endpoint pickers (llm-d's reads vllm:num_requests_waiting and vllm:kv_cache_usage_perc), autoscalers and
-Grafana dashboards. Every series carries vLLM's labels, model_name (the served name) and engine ("0": one engine
-process).
+Grafana dashboards. Every series carries vLLM's labels, model_name (the served name) and engine: the engine
+process's index for the engine-level series (one each with --data-parallel-size), "0" for the request-level ones.
 
 The values are specdec's, under vLLM's meaning: queue and running requests of the scheduler, the fraction of KV
 pages in use, prompt tokens looked up in and found in the prefix cache, preemptions, and per request the time to
@@ -48,23 +48,25 @@ class VllmRequestSeries:
 
 
 def engine_series(stats: dict, model_name: str):
-    """The engine-level series of `stats` (engine/server/metrics.py engine_stats), as vLLM names them."""
-    values = [model_name, ENGINE]
-    yield _family(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
-                  values, stats["running"])
-    yield _family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                  values, stats["queue"])
-    yield _family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                  values, stats["kv_used"] / max(stats["kv_total"], 1))
-    yield _family(CounterMetricFamily, "vllm:prefix_cache_queries",
-                  "Prefix cache queries, in terms of number of queried tokens.", values, stats["prefix_query_tokens"])
-    yield _family(CounterMetricFamily, "vllm:prefix_cache_hits",
-                  "Prefix cache hits, in terms of number of cached tokens.", values, stats["prefix_hit_tokens"])
-    yield _family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                  values, stats["preemptions"])
+    """The engine-level series of `stats` (engine/server/metrics.py engine_stats), as vLLM names them: one sample
+    an engine process, labelled by its index, where stats["engines"] has them (--data-parallel-size)."""
+    engines = {str(i): s for i, s in stats.get("engines", {ENGINE: stats}).items()}
+    for kind, name, doc, value in (
+            (GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
+             lambda s: s["running"]),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             lambda s: s["queue"]),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             lambda s: s["kv_used"] / max(s["kv_total"], 1)),
+            (CounterMetricFamily, "vllm:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.", lambda s: s["prefix_query_tokens"]),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             lambda s: s["prefix_hit_tokens"]),
+            (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             lambda s: s["preemptions"])):
+        family = kind(name, doc, labels=LABELS)
+        for engine, s in engines.items():
+            family.add_metric([model_name, engine], value(s))
+        yield family
 
 
-def _family(kind, name: str, doc: str, values: list[str], value: float):
-    family = kind(name, doc, labels=LABELS)
-    family.add_metric(values, value)
-    return family

@@ -128,6 +128,8 @@ def test_two_engines_keep_each_agent_where_its_prompt_is_and_survive_a_kill():
         found = m["specdec_prefix_cache_hits_total"] - before["specdec_prefix_cache_hits_total"]
         assert found / asked > 0.55, (found, asked)        # two of three turns, less each question's last page
         assert m["specdec_engine_up"] == 2
+        per_engine = [m[f"vllm:prefix_cache_hits_total{{engine={i},model_name={server.model}}}"] for i in (0, 1)]
+        assert all(per_engine) and sum(per_engine) == m["specdec_prefix_cache_hits_total"], per_engine  # spread
         schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
         for agent in range(2):          # its grammar compiles on the engine it is placed on, then runs there
             r = _chat(server, agent, 3, max_tokens=40, response_format={

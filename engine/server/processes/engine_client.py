@@ -209,22 +209,26 @@ class EngineClient(Router):
     def _alive_engines(self) -> list[int]:
         return [i for i, dead in enumerate(self.placement.dead) if not dead]
 
-    async def _ask_all(self, make) -> list:
-        """make(token)'s StatsReply from every engine left, in one wait; a timeout or a death raises."""
-        asked = [(self._expect("stats", make, engine)) for engine in self._alive_engines()]
+    async def _ask_all(self, make) -> dict[int, dict]:
+        """{engine: make(token)'s StatsReply} from every engine left, in one wait; a timeout or a death raises."""
+        engines = self._alive_engines()
+        asked = [self._expect("stats", make, engine) for engine in engines]
         try:
-            return await asyncio.wait_for(asyncio.gather(*(w for _, w in asked)), STATS_TIMEOUT_S)
+            return dict(zip(engines, await asyncio.wait_for(asyncio.gather(*(w for _, w in asked)), STATS_TIMEOUT_S)))
         finally:
             for token, _ in asked:
                 self._waiters.pop(("stats", token), None)
 
     async def stats(self) -> dict:
+        """The engines' stats added up; with several, each engine's under "engines" too (by its index)."""
         if self.error is not None:
             return DEAD_STATS
         try:
-            return combine_stats(await self._ask_all(lambda t: ipc.Stats(self.client, t)))
+            replies = await self._ask_all(lambda t: ipc.Stats(self.client, t))
         except (asyncio.TimeoutError, EngineDead):
             return dict(DEAD_STATS, up=float(self.error is None))
+        out = combine_stats(list(replies.values()))
+        return dict(out, engines=replies) if len(self._alives) > 1 else out
 
     async def reset_prefix_cache(self) -> int:
         """Forget the prefix caches' unheld pages; returns how many. Raises EngineDead."""
@@ -234,7 +238,7 @@ class EngineClient(Router):
             replies = await self._ask_all(lambda t: ipc.ResetCache(self.client, t))
         except asyncio.TimeoutError:
             raise EngineDead("the engine did not answer") from None
-        return sum(r["reset_pages"] for r in replies)
+        return sum(r["reset_pages"] for r in replies.values())
 
     # ---- an engine's end -------------------------------------------------------------------------------------
     def _engine_gone(self, engine: int) -> None:
