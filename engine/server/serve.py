@@ -76,8 +76,6 @@ def cmd_serve(args) -> int:
         raise ValueError("--api-server-count must be >= 1")
     from engine.server.api.connections import ConnectionGuard
     ConnectionGuard.from_args(args)             # its bounds are checked before any process starts
-    if args.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.single_process:
         if args.api_server_count != 1:
             raise ValueError("--single-process runs one API server: drop --api-server-count")
