@@ -206,12 +206,9 @@ class EngineClient(Router):
         self._send(make(token), engine)
         return token, waiter
 
-    def _alive_engines(self) -> list[int]:
-        return [i for i, dead in enumerate(self.placement.dead) if not dead]
-
     async def _ask_all(self, make) -> dict[int, dict]:
         """{engine: make(token)'s StatsReply} from every engine left, in one wait; a timeout or a death raises."""
-        engines = self._alive_engines()
+        engines = self.placement.alive()
         asked = [self._expect("stats", make, engine) for engine in engines]
         try:
             return dict(zip(engines, await asyncio.wait_for(asyncio.gather(*(w for _, w in asked)), STATS_TIMEOUT_S)))
@@ -252,28 +249,24 @@ class EngineClient(Router):
         if self.placement.dead[engine]:
             return
         self.placement.forget(engine)
-        if not self._alive_engines():
+        if not self.placement.alive():
             self._die(message)
-            return
-        error = f"{ENGINE_STOPPED}: {message}"
-        self._fail([sid for sid, entry in self._subs.items() if entry[2] == engine], error)
-        for waiter, on in self._waiters.values():
-            if on == engine and not waiter.done():
-                waiter.set_exception(EngineDead(error))
+        else:
+            self._fail(f"{ENGINE_STOPPED}: {message}", engine)
 
     def _die(self, message: str) -> None:
         if self.error is None:
             self.error = message
-        error = f"{ENGINE_STOPPED}: {self.error}"
-        self._fail(list(self._subs), error)
-        for waiter, _ in self._waiters.values():
-            if not waiter.done():
-                waiter.set_exception(EngineDead(error))
+        self._fail(f"{ENGINE_STOPPED}: {self.error}")
 
-    def _fail(self, sids: list[int], error: str) -> None:
+    def _fail(self, error: str, engine: int | None = None) -> None:
+        """End the requests and questions on `engine` (None: on every engine) with `error`."""
+        for waiter, on in self._waiters.values():
+            if (engine is None or on == engine) and not waiter.done():
+                waiter.set_exception(EngineDead(error))
         batch = []
-        for sid in sids:
-            sub, streams, engine = self._subs[sid]
+        for sid in [sid for sid, entry in self._subs.items() if engine is None or entry[2] == engine]:
+            sub, streams, on = self._subs[sid]
             if not sub.added.done():
                 sub.added.set_result(("dead", error))       # its submit forgets it
                 continue
@@ -281,6 +274,6 @@ class EngineClient(Router):
                 if not stream.finished:
                     batch.append((sub, choice, RequestOutput(sub.id, (), "", True, "error", error)))
             del self._subs[sid]
-            self.placement.load[engine] -= sub.open_choices     # (route counts them off `live`)
+            self.placement.load[on] -= sub.open_choices     # (route counts them off `live`)
         if batch:
             self.route(batch)

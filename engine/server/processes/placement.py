@@ -29,9 +29,12 @@ class Placement:
         self.dead = [False] * engines
         self._turn = 0                      # ties by load go round, so an idle server spreads new prompts
 
+    def alive(self) -> list[int]:
+        return [i for i, dead in enumerate(self.dead) if not dead]
+
     def choose(self, prompt: list[int]) -> int:
         """The engine for `prompt`. Raises LookupError when every engine is dead."""
-        alive = [i for i, dead in enumerate(self.dead) if not dead]
+        alive = self.alive()
         if not alive:
             raise LookupError("every engine process has stopped")
         digests = prefix_digests(prompt, self.block_size, ROOT) if any(self.cached[i] for i in alive) else []
