@@ -41,8 +41,9 @@ JSON_KINDS = ("json_schema", "json_object", "structural_tag")   # what the repet
 class Closer:
     """One guided request's closing: its matcher over the committed output, the estimate of what closing takes
     (tokens, stop token included), and the tokens it forces from output index `start`. `margin`: budget left past
-    the estimate at which the row enters its closing zone, where it has no token in flight when it is planned, so
-    each estimate is exact."""
+    the estimate, after the tokens in flight, at which the row enters its closing zone, where it has no token in
+    flight when it is planned, so each estimate is exact; it covers the next step's 1 + K tokens and an estimate
+    that grows between refreshes."""
 
     def __init__(self, compiled, vocab: ClosingVocab, budget: bool, guard_limit: int, spec_k: int = 0,
                  initial=UNKNOWN):
@@ -50,7 +51,7 @@ class Closer:
         # A step commits up to 1 + K tokens: near a decision (its closing zone, a repetition near the guard's
         # limit) a row goes one token a step with nothing in flight, so each decision falls on the same output
         # index whatever the loop's depth or K: greedy outputs stay those of the simple loop.
-        self.spec_k, self.margin, self.watch_from = spec_k, 8 + 2 * spec_k, guard_limit - 2 - 2 * spec_k
+        self.spec_k, self.margin, self.watch_from = spec_k, 8 + spec_k, guard_limit - 2 - 2 * spec_k
         self.matcher = xgr.GrammarMatcher(compiled)
         self.fed = 0                    # committed output tokens the matcher has accepted
         self.text = b""                 # the closing text of the last estimate
@@ -98,7 +99,8 @@ class Closer:
     def _next_decision(self, seq) -> int:
         """The first committed-output count at which a row outside its zone refreshes its estimate or enters the
         zone (the two conditions of _hold, solved for the output count; both only grow true as it grows)."""
-        budget = seq.max_len - len(seq.prompt_token_ids)        # left = budget - outputs
+        # left = budget - outputs - in flight, and up to 1 + K tokens are in flight
+        budget = seq.max_len - len(seq.prompt_token_ids) - 1 - self.spec_k
         zone_at = budget - self.need - self.margin
         # a refresh once out - e >= max(1, (budget - out - need - margin) // 2), e = estimated_at: x = out - e
         d = budget - self.estimated_at - self.need - self.margin
@@ -114,7 +116,10 @@ class Closer:
                 # still emitting a closing: its index is known while a plain step is in flight, not a speculative one
                 return self.spec_k > 0 and seq.num_pending > 0
             self.forced = []
-        left = seq.max_len - seq.num_tokens   # tokens it may still emit after the committed output
+        # tokens it may still emit after those committed and those in flight: a row must enter its zone before its
+        # in-flight tokens can carry it past the output index where the simple loop forces its closing (it forces
+        # only with nothing in flight, where this is the budget left after the committed output)
+        left = seq.max_len - seq.num_scheduled_tokens
         if self.budget and not self.zone:
             # estimates grow denser towards the zone: a closing would have to grow by more than a token a token
             # to be found late

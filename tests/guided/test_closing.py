@@ -279,7 +279,8 @@ def test_hold_wakes_where_the_closer_first_has_something_to_decide(engine):
         closer.estimated_at, closer.estimate, closer.reserve = rng.randint(0, budget), rng.randint(0, 99), 0
         closer.margin = rng.choice([8, 10, 14])
         seq = NS(max_len=len(prompt) + budget, prompt_token_ids=prompt)
+        flight = 1 + closer.spec_k              # the most tokens a row can have in flight at a plan
         first = next(out for out in range(closer.estimated_at, budget + 400)
-                     if out - closer.estimated_at >= max(1, (budget - out - closer.need - closer.margin) // 2)
-                     or budget - out <= closer.need + closer.margin)
+                     if out - closer.estimated_at >= max(1, (budget - flight - out - closer.need - closer.margin) // 2)
+                     or budget - flight - out <= closer.need + closer.margin)
         assert max(closer._next_decision(seq), closer.estimated_at) == first
