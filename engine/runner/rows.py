@@ -13,13 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from engine.requests.validation import min_tokens_stops
+from engine.runner import _rows
 from engine.sampling import penalties
 from engine.speculative import plan as spec_plan
 
 
-# a plain step's leading one-token rows, from this many, are written a field at a time (_fill_decode): its 13 array
-# writes cost more than a few rows' scalar writes, less than many rows' (docs/pipeline.md)
-DECODE_ARRAYS_MIN_ROWS = 8
+# a plain step's leading one-token rows (decoding) are written in one native call (_fill_decode) from this many:
+# even one row costs less there than its scalar writes here (docs/pipeline.md)
+DECODE_ARRAYS_MIN_ROWS = 1
 # _fill_decode's fields, in the order of its tuples
 DECODE_INPUTS = ("input_ids", "positions", "slot_mapping", "carry_src", "tok_row", "seq_lens")
 DECODE_SAMPLING = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps", "smp_row", "forced")
@@ -82,6 +83,15 @@ def _fill_rows(slot, rows, block_size: int, spec_k: int, first: int = 0, t: int 
 
 
 def _fill_decode(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
+    """_fill_decode_py in native code (engine/runner/csrc/rows.cpp); a row it cannot write is written again by
+    _fill_decode_py, which raises RowError naming it."""
+    try:
+        return _rows.fill_decode(rows, slot.np, slot.bt_rows, block_size)
+    except Exception:       # noqa: BLE001 - the Python walk names the row, or writes what native code refused
+        return _fill_decode_py(slot, rows, block_size)
+
+
+def _fill_decode_py(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
     """_fill_rows for a plain step whose rows are one token each (decoding): the same values, a tuple per row and
     per sampling row, written a field at a time, not ~14 scalar writes and three calls a row. Such a row's token
     is known to the host unless it is pending (then carried from the token pool), so every field is written."""

@@ -78,6 +78,51 @@ def test_decode_steps_fill_the_same_fields_as_the_row_by_row_writer(block_size):
             assert np.array_equal(slots[0].np[name], values), (name, n)
 
 
+class _Closer:
+    """A closing row's forced tokens: output index i must be token 1000 + i from index `start`."""
+
+    def __init__(self, start: int):
+        self.start = start
+
+    def forced_at(self, index: int) -> int:
+        return 1000 + index if index >= self.start else -1
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_the_native_decode_writer_writes_what_the_python_one_does(block_size):
+    """engine/runner/csrc/rows.cpp against _fill_decode_py, its definition: every field, the counts, each row's
+    sampling index and the slot's record of the tables it holds, over repeated fills of one slot pair (tables
+    that grow, rows that swap places), with closing rows among them."""
+    rng = random.Random(block_size + 5)
+    native, python = (DecodeSlot(0, 512, 300, 400, torch.device("cpu")) for _ in range(2))
+    rows = _decode_rows(rng, 40, block_size)
+    for step in range(6):
+        rows = [_advance(rng, r, block_size) for r in rows] + _decode_rows(rng, 2, block_size)
+        for r in rng.sample(rows, 5):
+            r.seq.closer = _Closer(rng.randrange(40))
+        rows[rng.randrange(len(rows))].sample = False
+        rng.shuffle(rows)
+        got = rows_mod._rows.fill_decode(rows, native.np, native.bt_rows, block_size)
+        idx = [r.sample_idx for r in rows]
+        assert got == rows_mod._fill_decode_py(python, rows, block_size), step
+        assert idx == [r.sample_idx for r in rows]
+        for name, values in python.np.items():
+            assert np.array_equal(native.np[name], values), (name, step)
+        assert [(id(t), n) for t, n in native.bt_rows] == [(id(t), n) for t, n in python.bt_rows]
+
+
+def test_a_row_the_native_writer_refuses_fails_by_its_index():
+    """A pending row with no token-pool row: native code raises and the Python walk names the row."""
+    rows = _decode_rows(random.Random(4), 5, 16)
+    rows[3].seq.num_pending, rows[3].seq.pool_row = 1, -1
+    slot = DecodeSlot(0, 64, 32, 400, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="token-pool row"):
+        rows_mod._rows.fill_decode(rows, slot.np, slot.bt_rows, 16)
+    with pytest.raises(rows_mod.RowError) as err:
+        rows_mod._fill_decode(slot, rows, 16)
+    assert err.value.index == 3 and "token-pool row" in str(err.value)
+
+
 def test_a_decode_row_that_cannot_be_written_names_its_index():
     rows = _decode_rows(random.Random(3), 4, 16)
     rows[2].seq.block_table = []                  # its page is missing
