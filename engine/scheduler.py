@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from engine.memory.block_manager import BlockManager
 from engine.memory.prefix_map import PrefixMap
+from engine.requests import _hostpath
 from engine.requests.sequence import Sequence, Status
 
 
@@ -56,6 +57,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix = PrefixMap(block_manager)
+        self.native = True          # runs of common decode rows in native code (engine/requests/csrc/hostpath.cpp);
+                                    # False: all in Python, their definition
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -76,6 +79,10 @@ class Scheduler:
     def _schedule_running(self, rows, budget, k: int = 0) -> int:
         i, page_tokens, running, plain = 0, self.blocks.block_size, self.running, self.spec is None
         while i < len(running) and budget > 0:
+            if plain and self.native:           # a run of the rows below that need nothing else, in one call
+                i, budget = _hostpath.schedule_decode(running, i, budget, page_tokens, rows, ScheduledRow)
+                if i >= len(running) or budget <= 0:
+                    break
             seq = running[i]
             scheduled = seq.num_scheduled_tokens          # read once: seq.schedule_target is this less grammar_blocked
             computed = seq.num_computed_tokens

@@ -87,3 +87,69 @@ def test_pending_token_is_scheduled_and_capped_sequence_is_not():
         r.seq.num_computed_tokens, r.seq.num_pending = r.start + 1, 2
     assert a.capped and not b.capped             # a's second (last) token is in flight
     assert [r.seq.seq_id for r in sched.schedule()] == [1]
+
+
+class _Closer:
+    """A guided row's closer as the scheduler sees it: hold() sits the row out on some steps, counted."""
+
+    stepwise = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def hold(self, seq) -> bool:
+        self.calls += 1
+        return (seq.seq_id + self.calls) % 3 == 0
+
+
+def _world(seed: int, native: bool):
+    """A pipelined run of one scheduler (depth 2: a step's rows land after the next step launched) over sequences
+    that arrive, decode, finish, wait for their grammar, close and get preempted (few pages, prefix caching on).
+    Returns every step's rows and every sequence's counters after each step."""
+    import random
+    from types import SimpleNamespace as NS
+    rng = random.Random(seed)
+    sched = Scheduler(BlockManager(30, 4, caching=True), max_num_seqs=12, max_num_batched_tokens=48)
+    sched.native = native
+    seqs, trace, inflight = [], [], []
+    for step in range(120):
+        for _ in range(rng.choice([0, 0, 0, 1, 2])):
+            seq = Sequence(len(seqs), [rng.randrange(1, 9) for _ in range(rng.randrange(1, 14))],
+                           SamplingParams(max_tokens=rng.randrange(1, 30)), seed=0)
+            kind = rng.random()
+            if kind < 0.15:
+                seq.guided = NS(ready=False)
+            elif kind < 0.3:
+                seq.closer = _Closer()
+            seqs.append(seq)
+            sched.add(seq)
+        for seq in seqs:
+            if seq.guided is not None and rng.random() < 0.3:
+                seq.guided.ready = True
+        rows = sched.schedule()
+        for i, row in enumerate(rows):
+            row.sample_idx = i
+        sched.launched(rows)
+        trace.append([(r.seq.seq_id, r.start, r.num_tokens, r.sample, r.epoch) for r in rows])
+        inflight.append(rows)
+        if len(inflight) > 1:
+            for row in inflight.pop(0):
+                if not sched.landed(row) or not row.sample:
+                    continue
+                row.seq.output_token_ids.append(rng.randrange(1, 9))
+                if row.seq.num_tokens >= row.seq.max_len or rng.random() < 0.05:
+                    sched.finish(row.seq, "stop")
+        trace.append([(s.num_computed_tokens, s.num_pending, s.pending_src, s.inflight_refs, s.num_registered,
+                       len(s.block_table), s.status, getattr(s.closer, "calls", 0)) for s in seqs])
+    return trace, sched.num_preemptions
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3, 4])
+def test_the_native_walks_schedule_and_launch_as_the_python_ones(seed):
+    """engine/requests/csrc/hostpath.cpp (runs of common decode rows) against the scheduler's Python, their
+    definition: the same rows every step, and the same counters and closer calls after it."""
+    native, preemptions = _world(seed, native=True)
+    python, _ = _world(seed, native=False)
+    assert preemptions > 0                      # the run exercises preemption
+    for step, (got, want) in enumerate(zip(native, python)):
+        assert got == want, step // 2

@@ -1,0 +1,94 @@
+// engine.requests._hostpath: the scheduler's walk over running sequences, for runs of common decode rows.
+//
+// engine/scheduler.py keeps the definition in Python and calls this for the rows that need nothing else. It reads
+// the same Sequence attributes the Python would, in the same order, and calls back into Python for a grammar's
+// readiness. (A launched step's counters stay in Python: there, attribute writes through the C API cost more than
+// the interpreter's own.)
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+namespace py = pybind11;
+
+namespace {
+
+py::object attr(PyObject* obj, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(obj, name);
+  if (!value) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(value);
+}
+
+int64_t as_int(const py::object& value) {
+  int64_t v = PyLong_AsLongLong(value.ptr());
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+int64_t int_attr(PyObject* obj, PyObject* name) { return as_int(attr(obj, name)); }
+
+Py_ssize_t len_attr(PyObject* obj, PyObject* name) {
+  py::object value = attr(obj, name);
+  Py_ssize_t n = PyObject_Length(value.ptr());
+  if (n < 0) throw py::error_already_set();
+  return n;
+}
+
+struct Names {
+  PyObject *prompt_token_ids, *output_token_ids, *num_pending, *num_computed_tokens, *guided, *grammar_blocked,
+      *max_len, *closer, *block_table, *num_preemptions;
+  Names() {
+    for (auto [slot, text] : {std::pair{&prompt_token_ids, "prompt_token_ids"},
+                              {&output_token_ids, "output_token_ids"}, {&num_pending, "num_pending"},
+                              {&num_computed_tokens, "num_computed_tokens"}, {&guided, "guided"},
+                              {&grammar_blocked, "grammar_blocked"}, {&max_len, "max_len"}, {&closer, "closer"},
+                              {&block_table, "block_table"}, {&num_preemptions, "num_preemptions"}}) {
+      *slot = PyUnicode_InternFromString(text);  // held for the process
+      if (!*slot) throw py::error_already_set();
+    }
+  }
+};
+
+const Names& names() {
+  static const Names k;
+  return k;
+}
+
+// Scheduler._schedule_running's loop from running[i] while each sequence is one it skips (nothing new to compute,
+// or capped) or a common decode row (one token, within its pages), appending a row_cls row for each of those.
+// Stops at a sequence with a closer or any other row, which the Python loop takes. -> (i, budget left).
+py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_t page_tokens, py::list rows,
+                          py::object row_cls) {
+  const Names& k = names();
+  for (; i < PyList_GET_SIZE(running.ptr()) && budget > 0; ++i) {
+    PyObject* seq = PyList_GET_ITEM(running.ptr(), i);
+    if (!attr(seq, k.closer).is_none()) break;  // its hold() decides, in Python
+    const int64_t scheduled = len_attr(seq, k.prompt_token_ids) + len_attr(seq, k.output_token_ids) +
+                              int_attr(seq, k.num_pending);  // Sequence.num_scheduled_tokens
+    const int64_t computed = int_attr(seq, k.num_computed_tokens);
+    int64_t blocked = 0;
+    if (!attr(seq, k.guided).is_none()) {
+      int truth = PyObject_IsTrue(attr(seq, k.grammar_blocked).ptr());
+      if (truth < 0) throw py::error_already_set();
+      blocked = truth;
+    }
+    const int64_t n = std::min(scheduled - blocked - computed, budget);
+    if (n <= 0 || scheduled >= int_attr(seq, k.max_len)) continue;
+    if (n != 1 || computed >= len_attr(seq, k.block_table) * page_tokens) break;
+    py::object row = row_cls(py::handle(seq), computed, 1, computed + 1 == scheduled, -1, 0, 0,
+                             attr(seq, k.num_preemptions));
+    if (PyList_Append(rows.ptr(), row.ptr()) < 0) throw py::error_already_set();
+    --budget;
+  }
+  return py::make_tuple(i, budget);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_hostpath, m) {
+  m.doc() = "The scheduler's walk over runs of common decode rows (engine/scheduler.py).";
+  m.def("schedule_decode", &schedule_decode, py::arg("running"), py::arg("i"), py::arg("budget"),
+        py::arg("page_tokens"), py::arg("rows"), py::arg("row_cls"),
+        "Common decode rows from running[i]; returns (the index the Python loop takes next, budget left).");
+}
