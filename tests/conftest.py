@@ -21,10 +21,6 @@ import pytest  # noqa: E402
 # of one thread a core per worker oversubscribes the machine and every CPU forward slows down.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-    # On one GPU the workers share its memory: an engine sizes its KV cache from this process's share (twice the
-    # even split, since few workers hold a large engine at once), not from all that is free when it starts.
-    if torch.cuda.is_available():
-        torch.cuda.set_per_process_memory_fraction(min(1.0, 2 / int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
