@@ -267,9 +267,9 @@ class LLMEngine(EngineFrontend):
             return False
         rows, slot = planned
         # before the rows count this step's tokens
-        snapshot = build_snapshot(slot.index, rows, self._step_index, 1 + slot.spec_k)
+        snapshot = build_snapshot(slot.index, rows, self._step_index, 1 + slot.spec_k) if slot.guided_rows else None
         self.scheduler.launched(rows)
-        all_greedy = all(r.seq.params.temperature == 0 for r in rows if r.sample)
+        all_greedy = slot.all_greedy
         t1 = time.perf_counter()
         try:
             with self.runner.sync_guard(), self._tp_watch():

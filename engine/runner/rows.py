@@ -21,6 +21,9 @@ from engine.speculative import plan as spec_plan
 # a plain step's leading one-token rows (decoding) are written in one native call (_fill_decode) from this many:
 # even one row costs less there than its scalar writes here (docs/pipeline.md)
 DECODE_ARRAYS_MIN_ROWS = 1
+# what a step's rows ask of it (row_flags): a sampling row wants logprobs, a row is penalized, a sampling row is not
+# greedy, a sampling row is guided
+ROW_LOGPROBS, ROW_PENALIZED, ROW_SAMPLED, ROW_GUIDED = 1, 2, 4, 8
 # _fill_decode's fields, in the order of its tuples
 DECODE_INPUTS = ("input_ids", "positions", "slot_mapping", "carry_src", "tok_row", "seq_lens")
 DECODE_SAMPLING = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps", "smp_row", "forced")
@@ -44,7 +47,9 @@ def fill_slot(slot, rows, block_size: int, spec_k: int, penalty_state, eos_ids, 
     slot.num_tokens, slot.num_seqs, slot.num_sample, slot.num_carry = t, len(rows), s, carries
     slot.spec_k = rows[0].spec_k if rows else 0
     slot.max_query_len, slot.max_seq_len, slot.rows = max_q, max_len, rows
-    fill_extras(slot, rows, penalty_state, eos_ids)
+    flags = row_flags(rows)
+    slot.all_greedy, slot.guided_rows = not flags & ROW_SAMPLED, bool(flags & ROW_GUIDED)
+    fill_extras(slot, rows, penalty_state, eos_ids, flags)
     slot.history_writes = [(r.seq.pool_row, r.seq.tokens(0, r.cached)) for r in rows if r.cached] \
         if spec_k and uses_history else []
 
@@ -202,12 +207,32 @@ def write_block_table(slot, i: int, seq) -> None:
     slot.bt_rows[i] = (bt, len(bt))
 
 
-def fill_extras(slot, rows, penalty_state, eos_ids) -> None:
+def row_flags(rows) -> int:
+    """The ROW_* bits of a step's rows, in one native call (engine/runner/csrc/rows.cpp); row_flags_py where it
+    cannot read a row."""
+    try:
+        return _rows.row_flags(rows)
+    except Exception:       # noqa: BLE001 - the Python walk raises what it raises, or reads what native code refused
+        return row_flags_py(rows)
+
+
+def row_flags_py(rows) -> int:
+    flags = 0
+    for row in rows:
+        p = row.seq.params
+        flags |= ROW_PENALIZED if p.penalized else 0
+        if row.sample:
+            flags |= (ROW_LOGPROBS if p.logprobs is not None else 0) | (ROW_SAMPLED if p.temperature != 0 else 0) \
+                | (ROW_GUIDED if row.seq.guided is not None else 0)
+    return flags
+
+
+def fill_extras(slot, rows, penalty_state, eos_ids, flags: int) -> None:
     """Whether the step runs its extras variant (logprobs, penalties), and the penalty inputs if so (penalty_state:
-    the engine's PenaltyState, None without penalties; eos_ids: what min_tokens masks besides stop ids)."""
-    slot.want_logprobs = slot.logprobs is not None and any(r.sample and r.seq.params.logprobs is not None
-                                                           for r in rows)
-    penalized = penalty_state is not None and any(r.seq.params.penalized for r in rows)
+    the engine's PenaltyState, None without penalties; eos_ids: what min_tokens masks besides stop ids; flags: the
+    rows' ROW_* bits)."""
+    slot.want_logprobs = slot.logprobs is not None and bool(flags & ROW_LOGPROBS)
+    penalized = penalty_state is not None and bool(flags & ROW_PENALIZED)
     slot.extras = slot.want_logprobs or penalized
     slot.bias_writes, slot.span_writes = [], []
     if not slot.extras or penalty_state is None:

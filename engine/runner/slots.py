@@ -89,6 +89,8 @@ class DecodeSlot:
         self.logprobs = torch.zeros(shape, dtype=torch.float32, device=device) if logprobs else None
         self.logprobs_host = torch.zeros(shape, dtype=torch.float32, pin_memory=pin) if logprobs else None
         self.want_logprobs = False
+        self.all_greedy = True                                          # every sampling row greedy (rows.py)
+        self.guided_rows = False                                        # a sampling row is guided
         self.extras = False                                             # logprobs / penalties: engine/runner/step.py
         self.bias_writes = []                                           # logit_bias rows set before the step
         self.span_writes = []                                           # penalty counts of cached prefixes

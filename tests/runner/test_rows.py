@@ -204,3 +204,22 @@ def test_a_slot_filled_again_holds_what_a_fresh_fill_writes():
             size = t if name in FIELDS else s if name in SAMPLING else n + (name == "cu_seqlens_q")
             assert np.array_equal(slot.np[name][:size], values[:size]), (name, step)
         pad_rows(slot, n, n + 4)                                                    # a graph's padding
+
+
+def test_the_native_row_flags_are_the_python_ones():
+    """rows.py's ROW_* bits of a step (native code against row_flags_py, their definition), each bit alone and
+    mixed, a row that does not sample counting for penalties only."""
+    rng = random.Random(9)
+    seen = set()
+    for _ in range(300):
+        rows = []
+        for _ in range(rng.randrange(0, 6)):
+            params = NS(penalized=rng.random() < 0.1, logprobs=rng.choice([None] * 6 + [0, 3]),
+                        temperature=rng.choice([0.0] * 5 + [0.7, 1]))
+            seq = NS(params=params, guided=rng.choice([None] * 6 + [object()]))
+            rows.append(NS(seq=seq, sample=rng.random() < 0.8))
+        want = rows_mod.row_flags_py(rows)
+        assert rows_mod._rows.row_flags(rows) == want
+        seen.add(want)
+    for bit in (1, 2, 4, 8):                # each bit came up set and unset
+        assert {f & bit for f in seen} == {0, bit}

@@ -48,19 +48,25 @@ T* field(const py::dict& h, const char* name, size_t at_least) {
 
 struct Names {
   PyObject *seq, *start, *sample, *sample_idx, *num_pending, *pool_row, *block_table, *token_at, *params,
-      *temperature, *top_k, *top_p, *seed, *output_token_ids, *closer, *forced_at;
+      *temperature, *top_k, *top_p, *seed, *output_token_ids, *closer, *forced_at, *logprobs, *penalized, *guided;
   Names() {
     for (auto [slot, text] : {std::pair{&seq, "seq"}, {&start, "start"}, {&sample, "sample"},
                               {&sample_idx, "sample_idx"}, {&num_pending, "num_pending"}, {&pool_row, "pool_row"},
                               {&block_table, "block_table"}, {&token_at, "token_at"}, {&params, "params"},
                               {&temperature, "temperature"}, {&top_k, "top_k"}, {&top_p, "top_p"}, {&seed, "seed"},
                               {&output_token_ids, "output_token_ids"}, {&closer, "closer"},
-                              {&forced_at, "forced_at"}}) {
+                              {&forced_at, "forced_at"}, {&logprobs, "logprobs"}, {&penalized, "penalized"},
+                              {&guided, "guided"}}) {
       *slot = PyUnicode_InternFromString(text);  // held for the process
       if (!*slot) throw py::error_already_set();
     }
   }
 };
+
+const Names& names() {
+  static const Names k;
+  return k;
+}
 
 // Row i's block table into row i of the slot's tables, only the pages it lacks if it last held this very list
 // (rows.py write_block_table).
@@ -85,7 +91,7 @@ void write_table(PyObject* bt_rows, Py_ssize_t i, PyObject* table, int32_t* tabl
 }
 
 py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block_size) {
-  static const Names k;
+  const Names& k = names();
   const Py_ssize_t n = PyList_GET_SIZE(rows.ptr());
   if (block_size <= 0) throw std::invalid_argument("block_size must be positive");
   if (PyList_GET_SIZE(bt_rows.ptr()) < n) throw std::invalid_argument("more rows than the slot holds");
@@ -173,6 +179,28 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
   return py::make_tuple(n, s, n ? 1 : 0, max_len, carries);
 }
 
+// rows.py's ROW_* bits over a step's rows (row_flags_py, their definition): which variant and which host work the
+// step needs.
+int64_t row_flags(py::list rows) {
+  const Names& k = names();
+  int64_t flags = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rows.ptr()); ++i) {
+    PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
+    py::object seq = attr(row, k.seq);
+    py::object params = attr(seq.ptr(), k.params);
+    int truth = PyObject_IsTrue(attr(params.ptr(), k.penalized).ptr());
+    if (truth < 0) throw py::error_already_set();
+    flags |= truth ? 2 : 0;
+    truth = PyObject_IsTrue(attr(row, k.sample).ptr());
+    if (truth < 0) throw py::error_already_set();
+    if (!truth) continue;
+    flags |= attr(params.ptr(), k.logprobs).is_none() ? 0 : 1;
+    flags |= as_float(attr(params.ptr(), k.temperature).ptr()) != 0.0 ? 4 : 0;
+    flags |= attr(seq.ptr(), k.guided).is_none() ? 0 : 8;
+  }
+  return flags;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_rows, m) {
@@ -180,4 +208,5 @@ PYBIND11_MODULE(_rows, m) {
   m.def("fill_decode", &fill_decode, py::arg("rows"), py::arg("h"), py::arg("bt_rows"), py::arg("block_size"),
         "Write the rows' inputs and sampling fields; returns (tokens, sampling rows, 1, longest sequence, carrying "
         "rows). Raises on a row it cannot write, having written some rows.");
+  m.def("row_flags", &row_flags, py::arg("rows"), "rows.py's ROW_* bits of a step's rows.");
 }
