@@ -10,30 +10,12 @@
 #include <cstdint>
 #include <utility>
 
+#include "py_attrs.h"
+
 namespace py = pybind11;
+using namespace py_attrs;
 
 namespace {
-
-py::object attr(PyObject* obj, PyObject* name) {
-  PyObject* value = PyObject_GetAttr(obj, name);
-  if (!value) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(value);
-}
-
-int64_t as_int(const py::object& value) {
-  int64_t v = PyLong_AsLongLong(value.ptr());
-  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-  return v;
-}
-
-int64_t int_attr(PyObject* obj, PyObject* name) { return as_int(attr(obj, name)); }
-
-Py_ssize_t len_attr(PyObject* obj, PyObject* name) {
-  py::object value = attr(obj, name);
-  Py_ssize_t n = PyObject_Length(value.ptr());
-  if (n < 0) throw py::error_already_set();
-  return n;
-}
 
 struct Names {
   PyObject *prompt_token_ids, *output_token_ids, *num_pending, *num_computed_tokens, *guided, *grammar_blocked,
@@ -44,8 +26,7 @@ struct Names {
                               {&num_computed_tokens, "num_computed_tokens"}, {&guided, "guided"},
                               {&grammar_blocked, "grammar_blocked"}, {&max_len, "max_len"}, {&closer, "closer"},
                               {&block_table, "block_table"}, {&num_preemptions, "num_preemptions"}}) {
-      *slot = PyUnicode_InternFromString(text);  // held for the process
-      if (!*slot) throw py::error_already_set();
+      *slot = intern(text);
     }
   }
 };
@@ -69,9 +50,7 @@ py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_
     const int64_t computed = int_attr(seq, k.num_computed_tokens);
     int64_t blocked = 0;
     if (!attr(seq, k.guided).is_none()) {
-      int truth = PyObject_IsTrue(attr(seq, k.grammar_blocked).ptr());
-      if (truth < 0) throw py::error_already_set();
-      blocked = truth;
+      blocked = truth(attr(seq, k.grammar_blocked).ptr());
     }
     const int64_t n = std::min(scheduled - blocked - computed, budget);
     if (n <= 0 || scheduled >= int_attr(seq, k.max_len)) continue;

@@ -13,28 +13,12 @@
 #include <string>
 #include <utility>
 
+#include "../../requests/csrc/py_attrs.h"
+
 namespace py = pybind11;
+using namespace py_attrs;
 
 namespace {
-
-// a borrowed-free attribute read: a new reference, or the Python error raised as a C++ exception
-py::object attr(PyObject* obj, PyObject* name) {
-  PyObject* value = PyObject_GetAttr(obj, name);
-  if (!value) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(value);
-}
-
-int64_t as_int(PyObject* value) {
-  int64_t v = PyLong_AsLongLong(value);
-  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-  return v;
-}
-
-double as_float(PyObject* value) {
-  double v = PyFloat_AsDouble(value);
-  if (v == -1.0 && PyErr_Occurred()) throw py::error_already_set();
-  return v;
-}
 
 template <class T>
 T* field(const py::dict& h, const char* name, size_t at_least) {
@@ -57,8 +41,7 @@ struct Names {
                               {&output_token_ids, "output_token_ids"}, {&closer, "closer"},
                               {&forced_at, "forced_at"}, {&logprobs, "logprobs"}, {&penalized, "penalized"},
                               {&guided, "guided"}}) {
-      *slot = PyUnicode_InternFromString(text);  // held for the process
-      if (!*slot) throw py::error_already_set();
+      *slot = intern(text);
     }
   }
 };
@@ -122,9 +105,9 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
     py::object seq = attr(row, k.seq);
-    const int64_t start = as_int(attr(row, k.start).ptr());
-    const int64_t pending = as_int(attr(seq.ptr(), k.num_pending).ptr());
-    const int64_t pool_row = as_int(attr(seq.ptr(), k.pool_row).ptr());
+    const int64_t start = int_attr(row, k.start);
+    const int64_t pending = int_attr(seq.ptr(), k.num_pending);
+    const int64_t pool_row = int_attr(seq.ptr(), k.pool_row);
     if (pending && pool_row < 0)
       throw std::runtime_error("a sequence that carries tokens on the device holds no token-pool row");
     if (start < 0) throw std::out_of_range("a row starts before its sequence");
@@ -150,14 +133,11 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
     cu_seqlens_q[i + 1] = static_cast<int32_t>(i + 1);
     carries += pending == 0 ? 0 : 1;
     max_len = std::max(max_len, start + 1);
-    if (!PyObject_IsTrue(attr(row, k.sample).ptr())) continue;
+    if (!truth(attr(row, k.sample).ptr())) continue;
     py::int_ index(s);
     if (PyObject_SetAttr(row, k.sample_idx, index.ptr()) < 0) throw py::error_already_set();
     py::object params = attr(seq.ptr(), k.params);
-    py::object outputs = attr(seq.ptr(), k.output_token_ids);
-    const Py_ssize_t out_len = PyObject_Length(outputs.ptr());
-    if (out_len < 0) throw py::error_already_set();
-    const int64_t step = out_len + pending;
+    const int64_t step = len_attr(seq.ptr(), k.output_token_ids) + pending;
     py::object closer = attr(seq.ptr(), k.closer);
     int64_t force = -1;
     if (!closer.is_none()) {
@@ -168,9 +148,9 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
     }
     logits_indices[s] = i;
     temperature[s] = static_cast<float>(as_float(attr(params.ptr(), k.temperature).ptr()));
-    top_k[s] = as_int(attr(params.ptr(), k.top_k).ptr());
+    top_k[s] = int_attr(params.ptr(), k.top_k);
     top_p[s] = static_cast<float>(as_float(attr(params.ptr(), k.top_p).ptr()));
-    seeds[s] = as_int(attr(seq.ptr(), k.seed).ptr());
+    seeds[s] = int_attr(seq.ptr(), k.seed);
     steps[s] = step;
     smp_row[s] = pool_row;
     forced[s] = force;
@@ -188,12 +168,8 @@ int64_t row_flags(py::list rows) {
     PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
     py::object seq = attr(row, k.seq);
     py::object params = attr(seq.ptr(), k.params);
-    int truth = PyObject_IsTrue(attr(params.ptr(), k.penalized).ptr());
-    if (truth < 0) throw py::error_already_set();
-    flags |= truth ? 2 : 0;
-    truth = PyObject_IsTrue(attr(row, k.sample).ptr());
-    if (truth < 0) throw py::error_already_set();
-    if (!truth) continue;
+    flags |= truth(attr(params.ptr(), k.penalized).ptr()) ? 2 : 0;
+    if (!truth(attr(row, k.sample).ptr())) continue;
     flags |= attr(params.ptr(), k.logprobs).is_none() ? 0 : 1;
     flags |= as_float(attr(params.ptr(), k.temperature).ptr()) != 0.0 ? 4 : 0;
     flags |= attr(seq.ptr(), k.guided).is_none() ? 0 : 8;
