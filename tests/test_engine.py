@@ -102,17 +102,20 @@ def test_dummy_model_runs_from_token_ids():
         dummy.add_request("text needs a tokenizer")
 
 
-def test_a_batch_written_a_field_at_a_time_decodes_as_each_request_alone(engine, chat_prompts, monkeypatch):
-    """Steps of 8 decode rows take rows.py's _fill_decode (a field at a time); each request's greedy tokens are
-    those it gets alone, where every step is one row and takes the row-by-row writer."""
+def test_a_batch_written_natively_decodes_as_each_request_alone(engine, chat_prompts, monkeypatch):
+    """Steps of 8 decode rows take rows.py's _fill_decode (one native call); each request's greedy tokens are
+    those it gets alone, where every step is one row written by the row-by-row writer."""
     import helpers
     from engine.runner import rows
     prompts = chat_prompts + [engine.apply_chat_template([{"role": "user", "content": p}])
                               for p in helpers.EXTRA_PROMPTS]
-    assert len(prompts) == engine.config.max_num_seqs >= rows.DECODE_ARRAYS_MIN_ROWS
+    assert len(prompts) == engine.config.max_num_seqs
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    alone = [engine.generate([p], params)[0].output_token_ids for p in prompts]
-    fast, fill_decode = [], rows._fill_decode
+    fill_decode = rows._fill_decode
+    with monkeypatch.context() as m:
+        m.setattr(rows, "_fill_decode", lambda slot, step_rows, bs: rows._fill_rows(slot, step_rows, bs, 0))
+        alone = [engine.generate([p], params)[0].output_token_ids for p in prompts]
+    fast = []
     monkeypatch.setattr(rows, "_fill_decode", lambda slot, step_rows, bs: fast.append(len(step_rows)) or
                         fill_decode(slot, step_rows, bs))
     batched = [s.output_token_ids for s in engine.generate(prompts, params)]

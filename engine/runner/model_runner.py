@@ -117,7 +117,8 @@ class ModelRunner:
         if self.config.num_kv_blocks > 0:
             return self.config.num_kv_blocks
         if self.cuda:
-            return self.kv_budget.pages_for_memory(_free_memory(self.device), self.config.kv_cache_memory_fraction)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return self.kv_budget.pages_for_memory(free, self.config.kv_cache_memory_fraction)
         bs = self.config.block_size
         per_seq = -(-min(self.max_model_len, 4096) // bs)
         return per_seq * min(self.config.max_num_seqs, 8)
@@ -268,14 +269,3 @@ def _sync_debug_mode(mode: str):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(old)
-
-
-def _free_memory(device) -> int:
-    """Free device memory, within this process's share where torch.cuda.set_per_process_memory_fraction set one
-    (processes that share a GPU: test workers, engines of one host)."""
-    free, total = torch.cuda.mem_get_info(device)
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = get_fraction(device) if get_fraction else 1.0
-    if fraction >= 1.0:
-        return free
-    return max(0, min(free, int(fraction * total) - torch.cuda.memory_reserved(device)))

@@ -18,9 +18,6 @@ from engine.sampling import penalties
 from engine.speculative import plan as spec_plan
 
 
-# a plain step's leading one-token rows (decoding) are written in one native call (_fill_decode) from this many:
-# even one row costs less there than its scalar writes here (docs/pipeline.md)
-DECODE_ARRAYS_MIN_ROWS = 1
 # what a step's rows ask of it (row_flags): a sampling row wants logprobs, a row is penalized, a sampling row is not
 # greedy, a sampling row is guided
 ROW_LOGPROBS, ROW_PENALIZED, ROW_SAMPLED, ROW_GUIDED = 1, 2, 4, 8
@@ -56,13 +53,13 @@ def fill_slot(slot, rows, block_size: int, spec_k: int, penalty_state, eos_ids, 
 
 def _fill(slot, rows, block_size: int, spec_k: int) -> tuple[int, int, int, int, int]:
     """-> (tokens, sampling rows, longest row, longest sequence, carrying rows). A plain step's leading one-token
-    rows (decoding; admissions' prompt chunks come after them), when there are DECODE_ARRAYS_MIN_ROWS of them,
-    are written a field at a time (_fill_decode), the rest row by row (_fill_rows)."""
+    rows (decoding; admissions' prompt chunks come after them) are written in one native call (_fill_decode: even
+    one row costs less there than its scalar writes here), the rest row by row (_fill_rows)."""
     lead = 0
     if not spec_k:
         while lead < len(rows) and rows[lead].num_tokens == 1:
             lead += 1
-    if lead < DECODE_ARRAYS_MIN_ROWS:
+    if not lead:
         return _fill_rows(slot, rows, block_size, spec_k)
     t, s, max_q, max_len, carries = _fill_decode(slot, rows[:lead], block_size)
     if lead == len(rows):

@@ -64,7 +64,7 @@ def _decode_rows(rng, n: int, block_size: int) -> list:
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_decode_steps_fill_the_same_fields_as_the_row_by_row_writer(block_size):
-    """_fill_decode (a plain step of one-token rows, written a field at a time) against _fill_rows: every field of
+    """_fill_decode (a plain step of one-token rows, in one native call) against _fill_rows: every field of
     the slot, the counts it returns and each row's sampling index are the same."""
     rng = random.Random(block_size)
     for n in (0, 1, 7, 32):
@@ -145,7 +145,7 @@ def _chunk_row(rng, block_size: int):
 
 @pytest.mark.parametrize("lead", [3, 8, 28])
 def test_a_step_of_decode_rows_then_prompt_chunks_fills_as_row_by_row(lead):
-    """The agent's mixed step: leading decode rows (written a field at a time from DECODE_ARRAYS_MIN_ROWS of them)
+    """The agent's mixed step: leading decode rows (written in one native call)
     then prompt chunks (row by row, from where the decode rows ended) fill the slot as the row-by-row writer does."""
     rng = random.Random(lead)
     rows = _decode_rows(rng, lead, 16) + [_chunk_row(rng, 16) for _ in range(2)]
