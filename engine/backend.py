@@ -217,6 +217,16 @@ class RoutedBackend(_Matmuls):
             return self._draft.linear_argmax(x, weight, ids)
         return self._argmax_on(kernel, x, weight, ids)
 
+    def masks_greedy(self, hidden) -> bool:
+        """Whether a greedy guided step of these hidden states takes masked_argmax: not under the reference table
+        (its steps sample from float32 logits), and where the argmax kernels run."""
+        return not self.routes.reference and self._argmax.supports(hidden)
+
+    def masked_argmax(self, logits, bitmask, forced):
+        """A greedy guided step's tokens from its logits in the head's dtype, its grammar mask and its forced
+        tokens (engine/kernels/sampling/argmax.py), without the float32 copy, the mask's fill and the sampler."""
+        return self._argmax.masked_argmax(logits, bitmask, forced)
+
     def _argmax_on(self, kernel: str, x, weight, ids=None):
         """The argmax of x @ weight.T on head_mma (kernel "mma", where it takes x) or cuBLAS's logits."""
         if kernel == "mma" and self._mma.supports(x, weight):

@@ -158,7 +158,8 @@ def _first_allowed_model(stack: ExitStack, eng) -> None:
     program.model.compute_logits = lambda h: h[:, :1]          # unread: the tokens come from the mask
     program.sample = lambda slot, logits, rows, greedy, mask=None, extras=False: program.emit(
         slot, first_allowed(mask[:rows]), rows)
-    for name in ("hidden", "sample"):
+    program.masked_greedy = lambda hidden, variant: False      # every guided row through `sample` above
+    for name in ("hidden", "sample", "masked_greedy"):
         stack.callback(delattr, program, name)
     stack.callback(delattr, program.model, "compute_logits")
 

@@ -259,11 +259,12 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's weight (this rank's vocabulary rows): the embedding's when tied."""
         return self.embed_tokens.weight if self.tied else self.lm_head.weight
 
-    def compute_logits(self, hidden):
-        """float32 logits [N, V]; with several ranks each computes its vocabulary rows and all gather them."""
+    def compute_logits(self, hidden, float32: bool = True):
+        """Logits [N, V], float32 unless `float32` is False (then the dtype's, for the argmax kernels, whose
+        answer is the same); with several ranks each computes its vocabulary rows and all gather them."""
         logits = linear(hidden, self.head_weight)
         if self.tp.world > 1:
             logits = self.tp.gather_vocab(logits)
             if logits.shape[1] != self.vocab:                  # padding rows of the last rank
                 logits = logits[:, :self.vocab].contiguous()
-        return logits.float()
+        return logits.float() if float32 else logits

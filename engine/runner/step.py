@@ -13,7 +13,8 @@ sampling; greedy steps (every sampling row at temperature 0) skip the random-sam
 logits, filter by min_p and record the logprobs of the sampled tokens (engine/sampling/penalties.py,
 engine/sampling/logprobs.py); no other step runs a kernel for them. A greedy step that is neither guided nor extras
 computes no float32 logits where the backend has an LM head argmax for it (engine/backend.py: the route table's
-kernel). Logits go: penalties and
+kernel); a greedy guided one takes the backend's masked argmax of its logits (the mask and forced tokens in the
+same two kernels), where it has one. Logits go: penalties and
 min_tokens, grammar mask (logprobs are taken here), temperature, top-k, top-p, min_p.
 Everything here is enqueue-only tensor code (no host sync), so it can be captured.
 """
@@ -105,6 +106,13 @@ class StepProgram:
             return None
         return head_argmax(self.model, self.backend, hidden, variant)
 
+    def masked_greedy(self, hidden, variant: StepVariant) -> bool:
+        """Whether a step's tokens come from the backend's masked argmax (a greedy guided step without extras on
+        one rank): the sampler's greedy answer on the masked logits, forced tokens included, in two kernels."""
+        guided, greedy, extras = variant
+        return guided and greedy and not extras and self.model.tp.world == 1 \
+            and getattr(self.backend, "masks_greedy", None) is not None and self.backend.masks_greedy(hidden)
+
     def step(self, slot: DecodeSlot, prev: DecodeSlot, variant: StepVariant, key=None) -> None:
         """The whole step into `slot.sampled`: at its exact size (key None, eager) or padded to a graph key."""
         guided, greedy, extras = variant
@@ -113,12 +121,17 @@ class StepProgram:
             self.masks.branch(slot, prev, rows, self.compute_stream)
         hidden = self.hidden(slot, extras) if key is None else self.graph_hidden(slot, key, extras)
         tokens = self.head_ids(hidden, variant)
-        logits = self.model.compute_logits(hidden) if tokens is None and hidden is not None else None
+        masked = tokens is None and hidden is not None and self.masked_greedy(hidden, variant)
+        logits = None
+        if tokens is None and hidden is not None:
+            logits = self.model.compute_logits(hidden, float32=False) if masked else self.model.compute_logits(hidden)
         mark(slot, "forward_done")
         mask = self.masks.join(slot, prev, rows, self.compute_stream)[0] if guided else None
         mark(slot, "mask_waited")
         if rows and tokens is not None:
             self.emit(slot, tokens, rows)
+        elif rows and masked:
+            self.emit(slot, self.backend.masked_argmax(logits, mask, slot.dev["forced"][:rows]), rows)
         elif rows:
             self.sample(slot, logits, rows, greedy, mask, extras)
 

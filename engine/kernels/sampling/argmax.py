@@ -9,6 +9,11 @@ copy: the cast is exact) and the reduction is spread: kernel 1 gives each progra
 keeps their maximum and its first column; kernel 2 reduces a row's partials to its first maximal column.
 draft_gemv.py's GEMV argmax epilogue writes the same partials and ends with the same kernel 2.
 
+A greedy guided step takes the same two kernels with its grammar bitmask (masked_argmax): kernel 1 reads the
+logits in the head's dtype, drops the tokens the mask disallows and counts the allowed ones; kernel 2 gives a row
+with none NO_TOKEN and a row the host forces its forced token. That is engine.sampling.sampler.sample's greedy
+answer on the masked float32 logits, then engine.runner.step.forced, in two kernels where they take six.
+
 Tie rule, as torch.argmax: the first maximal column wins; a row holding a NaN gives its first NaN.
 """
 from __future__ import annotations
@@ -17,13 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_min
+from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_min, reduce_sum
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_tensor
 
 BLOCK_V = 1024    # logits of a row per kernel-1 program (4 rows of SmolLM2's 49152: 192 programs)
 BLOCK_P = 8192    # partials of a row kernel 2 reads at a time: every wave of loads is one wait (the LM head
                   # GEMV's argmax at Llama 8B leaves 64 K partials a row: 8 waves, not 64 at 1024)
 _NO_COLUMN = tl.constexpr(2147483647)
+NO_TOKEN = tl.constexpr(-1)       # engine.sampling.sampler.NO_TOKEN: a row whose mask allows nothing
 
 
 @triton.jit
@@ -45,20 +51,44 @@ def _block_max_kernel(x_ptr, val_ptr, idx_ptr, stride_x, stride_p, V, BLOCK_V: t
 
 
 @triton.jit
-def _first_max_kernel(val_ptr, idx_ptr, ids_ptr, tok_ptr, stride, P, BLOCK_P: tl.constexpr, HAS_IDS: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+def _masked_block_max_kernel(x_ptr, mask_ptr, val_ptr, idx_ptr, cnt_ptr, stride_x, stride_mask, stride_p, V,
+                             BLOCK_V: tl.constexpr):
+    """As _block_max_kernel over the logits the bitmask allows (bit j of word w allows column 32w + j; the others
+    count as -inf), and cnt[m, p] = how many of the block's columns it allows."""
+    m, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = p * BLOCK_V + tl.arange(0, BLOCK_V)
+    inside = cols < V
+    word = tl.load(mask_ptr + m * stride_mask + cols // 32, mask=inside, other=0)
+    allowed = inside & (((word >> (cols % 32)) & 1) != 0)
+    x = tl.load(x_ptr + m * stride_x + cols, mask=allowed, other=float("-inf")).to(tl.float32)
+    nan = x != x
+    top = reduce_max(tl.where(nan, float("-inf"), x), 0)
+    has_nan = reduce_max(nan.to(tl.int32), 0) > 0
+    col = reduce_min(tl.where(tl.where(has_nan, nan, x == top), cols, _NO_COLUMN), 0)
+    tl.store(val_ptr + m * stride_p + p, tl.where(has_nan, float("nan"), top))
+    tl.store(idx_ptr + m * stride_p + p, col)
+    tl.store(cnt_ptr + m * stride_p + p, reduce_sum(allowed.to(tl.int32), 0))
+
+
+@triton.jit
+def _first_max_kernel(val_ptr, idx_ptr, ids_ptr, tok_ptr, cnt_ptr, forced_ptr, stride, P, BLOCK_P: tl.constexpr,
+                      HAS_IDS: tl.constexpr, MASKED: tl.constexpr, USE_PDL: tl.constexpr):
     """tok[m] = the column of the first of row m's largest partials val[m, :P] (their columns idx[m, :P], in
     increasing order), or ids[that column] (HAS_IDS); a NaN partial is larger than any number, the first NaN
-    the largest."""
+    the largest. MASKED: NO_TOKEN where the partials' counts cnt[m, :P] allow nothing, then forced[m] where it
+    is a token (>= 0)."""
     pdl_start(USE_PDL)
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
     best = tl.full([BLOCK_P], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK_P], dtype=tl.int32)
+    allowed = tl.zeros([BLOCK_P], dtype=tl.int32)
     for start in range(0, P, BLOCK_P):
         ok = start + offs < P
         v = tl.load(val_ptr + m * stride + start + offs, mask=ok, other=float("-inf"))
         i = tl.load(idx_ptr + m * stride + start + offs, mask=ok, other=0)
+        if MASKED:
+            allowed += tl.load(cnt_ptr + m * stride + start + offs, mask=ok, other=0)
         # a tie keeps the earlier partial (the lower column); a NaN replaces anything but a NaN
         take = (v > best) | ((v != v) & (best == best))
         best, best_idx = tl.where(take, v, best), tl.where(take, i, best_idx)
@@ -69,6 +99,10 @@ def _first_max_kernel(val_ptr, idx_ptr, ids_ptr, tok_ptr, stride, P, BLOCK_P: tl
     first = reduce_min(tl.where(tl.where(has_nan, nan, best == top), best_idx, _NO_COLUMN), 0).to(tl.int64)
     if HAS_IDS:
         first = tl.load(ids_ptr + first)
+    if MASKED:
+        first = tl.where(reduce_sum(allowed, 0) > 0, first, NO_TOKEN)
+        forced = tl.load(forced_ptr + m)
+        first = tl.where(forced >= 0, forced, first)
     tl.store(tok_ptr + m, first)
 
 
@@ -124,13 +158,43 @@ def check_ids(ids: torch.Tensor | None, columns: int, device: torch.device) -> N
         raise ValueError(f"ids must be a contiguous int64 map of all {columns} columns, got {tuple(ids.shape)}")
 
 
-def first_max(val: torch.Tensor, idx: torch.Tensor, tokens: torch.Tensor,
-              ids: torch.Tensor | None = None) -> torch.Tensor:
+def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """A greedy guided step's tokens: x [M, V] logits (float16, bfloat16 or float32; unit stride in V), bitmask
+    int32 [M, >= ceil(V / 32)] (xgrammar's layout), forced int64 [M] (a token, or -1) -> int64 [M]: the first
+    maximal allowed column, NO_TOKEN for a row that allows none, the forced token where there is one."""
+    _check_tensor("x", x, 2, _FLOAT_DTYPES)
+    _check_tensor("bitmask", bitmask, 2, (torch.int32,), x.device)
+    _check_tensor("forced", forced, 1, (torch.int64,), x.device)
+    m, v = x.shape
+    if v == 0:
+        raise ValueError("masked_argmax: x has no columns")
+    if bitmask.shape[0] != m or bitmask.shape[1] * 32 < v or forced.shape[0] != m:
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} and forced {tuple(forced.shape)} must have {m} rows and "
+                         f"the bitmask at least {-(-v // 32)} words a row")
+    if bitmask.stride(-1) != 1 or not forced.is_contiguous():
+        raise ValueError("bitmask needs unit stride in its last dim and forced must be contiguous")
+    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    if m == 0:
+        return tokens
+    p = triton.cdiv(v, BLOCK_V)
+    val = torch.empty((m, p), dtype=torch.float32, device=x.device)
+    idx = torch.empty((m, p), dtype=torch.int32, device=x.device)
+    cnt = torch.empty((m, p), dtype=torch.int32, device=x.device)
+    # launched plainly: before it the compute stream waits for the grammar branch's mask, not for a kernel
+    _masked_block_max_kernel[(m, p)](x, bitmask, val, idx, cnt, x.stride(0), bitmask.stride(0), p, v,
+                                     BLOCK_V=BLOCK_V, num_warps=4)
+    return first_max(val, idx, tokens, counts=cnt, forced=forced)
+
+
+def first_max(val: torch.Tensor, idx: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None = None,
+              counts: torch.Tensor | None = None, forced: torch.Tensor | None = None) -> torch.Tensor:
     """Kernel 2 on partials val [M, P] float32 and idx [M, P] int32 (contiguous) into tokens [M] int64 (mapped
-    through ids where given, as checked by check_ids)."""
+    through ids where given, as checked by check_ids); with masked_argmax's allowed counts [M, P] and forced [M]."""
     m, p = val.shape
     block = min(triton.next_power_of_2(p), BLOCK_P)
-    _first_max_kernel[(m,)](val, idx, tokens if ids is None else ids, tokens, val.stride(0), p, BLOCK_P=block,
-                            HAS_IDS=ids is not None, num_warps=min(16, max(4, block // 512)),
+    masked = counts is not None
+    _first_max_kernel[(m,)](val, idx, tokens if ids is None else ids, tokens, counts if masked else idx,
+                            forced if masked else tokens, val.stride(0), p, BLOCK_P=block, HAS_IDS=ids is not None,
+                            MASKED=masked, num_warps=min(16, max(4, block // 512)),
                             **pdl(_first_max_kernel, val.device, m))
     return tokens
