@@ -95,10 +95,13 @@ class _Closer:
     stepwise = False
 
     def __init__(self):
-        self.calls = 0
+        self.calls, self.wake = 0, 0
 
     def hold(self, seq) -> bool:
+        if len(seq.output_token_ids) < self.wake:       # Closer.hold: nothing to decide, nothing changed
+            return False
         self.calls += 1
+        self.wake = len(seq.output_token_ids) + (seq.seq_id + self.calls) % 4
         return (seq.seq_id + self.calls) % 3 == 0
 
 

@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--ids-only", action="store_true",
                    help="requests as the server's engine process adds them: token ids only (detokenize=False)")
     p.add_argument("--guided", action="store_true", help="JSON-schema requests of --max-tokens new tokens each")
+    p.add_argument("--closing", action="store_true", help="--guided: outputs close at their budget (default: cut)")
     p.add_argument("--schemas", default="tests/data/maskbench/JME_*.json", help="--guided: schema files (a glob)")
     p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
     p.add_argument("--out", default="bench/results/host_step.json")
@@ -94,7 +95,7 @@ class Load:
         self.replaced = bool(args.prompt_tokens or args.guided)
         self.params = SamplingParams(max_tokens=args.max_tokens if self.replaced else budget, temperature=0,
                                      ignore_eos=True)
-        self.work = guided_work(eng, args.schemas, args.max_tokens) if args.guided else None
+        self.work = guided_work(eng, args.schemas, args.max_tokens, args.closing) if args.guided else None
 
     def request(self) -> tuple[list[int], object]:
         if self.work:
@@ -118,8 +119,9 @@ class Load:
                 self.live.discard(out.request_id)
 
 
-def guided_work(eng, schemas: str, max_tokens: int) -> list[tuple[list[int], object]]:
-    """(prompt ids, guided params) of each schema at `schemas` whose prompt fits GUIDED_PROMPT_TOKENS."""
+def guided_work(eng, schemas: str, max_tokens: int, closing: bool = False) -> list[tuple[list[int], object]]:
+    """(prompt ids, guided params) of each schema at `schemas` whose prompt fits GUIDED_PROMPT_TOKENS; `closing`:
+    outputs close at their budget (else they are cut there: the grammar's host cost alone)."""
     from engine.requests.sequence import SamplingParams
     from specdec.datasets import load_schemas, resolve, schema_prompt
     work = []
@@ -127,7 +129,7 @@ def guided_work(eng, schemas: str, max_tokens: int) -> list[tuple[list[int], obj
         ids = schema_prompt(eng, schema)
         if len(ids) <= GUIDED_PROMPT_TOKENS:
             work.append((ids, SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=schema,
-                                              close_at_budget=False)))   # short rows, cut: the host's cost alone
+                                              close_at_budget=closing)))
     if not work:
         raise ValueError(f"no schema at {schemas} has a prompt of at most {GUIDED_PROMPT_TOKENS} tokens")
     return work

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import xgrammar as xgr
 
+from engine.guided import _native
 from engine.guided.closing_search import CLOSERS, ClosingVocab, branch_closings, closing_text
 
 MAX_PERIOD = 8          # longest repeated n-gram the guard sees, in tokens
@@ -36,6 +37,31 @@ UNKNOWN = object()      # a Closer's first closing, not yet found
 SLACK = 4
 STRUCTURE = frozenset(b'"\\{}[],:')     # bytes that can change where a value ends
 JSON_KINDS = ("json_schema", "json_object", "structural_tag")   # what the repetition guard watches (tools: a tag)
+REPEAT_FIRED, REPEAT_WATCH, REPEAT_WOKE = _native.REPEAT_FIRED, _native.REPEAT_WATCH, _native.REPEAT_WOKE
+
+
+def repetition_scan_py(out: list, start: int, runs: list, limit: int, watch_from: int, watch: bool) -> int:
+    """The repetition guard over out[start:] (the definition; Closer.committed calls its native twin). runs[p]:
+    how many tokens in a row have repeated the one p before, updated in place. -> REPEAT_FIRED (some n-gram of
+    period up to MAX_PERIOD now repeats over `limit` tokens; runs cleared), or REPEAT_WATCH where the last token
+    leaves a repetition of at least `watch_from` tokens, with REPEAT_WOKE where any token did."""
+    woke = False
+    for i in range(start, len(out)):
+        if out[i] not in out[max(0, i - MAX_PERIOD):i]:     # no period ends here: every run breaks
+            if watch or any(runs):
+                runs[:], watch = [0] * len(runs), False
+            continue
+        longest = 0
+        for p in range(1, len(runs)):
+            runs[p] = runs[p] + 1 if i >= p and out[i] == out[i - p] else 0
+            if runs[p]:                                     # the last runs[p] + p tokens have period p
+                longest = max(longest, runs[p] + p)
+        if longest >= limit:
+            runs[:] = [0] * len(runs)
+            return REPEAT_FIRED
+        watch = longest >= watch_from
+        woke = woke or watch
+    return (REPEAT_WATCH if watch else 0) | (REPEAT_WOKE if woke else 0)
 
 
 class Closer:
@@ -68,7 +94,9 @@ class Closer:
         self.repeating = False           # the guard fired: close the value at the next chance
         self.fired = 0                   # times the guard fired
         self.runs = [0] * (MAX_PERIOD + 1)
-        self.wake = 0                    # committed outputs before which hold() has nothing to decide
+        # committed outputs before which hold() has nothing to decide: it returns False and changes nothing (the
+        # scheduler's native walk reads this and skips the call)
+        self.wake = 0
         self.closed_by: str | None = None
 
     @property
@@ -141,27 +169,17 @@ class Closer:
         return False
 
     def committed(self, seq, new: int) -> None:
-        """After `new` tokens were appended: the repetition guard."""
+        """After `new` tokens were appended: the repetition guard (repetition_scan_py, in native code)."""
         if not self.guard_limit or self.repeating or self.forced:
             return
-        out, runs = seq.output_token_ids, self.runs
-        for i in range(len(out) - new, len(out)):
-            if out[i] not in out[max(0, i - MAX_PERIOD):i]:     # no period ends here: every run breaks
-                if self.watch or any(runs):
-                    runs[:], self.watch = [0] * (MAX_PERIOD + 1), False
-                continue
-            longest = 0
-            for p in range(1, MAX_PERIOD + 1):
-                runs[p] = runs[p] + 1 if i >= p and out[i] == out[i - p] else 0
-                if runs[p]:                                     # the last runs[p] + p tokens have period p
-                    longest = max(longest, runs[p] + p)
-            if longest >= self.guard_limit:
-                self.repeating, self.watch, self.wake = True, False, 0
-                self.runs = [0] * (MAX_PERIOD + 1)
-                return
-            self.watch = longest >= self.watch_from
-            if self.watch:
-                self.wake = 0
+        out = seq.output_token_ids
+        state = _native.repetition_scan(out, len(out) - new, self.runs, self.guard_limit, self.watch_from, self.watch)
+        if state & REPEAT_FIRED:
+            self.repeating, self.watch, self.wake = True, False, 0
+            return
+        self.watch = bool(state & REPEAT_WATCH)
+        if state & REPEAT_WOKE:
+            self.wake = 0
 
     # ---- internals ---------------------------------------------------------------------------------
     def _feed(self, seq) -> bytes:

@@ -284,3 +284,31 @@ def test_hold_wakes_where_the_closer_first_has_something_to_decide(engine):
                      if out - closer.estimated_at >= max(1, (budget - flight - out - closer.need - closer.margin) // 2)
                      or budget - flight - out <= closer.need + closer.margin)
         assert max(closer._next_decision(seq), closer.estimated_at) == first
+
+
+def test_the_native_repetition_scan_equals_the_python_one():
+    """Random outputs of few distinct tokens (runs of every period up to MAX_PERIOD and past it), committed in
+    chunks of 1-4 tokens as speculative steps commit them: the native scan leaves the same run counters and
+    returns the same state as repetition_scan_py, watch carried between calls as Closer.committed carries it."""
+    import random
+
+    from engine.guided.closing import MAX_PERIOD, REPEAT_FIRED, REPEAT_WATCH, repetition_scan_py
+    rng = random.Random(0)
+    fired = watched = 0
+    for case in range(300):
+        limit = rng.randint(2, 40)
+        watch_from = limit - 2 - 2 * rng.randint(0, 3)
+        out, runs_py, runs_c, watch = [], [0] * (MAX_PERIOD + 1), [0] * (MAX_PERIOD + 1), False
+        while len(out) < 120:
+            period = rng.randint(1, MAX_PERIOD + 2)
+            pattern = [rng.randint(0, 5) for _ in range(period)]
+            new = (pattern * rng.randint(1, 8))[:rng.randint(1, 4)] if rng.random() < 0.7 else \
+                [rng.randint(0, 5000) for _ in range(rng.randint(1, 4))]
+            start = len(out)
+            out += new
+            got = _native.repetition_scan(out, start, runs_c, limit, watch_from, watch)
+            want = repetition_scan_py(out, start, runs_py, limit, watch_from, watch)
+            assert (got, runs_c) == (want, runs_py), (case, out, start)
+            fired, watched = fired + (got == REPEAT_FIRED), watched + bool(got & REPEAT_WATCH)
+            watch = bool(got & REPEAT_WATCH) and got != REPEAT_FIRED
+    assert fired > 50 and watched > 50          # both outcomes were met often

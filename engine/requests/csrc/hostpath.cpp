@@ -19,13 +19,14 @@ namespace {
 
 struct Names {
   PyObject *prompt_token_ids, *output_token_ids, *num_pending, *num_computed_tokens, *guided, *grammar_blocked,
-      *max_len, *closer, *block_table, *num_preemptions;
+      *max_len, *closer, *block_table, *num_preemptions, *wake;
   Names() {
     for (auto [slot, text] : {std::pair{&prompt_token_ids, "prompt_token_ids"},
                               {&output_token_ids, "output_token_ids"}, {&num_pending, "num_pending"},
                               {&num_computed_tokens, "num_computed_tokens"}, {&guided, "guided"},
                               {&grammar_blocked, "grammar_blocked"}, {&max_len, "max_len"}, {&closer, "closer"},
-                              {&block_table, "block_table"}, {&num_preemptions, "num_preemptions"}}) {
+                              {&block_table, "block_table"}, {&num_preemptions, "num_preemptions"},
+                              {&wake, "wake"}}) {
       *slot = intern(text);
     }
   }
@@ -38,13 +39,16 @@ const Names& names() {
 
 // Scheduler._schedule_running's loop from running[i] while each sequence is one it skips (nothing new to compute,
 // or capped) or a common decode row (one token, within its pages), appending a row_cls row for each of those.
-// Stops at a sequence with a closer or any other row, which the Python loop takes. -> (i, budget left).
+// Stops at a sequence whose closer has something to decide (Closer.hold returns False at once, and changes
+// nothing, while the output is shorter than its `wake`) or at any other row, which the Python loop takes.
+// -> (i, budget left).
 py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_t page_tokens, py::list rows,
                           py::object row_cls) {
   const Names& k = names();
   for (; i < PyList_GET_SIZE(running.ptr()) && budget > 0; ++i) {
     PyObject* seq = PyList_GET_ITEM(running.ptr(), i);
-    if (!attr(seq, k.closer).is_none()) break;  // its hold() decides, in Python
+    py::object closer = attr(seq, k.closer);
+    if (!closer.is_none() && len_attr(seq, k.output_token_ids) >= int_attr(closer.ptr(), k.wake)) break;
     const int64_t scheduled = len_attr(seq, k.prompt_token_ids) + len_attr(seq, k.output_token_ids) +
                               int_attr(seq, k.num_pending);  // Sequence.num_scheduled_tokens
     const int64_t computed = int_attr(seq, k.num_computed_tokens);
