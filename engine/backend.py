@@ -222,7 +222,7 @@ class RoutedBackend(_Matmuls):
         (its steps sample from float32 logits), and where the argmax kernels run."""
         return not self.routes.reference and self._argmax.supports(hidden)
 
-    def masked_argmax(self, logits, bitmask, forced):
+    def masked_argmax(self, logits, bitmask, forced=None):
         """A greedy guided step's tokens from its logits in the head's dtype, its grammar mask and its forced
         tokens (engine/kernels/sampling/argmax.py), without the float32 copy, the mask's fill and the sampler."""
         return self._argmax.masked_argmax(logits, bitmask, forced)

@@ -143,7 +143,7 @@ def variants(pdl: bool) -> list[tuple]:
         *[(f"argmax first max ids={ids} masked={masked}", argmax._first_max_kernel,
            dict(val_ptr="*fp32", idx_ptr="*i32", ids_ptr="*i64", tok_ptr="*i64", cnt_ptr="*i32", forced_ptr="*i64",
                 stride="i32", P="i32"),
-           dict(BLOCK_P=argmax.BLOCK_P, HAS_IDS=ids, MASKED=masked, USE_PDL=pdl), 16)
+           dict(BLOCK_P=argmax.BLOCK_P, HAS_IDS=ids, MASKED=masked, FORCED=masked, USE_PDL=pdl), 16)
           for ids, masked in ((False, False), (True, False), (False, True))],
         ("argmax block max", argmax._block_max_kernel, dict(x_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32",
                                                              stride_x="i32", stride_p="i32", V="i32"),

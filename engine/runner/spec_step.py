@@ -68,13 +68,15 @@ class SpecStepProgram(StepProgram):
         out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
         hidden, features = out if self.aux_layers else (out, None)
         target = self.target_ids(hidden, variant, T, S, K)
-        logits = self.spec_logits(slot, hidden, key, T, S, K) if target is None else None
+        masked = target is None and S > 0 and self.masked_greedy(hidden, variant)
+        logits = self.spec_logits(slot, hidden, key, T, S, K, masked=masked) if target is None else None
         mark(slot, "forward_done")
         grammar = self.masks.join(slot, prev, S, self.compute_stream, K + 1) if guided else None
         mark(slot, "mask_waited")
         tokens = accepted = finished = None
         if S:
-            tokens, accepted, finished = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K)
+            tokens, accepted, finished = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K,
+                                                            masked)
         self.draft(slot, ids, features, meta, tokens, accepted, finished, T, S, K, guided)
 
     # ---- 1. correct ----------------------------------------------------------------------------
@@ -108,10 +110,15 @@ class SpecStepProgram(StepProgram):
             return self.meta(slot, T, B, 1, key.context)
         return self.meta(slot, T, B, T, key.context)
 
-    def spec_logits(self, slot, hidden, key, T: int, S: int, K: int):
+    def spec_logits(self, slot, hidden, key, T: int, S: int, K: int, masked: bool = False):
+        """The sampling positions' logits: float32, or the dtype's for the masked argmax (StepProgram.masked_greedy)."""
         if K or (key is not None and key.kind == "decode"):
-            return self.model.compute_logits(hidden[:T])
-        return self.model.compute_logits(hidden[slot.dev["logits_indices"][:S]]) if S else None
+            rows = hidden[:T]
+        elif S:
+            rows = hidden[slot.dev["logits_indices"][:S]]
+        else:
+            return None
+        return self.model.compute_logits(rows, float32=False) if masked else self.model.compute_logits(rows)
 
     def target_ids(self, hidden, variant, T: int, S: int, K: int):
         """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels, or None where the
@@ -122,7 +129,7 @@ class SpecStepProgram(StepProgram):
         return None if ids is None else ids.view(S, K + 1)
 
     # ---- 3. verify or sample -------------------------------------------------------------------
-    def verify_finish(self, slot, ids, logits, target, drafted, variant, grammar, S: int, K: int):
+    def verify_finish(self, slot, ids, logits, target, drafted, variant, grammar, S: int, K: int, masked=False):
         """verify, record an extras step's logprobs, finish -> (tokens, accepted, what the finish kernel computed for
         the draft or None: (next_tokens of the inputs, its draft rows or None)). spec_kernels: a greedy spec step
         without grammar takes one kernel for all but the logits' argmax."""
@@ -136,7 +143,8 @@ class SpecStepProgram(StepProgram):
                 slot, self.state, ids, target, drafted, K, history, not history, rows)
             finished = None if history else (next_ids, draft_rows)
         else:
-            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras, target)
+            tokens, accepted, drafted = self.verify(slot, ids, logits, S, K, greedy, grammar, drafted, extras, target,
+                                                    masked)
             self.finish(slot, tokens, accepted, drafted, S, K)
         if extras and K and slot.logprobs is not None:  # `logits` as verified: the grammar's masks applied
             record(slot.logprobs[:S, :K + 1], logits, tokens)
@@ -156,14 +164,20 @@ class SpecStepProgram(StepProgram):
         return drafted
 
     def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, grammar, drafted, extras: bool = False,
-               target=None):
+               target=None, masked: bool = False):
         """-> (tokens [S, K + 1] with PAD after the emitted ones, accepted [S], drafts verified [S]).
         grammar: (masks [S * (K + 1)], drafts the grammar accepts [S]) of a guided step; target: target_ids (logits
-        None then). Penalized rows never speculate (engine/sampling/penalties.py): only plain steps apply penalties."""
+        None then). masked: a greedy guided step's logits in the model's dtype, masked and reduced by the backend's
+        masked argmax (its NO_TOKEN marks a position whose mask allows nothing). Penalized rows never speculate
+        (engine/sampling/penalties.py): only plain steps apply penalties."""
         d = slot.dev
         params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
         if not K:
-            tokens = self.sample(slot, logits, S, greedy, grammar and grammar[0], extras)
+            if masked:
+                tokens = self.backend.masked_argmax(logits, grammar[0], d["forced"][:S])
+                self.emit(slot, tokens, S)
+            else:
+                tokens = self.sample(slot, logits, S, greedy, grammar and grammar[0], extras)
             zeros = torch.zeros_like(tokens)
             return tokens[:, None], zeros, zeros
         drafts = ids.view(S, K + 1)[:, 1:]
@@ -171,16 +185,21 @@ class SpecStepProgram(StepProgram):
             accepted, tokens = greedy_accept_ids(drafts, target, drafted)
             return tokens, accepted, drafted
         lead = None
-        if grammar is not None:
+        if masked:
+            target = self.backend.masked_argmax(logits, grammar[0]).view(S, K + 1)
+            lead = (target != NO_TOKEN).long().cumprod(dim=1).sum(dim=1)
+        elif grammar is not None:
             # masks in place; a position whose mask allows nothing (unmasked then) emits no token: the drafts
             # stop before it, and at position 0 the row gets NO_TOKEN (its request fails alone)
             lead = self.masker(logits, grammar[0]).view(S, K + 1).long().cumprod(dim=1).sum(dim=1)
+        if lead is not None:
             drafted = torch.minimum(torch.minimum(drafted, grammar[1]), (lead - 1).clamp(min=0))
-        logits = logits.view(S, K + 1, -1)
-        if greedy:
-            accepted, tokens = greedy_accept(drafts, logits, drafted)
+        if masked:
+            accepted, tokens = greedy_accept_ids(drafts, target, drafted)
+        elif greedy:
+            accepted, tokens = greedy_accept(drafts, logits.view(S, K + 1, -1), drafted)
         else:
-            accepted, tokens = rejection_sample(drafts, None, logits, drafted, *params)
+            accepted, tokens = rejection_sample(drafts, None, logits.view(S, K + 1, -1), drafted, *params)
         if lead is not None:
             first = torch.arange(K + 1, device=tokens.device)[None, :] == 0
             tokens = torch.where(first & (lead == 0)[:, None], NO_TOKEN, tokens)

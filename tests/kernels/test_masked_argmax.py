@@ -47,9 +47,12 @@ def random_case(m, v, seed, dtype, density):
 @pytest.mark.parametrize("m,v,density", [(1, 7, 0.5), (4, 300, 0.02), (5, 1031, 0.3), (8, 257, 0.9)])
 def test_equals_the_samplers_masked_greedy(dtype, m, v, density, blocks):
     x, mask, forced_ids = random_case(m, v, m * v, dtype, density)
+    forced_ids[::3] = torch.arange(0, m, 3, device=DEV)       # every third row forced
     got = am.masked_argmax(x, mask, forced_ids)
     assert got.dtype == torch.int64 and got.shape == (m,)
     assert torch.equal(got, reference(x, mask, forced_ids))
+    unforced = torch.full_like(forced_ids, -1)
+    assert torch.equal(am.masked_argmax(x, mask), reference(x, mask, unforced))     # forced None: none
 
 
 def test_empty_masks_forced_tokens_and_ties(blocks):
@@ -80,7 +83,7 @@ def test_bad_inputs():
     assert am.masked_argmax(x[:0], mask[:0], forced_ids[:0]).shape == (0,)
     with pytest.raises(ValueError, match="at least 2 words"):
         am.masked_argmax(x, mask[:, :1], forced_ids)
-    with pytest.raises(ValueError, match="must have 2 rows"):
+    with pytest.raises(ValueError, match="must be a contiguous"):
         am.masked_argmax(x, mask, forced_ids[:1])
     with pytest.raises(TypeError, match="bitmask dtype"):
         am.masked_argmax(x, mask.long(), forced_ids)
@@ -108,10 +111,12 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"]}
 
 
-def test_engine_guided_outputs_equal_the_samplers(monkeypatch):
+@pytest.mark.parametrize("spec", [{}, dict(speculative="ngram", num_speculative_tokens=3)], ids=["plain", "ngram"])
+def test_engine_guided_outputs_equal_the_samplers(spec, monkeypatch):
     """A two-layer model of SmolLM2's vocabulary, guided greedy (closing at a budget of 24 tokens forces some
     tokens): the routed backend's steps take masked_argmax and give the torch backend's tokens, which sample from
-    float32 logits. Matmuls on cuBLAS on both sides, so only the sampling differs."""
+    float32 logits. Matmuls on cuBLAS on both sides, so only the sampling differs. With n-gram drafts the
+    verification's positions take it too (the random model repeats itself, so drafts are accepted)."""
     from engine.kernels.routes import pins
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
@@ -123,10 +128,14 @@ def test_engine_guided_outputs_equal_the_samplers(monkeypatch):
     for backend in ("torch", "triton"):
         routes = dict(kernel_routes=pins(dict(kernel="cublas"))) if backend == "triton" else {}
         eng = LLMEngine(model="dummy:smollm2-tiny", tokenizer="default", device=DEV, dtype="float32",
-                        attention_backend=backend, max_num_seqs=4, max_model_len=256, **routes)
+                        attention_backend=backend, max_num_seqs=4, max_model_len=256, **routes, **spec)
         prompts = [eng.apply_chat_template([{"role": "user", "content": c}])
                    for c in ("Describe a cat as JSON.", "List two people as JSON.")]
-        outputs[backend] = [(o.output_token_ids, o.finish_reason) for o in eng.generate(prompts, params)]
+        outs = eng.generate(prompts, params)
+        outputs[backend] = [(o.output_token_ids, o.finish_reason) for o in outs]
+        if spec:
+            assert sum(o.spec.accepted for o in outs if o.spec is not None) > 0
+            assert backend == "torch" or max(calls) >= 4   # two requests: only a verification has 4 rows or more
         assert_no_leak(eng)
         assert (len(calls) > 0) == (backend == "triton")
     assert outputs["triton"] == outputs["torch"]

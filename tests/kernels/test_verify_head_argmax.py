@@ -204,7 +204,7 @@ def _spying(eng):
     """The engine's drafts, and the K of each spec step that computed its logits."""
     program, drafts, logit_ks = eng.runner.program, record_drafts(eng.runner.program.drafter), []
     spec_logits = program.spec_logits
-    program.spec_logits = lambda *a: logit_ks.append(a[-1]) or spec_logits(*a)          # a[-1]: K
+    program.spec_logits = lambda *a, **kw: logit_ks.append(a[5]) or spec_logits(*a, **kw)   # a[5]: K
     return drafts, logit_ks
 
 

@@ -72,11 +72,11 @@ def _masked_block_max_kernel(x_ptr, mask_ptr, val_ptr, idx_ptr, cnt_ptr, stride_
 
 @triton.jit
 def _first_max_kernel(val_ptr, idx_ptr, ids_ptr, tok_ptr, cnt_ptr, forced_ptr, stride, P, BLOCK_P: tl.constexpr,
-                      HAS_IDS: tl.constexpr, MASKED: tl.constexpr, USE_PDL: tl.constexpr):
+                      HAS_IDS: tl.constexpr, MASKED: tl.constexpr, FORCED: tl.constexpr, USE_PDL: tl.constexpr):
     """tok[m] = the column of the first of row m's largest partials val[m, :P] (their columns idx[m, :P], in
     increasing order), or ids[that column] (HAS_IDS); a NaN partial is larger than any number, the first NaN
-    the largest. MASKED: NO_TOKEN where the partials' counts cnt[m, :P] allow nothing, then forced[m] where it
-    is a token (>= 0)."""
+    the largest. MASKED: NO_TOKEN where the partials' counts cnt[m, :P] allow nothing; FORCED: then forced[m] where
+    it is a token (>= 0)."""
     pdl_start(USE_PDL)
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
@@ -101,6 +101,7 @@ def _first_max_kernel(val_ptr, idx_ptr, ids_ptr, tok_ptr, cnt_ptr, forced_ptr, s
         first = tl.load(ids_ptr + first)
     if MASKED:
         first = tl.where(reduce_sum(allowed, 0) > 0, first, NO_TOKEN)
+    if FORCED:
         forced = tl.load(forced_ptr + m)
         first = tl.where(forced >= 0, forced, first)
     tl.store(tok_ptr + m, first)
@@ -158,21 +159,23 @@ def check_ids(ids: torch.Tensor | None, columns: int, device: torch.device) -> N
         raise ValueError(f"ids must be a contiguous int64 map of all {columns} columns, got {tuple(ids.shape)}")
 
 
-def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor, forced: torch.Tensor | None = None) -> torch.Tensor:
     """A greedy guided step's tokens: x [M, V] logits (float16, bfloat16 or float32; unit stride in V), bitmask
-    int32 [M, >= ceil(V / 32)] (xgrammar's layout), forced int64 [M] (a token, or -1) -> int64 [M]: the first
-    maximal allowed column, NO_TOKEN for a row that allows none, the forced token where there is one."""
+    int32 [M, >= ceil(V / 32)] (xgrammar's layout), forced int64 [M] (a token, or -1; None: none) -> int64 [M]:
+    the first maximal allowed column, NO_TOKEN for a row that allows none, the forced token where there is one."""
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("bitmask", bitmask, 2, (torch.int32,), x.device)
-    _check_tensor("forced", forced, 1, (torch.int64,), x.device)
     m, v = x.shape
+    if forced is not None:
+        _check_tensor("forced", forced, 1, (torch.int64,), x.device)
+        if forced.shape[0] != m or not forced.is_contiguous():
+            raise ValueError(f"forced must be a contiguous [{m}], got {tuple(forced.shape)}")
     if v == 0:
         raise ValueError("masked_argmax: x has no columns")
-    if bitmask.shape[0] != m or bitmask.shape[1] * 32 < v or forced.shape[0] != m:
-        raise ValueError(f"bitmask {tuple(bitmask.shape)} and forced {tuple(forced.shape)} must have {m} rows and "
-                         f"the bitmask at least {-(-v // 32)} words a row")
-    if bitmask.stride(-1) != 1 or not forced.is_contiguous():
-        raise ValueError("bitmask needs unit stride in its last dim and forced must be contiguous")
+    if bitmask.shape[0] != m or bitmask.shape[1] * 32 < v:
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} must have {m} rows of at least {-(-v // 32)} words")
+    if bitmask.stride(-1) != 1:
+        raise ValueError("bitmask needs unit stride in its last dim")
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     if m == 0:
         return tokens
@@ -192,9 +195,9 @@ def first_max(val: torch.Tensor, idx: torch.Tensor, tokens: torch.Tensor, ids: t
     through ids where given, as checked by check_ids); with masked_argmax's allowed counts [M, P] and forced [M]."""
     m, p = val.shape
     block = min(triton.next_power_of_2(p), BLOCK_P)
-    masked = counts is not None
-    _first_max_kernel[(m,)](val, idx, tokens if ids is None else ids, tokens, counts if masked else idx,
-                            forced if masked else tokens, val.stride(0), p, BLOCK_P=block, HAS_IDS=ids is not None,
-                            MASKED=masked, num_warps=min(16, max(4, block // 512)),
+    _first_max_kernel[(m,)](val, idx, tokens if ids is None else ids, tokens, idx if counts is None else counts,
+                            tokens if forced is None else forced, val.stride(0), p, BLOCK_P=block,
+                            HAS_IDS=ids is not None, MASKED=counts is not None, FORCED=forced is not None,
+                            num_warps=min(16, max(4, block // 512)),
                             **pdl(_first_max_kernel, val.device, m))
     return tokens
