@@ -33,6 +33,18 @@ NO_TOKEN = tl.constexpr(-1)       # engine.sampling.sampler.NO_TOKEN: a row whos
 
 
 @triton.jit
+def _store_partial(x, cols, val_ptr, idx_ptr):
+    """*val_ptr, *idx_ptr = the largest of x (float32) and its first column in cols (increasing), or a NaN and the
+    first NaN's column where there is one. Columns past a row's end hold -inf: a row of -inf picks its first real
+    column, which comes before them."""
+    nan = x != x
+    top = reduce_max(tl.where(nan, float("-inf"), x), 0)
+    has_nan = reduce_max(nan.to(tl.int32), 0) > 0
+    tl.store(val_ptr, tl.where(has_nan, float("nan"), top))
+    tl.store(idx_ptr, reduce_min(tl.where(tl.where(has_nan, nan, x == top), cols, _NO_COLUMN), 0))
+
+
+@triton.jit
 def _block_max_kernel(x_ptr, val_ptr, idx_ptr, stride_x, stride_p, V, BLOCK_V: tl.constexpr,
                       USE_PDL: tl.constexpr):
     """val[m, p], idx[m, p] = the largest of x[m, p * BLOCK_V:(p + 1) * BLOCK_V] and its first column (a NaN and
@@ -41,13 +53,7 @@ def _block_max_kernel(x_ptr, val_ptr, idx_ptr, stride_x, stride_p, V, BLOCK_V: t
     m, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = p * BLOCK_V + tl.arange(0, BLOCK_V)
     x = tl.load(x_ptr + m * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    nan = x != x
-    top = reduce_max(tl.where(nan, float("-inf"), x), 0)
-    has_nan = reduce_max(nan.to(tl.int32), 0) > 0
-    # columns past V hold -inf: a row of -inf picks its first real column, which comes before them
-    col = reduce_min(tl.where(tl.where(has_nan, nan, x == top), cols, _NO_COLUMN), 0)
-    tl.store(val_ptr + m * stride_p + p, tl.where(has_nan, float("nan"), top))
-    tl.store(idx_ptr + m * stride_p + p, col)
+    _store_partial(x, cols, val_ptr + m * stride_p + p, idx_ptr + m * stride_p + p)
 
 
 @triton.jit
@@ -61,12 +67,7 @@ def _masked_block_max_kernel(x_ptr, mask_ptr, val_ptr, idx_ptr, cnt_ptr, stride_
     word = tl.load(mask_ptr + m * stride_mask + cols // 32, mask=inside, other=0)
     allowed = inside & (((word >> (cols % 32)) & 1) != 0)
     x = tl.load(x_ptr + m * stride_x + cols, mask=allowed, other=float("-inf")).to(tl.float32)
-    nan = x != x
-    top = reduce_max(tl.where(nan, float("-inf"), x), 0)
-    has_nan = reduce_max(nan.to(tl.int32), 0) > 0
-    col = reduce_min(tl.where(tl.where(has_nan, nan, x == top), cols, _NO_COLUMN), 0)
-    tl.store(val_ptr + m * stride_p + p, tl.where(has_nan, float("nan"), top))
-    tl.store(idx_ptr + m * stride_p + p, col)
+    _store_partial(x, cols, val_ptr + m * stride_p + p, idx_ptr + m * stride_p + p)
     tl.store(cnt_ptr + m * stride_p + p, reduce_sum(allowed.to(tl.int32), 0))
 
 
@@ -142,12 +143,17 @@ def argmax_rows(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tenso
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     if m == 0:
         return tokens
-    p = triton.cdiv(v, BLOCK_V)
-    val = torch.empty((m, p), dtype=torch.float32, device=x.device)
-    idx = torch.empty((m, p), dtype=torch.int32, device=x.device)
+    p, val, idx = _partials(m, v, x.device)
     _block_max_kernel[(m, p)](x, val, idx, x.stride(0), p, v, BLOCK_V=BLOCK_V, num_warps=4,
                               **pdl(_block_max_kernel, x.device, m))
     return first_max(val, idx, tokens, ids)
+
+
+def _partials(m: int, v: int, device) -> tuple:
+    """Kernel 1's outputs for m rows of v logits: (its programs a row, val [m, p] float32, idx [m, p] int32)."""
+    p = triton.cdiv(v, BLOCK_V)
+    return (p, torch.empty((m, p), dtype=torch.float32, device=device),
+            torch.empty((m, p), dtype=torch.int32, device=device))
 
 
 def check_ids(ids: torch.Tensor | None, columns: int, device: torch.device) -> None:
@@ -179,10 +185,8 @@ def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor, forced: torch.Tensor |
     tokens = torch.empty(m, dtype=torch.int64, device=x.device)
     if m == 0:
         return tokens
-    p = triton.cdiv(v, BLOCK_V)
-    val = torch.empty((m, p), dtype=torch.float32, device=x.device)
-    idx = torch.empty((m, p), dtype=torch.int32, device=x.device)
-    cnt = torch.empty((m, p), dtype=torch.int32, device=x.device)
+    p, val, idx = _partials(m, v, x.device)
+    cnt = torch.empty_like(idx)
     # launched plainly: before it the compute stream waits for the grammar branch's mask, not for a kernel
     _masked_block_max_kernel[(m, p)](x, bitmask, val, idx, cnt, x.stride(0), bitmask.stride(0), p, v,
                                      BLOCK_V=BLOCK_V, num_warps=4)
