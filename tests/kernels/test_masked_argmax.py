@@ -44,7 +44,7 @@ def random_case(m, v, seed, dtype, density):
 
 
 @DTYPES
-@pytest.mark.parametrize("m,v,density", [(1, 7, 0.5), (4, 300, 0.02), (5, 1031, 0.3), (8, 257, 0.9)])
+@pytest.mark.parametrize("m,v,density", [(1, 7, 0.5), (4, 300, 0.02), (3, 531, 0.3), (6, 157, 0.9)])
 def test_equals_the_samplers_masked_greedy(dtype, m, v, density, blocks):
     x, mask, forced_ids = random_case(m, v, m * v, dtype, density)
     forced_ids[::3] = torch.arange(0, m, 3, device=DEV)       # every third row forced
