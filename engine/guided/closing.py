@@ -94,6 +94,8 @@ class Closer:
         self.repeating = False           # the guard fired: close the value at the next chance
         self.fired = 0                   # times the guard fired
         self.runs = [0] * (MAX_PERIOD + 1)
+        self.quiet = True                # no run going and not watching: a token that repeats none of the
+                                         # MAX_PERIOD before it leaves the guard as it is
         # committed outputs before which hold() has nothing to decide: it returns False and changes nothing (the
         # scheduler's native walk reads this and skips the call)
         self.wake = 0
@@ -173,11 +175,14 @@ class Closer:
         if not self.guard_limit or self.repeating or self.forced:
             return
         out = seq.output_token_ids
+        if new == 1 and self.quiet and out[-1] not in out[-MAX_PERIOD - 1:-1]:
+            return                      # (most tokens: the scan would change nothing)
         state = _native.repetition_scan(out, len(out) - new, self.runs, self.guard_limit, self.watch_from, self.watch)
         if state & REPEAT_FIRED:
             self.repeating, self.watch, self.wake = True, False, 0
             return
         self.watch = bool(state & REPEAT_WATCH)
+        self.quiet = not self.watch and not any(self.runs)
         if state & REPEAT_WOKE:
             self.wake = 0
 

@@ -113,6 +113,7 @@ class GuidedRequest:
         self.handle = 0             # the matcher's tvm-ffi handle (0: none, or not xgrammar's own matcher)
         self.llg = None             # the native llguidance matcher (None: none, or not llguidance's)
         self._matcher: xgr.GrammarMatcher | None = None
+        self.ready = False          # it has its matcher (a plain attribute: the scheduler's native walk reads it)
 
     @property
     def matcher(self):
@@ -121,6 +122,7 @@ class GuidedRequest:
     @matcher.setter
     def matcher(self, matcher) -> None:
         self._matcher, self.handle, self.llg = matcher, native.handle(matcher), native.llg_matcher(matcher)
+        self.ready = matcher is not None
 
     accepted = property(lambda self: self.state.accepted, lambda self, v: setattr(self.state, "accepted", v))
     through_step = property(lambda self: self.state.through_step,
@@ -132,10 +134,6 @@ class GuidedRequest:
         release, self._release = self._release, None
         if release is not None and not self.future.done():
             release()
-
-    @property
-    def ready(self) -> bool:
-        return self.matcher is not None
 
     def poll(self) -> str | None:
         """Loop thread: make the matcher once compiled. Returns an error message if compiling failed."""

@@ -263,6 +263,33 @@ def test_the_guard_fires_on_a_period_and_never_on_distinct_tokens(engine):
     assert closer.repeating
 
 
+def test_the_guard_skips_only_tokens_that_change_nothing(engine):
+    """Closer.committed skips the scan for a token that repeats none of the MAX_PERIOD before it while no run is
+    going: over random outputs committed one token or a few at a time, its states equal a scan of every commit."""
+    import random
+    from types import SimpleNamespace as NS
+
+    from engine.guided.closing import MAX_PERIOD, REPEAT_FIRED, REPEAT_WATCH, Closer, repetition_scan_py
+    service = guided(engine)
+    compiled = compile_guide(service.compiler, SamplingParams(json_object=True).guide)
+    rng = random.Random(1)
+    skipped = 0
+    for case in range(40):
+        closer = Closer(compiled, ClosingVocab(service.info), budget=False, guard_limit=rng.randint(6, 30))
+        seq, runs, watch = NS(output_token_ids=[]), [0] * (MAX_PERIOD + 1), False
+        while len(seq.output_token_ids) < 150 and not closer.repeating:
+            period = rng.randint(1, MAX_PERIOD + 3)
+            new = [rng.randint(0, 2 * period) for _ in range(rng.choice([1, 1, 1, 3]))]
+            start = len(seq.output_token_ids)
+            seq.output_token_ids += new
+            skipped += len(new) == 1 and closer.quiet and new[0] not in seq.output_token_ids[-MAX_PERIOD - 1:-1]
+            closer.committed(seq, len(new))
+            state = repetition_scan_py(seq.output_token_ids, start, runs, closer.guard_limit, closer.watch_from, watch)
+            watch = bool(state & REPEAT_WATCH) and state != REPEAT_FIRED
+            assert (closer.repeating, closer.watch, closer.runs) == (state == REPEAT_FIRED, watch, runs), case
+    assert skipped > 100
+
+
 def test_hold_wakes_where_the_closer_first_has_something_to_decide(engine):
     """Outside its zone a row's hold() is skipped until its next decision: the first output count at which it
     refreshes its estimate or enters the zone, found as the plain per-step checks would find it."""

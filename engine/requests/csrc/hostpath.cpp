@@ -1,9 +1,9 @@
 // engine.requests._hostpath: the scheduler's walk over running sequences, for runs of common decode rows.
 //
 // engine/scheduler.py keeps the definition in Python and calls this for the rows that need nothing else. It reads
-// the same Sequence attributes the Python would, in the same order, and calls back into Python for a grammar's
-// readiness. (A launched step's counters stay in Python: there, attribute writes through the C API cost more than
-// the interpreter's own.)
+// the same Sequence attributes the Python would, in the same order; a grammar's readiness is
+// Sequence.grammar_blocked's part, its GuidedRequest's `ready`. (A launched step's counters stay in Python: there,
+// attribute writes through the C API cost more than the interpreter's own.)
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -18,13 +18,13 @@ using namespace py_attrs;
 namespace {
 
 struct Names {
-  PyObject *prompt_token_ids, *output_token_ids, *num_pending, *num_computed_tokens, *guided, *grammar_blocked,
+  PyObject *prompt_token_ids, *output_token_ids, *num_pending, *num_computed_tokens, *guided, *ready,
       *max_len, *closer, *block_table, *num_preemptions, *wake;
   Names() {
     for (auto [slot, text] : {std::pair{&prompt_token_ids, "prompt_token_ids"},
                               {&output_token_ids, "output_token_ids"}, {&num_pending, "num_pending"},
                               {&num_computed_tokens, "num_computed_tokens"}, {&guided, "guided"},
-                              {&grammar_blocked, "grammar_blocked"}, {&max_len, "max_len"}, {&closer, "closer"},
+                              {&ready, "ready"}, {&max_len, "max_len"}, {&closer, "closer"},
                               {&block_table, "block_table"}, {&num_preemptions, "num_preemptions"},
                               {&wake, "wake"}}) {
       *slot = intern(text);
@@ -53,8 +53,8 @@ py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_
                               int_attr(seq, k.num_pending);  // Sequence.num_scheduled_tokens
     const int64_t computed = int_attr(seq, k.num_computed_tokens);
     int64_t blocked = 0;
-    if (!attr(seq, k.guided).is_none()) {
-      blocked = truth(attr(seq, k.grammar_blocked).ptr());
+    if (py::object guided = attr(seq, k.guided); !guided.is_none()) {
+      blocked = !truth(attr(guided.ptr(), k.ready).ptr());  // Sequence.grammar_blocked
     }
     const int64_t n = std::min(scheduled - blocked - computed, budget);
     if (n <= 0 || scheduled >= int_attr(seq, k.max_len)) continue;
