@@ -272,10 +272,10 @@ def test_the_guard_skips_only_tokens_that_change_nothing(engine):
     from engine.guided.closing import MAX_PERIOD, REPEAT_FIRED, REPEAT_WATCH, Closer, repetition_scan_py
     service = guided(engine)
     compiled = compile_guide(service.compiler, SamplingParams(json_object=True).guide)
-    rng = random.Random(1)
+    vocab, rng = ClosingVocab(service.info), random.Random(1)
     skipped = 0
     for case in range(40):
-        closer = Closer(compiled, ClosingVocab(service.info), budget=False, guard_limit=rng.randint(6, 30))
+        closer = Closer(compiled, vocab, budget=False, guard_limit=rng.randint(6, 30))
         seq, runs, watch = NS(output_token_ids=[]), [0] * (MAX_PERIOD + 1), False
         while len(seq.output_token_ids) < 150 and not closer.repeating:
             period = rng.randint(1, MAX_PERIOD + 3)

@@ -8,23 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import assert_no_leak, triton_module
+from conftest import assert_no_leak
 from engine.runner.step import StepProgram, StepVariant, forced as force
 from engine.sampling.sampler import NO_TOKEN, sample
 
-am = triton_module("sampling.argmax")
-DEV = "cpu" if am.interpreted() else "cuda"
+from test_argmax import DEV, DTYPES, am, blocks  # noqa: F401 - blocks: the narrow-block fixture, shared
+
 # SmolLM2's tokenizer: the staged model where there is one (the GPU machine has no index to fetch it from)
 DEFAULT_TOKENIZER = os.environ.get("SPECDEC_MODEL") or "default"
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-
-
-@pytest.fixture(params=["wide", "narrow"])
-def blocks(request, monkeypatch):
-    """"narrow": 16 logits a kernel-1 program (half a mask word's reach) and 2 partials a kernel-2 pass."""
-    if request.param == "narrow":
-        monkeypatch.setattr(am, "BLOCK_V", 16)
-        monkeypatch.setattr(am, "BLOCK_P", 2)
 
 
 def reference(x, mask, forced_ids):
