@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from engine.requests import _hostpath
 from engine.requests.output import OutputProcessor, RequestOutput
 from engine.requests.sequence import Sequence
 from engine.sampling.logprobs import HostLogprobs
@@ -26,6 +27,8 @@ class Commits:
                  live: dict[int, Sequence], retained: dict[int, Sequence]):
         self.scheduler, self.output, self.timings, self.spec_k = scheduler, output, timings, spec_k
         self.live, self.retained = live, retained
+        self.native = True      # runs of common plain commits in native code (engine/requests/csrc/hostpath.cpp);
+                                # False: all in Python, their definition
 
     def step(self, rows, tokens: list, guided_failure: str | None = None,
              logprobs: HostLogprobs | None = None) -> list[RequestOutput]:
@@ -33,7 +36,15 @@ class Commits:
         outputs = []
         now = time.perf_counter()
         spec_rows = spec_accepted = 0
-        for row in rows:
+        i, native = 0, self.native and not self.spec_k
+        while i < len(rows):
+            if native:      # a run of rows that need nothing else (the loop below, for them), in one call
+                i = _hostpath.commit_plain(rows, i, tokens, bool(guided_failure), now, self.output.eos_ids, outputs,
+                                           self._commit_failed)
+                if i == len(rows):
+                    break
+            row = rows[i]
+            i += 1
             seq = row.seq
             if not self.scheduler.landed(row):    # zombie: rode along, commits nothing
                 self.timings.zombie_rows += 1
@@ -64,10 +75,13 @@ class Commits:
                     if seq.logprobs is not None else None
                 outputs.append(self.append(seq, new, now, lps))
             except Exception as exc:
-                outputs.append(self.fail(seq, f"committing its tokens failed: {describe(exc)}"))
+                outputs.append(self._commit_failed(seq, exc))
         if spec_rows:
             self.scheduler.spec.observe(spec_accepted, spec_rows)
         return outputs
+
+    def _commit_failed(self, seq: Sequence, exc: BaseException) -> RequestOutput:
+        return self.fail(seq, f"committing its tokens failed: {describe(exc)}")
 
     def append(self, seq: Sequence, new: list[int], now: float, logprobs: list | None = None) -> RequestOutput:
         """Append a step's tokens for one request (several with speculation); it may stop inside them.

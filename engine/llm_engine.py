@@ -233,6 +233,8 @@ class LLMEngine(EngineFrontend):
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not self._listeners:
+            return
         for out in outputs:
             queue = self._listeners.get(out.request_id)
             if queue is not None:

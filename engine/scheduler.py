@@ -57,8 +57,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix = PrefixMap(block_manager)
-        self.native = True          # runs of common decode rows in native code (engine/requests/csrc/hostpath.cpp);
-                                    # False: all in Python, their definition
+        self.native = True          # runs of common decode rows and launched counters in native code
+                                    # (engine/requests/csrc/hostpath.cpp); False: all in Python, their definition
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,7 +80,8 @@ class Scheduler:
         i, page_tokens, running, plain = 0, self.blocks.block_size, self.running, self.spec is None
         while i < len(running) and budget > 0:
             if plain and self.native:           # a run of the rows below that need nothing else, in one call
-                i, budget = _hostpath.schedule_decode(running, i, budget, page_tokens, rows, ScheduledRow)
+                i, budget = _hostpath.schedule_decode(running, i, budget, page_tokens, rows, ScheduledRow,
+                                                       self.blocks)
                 if i >= len(running) or budget <= 0:
                     break
             seq = running[i]
@@ -209,6 +210,10 @@ class Scheduler:
         """A step holding `rows` was enqueued: each row holds its sequence until the step lands, its tokens
         count as computed, and a sampling row's tokens are pending (every draft counted as if it passed)."""
         caching, page_tokens = self.blocks.caching, self.blocks.block_size
+        if self.native:                         # the same counters in one call; then the same registrations
+            for seq in _hostpath.launched(rows, caching, page_tokens):
+                self.prefix.register(seq)
+            return
         for row in rows:
             seq = row.seq
             seq.inflight_refs += 1

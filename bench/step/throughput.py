@@ -120,7 +120,9 @@ def run_one(args, depth: int, streams: int, bandwidth_gbs: float | None = None) 
     if args.prompt_tokens:
         extra["shared_prompt_tokens"] = args.prompt_tokens
     try:
+        t0 = time.perf_counter()
         eng = build_engine(args, depth, streams)
+        extra["start_s"] = time.perf_counter() - t0       # load, route tuning, graph captures
         model = eng.source.name
         dtype = dtype_name(eng, dtype)
         prompts = shared_prefix(chat_prompts(eng, 2 * streams), args.prompt_tokens)  # timed: [:streams]

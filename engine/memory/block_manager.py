@@ -12,7 +12,7 @@ positions hold committed tokens, below any rollback of rejected drafts).
 """
 from __future__ import annotations
 
-import hashlib
+from hashlib import blake2b
 from array import array
 from collections import OrderedDict, deque
 
@@ -24,11 +24,9 @@ def prefix_digests(tokens: list[int], block_size: int, parent: bytes) -> list[by
     the sequence). Each digest covers every token up to its page's end, so equal digests mean equal prefixes
     (blake2b: no crafted collisions between tenants' prompts)."""
     out, page = [], 8 * block_size          # a page's bytes: int64 tokens
-    data = memoryview(array("q", tokens[:len(tokens) // block_size * block_size])).cast("B")    # one conversion
+    data = array("q", tokens[:len(tokens) // block_size * block_size]).tobytes()    # one conversion
     for start in range(0, len(data), page):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(data[start:start + page])
-        parent = h.digest()
+        parent = blake2b(parent + data[start:start + page], digest_size=16).digest()
         out.append(parent)
     return out
 

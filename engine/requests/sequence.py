@@ -38,7 +38,7 @@ def _sequence_of(name: str, value, kind: type) -> tuple:
     return tuple(items)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Validated on construction: a bad field raises ValueError naming it (never later, inside a step)."""
     max_tokens: int = 128
@@ -82,6 +82,10 @@ class SamplingParams:
     # cuts it; close a JSON value that repeats one n-gram (the engine's guided_repeat_limit tokens)
     close_at_budget: bool = True
     repetition_guard: bool = True
+    # derived in __post_init__ (slots: native code reads them at fixed offsets, engine/requests/csrc/slots.h)
+    _guide: Guide | None = field(default=None, init=False, repr=False, compare=False)
+    _penalty_row: bool = field(default=False, init=False, repr=False, compare=False)
+    _penalized: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT))
@@ -191,7 +195,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     seq_id: int
     prompt_token_ids: list[int]

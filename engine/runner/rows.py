@@ -55,10 +55,7 @@ def _fill(slot, rows, block_size: int, spec_k: int) -> tuple[int, int, int, int,
     """-> (tokens, sampling rows, longest row, longest sequence, carrying rows). A plain step's leading one-token
     rows (decoding; admissions' prompt chunks come after them) are written in one native call (_fill_decode: even
     one row costs less there than its scalar writes here), the rest row by row (_fill_rows)."""
-    lead = 0
-    if not spec_k:
-        while lead < len(rows) and rows[lead].num_tokens == 1:
-            lead += 1
+    lead = 0 if spec_k else _rows.leading_decode(rows)
     if not lead:
         return _fill_rows(slot, rows, block_size, spec_k)
     t, s, max_q, max_len, carries = _fill_decode(slot, rows[:lead], block_size)

@@ -1,9 +1,10 @@
-// engine.requests._hostpath: the scheduler's walk over running sequences, for runs of common decode rows.
+// engine.requests._hostpath: the host's walks over a step's rows in native code, for the rows that need nothing
+// else: the scheduler's runs of common decode rows, the counters of a launched step, and the commit of a plain
+// step's tokens that end nothing.
 //
-// engine/scheduler.py keeps the definition in Python and calls this for the rows that need nothing else. It reads
-// the same Sequence attributes the Python would, in the same order; a grammar's readiness is
-// Sequence.grammar_blocked's part, its GuidedRequest's `ready`. (A launched step's counters stay in Python: there,
-// attribute writes through the C API cost more than the interpreter's own.)
+// engine/scheduler.py and engine/commit.py keep each walk's definition in Python and call these for the rows that
+// fit; tests hold the two equal. Fields of the engine's slots classes (Sequence, ScheduledRow, OutputState,
+// SamplingParams) are read at their offsets (slots.h); a grammar's readiness is its GuidedRequest's `ready`.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -11,67 +12,285 @@
 #include <utility>
 
 #include "py_attrs.h"
+#include "slots.h"
 
 namespace py = pybind11;
-using namespace py_attrs;
+using slots::Field;
 
 namespace {
 
-struct Names {
-  PyObject *prompt_token_ids, *output_token_ids, *num_pending, *num_computed_tokens, *guided, *ready,
-      *max_len, *closer, *block_table, *num_preemptions, *wake;
-  Names() {
-    for (auto [slot, text] : {std::pair{&prompt_token_ids, "prompt_token_ids"},
-                              {&output_token_ids, "output_token_ids"}, {&num_pending, "num_pending"},
-                              {&num_computed_tokens, "num_computed_tokens"}, {&guided, "guided"},
-                              {&ready, "ready"}, {&max_len, "max_len"}, {&closer, "closer"},
-                              {&block_table, "block_table"}, {&num_preemptions, "num_preemptions"},
-                              {&wake, "wake"}}) {
-      *slot = intern(text);
-    }
+struct SeqFields {
+  PyObject* cls = slots::class_of("engine.requests.sequence", "Sequence");
+  Field prompt{cls, "prompt_token_ids"}, output{cls, "output_token_ids"}, pending{cls, "num_pending"},
+      computed{cls, "num_computed_tokens"}, guided{cls, "guided"}, max_len{cls, "max_len"}, closer{cls, "closer"},
+      block_table{cls, "block_table"}, preemptions{cls, "num_preemptions"}, inflight{cls, "inflight_refs"},
+      pending_src{cls, "pending_src"}, registered{cls, "num_registered"}, finalized{cls, "finalized"},
+      out{cls, "out"}, logprobs{cls, "logprobs"}, params{cls, "params"}, seq_id{cls, "seq_id"},
+      first_token_time{cls, "first_token_time"};
+};
+
+struct RowFields {
+  PyObject* cls = slots::class_of("engine.scheduler", "ScheduledRow");
+  Field seq{cls, "seq"}, start{cls, "start"}, num_tokens{cls, "num_tokens"}, sample{cls, "sample"},
+      sample_idx{cls, "sample_idx"}, spec_k{cls, "spec_k"}, num_drafts{cls, "num_drafts"}, epoch{cls, "epoch"},
+      cached{cls, "cached"};
+  // a new row by its slots, not through the dataclass's Python __init__; needs every field a slot
+  bool direct = seq.direct() && start.direct() && num_tokens.direct() && sample.direct() && sample_idx.direct() &&
+                spec_k.direct() && num_drafts.direct() && epoch.direct() && cached.direct() && slot_count() == 9;
+
+  Py_ssize_t slot_count() const {
+    py::object names = py::reinterpret_borrow<py::object>(cls).attr("__slots__");
+    return py::len(names);
   }
 };
 
+struct OutFields {
+  PyObject* cls = slots::class_of("engine.requests.output", "OutputState");
+  Field reason{cls, "reason"}, lazy{cls, "lazy"}, detok{cls, "detok"}, num_new{cls, "num_new"};
+};
+
+struct Names {
+  PyObject *ready = py_attrs::intern("ready"), *wake = py_attrs::intern("wake"), *error = py_attrs::intern("error"),
+           *committed = py_attrs::intern("committed"), *stop_token_ids = py_attrs::intern("stop_token_ids"),
+           *can_allocate = py_attrs::intern("can_allocate"), *allocate = py_attrs::intern("allocate");
+};
+
+// RequestOutput(request_id, new_token_ids, new_text, finished) with every other field at its default, built as the
+// tuple it is (a namedtuple: a tuple subclass of fixed fields).
+struct OutputMaker {
+  PyTypeObject* cls = reinterpret_cast<PyTypeObject*>(slots::class_of("engine.requests.output", "RequestOutput"));
+  py::tuple defaults;
+  PyObject* empty = py_attrs::intern("");
+
+  OutputMaker() {
+    py::object type = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(cls));
+    py::tuple fields = type.attr("_fields");
+    py::dict given = type.attr("_field_defaults");
+    const char* first[] = {"request_id", "new_token_ids", "new_text", "finished"};
+    for (int j = 0; j < 4; ++j)
+      if (fields[j].cast<std::string>() != first[j]) throw std::runtime_error("RequestOutput's fields changed");
+    defaults = py::tuple(py::len(fields));
+    for (size_t j = 4; j < py::len(fields); ++j) defaults[j] = given[fields[j]];
+  }
+
+  py::object make(PyObject* request_id, PyObject* token) const {
+    py::tuple ids = py::make_tuple(py::reinterpret_borrow<py::object>(token));
+    const Py_ssize_t n = PyTuple_GET_SIZE(defaults.ptr());
+    PyObject* out = cls->tp_alloc(cls, n);
+    if (!out) throw py::error_already_set();
+    PyObject* items[] = {request_id, ids.ptr(), empty, Py_False};
+    for (Py_ssize_t j = 0; j < n; ++j) {
+      PyObject* v = j < 4 ? items[j] : PyTuple_GET_ITEM(defaults.ptr(), j);
+      Py_INCREF(v);
+      PyTuple_SET_ITEM(out, j, v);
+    }
+    return py::reinterpret_steal<py::object>(out);
+  }
+};
+
+const SeqFields& seq_fields() {
+  static const SeqFields* f = new SeqFields;  // never destroyed: no Python call after finalization
+  return *f;
+}
+const RowFields& row_fields() {
+  static const RowFields* f = new RowFields;  // never destroyed: no Python call after finalization
+  return *f;
+}
+const OutFields& out_fields() {
+  static const OutFields* f = new OutFields;  // never destroyed: no Python call after finalization
+  return *f;
+}
 const Names& names() {
-  static const Names k;
-  return k;
+  static const Names* k = new Names;  // never destroyed: no Python call after finalization
+  return *k;
+}
+const OutputMaker& outputs_maker() {
+  static const OutputMaker* m = new OutputMaker;  // never destroyed: no Python call after finalization
+  return *m;
+}
+
+bool call_truth(const py::object& obj, PyObject* method, int64_t arg) {
+  py::object result = obj.attr(method)(arg);
+  return py_attrs::truth(result.ptr());
+}
+
+// ScheduledRow(seq, start, 1, sample, -1, 0, 0, epoch, 0): a common decode row.
+py::object decode_row(py::handle row_cls, PyObject* seq, int64_t start, bool sample, py::object epoch) {
+  const RowFields& r = row_fields();
+  if (!r.direct || row_cls.ptr() != r.cls) return row_cls(py::handle(seq), start, 1, sample, -1, 0, 0, epoch);
+  auto* type = reinterpret_cast<PyTypeObject*>(r.cls);
+  py::object row = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
+  if (!row) throw py::error_already_set();
+  PyObject* o = row.ptr();
+  r.seq.set(o, seq);
+  r.start.set_int(o, start);
+  r.num_tokens.set_int(o, 1);
+  r.sample.set(o, sample ? Py_True : Py_False);
+  r.sample_idx.set_int(o, -1);
+  r.spec_k.set_int(o, 0);
+  r.num_drafts.set_int(o, 0);
+  r.epoch.set(o, epoch.ptr());
+  r.cached.set_int(o, 0);
+  return row;
 }
 
 // Scheduler._schedule_running's loop from running[i] while each sequence is one it skips (nothing new to compute,
-// or capped) or a common decode row (one token, within its pages), appending a row_cls row for each of those.
+// or capped) or a common decode row (one token, within its pages or taking its next page from `blocks`, the
+// BlockManager, where one is free; None: within its pages only), appending a row_cls row for each of those.
 // Stops at a sequence whose closer has something to decide (Closer.hold returns False at once, and changes
 // nothing, while the output is shorter than its `wake`) or at any other row, which the Python loop takes.
 // -> (i, budget left).
 py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_t page_tokens, py::list rows,
-                          py::object row_cls) {
+                          py::object row_cls, py::object blocks) {
+  const SeqFields& f = seq_fields();
   const Names& k = names();
   for (; i < PyList_GET_SIZE(running.ptr()) && budget > 0; ++i) {
     PyObject* seq = PyList_GET_ITEM(running.ptr(), i);
-    py::object closer = attr(seq, k.closer);
-    if (!closer.is_none() && len_attr(seq, k.output_token_ids) >= int_attr(closer.ptr(), k.wake)) break;
-    const int64_t scheduled = len_attr(seq, k.prompt_token_ids) + len_attr(seq, k.output_token_ids) +
-                              int_attr(seq, k.num_pending);  // Sequence.num_scheduled_tokens
-    const int64_t computed = int_attr(seq, k.num_computed_tokens);
+    const Py_ssize_t outputs = f.output.length(seq);
+    if (py::object closer = f.closer.get(seq); !closer.is_none()) {
+      if (outputs >= py_attrs::int_attr(closer.ptr(), k.wake)) break;
+    }
+    const int64_t scheduled = f.prompt.length(seq) + outputs + f.pending.get_int(seq);  // num_scheduled_tokens
+    const int64_t computed = f.computed.get_int(seq);
     int64_t blocked = 0;
-    if (py::object guided = attr(seq, k.guided); !guided.is_none()) {
-      blocked = !truth(attr(guided.ptr(), k.ready).ptr());  // Sequence.grammar_blocked
+    if (py::object guided = f.guided.get(seq); !guided.is_none()) {
+      blocked = !py_attrs::truth(py_attrs::attr(guided.ptr(), k.ready).ptr());  // Sequence.grammar_blocked
     }
     const int64_t n = std::min(scheduled - blocked - computed, budget);
-    if (n <= 0 || scheduled >= int_attr(seq, k.max_len)) continue;
-    if (n != 1 || computed >= len_attr(seq, k.block_table) * page_tokens) break;
-    py::object row = row_cls(py::handle(seq), computed, 1, computed + 1 == scheduled, -1, 0, 0,
-                             attr(seq, k.num_preemptions));
+    if (n <= 0 || scheduled >= f.max_len.get_int(seq)) continue;
+    if (n != 1) break;
+    if (const Py_ssize_t held = f.block_table.length(seq) * page_tokens; computed >= held) {
+      // its next page, where one is free (Scheduler._reserve without a preemption); else the Python loop's
+      if (blocks.is_none() || computed > held || !call_truth(blocks, k.can_allocate, 1)) break;
+      py::object page = blocks.attr(k.allocate)(1);
+      py::object table = f.block_table.get(seq);
+      PyObject* grown = PySequence_InPlaceConcat(table.ptr(), page.ptr());  // seq.block_table += page: in place
+      if (!grown) throw py::error_already_set();
+      const bool same = grown == table.ptr();
+      Py_DECREF(grown);
+      if (!same) throw std::runtime_error("a block table that does not grow in place");
+    }
+    py::object row = decode_row(row_cls, seq, computed, computed + 1 == scheduled, f.preemptions.get(seq));
     if (PyList_Append(rows.ptr(), row.ptr()) < 0) throw py::error_already_set();
     --budget;
   }
   return py::make_tuple(i, budget);
 }
 
+// Scheduler.launched's counters for every row of a launched step. -> the sequences with newly full pages, in row
+// order, for the prefix map to register (Scheduler.launched does, after this).
+py::list launched(py::list rows, bool caching, int64_t page_tokens) {
+  const SeqFields& f = seq_fields();
+  const RowFields& r = row_fields();
+  py::list to_register;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rows.ptr()); ++i) {
+    PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
+    py::object seq_obj = r.seq.get(row);
+    PyObject* seq = seq_obj.ptr();
+    f.inflight.set_int(seq, f.inflight.get_int(seq) + 1);
+    const int64_t computed = r.start.get_int(row) + r.num_tokens.get_int(row);
+    f.computed.set_int(seq, computed);
+    if (r.sample.truth(row)) {
+      f.pending.set_int(seq, f.pending.get_int(seq) + 1 + r.spec_k.get_int(row));
+      f.pending_src.set(seq, r.sample_idx.get(row).ptr());
+    }
+    // PrefixMap.register's own test: its full pages of known tokens, within its table, that are not registered
+    if (caching && computed / page_tokens > f.registered.get_int(seq) &&
+        std::min({f.prompt.length(seq) + f.output.length(seq), computed, f.block_table.length(seq) * page_tokens}) /
+                page_tokens > f.registered.get_int(seq))
+      to_register.append(seq_obj);
+  }
+  return to_register;
+}
+
+// Whether a plain step's sampling row commits here: OutputProcessor.commit_plain's case (one token that ends
+// nothing, for a request whose text is not streamed and that wants no logprobs), of a request whose grammar did
+// not fail. Reads only.
+bool plain_commit(PyObject* seq, PyObject* token, bool guided_failure, PyObject* eos_ids) {
+  const SeqFields& f = seq_fields();
+  const OutFields& o = out_fields();
+  if (py::object guided = f.guided.get(seq); py_attrs::truth(guided.ptr())) {
+    if (guided_failure || py_attrs::truth(py_attrs::attr(guided.ptr(), names().error).ptr())) return false;
+  }
+  py::object st = f.out.get(seq);
+  if (st.is_none() || !o.reason.is_none(st.ptr()) || !(o.lazy.truth(st.ptr()) || o.detok.is_none(st.ptr())) ||
+      !f.logprobs.is_none(seq) || !PyLong_CheckExact(token) || py_attrs::as_int(token) < 0)
+    return false;
+  int in = PySet_Contains(eos_ids, token);
+  if (in != 0) {
+    if (in < 0) throw py::error_already_set();
+    return false;
+  }
+  py::object stops = py_attrs::attr(f.params.get(seq).ptr(), names().stop_token_ids);
+  if (!PyTuple_CheckExact(stops.ptr()) || PyTuple_GET_SIZE(stops.ptr()) > 0) {
+    in = PySequence_Contains(stops.ptr(), token);
+    if (in != 0) {
+      if (in < 0) throw py::error_already_set();
+      return false;
+    }
+  }
+  return f.prompt.length(seq) + f.output.length(seq) + 1 < f.max_len.get_int(seq);
+}
+
+// Commits.step's loop over a plain step's rows from rows[i] while each is a row that does not sample (it stops
+// holding its sequence: Scheduler.landed) or a sampling row that plain_commit takes: landed, its token appended,
+// its closer told, its output appended to `outputs`. A closer that raises fails its request through on_error(seq,
+// exception) -> output, as the Python loop does. Stops, having changed nothing of it, at a row of a finished
+// sequence (a zombie) or any other commit, which the Python loop takes. -> the index the Python loop takes next.
+Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guided_failure, py::object now,
+                        py::object eos_ids, py::list outputs, py::object on_error) {
+  const SeqFields& f = seq_fields();
+  const RowFields& r = row_fields();
+  const OutFields& o = out_fields();
+  const Names& k = names();
+  if (!PyFrozenSet_Check(eos_ids.ptr())) throw py::type_error("eos_ids must be a frozenset");
+  py::int_ one(1);
+  for (; i < PyList_GET_SIZE(rows.ptr()); ++i) {
+    PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
+    py::object seq_obj = r.seq.get(row);
+    PyObject* seq = seq_obj.ptr();
+    if (f.finalized.truth(seq)) break;
+    if (!r.sample.truth(row)) {
+      f.inflight.set_int(seq, f.inflight.get_int(seq) - 1);
+      continue;
+    }
+    const int64_t idx = r.sample_idx.get_int(row);
+    if (r.spec_k.get_int(row) != 0 || idx < 0 || idx >= PyList_GET_SIZE(tokens.ptr())) break;
+    PyObject* token = PyList_GET_ITEM(tokens.ptr(), idx);
+    if (!plain_commit(seq, token, guided_failure, eos_ids.ptr())) break;
+    f.inflight.set_int(seq, f.inflight.get_int(seq) - 1);
+    f.pending.set_int(seq, f.pending.get_int(seq) - 1);
+    py::object ids = f.output.get(seq);
+    if (PyList_Append(ids.ptr(), token) < 0) throw py::error_already_set();
+    o.num_new.set(f.out.get(seq).ptr(), one.ptr());
+    py::object out = outputs_maker().make(f.seq_id.get(seq).ptr(), token);
+    if (py::object closer = f.closer.get(seq); !closer.is_none()) {
+      PyObject* res = PyObject_CallMethodObjArgs(closer.ptr(), k.committed, seq, one.ptr(), nullptr);
+      if (!res) {
+        py::error_already_set exc;
+        out = on_error(seq_obj, exc.value());
+        if (PyList_Append(outputs.ptr(), out.ptr()) < 0) throw py::error_already_set();
+        continue;
+      }
+      Py_DECREF(res);
+    }
+    if (f.first_token_time.is_none(seq)) f.first_token_time.set(seq, now.ptr());
+    if (PyList_Append(outputs.ptr(), out.ptr()) < 0) throw py::error_already_set();
+  }
+  return i;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_hostpath, m) {
-  m.doc() = "The scheduler's walk over runs of common decode rows (engine/scheduler.py).";
+  m.doc() = "The host's walks over a step's rows, for the rows that need nothing else (engine/scheduler.py, "
+            "engine/commit.py).";
   m.def("schedule_decode", &schedule_decode, py::arg("running"), py::arg("i"), py::arg("budget"),
-        py::arg("page_tokens"), py::arg("rows"), py::arg("row_cls"),
+        py::arg("page_tokens"), py::arg("rows"), py::arg("row_cls"), py::arg("blocks") = py::none(),
         "Common decode rows from running[i]; returns (the index the Python loop takes next, budget left).");
+  m.def("launched", &launched, py::arg("rows"), py::arg("caching"), py::arg("page_tokens"),
+        "A launched step's counters; returns the sequences whose full pages the prefix map registers.");
+  m.def("commit_plain", &commit_plain, py::arg("rows"), py::arg("i"), py::arg("tokens"), py::arg("guided_failure"),
+        py::arg("now"), py::arg("eos_ids"), py::arg("outputs"), py::arg("on_error"),
+        "A plain step's common commits from rows[i]; returns the index the Python loop takes next.");
 }

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "../../requests/csrc/py_attrs.h"
+#include "../../requests/csrc/slots.h"
 
 namespace py = pybind11;
 using namespace py_attrs;
@@ -30,25 +31,40 @@ T* field(const py::dict& h, const char* name, size_t at_least) {
   return static_cast<T*>(arr.mutable_data());
 }
 
-struct Names {
-  PyObject *seq, *start, *sample, *sample_idx, *num_pending, *pool_row, *block_table, *token_at, *params,
-      *temperature, *top_k, *top_p, *seed, *output_token_ids, *closer, *forced_at, *logprobs, *penalized, *guided;
-  Names() {
-    for (auto [slot, text] : {std::pair{&seq, "seq"}, {&start, "start"}, {&sample, "sample"},
-                              {&sample_idx, "sample_idx"}, {&num_pending, "num_pending"}, {&pool_row, "pool_row"},
-                              {&block_table, "block_table"}, {&token_at, "token_at"}, {&params, "params"},
-                              {&temperature, "temperature"}, {&top_k, "top_k"}, {&top_p, "top_p"}, {&seed, "seed"},
-                              {&output_token_ids, "output_token_ids"}, {&closer, "closer"},
-                              {&forced_at, "forced_at"}, {&logprobs, "logprobs"}, {&penalized, "penalized"},
-                              {&guided, "guided"}}) {
-      *slot = intern(text);
-    }
-  }
+struct Fields {
+  PyObject* row_cls = slots::class_of("engine.scheduler", "ScheduledRow");
+  PyObject* seq_cls = slots::class_of("engine.requests.sequence", "Sequence");
+  PyObject* params_cls = slots::class_of("engine.requests.sequence", "SamplingParams");
+  slots::Field seq{row_cls, "seq"}, start{row_cls, "start"}, num_tokens{row_cls, "num_tokens"},
+      sample{row_cls, "sample"},
+      sample_idx{row_cls, "sample_idx"}, num_pending{seq_cls, "num_pending"}, pool_row{seq_cls, "pool_row"},
+      block_table{seq_cls, "block_table"}, prompt{seq_cls, "prompt_token_ids"}, output{seq_cls, "output_token_ids"},
+      params{seq_cls, "params"}, seed{seq_cls, "seed"}, closer{seq_cls, "closer"}, guided{seq_cls, "guided"},
+      temperature{params_cls, "temperature"}, top_k{params_cls, "top_k"}, top_p{params_cls, "top_p"},
+      logprobs{params_cls, "logprobs"}, penalized{params_cls, "_penalized", "penalized"};
+  PyObject *token_at = intern("token_at"), *forced_at = intern("forced_at");
 };
 
-const Names& names() {
-  static const Names k;
-  return k;
+const Fields& fields() {
+  static const Fields* f = new Fields;  // never destroyed: no Python call after finalization
+  return *f;
+}
+
+// Sequence.token_at(i): read from its token lists where it is a Sequence (a stand-in's own method otherwise).
+int64_t token_at(const Fields& k, PyObject* seq, int64_t i) {
+  if (Py_IS_TYPE(seq, reinterpret_cast<PyTypeObject*>(k.seq_cls))) {
+    py::object prompt = k.prompt.get(seq);
+    if (PyList_CheckExact(prompt.ptr())) {
+      const Py_ssize_t p = PyList_GET_SIZE(prompt.ptr());
+      if (i < p) return as_int(PyList_GET_ITEM(prompt.ptr(), i));
+      py::object out = k.output.get(seq);
+      if (PyList_CheckExact(out.ptr()) && i - p < PyList_GET_SIZE(out.ptr()))
+        return as_int(PyList_GET_ITEM(out.ptr(), i - p));
+    }
+  }
+  py::object t = py::reinterpret_steal<py::object>(PyObject_CallMethodOneArg(seq, k.token_at, py::int_(i).ptr()));
+  if (!t) throw py::error_already_set();
+  return as_int(t.ptr());
 }
 
 // Row i's block table into row i of the slot's tables, only the pages it lacks if it last held this very list
@@ -74,7 +90,7 @@ void write_table(PyObject* bt_rows, Py_ssize_t i, PyObject* table, int32_t* tabl
 }
 
 py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block_size) {
-  const Names& k = names();
+  const Fields& k = fields();
   const Py_ssize_t n = PyList_GET_SIZE(rows.ptr());
   if (block_size <= 0) throw std::invalid_argument("block_size must be positive");
   if (PyList_GET_SIZE(bt_rows.ptr()) < n) throw std::invalid_argument("more rows than the slot holds");
@@ -104,24 +120,19 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
   int64_t max_len = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
-    py::object seq = attr(row, k.seq);
-    const int64_t start = int_attr(row, k.start);
-    const int64_t pending = int_attr(seq.ptr(), k.num_pending);
-    const int64_t pool_row = int_attr(seq.ptr(), k.pool_row);
+    py::object seq_obj = k.seq.get(row);
+    PyObject* seq = seq_obj.ptr();
+    const int64_t start = k.start.get_int(row);
+    const int64_t pending = k.num_pending.get_int(seq);
+    const int64_t pool_row = k.pool_row.get_int(seq);
     if (pending && pool_row < 0)
       throw std::runtime_error("a sequence that carries tokens on the device holds no token-pool row");
     if (start < 0) throw std::out_of_range("a row starts before its sequence");
-    py::object table = attr(seq.ptr(), k.block_table);
+    py::object table = k.block_table.get(seq);
     if (!PyList_Check(table.ptr()) || start / block_size >= PyList_GET_SIZE(table.ptr()))
       throw std::out_of_range("a row's page is missing from its block table");
     const int64_t page = as_int(PyList_GET_ITEM(table.ptr(), start / block_size));
-    int64_t token = 0;
-    if (!pending) {
-      py::object t = py::reinterpret_steal<py::object>(
-          PyObject_CallMethodOneArg(seq.ptr(), k.token_at, py::int_(start).ptr()));
-      if (!t) throw py::error_already_set();
-      token = as_int(t.ptr());
-    }
+    const int64_t token = pending ? 0 : token_at(k, seq, start);
     write_table(bt_rows.ptr(), i, table.ptr(), tables, max_blocks);
     input_ids[i] = token;
     positions[i] = start;
@@ -133,12 +144,11 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
     cu_seqlens_q[i + 1] = static_cast<int32_t>(i + 1);
     carries += pending == 0 ? 0 : 1;
     max_len = std::max(max_len, start + 1);
-    if (!truth(attr(row, k.sample).ptr())) continue;
-    py::int_ index(s);
-    if (PyObject_SetAttr(row, k.sample_idx, index.ptr()) < 0) throw py::error_already_set();
-    py::object params = attr(seq.ptr(), k.params);
-    const int64_t step = len_attr(seq.ptr(), k.output_token_ids) + pending;
-    py::object closer = attr(seq.ptr(), k.closer);
+    if (!k.sample.truth(row)) continue;
+    k.sample_idx.set_int(row, s);
+    py::object params = k.params.get(seq);
+    const int64_t step = k.output.length(seq) + pending;
+    py::object closer = k.closer.get(seq);
     int64_t force = -1;
     if (!closer.is_none()) {
       py::object f = py::reinterpret_steal<py::object>(
@@ -147,10 +157,10 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
       force = as_int(f.ptr());
     }
     logits_indices[s] = i;
-    temperature[s] = static_cast<float>(as_float(attr(params.ptr(), k.temperature).ptr()));
-    top_k[s] = int_attr(params.ptr(), k.top_k);
-    top_p[s] = static_cast<float>(as_float(attr(params.ptr(), k.top_p).ptr()));
-    seeds[s] = int_attr(seq.ptr(), k.seed);
+    temperature[s] = static_cast<float>(as_float(k.temperature.get(params.ptr()).ptr()));
+    top_k[s] = k.top_k.get_int(params.ptr());
+    top_p[s] = static_cast<float>(as_float(k.top_p.get(params.ptr()).ptr()));
+    seeds[s] = k.seed.get_int(seq);
     steps[s] = step;
     smp_row[s] = pool_row;
     forced[s] = force;
@@ -162,19 +172,27 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
 // rows.py's ROW_* bits over a step's rows (row_flags_py, their definition): which variant and which host work the
 // step needs.
 int64_t row_flags(py::list rows) {
-  const Names& k = names();
+  const Fields& k = fields();
   int64_t flags = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rows.ptr()); ++i) {
     PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
-    py::object seq = attr(row, k.seq);
-    py::object params = attr(seq.ptr(), k.params);
-    flags |= truth(attr(params.ptr(), k.penalized).ptr()) ? 2 : 0;
-    if (!truth(attr(row, k.sample).ptr())) continue;
-    flags |= attr(params.ptr(), k.logprobs).is_none() ? 0 : 1;
-    flags |= as_float(attr(params.ptr(), k.temperature).ptr()) != 0.0 ? 4 : 0;
-    flags |= attr(seq.ptr(), k.guided).is_none() ? 0 : 8;
+    py::object seq = k.seq.get(row);
+    py::object params = k.params.get(seq.ptr());
+    flags |= k.penalized.truth(params.ptr()) ? 2 : 0;
+    if (!k.sample.truth(row)) continue;
+    flags |= k.logprobs.is_none(params.ptr()) ? 0 : 1;
+    flags |= as_float(k.temperature.get(params.ptr()).ptr()) != 0.0 ? 4 : 0;
+    flags |= k.guided.is_none(seq.ptr()) ? 0 : 8;
   }
   return flags;
+}
+
+// How many of a step's first rows compute one token each (rows.py _fill's leading decode rows).
+Py_ssize_t leading_decode(py::list rows) {
+  const Fields& k = fields();
+  Py_ssize_t i = 0;
+  while (i < PyList_GET_SIZE(rows.ptr()) && k.num_tokens.get_int(PyList_GET_ITEM(rows.ptr(), i)) == 1) ++i;
+  return i;
 }
 
 }  // namespace
@@ -184,5 +202,6 @@ PYBIND11_MODULE(_rows, m) {
   m.def("fill_decode", &fill_decode, py::arg("rows"), py::arg("h"), py::arg("bt_rows"), py::arg("block_size"),
         "Write the rows' inputs and sampling fields; returns (tokens, sampling rows, 1, longest sequence, carrying "
         "rows). Raises on a row it cannot write, having written some rows.");
+  m.def("leading_decode", &leading_decode, py::arg("rows"), "How many first rows compute one token each.");
   m.def("row_flags", &row_flags, py::arg("rows"), "rows.py's ROW_* bits of a step's rows.");
 }

@@ -1,0 +1,99 @@
+"""The host path's native walks (engine/requests/csrc/hostpath.cpp: scheduling runs of decode rows, a launched
+step's counters, the commit of tokens that end nothing) against their Python definitions, over a few hundred
+rows of a two-layer model with SmolLM2's vocabulary: the same outputs step by step, token for token.
+
+The load mixes every way a request ends (EOS, stop token, stop string, max_tokens, abort, a guided grammar that
+fails), sampled and seeded rows, logprobs, streamed text, JSON-schema rows with closing, prompts that share a
+cached prefix, and a KV pool small enough to preempt.
+"""
+import os
+import random
+
+import pytest
+
+from conftest import assert_no_leak
+from engine.llm_engine import LLMEngine
+from engine.requests.sequence import SamplingParams
+from helpers import CAT
+
+TOKENIZER = os.environ.get("SPECDEC_MODEL") or "default"
+ROWS = 256
+
+
+def _engine(native: bool) -> LLMEngine:
+    eng = LLMEngine(model="dummy:smollm2-tiny", tokenizer=TOKENIZER, device="cpu", dtype="float32",
+                    attention_backend="torch", max_num_seqs=ROWS, max_num_batched_tokens=2048, max_model_len=256,
+                    num_kv_blocks=400, seed=0)
+    eng.scheduler.native = eng.commits.native = native
+    return eng
+
+
+def _requests(eng, rng: random.Random) -> list[tuple[int, list[int], SamplingParams, bool]]:
+    """(arrival step, prompt ids, params, stream) for 320 requests: a shared head (prefix-cache hits) and a tail of
+    their own; the stop token and word are common ones of the model's free output."""
+    head = eng.apply_chat_template([{"role": "user", "content": "Name a colour and describe it. " * 3}])
+    free = eng.generate([head], SamplingParams(max_tokens=24, temperature=0))[0]
+    stop_token, stop_word = free.output_token_ids[3], eng.tokenizer.decode(free.output_token_ids[4:6]).strip()
+    eos = sorted(eng.eos_ids)[0]
+    out = []
+    for i in range(320):
+        kind = i % 10
+        kw = dict(max_tokens=rng.randrange(2, 40), temperature=0.0)
+        arrival = rng.randrange(0, 30)
+        if kind in (1, 4):      # short and early: a sampled or logprobs row makes the whole step's sampling slow here
+            kw, arrival = dict(max_tokens=rng.randrange(2, 6), temperature=0.0), 0
+        if kind == 1:
+            kw.update(temperature=0.8, top_p=0.9, seed=i)
+        elif kind == 2:
+            kw.update(stop_token_ids=[stop_token, eos])
+        elif kind == 3:
+            kw.update(stop=[stop_word] if stop_word else [])
+        elif kind == 4:
+            kw.update(logprobs=2)
+        elif kind == 5:
+            kw = dict(max_tokens=rng.randrange(12, 30), temperature=0.0, json_schema=CAT)
+        elif kind == 6:
+            kw.update(ignore_eos=True, max_tokens=60)
+        prompt = head + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 40))]
+        out.append((arrival, prompt, SamplingParams(**kw), kind == 7))
+    return out
+
+
+def _run(native: bool) -> tuple[list, list]:
+    eng = _engine(native)
+    work = sorted(enumerate(_requests(eng, random.Random(7))), key=lambda w: w[1][0])
+    ids, steps, step = {}, [], 0
+    while (work or eng.has_unfinished()) and step < 1000:
+        while work and work[0][1][0] <= step:
+            i, (_, prompt, params, stream) = work.pop(0)
+            ids[i] = eng.add_request(prompt, params, retain=True, stream=stream)
+        if step == 12:                                      # aborts while their rows are in flight
+            for rid in sorted(eng._seqs)[5:8]:
+                eng.abort(rid)
+        if step == 15:                                      # a guided request's grammar fails (its callback's mark)
+            failing = next(s for s in eng._seqs.values() if s.guided is not None and s.output_token_ids)
+            failing.guided.error = "the grammar rejected a token"
+        outs = eng.step()
+        steps.append([(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.error,
+                       o.logprobs) for o in outs])
+        step += 1
+    assert eng.scheduler.num_preemptions > 0 and eng.blocks.hit_tokens > 0    # the load preempts and hits the cache
+    assert_no_leak(eng)
+    seqs = [eng.take(ids[i]) for i in sorted(ids)]
+    return steps, [(s.output_token_ids, s.finish_reason, s.text, s.error, s.first_token_time is not None)
+                   for s in seqs]
+
+
+@pytest.mark.timeout(600)
+def test_the_native_host_path_commits_what_the_python_one_does():
+    native_steps, native_seqs = _run(native=True)
+    python_steps, python_seqs = _run(native=False)
+    reasons = {s[1] for s in python_seqs}
+    assert {"stop", "length", "abort", "error"} <= reasons, reasons
+    assert max(len(s) for s in python_steps) >= ROWS // 2         # a few hundred rows at once
+    assert len(native_steps) == len(python_steps)
+    for step, (got, want) in enumerate(zip(native_steps, python_steps)):
+        assert got == want, step
+    assert native_seqs == python_seqs
+    failed = [s for s in python_seqs if s[1] == "error"]
+    assert len(failed) == 1 and failed[0][3] == "the grammar rejected a token"      # the bad request fails alone
