@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 # EngineConfig but never load torch (seconds of CPU and hundreds of MB a process)
 SPECULATIVE = ("none", "ngram", "eagle", "draft_model")
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_NUM_SEQS = 256     # sequences a step holds unless the config says otherwise
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class EngineConfig:
     prefix_caching: bool = True        # prompts with a common prefix share its full KV pages
     kv_events_endpoint: str = ""       # publish cached-page events (vLLM's KVEvents) on this ZMQ address
     # scheduler
-    max_num_seqs: int = 64             # sequences in one step
+    max_num_seqs: int = 0              # sequences in one step (0: 256, or max_num_batched_tokens if fewer)
     max_num_batched_tokens: int = 2048  # tokens in one step (longer prompts are prefilled in chunks)
     depth: int = 2                     # 2: step t+1 is launched before step t commits; 1: one step at a time
     enforce_eager: bool = False        # no CUDA graphs
@@ -135,8 +136,10 @@ class EngineConfig:
             raise TypeError(f"tuning must be a Tuning, got {type(self.tuning).__name__}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_num_seqs < 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs must be >= 0 (0: the default) and max_num_batched_tokens positive")
+        if self.max_num_seqs == 0:
+            object.__setattr__(self, "max_num_seqs", min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens))
         for name in ("grammar_compile_threads", "grammar_compile_queue", "grammar_cache_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

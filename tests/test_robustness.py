@@ -76,8 +76,10 @@ def test_a_request_that_slipped_past_validation_fails_alone(engine, chat_prompts
 
 
 def test_an_exception_at_commit_fails_that_request_alone(engine, chat_prompts, alone, monkeypatch):
-    """Whichever way a row commits (the common row's short path or the general one), its failure fails it alone."""
+    """Whichever way a row commits in Python (the common row's short path or the general one), its failure fails
+    it alone."""
     victim = {}
+    monkeypatch.setattr(engine.commits, "native", False)
 
     def failing(real):
         def commit(seq, tokens):
@@ -94,6 +96,31 @@ def test_an_exception_at_commit_fails_that_request_alone(engine, chat_prompts, a
     while engine.has_unfinished():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     bad = finals[victim["id"]]
+    assert bad.finish_reason == "error" and "injected commit failure" in bad.error
+    assert list(bad.token_ids) == alone[1][:4]
+    assert list(finals[good].token_ids) == alone[0]
+    assert_no_leak(engine)
+
+
+class _Unreadable:
+    """An output state every read of which raises."""
+
+    def __getattr__(self, name):
+        raise TypeError("injected commit failure")
+
+
+def test_a_row_the_native_commit_cannot_read_fails_alone(engine, chat_prompts, alone):
+    """The native commit stops before a row it cannot read; the Python loop then fails that request alone."""
+    assert engine.commits.native
+    good = engine.add_request(chat_prompts[0], GREEDY)
+    bad_id = engine.add_request(chat_prompts[1], GREEDY)
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        seq = engine._seqs.get(bad_id)
+        if seq is not None and len(seq.output_token_ids) == 4 and not isinstance(seq.out, _Unreadable):
+            seq.out = _Unreadable()
+    bad = finals[bad_id]
     assert bad.finish_reason == "error" and "injected commit failure" in bad.error
     assert list(bad.token_ids) == alone[1][:4]
     assert list(finals[good].token_ids) == alone[0]

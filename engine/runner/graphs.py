@@ -43,7 +43,10 @@ class GraphKey(NamedTuple):
 
 
 def graph_batch_sizes(limit: int) -> list[int]:
-    return sorted({bs for bs in [1, 2, 4, 8, *range(16, limit + 1, 8), limit] if bs <= limit})
+    """1, 2, 4, 8, every 8 rows to 64, every 16 past it, and the limit: a step pads to the next size, so past 64
+    rows at most 15 padding rows (a few percent of such a step) for half the captures."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, limit + 1, 16), limit]
+    return sorted({bs for bs in sizes if bs <= limit})
 
 
 def graph_token_sizes(limit: int) -> list[int]:

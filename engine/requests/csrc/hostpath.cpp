@@ -236,7 +236,8 @@ bool plain_commit(PyObject* seq, PyObject* token, bool guided_failure, PyObject*
 // holding its sequence: Scheduler.landed) or a sampling row that plain_commit takes: landed, its token appended,
 // its closer told, its output appended to `outputs`. A closer that raises fails its request through on_error(seq,
 // exception) -> output, as the Python loop does. Stops, having changed nothing of it, at a row of a finished
-// sequence (a zombie) or any other commit, which the Python loop takes. -> the index the Python loop takes next.
+// sequence (a zombie), any other commit, or a row whose fields cannot be read, which the Python loop takes (and
+// fails alone). -> the index the Python loop takes next.
 Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guided_failure, py::object now,
                         py::object eos_ids, py::list outputs, py::object on_error) {
   const SeqFields& f = seq_fields();
@@ -257,7 +258,11 @@ Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guide
     const int64_t idx = r.sample_idx.get_int(row);
     if (r.spec_k.get_int(row) != 0 || idx < 0 || idx >= PyList_GET_SIZE(tokens.ptr())) break;
     PyObject* token = PyList_GET_ITEM(tokens.ptr(), idx);
-    if (!plain_commit(seq, token, guided_failure, eos_ids.ptr())) break;
+    try {
+      if (!plain_commit(seq, token, guided_failure, eos_ids.ptr())) break;
+    } catch (py::error_already_set&) {  // a row that cannot be read: the Python loop fails it alone
+      break;
+    }
     f.inflight.set_int(seq, f.inflight.get_int(seq) - 1);
     f.pending.set_int(seq, f.pending.get_int(seq) - 1);
     py::object ids = f.output.get(seq);
