@@ -49,6 +49,14 @@ struct OutFields {
   Field reason{cls, "reason"}, lazy{cls, "lazy"}, detok{cls, "detok"}, num_new{cls, "num_new"};
 };
 
+// Closer's fields that decide whether Closer.committed(seq, 1) changes anything.
+struct CloserFields {
+  PyObject* cls = slots::class_of("engine.guided.closing", "Closer");
+  int64_t max_period = py::module_::import("engine.guided.closing").attr("MAX_PERIOD").cast<int64_t>();
+  PyObject *guard_limit = py_attrs::intern("guard_limit"), *repeating = py_attrs::intern("repeating"),
+           *forced = py_attrs::intern("forced"), *quiet = py_attrs::intern("quiet");
+};
+
 struct Names {
   PyObject *ready = py_attrs::intern("ready"), *wake = py_attrs::intern("wake"), *error = py_attrs::intern("error"),
            *committed = py_attrs::intern("committed"), *stop_token_ids = py_attrs::intern("stop_token_ids"),
@@ -100,6 +108,42 @@ const OutFields& out_fields() {
   static const OutFields* f = new OutFields;  // never destroyed: no Python call after finalization
   return *f;
 }
+const CloserFields& closer_fields() {
+  static const CloserFields* c = new CloserFields;  // never destroyed: no Python call after finalization
+  return *c;
+}
+
+// Whether Closer.committed(seq, 1) would return at once: its guard is off, the value is already closing, or the
+// one new token (the last of `ids`) repeats none of the MAX_PERIOD before it while no run is going. Where this is
+// not a Closer, or not known, false: the caller makes the call.
+bool commit_changes_nothing(PyObject* closer, PyObject* ids) {
+  const CloserFields& c = closer_fields();
+  if (!Py_IS_TYPE(closer, reinterpret_cast<PyTypeObject*>(c.cls)) || !PyList_CheckExact(ids)) return false;
+  if (!py_attrs::truth(py_attrs::attr(closer, c.guard_limit).ptr()) ||
+      py_attrs::truth(py_attrs::attr(closer, c.repeating).ptr()) ||
+      py_attrs::truth(py_attrs::attr(closer, c.forced).ptr()))
+    return true;
+  if (!py_attrs::truth(py_attrs::attr(closer, c.quiet).ptr())) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(ids);
+  if (n == 0) return false;
+  PyObject* last = PyList_GET_ITEM(ids, n - 1);
+  for (Py_ssize_t j = std::max<Py_ssize_t>(0, n - 1 - c.max_period); j < n - 1; ++j) {
+    const int eq = PyObject_RichCompareBool(PyList_GET_ITEM(ids, j), last, Py_EQ);
+    if (eq < 0) throw py::error_already_set();
+    if (eq) return false;
+  }
+  return true;
+}
+
+// commit_changes_nothing, false where it cannot tell (the call then decides, and fails the row if it raises)
+bool quiet_commit(PyObject* closer, PyObject* ids) {
+  try {
+    return commit_changes_nothing(closer, ids);
+  } catch (py::error_already_set&) {
+    return false;
+  }
+}
+
 const Names& names() {
   static const Names* k = new Names;  // never destroyed: no Python call after finalization
   return *k;
@@ -269,7 +313,7 @@ Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guide
     if (PyList_Append(ids.ptr(), token) < 0) throw py::error_already_set();
     o.num_new.set(f.out.get(seq).ptr(), one.ptr());
     py::object out = outputs_maker().make(f.seq_id.get(seq).ptr(), token);
-    if (py::object closer = f.closer.get(seq); !closer.is_none()) {
+    if (py::object closer = f.closer.get(seq); !closer.is_none() && !quiet_commit(closer.ptr(), ids.ptr())) {
       PyObject* res = PyObject_CallMethodObjArgs(closer.ptr(), k.committed, seq, one.ptr(), nullptr);
       if (!res) {
         py::error_already_set exc;

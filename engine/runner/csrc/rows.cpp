@@ -42,12 +42,32 @@ struct Fields {
       params{seq_cls, "params"}, seed{seq_cls, "seed"}, closer{seq_cls, "closer"}, guided{seq_cls, "guided"},
       temperature{params_cls, "temperature"}, top_k{params_cls, "top_k"}, top_p{params_cls, "top_p"},
       logprobs{params_cls, "logprobs"}, penalized{params_cls, "_penalized", "penalized"};
-  PyObject *token_at = intern("token_at"), *forced_at = intern("forced_at");
+  PyObject *token_at = intern("token_at"), *forced_at = intern("forced_at"), *forced = intern("forced"),
+           *start_name = intern("start");
+  PyObject* closer_cls = slots::class_of("engine.guided.closing", "Closer");
 };
 
 const Fields& fields() {
   static const Fields* f = new Fields;  // never destroyed: no Python call after finalization
   return *f;
+}
+
+// Closer.forced_at(index), read from its `forced` tokens and their `start` where it is a Closer (the method
+// otherwise): most rows force nothing, and the call would cost more than the row's other fields.
+int64_t forced_at(const Fields& k, PyObject* closer, int64_t index) {
+  if (Py_IS_TYPE(closer, reinterpret_cast<PyTypeObject*>(k.closer_cls))) {
+    py::object forced = attr(closer, k.forced);
+    if (PyList_CheckExact(forced.ptr())) {
+      const Py_ssize_t n = PyList_GET_SIZE(forced.ptr());
+      if (n == 0) return -1;
+      const int64_t i = index - int_attr(closer, k.start_name);
+      return 0 <= i && i < n ? as_int(PyList_GET_ITEM(forced.ptr(), i)) : -1;
+    }
+  }
+  py::object f = py::reinterpret_steal<py::object>(PyObject_CallMethodOneArg(closer, k.forced_at,
+                                                                            py::int_(index).ptr()));
+  if (!f) throw py::error_already_set();
+  return as_int(f.ptr());
 }
 
 // Sequence.token_at(i): read from its token lists where it is a Sequence (a stand-in's own method otherwise).
@@ -149,13 +169,7 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
     py::object params = k.params.get(seq);
     const int64_t step = k.output.length(seq) + pending;
     py::object closer = k.closer.get(seq);
-    int64_t force = -1;
-    if (!closer.is_none()) {
-      py::object f = py::reinterpret_steal<py::object>(
-          PyObject_CallMethodOneArg(closer.ptr(), k.forced_at, py::int_(step).ptr()));
-      if (!f) throw py::error_already_set();
-      force = as_int(f.ptr());
-    }
+    const int64_t force = closer.is_none() ? -1 : forced_at(k, closer.ptr(), step);
     logits_indices[s] = i;
     temperature[s] = static_cast<float>(as_float(k.temperature.get(params.ptr()).ptr()));
     top_k[s] = k.top_k.get_int(params.ptr());
