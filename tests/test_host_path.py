@@ -73,6 +73,9 @@ def _run(native: bool) -> tuple[list, list]:
         if step == 15:                                      # a guided request's grammar fails (its callback's mark)
             failing = next(s for s in eng._seqs.values() if s.guided is not None and s.output_token_ids)
             failing.guided.error = "the grammar rejected a token"
+        for seq in list(eng._seqs.values()):     # every compile lands before the step: the same step in both runs
+            if seq.guided is not None and not seq.guided.future.done():
+                seq.guided.future.result(timeout=120)
         outs = eng.step()
         steps.append([(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.error,
                        o.logprobs) for o in outs])

@@ -96,28 +96,11 @@ struct OutputMaker {
   }
 };
 
-const SeqFields& seq_fields() {
-  static const SeqFields* f = new SeqFields;  // never destroyed: no Python call after finalization
-  return *f;
-}
-const RowFields& row_fields() {
-  static const RowFields* f = new RowFields;  // never destroyed: no Python call after finalization
-  return *f;
-}
-const OutFields& out_fields() {
-  static const OutFields* f = new OutFields;  // never destroyed: no Python call after finalization
-  return *f;
-}
-const CloserFields& closer_fields() {
-  static const CloserFields* c = new CloserFields;  // never destroyed: no Python call after finalization
-  return *c;
-}
-
 // Whether Closer.committed(seq, 1) would return at once: its guard is off, the value is already closing, or the
 // one new token (the last of `ids`) repeats none of the MAX_PERIOD before it while no run is going. Where this is
 // not a Closer, or not known, false: the caller makes the call.
 bool commit_changes_nothing(PyObject* closer, PyObject* ids) {
-  const CloserFields& c = closer_fields();
+  const CloserFields& c = slots::once<CloserFields>();
   if (!Py_IS_TYPE(closer, reinterpret_cast<PyTypeObject*>(c.cls)) || !PyList_CheckExact(ids)) return false;
   if (!py_attrs::truth(py_attrs::attr(closer, c.guard_limit).ptr()) ||
       py_attrs::truth(py_attrs::attr(closer, c.repeating).ptr()) ||
@@ -144,14 +127,6 @@ bool quiet_commit(PyObject* closer, PyObject* ids) {
   }
 }
 
-const Names& names() {
-  static const Names* k = new Names;  // never destroyed: no Python call after finalization
-  return *k;
-}
-const OutputMaker& outputs_maker() {
-  static const OutputMaker* m = new OutputMaker;  // never destroyed: no Python call after finalization
-  return *m;
-}
 
 bool call_truth(const py::object& obj, PyObject* method, int64_t arg) {
   py::object result = obj.attr(method)(arg);
@@ -160,7 +135,7 @@ bool call_truth(const py::object& obj, PyObject* method, int64_t arg) {
 
 // ScheduledRow(seq, start, 1, sample, -1, 0, 0, epoch, 0): a common decode row.
 py::object decode_row(py::handle row_cls, PyObject* seq, int64_t start, bool sample, py::object epoch) {
-  const RowFields& r = row_fields();
+  const RowFields& r = slots::once<RowFields>();
   if (!r.direct || row_cls.ptr() != r.cls) return row_cls(py::handle(seq), start, 1, sample, -1, 0, 0, epoch);
   auto* type = reinterpret_cast<PyTypeObject*>(r.cls);
   py::object row = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
@@ -186,8 +161,8 @@ py::object decode_row(py::handle row_cls, PyObject* seq, int64_t start, bool sam
 // -> (i, budget left).
 py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_t page_tokens, py::list rows,
                           py::object row_cls, py::object blocks) {
-  const SeqFields& f = seq_fields();
-  const Names& k = names();
+  const SeqFields& f = slots::once<SeqFields>();
+  const Names& k = slots::once<Names>();
   for (; i < PyList_GET_SIZE(running.ptr()) && budget > 0; ++i) {
     PyObject* seq = PyList_GET_ITEM(running.ptr(), i);
     const Py_ssize_t outputs = f.output.length(seq);
@@ -224,8 +199,8 @@ py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_
 // Scheduler.launched's counters for every row of a launched step. -> the sequences with newly full pages, in row
 // order, for the prefix map to register (Scheduler.launched does, after this).
 py::list launched(py::list rows, bool caching, int64_t page_tokens) {
-  const SeqFields& f = seq_fields();
-  const RowFields& r = row_fields();
+  const SeqFields& f = slots::once<SeqFields>();
+  const RowFields& r = slots::once<RowFields>();
   py::list to_register;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rows.ptr()); ++i) {
     PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
@@ -251,10 +226,11 @@ py::list launched(py::list rows, bool caching, int64_t page_tokens) {
 // nothing, for a request whose text is not streamed and that wants no logprobs), of a request whose grammar did
 // not fail. Reads only.
 bool plain_commit(PyObject* seq, PyObject* token, bool guided_failure, PyObject* eos_ids) {
-  const SeqFields& f = seq_fields();
-  const OutFields& o = out_fields();
+  const SeqFields& f = slots::once<SeqFields>();
+  const OutFields& o = slots::once<OutFields>();
+  const Names& k = slots::once<Names>();
   if (py::object guided = f.guided.get(seq); py_attrs::truth(guided.ptr())) {
-    if (guided_failure || py_attrs::truth(py_attrs::attr(guided.ptr(), names().error).ptr())) return false;
+    if (guided_failure || py_attrs::truth(py_attrs::attr(guided.ptr(), k.error).ptr())) return false;
   }
   py::object st = f.out.get(seq);
   if (st.is_none() || !o.reason.is_none(st.ptr()) || !(o.lazy.truth(st.ptr()) || o.detok.is_none(st.ptr())) ||
@@ -265,7 +241,7 @@ bool plain_commit(PyObject* seq, PyObject* token, bool guided_failure, PyObject*
     if (in < 0) throw py::error_already_set();
     return false;
   }
-  py::object stops = py_attrs::attr(f.params.get(seq).ptr(), names().stop_token_ids);
+  py::object stops = py_attrs::attr(f.params.get(seq).ptr(), k.stop_token_ids);
   if (!PyTuple_CheckExact(stops.ptr()) || PyTuple_GET_SIZE(stops.ptr()) > 0) {
     in = PySequence_Contains(stops.ptr(), token);
     if (in != 0) {
@@ -284,10 +260,10 @@ bool plain_commit(PyObject* seq, PyObject* token, bool guided_failure, PyObject*
 // fails alone). -> the index the Python loop takes next.
 Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guided_failure, py::object now,
                         py::object eos_ids, py::list outputs, py::object on_error) {
-  const SeqFields& f = seq_fields();
-  const RowFields& r = row_fields();
-  const OutFields& o = out_fields();
-  const Names& k = names();
+  const SeqFields& f = slots::once<SeqFields>();
+  const RowFields& r = slots::once<RowFields>();
+  const OutFields& o = slots::once<OutFields>();
+  const Names& k = slots::once<Names>();
   if (!PyFrozenSet_Check(eos_ids.ptr())) throw py::type_error("eos_ids must be a frozenset");
   py::int_ one(1);
   for (; i < PyList_GET_SIZE(rows.ptr()); ++i) {
@@ -312,7 +288,7 @@ Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guide
     py::object ids = f.output.get(seq);
     if (PyList_Append(ids.ptr(), token) < 0) throw py::error_already_set();
     o.num_new.set(f.out.get(seq).ptr(), one.ptr());
-    py::object out = outputs_maker().make(f.seq_id.get(seq).ptr(), token);
+    py::object out = slots::once<OutputMaker>().make(f.seq_id.get(seq).ptr(), token);
     if (py::object closer = f.closer.get(seq); !closer.is_none() && !quiet_commit(closer.ptr(), ids.ptr())) {
       PyObject* res = PyObject_CallMethodObjArgs(closer.ptr(), k.committed, seq, one.ptr(), nullptr);
       if (!res) {

@@ -100,4 +100,12 @@ inline PyObject* class_of(const char* module, const char* name) {
   return cls.release().ptr();  // held for the process
 }
 
+// The one T of the process, made at its first use (after Python is up) and never destroyed: its Python
+// references are not dropped after the interpreter has finalized.
+template <class T>
+const T& once() {
+  static const T* made = new T;
+  return *made;
+}
+
 }  // namespace slots

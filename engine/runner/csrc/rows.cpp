@@ -47,11 +47,6 @@ struct Fields {
   PyObject* closer_cls = slots::class_of("engine.guided.closing", "Closer");
 };
 
-const Fields& fields() {
-  static const Fields* f = new Fields;  // never destroyed: no Python call after finalization
-  return *f;
-}
-
 // Closer.forced_at(index), read from its `forced` tokens and their `start` where it is a Closer (the method
 // otherwise): most rows force nothing, and the call would cost more than the row's other fields.
 int64_t forced_at(const Fields& k, PyObject* closer, int64_t index) {
@@ -110,7 +105,7 @@ void write_table(PyObject* bt_rows, Py_ssize_t i, PyObject* table, int32_t* tabl
 }
 
 py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block_size) {
-  const Fields& k = fields();
+  const Fields& k = slots::once<Fields>();
   const Py_ssize_t n = PyList_GET_SIZE(rows.ptr());
   if (block_size <= 0) throw std::invalid_argument("block_size must be positive");
   if (PyList_GET_SIZE(bt_rows.ptr()) < n) throw std::invalid_argument("more rows than the slot holds");
@@ -186,7 +181,7 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
 // rows.py's ROW_* bits over a step's rows (row_flags_py, their definition): which variant and which host work the
 // step needs.
 int64_t row_flags(py::list rows) {
-  const Fields& k = fields();
+  const Fields& k = slots::once<Fields>();
   int64_t flags = 0;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rows.ptr()); ++i) {
     PyObject* row = PyList_GET_ITEM(rows.ptr(), i);
@@ -203,7 +198,7 @@ int64_t row_flags(py::list rows) {
 
 // How many of a step's first rows compute one token each (rows.py _fill's leading decode rows).
 Py_ssize_t leading_decode(py::list rows) {
-  const Fields& k = fields();
+  const Fields& k = slots::once<Fields>();
   Py_ssize_t i = 0;
   while (i < PyList_GET_SIZE(rows.ptr()) && k.num_tokens.get_int(PyList_GET_ITEM(rows.ptr(), i)) == 1) ++i;
   return i;
