@@ -36,7 +36,7 @@ class Commits:
         outputs = []
         now = time.perf_counter()
         spec_rows = spec_accepted = 0
-        i, native = 0, self.native and not self.spec_k
+        i, native = 0, self.native and not self.spec_k and isinstance(tokens, list)
         while i < len(rows):
             if native:      # a run of rows that need nothing else (the loop below, for them), in one call
                 i = _hostpath.commit_plain(rows, i, tokens, bool(guided_failure), now, self.output.eos_ids, outputs,

@@ -78,7 +78,7 @@ struct OutputMaker {
     for (int j = 0; j < 4; ++j)
       if (fields[j].cast<std::string>() != first[j]) throw std::runtime_error("RequestOutput's fields changed");
     defaults = py::tuple(py::len(fields));
-    for (size_t j = 4; j < py::len(fields); ++j) defaults[j] = given[fields[j]];
+    for (size_t j = 0; j < py::len(fields); ++j) defaults[j] = j < 4 ? py::none() : py::object(given[fields[j]]);
   }
 
   py::object make(PyObject* request_id, PyObject* token) const {
@@ -126,7 +126,6 @@ bool quiet_commit(PyObject* closer, PyObject* ids) {
     return false;
   }
 }
-
 
 bool call_truth(const py::object& obj, PyObject* method, int64_t arg) {
   py::object result = obj.attr(method)(arg);
