@@ -20,23 +20,23 @@ TOKENIZER = os.environ.get("SPECDEC_MODEL") or "default"
 ROWS = 256
 
 
-def _engine(native: bool) -> LLMEngine:
+def _engine(native: bool, **kw) -> LLMEngine:
     eng = LLMEngine(model="dummy:smollm2-tiny", tokenizer=TOKENIZER, device="cpu", dtype="float32",
                     attention_backend="torch", max_num_seqs=ROWS, max_num_batched_tokens=2048, max_model_len=256,
-                    num_kv_blocks=400, seed=0)
+                    num_kv_blocks=400, seed=0, **kw)
     eng.scheduler.native = eng.commits.native = native
     return eng
 
 
-def _requests(eng, rng: random.Random) -> list[tuple[int, list[int], SamplingParams, bool]]:
-    """(arrival step, prompt ids, params, stream) for 320 requests: a shared head (prefix-cache hits) and a tail of
+def _requests(eng, rng: random.Random, count: int) -> list[tuple[int, list[int], SamplingParams, bool]]:
+    """(arrival step, prompt ids, params, stream) for `count` requests: a shared head (prefix-cache hits) and a tail of
     their own; the stop token and word are common ones of the model's free output."""
     head = eng.apply_chat_template([{"role": "user", "content": "Name a colour and describe it. " * 3}])
     free = eng.generate([head], SamplingParams(max_tokens=24, temperature=0))[0]
     stop_token, stop_word = free.output_token_ids[3], eng.tokenizer.decode(free.output_token_ids[4:6]).strip()
     eos = sorted(eng.eos_ids)[0]
     out = []
-    for i in range(320):
+    for i in range(count):
         kind = i % 10
         kw = dict(max_tokens=rng.randrange(2, 40), temperature=0.0)
         arrival = rng.randrange(0, 30)
@@ -59,9 +59,10 @@ def _requests(eng, rng: random.Random) -> list[tuple[int, list[int], SamplingPar
     return out
 
 
-def _run(native: bool) -> tuple[list, list]:
-    eng = _engine(native)
-    work = sorted(enumerate(_requests(eng, random.Random(7))), key=lambda w: w[1][0])
+def _run(native: bool, count: int = 320, **kw) -> tuple[list, list, dict]:
+    """Each step's outputs, each request's end, and what the load did (preemptions, prefix-cache hit tokens)."""
+    eng = _engine(native, **kw)
+    work = sorted(enumerate(_requests(eng, random.Random(7), count)), key=lambda w: w[1][0])
     ids, steps, step = {}, [], 0
     while (work or eng.has_unfinished()) and step < 1000:
         while work and work[0][1][0] <= step:
@@ -80,17 +81,17 @@ def _run(native: bool) -> tuple[list, list]:
         steps.append([(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.error,
                        o.logprobs) for o in outs])
         step += 1
-    assert eng.scheduler.num_preemptions > 0 and eng.blocks.hit_tokens > 0    # the load preempts and hits the cache
     assert_no_leak(eng)
     seqs = [eng.take(ids[i]) for i in sorted(ids)]
     return steps, [(s.output_token_ids, s.finish_reason, s.text, s.error, s.first_token_time is not None)
-                   for s in seqs]
+                   for s in seqs], dict(preemptions=eng.scheduler.num_preemptions, hits=eng.blocks.hit_tokens)
 
 
 @pytest.mark.timeout(600)
 def test_the_native_host_path_commits_what_the_python_one_does():
-    native_steps, native_seqs = _run(native=True)
-    python_steps, python_seqs = _run(native=False)
+    native_steps, native_seqs, _ = _run(native=True)
+    python_steps, python_seqs, load = _run(native=False)
+    assert load["preemptions"] > 0 and load["hits"] > 0         # the load preempts and hits the cache
     reasons = {s[1] for s in python_seqs}
     assert {"stop", "length", "abort", "error"} <= reasons, reasons
     assert max(len(s) for s in python_steps) >= ROWS // 2         # a few hundred rows at once
@@ -100,3 +101,12 @@ def test_the_native_host_path_commits_what_the_python_one_does():
     assert native_seqs == python_seqs
     failed = [s for s in python_seqs if s[1] == "error"]
     assert len(failed) == 1 and failed[0][3] == "the grammar rejected a token"      # the bad request fails alone
+
+
+@pytest.mark.timeout(600)
+def test_a_speculating_engine_launches_and_commits_as_the_python_walks_do():
+    """With n-gram drafts the launched counters are native (pending counts 1 + K a speculating row) and the commit
+    is Python's: the outputs equal those of the all-Python walks."""
+    native = _run(native=True, count=64, speculative="ngram")
+    python = _run(native=False, count=64, speculative="ngram")
+    assert native == python
