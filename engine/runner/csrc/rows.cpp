@@ -36,8 +36,8 @@ struct Fields {
   PyObject* seq_cls = slots::class_of("engine.requests.sequence", "Sequence");
   PyObject* params_cls = slots::class_of("engine.requests.sequence", "SamplingParams");
   slots::Field seq{row_cls, "seq"}, start{row_cls, "start"}, num_tokens{row_cls, "num_tokens"},
-      sample{row_cls, "sample"},
-      sample_idx{row_cls, "sample_idx"}, num_pending{seq_cls, "num_pending"}, pool_row{seq_cls, "pool_row"},
+      sample{row_cls, "sample"}, sample_idx{row_cls, "sample_idx"}, num_pending{seq_cls, "num_pending"},
+      pool_row{seq_cls, "pool_row"},
       block_table{seq_cls, "block_table"}, prompt{seq_cls, "prompt_token_ids"}, output{seq_cls, "output_token_ids"},
       params{seq_cls, "params"}, seed{seq_cls, "seed"}, closer{seq_cls, "closer"}, guided{seq_cls, "guided"},
       temperature{params_cls, "temperature"}, top_k{params_cls, "top_k"}, top_p{params_cls, "top_p"},
