@@ -44,6 +44,7 @@ from pathlib import Path
 
 from bench.common import markdown_table, note, record, write_results
 from bench.serving import serve_client as sc
+from bench.serving.serve_engine import bench_engine
 from bench.serving.serve_servers import (engine_counters, engine_rates, start_ours, start_peer, start_vllm, stop,
                                          ttft_probe)
 
@@ -76,6 +77,12 @@ def parse_args(argv=None):
     p.add_argument("--json-frac", type=float, default=0.5)
     p.add_argument("--json-mode", choices=["response_format", "tools"], default="response_format")
     p.add_argument("--dataset", default="JME", choices=list(sc.DATASETS))
+    p.add_argument("--schemas", type=int, default=0, metavar="N",
+                   help="JSON requests draw from N of the dataset's schemas (an agent's tools), each compiled in the "
+                        "warm-up (0: all of them, most compiled on first use)")
+    p.add_argument("--engine-too", action="store_true",
+                   help="also run the same requests through the engine in-process (serve_engine.py): the rate the "
+                        "served one is set against")
     p.add_argument("--data", default=os.environ.get("SPECDEC_DATA", "../shared/data") + "/jsonschemabench")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=64)
@@ -113,8 +120,16 @@ def run_load(url, model, requests, target, args, load: str, x: float, max_tokens
     return dict(load=load, x=x, **sc.summarize(recs, {r["job"]: r for r in requests}))
 
 
+def warm_set(requests, args) -> list[dict]:
+    """Up to --warmup distinct requests; with --schemas, every schema's first (JSON ones first)."""
+    distinct = list({json.dumps(r["messages"]): r for r in requests}.values())
+    if args.schemas:
+        distinct.sort(key=lambda r: r["kind"] != "json")
+    return distinct[:max(args.warmup, args.schemas)]
+
+
 def warmup(url, model, requests, target, args) -> None:
-    distinct = list({json.dumps(r["messages"]): r for r in requests}.values())[:args.warmup]
+    distinct = warm_set(requests, args)
     if distinct:
         res = run_load(url, model, distinct, target, args, "closed", min(32, len(distinct)), 8, True)
         note(f"{target}: warm-up {res['ok']}/{res['requests']} ok {res['error_example'] or ''}")
@@ -202,7 +217,21 @@ def target_lines(records: list[dict]) -> list[str]:
             ratio = r["out_tok_s"] / plain[r["x"]]["out_tok_s"]
             out.append(f"{r['mode']} at {r['x']} streams: {ratio:.2f}x one engine's tok/s (>= 1.0: "
                        f"{'yes' if ratio >= 1.0 else 'no'}).")
+    out += served_lines(records)
     return out or ["Target: no successful run of ours at 32 streams."]
+
+
+def served_lines(records: list[dict]) -> list[str]:
+    """Served tok/s against the engine's in-process at the same concurrency (target: >= 0.9)."""
+    engine = {r["x"]: r for r in records if r.get("target") == "engine" and r.get("out_tok_s")}
+    out = []
+    for r in records:
+        if r.get("load") == "closed" and r.get("target") == "ours" and r.get("out_tok_s") and r["x"] in engine:
+            ratio = r["out_tok_s"] / engine[r["x"]]["out_tok_s"]
+            out.append(f"{r['mode']} at {r['x']} streams: {ratio:.2f}x the engine in-process "
+                       f"({r['out_tok_s']:,.0f} against {engine[r['x']]['out_tok_s']:,.0f} tok/s; >= 0.9: "
+                       f"{'yes' if ratio >= 0.9 else 'no'}).")
+    return out
 
 
 def _value(r: dict, key: str):
@@ -249,7 +278,7 @@ def plot_runs(records: list[dict], path: Path) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    requests = sc.build_requests(args.requests, args.seed, args.json_frac, args.data, args.dataset)
+    requests = sc.build_requests(args.requests, args.seed, args.json_frac, args.data, args.dataset, args.schemas)
     logdir = Path(tempfile.mkdtemp(prefix="specdec-serve-bench-"))
     note(f"server logs in {logdir}")
     peer = "vllm" if args.peer == "vllm" else "peer"
@@ -267,6 +296,8 @@ def main(argv=None):
     for t in targets:
         rows += bench_target(t, args, requests, logdir)
         partial.write_text(json.dumps(rows, indent=1, default=str))
+    if args.engine_too:
+        rows += bench_engine(args, requests)
     records = [to_record(r, args) for r in rows]        # after the servers stopped: device_name() may init CUDA
     out = Path(args.out_prefix + ".json")
     if args.merge and out.exists():                     # replace this run's modes, keep the others

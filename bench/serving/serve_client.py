@@ -29,13 +29,15 @@ from bench.guided.guided_quality import DATASETS, PROMPT, check_output, load_sch
 
 
 # ---- workload ------------------------------------------------------------------------------------------
-def build_requests(n: int, seed: int, json_frac: float, data: str, dataset: str) -> list[dict]:
+def build_requests(n: int, seed: int, json_frac: float, data: str, dataset: str, distinct: int = 0) -> list[dict]:
+    """distinct: JSON requests draw from the dataset's first `distinct` schemas only (0: from all)."""
     rng = random.Random(seed)
     n_json = round(n * json_frac)
     kinds = ["json"] * n_json + ["chat"] * (n - n_json)
     rng.shuffle(kinds)
     schemas = [(name, s) for name, s in load_schemas(resolve(DATASETS[dataset], data))
                if isinstance(s, dict)] if n_json else []
+    schemas = schemas[:distinct] if distinct else schemas
     out = []
     for i, kind in enumerate(kinds):
         if kind == "chat":
