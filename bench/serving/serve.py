@@ -55,7 +55,8 @@ COLUMNS = ["mode", "load", "x", "ok", "errors", "out_tok_s", "req_s", "ttft_p50_
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["ours", "peer", "both"], default="both")
+    p.add_argument("--only", choices=["ours", "peer", "both", "engine"], default="both",
+                   help="engine: only the engine in-process (serve_engine.py), no server")
     p.add_argument("--peer", choices=["transformers", "vllm"], default="transformers")
     p.add_argument("--vllm-site", default=os.environ.get("SPECDEC_VLLM_SITE", "/root/vllm-site"),
                    help="--peer vllm: the folder holding vLLM and only its wheels")
@@ -282,7 +283,7 @@ def main(argv=None):
     logdir = Path(tempfile.mkdtemp(prefix="specdec-serve-bench-"))
     note(f"server logs in {logdir}")
     peer = "vllm" if args.peer == "vllm" else "peer"
-    targets = {"both": ["ours", peer], "ours": ["ours"], "peer": [peer]}[args.only]
+    targets = {"both": ["ours", peer], "ours": ["ours"], "peer": [peer], "engine": []}[args.only]
     if args.single_process_too and "ours" in targets:
         targets.insert(0, "ours-1p")
     if args.data_parallel_too > 1 and "ours" in targets:
@@ -296,7 +297,7 @@ def main(argv=None):
     for t in targets:
         rows += bench_target(t, args, requests, logdir)
         partial.write_text(json.dumps(rows, indent=1, default=str))
-    if args.engine_too:
+    if args.engine_too or args.only == "engine":
         rows += bench_engine(args, requests)
     records = [to_record(r, args) for r in rows]        # after the servers stopped: device_name() may init CUDA
     out = Path(args.out_prefix + ".json")
