@@ -7,9 +7,8 @@ SCHEMA ?= docs/examples/get_weather.schema.json
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
-# pytest-xdist workers for `make test` (each loads the model: a few GB); more workers than cores fill the time
-# tests spend waiting on servers and subprocesses
-TEST_WORKERS ?= 3
+# pytest-xdist workers for `make test` (each loads the model: a few GB)
+TEST_WORKERS ?= 2
 
 .PHONY: run test gpu-test setup bench serve clean
 

@@ -121,16 +121,8 @@ def run_load(url, model, requests, target, args, load: str, x: float, max_tokens
     return dict(load=load, x=x, **sc.summarize(recs, {r["job"]: r for r in requests}))
 
 
-def warm_set(requests, args) -> list[dict]:
-    """Up to --warmup distinct requests; with --schemas, every schema's first (JSON ones first)."""
-    distinct = list({json.dumps(r["messages"]): r for r in requests}.values())
-    if args.schemas:
-        distinct.sort(key=lambda r: r["kind"] != "json")
-    return distinct[:max(args.warmup, args.schemas)]
-
-
 def warmup(url, model, requests, target, args) -> None:
-    distinct = warm_set(requests, args)
+    distinct = sc.warm_set(requests, args.warmup, args.schemas)
     if distinct:
         res = run_load(url, model, distinct, target, args, "closed", min(32, len(distinct)), 8, True)
         note(f"{target}: warm-up {res['ok']}/{res['requests']} ok {res['error_example'] or ''}")

@@ -50,6 +50,15 @@ def build_requests(n: int, seed: int, json_frac: float, data: str, dataset: str,
     return out
 
 
+def warm_set(requests: list[dict], warmup: int, schemas: int = 0) -> list[dict]:
+    """Up to `warmup` distinct requests; with `schemas` (build_requests' `distinct`), JSON ones first, so that
+    every schema's grammar is compiled before the timed runs."""
+    distinct = list({json.dumps(r["messages"]): r for r in requests}.values())
+    if schemas:
+        distinct.sort(key=lambda r: r["kind"] != "json")
+    return distinct[:max(warmup, schemas)]
+
+
 def request_body(req: dict, model: str, opts: dict, max_tokens: int | None = None) -> dict:
     """The request as sent to `opts["target"]` (ours | peer). The peer (transformers serve) answers 422 to
     fields it does not know, so ignore_eos is ours only; its fixed length is a generation_config with an

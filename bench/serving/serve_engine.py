@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from bench.common import note
+from bench.serving.serve_client import warm_set
 
 
 def engine_config(args) -> dict:
@@ -23,14 +24,19 @@ def engine_config(args) -> dict:
 
 
 def params_for(req: dict, args):
+    """The request's SamplingParams, or the ValueError a schema the engine cannot enforce raises."""
     from engine.requests.sequence import SamplingParams
     if req["kind"] == "chat":
         return SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.fixed_length)
-    return SamplingParams(max_tokens=args.json_max_tokens, temperature=0.0, json_schema=req["schema"])
+    try:
+        return SamplingParams(max_tokens=args.json_max_tokens, temperature=0.0, json_schema=req["schema"])
+    except ValueError as e:
+        return e
 
 
 def closed_run(eng, jobs: list, concurrency: int) -> dict:
-    """jobs: (prompt ids, params); keeps `concurrency` of them in flight. Returns the run's counts."""
+    """jobs: (prompt ids, params or the ValueError that refused them); keeps `concurrency` in flight. Returns the
+    run's counts."""
     queue, active = list(jobs), set()
     out_tokens = ok = errors = 0
     eng.timings.reset()
@@ -39,6 +45,8 @@ def closed_run(eng, jobs: list, concurrency: int) -> dict:
         while queue and len(active) < concurrency:
             ids, params = queue.pop(0)
             try:
+                if isinstance(params, ValueError):
+                    raise params
                 active.add(eng.add_request(ids, params, retain=True, detokenize=False))
             except ValueError:
                 errors += 1
@@ -67,8 +75,8 @@ def bench_engine(args, requests) -> list[dict]:
     rows = []
     try:
         jobs = [(eng.apply_chat_template(r["messages"]), params_for(r, args)) for r in requests]
-        distinct = list({tuple(ids): (ids, p) for ids, p in jobs}.values())[:args.warmup]
-        closed_run(eng, [(ids, _short(p)) for ids, p in distinct], min(32, len(distinct)))   # graphs, compiles
+        warm = [jobs[requests.index(r)] for r in warm_set(requests, args.warmup, args.schemas)]
+        closed_run(eng, [(ids, _short(p)) for ids, p in warm], min(32, len(warm)))   # graphs, compiles
         for c in args.concurrency:
             note(f"engine in-process: closed {c} ({len(jobs)} requests)")
             rows.append(dict(head, x=c, requests=len(jobs), **closed_run(eng, jobs, c)))
@@ -80,4 +88,4 @@ def bench_engine(args, requests) -> list[dict]:
 def _short(params):
     """The warm-up's version of a request: 8 tokens, its grammar compiled all the same."""
     import dataclasses
-    return dataclasses.replace(params, max_tokens=8)
+    return params if isinstance(params, ValueError) else dataclasses.replace(params, max_tokens=8)

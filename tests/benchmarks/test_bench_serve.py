@@ -48,3 +48,24 @@ def test_a_server_that_never_answers_200_is_stopped_and_named(server_and_proc):
     with pytest.raises(RuntimeError, match="not healthy"):
         wait_healthy(proc, url + "/nothing-here", log, timeout=1.5)
     assert proc.poll() is not None
+
+
+def test_the_engine_in_process_runs_the_served_requests_and_counts_refusals():
+    """serve_engine's closed loop: every request ends once, a schema the engine cannot enforce is an error (the
+    server's 400), the others stop or reach their budget, and the warm-up compiles each drawn schema first."""
+    from types import SimpleNamespace
+
+    from bench.serving import serve_client as sc
+    from bench.serving.serve_engine import bench_engine
+    refused = {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}, "else": {}}
+    fine = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    reqs = [dict(job=i, kind=kind, name=kind, schema=schema, messages=[{"role": "user", "content": f"q{i}"}])
+            for i, (kind, schema) in enumerate([("json", fine), ("chat", None), ("json", refused), ("chat", None),
+                                                ("json", fine)])]
+    assert [r["job"] for r in sc.warm_set(reqs, 1, schemas=2)] == [0, 2]      # the schemas first
+    args = SimpleNamespace(model="default", max_num_seqs=0, concurrency=[2], speculative="none",
+                           num_draft_tokens=3, max_tokens=4, json_max_tokens=24, fixed_length=True, warmup=2, schemas=0)
+    (row,) = bench_engine(args, reqs)
+    assert "error" not in row, row
+    assert (row["ok"], row["errors"], row["x"]) == (4, 1, 2)
+    assert 2 * 4 < row["output_tokens"] <= 2 * 4 + 2 * 24 and row["out_tok_s"] > 0

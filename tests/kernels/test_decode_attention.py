@@ -179,7 +179,7 @@ def test_engine_with_decode_attention_splits_and_prefetch_set_keeps_the_tokens(m
     from helpers import INTERPRETER_SETTINGS
     prompts = [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2], list(range(40, 140))]    # 100 tokens: past one tile
     results = []
-    for splits, tiles in ((0, 0), (4, 1), (0, 1), (4, 2)):
+    for splits, tiles in ((0, 0), (4, 1), (0, 2)):
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                         **INTERPRETER_SETTINGS, depth=2, max_num_seqs=4, max_model_len=128, enforce_eager=True,
                         decode_attention=True, decode_attention_splits=splits, decode_attention_prefetch=tiles)
@@ -192,7 +192,7 @@ def test_engine_with_decode_attention_splits_and_prefetch_set_keeps_the_tokens(m
         monkeypatch.setattr(da, "decode_attention", real)
         assert calls and set(calls) == {(splits or None, tiles)}
         results.append([s.output_token_ids for s in seqs])
-    assert results[1:] == [results[0]] * 3
+    assert results[1:] == [results[0]] * 2
 
 
 @pytest.mark.parametrize("splits", [3, 64, -2])
