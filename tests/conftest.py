@@ -17,6 +17,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_calls  # noqa: E402
+    interpreter_calls.install()
+
 # Under pytest-xdist (`make test` runs a worker a core) each worker takes its share of the cores: torch's default
 # of one thread a core per worker oversubscribes the machine and every CPU forward slows down.
 if os.environ.get("PYTEST_XDIST_WORKER"):
