@@ -5,7 +5,7 @@ batching) on the same weights, in one run, each started as a subprocess and stop
     python -m bench.serving.serve --only ours --speculative eagle --num-draft-tokens 3 --merge
     python -m bench.serving.serve --only peer --merge          # add (or redo) the peer in an existing serve.json
     python -m bench.serving.serve --peer vllm --out-prefix bench/results/peers_vllm_serve  # vLLM's server as the peer
-    python -m bench.serving.serve --only ours --engine-too --schemas 32 --concurrency 64 128 256 --rates \
+    python -m bench.serving.serve --only ours --engine-too --schemas 32 --concurrency 64 128 256 --rates \\
         --requests 2048                                        # served against the engine in-process, 32 tools
     python -m bench.serving.serve --requests 4 --peer-requests 2 --max-tokens 8 --json-max-tokens 64 \\
         --concurrency 1 2 --rates 4 --client-procs 2 --warmup 2 --out-prefix /tmp/serve_smoke   # CPU smoke

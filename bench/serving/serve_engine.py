@@ -44,9 +44,10 @@ def closed_run(eng, jobs: list, concurrency: int) -> dict:
     while queue or active:
         while queue and len(active) < concurrency:
             ids, params = queue.pop(0)
+            if isinstance(params, ValueError):
+                errors += 1
+                continue
             try:
-                if isinstance(params, ValueError):
-                    raise params
                 active.add(eng.add_request(ids, params, retain=True, detokenize=False))
             except ValueError:
                 errors += 1
@@ -74,8 +75,9 @@ def bench_engine(args, requests) -> list[dict]:
         return [dict(head, error=f"did not start: {e}"[:3000])]
     rows = []
     try:
-        jobs = [(eng.apply_chat_template(r["messages"]), params_for(r, args)) for r in requests]
-        warm = [jobs[requests.index(r)] for r in warm_set(requests, args.warmup, args.schemas)]
+        by_job = {r["job"]: (eng.apply_chat_template(r["messages"]), params_for(r, args)) for r in requests}
+        jobs = list(by_job.values())
+        warm = [by_job[r["job"]] for r in warm_set(requests, args.warmup, args.schemas)]
         closed_run(eng, [(ids, _short(p)) for ids, p in warm], min(32, len(warm)))   # graphs, compiles
         for c in args.concurrency:
             note(f"engine in-process: closed {c} ({len(jobs)} requests)")
