@@ -164,20 +164,24 @@ async def _poisson(client, url, jobs, t0, cfg) -> list[dict]:
 
 
 async def _closed(client, url, jobs, t0, cfg) -> list[dict]:
-    """jobs: (worker, req, body); each worker sends its next request when its previous one ends; with a
-    duration it cycles through its requests until then."""
-    by_worker: dict[int, list] = {}
-    for w, req, body in jobs:
-        by_worker.setdefault(w, []).append((req, body))
+    """jobs: (worker, req, body). The process's workers (one per distinct worker id) share one queue: a worker
+    takes the next request when its previous one ends, as the engine's own closed run does (serve_engine.py).
+    A fixed list per worker would leave workers idle once their own lists ran out while others still had long
+    requests queued. With a duration the queue repeats until then."""
+    workers = len({w for w, _, _ in jobs})
+    items = [(req, body) for _, req, body in jobs]
+    taken = iter(range(len(items) * (10 ** 9 if cfg["duration"] else 1)))   # one event loop: no lock
+    stop = min(t0 + (cfg["duration"] or cfg["timeout"]), t0 + cfg["timeout"])
 
-    async def worker(items):
-        out, i, stop = [], 0, t0 + (cfg["duration"] or cfg["timeout"])
-        while (i < len(items) or cfg["duration"]) and time.monotonic() < min(stop, t0 + cfg["timeout"]):
+    async def worker():
+        out = []
+        for i in taken:
+            if time.monotonic() >= stop:
+                break
             req, body = items[i % len(items)]
             out.append(await guarded(client, url, body, new_record(req, time.monotonic()), t0 + cfg["timeout"]))
-            i += 1
         return out
-    return [r for rs in await asyncio.gather(*(worker(v) for v in by_worker.values())) for r in rs]
+    return [r for rs in await asyncio.gather(*(worker() for _ in range(workers))) for r in rs]
 
 
 async def _run(url, jobs, t0, cfg) -> list[dict]:

@@ -69,3 +69,49 @@ def test_the_engine_in_process_runs_the_served_requests_and_counts_refusals():
     assert "error" not in row, row
     assert (row["ok"], row["errors"], row["x"]) == (4, 1, 2)
     assert 2 * 4 < row["output_tokens"] <= 2 * 4 + 2 * 24 and row["out_tok_s"] > 0
+
+
+class _SlowStream(http.server.BaseHTTPRequestHandler):
+    """An SSE answer of one content chunk after the request body's "delay" seconds."""
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):                              # noqa: N802 - the http.server API
+        import json
+        import time
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        time.sleep(body["delay"])
+        data = (b'data: {"choices": [{"delta": {"content": "x"}, "finish_reason": "stop"}]}\n\n'
+                b"data: [DONE]\n\n")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_closed_loop_workers_share_one_queue():
+    """A closed loop's workers take the next request as each ends, so requests go out in order and a worker
+    whose earlier requests were short is never idle while another's are still waiting."""
+    import asyncio
+    import time
+
+    from bench.serving import serve_client as sc
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowStream)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        delays = [0.6, 0.02] * 4                     # a fixed list per worker would give worker 0 every long one
+        jobs = [(i % 2, dict(job=i, kind="chat"), {"delay": d}) for i, d in enumerate(delays)]
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/chat/completions"
+        cfg = dict(load="closed", duration=None, timeout=30.0)
+        recs = asyncio.run(sc._run(url, jobs, time.monotonic(), cfg))
+    finally:
+        httpd.shutdown()
+    assert sorted(r["job"] for r in recs) == list(range(len(delays)))
+    assert all(r["error"] is None and r["text"] == "x" for r in recs), recs
+    sent = [r["sent"] for r in sorted(recs, key=lambda r: r["job"])]
+    assert sent == sorted(sent)
+    # the second worker serves every short request while the first waits on a long one
+    assert max(r["end"] for r in recs) - min(sent) < 2.0        # a fixed list each: 4 x 0.6 s at least
