@@ -41,6 +41,11 @@ class TextStream:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         self.finished = False
 
+    def tokens(self, sub: int, ids: list[int]) -> RequestOutput:
+        """An output that brings only new ids (the columns of ipc.Outputs): never a choice's last."""
+        text = "" if self.detok is None else "".join([self.detok.add(t) for t in ids])
+        return RequestOutput(sub, tuple(ids), text, False)
+
     def output(self, item: ipc.Out) -> RequestOutput:
         self.finished = item.finished
         ids = item.new_ids
@@ -167,7 +172,7 @@ class EngineClient(Router):
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, ipc.Outputs):
-            self._outputs(msg.items)
+            self._outputs(msg)
         elif isinstance(msg, ipc.Added):
             entry = self._subs.get(msg.sub)
             if entry is not None and not entry[0].added.done():
@@ -179,9 +184,14 @@ class EngineClient(Router):
         elif isinstance(msg, ipc.Fatal):
             self._lose(msg.engine, msg.message)
 
-    def _outputs(self, items: list) -> None:
-        batch, load = [], self.placement.load
-        for item in items:
+    def _outputs(self, frame: ipc.Outputs) -> None:
+        batch, load, at = [], self.placement.load, 0
+        for sub_id, choice, count in zip(frame.subs, frame.choices, frame.counts):
+            entry = self._subs.get(sub_id)
+            at += count
+            if entry is not None:
+                batch.append((entry[0], choice, entry[1][choice].tokens(sub_id, frame.ids[at - count:at])))
+        for item in frame.items:
             entry = self._subs.get(item.sub)
             if entry is None:
                 continue

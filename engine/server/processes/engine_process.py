@@ -95,7 +95,9 @@ class EngineServer:
             sock.connect(addresses.outbox(client))
             self.outboxes.append(sock)
         self.decode = ipc.engine_decoder().decode
-        self.routes: dict[int, tuple[int, int, int, bool]] = {}   # request id -> (client, sub, choice, text)
+        # request id -> (client, sub, choice, text, whole): `text`, the engine sends its text (stop strings);
+        # `whole`, every output goes as an ipc.Out (text or logprobs ride along), else all but the last as columns
+        self.routes: dict[int, tuple[int, int, int, bool, bool]] = {}
         self.subs: dict[tuple[int, int], set[int]] = {}            # (client, sub) -> its unfinished request ids
         self.compiles: dict[tuple[int, int], object] = {}          # (client, token) -> GuidedRequest
         self._replies: queue.SimpleQueue = queue.SimpleQueue()     # ((client, token), frame) from compile threads
@@ -186,7 +188,7 @@ class EngineServer:
                 params = ipc.params_from_wire(fields)
                 text = bool(params.stop)              # stop strings: the engine reads (and sends) the text
                 ids.append(self.engine.add_request(msg.prompt, params, stream=text, detokenize=text))
-                self.routes[ids[-1]] = (msg.client, msg.sub, choice, text)
+                self.routes[ids[-1]] = (msg.client, msg.sub, choice, text, text or params.logprobs is not None)
         except Exception as err:                      # all or none: undo the choices already added
             for rid in ids:
                 self.engine.abort(rid)
@@ -198,13 +200,23 @@ class EngineServer:
         out.send(ipc.encode(ipc.Added(msg.sub)))
 
     def _publish(self, outputs) -> None:
-        per_client: dict[int, list] = {}
+        frames: dict[int, ipc.Outputs] = {}
         for o in outputs:
             route = self.routes.get(o.request_id)
             if route is None:                 # an undone choice's abort
                 continue
-            client, sub, choice, text = route
-            per_client.setdefault(client, []).append(ipc.Out(
+            client, sub, choice, text, whole = route
+            frame = frames.get(client)
+            if frame is None:
+                frame = frames[client] = ipc.Outputs([])
+            if not (whole or o.finished):
+                ids = o.new_token_ids
+                frame.subs.append(sub)
+                frame.choices.append(choice)
+                frame.counts.append(len(ids))
+                frame.ids.extend(ids)
+                continue
+            frame.items.append(ipc.Out(
                 sub, choice, list(o.new_token_ids), o.new_text if text else None, o.finished, o.finish_reason,
                 o.error, o.spec, o.logprobs, o.cached_tokens, o.prompt_logprobs, o.closed_by))
             if o.finished:
@@ -214,8 +226,8 @@ class EngineServer:
                     left.discard(o.request_id)
                     if not left:
                         del self.subs[(client, sub)]
-        for client, items in per_client.items():
-            self.outboxes[client].send(ipc.encode(ipc.Outputs(items)))
+        for client, frame in frames.items():
+            self.outboxes[client].send(ipc.encode(frame))
 
     def _broadcast(self, msg) -> None:
         frame = ipc.encode(msg)

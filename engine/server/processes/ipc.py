@@ -4,8 +4,9 @@ sockets (engine/server/processes/engine_process.py, engine/server/processes/engi
 Sockets: every API process PUSHes to each engine process's PULL socket (`inbox`, one an engine); each engine PUSHes
 to each API process's own PULL socket (`outbox_<client>`), which all engines share: a frame names its submission
 or token, and those are the API process's own. One frame per message; a step's outputs for one API process
-travel as one `Outputs` frame. Requests go in as token ids; text comes back only for the choices that have
-stop strings (the engine must read text to stop on it), every other choice is detokenized by its API process.
+travel as one `Outputs` frame, most rows as columns of ids (the engine's loop pays for a struct a row). Requests go
+in as token ids; text comes back only for the choices that have stop strings (the engine must
+read text to stop on it), every other choice is detokenized by its API process.
 """
 from __future__ import annotations
 
@@ -79,7 +80,14 @@ class Out(msgspec.Struct, array_like=True):
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):
+    """A step's outputs for one API process. A row that brings only new token ids travels in the columns (a
+    choice's every output but its last, unless it reads text or logprobs), the others as `Out`s. The client
+    applies the columns first: a choice's outputs within one frame never go both ways but for its final one."""
     items: list[Out]
+    subs: list[int] = msgspec.field(default_factory=list)
+    choices: list[int] = msgspec.field(default_factory=list)
+    counts: list[int] = msgspec.field(default_factory=list)     # each row's new ids
+    ids: list[int] = msgspec.field(default_factory=list)        # the rows' new ids, one after another
 
 
 class Compiled(msgspec.Struct, tag=True, array_like=True):
