@@ -163,8 +163,9 @@ def bench_target(variant: str, args, requests, logdir: Path) -> list[dict]:
                 note(f"{head['mode']}: {load} {x} ({len(reqs)} requests)")
                 before, t0 = engine_counters(url) if target == "ours" else None, time.perf_counter()
                 row = run_load(url, model, reqs, target, args, load, x)
-                if before is not None:
-                    row.update(engine_rates(before, engine_counters(url), time.perf_counter() - t0))
+                if before is not None:          # per second of the run itself, not of the client processes' start
+                    seconds = row.get("makespan_s") or time.perf_counter() - t0
+                    row.update(engine_rates(before, engine_counters(url), seconds))
                 rows.append(dict(head, **row))
                 print(markdown_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
         if target in ("ours", "vllm") and args.ttft_prompt_tokens:
