@@ -88,7 +88,8 @@ def start_gateway(args, urls: list[str], policy: str, logdir: Path):
     port, log = free_port(), logdir / f"gateway_{policy}.log"
     cmd = [args.gateway, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
            "--policy", policy, "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           "--shutdown-grace-period-secs", "1"]     # stopped once its requests are done: SIGINT then takes 5 s
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:

@@ -38,7 +38,7 @@ def gateway(tmp_path_factory) -> str:
 def test_cache_aware_routing_finds_the_prefixes_and_a_killed_replica_costs_nothing_after(gateway, tmp_path):
     from bench.serving.gateway import main
     records = main(["--gateway", gateway, "--agents", "5", "--turns", "4", "--kv-pages", "52", "--clients", "2",
-                    "--kill-after-s", "5", "--failover-s", "14", "--out", str(tmp_path / "gateway.json")])
+                    "--kill-after-s", "3", "--failover-s", "8", "--out", str(tmp_path / "gateway.json")])
     rates = {r["mode"]: r for r in records if r["part"] == "hit_rate"}
     assert rates["round_robin"]["failed"] == rates["cache_aware"]["failed"] == 0
     assert rates["cache_aware"]["hit_rate"] >= max(2 * rates["round_robin"]["hit_rate"], 0.3), rates
