@@ -54,12 +54,13 @@ def tiny_prompts():
 
 
 def test_tiny_greedy_and_sampled_equal_tp1():
-    """Chunked prefill (40 tokens over a 32-token budget), decode, depth 1 and 2, greedy and seeded sampling."""
-    for depth in (1, 2):
-        same_as_tp1(tiny_prompts(), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), depth=depth, **TINY)
-    out, _ = same_as_tp1(tiny_prompts(), SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
-                                                        ignore_eos=True), **TINY)
-    assert len({tuple(o) for o in out}) > 1
+    """Chunked prefill (40 tokens over a 32-token budget), decode, depth 1 and 2, greedy and seeded sampling (at
+    depth 2, queued behind the greedy rows on the same engines: each TP = 2 engine start costs seconds)."""
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    same_as_tp1(tiny_prompts(), greedy, depth=1, **TINY)
+    out, _ = same_as_tp1(tiny_prompts() * 2, [greedy] * 4 + [sampled] * 4, depth=2, **TINY)
+    assert len({tuple(o) for o in out[4:]}) > 1
 
 
 def test_tiny_penalties_and_logprobs_equal_tp1():
