@@ -139,7 +139,7 @@ def test_two_engines_keep_each_agent_where_its_prompt_is_and_survive_a_kill():
         outcomes = []
 
         def long_request(agent: int):
-            outcomes.append(_chat(server, agent, 9, max_tokens=150, ignore_eos=True))
+            outcomes.append(_chat(server, agent, 9, max_tokens=60, ignore_eos=True))
         threads = [threading.Thread(target=long_request, args=(a,)) for a in range(4)]
         for t in threads:
             t.start()
