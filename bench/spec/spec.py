@@ -141,7 +141,8 @@ def run_acceptance(args) -> list[dict]:
     return records
 
 
-def run_speed(args) -> list[dict]:
+def run_speed(args, keep=None) -> list[dict]:
+    """keep(records so far), after each (dataset, streams) cell: a run cut at its time limit leaves those."""
     records = []
     variants = parse_variants(args.variants)
     modes = [("none", 0, "")] + [(d, k, v) for d in args.drafters for k in (args.k or [3]) for v in variants]
@@ -167,6 +168,8 @@ def run_speed(args) -> list[dict]:
                     rec["speedup"] = round(rec["tok_s"] / base, 3)
                     records.append(rec)
                     note(f"speed {name} streams={streams} {m}: {rec['tok_s']:.0f} tok/s x{rec['speedup']}")
+                if keep is not None:
+                    keep(records)
             finally:
                 close_engines(engines.values())
     return records
@@ -178,7 +181,8 @@ def main(argv=None):
     if args.only in (None, "acceptance"):
         records += run_acceptance(args)
     if args.only in (None, "speed"):
-        records += run_speed(args)
+        done = list(records)
+        records += run_speed(args, keep=lambda speed: write_results(done + speed, args.out))
     out = write_results(records, args.out)
     acc = [r for r in records if r["mode"] == "acceptance"]
     speed = [r for r in records if r["mode"] == "speed"]
