@@ -19,6 +19,7 @@ with jsonschema (json_stopped_frac: share that ended with the JSON complete rath
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import multiprocessing as mp
 import random
@@ -170,13 +171,13 @@ async def _closed(client, url, jobs, t0, cfg) -> list[dict]:
     requests queued. With a duration the queue repeats until then."""
     workers = len({w for w, _, _ in jobs})
     items = [(req, body) for _, req, body in jobs]
-    taken = iter(range(len(items) * (10 ** 9 if cfg["duration"] else 1)))   # one event loop: no lock
+    taken = itertools.count()                  # the workers share it; one event loop: no lock
     stop = min(t0 + (cfg["duration"] or cfg["timeout"]), t0 + cfg["timeout"])
 
     async def worker():
         out = []
         for i in taken:
-            if time.monotonic() >= stop:
+            if time.monotonic() >= stop or (i >= len(items) and not cfg["duration"]):
                 break
             req, body = items[i % len(items)]
             out.append(await guarded(client, url, body, new_record(req, time.monotonic()), t0 + cfg["timeout"]))

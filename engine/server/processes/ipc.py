@@ -4,9 +4,9 @@ sockets (engine/server/processes/engine_process.py, engine/server/processes/engi
 Sockets: every API process PUSHes to each engine process's PULL socket (`inbox`, one an engine); each engine PUSHes
 to each API process's own PULL socket (`outbox_<client>`), which all engines share: a frame names its submission
 or token, and those are the API process's own. One frame per message; a step's outputs for one API process
-travel as one `Outputs` frame, most rows as columns of ids (the engine's loop pays for a struct a row). Requests go
-in as token ids; text comes back only for the choices that have stop strings (the engine must
-read text to stop on it), every other choice is detokenized by its API process.
+travel as one `Outputs` frame, most rows as columns of ids (the engine's loop pays for a struct a row). Requests
+go in as token ids; text comes back only for the choices that have stop strings (the engine must read text to stop
+on it), every other choice is detokenized by its API process.
 """
 from __future__ import annotations
 
