@@ -41,7 +41,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
                    help="add POST /reset_prefix_cache, which forgets every cached prompt page no request holds (for "
                         "benchmarks and operators; any client reaching the server could call it)")
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                   help="API processes (HTTP, templates, tokenization, SSE) in front of the one engine process")
+                   help="API processes (HTTP, templates, tokenization, SSE) in front of the one engine process; "
+                        "raise it where many concurrent streams of a small model make them the limit "
+                        "(docs/server.md)")
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="engine processes, one a GPU, behind the same API processes; each request goes to the one "
                         "whose prefix cache holds the most of its prompt, else to the least loaded")
