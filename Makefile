@@ -19,10 +19,12 @@ $(BIN)/activate:
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q torch
 
 # installed again whenever setup.py changes (a new test dependency reaches an existing .venv); uv installs the rest
-# (~50 s against pip's ~100, the extensions' build included) and keeps the torch already there
+# (~50 s against pip's ~100, the extensions' build included) and keeps the torch already there. Compiled to
+# bytecode once here: where PYTHONDONTWRITEBYTECODE is set, every process (servers, their engine and API
+# processes, CLI runs) would otherwise compile transformers, FastAPI and the rest again at each start.
 $(VENV)/.installed: $(BIN)/activate setup.py
 	$(BIN)/pip install -q uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -e ".[test]"
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[test]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -32,6 +34,8 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check .
+	@# the project's own modules too, for the same reason
+	$(BIN)/python -m compileall -q -j 0 engine specdec hostfunc bench tests > /dev/null
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 # on a GPU machine, the package built in place (README, "On the GPU machine"; no venv: that machine has no
