@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,8 +74,6 @@ def _read_ready(proc: subprocess.Popen, found: dict) -> None:
 def serve(*args: str, timeout: float = 300.0):
     log = Path(tempfile.mkstemp(prefix="specdec-serve-", suffix=".log")[1])
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    if os.environ.get("PYTEST_XDIST_WORKER"):       # the server's share of the cores, as conftest.py gives its worker
-        env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
