@@ -43,8 +43,11 @@ class TextStream:
 
     def tokens(self, sub: int, ids: list[int]) -> RequestOutput:
         """An output that brings only new ids (the columns of ipc.Outputs): never a choice's last."""
-        text = "" if self.detok is None else "".join([self.detok.add(t) for t in ids])
-        return RequestOutput(sub, tuple(ids), text, False)
+        return RequestOutput(sub, tuple(ids), "" if self.detok is None else self._text(ids), False)
+
+    def _text(self, ids) -> str:
+        add = self.detok.add
+        return "".join([add(t) for t in ids])
 
     def output(self, item: ipc.Out) -> RequestOutput:
         self.finished = item.finished
@@ -53,8 +56,7 @@ class TextStream:
             text = item.text or ""
         else:
             last = len(ids) - (item.finished and item.reason == "stop" and bool(ids) and ids[-1] in self.stop_ids)
-            add = self.detok.add
-            text = "".join([add(t) for t in ids[:last]])
+            text = self._text(ids[:last])
             if item.finished:
                 text += self.detok.flush()
         return RequestOutput(item.sub, tuple(ids), text, item.finished, item.reason, item.error, spec=item.spec,
