@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # Under pytest-xdist (`make test` runs a worker a core) each worker takes its share of the cores: torch's default
 # of one thread a core per worker oversubscribes the machine and every CPU forward slows down. The processes a
 # test starts (CLI runs, bench drivers and their sides, servers) inherit the share through OMP_NUM_THREADS: with
-# torch's default there, a side process of tests/benchmarks/test_peers_vllm.py ran 3x slower beside a busy worker.
+# torch's default there, every forward of theirs slowed down beside the other busy worker.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
