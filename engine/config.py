@@ -96,11 +96,12 @@ class EngineConfig:
     seed: int = 0                      # draws the sampling seed of each request that sends none
     # speculative decoding
     speculative: str = "none"          # the drafter: "none", "ngram", "eagle" or "draft_model"
-    num_speculative_tokens: int = 3    # drafts a speculating sequence verifies a step
+    num_speculative_tokens: int = 3    # K: drafts a speculating sequence holds, the most a step verifies
     spec_head: str = ""                # eagle: a head directory ("": the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model sharing the tokenizer (a path, "default", "dummy:X")
     spec_max_batch: int = 32           # steps with more sequences do not speculate
-    spec_min_acceptance: float = 1.3   # speculation pauses while tokens accepted per verification fall below this
+    spec_min_acceptance: float = 1.3   # without step costs (eager, spec_budget off): pause below this acceptance
+    spec_budget: bool = True           # each step verifies K, a lower level or none: what its cost makes fastest
     ngram_min_n: int = 1               # ngram: the shortest suffix looked up in the prompt and output
     ngram_max_n: int = 3               # ngram: the longest
     # guided decoding and sampling
@@ -180,6 +181,12 @@ class EngineConfig:
     def spec_k(self) -> int:
         """Draft slots per speculating row (0: speculation off)."""
         return 0 if self.speculative == "none" else self.num_speculative_tokens
+
+    @property
+    def spec_levels(self) -> tuple[int, ...]:
+        """The drafts a speculating step may verify (graphs are captured for each)."""
+        from engine.speculative.budget import levels_for
+        return levels_for(self.spec_k) if self.spec_budget else ((self.spec_k,) if self.spec_k else ())
 
     def torch_device(self) -> torch.device:
         import torch

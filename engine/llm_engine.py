@@ -83,7 +83,9 @@ class LLMEngine(EngineFrontend):
             self.blocks.events = []
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, config.spec_min_acceptance,
-                          lookahead=self.runner.draft_lookahead) if self.spec_k else None
+                          lookahead=self.runner.draft_lookahead, levels=config.spec_levels) if self.spec_k else None
+        if spec is not None:
+            spec.budget.set_costs(getattr(self.runner, "step_costs", {}))
         pools = [RowPool(self.runner.pool.num_rows)] + ([RowPool(
             config.penalty_rows, "pen_row", lambda seq: seq.params.penalty_row)] if config.penalty_rows else [])
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, spec, pools)

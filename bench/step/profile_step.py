@@ -4,7 +4,7 @@
     PYTHONPATH=.old python -m bench.step.profile_step --tag before  # another tree's engine, same script
     python -m bench.step.profile_step --device cpu --dtype float32 --streams 2 --steps 4 --out /tmp/p.json  # smoke
     python -m bench.step.profile_step --streams 1 --tag eagle --engine speculative=eagle num_speculative_tokens=3 \
-        spec_min_acceptance=0      # the speculative step (any EngineConfig field: --engine KEY=VALUE ...)
+        spec_min_acceptance=0 spec_budget=false   # the speculative step at K (any EngineConfig field: --engine K=V)
     python -m bench.step.profile_step --streams 1 32 --rounds 2 --by-grid --variants ref:kernels=reference \
         auto: --resume --out $OUT/prof.json     # A/B in one run (cuBLAS, the measured routes); a cut run resumes
     python -m bench.step.profile_step --streams 32 --context 1024  # attention at an agent's context

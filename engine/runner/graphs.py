@@ -41,6 +41,11 @@ class GraphKey(NamedTuple):
     seqs: int       # sequences
     context: int    # the bound on a sequence's context that the attention's split is sized for
 
+    @property
+    def spec_k(self) -> int:
+        """Drafts a row of a spec graph verifies (0 for the other kinds)."""
+        return self.tokens // self.seqs - 1 if self.kind == "spec" else 0
+
 
 def graph_batch_sizes(limit: int) -> list[int]:
     """1, 2, 4, 8, every 8 rows to 64, every 16 past it, and the limit: a step pads to the next size, so past 64
@@ -136,7 +141,7 @@ class StepGraphs:
     def __init__(self, config, max_model_len: int, guided: bool, spec_rows: int = 0):
         self.max_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
-        self.spec_k = config.spec_k
+        self.spec_levels = config.spec_levels
         self.spec_sizes = graph_batch_sizes(spec_rows) if spec_rows else []
         self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
@@ -152,8 +157,8 @@ class StepGraphs:
     def decode_key(self, rows: int, context: int) -> GraphKey:
         return GraphKey("decode", rows, rows, context)
 
-    def spec_key(self, rows: int, context: int) -> GraphKey:
-        return GraphKey("spec", rows * (self.spec_k + 1), rows, context)
+    def spec_key(self, rows: int, context: int, k: int) -> GraphKey:
+        return GraphKey("spec", rows * (k + 1), rows, context)
 
     def mixed_key(self, tokens: int) -> GraphKey:
         return GraphKey("mixed", tokens, min(tokens, self.max_seqs), self.max_model_len)
@@ -163,7 +168,7 @@ class StepGraphs:
         context = next(c for c in self.contexts if c >= slot.max_seq_len)
         if slot.spec_k:
             bs = next((b for b in self.spec_sizes if b >= slot.num_seqs), 0)
-            return self.spec_key(bs, context) if bs and slot.spec_k == self.spec_k else None
+            return self.spec_key(bs, context, slot.spec_k) if bs and slot.spec_k in self.spec_levels else None
         if slot.max_query_len == 1 and slot.num_sample == slot.num_seqs:
             bs = next((b for b in self.sizes if b >= slot.num_seqs), 0)
             if bs:
@@ -175,7 +180,7 @@ class StepGraphs:
         if key.kind == "decode":
             pad_rows(slot, slot.num_seqs, key.seqs)
         elif key.kind == "spec":
-            pad_spec(slot, slot.num_seqs, key.seqs, self.spec_k)
+            pad_spec(slot, slot.num_seqs, key.seqs, key.spec_k)
         else:
             pad_mixed(slot, key.tokens, key.seqs)
 
@@ -187,7 +192,8 @@ class StepGraphs:
     def keys(self) -> list[GraphKey]:
         """Every graph, largest first: later captures reuse the pool blocks of earlier ones."""
         mixed = [self.mixed_key(t) for t in reversed(self.token_sizes)]
-        spec = [self.spec_key(bs, ctx) for bs in reversed(self.spec_sizes) for ctx in self.contexts]
+        spec = [self.spec_key(bs, ctx, k) for k in reversed(self.spec_levels) for bs in reversed(self.spec_sizes)
+                for ctx in self.contexts]
         return mixed + spec + [self.decode_key(bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
 
     def capture(self, program, slots, compute_stream) -> None:

@@ -19,7 +19,8 @@ from engine.runner.graphs import graph_batch_sizes
 def captured_rows(config, spec_rows: int) -> tuple[list[int], list[int]]:
     """(decode batch sizes, verification widths in tokens) the engine captures graphs for."""
     decode = graph_batch_sizes(config.max_num_seqs)
-    spec = [bs * (config.spec_k + 1) for bs in graph_batch_sizes(spec_rows)] if config.spec_k and spec_rows else []
+    spec = sorted({bs * (k + 1) for k in config.spec_levels for bs in graph_batch_sizes(spec_rows)}) if spec_rows \
+        else []
     return decode, spec
 
 

@@ -27,6 +27,7 @@ from engine.runner.kernel_routes import route_table
 from engine.runner.rows import fill_slot
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepProgram, StepVariant
+from engine.runner.step_costs import time_steps
 from engine.sampling.logprobs import HostLogprobs
 from engine.sampling.penalties import PenaltyState
 from engine.sampling.sampler import apply_bitmask
@@ -97,6 +98,10 @@ class ModelRunner:
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None, spec_rows=self.spec_rows)
             self.graphs.capture(self.program, self.slots, self.compute_stream)
+        # seconds a step by (K, rows), for the draft budget (engine/speculative/budget.py); every rank times them,
+        # in the same order (a tensor-parallel step's collectives pair up)
+        self.step_costs = time_steps(self.graphs, self.slots[0], self.compute_stream, self.num_blocks,
+                                     config.block_size) if self.graphs and self.spec_k and config.spec_budget else {}
         self.native = native_launch.for_runner(self, config.tuning.native_launch)
 
     # ---- setup -------------------------------------------------------------------------------

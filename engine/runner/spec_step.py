@@ -52,7 +52,7 @@ class SpecStepProgram(StepProgram):
         """(tokens, sequences, sampling rows, K) of a step at its exact size (key None) or padded to a key."""
         if key is None:
             return slot.num_tokens, slot.num_seqs, slot.num_sample, slot.spec_k
-        return key.tokens, key.seqs, key.seqs, self.state.k if key.kind == "spec" else 0
+        return key.tokens, key.seqs, key.seqs, key.spec_k
 
     def step(self, slot, prev, variant, key=None) -> None:
         """The whole speculative step (variant: engine.runner.step.StepVariant; key: an engine.runner.graphs.GraphKey
@@ -160,7 +160,7 @@ class SpecStepProgram(StepProgram):
         if guided:
             out = self.masks.drafts_dev[slot.index]
             out[:S, :K] = ids.view(S, K + 1)[:, 1:]
-            out[:S, K] = drafted
+            out[:S, self.state.k] = drafted         # (the grammar node reads the count at the engine's K)
         return drafted
 
     def verify(self, slot, ids, logits, S: int, K: int, greedy: bool, grammar, drafted, extras: bool = False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.speculative.budget import DraftBudget
 from engine.speculative.state import SpecStats
 
 
@@ -24,16 +25,21 @@ class SpecPolicy:
     min_acceptance: float = 0.0     # speculate while the recent acceptance length is at least this
     lookahead: int = 0              # tokens of pages to reserve past a row's inputs when free (head drafts)
     probe_every: int = 16           # below it: one spec step after this many plain ones, to measure again
+    levels: tuple = ()              # K values a step may verify (engine/speculative/budget.py); () : K alone
     ema: float = field(default=0.0, init=False)     # acceptance length of recent spec steps
+    budget: DraftBudget = field(init=False)
     _plain: int = field(default=0, init=False)
 
     def __post_init__(self):
         self.ema = self.k + 1.0         # optimistic start: a few poor steps do not pause a fresh engine
+        self.budget = DraftBudget(self.k, tuple(self.levels) or (self.k,))
 
     def observe(self, accepted: int, rows: int) -> None:
-        """A committed spec step: `rows` rows accepted `accepted` drafts in all."""
+        """A committed spec step: `rows` rows accepted `accepted` drafts in all (its rows one by one went to
+        budget.observe)."""
         if rows:
             self.ema = 0.8 * self.ema + 0.2 * (1 + accepted / rows)
+            self.budget.decay()
 
     def _paused(self) -> bool:
         """Drafts are accepted too rarely to pay for scoring them: plain steps, with a spec step now and then."""
@@ -65,17 +71,20 @@ class SpecPolicy:
         """K for the next step (0: a plain step). could_admit: a waiting request could join now (it would,
         in a plain step with its prompt chunk)."""
         rows = [s for s in running if s.num_scheduled_tokens < s.max_len and s.schedule_target > s.num_computed_tokens]
-        k = self.k
-        if could_admit or not rows or len(rows) > self.max_rows or len(rows) * (k + 1) > budget:
+        if could_admit or not rows or len(rows) > self.max_rows:
             return 0
         for s in rows:
             if s.schedule_target - s.num_computed_tokens != 1:
                 return 0
-            if s.num_computed_tokens + k >= self.max_model_len:
-                return 0
+        measured = bool(self.budget.sizes)      # step costs known: the budget chooses K, pausing included
+        k = self.budget.choose(len(rows)) if measured else self.k
+        if not k or len(rows) * (k + 1) > budget:
+            return 0
+        if any(s.num_computed_tokens + k >= self.max_model_len for s in rows):
+            return 0
         if not any(self.row_drafts(s, k) for s in rows):
             return 0
-        return 0 if self._paused() else k
+        return k if measured or not self._paused() else 0
 
 
 def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:

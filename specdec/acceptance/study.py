@@ -1,10 +1,10 @@
 """An acceptance-length study: which engines to build, which runs each does, and what a run measures.
 
 One engine per method (drafter, K, draft masks, forced drafts), built and closed one after another, every step
-speculating (spec_min_acceptance 0, spec_max_batch = batch). Each runs every (dataset, guided, temperature) it
-applies to: the dataset's prompts all at once (max_num_seqs = batch), to EOS or max_tokens. A "none" engine
-(no speculation) runs the same prompts first: the tokens greedy speculation must reproduce, and the tok/s a
-speedup is over.
+speculating at K (spec_min_acceptance 0, spec_budget off, spec_max_batch = batch). Each runs every (dataset,
+guided, temperature) it applies to: the dataset's prompts all at once (max_num_seqs = batch), to EOS or
+max_tokens. A "none" engine (no speculation) runs the same prompts first: the tokens greedy speculation must
+reproduce, and the tok/s a speedup is over.
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ class Method:
                   **({"dtype": study.dtype} if study.dtype else {}))
         if self.drafter != "none":
             kw.update(speculative=self.drafter, num_speculative_tokens=self.k, spec_max_batch=study.batch,
-                      spec_min_acceptance=0.0, guided_draft_masks=self.draft_masks,
+                      spec_min_acceptance=0.0, spec_budget=False, guided_draft_masks=self.draft_masks,
                       guided_forced_drafts=self.forced_drafts)
         if self.drafter == "eagle" and self.head:
             kw["spec_head"] = self.head

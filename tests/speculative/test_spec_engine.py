@@ -4,6 +4,8 @@ The workload is test_pipeline's (EOS, stop string, stop token, max_tokens, late 
 its sampled request, plus two prompts whose answers repeat themselves, so n-gram drafts get accepted and
 stops land inside accepted runs. Every run checks that KV pages and speculation rows all come back.
 """
+import itertools
+
 import pytest
 
 from conftest import assert_no_leak
@@ -126,6 +128,32 @@ def test_graph_padded_spec_steps_change_no_token(spec_workload, reference, draft
     assert eng.runner.graphs.replays["spec"] > 0 and eng.runner.graphs.replays["mixed"] > 0
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_any_k_step_by_step_changes_no_token(spec_workload, reference, drafter):
+    """Each step verifies the K the budget picks (here every level and none, in turn), in the graphs' padded
+    layouts: greedy output equals the plain engine's, and nothing leaks."""
+    eng = LLMEngine(**CPU, depth=2, speculative=drafter, num_speculative_tokens=5)
+    used = []
+
+    class Recording(EagerGraphs):
+        def replay(self, slot, variant):
+            used.append(slot.graph_key.spec_k)
+            return super().replay(slot, variant)
+    eng.runner.graphs = Recording(eng.runner)
+    budget = eng.scheduler.spec.budget
+    assert budget.levels == (1, 3, 5)
+    budget.set_costs({(k, r): 1.0 for k in (0, 1, 3, 5) for r in (1, 2, 4, 8)})
+    picks = itertools.cycle((5, 1, 0, 3, 5, 3, 1, 0))
+    budget.choose = lambda rows: next(picks)
+    seqs = drive(eng, spec_workload)
+    assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in reference["roomy"]]
+    assert [s.finish_reason for s in seqs] == [s.finish_reason for s in reference["roomy"]]
+    assert {1, 3, 5} <= set(used), used
+    assert eng.timings.spec_accepted > 0
+    assert_no_leak(eng)
+    assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows
+
+
 def test_statistics_and_per_request_k(engine, spec_workload):
     prompt = spec_workload[-1][1]
     eng = LLMEngine(**CPU, speculative="ngram", num_speculative_tokens=3)
@@ -172,6 +200,22 @@ def test_gpu_graphs_speculation_equals_plain(spec_workload, drafter, k):
     _same(got, ref)
     assert eng.runner.graphs.replays["spec"] > 0, "no spec step ran in a graph"
     assert eng.timings.spec_accepted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_gpu_graphs_any_k_step_by_step_equals_plain(spec_workload, drafter):
+    """Captured graphs of every level, the spec kernels' finish at each width, the step costs measured at start."""
+    _, ref = run(spec_workload, 2, **GPU_GRAPHS)
+    eng = LLMEngine(**(CPU | GPU_GRAPHS | dict(depth=2, speculative=drafter, num_speculative_tokens=5)))
+    budget = eng.scheduler.spec.budget
+    assert budget.sizes and all(budget.costs[(k, 1)] > 0 for k in (0, 1, 3, 5)), budget.costs
+    picks = itertools.cycle((5, 1, 0, 3, 5, 3, 1, 0))
+    budget.choose = lambda rows: next(picks)
+    got = drive(eng, spec_workload)
+    _same(got, ref)
+    assert eng.runner.graphs.replays["spec"] > 0 and eng.timings.spec_accepted > 0
+    assert_no_leak(eng)
 
 
 def test_policy_pauses_on_low_acceptance_and_probes():

@@ -4,6 +4,7 @@ grammar-forced tokens), K 1 and 3, depth 1 and 2, batched with unguided and samp
 ends "stop" validates; failures in the draft callbacks end their request alone.
 """
 import dataclasses
+import itertools
 import json
 
 import jsonschema
@@ -74,6 +75,22 @@ def test_guided_speculation_equals_guided(guided_workload, reference, drafter, k
     assert drafter == "ngram" or sum(s.spec.accepted for s in guided) > 0, "no guided row accepted a draft"
     if drafter == "draft_model":            # the target drafting for itself under the same masks
         assert t.acceptance_length > k + 0.5
+
+
+def test_any_k_step_by_step_changes_no_guided_token(guided_workload, reference):
+    """The draft budget's K changes from step to step (every level and none, in turn): the grammar walks each
+    step's drafts at that width, in the graphs' padded layouts."""
+    eng = LLMEngine(**(CPU | dict(depth=2, speculative="eagle", num_speculative_tokens=3)))
+    eng.runner.graphs = EagerGraphs(eng.runner, guided=True)
+    budget = eng.scheduler.spec.budget
+    budget.set_costs({(k, r): 1.0 for k in (0, 1, 3) for r in (1, 2, 4, 8)})
+    picks = itertools.cycle((3, 1, 0, 3, 3, 1, 1, 0))
+    budget.choose = lambda rows: next(picks)
+    got = drive(eng, guided_workload)
+    same_greedy(guided_workload, got, reference)
+    check_valid(guided_workload, got)
+    assert eng.timings.spec_accepted > 0 and eng.runner.graphs.replays["spec"] > 0
+    assert_no_leak(eng)
 
 
 @pytest.mark.parametrize("masks,forced", [(False, True), (True, False), (True, True)])

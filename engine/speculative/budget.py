@@ -1,0 +1,104 @@
+"""How many drafts a speculating step verifies: the level of K with the most expected tokens a second at the step's
+batch size, from measured step costs and the drafts' recent acceptance.
+
+A row of a step that verifies K drafts emits, on average, E(K) = 1 + sum over j <= K of a_1 * ... * a_j tokens,
+where a_j is the recent rate at which draft j passed when draft j - 1 had (counted at commit, decayed step by
+step). The step's cost is the seconds its captured graph takes at the padded batch size (timed once at start,
+engine/runner/step_costs.py); K = 0 is the engine's plain step, one token a row. Every row of the step pays the
+same cost, so the best K at a batch size is the one with the largest E(K) / cost(K, rows).
+
+Where a plain step wins the engine stops speculating, and runs one step at the best level now and then
+(`PROBE_EVERY`) to measure the acceptance again. Without costs (no graphs: eager engines, the CPU) the budget
+always answers the engine's K.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+PRIOR = 0.75            # a draft's acceptance rate before any was counted: start speculating at the largest K
+PRIOR_WEIGHT = 4.0      # rows' worth of evidence the prior is worth
+DECAY = 0.97            # a committed spec step's weight on the counts: about the last 30 steps count
+PROBE_EVERY = 16        # plain steps between two measuring spec steps
+
+
+def levels_for(k: int) -> tuple[int, ...]:
+    """The K values an engine of K drafts captures steps for: K and 1, and about half of K from K = 4 on (each
+    level adds a set of graphs to capture)."""
+    if k <= 0:
+        return ()
+    return tuple(sorted({1, (k + 1) // 2, k} if k >= 4 else {1, k}))
+
+
+@dataclass
+class DraftBudget:
+    k: int                                  # the engine's K: the drafts a row holds
+    levels: tuple[int, ...]                 # K values a step may verify (graphs exist for each)
+    costs: dict = field(default_factory=dict)   # {(K, padded rows): seconds a step}; K = 0: a plain step
+    hits: list = field(init=False)          # hits[j] / seen[j]: draft j's acceptance rate given draft j - 1 passed
+    seen: list = field(init=False)
+    _plain: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        if any(not 1 <= level <= self.k for level in self.levels):
+            raise ValueError(f"draft levels {self.levels} must lie in [1, {self.k}]")
+        self.hits = [PRIOR * PRIOR_WEIGHT] * (self.k + 1)
+        self.seen = [PRIOR_WEIGHT] * (self.k + 1)
+        self.set_costs(self.costs)
+
+    def set_costs(self, costs: dict) -> None:
+        """Step seconds by (K, padded rows): a plain step's (K = 0) and each level's at the same rows."""
+        for (k, rows), seconds in costs.items():
+            if k not in (0, *self.levels) or rows < 1 or not seconds > 0:
+                raise ValueError(f"step cost ({k}, {rows}) -> {seconds!r}: K must be 0 or a level of "
+                                 f"{self.levels}, rows positive, seconds positive")
+        self.costs = dict(costs)
+        sizes = {rows for _, rows in costs}
+        self.sizes = sorted(r for r in sizes if all((k, r) in costs for k in (0, *self.levels)))
+
+    def rate(self, j: int) -> float:
+        return self.hits[j] / self.seen[j]
+
+    def expected(self, k: int) -> float:
+        """Tokens a row emits, on average, in a step verifying k drafts."""
+        total = passed = 1.0
+        for j in range(1, k + 1):
+            passed *= self.rate(j)
+            total += passed
+        return total
+
+    def choose(self, rows: int) -> int:
+        """K for a step of `rows` speculating rows (0: a plain step)."""
+        if not self.sizes:
+            return self.k
+        i = bisect.bisect_left(self.sizes, rows)
+        padded = self.sizes[min(i, len(self.sizes) - 1)]
+        best = max(self.levels, key=lambda k: self.expected(k) / self.costs[(k, padded)])
+        if self.expected(best) / self.costs[(best, padded)] > 1.0 / self.costs[(0, padded)]:
+            self._plain = 0
+            return best
+        self._plain += 1
+        if self._plain >= PROBE_EVERY:
+            self._plain = 0
+            return best
+        return 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A committed row that verified `drafted` drafts and accepted the first `accepted` of them."""
+        for j in range(1, min(accepted, self.k) + 1):
+            self.hits[j] += 1.0
+            self.seen[j] += 1.0
+        if accepted < drafted <= self.k:
+            self.seen[accepted + 1] += 1.0
+
+    def decay(self) -> None:
+        """After a committed spec step's rows: older steps count less, down to PRIOR_WEIGHT rows' worth of evidence
+        a position (a position no step verifies lately keeps its last rate)."""
+        for j, seen in enumerate(self.seen):
+            if seen > PRIOR_WEIGHT:
+                f = max(DECAY, PRIOR_WEIGHT / seen)
+                self.hits[j], self.seen[j] = self.hits[j] * f, seen * f
+
+    def summary(self) -> str:
+        """One line: each level's expected tokens a row, e.g. 'E(1)=1.71 E(2)=2.22 E(3)=2.58'."""
+        return " ".join(f"E({k})={self.expected(k):.2f}" for k in self.levels)

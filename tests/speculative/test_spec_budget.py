@@ -1,0 +1,66 @@
+"""The draft budget: which K a step verifies, from step costs and the drafts' recent acceptance
+(engine/speculative/budget.py). That any K it picks leaves greedy output unchanged: test_spec_engine.py."""
+import pytest
+
+from engine.speculative.budget import PROBE_EVERY, DraftBudget, levels_for
+
+# a step's seconds by (K, rows): verifying costs little more than a plain step at one row, much more at 32
+COSTS = {(0, 1): 1.0, (1, 1): 1.02, (3, 1): 1.06, (6, 1): 1.12,
+         (0, 32): 1.0, (1, 32): 1.25, (3, 32): 1.8, (6, 32): 2.7}
+
+
+def _accepting(budget, rate: float, rows: int = 1000, steps: int = 40) -> None:
+    """Steps of rows whose drafts each pass with probability `rate` given the one before passed: rows * rate^a *
+    (1 - rate) rows accept exactly a drafts."""
+    k = budget.k
+    counts = [round(rows * rate ** a * (1 - rate)) for a in range(k)] + [round(rows * rate ** k)]
+    for _ in range(steps):
+        for accepted, n in enumerate(counts):
+            for _ in range(n):
+                budget.observe(k, accepted)
+        budget.decay()
+
+
+def test_levels():
+    assert levels_for(0) == () and levels_for(1) == (1,) and levels_for(3) == (1, 3)
+    assert levels_for(6) == (1, 3, 6) and levels_for(5) == (1, 3, 5)
+
+
+def test_many_drafts_at_one_row_few_at_many_rows():
+    budget = DraftBudget(6, levels_for(6), COSTS)
+    _accepting(budget, 0.8)
+    assert abs(budget.rate(1) - 0.8) < 0.05 and abs(budget.rate(4) - 0.8) < 0.08
+    assert budget.choose(1) == 6                 # 3.95 tokens for 12% more time
+    assert budget.choose(20) == 3                # padded to 32 rows: 2.95 / 1.8 beats 3.95 / 2.7 and 1.8 / 1.25
+
+
+def test_poor_drafts_pause_and_probe():
+    budget = DraftBudget(6, levels_for(6), COSTS)
+    _accepting(budget, 0.1)
+    picks = [budget.choose(32) for _ in range(2 * PROBE_EVERY)]
+    assert picks.count(0) == 2 * PROBE_EVERY - 2, picks
+    assert picks[PROBE_EVERY - 1] == 1 and picks[-1] == 1      # a probe at the best level, now and then
+    assert budget.choose(1) == 1                 # at one row even 1.1 tokens for 2% more time pays
+
+
+def test_without_costs_the_engine_k():
+    budget = DraftBudget(3, (1, 2, 3))
+    _accepting(budget, 0.05)
+    assert budget.choose(1) == 3 and budget.choose(32) == 3
+
+
+def test_evidence_decays_to_a_floor_not_to_nothing():
+    budget = DraftBudget(3, (1, 2, 3), {(k, 1): 1.0 + k / 10 for k in range(4)})
+    budget.observe(3, 1)
+    for _ in range(100_000):
+        budget.decay()
+    assert 0 < budget.rate(1) <= 1 and 0 < budget.rate(2) < budget.rate(1)
+
+
+def test_bad_costs_and_levels_refused():
+    with pytest.raises(ValueError, match="levels"):
+        DraftBudget(3, (1, 4))
+    with pytest.raises(ValueError, match="step cost"):
+        DraftBudget(3, (1, 3), {(2, 1): 1.0})
+    with pytest.raises(ValueError, match="step cost"):
+        DraftBudget(3, (1, 3), {(1, 1): 0.0})
