@@ -31,6 +31,7 @@ class Tuning:
     spec_kernels: bool = True          # the speculative step's correction and draft layout, one kernel each
     spec_finish_kernel: bool = True    # a greedy unguided spec step's acceptance and finish in one kernel
     draft_gather: bool = True          # the draft layout kernel also gathers the EAGLE head's inputs
+    spec_budget: bool = True           # each step verifies K, a lower level or none: what its cost makes fastest
     # grammar
     grammar_node: str = "native"       # who fills the masks: "native" (C++, no GIL) or "python" (the reference)
     grammar_threads: int = 4           # threads the grammar node fills a step's rows on (from 8 rows)
@@ -101,7 +102,6 @@ class EngineConfig:
     spec_draft_model: str = ""         # draft_model: a model sharing the tokenizer (a path, "default", "dummy:X")
     spec_max_batch: int = 32           # steps with more sequences do not speculate
     spec_min_acceptance: float = 1.3   # without step costs (eager, spec_budget off): pause below this acceptance
-    spec_budget: bool = True           # each step verifies K, a lower level or none: what its cost makes fastest
     ngram_min_n: int = 1               # ngram: the shortest suffix looked up in the prompt and output
     ngram_max_n: int = 3               # ngram: the longest
     # guided decoding and sampling
@@ -181,12 +181,6 @@ class EngineConfig:
     def spec_k(self) -> int:
         """Draft slots per speculating row (0: speculation off)."""
         return 0 if self.speculative == "none" else self.num_speculative_tokens
-
-    @property
-    def spec_levels(self) -> tuple[int, ...]:
-        """The drafts a speculating step may verify (graphs are captured for each)."""
-        from engine.speculative.budget import levels_for
-        return levels_for(self.spec_k) if self.spec_budget else ((self.spec_k,) if self.spec_k else ())
 
     def torch_device(self) -> torch.device:
         import torch

@@ -38,6 +38,7 @@ from engine.runner.slots import DecodeSlot
 from engine.scheduler import Scheduler
 from engine.speculative.drafters.draft_model import draft_source
 from engine.speculative.plan import SpecPolicy
+from engine.speculative.budget import engine_levels
 from engine.timings import StepTimings
 from engine.workers.cluster import start_ranks
 
@@ -83,7 +84,7 @@ class LLMEngine(EngineFrontend):
             self.blocks.events = []
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, config.spec_min_acceptance,
-                          lookahead=self.runner.draft_lookahead, levels=config.spec_levels) if self.spec_k else None
+                          lookahead=self.runner.draft_lookahead, levels=engine_levels(config)) if self.spec_k else None
         if spec is not None:
             spec.budget.set_costs(getattr(self.runner, "step_costs", {}))
         pools = [RowPool(self.runner.pool.num_rows)] + ([RowPool(

@@ -29,6 +29,7 @@ import hostfunc
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepVariant
 from engine.sampling.penalties import neutral
+from engine.speculative.budget import engine_levels
 
 SHORT_CONTEXT = 512
 
@@ -141,7 +142,7 @@ class StepGraphs:
     def __init__(self, config, max_model_len: int, guided: bool, spec_rows: int = 0):
         self.max_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
-        self.spec_levels = config.spec_levels
+        self.spec_levels = engine_levels(config)
         self.spec_sizes = graph_batch_sizes(spec_rows) if spec_rows else []
         self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})

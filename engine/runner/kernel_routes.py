@@ -14,12 +14,13 @@ import torch
 from engine.kernels.routes import RouteTable, load_pins
 from engine.models.loader import cache_dir
 from engine.runner.graphs import graph_batch_sizes
+from engine.speculative.budget import engine_levels
 
 
 def captured_rows(config, spec_rows: int) -> tuple[list[int], list[int]]:
     """(decode batch sizes, verification widths in tokens) the engine captures graphs for."""
     decode = graph_batch_sizes(config.max_num_seqs)
-    spec = sorted({bs * (k + 1) for k in config.spec_levels for bs in graph_batch_sizes(spec_rows)}) if spec_rows \
+    spec = sorted({bs * (k + 1) for k in engine_levels(config) for bs in graph_batch_sizes(spec_rows)}) if spec_rows \
         else []
     return decode, spec
 

@@ -100,8 +100,9 @@ class ModelRunner:
             self.graphs.capture(self.program, self.slots, self.compute_stream)
         # seconds a step by (K, rows), for the draft budget (engine/speculative/budget.py); every rank times them,
         # in the same order (a tensor-parallel step's collectives pair up)
+        timed = self.graphs is not None and self.spec_k and config.tuning.spec_budget
         self.step_costs = time_steps(self.graphs, self.slots[0], self.compute_stream, self.num_blocks,
-                                     config.block_size) if self.graphs and self.spec_k and config.spec_budget else {}
+                                     config.block_size) if timed else {}
         self.native = native_launch.for_runner(self, config.tuning.native_launch)
 
     # ---- setup -------------------------------------------------------------------------------

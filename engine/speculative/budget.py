@@ -30,6 +30,12 @@ def levels_for(k: int) -> tuple[int, ...]:
     return tuple(sorted({1, (k + 1) // 2, k} if k >= 4 else {1, k}))
 
 
+def engine_levels(config) -> tuple[int, ...]:
+    """The levels of an EngineConfig: levels_for(K) with Tuning.spec_budget, else K alone."""
+    k = config.spec_k
+    return levels_for(k) if config.tuning.spec_budget else ((k,) if k else ())
+
+
 @dataclass
 class DraftBudget:
     k: int                                  # the engine's K: the drafts a row holds
