@@ -30,6 +30,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future
+from operator import attrgetter
 
 import xgrammar as xgr
 
@@ -124,10 +125,10 @@ class GuidedRequest:
         self._matcher, self.handle, self.llg = matcher, native.handle(matcher), native.llg_matcher(matcher)
         self.ready = matcher is not None
 
-    accepted = property(lambda self: self.state.accepted, lambda self, v: setattr(self.state, "accepted", v))
-    through_step = property(lambda self: self.state.through_step,
-                            lambda self, v: setattr(self.state, "through_step", v))
-    error = property(lambda self: self.state.error, lambda self, v: setattr(self.state, "error", v))
+    # C getters (no Python frame): the native commit and schedule walks read these for every guided row
+    accepted = property(attrgetter("state.accepted"), lambda self, v: setattr(self.state, "accepted", v))
+    through_step = property(attrgetter("state.through_step"), lambda self, v: setattr(self.state, "through_step", v))
+    error = property(attrgetter("state.error"), lambda self, v: setattr(self.state, "error", v))
 
     def cancel(self) -> None:
         """This request no longer waits for its grammar (it ended, or its time ran out). Idempotent."""
