@@ -77,7 +77,8 @@ class SpecStepProgram(StepProgram):
         if S:
             tokens, accepted, finished = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K,
                                                             masked)
-        self.draft(slot, ids, features, meta, tokens, accepted, finished, T, S, K, guided)
+        self.draft(slot, ids, features, meta, tokens, accepted, finished, T, S, K, guided,
+                   key.context + K + 2 if key is not None else None)
 
     # ---- 1. correct ----------------------------------------------------------------------------
     def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
@@ -227,18 +228,19 @@ class SpecStepProgram(StepProgram):
         slot.sampled[:S] = tokens[:, 0]
 
     def draft(self, slot, ids, features, meta, tokens, accepted, finished, T: int, S: int, K: int,
-              guided: bool) -> None:
+              guided: bool, bound: int | None = None) -> None:
         """Drafts for the next step into SpecState, if the step has few enough sampling rows that its
         sequences may speculate next; a drafter with state (the EAGLE head's KV) sees every step's tokens.
         finished: (next_tokens, the rows' (last, last_seq, start, last_valid) or None), if the step's finish
-        kernel computed them already."""
+        kernel computed them already. bound: a graph's context bound + K + 2, past every row's valid history
+        (a row's length after the step is at most its seq_len + 1): the n-gram search reads no further."""
         d, st = slot.dev, self.state
         rows = d["smp_row"][:S]
         drafting = 0 < S <= self.draft_max_rows
         if self.drafter.uses_history:
             if drafting:
                 first = d["positions"][d["logits_indices"][:S]]
-                ctx = DraftContext(st.history[rows], first + 2 + accepted)
+                ctx = DraftContext(st.history[rows, :bound], first + 2 + accepted)
         else:
             next_ids, draft_rows = finished or (None, None)
             if next_ids is None:

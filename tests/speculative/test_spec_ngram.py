@@ -64,6 +64,18 @@ def test_matches_reference_on_long_histories():
         assert got == [reference(row, k, min_n, max_n) for row in rows]
 
 
+def test_history_cut_past_every_length_changes_no_draft():
+    """The step hands the drafter its rows' histories cut at the graph's context bound (every valid token before
+    it): the drafts are those of the whole history."""
+    gen = torch.Generator().manual_seed(5)
+    history = torch.randint(0, 6, (16, 300), generator=gen)
+    lengths = torch.randint(0, 120, (16,), generator=gen)
+    for bound in (lengths.max().item(), 121, 200):
+        for k in (1, 3, 5):
+            whole, cut = ngram_propose(history, lengths, k), ngram_propose(history[:, :bound], lengths, k)
+            assert torch.equal(whole[0], cut[0]) and torch.equal(whole[1], cut[1]), (bound, k)
+
+
 def test_no_match_gives_zero_drafts():
     got, drafts, num = propose_lists([[1, 2, 3, 4], [5], []], k=3)
     assert got == [[], [], []]
