@@ -8,8 +8,8 @@ engine/runner/step_costs.py); K = 0 is the engine's plain step, one token a row.
 same cost, so the best K at a batch size is the one with the largest E(K) / cost(K, rows).
 
 Where a plain step wins the engine stops speculating, and runs one step at the best level now and then
-(`PROBE_EVERY`) to measure the acceptance again. Without costs (no graphs: eager engines, the CPU) the budget
-always answers the engine's K.
+(`probe_every`, the policy's) to measure the acceptance again. Without costs (no graphs: eager engines, the CPU)
+the budget always answers the engine's K.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 PRIOR = 0.75            # a draft's acceptance rate before any was counted: start speculating at the largest K
 PRIOR_WEIGHT = 4.0      # rows' worth of evidence the prior is worth
 DECAY = 0.97            # a committed spec step's weight on the counts: about the last 30 steps count
-PROBE_EVERY = 16        # plain steps between two measuring spec steps
 
 
 def levels_for(k: int) -> tuple[int, ...]:
@@ -41,6 +40,7 @@ class DraftBudget:
     k: int                                  # the engine's K: the drafts a row holds
     levels: tuple[int, ...]                 # K values a step may verify (graphs exist for each)
     costs: dict = field(default_factory=dict)   # {(K, padded rows): seconds a step}; K = 0: a plain step
+    probe_every: int = 16                   # a measuring spec step in this many while plain steps win
     hits: list = field(init=False)          # hits[j] / seen[j]: draft j's acceptance rate given draft j - 1 passed
     seen: list = field(init=False)
     _plain: int = field(default=0, init=False)
@@ -84,7 +84,7 @@ class DraftBudget:
             self._plain = 0
             return best
         self._plain += 1
-        if self._plain >= PROBE_EVERY:
+        if self._plain >= self.probe_every:
             self._plain = 0
             return best
         return 0

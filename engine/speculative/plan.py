@@ -32,7 +32,7 @@ class SpecPolicy:
 
     def __post_init__(self):
         self.ema = self.k + 1.0         # optimistic start: a few poor steps do not pause a fresh engine
-        self.budget = DraftBudget(self.k, tuple(self.levels) or (self.k,))
+        self.budget = DraftBudget(self.k, tuple(self.levels) or (self.k,), probe_every=self.probe_every)
 
     def observe(self, accepted: int, rows: int) -> None:
         """A committed spec step: `rows` rows accepted `accepted` drafts in all (its rows one by one went to

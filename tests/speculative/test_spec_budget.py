@@ -2,7 +2,7 @@
 (engine/speculative/budget.py). That any K it picks leaves greedy output unchanged: test_spec_engine.py."""
 import pytest
 
-from engine.speculative.budget import PROBE_EVERY, DraftBudget, levels_for
+from engine.speculative.budget import DraftBudget, levels_for
 
 # a step's seconds by (K, rows): verifying costs little more than a plain step at one row, much more at 32
 COSTS = {(0, 1): 1.0, (1, 1): 1.02, (3, 1): 1.06, (6, 1): 1.12,
@@ -37,9 +37,10 @@ def test_many_drafts_at_one_row_few_at_many_rows():
 def test_poor_drafts_pause_and_probe():
     budget = DraftBudget(6, levels_for(6), COSTS)
     _accepting(budget, 0.1)
-    picks = [budget.choose(32) for _ in range(2 * PROBE_EVERY)]
-    assert picks.count(0) == 2 * PROBE_EVERY - 2, picks
-    assert picks[PROBE_EVERY - 1] == 1 and picks[-1] == 1      # a probe at the best level, now and then
+    every = budget.probe_every
+    picks = [budget.choose(32) for _ in range(2 * every)]
+    assert picks.count(0) == 2 * every - 2, picks
+    assert picks[every - 1] == 1 and picks[-1] == 1      # a probe at the best level, now and then
     assert budget.choose(1) == 1                 # at one row even 1.1 tokens for 2% more time pays
 
 
