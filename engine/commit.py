@@ -31,12 +31,15 @@ class Commits:
                                 # False: all in Python, their definition
 
     def step(self, rows, tokens: list, guided_failure: str | None = None,
-             logprobs: HostLogprobs | None = None) -> list[RequestOutput]:
-        """A step's rows with the tokens its device work sampled (a list per sampling row with speculation)."""
+             logprobs: HostLogprobs | None = None, spec: bool = False) -> list[RequestOutput]:
+        """A step's rows with the tokens its device work sampled: one per sampling row, or in a speculating step
+        (`spec`) a list per row (ModelRunner.wait). A plain step of a speculating engine commits as any plain
+        step does, the common rows in native code."""
         outputs = []
         now = time.perf_counter()
         spec_rows = spec_accepted = 0
-        i, native = 0, self.native and not self.spec_k and isinstance(tokens, list)
+        k = self.spec_k if spec else 0
+        i, native = 0, self.native and not k and isinstance(tokens, list)
         while i < len(rows):
             if native:      # a run of rows that need nothing else (the loop below, for them), in one call
                 i = _hostpath.commit_plain(rows, i, tokens, bool(guided_failure), now, self.output.eos_ids, outputs,
@@ -56,7 +59,7 @@ class Commits:
                 outputs.append(self.fail(seq, guided_error))
                 continue
             try:
-                if not self.spec_k:
+                if not k:
                     out = self.output.commit_plain(seq, tokens[row.sample_idx])
                     if out is not None:         # the common decode row: one token that ends nothing
                         if seq.closer is not None:
@@ -64,7 +67,7 @@ class Commits:
                         seq.first_token_time = seq.first_token_time or now
                         outputs.append(out)
                         continue
-                new = commit_row(seq, row, tokens[row.sample_idx], self.spec_k) if self.spec_k \
+                new = commit_row(seq, row, tokens[row.sample_idx], k) if k \
                     else tokens[row.sample_idx:row.sample_idx + 1]
                 if row.spec_k:
                     self.scheduler.rejected(row, len(new) - 1)

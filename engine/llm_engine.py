@@ -316,7 +316,7 @@ class LLMEngine(EngineFrontend):
             tokens = self.runner.wait(step.slot)
         t1 = time.perf_counter()
         outputs = self.commits.step(step.slot.rows, tokens, self.guided.step_failure(step.snapshot),
-                                    self.runner.logprobs(step.slot))
+                                    self.runner.logprobs(step.slot), spec=bool(step.slot.spec_k))
         fwd, mask, smp, idle = self.runner.gpu_times_ms(step.slot, step.index, self._last_committed)
         cb, delay = self.guided.callback_times(step.snapshot, max(self._tokens_landed, step.launched))
         self._last_committed, self._tokens_landed = step.index, t1

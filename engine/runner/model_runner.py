@@ -236,11 +236,14 @@ class ModelRunner:
     # ---- results -----------------------------------------------------------------------------
     def wait(self, slot: DecodeSlot) -> list:
         """Block until this slot's tokens are on the host (an event sync: it releases the GIL). One token per
-        sampling row; with speculation one list per row: emitted tokens (PAD after), then drafts verified."""
+        sampling row; in a speculating step one list per row: emitted tokens (PAD after), then drafts verified
+        (a plain step of a speculating engine emits its one token in the first column)."""
         if self.cuda:
             self.slot_events[slot.index]["copy_done"].synchronize()
-        out = slot.spec_out_host if self.spec_k else slot.sampled_host
-        return out[:slot.num_sample].tolist()
+        if not self.spec_k:
+            return slot.sampled_host[:slot.num_sample].tolist()
+        out = slot.spec_out_host[:slot.num_sample]
+        return out.tolist() if slot.spec_k else out[:, 0].tolist()
 
     def logprobs(self, slot: DecodeSlot) -> HostLogprobs | None:
         """The logprobs of a slot whose tokens were waited for, if its step recorded them."""

@@ -154,6 +154,14 @@ def test_any_k_step_by_step_changes_no_token(spec_workload, reference, drafter):
     assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows
 
 
+def test_plain_steps_of_a_speculating_engine_commit_as_plain_ones(spec_workload, reference):
+    """Steps of more rows than spec_max_batch do not speculate: their tokens come back one a row and commit on the
+    plain path (native runs included), with stops, EOS and max_tokens where the plain engine has them."""
+    eng, got = run(spec_workload, 2, speculative="ngram", num_speculative_tokens=3, spec_max_batch=1)
+    _same(got, reference["roomy"])
+    assert eng.timings.spec_rows > 0, "the steps of one row still speculate"
+
+
 def test_statistics_and_per_request_k(engine, spec_workload):
     prompt = spec_workload[-1][1]
     eng = LLMEngine(**CPU, speculative="ngram", num_speculative_tokens=3)
