@@ -72,9 +72,10 @@ class Commits:
                 if row.spec_k:
                     self.scheduler.rejected(row, len(new) - 1)
                 if row.num_drafts:      # (a row that verified no draft did not speculate)
-                    spec_rows, spec_accepted = spec_rows + 1, spec_accepted + len(new) - 1
-                    self.timings.add(spec_rows=1, spec_proposed=tokens[row.sample_idx][-1], spec_accepted=len(new) - 1)
-                    self.scheduler.spec.budget.observe(tokens[row.sample_idx][-1], len(new) - 1)
+                    drafted, accepted = tokens[row.sample_idx][-1], len(new) - 1
+                    spec_rows, spec_accepted = spec_rows + 1, spec_accepted + accepted
+                    self.timings.add(spec_rows=1, spec_proposed=drafted, spec_accepted=accepted)
+                    self.scheduler.spec.budget.observe(drafted, accepted)
                 lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
                     if seq.logprobs is not None else None
                 outputs.append(self.append(seq, new, now, lps))

@@ -104,7 +104,3 @@ class DraftBudget:
             if seen > PRIOR_WEIGHT:
                 f = max(DECAY, PRIOR_WEIGHT / seen)
                 self.hits[j], self.seen[j] = self.hits[j] * f, seen * f
-
-    def summary(self) -> str:
-        """One line: each level's expected tokens a row, e.g. 'E(1)=1.71 E(2)=2.22 E(3)=2.58'."""
-        return " ".join(f"E({k})={self.expected(k):.2f}" for k in self.levels)
