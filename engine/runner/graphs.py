@@ -208,7 +208,7 @@ class StepGraphs:
                 prev = slots[1 - slot.index]
                 for key in self.keys():
                     for variant in self.variants:
-                        self._set_empty_step(slot, key)
+                        self.set_empty_step(slot, key)
                         if key not in warm or variant not in warm:  # each shape and each variant once
                             program.step(slot, prev, variant, key)      # warm-up: Triton compiles here
                             warm.update((key, variant))
@@ -254,7 +254,7 @@ class StepGraphs:
         except Exception:           # noqa: BLE001 - interpreter teardown: the registry may be gone already
             pass
 
-    def _set_empty_step(self, slot: DecodeSlot, key: tuple) -> None:
+    def set_empty_step(self, slot: DecodeSlot, key: tuple) -> None:
         """Inputs for capture: every row padding (no KV written, nothing attended), uploaded now."""
         slot.num_tokens = slot.num_seqs = slot.num_sample = 0
         slot.np["cu_seqlens_q"][0] = 0

@@ -26,7 +26,7 @@ def time_steps(graphs, slot, compute_stream, num_blocks: int, block_size: int) -
                 graph = graphs.graphs.get((slot.index, key, variant))
                 if graph is None:
                     continue
-                graphs._set_empty_step(slot, key)
+                graphs.set_empty_step(slot, key)
                 _look_real(slot, rows, k + 1, context, num_blocks, block_size)
                 costs[(k, rows)] = _median_seconds(graph, compute_stream)
     return costs
