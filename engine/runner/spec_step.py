@@ -240,7 +240,7 @@ class SpecStepProgram(StepProgram):
         if self.drafter.uses_history:
             if drafting:
                 first = d["positions"][d["logits_indices"][:S]]
-                ctx = DraftContext(st.history[rows, :bound], first + 2 + accepted)
+                ctx = DraftContext(st.history[:, :bound], first + 2 + accepted, rows)
         else:
             next_ids, draft_rows = finished or (None, None)
             if next_ids is None:

@@ -11,6 +11,7 @@ from conftest import assert_no_leak, triton_module
 from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS, greedy_drafts
 
 so = triton_module("speculative.spec_ops")
+nd = triton_module("speculative.ngram_draft")
 DEV = "cpu" if so.interpreted() else "cuda"
 BS, MML = 4, 40                 # block size, max_model_len
 MAX_BLOCKS = (MML + 8) // BS    # room for positions a little past max_model_len
@@ -211,20 +212,22 @@ def test_refusals():
 
 
 def _counting(monkeypatch):
-    calls = {"correct": 0, "draft_layout": 0}
+    calls = {"correct": 0, "draft_layout": 0, "ngram_draft": 0}
     for name in calls:
-        real = getattr(so, name)
+        module = nd if name == "ngram_draft" else so
+        real = getattr(module, name)
         def count(*a, name=name, real=real):
             calls[name] += 1
             return real(*a)
-        monkeypatch.setattr(so, name, count)
+        monkeypatch.setattr(module, name, count)
     return calls
 
 
 @pytest.mark.parametrize("speculative,depth", SPEC_DEPTHS)
 def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch):
-    """A whole engine (Triton backend; an untrained EAGLE head, or n-gram drafting, which writes the history):
-    spec_kernels on gives the drafts and greedy outputs of spec_kernels off, and its steps take the kernels."""
+    """A whole engine (Triton backend; an untrained EAGLE head, or n-gram drafting, which writes and searches the
+    history): spec_kernels on gives the drafts and greedy outputs of spec_kernels off, and its steps take the
+    kernels."""
     from engine.llm_engine import LLMEngine
     calls = _counting(monkeypatch)
     prompts = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99], [300, 1, 2, 300, 1]]
@@ -239,3 +242,4 @@ def test_engine_outputs_equal_with_spec_kernels(speculative, depth, monkeypatch)
         assert runs[on][1] and (calls["correct"] > 0) == on
     assert runs[True] == runs[False]
     assert (calls["draft_layout"] > 0) == (speculative == "eagle")
+    assert (calls["ngram_draft"] > 0) == (speculative == "ngram")

@@ -27,7 +27,8 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
     (its ModelSource and loaded model), the attention backend and the KV page count it shares; a draft model
     its ModelSource (`draft`, from draft_model.draft_source)."""
     if config.speculative == "ngram":
-        return NgramDrafter(config.num_speculative_tokens, config.ngram_min_n, config.ngram_max_n)
+        return NgramDrafter(config.num_speculative_tokens, config.ngram_min_n, config.ngram_max_n,
+                            config.use_spec_kernels())
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if config.speculative == "eagle":
         from engine.speculative.drafters.eagle import EagleDrafter

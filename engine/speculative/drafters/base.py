@@ -33,9 +33,16 @@ class DraftContext:
         step), and the drafts guess positions lengths[r], lengths[r] + 1, ... Positions >= lengths[r] are
         padding with any value; drafters must not read meaning into them.
     lengths: [N] int64, valid tokens per row, 0 <= lengths[r] <= L. Not checked against L: that would sync.
+    rows: None, or [N] integer rows of `history`, which is then a whole table [R, L]: context row r is
+        history[rows[r]] (-1: the table's last row, as torch indexing reads it). `table()` gathers them.
     """
     history: torch.Tensor
     lengths: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def table(self) -> torch.Tensor:
+        """The context's own rows, [N, L]."""
+        return self.history if self.rows is None else self.history[self.rows]
 
 
 @dataclass

@@ -90,20 +90,25 @@ def ngram_propose(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: i
 
 
 class NgramDrafter(Drafter):
-    """Prompt-lookup drafter: deterministic, no model, no state between steps."""
+    """Prompt-lookup drafter: deterministic, no model, no state between steps. spec_kernels: the search in one
+    Triton kernel that reads the context's table in place (engine/kernels/speculative/ngram_draft.py)."""
 
     name = "ngram"
 
-    def __init__(self, k: int, min_n: int = 1, max_n: int = 3):
+    def __init__(self, k: int, min_n: int = 1, max_n: int = 3, spec_kernels: bool = False):
         _check_args(k, min_n, max_n)
         self.num_speculative_tokens = k
         self.min_n = min_n
         self.max_n = max_n
+        self.spec_kernels = spec_kernels
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        drafts, num_drafts = ngram_propose(ctx.history, ctx.lengths, self.num_speculative_tokens,
-                                           self.min_n, self.max_n)
-        return Proposal(drafts, num_drafts)
+        k, min_n, max_n = self.num_speculative_tokens, self.min_n, self.max_n
+        if self.spec_kernels:
+            from engine.kernels.speculative.ngram_draft import ngram_draft
+            rows = ctx.rows if ctx.rows is not None else torch.arange(ctx.history.shape[0], device=ctx.history.device)
+            return Proposal(*ngram_draft(ctx.history, rows, ctx.lengths, k, min_n, max_n))
+        return Proposal(*ngram_propose(ctx.table(), ctx.lengths, k, min_n, max_n))
 
     def __repr__(self) -> str:
         return f"NgramDrafter(k={self.num_speculative_tokens}, min_n={self.min_n}, max_n={self.max_n})"
