@@ -260,7 +260,7 @@ class LLMEngine(EngineFrontend):
             if not rows:
                 return None
             try:
-                self.runner.prepare(slot, rows)
+                self.runner.prepare(slot, rows, quiet=self.scheduler.spec is not None and self.scheduler.spec.quiet)
                 return rows, slot
             except RowError as err:
                 outputs.append(self.commits.fail(rows[err.index].seq, f"could not prepare its step inputs: {err}"))

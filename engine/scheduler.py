@@ -69,8 +69,10 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         budget = self.max_num_batched_tokens
-        k = self.spec.step_k(self.running, self._could_admit(budget), budget) if self.spec and not any(
-            s.params.penalized for s in self.running) else 0                # penalized rows never speculate
+        k = 0
+        if self.spec is not None:                   # penalized rows never speculate
+            k = self.spec.plain_step() if any(s.params.penalized for s in self.running) else \
+                self.spec.step_k(self.running, self._could_admit(budget), budget)
         budget = self._schedule_running(rows, budget, k)
         if not k:
             self._admit_waiting(rows, budget)

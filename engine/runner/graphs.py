@@ -7,7 +7,9 @@ Decode graph (GraphKey "decode", bs tokens in bs rows, context ctx): carry-over 
 `bs` rows of one query token each,
 captured for a bound on the context (`ctx`): the attention's KV split is sized for that bound, so short
 contexts do not launch the many mostly idle programs (and merge inputs) that the longest context needs.
-Padding rows write no KV (slot -1) and attend to nothing (seq_len 0); their logits are ignored.
+Padding rows write no KV (slot -1) and attend to nothing (seq_len 0); their logits are ignored. A speculating
+engine also captures quiet decode graphs (drafts False) at the sizes it speculates at: the same step without the
+drafting, for a paused engine's plain steps (engine/speculative/plan.py).
 
 Mixed graph ("mixed", T tokens in B rows, the model's context): any step of at most T tokens in at most
 B = min(T, max_num_seqs) sequences,
@@ -41,6 +43,7 @@ class GraphKey(NamedTuple):
     tokens: int     # query tokens
     seqs: int       # sequences
     context: int    # the bound on a sequence's context that the attention's split is sized for
+    drafts: bool = True     # a speculating engine's step drafts for the next one (False: a quiet decode step)
 
     @property
     def spec_k(self) -> int:
@@ -155,8 +158,8 @@ class StepGraphs:
         self.replays = Counter()                 # by kind ("decode", "mixed", "guided"); host thread only
         self.callbacks = hostfunc.HostfuncScope()  # handles of the captured grammar callbacks
 
-    def decode_key(self, rows: int, context: int) -> GraphKey:
-        return GraphKey("decode", rows, rows, context)
+    def decode_key(self, rows: int, context: int, drafts: bool = True) -> GraphKey:
+        return GraphKey("decode", rows, rows, context, drafts)
 
     def spec_key(self, rows: int, context: int, k: int) -> GraphKey:
         return GraphKey("spec", rows * (k + 1), rows, context)
@@ -173,7 +176,7 @@ class StepGraphs:
         if slot.max_query_len == 1 and slot.num_sample == slot.num_seqs:
             bs = next((b for b in self.sizes if b >= slot.num_seqs), 0)
             if bs:
-                return self.decode_key(bs, context)
+                return self.decode_key(bs, context, drafts=not (slot.quiet and bs in self.spec_sizes))
         t = next((t for t in self.token_sizes if t >= slot.num_tokens), 0)
         return self.mixed_key(t) if t else None
 
@@ -195,7 +198,9 @@ class StepGraphs:
         mixed = [self.mixed_key(t) for t in reversed(self.token_sizes)]
         spec = [self.spec_key(bs, ctx, k) for k in reversed(self.spec_levels) for bs in reversed(self.spec_sizes)
                 for ctx in self.contexts]
-        return mixed + spec + [self.decode_key(bs, ctx) for bs in reversed(self.sizes) for ctx in self.contexts]
+        quiet = [self.decode_key(bs, ctx, drafts=False) for bs in reversed(self.spec_sizes) for ctx in self.contexts]
+        return mixed + spec + quiet + [self.decode_key(bs, ctx) for bs in reversed(self.sizes)
+                                       for ctx in self.contexts]
 
     def capture(self, program, slots, compute_stream) -> None:
         """Capture every graph of a StepProgram over both slots and variants (the runner is not kept: no

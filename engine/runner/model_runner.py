@@ -155,11 +155,13 @@ class ModelRunner:
             self.graphs.close()
 
     # ---- plan (host only) --------------------------------------------------------------------
-    def prepare(self, slot: DecodeSlot, rows) -> None:
+    def prepare(self, slot: DecodeSlot, rows, quiet: bool = False) -> None:
         """Fill the slot's host buffers for these rows and pick its graph (engine/runner/rows.py fill_slot).
-        Raises RowError naming the row whose inputs could not be written."""
+        quiet: a plain step of a speculating engine that drafts nothing (engine/speculative/plan.py). Raises
+        RowError naming the row whose inputs could not be written."""
         fill_slot(slot, rows, self.config.block_size, self.spec_k, self.penalties, self.eos_ids,
                   self.spec_k and self.program.drafter.uses_history)
+        slot.quiet = bool(quiet and self.spec_k and not slot.spec_k)
         slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
         if slot.graph_key:
             self.graphs.pad(slot, slot.graph_key)

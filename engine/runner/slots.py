@@ -80,6 +80,7 @@ class DecodeSlot:
         self.np = {name: t.numpy() for name, t in self.host.items()}   # fast element writes
         # speculation: each sampling row's emitted tokens (PAD after them), then the drafts it verified
         self.spec_k = 0                                                 # drafts verified per row this step
+        self.quiet = False                                              # a speculating engine's step drafts nothing
         self.spec_out = torch.zeros(max_seqs, spec_k + 2, dtype=torch.int64, device=device) if spec_k else None
         self.spec_out_host = torch.zeros(max_seqs, spec_k + 2, dtype=torch.int64, pin_memory=pin) if spec_k \
             else None

@@ -16,7 +16,7 @@ Every step of a speculating engine (spec steps and plain ones) runs:
    the host keeps those of the emitted ones. With Tuning.spec_finish_kernel a greedy spec step without
    grammar does all of it (and the draft head's next_tokens) in one kernel, on the target's argmax.
 4. draft: the drafter guesses the next K tokens of each sampling row into SpecState.drafts, if the step
-   has few enough rows that its sequences may speculate next.
+   has few enough rows that its sequences may speculate next and is not a quiet step (a paused engine's).
 All of it is enqueue-only tensor code with shapes fixed by the step's key, so it is captured with the rest.
 """
 from __future__ import annotations
@@ -77,8 +77,9 @@ class SpecStepProgram(StepProgram):
         if S:
             tokens, accepted, finished = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K,
                                                             masked)
+        quiet = slot.quiet if key is None else not key.drafts
         self.draft(slot, ids, features, meta, tokens, accepted, finished, T, S, K, guided,
-                   key.context + K + 2 if key is not None else None)
+                   key.context + K + 2 if key is not None else None, quiet)
 
     # ---- 1. correct ----------------------------------------------------------------------------
     def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
@@ -228,15 +229,16 @@ class SpecStepProgram(StepProgram):
         slot.sampled[:S] = tokens[:, 0]
 
     def draft(self, slot, ids, features, meta, tokens, accepted, finished, T: int, S: int, K: int,
-              guided: bool, bound: int | None = None) -> None:
+              guided: bool, bound: int | None = None, quiet: bool = False) -> None:
         """Drafts for the next step into SpecState, if the step has few enough sampling rows that its
-        sequences may speculate next; a drafter with state (the EAGLE head's KV) sees every step's tokens.
+        sequences may speculate next and is not quiet (the next step will not speculate: engine/speculative/plan.py);
+        a drafter with state (the EAGLE head's KV) sees every step's tokens.
         finished: (next_tokens, the rows' (last, last_seq, start, last_valid) or None), if the step's finish
         kernel computed them already. bound: a graph's context bound + K + 2, past every row's valid history
         (a row's length after the step is at most its seq_len + 1): the n-gram search reads no further."""
         d, st = slot.dev, self.state
         rows = d["smp_row"][:S]
-        drafting = 0 < S <= self.draft_max_rows
+        drafting = 0 < S <= self.draft_max_rows and not quiet
         if self.drafter.uses_history:
             if drafting:
                 first = d["positions"][d["logits_indices"][:S]]

@@ -1,5 +1,6 @@
-"""What a speculating engine's steps cost on this GPU: each captured graph of a level of K (and the plain step, K = 0)
-at each batch size it speculates at, timed once after capture, for the draft budget (engine/speculative/budget.py).
+"""What a speculating engine's steps cost on this GPU: each captured graph of a level of K (and the quiet plain step,
+K = 0) at each batch size it speculates at, timed once after capture, for the draft budget
+(engine/speculative/budget.py).
 
 Each graph replays over padding rows made to look like real ones: every row at the short context bound (its
 attention reads that many tokens of KV, from pages of its own) and writing no KV (slot -1), greedy and unguided.
@@ -22,7 +23,8 @@ def time_steps(graphs, slot, compute_stream, num_blocks: int, block_size: int) -
     with torch.cuda.stream(compute_stream), torch.inference_mode():
         for rows in graphs.spec_sizes:
             for k in (0, *graphs.spec_levels):
-                key = graphs.spec_key(rows, context, k) if k else graphs.decode_key(rows, context)
+                # a paused engine's plain steps are quiet ones (engine/speculative/plan.py)
+                key = graphs.spec_key(rows, context, k) if k else graphs.decode_key(rows, context, drafts=False)
                 graph = graphs.graphs.get((slot.index, key, variant))
                 if graph is None:
                     continue

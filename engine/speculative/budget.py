@@ -89,6 +89,11 @@ class DraftBudget:
             return best
         return 0
 
+    def plain_next(self) -> bool:
+        """After `choose` answered 0: the next step is plain too, unless new evidence or another batch size changes
+        the answer (it is not the probe's turn)."""
+        return 0 < self._plain < self.probe_every - 1
+
     def observe(self, drafted: int, accepted: int) -> None:
         """A committed row that verified `drafted` drafts and accepted the first `accepted` of them."""
         for j in range(1, min(accepted, self.k) + 1):

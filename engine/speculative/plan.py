@@ -8,6 +8,11 @@ admitted instead, there are at most
 `max_rows` of them, and the K drafts fit the context. Otherwise it is a plain step (K = 0), which still
 records histories and drafts, so the next step can speculate. Each row caps the drafts it may accept
 (`num_drafts`): the request's own K, and what keeps max_tokens exact even if every draft passes.
+
+A paused engine (drafts pass too rarely to pay) whose next step will be plain too runs a quiet step: it records
+the histories (a head still reads the step's tokens) but drafts nothing, so it costs about what a step of the
+engine without speculation costs. Its rows then hold no fresh drafts, so the step after a quiet one never
+speculates: it drafts, and the one after it verifies.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ class SpecPolicy:
     levels: tuple = ()              # K values a step may verify (engine/speculative/budget.py); () : K alone
     ema: float = field(default=0.0, init=False)     # acceptance length of recent spec steps
     budget: DraftBudget = field(init=False)
+    quiet: bool = field(default=False, init=False)  # the step planned last drafts nothing (see the docstring)
     _plain: int = field(default=0, init=False)
 
     def __post_init__(self):
@@ -49,6 +55,11 @@ class SpecPolicy:
         self._plain += 1
         return True
 
+    def plain_step(self) -> int:
+        """K of a step that may not speculate for a reason of its own (penalized rows): 0, and it drafts."""
+        self.quiet = False
+        return 0
+
     def pages_ahead(self, blocks, seq, n: int, need: int) -> int:
         """Pages for n more tokens of seq, plus `lookahead` tokens when the pages are free now (a head drafts
         up to K - 1 positions past a row's last input; without the pages those drafts are poor, not wrong)."""
@@ -68,8 +79,13 @@ class SpecPolicy:
         return max(0, min(k, self.request_k(seq), seq.max_len - 1 - seq.num_scheduled_tokens))
 
     def step_k(self, running, could_admit: bool, budget: int) -> int:
-        """K for the next step (0: a plain step). could_admit: a waiting request could join now (it would,
-        in a plain step with its prompt chunk)."""
+        """K for the next step (0: a plain step; `quiet` then says whether it drafts). could_admit: a waiting
+        request could join now (it would, in a plain step with its prompt chunk)."""
+        was_quiet, self.quiet = self.quiet, False
+        k = self._step_k(running, could_admit, budget)
+        return 0 if was_quiet else k        # after a quiet step: draft first
+
+    def _step_k(self, running, could_admit: bool, budget: int) -> int:
         rows = [s for s in running if s.num_scheduled_tokens < s.max_len and s.schedule_target > s.num_computed_tokens]
         if could_admit or not rows or len(rows) > self.max_rows:
             return 0
@@ -78,13 +94,19 @@ class SpecPolicy:
                 return 0
         measured = bool(self.budget.sizes)      # step costs known: the budget chooses K, pausing included
         k = self.budget.choose(len(rows)) if measured else self.k
-        if not k or len(rows) * (k + 1) > budget:
+        if not k:
+            self.quiet = self.budget.plain_next()
+            return 0
+        if len(rows) * (k + 1) > budget:
             return 0
         if any(s.num_computed_tokens + k >= self.max_model_len for s in rows):
             return 0
         if not any(self.row_drafts(s, k) for s in rows):
             return 0
-        return k if measured or not self._paused() else 0
+        if measured or not self._paused():
+            return k
+        self.quiet = self._plain < self.probe_every     # the next step is paused too
+        return 0
 
 
 def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:

@@ -13,13 +13,14 @@ from engine.runner.graphs import GraphKey, StepGraphs
 
 STOP, STEP = 0, 1
 _KINDS = (None, "decode", "mixed", "spec")
-_SIZES = ("num_tokens", "num_seqs", "num_sample", "num_carry", "spec_k", "max_query_len", "max_seq_len", "extras")
+_SIZES = ("num_tokens", "num_seqs", "num_sample", "num_carry", "spec_k", "quiet", "max_query_len", "max_seq_len",
+          "extras")
 
 
 class StepChannel:
     def __init__(self, group):
         self.group = group
-        self.header = torch.zeros(10 + len(_SIZES), dtype=torch.int64)
+        self.header = torch.zeros(11 + len(_SIZES), dtype=torch.int64)
         self._header_np = self.header.numpy()
 
     # ---- rank 0 ------------------------------------------------------------------------------
@@ -28,7 +29,7 @@ class StepChannel:
         nbytes = slot.input_bytes(StepGraphs.padded_seqs(slot.graph_key))
         sizes = [getattr(slot, name) for name in _SIZES]
         self._header_np[:] = [STEP, slot.index, step_index, greedy, guided, _KINDS.index(key.kind), key.tokens,
-                              key.seqs, key.context, nbytes, *sizes]
+                              key.seqs, key.context, key.drafts, nbytes, *sizes]
         self.group.control_broadcast(self.header)
         self.group.control_broadcast(slot.inputs(nbytes))
 
@@ -43,11 +44,11 @@ class StepChannel:
         h = self.group.control_broadcast(self.header).tolist()
         if h[0] == STOP:
             return None
-        _, index, step_index, greedy, guided, kind, tokens, seqs, context, nbytes, *sizes = h
+        _, index, step_index, greedy, guided, kind, tokens, seqs, context, drafts, nbytes, *sizes = h
         slot = slots[index]
         before_write(slot)
         self.group.control_broadcast(slot.inputs(nbytes))
         for name, value in zip(_SIZES, sizes):
             setattr(slot, name, value)
-        slot.graph_key = GraphKey(_KINDS[kind], tokens, seqs, context) if kind else None
+        slot.graph_key = GraphKey(_KINDS[kind], tokens, seqs, context, bool(drafts)) if kind else None
         return slot, step_index, bool(greedy), bool(guided)

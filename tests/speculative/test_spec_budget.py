@@ -65,3 +65,28 @@ def test_bad_costs_and_levels_refused():
         DraftBudget(3, (1, 3), {(2, 1): 1.0})
     with pytest.raises(ValueError, match="step cost"):
         DraftBudget(3, (1, 3), {(1, 1): 0.0})
+
+
+def _decoding_rows(n: int) -> list:
+    from types import SimpleNamespace
+    return [SimpleNamespace(num_scheduled_tokens=10, max_len=100, schedule_target=11, num_computed_tokens=10,
+                            params=SimpleNamespace(num_speculative_tokens=None)) for _ in range(n)]
+
+
+def test_paused_steps_are_quiet_and_a_drafting_step_comes_before_any_spec_step():
+    """A plain step whose next step is plain too drafts nothing (quiet); the one before a probe drafts; a step the
+    budget would speculate in right after a quiet one drafts instead, and the next one verifies."""
+    from engine.speculative.plan import SpecPolicy
+    policy = SpecPolicy(k=3, max_rows=32, max_model_len=512, probe_every=4, levels=(1, 3))
+    policy.budget.set_costs({key: cost for key, cost in COSTS.items() if key[0] in (0, 1, 3)})
+    _accepting(policy.budget, 0.05)
+    rows = _decoding_rows(20)
+    seen = [(policy.step_k(rows, False, 1000), policy.quiet) for _ in range(8)]
+    assert seen == [(0, True), (0, True), (0, False), (1, False)] * 2, seen
+    policy.step_k(rows, False, 1000)
+    assert policy.quiet
+    _accepting(policy.budget, 0.9)               # drafts pass now: speculate, but draft first
+    assert (policy.step_k(rows, False, 1000), policy.quiet) == (0, False)
+    assert (policy.step_k(rows, False, 1000), policy.quiet) == (3, False)
+    assert policy.step_k(rows, True, 1000) == 0 and not policy.quiet, "a step that admits drafts"
+    assert policy.plain_step() == 0 and not policy.quiet
