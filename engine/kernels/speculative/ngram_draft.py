@@ -59,8 +59,11 @@ def ngram_draft(history: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor
     token ids (a strided view such as the first L columns of a wider table is read in place), rows [N] integer rows
     of it (-1: the last row, as torch indexing reads it), lengths [N] integer valid tokens per row (clamped into
     [0, L]). -> (drafts [N, k] int64, num_drafts [N] int64), equal to the torch code's."""
-    from engine.speculative.drafters.ngram import _check_args
-    _check_args(k, min_n, max_n)
+    for name, value in (("k", k), ("min_n", min_n), ("max_n", max_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if min_n > max_n:
+        raise ValueError(f"need min_n <= max_n, got min_n={min_n}, max_n={max_n}")
     device = history.device
     _check_tensor("history", history, 2, _INTS, device)
     _check_tensor("rows", rows, 1, _INTS, device)
