@@ -162,6 +162,19 @@ def record_drafts(drafter) -> list:
     return drafts
 
 
+def record_steps(eng) -> list:
+    """The list (K, quiet, drafted) of every step the engine runs goes into from now on, in launch order."""
+    program, log = eng.runner.program, []
+    proposals, step = record_drafts(program.drafter), program.step
+
+    def recorded(slot, prev, variant, key=None):
+        before = len(proposals)
+        step(slot, prev, variant, key)
+        log.append((slot.spec_k, slot.quiet if key is None else not key.drafts, len(proposals) > before))
+    program.step = recorded
+    return log
+
+
 def greedy_drafts(eng, prompts, lengths) -> tuple[list, list]:
     """(outputs, each proposal's draft tokens as lists) of greedy requests of max_tokens `lengths`, EOS ignored."""
     drafts = record_drafts(eng.runner.program.drafter)

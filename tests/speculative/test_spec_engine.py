@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_no_leak
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
-from helpers import CPU, PREEMPTING, REPEATING, ROOMY, EagerGraphs, drive, record_drafts
+from helpers import CPU, PREEMPTING, REPEATING, ROOMY, EagerGraphs, drive, record_steps
 
 # float32: in bfloat16 scoring 1 + K tokens at once rounds differently from scoring one, and a near-tie argmax
 # can flip (bench/spec/spec.py reports how often outputs stay identical in bfloat16: same_tokens_as_none)
@@ -154,19 +154,6 @@ def test_any_k_step_by_step_changes_no_token(spec_workload, reference, drafter):
     assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows
 
 
-def _recording_steps(eng) -> list:
-    """(K, quiet, drafted) of every step the engine runs, in launch order."""
-    program, log = eng.runner.program, []
-    proposals, step = record_drafts(program.drafter), program.step
-
-    def recorded(slot, prev, variant, key=None):
-        before = len(proposals)
-        step(slot, prev, variant, key)
-        log.append((slot.spec_k, slot.quiet if key is None else not key.drafts, len(proposals) > before))
-    program.step = recorded
-    return log
-
-
 @pytest.mark.parametrize("layout", ["graphs", "eager"])
 def test_quiet_steps_draft_nothing_and_change_no_token(spec_workload, reference, layout):
     """A paused engine's plain steps draft nothing, and the step after one drafts before any verifies: greedy output
@@ -182,7 +169,7 @@ def test_quiet_steps_draft_nothing_and_change_no_token(spec_workload, reference,
     else:
         eng = LLMEngine(**CPU, depth=2, speculative="ngram", num_speculative_tokens=3, spec_min_acceptance=50.0)
         eng.scheduler.spec.probe_every = 3
-    log = _recording_steps(eng)
+    log = record_steps(eng)
     _same(drive(eng, spec_workload), reference["roomy"])
     assert_no_leak(eng)
     assert any(q for _, q, _ in log) and any(k for k, _, _ in log), log
