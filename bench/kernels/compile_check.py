@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from engine.kernels.sampling import argmax  # noqa: E402
 from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
 from engine.kernels.matmul import decode_gemm, decode_gemv, head_mma  # noqa: E402
-from engine.kernels.speculative import head_ops, spec_finish, spec_ops  # noqa: E402
+from engine.kernels.speculative import head_ops, ngram_draft, spec_finish, spec_ops  # noqa: E402
 from engine.kernels import step_io  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -157,6 +157,10 @@ def variants(pdl: bool) -> list[tuple]:
          dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, GATHER=False, WIDTH=1, USE_PDL=pdl), 1),
         ("spec_ops draft_layout gather", spec_ops._draft_layout_kernel, layout,
          dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, GATHER=True, WIDTH=1024, USE_PDL=pdl), 1),
+        ("ngram_draft", ngram_draft._ngram_kernel,
+         dict(hist_ptr="*i32", stride_hist="i32", rows_ptr="*i64", lengths_ptr="*i64", drafts_ptr="*i64",
+              count_ptr="*i64", n_rows="i32", L="i32", k="i32", min_n="i32"),
+         dict(MAX_N=3, K_PAD=4, BLOCK=512, USE_PDL=pdl), 4),
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=4, USE_PDL=pdl), 4),
         _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),
