@@ -154,20 +154,20 @@ def test_any_k_step_by_step_changes_no_token(spec_workload, reference, drafter):
     assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows
 
 
-@pytest.mark.parametrize("layout", ["graphs", "eager"])
-def test_quiet_steps_draft_nothing_and_change_no_token(spec_workload, reference, layout):
+@pytest.mark.parametrize("layout,drafter", [("graphs", "ngram"), ("graphs", "eagle"), ("eager", "ngram")])
+def test_quiet_steps_draft_nothing_and_change_no_token(spec_workload, reference, layout, drafter):
     """A paused engine's plain steps draft nothing, and the step after one drafts before any verifies: greedy output
     equals the plain engine's. graphs: the graphs' padded layouts, the budget's choices scripted; eager: no step
-    costs, paused by spec_min_acceptance with a probe now and then."""
+    costs, paused by spec_min_acceptance with a probe now and then. A head still reads a quiet step's tokens."""
     if layout == "graphs":
-        eng = LLMEngine(**CPU, depth=2, speculative="ngram", num_speculative_tokens=3)
+        eng = LLMEngine(**CPU, depth=2, speculative=drafter, num_speculative_tokens=3)
         eng.runner.graphs = EagerGraphs(eng.runner)
         budget = eng.scheduler.spec.budget
         budget.set_costs({(k, r): 1.0 for k in (0, 1, 3) for r in (1, 2, 4, 8)})
         picks = itertools.cycle((3, 0, 0, 0, 1, 0, 0, 3, 3, 0))
         budget.choose, budget.plain_next = (lambda rows: next(picks)), (lambda: True)
     else:
-        eng = LLMEngine(**CPU, depth=2, speculative="ngram", num_speculative_tokens=3, spec_min_acceptance=50.0)
+        eng = LLMEngine(**CPU, depth=2, speculative=drafter, num_speculative_tokens=3, spec_min_acceptance=50.0)
         eng.scheduler.spec.probe_every = 3
     log = record_steps(eng)
     _same(drive(eng, spec_workload), reference["roomy"])
