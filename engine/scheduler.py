@@ -79,7 +79,9 @@ class Scheduler:
         return rows
 
     def _schedule_running(self, rows, budget, k: int = 0) -> int:
-        i, page_tokens, running, plain = 0, self.blocks.block_size, self.running, self.spec is None
+        i, page_tokens, running, spec = 0, self.blocks.block_size, self.running, self.spec
+        # a plain step's rows need nothing else, unless a head drafts after them into pages reserved ahead
+        plain = not k and (spec is None or not spec.lookahead or len(running) > spec.max_rows)
         while i < len(running) and budget > 0:
             if plain and self.native:           # a run of the rows below that need nothing else, in one call
                 i, budget = _hostpath.schedule_decode(running, i, budget, page_tokens, rows, ScheduledRow,

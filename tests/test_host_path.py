@@ -105,8 +105,9 @@ def test_the_native_host_path_commits_what_the_python_one_does():
 
 @pytest.mark.timeout(600)
 def test_a_speculating_engine_launches_and_commits_as_the_python_walks_do():
-    """With n-gram drafts the launched counters are native (pending counts 1 + K a speculating row) and the commit
-    is Python's: the outputs equal those of the all-Python walks."""
+    """With n-gram drafts the launched counters are native (pending counts 1 + K a speculating row), and so are the
+    scheduling and commits of plain steps (those of more rows than speculate): the outputs equal those of the
+    all-Python walks."""
     native = _run(native=True, count=64, speculative="ngram")
     python = _run(native=False, count=64, speculative="ngram")
     assert native == python

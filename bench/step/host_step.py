@@ -3,6 +3,7 @@ the forward replaced by nothing, on the CPU.
 
     python -m bench.step.host_step                               # 1, 8 and 32 streams, 3 rounds
     PYTHONPATH=.old python -m bench.step.host_step --tag before  # another tree's engine, same script
+    python -m bench.step.host_step --streams 128 --engine speculative=ngram   # a speculating engine's plain steps
 
 The pipelined loop keeps the GPU fed only while plan + launch + commit of a step fit in the GPU's step. At 32
 streams they took 0.58 ms a step on an H200 machine's host against a 0.79 ms GPU step
@@ -28,7 +29,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.common import markdown_table, note, record, stream_prompt, write_results
+from bench.common import engine_overrides, markdown_table, note, record, stream_prompt, write_results
 
 PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
 GUIDED_PROMPT_TOKENS = 512  # --guided: schemas whose prompt is longer are left out
@@ -57,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--guided", action="store_true", help="JSON-schema requests of --max-tokens new tokens each")
     p.add_argument("--closing", action="store_true", help="--guided: outputs close at their budget (default: cut)")
     p.add_argument("--schemas", default="tests/data/maskbench/JME_*.json", help="--guided: schema files (a glob)")
+    p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="EngineConfig fields, e.g. speculative=ngram (steps past spec_max_batch rows are plain)")
     p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
     p.add_argument("--out", default="bench/results/host_step.json")
     args = p.parse_args(argv)
@@ -175,7 +178,7 @@ def measure(args, streams: int) -> dict:
     per_request = prompt + args.max_tokens if prompt else budget + PROMPT_TOKENS
     pages = -(-per_request // EngineConfig.block_size) + 1      # every stream's pages, twice: no preemption
     kw = dict(device="cpu", dtype="float32", depth=2, max_num_seqs=streams, num_kv_blocks=2 * streams * pages + 8)
-    eng = LLMEngine(**(kw | ({"model": args.model} if args.model else {})))
+    eng = LLMEngine(**(kw | ({"model": args.model} if args.model else {}) | engine_overrides(args)))
     load = Load(eng, args, streams, budget)
     rounds = []
     with ExitStack() as stack:
@@ -209,7 +212,7 @@ def measure(args, streams: int) -> dict:
     return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
                   us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if load.replaced else None,
-                  ids_only=args.ids_only, guided=args.guided, requests=load.made)
+                  ids_only=args.ids_only, guided=args.guided, requests=load.made, engine=engine_overrides(args))
 
 
 def main(argv=None) -> list[dict]:

@@ -54,11 +54,14 @@ def fill_slot(slot, rows, block_size: int, spec_k: int, penalty_state, eos_ids, 
 def _fill(slot, rows, block_size: int, spec_k: int) -> tuple[int, int, int, int, int]:
     """-> (tokens, sampling rows, longest row, longest sequence, carrying rows). A plain step's leading one-token
     rows (decoding; admissions' prompt chunks come after them) are written in one native call (_fill_decode: even
-    one row costs less there than its scalar writes here), the rest row by row (_fill_rows)."""
-    lead = 0 if spec_k else _rows.leading_decode(rows)
+    one row costs less there than its scalar writes here; a speculating engine's plain step adds its fields a
+    column at a time), the rest row by row (_fill_rows)."""
+    lead = 0 if rows and rows[0].spec_k else _rows.leading_decode(rows)
     if not lead:
         return _fill_rows(slot, rows, block_size, spec_k)
     t, s, max_q, max_len, carries = _fill_decode(slot, rows[:lead], block_size)
+    if spec_k:
+        spec_plan.fill_spec_decode(slot, rows[:lead], block_size)
     if lead == len(rows):
         return t, s, max_q, max_len, carries
     t, s, rest_q, rest_len, rest_carries = _fill_rows(slot, rows, block_size, spec_k, lead, t, s)

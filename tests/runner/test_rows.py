@@ -143,6 +143,32 @@ def _chunk_row(rng, block_size: int):
     return NS(seq=seq, start=start, num_tokens=n, sample=start + n == total, spec_k=0, sample_idx=-1, cached=0)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_speculating_engines_plain_decode_step_fills_as_row_by_row(block_size):
+    """A speculating engine's plain step of one-token rows (native writer, then its spec fields a column at a time),
+    some of them prompt tokens whose next token the host knows, then a prompt chunk: the fields of the row-by-row
+    writer, speculation's included."""
+    rng = random.Random(5 + block_size)
+    for n in (1, 9, 30):
+        rows = _decode_rows(rng, n, block_size)
+        for row in rows:
+            row.num_drafts, seq = 0, row.seq
+            if not row.sample and not seq.num_pending:     # a prompt's token: the host knows the ones after it
+                tokens = [seq.token_at(p) for p in range(seq.num_tokens)] + [rng.randrange(50000) for _ in range(3)]
+                seq.num_tokens, seq.token_at = len(tokens), tokens.__getitem__
+            seq.tokens = lambda a, b, seq=seq: [seq.token_at(p) for p in range(a, b)]
+        chunk = _chunk_row(rng, block_size)
+        chunk.num_drafts = 0
+        rows.append(chunk)
+        slots = [DecodeSlot(0, 512, 32, 400, torch.device("cpu"), spec_k=3) for _ in range(2)]
+        got = rows_mod._fill(slots[0], rows, block_size, 3)
+        idx = [r.sample_idx for r in rows]
+        assert got == rows_mod._fill_rows(slots[1], rows, block_size, 3) and idx == [r.sample_idx for r in rows]
+        for name, values in slots[1].np.items():
+            assert np.array_equal(slots[0].np[name], values), (name, n)
+    assert any(not r.sample for r in rows) and any(r.seq.num_pending for r in rows)
+
+
 @pytest.mark.parametrize("lead", [3, 8, 28])
 def test_a_step_of_decode_rows_then_prompt_chunks_fills_as_row_by_row(lead):
     """The agent's mixed step: leading decode rows (written in one native call)
