@@ -70,9 +70,10 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         budget = self.max_num_batched_tokens
         k = 0
-        if self.spec is not None:                   # penalized rows never speculate
-            k = self.spec.plain_step() if any(s.params.penalized for s in self.running) else \
-                self.spec.step_k(self.running, self._could_admit(budget), budget)
+        if self.spec is not None:
+            k = self.spec.step_k(self.running, self._could_admit(budget), budget)
+            if k and any(s.params.penalized for s in self.running):    # penalized rows never speculate
+                k = self.spec.plain_step()
         budget = self._schedule_running(rows, budget, k)
         if not k:
             self._admit_waiting(rows, budget)

@@ -88,8 +88,15 @@ class SpecPolicy:
         return 0 if was_quiet else k        # after a quiet step: draft first
 
     def _step_k(self, running, could_admit: bool, budget: int) -> int:
-        rows = [s for s in running if s.num_scheduled_tokens < s.max_len and s.schedule_target > s.num_computed_tokens]
-        if could_admit or not rows or len(rows) > self.max_rows:
+        if could_admit:
+            return 0
+        rows = []
+        for s in running:
+            if s.num_scheduled_tokens < s.max_len and s.schedule_target > s.num_computed_tokens:
+                if len(rows) == self.max_rows:      # more rows than speculate: no need to look at the rest
+                    return 0
+                rows.append(s)
+        if not rows:
             return 0
         for s in rows:
             if s.schedule_target - s.num_computed_tokens != 1:
