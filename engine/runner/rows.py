@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.requests.validation import min_tokens_stops
-from engine.runner import _rows
+from engine.runner import _rows, spec_rows
 from engine.sampling import penalties
 from engine.speculative import plan as spec_plan
 
@@ -56,12 +56,14 @@ def _fill(slot, rows, block_size: int, spec_k: int) -> tuple[int, int, int, int,
     rows (decoding; admissions' prompt chunks come after them) are written in one native call (_fill_decode: even
     one row costs less there than its scalar writes here; a speculating engine's plain step adds its fields a
     column at a time), the rest row by row (_fill_rows)."""
-    lead = 0 if rows and rows[0].spec_k else _rows.leading_decode(rows)
+    if rows and rows[0].spec_k:
+        return _fill_spec(slot, rows, block_size)
+    lead = _rows.leading_decode(rows)
     if not lead:
         return _fill_rows(slot, rows, block_size, spec_k)
     t, s, max_q, max_len, carries = _fill_decode(slot, rows[:lead], block_size)
     if spec_k:
-        spec_plan.fill_spec_decode(slot, rows[:lead], block_size)
+        spec_rows.fill_spec_decode(slot, rows[:lead], block_size)
     if lead == len(rows):
         return t, s, max_q, max_len, carries
     t, s, rest_q, rest_len, rest_carries = _fill_rows(slot, rows, block_size, spec_k, lead, t, s)
@@ -82,6 +84,18 @@ def _fill_rows(slot, rows, block_size: int, spec_k: int, first: int = 0, t: int 
         max_q, max_len = max(max_q, row.num_tokens), max(max_len, row.start + row.num_tokens)
         carries += bool(row.seq.num_pending or row.spec_k)
     return t, s, max_q, max_len, carries
+
+
+def _fill_spec(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
+    """A spec step's rows a field at a time (engine/runner/spec_rows.py); row by row where one is not a speculating
+    decode row, which raises RowError naming a row it cannot write."""
+    try:
+        out = spec_rows.fill_spec_step(slot, rows, block_size)
+    except ValueError:
+        return _fill_rows(slot, rows, block_size, rows[0].spec_k)
+    for i, row in enumerate(rows):
+        write_block_table(slot, i, row.seq)
+    return out
 
 
 def _fill_decode(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine.speculative.budget import DraftBudget
 from engine.speculative.state import SpecStats
 
@@ -148,33 +146,6 @@ def fill_spec_sampling(slot, s: int, row, t: int) -> None:
         h["next_ids"][t:t + k + 1] = range(-2 - s * (k + 1), -3 - s * (k + 1) - k, -1)
     else:
         h["next_ids"][t + row.num_tokens - 1] = -2 - s
-
-
-def fill_spec_decode(slot, rows, block_size: int) -> None:
-    """fill_spec_row and fill_spec_sampling of a plain step's leading one-token rows, whose tokens and sampling rows
-    are written already (row i is token i): one tuple a row, then a field at a time."""
-    n = len(rows)
-    if not n:
-        return
-    h, cols = slot.np, []
-    for row in rows:
-        seq = row.seq
-        pending = seq.num_pending > 0
-        cols.append((pending, seq.pool_row if pending else -1, len(seq.block_table) * block_size,
-                     row.sample_idx if row.sample else -1))
-    pending, seq_shift, kv_cap, smp = (np.array(c, dtype=np.int64) for c in zip(*cols))
-    h["tok_seq"][:n] = np.arange(n)
-    h["shift"][:n] = pending
-    h["seq_shift"][:n] = seq_shift
-    h["kv_cap"][:n] = kv_cap
-    sampled = smp >= 0
-    h["smp_shift"][smp[sampled]] = pending[sampled]
-    h["num_drafts"][smp[sampled]] = 0
-    h["next_ids"][:n] = np.where(sampled, -2 - smp, -1)    # the token a sampling row emits; else the host's, if known
-    for i in np.flatnonzero(~sampled).tolist():
-        seq, start = rows[i].seq, rows[i].start
-        if start + 1 < seq.num_tokens:
-            h["next_ids"][i] = seq.token_at(start + 1)
 
 
 def commit_row(seq, row, entry: list[int], k: int) -> list[int]:

@@ -169,6 +169,49 @@ def test_a_speculating_engines_plain_decode_step_fills_as_row_by_row(block_size)
     assert any(not r.sample for r in rows) and any(r.seq.num_pending for r in rows)
 
 
+def _spec_rows(rng, n: int, k: int, block_size: int) -> list:
+    """A spec step's rows: each its sequence's last token (known, or in flight after a spec step whose drafts the
+    host counts as accepted) then k drafts, with pages for all of them."""
+    rows = []
+    for i in range(n):
+        start, pending = rng.randrange(0, 300), rng.choice([0, 1 + k, 1])
+        tokens = [rng.randrange(50000) for _ in range(start + 1 - min(pending, 1))]
+        params = NS(temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([-1, 5]), top_p=rng.choice([1.0, 0.9]))
+        seq = NS(closer=None, block_table=rng.sample(range(10000), (start + k) // block_size + 1 + rng.randrange(2)),
+                 num_tokens=len(tokens), pool_row=i, num_pending=pending, token_at=tokens.__getitem__,
+                 tokens=lambda a, b, tokens=tokens: tokens[a:b], params=params, seed=rng.randrange(2**40),
+                 output_token_ids=tokens[:rng.randrange(len(tokens) + 1)])
+        rows.append(NS(seq=seq, start=start, num_tokens=1 + k, sample=True, spec_k=k, sample_idx=-1,
+                       num_drafts=rng.randrange(k + 1)))
+    return rows
+
+
+@pytest.mark.parametrize("block_size,k", [(16, 3), (16, 6), (4, 3), (1, 2)])
+def test_a_spec_step_fills_as_row_by_row(block_size, k):
+    """A spec step's rows written a field at a time (engine/runner/spec_rows.py; row by row where a row's drafts
+    would span more than two pages) hold what the row-by-row writer writes, speculation's fields included."""
+    rng = random.Random(block_size * 10 + k)
+    for n in (1, 5, 32):
+        rows = _spec_rows(rng, n, k, block_size)
+        slots = [DecodeSlot(0, 512, 32, 400, torch.device("cpu"), spec_k=k) for _ in range(2)]
+        got = rows_mod._fill(slots[0], rows, block_size, k)
+        idx = [r.sample_idx for r in rows]
+        assert got == rows_mod._fill_rows(slots[1], rows, block_size, k) and idx == [r.sample_idx for r in rows]
+        for name, values in slots[1].np.items():
+            assert np.array_equal(slots[0].np[name], values), (name, n)
+        if k < block_size:                  # the column writer took them (it refuses nothing here)
+            assert rows_mod.spec_rows.fill_spec_step(slots[0], rows, block_size) == got
+
+
+def test_a_spec_row_that_cannot_be_written_names_its_index():
+    rows = _spec_rows(random.Random(3), 6, 3, 16)
+    rows[4].seq.block_table = rows[4].seq.block_table[:rows[4].start // 16]     # its pages are gone
+    slot = DecodeSlot(0, 512, 32, 400, torch.device("cpu"), spec_k=3)
+    with pytest.raises(rows_mod.RowError) as err:
+        rows_mod._fill(slot, rows, 16, 3)
+    assert err.value.index == 4
+
+
 @pytest.mark.parametrize("lead", [3, 8, 28])
 def test_a_step_of_decode_rows_then_prompt_chunks_fills_as_row_by_row(lead):
     """The agent's mixed step: leading decode rows (written in one native call)
