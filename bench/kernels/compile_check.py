@@ -171,6 +171,8 @@ def variants(pdl: bool) -> list[tuple]:
          dict(BLOCK=1024, USE_PDL=pdl), 4),
         ("spec_finish greedy_finish history", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=True, NEXT=False, ROWS=False, BLOCK=1, USE_PDL=pdl), 4),
+        ("spec_finish greedy_finish plain step", spec_finish._greedy_finish_kernel, finish,
+         dict(K=0, J=1, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=32, USE_PDL=pdl), 4),
         ("step_io inputs", step_io._inputs_kernel,
          {p: "*i64" for p in ("in_ptr", "carry_ptr", "tok_row_ptr", "last_ptr", "ids_ptr")} | dict(
              w_ptr="*bf16", x_ptr="*bf16", n_rows="i32", H="i32", stride_w="i32", stride_x="i32"),

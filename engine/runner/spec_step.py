@@ -9,12 +9,12 @@ Every step of a speculating engine (spec steps and plain ones) runs:
 2. forward + logits: a spec step ("spec" graph key, or eager with slot.spec_k = K) has 1 + K query tokens in
    every row (the last token, then K drafts) and scores all of them. A greedy spec step that nothing else reads
    the logits of (unguided, no extras) takes only their argmax, from the backend's kernels where it has them
-   (target_ids: engine/backend.py, the route table's kernel).
+   (target_ids: engine/backend.py, the route table's kernel); so does such a plain step of one-token rows.
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
    logprobs step records the target's logprobs of the tokens at every scored position (engine/sampling/logprobs.py):
-   the host keeps those of the emitted ones. With Tuning.spec_finish_kernel a greedy spec step without
-   grammar does all of it (and the draft head's next_tokens) in one kernel, on the target's argmax.
+   the host keeps those of the emitted ones. With Tuning.spec_finish_kernel a greedy step without grammar
+   that has the target's argmax does all of it (and the draft head's next_tokens) in one kernel.
 4. draft: the drafter guesses the next K tokens of each sampling row into SpecState.drafts, if the step
    has few enough rows that its sequences may speculate next and is not a quiet step (a paused engine's).
 All of it is enqueue-only tensor code with shapes fixed by the step's key, so it is captured with the rest.
@@ -67,7 +67,8 @@ class SpecStepProgram(StepProgram):
         meta = self.step_meta(slot, key, T, B, K)
         out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
         hidden, features = out if self.aux_layers else (out, None)
-        target = self.target_ids(hidden, variant, T, S, K)
+        one_token = key.kind == "decode" if key is not None else slot.max_query_len == 1 and slot.num_sample == T
+        target = self.target_ids(hidden, variant, T, S, K, one_token)
         masked = target is None and S > 0 and self.masked_greedy(hidden, variant)
         logits = self.spec_logits(slot, hidden, key, T, S, K, masked=masked) if target is None else None
         mark(slot, "forward_done")
@@ -122,10 +123,11 @@ class SpecStepProgram(StepProgram):
             return None
         return self.model.compute_logits(rows, float32=False) if masked else self.model.compute_logits(rows)
 
-    def target_ids(self, hidden, variant, T: int, S: int, K: int):
-        """The target's argmax [S, K + 1] of a spec step's positions from the backend's kernels, or None where the
-        step computes its float32 logits (engine.runner.step.head_argmax)."""
-        if not (K and S):
+    def target_ids(self, hidden, variant, T: int, S: int, K: int, one_token: bool = False):
+        """The target's argmax [S, K + 1] of a spec step's positions (or of a plain step's, K = 0, whose rows are one
+        token each: `one_token`) from the backend's kernels, or None where the step computes its float32 logits
+        (engine.runner.step.head_argmax)."""
+        if not S or not (K or one_token):
             return None
         ids = head_argmax(self.model, self.backend, hidden[:T], variant)
         return None if ids is None else ids.view(S, K + 1)
@@ -134,11 +136,14 @@ class SpecStepProgram(StepProgram):
     def verify_finish(self, slot, ids, logits, target, drafted, variant, grammar, S: int, K: int, masked=False):
         """verify, record an extras step's logprobs, finish -> (tokens, accepted, what the finish kernel computed for
         the draft or None: (next_tokens of the inputs, its draft rows or None)). spec_kernels: a greedy spec step
-        without grammar takes one kernel for all but the logits' argmax."""
+        without grammar (or a plain one whose argmax the head kernels took) takes one kernel for all but the
+        logits' argmax."""
         _, greedy, extras = variant
         finished = None
-        if self.spec_finish is not None and K and greedy and grammar is None:
+        if self.spec_finish is not None and (K or target is not None) and greedy and grammar is None:
             target = logits.view(S, K + 1, -1).argmax(dim=-1) if target is None else target
+            if drafted is None:             # a plain step: its rows' draft caps are all 0
+                drafted = slot.dev["num_drafts"][:S]
             history = self.drafter.uses_history
             rows = not history and S <= self.draft_max_rows
             tokens, accepted, next_ids, draft_rows = self.spec_finish.greedy_finish(
@@ -175,7 +180,10 @@ class SpecStepProgram(StepProgram):
         d = slot.dev
         params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
         if not K:
-            if masked:
+            if target is not None:                  # the head kernels' argmax
+                tokens = target[:, 0]
+                self.emit(slot, tokens, S)
+            elif masked:
                 tokens = self.backend.masked_argmax(logits, grammar[0], d["forced"][:S])
                 self.emit(slot, tokens, S)
             else:

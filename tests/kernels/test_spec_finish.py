@@ -72,7 +72,12 @@ def _reference(slot, st, ids, target, drafted, K, history):
     from engine.runner.spec_step import SpecStepProgram
     from engine.speculative.verify import greedy_accept_ids
     S = target.shape[0]
-    accepted, tokens = greedy_accept_ids(ids.view(S, K + 1)[:, 1:], target, drafted)
+    if K:
+        accepted, tokens = greedy_accept_ids(ids.view(S, K + 1)[:, 1:], target, drafted)
+    else:           # a plain step (SpecStepProgram.verify): its token emitted at once, no draft verified
+        tokens, accepted = target.long(), torch.zeros(S, dtype=torch.int64, device=target.device)
+        st.emit(slot.dev["smp_row"][:S], tokens[:, 0])
+        slot.sampled[:S] = tokens[:, 0]
     program = SimpleNamespace(state=st, drafter=SimpleNamespace(uses_history=history))
     SpecStepProgram.finish(program, slot, tokens, accepted, drafted, S, K)
     return tokens, accepted, SpecStepProgram.next_tokens(slot, ids, tokens, ids.shape[0]), _draft_rows(slot, accepted,
@@ -107,14 +112,17 @@ def test_the_kernel_pads_as_verification_does():
     assert sf.PAD == PAD
 
 
-@pytest.mark.parametrize("K", [1, 2, 3, 4])
+@pytest.mark.parametrize("K", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("history", [True, False], ids=["history", "next_ids"])
 def test_greedy_finish_equals_torch(K, dtype, history):
+    """K = 0: a speculating engine's plain step (its rows' draft caps 0)."""
     seen = set()
     for seed, (S, pads) in enumerate(CASES):
-        for k_max in (K, K + 2):
+        for k_max in (max(K, 1), K + 2):
             slot, st, ids, target, drafted = _case(seed * 7 + K, S, K, k_max, pads, dtype)
+            if not K:
+                drafted = torch.zeros_like(drafted)
             slot2, st2 = _clone(slot, st)
             want = _reference(slot, st, ids, target, drafted, K, history)
             got = sf.greedy_finish(slot2, st2, ids, target, drafted, K, history, not history, not history)
@@ -135,22 +143,25 @@ def _program(on, history):
     program = SpecStepProgram.__new__(SpecStepProgram)
     program.state, program.drafter = None, SimpleNamespace(uses_history=history)
     program.spec_finish = sf if on else None
-    program.draft_max_rows = 32
+    program.draft_max_rows, program.step_io = 32, None
     return program
 
 
 @pytest.mark.parametrize("history", [True, False], ids=["history", "next_ids"])
-@pytest.mark.parametrize("source", ["logits", "target_ids"])
-def test_verify_finish_routes_greedy_steps_through_the_kernel(source, history, monkeypatch):
-    """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or the head kernels' ids:
-    the same tokens and writes on and off; guided and sampled steps keep the torch path."""
+@pytest.mark.parametrize("source,K", [("logits", 3), ("target_ids", 3), ("target_ids", 0)])
+def test_verify_finish_routes_greedy_steps_through_the_kernel(source, K, history, monkeypatch):
+    """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or the head kernels' ids
+    (K = 0: a plain step of one-token rows, which verifies nothing): the same tokens and writes on and off; guided and
+    sampled steps keep the torch path."""
     from engine.runner.spec_step import SpecStepProgram
     from engine.runner.step import StepVariant
     calls = []
     real = sf.greedy_finish
     monkeypatch.setattr(sf, "greedy_finish", lambda *a: calls.append(1) or real(*a))
-    K, S = 3, 4
-    slot, st, ids, target, drafted = _case(5, S, K, K, 1)
+    S = 4
+    slot, st, ids, target, drafted = _case(5, S, K, max(K, 1), 1)
+    if not K:                   # what the step hands verify_finish: SpecStepProgram.drafted is None at K = 0
+        slot.dev["num_drafts"], drafted = torch.zeros(S + 2, dtype=torch.int64, device=DEV), None
     logits = torch.randn(S * (K + 1), VOCAB, generator=torch.Generator().manual_seed(0)).to(DEV)
     logits[torch.arange(S * (K + 1)), target.flatten()] = 9.0
     logits, target = (logits, None) if source == "logits" else (None, target)
@@ -158,7 +169,7 @@ def test_verify_finish_routes_greedy_steps_through_the_kernel(source, history, m
     for on in (False, True):
         s, state = _clone(slot, st)
         program = _program(on, history)
-        program.state = state
+        program.state = program.pool = state
         out = program.verify_finish(s, ids, logits, target, drafted, StepVariant(False, True, False), None, S, K)
         runs.append((s, state, out))
     (s0, st0, want), (s1, st1, got) = runs
@@ -262,5 +273,7 @@ def test_engine_with_the_gemv_head_and_spec_kernels(speculative, monkeypatch):
     calls.clear()                                # the engines' route tuners time the kernels too
     argmax.clear()
     runs = {on: _run(eng, prompt, (8,)) for on, eng in engines.items()}
-    assert runs[True] == runs[False] and calls and set(calls) == {(1, 4)} and set(argmax) == {4}
-    assert len(argmax) == 2 * len(calls)      # each spec step of both engines: the kernel on the kernels' ids
+    assert runs[True] == runs[False]
+    spec = [c for c in calls if c == (1, 4)]    # (1, 1): plain steps, their argmax from another route's kernel
+    assert spec and set(calls) <= {(1, 4), (1, 1)} and set(argmax) == {4}
+    assert len(argmax) == 2 * len(spec)       # each spec step of both engines: the kernel on the kernels' ids

@@ -159,7 +159,7 @@ def _check_slot(slot, state, S, T, history, next_ids, rows):
 
 
 def _check_finish(slot, state, ids, target, drafted, K, history, next_ids, rows):
-    _check_int("K", K, 1)
+    _check_int("K", K, 0)
     for name, flag in (("history", history), ("next_ids", next_ids), ("rows", rows)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -182,9 +182,10 @@ def _check_finish(slot, state, ids, target, drafted, K, history, next_ids, rows)
 
 
 def greedy_finish(slot, state, ids, target, drafted, K: int, history: bool, next_ids: bool, rows: bool = False):
-    """A greedy spec step's verification and finish in one launch. ids [T = S * (K + 1)] int64: the step's inputs,
-    each row's last token then its K drafts; target [S, K + 1] int32 / int64: the target's argmax at each
-    position; drafted [S]: the drafts each row verifies. Writes what SpecStepProgram.finish writes into `slot`
+    """A greedy spec step's verification and finish in one launch (K = 0: a plain step of one-token rows, whose
+    finish this is too). ids [T = S * (K + 1)] int64: the step's inputs, each row's last token then its K drafts;
+    target [S, K + 1] int32 / int64: the target's argmax at each position; drafted [S]: the drafts each row
+    verifies. Writes what SpecStepProgram.finish writes into `slot`
     (spec_out, sampled; its dev tensors named as engine/runner/slots.py) and the SpecState `state` (last_token,
     rejected; history with `history`), and returns (tokens [S, K + 1], accepted [S], next ids [T] or None, draft
     rows or None) as new tensors: the first three as greedy_accept_ids and, with `next_ids`, SpecStepProgram.
