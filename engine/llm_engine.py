@@ -290,7 +290,7 @@ class LLMEngine(EngineFrontend):
         if self._restart:
             self._last_commit_time, self._restart = t0, False
         self._step_index += 1
-        self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1, replay=replay_s)
+        self.timings.add(plan=t1 - t0, launch=time.perf_counter() - t1, replay=replay_s, quiet_steps=slot.quiet)
         if self.blocks.query_tokens != self._counted_query:      # admissions looked up the prefix cache
             self._count_prefix_lookups()
         return True

@@ -174,6 +174,7 @@ def test_quiet_steps_draft_nothing_and_change_no_token(spec_workload, reference,
     assert_no_leak(eng)
     assert any(q for _, q, _ in log) and any(k for k, _, _ in log), log
     assert not any(drafted for _, quiet, drafted in log if quiet), log
+    assert eng.timings.quiet_steps == sum(quiet for _, quiet, _ in log)
     assert all(not log[i - 1][1] for i, (k, _, _) in enumerate(log) if k and i), log
 
 
