@@ -198,9 +198,9 @@ class StepGraphs:
         mixed = [self.mixed_key(t) for t in reversed(self.token_sizes)]
         spec = [self.spec_key(bs, ctx, k) for k in reversed(self.spec_levels) for bs in reversed(self.spec_sizes)
                 for ctx in self.contexts]
-        quiet = [self.decode_key(bs, ctx, drafts=False) for bs in reversed(self.spec_sizes) for ctx in self.contexts]
-        return mixed + spec + quiet + [self.decode_key(bs, ctx) for bs in reversed(self.sizes)
-                                       for ctx in self.contexts]
+        decode = [self.decode_key(bs, ctx, drafts) for bs in reversed(self.sizes) for ctx in self.contexts
+                  for drafts in ((True, False) if bs in self.spec_sizes else (True,))]
+        return mixed + spec + decode
 
     def capture(self, program, slots, compute_stream) -> None:
         """Capture every graph of a StepProgram over both slots and variants (the runner is not kept: no
