@@ -1,12 +1,13 @@
-"""Attention over a paged KV cache: the metadata every backend reads, and the torch reference that the torch
-backend runs and the Triton kernels (engine/kernels/attention/) are checked against (engine/backend.py).
+"""Attention over a paged KV cache: the metadata every backend reads, and the torch reference that the torch backend
+runs and the Triton kernels (engine/kernels/attention/) are checked against (engine/backend.py).
 
-Layout (per layer): k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
-A step holds B sequences with a variable number of new (query) tokens each, flattened to T tokens.
-Sequence i's new tokens are q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]; its KV length after this step is
-seq_lens[i], so its j-th new token sits at position seq_lens[i] - q_len_i + j and attends to
-positions 0..that position (causal). New K/V are written to the cache first (slot_mapping, -1 = no
-write, used by padding rows), then attention reads everything from the pages.
+Layout (per layer): k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim]. A step holds B sequences
+with a variable number of new (query) tokens each, flattened to T tokens. Sequence i's new tokens are
+q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]; its KV length after this step is seq_lens[i], so its j-th new token sits at
+position seq_lens[i] - q_len_i + j and attends to positions 0..that position (causal); in a draft-tree step
+(`tree_masks`) it attends to the context before the step's new tokens and to those of them its mask names
+(engine/speculative/tree.py). New K/V are written to the cache first (slot_mapping, -1 = no write, used by padding
+rows), then attention reads everything from the pages.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [B, max_blocks] int32
     max_query_len: int           # host-known upper bound of the per-sequence query length
     max_seq_len: int             # host-known upper bound of seq_lens
+    tree_masks: torch.Tensor | None = None  # [n] int64: every sequence's n new tokens are a tree, bit j: sees token j
 
 
 def store_kv_torch(k, v, k_cache, v_cache, slot_mapping):
@@ -56,8 +58,18 @@ def paged_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
         qi = q[q_start:q_end].float().view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         scores = torch.bmm(qi.reshape(num_kv_heads, group * n, head_dim), k) * scale
         if n > 1:                   # token t sees keys up to its position kv_len - n + t: among the last n keys
-            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
-            scores.view(num_kv_heads, group, n, kv_len)[..., kv_len - n:].masked_fill_(causal, float("-inf"))
+            scores.view(num_kv_heads, group, n, kv_len)[..., kv_len - n:].masked_fill_(_hidden(n, meta, q.device),
+                                                                                       float("-inf"))
         o = torch.bmm(scores.softmax(-1), v).view(num_kv_heads, group, n, head_dim)
         out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
     return out
+
+
+def _hidden(n: int, meta: AttentionMetadata, device) -> torch.Tensor:
+    """[n, n] bool: new token i does not see new token j (causal, or outside its tree mask)."""
+    if meta.tree_masks is None:
+        return torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
+    if meta.tree_masks.shape[0] != n:
+        raise ValueError(f"a tree step's sequences have {meta.tree_masks.shape[0]} new tokens each, one has {n}")
+    bits = torch.arange(n, device=device)
+    return (meta.tree_masks.to(device)[:, None] >> bits[None, :]) & 1 == 0

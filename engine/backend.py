@@ -243,7 +243,7 @@ class RoutedBackend(_Matmuls):
     def attend(self, q, k_cache, v_cache, meta, scale, rope=None):
         return self._k.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                        scale, meta.max_query_len, max_seq_len=meta.max_seq_len, rope=rope,
-                                       semaphores=self._semaphores)
+                                       semaphores=self._semaphores, tree_masks=meta.tree_masks)
 
     def rope_attend(self, q, k, v, positions, rope_cache, k_cache, v_cache, meta, scale):
         if self._decode_attn is not None and meta.max_query_len == 1 and q.shape[0] <= meta.seq_lens.shape[0]:

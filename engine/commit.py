@@ -14,7 +14,7 @@ from engine.requests.sequence import Sequence
 from engine.sampling.logprobs import HostLogprobs
 from engine.sampling.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
-from engine.speculative.plan import commit_row
+from engine.speculative.plan import commit_row, tree_row
 from engine.timings import StepTimings
 
 
@@ -75,7 +75,8 @@ class Commits:
                     drafted, accepted = tokens[row.sample_idx][-1], len(new) - 1
                     spec_rows, spec_proposed, spec_accepted = spec_rows + 1, spec_proposed + drafted, \
                         spec_accepted + accepted
-                    self.scheduler.spec.budget.observe(drafted, accepted)
+                    self.scheduler.spec.budget.observe(drafted, accepted, *tree_row(self.scheduler.spec, row,
+                                                                                     tokens[row.sample_idx]))
                 lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
                     if seq.logprobs is not None else None
                 outputs.append(self.append(seq, new, now, lps))

@@ -52,7 +52,8 @@ class KVBudget:
 
 def kv_pages(layers: int, shape: tuple[int, ...], dtype: torch.dtype,
              device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed K and V arrays of `shape` for each of `layers` layers.
+    """Zeroed K and V arrays of `shape` for each of `layers` layers, views of one buffer (a draft tree moves an
+    accepted leaf's keys in every layer at once: engine/speculative/tree.py kv_slab).
 
     On the CPU they are views of one buffer from the C allocator's zeroed allocation (numpy's zeros: calloc, an
     anonymous mapping at this size), whose pages the OS maps on first touch: a CPU engine sized for 8 sequences
@@ -60,8 +61,8 @@ def kv_pages(layers: int, shape: tuple[int, ...], dtype: torch.dtype,
     sequences write, where torch.zeros writes every byte before the first step."""
     device = torch.device(device)
     if device.type != "cpu":
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(layers)]
+        pages = torch.zeros((layers, 2, *shape), dtype=dtype, device=device)
+        return [(pages[i, 0], pages[i, 1]) for i in range(layers)]
     count = 2 * layers * math.prod(shape)
     flat = torch.from_numpy(np.zeros(count * dtype.itemsize, dtype=np.uint8)).view(dtype)
     pages = flat.view(layers, 2, *shape)

@@ -78,7 +78,8 @@ class ModelRunner:
                                            block_size=config.block_size, draft_max_rows=self.spec_rows,
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties,
                                            spec_kernels=config.use_spec_kernels(),
-                                           finish_kernel=config.use_spec_kernels() and config.tuning.spec_finish_kernel)
+                                           finish_kernel=config.use_spec_kernels() and config.tuning.spec_finish_kernel,
+                                           tree=config.draft_tree())
         else:
             self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool,
                                        step_io=config.tuning.step_io_kernels and self.backend.fused and tp.world == 1)

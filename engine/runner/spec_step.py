@@ -7,9 +7,11 @@ Every step of a speculating engine (spec steps and plain ones) runs:
    (SpecState.rejected). Carried inputs come from SpecState (last token, drafts), and the step's inputs are
    recorded in the sequences' token histories.
 2. forward + logits: a spec step ("spec" graph key, or eager with slot.spec_k = K) has 1 + K query tokens in
-   every row (the last token, then K drafts) and scores all of them. A greedy spec step that nothing else reads
-   the logits of (unguided, no extras) takes only their argmax, from the backend's kernels where it has them
-   (target_ids: engine/backend.py, the route table's kernel); so does such a plain step of one-token rows.
+   every row (the last token, then K drafts) and scores all of them. A tree engine's step of the tree's N
+   drafts attends by the tree's masks and verifies the tree (engine/runner/tree_step.py). A greedy spec step
+   that nothing else reads the logits of (unguided, no extras) takes only their argmax, from the backend's
+   kernels where it has them (target_ids: engine/backend.py, the route table's kernel); so does such a plain
+   step of one-token rows.
 3. verify (greedy_accept, or rejection_sample for sampled rows) or sample (plain steps); emitted tokens go
    to `slot.spec_out` and the histories, the last one to `last_token`, K - accepted to `rejected`. A
    logprobs step records the target's logprobs of the tokens at every scored position (engine/sampling/logprobs.py):
@@ -24,16 +26,22 @@ from __future__ import annotations
 import torch
 
 from engine.runner.step import StepProgram, forced, head_argmax, mark
+from engine.runner.tree_step import depth_positions, head_meta, verify_tree
 from engine.sampling.logprobs import record
 from engine.sampling.sampler import NO_TOKEN
 from engine.speculative.drafters.base import DraftContext, FeatureContext
+from engine.speculative.tree import kv_slab
 from engine.speculative.verify import PAD, greedy_accept, greedy_accept_ids, rejection_sample
 
 
 class SpecStepProgram(StepProgram):
     def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None,
-                 spec_kernels: bool = False, finish_kernel: bool = False, **kwargs):
+                 spec_kernels: bool = False, finish_kernel: bool = False, tree=None, **kwargs):
         super().__init__(*args, pool=state, **kwargs)
+        self.tree = self.kv_slab = None         # a draft tree's tables (engine/speculative/tree.py), KV as one view
+        if tree is not None:
+            self.tree = tree.tables(state.rejected.device)
+            self.kv_slab = kv_slab(self.kv_caches)
         self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
         self.drafter = drafter
@@ -59,12 +67,19 @@ class SpecStepProgram(StepProgram):
         or None for an eager step at its exact size)."""
         guided, _, extras = variant
         T, B, S, K = self.sizes(slot, key)
+        tree = self.tree is not None and K == self.tree.tree.nodes
+        if tree and variant != (False, True, False):
+            raise RuntimeError("a draft tree verifies greedy rows without grammar or logprobs only")
         ids = self.correct(slot, T, B, S)
+        if tree:
+            depth_positions(slot.dev, T, self.tree)
         self.observe(slot, ids, B, extras)
         drafted = self.drafted(slot, ids, S, K, guided)
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, S, self.compute_stream, K + 1)
         meta = self.step_meta(slot, key, T, B, K)
+        if tree:
+            meta.tree_masks = self.tree.masks
         out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
         hidden, features = out if self.aux_layers else (out, None)
         one_token = key.kind == "decode" if key is not None else slot.max_query_len == 1 and slot.num_sample == T
@@ -75,7 +90,9 @@ class SpecStepProgram(StepProgram):
         grammar = self.masks.join(slot, prev, S, self.compute_stream, K + 1) if guided else None
         mark(slot, "mask_waited")
         tokens = accepted = finished = None
-        if S:
+        if S and tree:
+            tokens, accepted, finished = verify_tree(self, slot, ids, logits, target, drafted, S, K, T)
+        elif S:
             tokens, accepted, finished = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K,
                                                             masked)
         quiet = slot.quiet if key is None else not key.drafts
@@ -252,7 +269,8 @@ class SpecStepProgram(StepProgram):
                 first = d["positions"][d["logits_indices"][:S]]
                 ctx = DraftContext(st.history[:, :bound], first + 2 + accepted, rows)
         else:
-            next_ids, draft_rows = finished or (None, None)
+            next_ids, draft_rows = (finished or (None, None))[:2]
+            meta = head_meta(meta, finished)
             if next_ids is None:
                 next_ids = self.next_tokens(slot, ids, tokens, T)
             if draft_rows is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 PRIOR = 0.75            # a draft's acceptance rate before any was counted: start speculating at the largest K
 PRIOR_WEIGHT = 4.0      # rows' worth of evidence the prior is worth
+LEAF_PRIOR = 0.3        # a tree leaf's rate before any was counted (right where its chain's draft was not)
 DECAY = 0.97            # a committed spec step's weight on the counts: about the last 30 steps count
 
 
@@ -30,8 +31,12 @@ def levels_for(k: int) -> tuple[int, ...]:
 
 
 def engine_levels(config) -> tuple[int, ...]:
-    """The levels of an EngineConfig: levels_for(K) with Tuning.spec_budget, else K alone."""
+    """The levels of an EngineConfig: levels_for(K) with Tuning.spec_budget, else K alone. A tree engine's are its
+    chain's levels and the tree's drafts (engine/speculative/tree.py)."""
     k = config.spec_k
+    if config.spec_tree:
+        depth = config.num_speculative_tokens
+        return (levels_for(depth) if config.tuning.spec_budget else (depth,)) + (k,)
     return levels_for(k) if config.tuning.spec_budget else ((k,) if k else ())
 
 
@@ -41,6 +46,7 @@ class DraftBudget:
     levels: tuple[int, ...]                 # K values a step may verify (graphs exist for each)
     costs: dict = field(default_factory=dict)   # {(K, padded rows): seconds a step}; K = 0: a plain step
     probe_every: int = 16                   # a measuring spec step in this many while plain steps win
+    depth: int = 0                          # a tree engine's chain: level k is then a tree of k drafts
     hits: list = field(init=False)          # hits[j] / seen[j]: draft j's acceptance rate given draft j - 1 passed
     seen: list = field(init=False)
     _plain: int = field(default=0, init=False)
@@ -50,6 +56,9 @@ class DraftBudget:
             raise ValueError(f"draft levels {self.levels} must lie in [1, {self.k}]")
         self.hits = [PRIOR * PRIOR_WEIGHT] * (self.k + 1)
         self.seen = [PRIOR_WEIGHT] * (self.k + 1)
+        # leaf_hits[j] / leaf_seen[j]: a tree's leaf at depth j was right where its chain's draft j was not
+        self.leaf_hits = [LEAF_PRIOR * PRIOR_WEIGHT] * (self.k + 1)
+        self.leaf_seen = [PRIOR_WEIGHT] * (self.k + 1)
         self.set_costs(self.costs)
 
     def set_costs(self, costs: dict) -> None:
@@ -66,9 +75,13 @@ class DraftBudget:
         return self.hits[j] / self.seen[j]
 
     def expected(self, k: int) -> float:
-        """Tokens a row emits, on average, in a step verifying k drafts."""
+        """Tokens a row emits, on average, in a step verifying k drafts (a tree's: its chain's, plus a token where
+        the chain stops at a depth whose leaf is right)."""
+        tree = bool(self.depth) and k > self.depth
         total = passed = 1.0
-        for j in range(1, k + 1):
+        for j in range(1, (self.depth if tree else k) + 1):
+            if tree:
+                total += passed * (1.0 - self.rate(j)) * self.leaf_hits[j] / self.leaf_seen[j]
             passed *= self.rate(j)
             total += passed
         return total
@@ -94,18 +107,24 @@ class DraftBudget:
         the answer (it is not the probe's turn)."""
         return 0 < self._plain < self.probe_every - 1
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A committed row that verified `drafted` drafts and accepted the first `accepted` of them."""
-        for j in range(1, min(accepted, self.k) + 1):
+    def observe(self, drafted: int, accepted: int, tree: bool = False, leaf: bool = False) -> None:
+        """A committed row that verified `drafted` drafts and accepted the first `accepted` of them; `tree`: as a
+        tree, `leaf`: the last accepted was a leaf (its chain stopped one draft before)."""
+        chain = accepted - leaf
+        for j in range(1, min(chain, self.k) + 1):
             self.hits[j] += 1.0
             self.seen[j] += 1.0
-        if accepted < drafted <= self.k:
-            self.seen[accepted + 1] += 1.0
+        if chain < drafted <= self.k:
+            self.seen[chain + 1] += 1.0
+            if tree:
+                self.leaf_hits[chain + 1] += float(leaf)
+                self.leaf_seen[chain + 1] += 1.0
 
     def decay(self) -> None:
         """After a committed spec step's rows: older steps count less, down to PRIOR_WEIGHT rows' worth of evidence
         a position (a position no step verifies lately keeps its last rate)."""
-        for j, seen in enumerate(self.seen):
-            if seen > PRIOR_WEIGHT:
-                f = max(DECAY, PRIOR_WEIGHT / seen)
-                self.hits[j], self.seen[j] = self.hits[j] * f, seen * f
+        for hits, seen in ((self.hits, self.seen), (self.leaf_hits, self.leaf_seen)):
+            for j, n in enumerate(seen):
+                if n > PRIOR_WEIGHT:
+                    f = max(DECAY, PRIOR_WEIGHT / n)
+                    hits[j], seen[j] = hits[j] * f, n * f

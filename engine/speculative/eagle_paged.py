@@ -162,6 +162,15 @@ class PagedHead:
             sites += [Site("norm_head", [w], t.norm.weight) for w in heads]
         return sites
 
+    def top(self, hidden, n: int):
+        """The n tokens of the highest logits under the target's final norm and LM head (over the draft
+        vocabulary where it has one), best first: int64 [N, n]."""
+        t = self.target
+        if self.draft_ids is None:
+            return self.logits(hidden).topk(n, dim=-1).indices
+        logits = linear(t.final_norm(hidden, self.backend), self.draft_weight).float()
+        return self.draft_ids[logits.topk(n, dim=-1).indices]
+
     def greedy(self, hidden):
         """logits(hidden).argmax(-1) in the backend's norm + LM head + argmax kernels (int64 [N]), or None where it
         has none for the call. A target split over ranks keeps the logits: its vocabulary is gathered. With a

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.speculative.budget import DraftBudget
 from engine.speculative.state import SpecStats
+from engine.speculative.tree import LEAF
 
 
 @dataclass
@@ -31,6 +32,7 @@ class SpecPolicy:
     lookahead: int = 0              # tokens of pages to reserve past a row's inputs when free (head drafts)
     probe_every: int = 16           # below it: one spec step after this many plain ones, to measure again
     levels: tuple = ()              # K values a step may verify (engine/speculative/budget.py); () : K alone
+    depth: int = 0                  # a draft tree's chain (engine/speculative/tree.py): k is the tree's drafts
     ema: float = field(default=0.0, init=False)     # acceptance length of recent spec steps
     budget: DraftBudget = field(init=False)
     quiet: bool = field(default=False, init=False)  # the step planned last drafts nothing (see the docstring)
@@ -38,7 +40,8 @@ class SpecPolicy:
 
     def __post_init__(self):
         self.ema = self.k + 1.0         # optimistic start: a few poor steps do not pause a fresh engine
-        self.budget = DraftBudget(self.k, tuple(self.levels) or (self.k,), probe_every=self.probe_every)
+        self.budget = DraftBudget(self.k, tuple(self.levels) or (self.k,), probe_every=self.probe_every,
+                                  depth=self.depth)
 
     def observe(self, accepted: int, rows: int) -> None:
         """A committed spec step: `rows` rows accepted `accepted` drafts in all (its rows one by one went to
@@ -76,7 +79,7 @@ class SpecPolicy:
     def row_drafts(self, seq, k: int) -> int:
         """Drafts this row may accept: emitting all of them plus the bonus token stays within max_len even if
         the host's optimistic count of the in-flight tokens is right."""
-        return max(0, min(k, self.request_k(seq), seq.max_len - 1 - seq.num_scheduled_tokens))
+        return max(0, min(k, self.depth or k, self.request_k(seq), seq.max_len - 1 - seq.num_scheduled_tokens))
 
     def step_k(self, running, could_admit: bool, budget: int) -> int:
         """K for the next step (0: a plain step; `quiet` then says whether it drafts). could_admit: a waiting
@@ -110,10 +113,18 @@ class SpecPolicy:
             return 0
         if not any(self.row_drafts(s, k) for s in rows):
             return 0
+        if self.depth and k > self.depth and not all(_tree_row(s) for s in rows):
+            k = self.depth      # sampled, guided and logprobs rows verify the tree's chain
         if measured or not self._paused():
             return k
         self.quiet = self._plain < self.probe_every     # the next step is paused too
         return 0
+
+
+def _tree_row(seq) -> bool:
+    """A row a draft tree may verify: greedy, without grammar or logprobs (tree.py: greedy verification only)."""
+    p = seq.params
+    return p.temperature == 0 and seq.guided is None and p.logprobs is None
 
 
 def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:
@@ -146,6 +157,12 @@ def fill_spec_sampling(slot, s: int, row, t: int) -> None:
         h["next_ids"][t:t + k + 1] = range(-2 - s * (k + 1), -3 - s * (k + 1) - k, -1)
     else:
         h["next_ids"][t + row.num_tokens - 1] = -2 - s
+
+
+def tree_row(policy: SpecPolicy, row, entry: list[int]) -> tuple[bool, bool]:
+    """(whether a committed spec row verified a draft tree, whether it accepted one of the tree's leaves)."""
+    tree = bool(policy.depth) and row.spec_k == policy.k
+    return tree, tree and entry[policy.k] == LEAF
 
 
 def commit_row(seq, row, entry: list[int], k: int) -> list[int]:

@@ -56,3 +56,14 @@ def check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, o
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev
                             or out.stride(2) != 1):
         raise ValueError("out must match q's shape, dtype and device, with unit stride in head_dim")
+
+
+def check_tree(tree_masks, max_query_len: int, device) -> None:
+    """A draft tree's masks: int64 [n], one per new token of every sequence, at most 64 (bit j: new token j)."""
+    if not isinstance(tree_masks, torch.Tensor) or tree_masks.dim() != 1 or tree_masks.dtype != torch.int64:
+        raise ValueError("tree_masks must be an int64 tensor [n], one mask per new token of a sequence")
+    if tree_masks.device != device:
+        raise ValueError(f"tree_masks is on {tree_masks.device}, q on {device}")
+    if not 1 <= tree_masks.shape[0] <= 64 or tree_masks.shape[0] < max_query_len:
+        raise ValueError(f"tree_masks holds {tree_masks.shape[0]} masks: it needs one per new token (max_query_len "
+                         f"{max_query_len}), at most 64")

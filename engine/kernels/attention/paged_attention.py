@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import fused_ops
-from engine.kernels.attention.attention_checks import check_attention, check_cache, check_index, check_rows
+from engine.kernels.attention.attention_checks import check_attention, check_cache, check_index, check_rows, check_tree
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.attention.rope_kv import rope_rows, store_new_kv
 from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
@@ -57,8 +57,9 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_k
 
 @triton.jit
 def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi, kv_off_head,
-               stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+               stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, tree_bits,
+               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+               TREE: tl.constexpr):
     offs_n = start + tl.arange(0, TILE_N)
     n_ok = offs_n < hi
     page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_n, mask=n_ok, other=0).to(tl.int64)
@@ -66,7 +67,11 @@ def _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, sta
     k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # log2 domain
     if MASKED:
-        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if TREE:    # a step's new keys: only the query's ancestors among them (bit j: new key j)
+            j = tl.minimum(tl.maximum(offs_n - ctx, 0), 63).to(tl.int64)
+            seen = seen & ((offs_n[None, :] < ctx) | (((tree_bits[:, None] >> j[None, :]) & 1) != 0))
+        s = tl.where(seen, s, float("-inf"))
         # Slots past the sequence end may hold NaN garbage, and 0 * NaN = NaN: zero them.
         v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     else:
@@ -92,11 +97,11 @@ def online_update(acc, l_i, m_i, s, v, PRECISION: tl.constexpr):
 def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l, cu_q, seq_lens, bt_ptr,
                        qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt_b, stride_bt_n,
                        stride_blk, stride_pos, stride_kvh, kn_ptr, vn_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
-                       stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos, sem_ptr,
+                       stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos, sem_ptr, tree_ptr,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                       ROPE: tl.constexpr, MERGE: tl.constexpr, USE_PDL: tl.constexpr):
+                       ROPE: tl.constexpr, MERGE: tl.constexpr, TREE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     q_block = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
@@ -123,14 +128,20 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
         q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx + q_idx
+    if TREE:
+        tree_bits = tl.load(tree_ptr + q_idx, mask=row_ok, other=0)
+    else:
+        tree_bits = q_idx
 
     # This block needs keys [0, kv_end); this split takes [lo, hi) of them, TILE_N-aligned.
     kv_end = tl.maximum(ctx + tl.minimum(q_lo + BLOCK_Q, q_len), 0)
     chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
     lo = split * chunk
     hi = tl.minimum(kv_end, lo + chunk)
-    # Keys below ctx + q_lo + 1 are visible to every row of the block: those tiles skip the mask.
-    full_hi = lo + tl.maximum(tl.minimum(hi, ctx + q_lo + 1) - lo, 0) // TILE_N * TILE_N
+    # Keys below ctx + q_lo + 1 are visible to every row of the block (of a tree's, those below ctx + 1): those
+    # tiles skip the mask.
+    seen_by_all = ctx + 1 if TREE else ctx + q_lo + 1
+    full_hi = lo + tl.maximum(tl.minimum(hi, seen_by_all) - lo, 0) // TILE_N * TILE_N
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
@@ -144,12 +155,12 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
         tl.debug_barrier()  # the CTA's stores above are visible to its loads below
     for start in range(lo, full_hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
-                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-                                   BLOCK_SIZE, TILE_N, False, PRECISION)
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, tree_bits,
+                                   BLOCK_SIZE, TILE_N, False, PRECISION, TREE)
     for start in range(full_hi, hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, hi,
-                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-                                   BLOCK_SIZE, TILE_N, True, PRECISION)
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, tree_bits,
+                                   BLOCK_SIZE, TILE_N, True, PRECISION, TREE)
 
     group_index = (q_block * tl.num_programs(1) + seq) * tl.num_programs(2) + kv_head
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, group_index, q_row, head, row_ok, offs_d,
@@ -200,7 +211,7 @@ def fuses_rope(num_heads: int, num_kv_heads: int, max_query_len: int, block_size
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len,
-                    *, out=None, num_splits=None, max_seq_len=None, rope=None, semaphores=None):
+                    *, out=None, num_splits=None, max_seq_len=None, rope=None, semaphores=None, tree_masks=None):
     """Causal attention of q [T, num_heads, head_dim] over the paged cache; returns out [T, num_heads, head_dim].
 
     max_query_len: host int >= every sequence's query length. out: optional buffer to write into (rows
@@ -212,6 +223,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     (q / k / v may be strided views). Needs fuses_rope(...) for max_query_len.
     semaphores: a zeroed int32 buffer (left zeroed) of at least one counter per (query block, sequence, kv head):
     with it a split launch merges its splits itself (engine/kernels/attention/split_merge.py), not in a second kernel.
+    tree_masks: [n] int64 (engine/attention.py AttentionMetadata.tree_masks): every sequence's n new tokens are a
+    draft tree, new token i attending to new token j where bit j of tree_masks[i] is set.
     """
     check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     if isinstance(max_query_len, torch.Tensor) or isinstance(scale, torch.Tensor):
@@ -221,6 +234,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if rope is not None:
         _check_rope(q, rope, k_cache, v_cache, max_query_len)
+    if tree_masks is not None:
+        check_tree(tree_masks, max_query_len, q.device)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
@@ -240,11 +255,12 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         float(scale) * _LOG2E, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k, v, positions, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        semaphores if merge else seq_lens,
+        semaphores if merge else seq_lens, seq_lens if tree_masks is None else tree_masks,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, num_warps=num_warps,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: exact products, for equality tests
-        ROPE=rope is not None, MERGE=merge, **pdl(_paged_attn_kernel, q.device, num_tokens))
+        ROPE=rope is not None, MERGE=merge, TREE=tree_masks is not None,
+        **pdl(_paged_attn_kernel, q.device, num_tokens))
     if num_splits > 1 and not merge:
         combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, head_pad)
     return out

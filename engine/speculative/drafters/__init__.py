@@ -44,7 +44,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         if vocab:
             paged.restrict(load_draft_vocab(vocab, config.tuning.spec_draft_vocab_size))
         return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(),
-                            config.tuning.draft_gather)
+                            config.tuning.draft_gather, config.draft_tree())
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
         from engine.speculative.drafters.draft_model import DraftModelDrafter

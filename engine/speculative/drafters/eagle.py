@@ -28,11 +28,14 @@ class EagleDrafter(Drafter):
     uses_history = False
 
     def __init__(self, k: int, head: PagedHead, block_size: int, max_model_len: int, spec_kernels: bool = False,
-                 gather: bool = False):
+                 gather: bool = False, tree=None):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
+        if tree is not None and tree.depth != k:
+            raise ValueError(f"a draft tree of depth {tree.depth} needs k = {tree.depth}, got {k}")
         self.num_speculative_tokens = k
         self.lookahead = k - 1                  # draft step i writes its key at t + i
+        self.tree = tree                        # engine/speculative/tree.py DraftTree: its leaves follow the chain
         self.head = head
         self.feature_layers = tuple(head.cfg.feature_layers)
         self.block_size = block_size
@@ -52,12 +55,27 @@ class EagleDrafter(Drafter):
         pos, metas, (q, feature) = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size,
                                                 self.max_model_len, self.spec_kernels, (q, feature), self.gather)
         hidden = self.head.attend(q, metas[0], feature)
+        if self.tree is not None:
+            return self._tree(hidden, pos, metas)
         drafts = [self._pick(ctx, 0, hidden)]
         for i in range(1, self.num_speculative_tokens):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
             drafts.append(self._pick(ctx, i, hidden))
         tokens = torch.stack(drafts, dim=1)
         return Proposal(tokens, ctx.num_drafts(tokens))
+
+    def _tree(self, hidden, pos, metas) -> Proposal:
+        """A draft tree's tokens [S, N]: the chain of first choices, then each leaf (depth d, rank r) the head's
+        choice r at depth d."""
+        widths = self.tree.widths()
+        ranked = [self.head.top(hidden, widths[0])]
+        for i in range(1, self.num_speculative_tokens):
+            hidden = self.head.step(hidden, ranked[-1][:, 0], pos[i], metas[i])
+            ranked.append(self.head.top(hidden, widths[i]))
+        chain = [r[:, 0] for r in ranked]
+        leaves = [ranked[d - 1][:, r] for d, r in self.tree.leaves]
+        tokens = torch.stack(chain + leaves, dim=1)
+        return Proposal(tokens, torch.full_like(tokens[:, 0], self.num_speculative_tokens))
 
     def _pick(self, ctx: FeatureContext, j: int, hidden):
         """Draft j from the head's hidden states: unguided, the backend's argmax kernels where it has them

@@ -1,0 +1,60 @@
+"""A draft-tree step's own device work (engine/speculative/tree.py), for engine/runner/spec_step.py: RoPE positions
+by depth, greedy verification of the tree with the accepted leaf's keys moved to their depth, and what the head
+writes and drafts from afterwards. Enqueue-only tensor code with shapes fixed by the step's key, like the rest of
+the step.
+
+The step's inputs are its rows' 1 + N tokens each; the host wrote every input's position as its KV slot's
+(the row's position plus its input index), as for a chain.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from engine.speculative.tree import TreeTables, move_leaf_kv, tree_accept
+
+
+def depth_positions(d, T: int, tables: TreeTables) -> None:
+    """Move each input's position from its slot's to its RoPE position, the row's plus its depth. The slot mapping
+    is computed before this (SpecStepProgram.correct) and keeps the slots."""
+    inputs = tables.offsets.shape[0]
+    index = torch.arange(T, device=tables.offsets.device) % inputs
+    d["positions"][:T].sub_(tables.offsets[index])
+
+
+def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: int):
+    """Greedy verification of a tree step's rows -> (tokens [S, K + 1], accepted [S], what the draft reads:
+    (next token of every input, the rows' (last, last_seq, start, last_valid), the head's slot mapping))."""
+    d = slot.dev
+    if target is None:
+        target = logits.view(S, K + 1, -1).argmax(dim=-1)
+    accepted, tokens, best, leaf = tree_accept(ids.view(S, K + 1)[:, 1:], target, drafted, program.tree)
+    program.finish(slot, tokens, accepted, drafted, S, K)
+    mapping = d["slot_mapping"][:T]
+    row_start = d["logits_indices"][:S]
+    move_leaf_kv(program.kv_caches, program.kv_slab, mapping, row_start, accepted, best, leaf)
+    last = row_start + best
+    rows = (last, d["tok_seq"][last], None, d["smp_row"][:S] >= 0)
+    # an accepted input's next token is the target's there (the next accepted draft, or the row's last token)
+    return tokens, accepted, (target.reshape(-1), rows, head_mapping(mapping, row_start, accepted, best, leaf, K,
+                                                                     program.tree.tree.depth))
+
+
+def head_mapping(mapping, row_start, accepted, best, leaf, K: int, depth: int):
+    """Where the head writes the keys of the step's inputs: the accepted path's at their depth's slot (the chain's
+    own, a leaf's that of its depth), nothing for the rest."""
+    T = mapping.shape[0]
+    tok = torch.arange(T, device=mapping.device)
+    row, j = tok // (K + 1), tok % (K + 1)
+    a, lf = accepted[row], leaf[row]
+    path = (j <= depth) & (j <= a) & ~(lf & (j == a))
+    out = torch.where(path, mapping, -1)
+    return torch.where(lf & (j == best[row]), mapping[(row_start + accepted)[row]], out)
+
+
+def head_meta(meta, finished):
+    """The head's view of the step's attention metadata: a tree step's head mapping, else the step's."""
+    if finished is None or len(finished) < 3:
+        return meta
+    return replace(meta, slot_mapping=finished[2])
