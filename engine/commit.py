@@ -37,7 +37,7 @@ class Commits:
         step does, the common rows in native code."""
         outputs = []
         now = time.perf_counter()
-        spec_rows = spec_proposed = spec_accepted = 0
+        spec_rows = spec_proposed = spec_accepted = spec_leaves = 0
         k = self.spec_k if spec else 0
         i, native = 0, self.native and not k and isinstance(tokens, list)
         while i < len(rows):
@@ -75,15 +75,17 @@ class Commits:
                     drafted, accepted = tokens[row.sample_idx][-1], len(new) - 1
                     spec_rows, spec_proposed, spec_accepted = spec_rows + 1, spec_proposed + drafted, \
                         spec_accepted + accepted
-                    self.scheduler.spec.budget.observe(drafted, accepted, *tree_row(self.scheduler.spec, row,
-                                                                                     tokens[row.sample_idx]))
+                    tree, leaf = tree_row(self.scheduler.spec, row, tokens[row.sample_idx])
+                    spec_leaves += leaf
+                    self.scheduler.spec.budget.observe(drafted, accepted, tree, leaf)
                 lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
                     if seq.logprobs is not None else None
                 outputs.append(self.append(seq, new, now, lps))
             except Exception as exc:
                 outputs.append(self._commit_failed(seq, exc))
         if spec_rows:
-            self.timings.add(spec_rows=spec_rows, spec_proposed=spec_proposed, spec_accepted=spec_accepted)
+            self.timings.add(spec_rows=spec_rows, spec_proposed=spec_proposed, spec_accepted=spec_accepted,
+                             spec_leaves=spec_leaves)
             self.scheduler.spec.observe(spec_accepted, spec_rows)
         return outputs
 

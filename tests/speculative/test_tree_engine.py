@@ -1,0 +1,78 @@
+"""Draft trees in the engine (EngineConfig.spec_tree): greedy output equals the plain engine's, token for token, with
+leaves accepted and their keys moved; sampled rows beside greedy ones verify the tree's chain; nothing leaks.
+
+The workload and its references are test_spec_engine's (EOS, stop string, stop token, max_tokens, late arrivals,
+preemption, and answers that repeat themselves).
+"""
+import pytest
+
+import engine.runner.tree_step as tree_step
+from conftest import assert_no_leak
+from engine.llm_engine import LLMEngine
+from engine.requests.sequence import SamplingParams
+from helpers import CPU, PREEMPTING, ROOMY, drive, record_steps
+from test_spec_engine import _same, reference, run, spec_workload  # noqa: F401 (fixtures)
+
+TREE = dict(speculative="eagle", num_speculative_tokens=3, spec_tree=8)
+
+
+@pytest.fixture
+def leaf_hits(monkeypatch):
+    """The number of rows that accepted a leaf, counted as the engine verifies."""
+    hits, accept = [0], tree_step.tree_accept
+
+    def counted(*args):
+        out = accept(*args)
+        hits[0] += int(out[3].sum())
+        return out
+    monkeypatch.setattr(tree_step, "tree_accept", counted)
+    return hits
+
+
+@pytest.mark.parametrize("depth,cfg,graph_layout", [(2, "roomy", False), (1, "preempting", False),
+                                                    (2, "roomy", True)])
+def test_greedy_tree_equals_plain(spec_workload, reference, leaf_hits, depth, cfg, graph_layout):
+    eng, got = run(spec_workload, depth, graph_layout, **TREE, **(ROOMY if cfg == "roomy" else PREEMPTING))
+    _same(got, reference[cfg])
+    t = eng.timings
+    assert t.spec_rows > 0 and leaf_hits[0] > 0, "no leaf was accepted"
+    assert 0 < t.spec_leaves <= leaf_hits[0]      # (verification also counts padding and zombie rows)
+    assert 1.0 < t.acceptance_length <= 4
+    if graph_layout:
+        assert eng.runner.graphs.replays["spec"] > 0
+    if cfg == "preempting":
+        assert eng.scheduler.num_preemptions > 0
+
+
+def test_sampled_rows_verify_the_chain(spec_workload, reference, leaf_hits):
+    """A sampled request beside the greedy ones: the steps it is in verify the tree's chain (K = 3), the others
+    the tree; the greedy outputs stay the plain engine's."""
+    eng = LLMEngine(**CPU, depth=2, **TREE)
+    log = record_steps(eng)
+    last = max(w[0] for w in spec_workload)       # drive returns requests in arrival order: this one last
+    sampled = (last, spec_workload[-1][1], SamplingParams(max_tokens=24, temperature=0.8, seed=5))
+    seqs = drive(eng, list(spec_workload) + [sampled])
+    _same(seqs[:-1], reference["roomy"])
+    assert seqs[-1].finish_reason == "length" and len(seqs[-1].output_token_ids) == 24
+    assert {k for k, _, _ in log} >= {3, 8}, log
+    assert_no_leak(eng)
+    assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows
+
+
+def test_tree_settings_are_checked():
+    with pytest.raises(ValueError, match="speculative='eagle'"):
+        LLMEngine(**CPU, speculative="ngram", spec_tree=8)
+    with pytest.raises(ValueError, match="more than num_speculative_tokens"):
+        LLMEngine(**CPU, speculative="eagle", num_speculative_tokens=3, spec_tree=3)
+    with pytest.raises(ValueError, match="guided_draft_masks"):
+        LLMEngine(**CPU, **TREE, guided_draft_masks=True)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_tree_equals_plain(spec_workload):
+    """CUDA graphs on the Triton backend (the tree's masks in the paged kernel, RoPE fused into it), float32."""
+    from test_spec_engine import GPU_GRAPHS
+    _, ref = run(spec_workload, 2, **GPU_GRAPHS)
+    eng, got = run(spec_workload, 2, **TREE, **GPU_GRAPHS)
+    _same(got, ref)
+    assert eng.timings.spec_rows > 0 and eng.timings.spec_leaves > 0
