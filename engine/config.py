@@ -41,6 +41,7 @@ class Tuning:
     guide_max_depth: int = 64          # nesting of one JSON schema
     guide_max_repeat: int = 1000       # the count of one {n,m} repetition of a regex, pattern or grammar
     # speculation
+    spec_tree: int = 0                 # eagle: drafts a greedy step verifies as a tree, K of them its chain (0: chain)
     spec_draft_vocab: str = ""         # eagle: a JSON token ranking for unguided drafts ("": the head's, "none")
     spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many of the ranking's tokens (0: all)
     guided_draft_masks: bool = False   # guided + speculative: every draft step picks its token under the grammar
@@ -100,7 +101,6 @@ class EngineConfig:
     num_speculative_tokens: int = 3    # K: drafts a speculating sequence holds, the most a step verifies
     spec_head: str = ""                # eagle: a head directory ("": the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model sharing the tokenizer (a path, "default", "dummy:X")
-    spec_tree: int = 0                 # eagle: drafts a greedy step verifies as a tree, K of them its chain (0: chain)
     spec_max_batch: int = 32           # steps with more sequences do not speculate
     spec_min_acceptance: float = 1.3   # without step costs (eager, spec_budget off): pause below this acceptance
     ngram_min_n: int = 1               # ngram: the shortest suffix looked up in the prompt and output
@@ -159,13 +159,14 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.spec_max_batch < 1:
             raise ValueError(f"spec_max_batch must be >= 1, got {self.spec_max_batch}")
-        if self.spec_tree:
+        tree = self.tuning.spec_tree
+        if tree:
             if self.speculative != "eagle":
                 raise ValueError(f"spec_tree needs the EAGLE head's ranked drafts (speculative='eagle'), got "
                                  f"speculative={self.speculative!r}")
-            if not self.num_speculative_tokens < self.spec_tree <= 32:
+            if not self.num_speculative_tokens < tree <= 32:
                 raise ValueError(f"spec_tree must be more than num_speculative_tokens ({self.num_speculative_tokens}) "
-                                 f"and at most 32, got {self.spec_tree}")
+                                 f"and at most 32, got {tree}")
             if self.tuning.guided_draft_masks or self.tuning.guided_forced_drafts:
                 raise ValueError("spec_tree drafts without the grammar: turn guided_draft_masks and "
                                  "guided_forced_drafts off")
@@ -191,12 +192,13 @@ class EngineConfig:
     @property
     def spec_k(self) -> int:
         """Draft slots per speculating row (0: speculation off): a tree's nodes, else K."""
-        return 0 if self.speculative == "none" else self.spec_tree or self.num_speculative_tokens
+        return 0 if self.speculative == "none" else self.tuning.spec_tree or self.num_speculative_tokens
 
     def draft_tree(self):
         """The draft tree a greedy step verifies (engine/speculative/tree.py), or None for a chain."""
         from engine.speculative.tree import DraftTree
-        return DraftTree.of_size(self.num_speculative_tokens, self.spec_tree) if self.spec_tree else None
+        tree = self.tuning.spec_tree
+        return DraftTree.of_size(self.num_speculative_tokens, tree) if tree and self.spec_k else None
 
     def torch_device(self) -> torch.device:
         import torch

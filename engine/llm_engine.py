@@ -85,7 +85,7 @@ class LLMEngine(EngineFrontend):
         self.spec_k = config.spec_k
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, config.spec_min_acceptance,
                           lookahead=self.runner.draft_lookahead, levels=engine_levels(config),
-                          depth=config.num_speculative_tokens if config.spec_tree else 0) if self.spec_k else None
+                          depth=config.tuning.spec_tree and config.num_speculative_tokens) if self.spec_k else None
         if spec is not None:
             spec.budget.set_costs(getattr(self.runner, "step_costs", {}))
         pools = [RowPool(self.runner.pool.num_rows)] + ([RowPool(

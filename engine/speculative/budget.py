@@ -34,7 +34,7 @@ def engine_levels(config) -> tuple[int, ...]:
     """The levels of an EngineConfig: levels_for(K) with Tuning.spec_budget, else K alone. A tree engine's are its
     chain's levels and the tree's drafts (engine/speculative/tree.py)."""
     k = config.spec_k
-    if config.spec_tree:
+    if config.tuning.spec_tree:
         depth = config.num_speculative_tokens
         return (levels_for(depth) if config.tuning.spec_budget else (depth,)) + (k,)
     return levels_for(k) if config.tuning.spec_budget else ((k,) if k else ())
