@@ -91,12 +91,14 @@ _ATTENTION_TYPES = ({p: "*bf16" for p in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr"
                                           "stride_knt", "stride_knh", "stride_vnt", "stride_vnh", "stride_cos")})
 
 
-def _attention(splits: int, rope: bool, merge: bool, pdl: bool):
-    """The paged-attention kernel of a SmolLM2 decode step (9 q heads on 3 kv heads, head_dim 64, pages of 16)."""
-    consts = dict(GROUP=3, BLOCK_M=16, BLOCK_Q=5, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16, TILE_N=64,
-                  NUM_SPLITS=splits, PRECISION="tf32", ROPE=rope, MERGE=merge, USE_PDL=pdl)
-    return (f"paged_attention splits={splits} rope={rope} merge={merge}", paged_attention._paged_attn_kernel,
-            _ATTENTION_TYPES, consts, 4)
+def _attention(splits: int, rope: bool, merge: bool, pdl: bool, tree: bool = False):
+    """The paged-attention kernel of a SmolLM2 decode step (9 q heads on 3 kv heads, head_dim 64, pages of 16); tree:
+    a verification step of a draft tree of 8 (9 new tokens a sequence)."""
+    block_m, block_q = (32, 10) if tree else (16, 5)
+    consts = dict(GROUP=3, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=64, HEAD_PAD=64, BLOCK_SIZE=16, TILE_N=64,
+                  NUM_SPLITS=splits, PRECISION="tf32", ROPE=rope, MERGE=merge, TREE=tree, USE_PDL=pdl)
+    return (f"paged_attention splits={splits} rope={rope} merge={merge}{' tree' if tree else ''}",
+            paged_attention._paged_attn_kernel, _ATTENTION_TYPES | dict(tree_ptr="*i64"), consts, 4)
 
 
 def _decode_attention(splits: int, merge: bool, pdl: bool, prefetch: int = 1):
@@ -164,6 +166,7 @@ def variants(pdl: bool) -> list[tuple]:
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=4, USE_PDL=pdl), 4),
         _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),
+        _attention(2, True, True, pdl, tree=True),
         _decode_attention(1, False, pdl), _decode_attention(4, False, pdl), _decode_attention(1, False, pdl, 2),
         ("head_ops embed_pair_norm", head_ops._embed_pair_norm_kernel,
          dict(ids_ptr="*i64", emb_ptr="*bf16", feat_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_emb="i32",
