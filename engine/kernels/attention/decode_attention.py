@@ -101,8 +101,8 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
     for start in range(lo + PREFETCH * TILE_N, cached_hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi,
-                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale,
-                                   BLOCK_SIZE, TILE_N, True, PRECISION)
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, q_pos,
+                                   BLOCK_SIZE, TILE_N, True, PRECISION, False)
     if owns:
         acc, l_i, m_i = _new_column(acc, l_i, m_i, q, kn, vn, qk_scale)
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, seq * tl.num_programs(2) + kv_head,
