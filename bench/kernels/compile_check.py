@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from engine.kernels.sampling import argmax  # noqa: E402
 from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
 from engine.kernels.matmul import decode_gemm, decode_gemv, head_mma  # noqa: E402
-from engine.kernels.speculative import head_ops, ngram_draft, spec_finish, spec_ops  # noqa: E402
+from engine.kernels.speculative import head_ops, ngram_draft, spec_finish, spec_ops, tree_finish  # noqa: E402
 from engine.kernels import step_io  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -124,6 +124,10 @@ def variants(pdl: bool) -> list[tuple]:
                                    "row_start_ptr")}
     finish |= dict(hist_ptr="*i32", row_valid_ptr="*u8") | {n: "i32" for n in (
         "stride_out", "stride_hist", "n_rows", "n_pos", "n_tok_seq", "k_max", "max_model_len", "T", "S")}
+    tree = {p: "*i64" for p in ("ids_ptr", "target_ptr", "drafted_ptr", "leaf_depth_ptr", "smp_row_ptr", "li_ptr",
+                                 "tok_seq_ptr", "map_ptr", "tokens_ptr", "acc_ptr", "last_tok_ptr", "rejected_ptr",
+                                 "out_ptr", "sampled_ptr", "row_last_ptr", "row_seq_ptr", "head_map_ptr", "move_ptr")}
+    tree |= dict(row_valid_ptr="*u8", stride_out="i32", n_rows="i32", n_tok_seq="i32", S="i32")
     layout = dict(start_ptr="*i64", seq_ptr="*i64", valid_ptr="*u8", cap_ptr="*i64", bt_ptr="*i32", pos_ptr="*i64",
                   map_ptr="*i64", lens_ptr="*i32", table_ptr="*i32", cu_ptr="*i32", last_ptr="*i64", a_ptr="*bf16",
                   a_out_ptr="*bf16", b_ptr="*bf16", b_out_ptr="*bf16", stride_bt="i32", stride_a="i32",
@@ -163,6 +167,11 @@ def variants(pdl: bool) -> list[tuple]:
          dict(hist_ptr="*i32", stride_hist="i32", rows_ptr="*i64", lengths_ptr="*i64", drafts_ptr="*i64",
               count_ptr="*i64", n_rows="i32", L="i32", k="i32", min_n="i32"),
          dict(MAX_N=3, K_PAD=4, BLOCK=512, USE_PDL=pdl), 4),
+        ("tree_finish tree of 8 on a chain of 3", tree_finish._tree_finish_kernel, tree,
+         dict(D=3, N=8, W=16, L=5, BLOCK=16, USE_PDL=pdl), 4),
+        *([] if pdl else [("tree_finish move_leaves", tree_finish._move_leaves_kernel,     # never dependent-launched
+                           dict(slab_ptr="*bf16", move_ptr="*i64", stride_layer="i32"), dict(WIDTH=192, BLOCK=256),
+                           4)]),
         ("spec_finish greedy_finish next_ids", spec_finish._greedy_finish_kernel, finish,
          dict(K=3, J=4, W=8, HISTORY=False, NEXT=True, ROWS=True, BLOCK=4, USE_PDL=pdl), 4),
         _attention(1, True, False, pdl), _attention(4, True, True, pdl), _attention(4, False, True, pdl),

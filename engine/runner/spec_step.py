@@ -38,10 +38,13 @@ class SpecStepProgram(StepProgram):
     def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None,
                  spec_kernels: bool = False, finish_kernel: bool = False, tree=None, **kwargs):
         super().__init__(*args, pool=state, **kwargs)
-        self.tree = self.kv_slab = None         # a draft tree's tables (engine/speculative/tree.py), KV as one view
+        self.tree = self.kv_slab = self.tree_finish = None  # a draft tree's tables (engine/speculative/tree.py)
         if tree is not None:
             self.tree = tree.tables(state.rejected.device)
-            self.kv_slab = kv_slab(self.kv_caches)
+            self.kv_slab = kv_slab(self.kv_caches)              # every layer's KV as one view, where it is one
+            if finish_kernel and self.kv_slab is not None:      # the tree's finish in two kernels
+                from engine.kernels.speculative import tree_finish
+                self.tree_finish = tree_finish
         self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
         self.drafter = drafter

@@ -29,6 +29,12 @@ def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: 
     d = slot.dev
     if target is None:
         target = logits.view(S, K + 1, -1).argmax(dim=-1)
+    if program.tree_finish is not None:         # Tuning.spec_finish_kernel: the same in two kernels
+        kernels, tables = program.tree_finish, program.tree
+        tokens, accepted, rows, head, moves = kernels.tree_finish(slot, program.state, ids, target, drafted,
+                                                                  tables.leaf_depths, tables.tree.depth)
+        kernels.move_leaves(program.kv_slab, moves)
+        return tokens, accepted, (target.reshape(-1), rows, head)
     accepted, tokens, best, leaf = tree_accept(ids.view(S, K + 1)[:, 1:], target, drafted, program.tree)
     program.finish(slot, tokens, accepted, drafted, S, K)
     mapping = d["slot_mapping"][:T]
@@ -37,19 +43,17 @@ def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: 
     last = row_start + best
     rows = (last, d["tok_seq"][last], None, d["smp_row"][:S] >= 0)
     # an accepted input's next token is the target's there (the next accepted draft, or the row's last token)
-    return tokens, accepted, (target.reshape(-1), rows, head_mapping(mapping, row_start, accepted, best, leaf, K,
-                                                                     program.tree.tree.depth))
+    return tokens, accepted, (target.reshape(-1), rows, head_mapping(mapping, row_start, accepted, best, leaf, K))
 
 
-def head_mapping(mapping, row_start, accepted, best, leaf, K: int, depth: int):
+def head_mapping(mapping, row_start, accepted, best, leaf, K: int):
     """Where the head writes the keys of the step's inputs: the accepted path's at their depth's slot (the chain's
     own, a leaf's that of its depth), nothing for the rest."""
     T = mapping.shape[0]
     tok = torch.arange(T, device=mapping.device)
     row, j = tok // (K + 1), tok % (K + 1)
-    a, lf = accepted[row], leaf[row]
-    path = (j <= depth) & (j <= a) & ~(lf & (j == a))
-    out = torch.where(path, mapping, -1)
+    lf = leaf[row]
+    out = torch.where(j <= accepted[row] - lf.long(), mapping, -1)        # the chain's accepted inputs
     return torch.where(lf & (j == best[row]), mapping[(row_start + accepted)[row]], out)
 
 
