@@ -194,12 +194,6 @@ class EngineConfig:
         """Draft slots per speculating row (0: speculation off): a tree's nodes, else K."""
         return 0 if self.speculative == "none" else self.tuning.spec_tree or self.num_speculative_tokens
 
-    def draft_tree(self):
-        """The draft tree a greedy step verifies (engine/speculative/tree.py), or None for a chain."""
-        from engine.speculative.tree import DraftTree
-        tree = self.tuning.spec_tree
-        return DraftTree.of_size(self.num_speculative_tokens, tree) if tree and self.spec_k else None
-
     def torch_device(self) -> torch.device:
         import torch
         if self.device == "auto":

@@ -34,6 +34,7 @@ from engine.sampling.sampler import apply_bitmask
 from engine.speculative.drafters import drafter_caches, make_drafter
 from engine.runner.spec_step import SpecStepProgram
 from engine.speculative.state import SpecState
+from engine.speculative.tree import config_tree
 
 _EVENT_RING = 4  # timing events per step index: a step's are read at its commit, two launches later at most
 
@@ -79,7 +80,7 @@ class ModelRunner:
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties,
                                            spec_kernels=config.use_spec_kernels(),
                                            finish_kernel=config.use_spec_kernels() and config.tuning.spec_finish_kernel,
-                                           tree=config.draft_tree())
+                                           tree=config_tree(config))
         else:
             self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool,
                                        step_io=config.tuning.step_io_kernels and self.backend.fused and tp.world == 1)

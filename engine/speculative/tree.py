@@ -89,6 +89,12 @@ class DraftTree:
             torch.tensor([d for d, _ in self.leaves], dtype=torch.int64, device=device))
 
 
+def config_tree(config) -> DraftTree | None:
+    """The draft tree an EngineConfig's greedy steps verify (Tuning.spec_tree), or None for a chain."""
+    nodes = config.tuning.spec_tree
+    return DraftTree.of_size(config.num_speculative_tokens, nodes) if nodes and config.spec_k else None
+
+
 @dataclass(frozen=True)
 class TreeTables:
     """A tree's tables on the engine's device, read inside the step's graph."""

@@ -34,6 +34,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         from engine.speculative.drafters.eagle import EagleDrafter
         from engine.speculative.eagle_head import new_head
         from engine.speculative.eagle_paged import PagedHead, check_head, load_head
+        from engine.speculative.tree import config_tree
         where = head_dir(config, source)
         head = new_head(source.config, dtype, device).requires_grad_(False) if where == "random" \
             else load_head(where, dtype, device)
@@ -44,7 +45,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         if vocab:
             paged.restrict(load_draft_vocab(vocab, config.tuning.spec_draft_vocab_size))
         return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(),
-                            config.tuning.draft_gather, config.draft_tree())
+                            config.tuning.draft_gather, config_tree(config))
     if config.speculative == "draft_model":
         from engine.models.weights import build_model
         from engine.speculative.drafters.draft_model import DraftModelDrafter
