@@ -26,11 +26,10 @@ from __future__ import annotations
 import torch
 
 from engine.runner.step import StepProgram, forced, head_argmax, mark
-from engine.runner.tree_step import depth_positions, head_meta, verify_tree
+from engine.runner.tree_step import depth_positions, head_meta, is_tree_step, tree_parts, verify_tree
 from engine.sampling.logprobs import record
 from engine.sampling.sampler import NO_TOKEN
 from engine.speculative.drafters.base import DraftContext, FeatureContext
-from engine.speculative.tree import kv_slab
 from engine.speculative.verify import PAD, greedy_accept, greedy_accept_ids, rejection_sample
 
 
@@ -38,13 +37,9 @@ class SpecStepProgram(StepProgram):
     def __init__(self, *args, state, drafter, block_size: int, draft_max_rows: int, draft_masks=None,
                  spec_kernels: bool = False, finish_kernel: bool = False, tree=None, **kwargs):
         super().__init__(*args, pool=state, **kwargs)
-        self.tree = self.kv_slab = self.tree_finish = None  # a draft tree's tables (engine/speculative/tree.py)
-        if tree is not None:
-            self.tree = tree.tables(state.rejected.device)
-            self.kv_slab = kv_slab(self.kv_caches)              # every layer's KV as one view, where it is one
-            if finish_kernel and self.kv_slab is not None:      # the tree's finish in two kernels
-                from engine.kernels.speculative import tree_finish
-                self.tree_finish = tree_finish
+        # a draft tree's tables, the KV as one view, its finish kernels (engine/runner/tree_step.py)
+        self.tree, self.kv_slab, self.tree_finish = tree_parts(tree, state.rejected.device, self.kv_caches,
+                                                               finish_kernel)
         self.draft_masks = draft_masks          # DraftMasks (engine/guided/draft_masks.py) of guided drafting steps
         self.state = state
         self.drafter = drafter
@@ -70,9 +65,7 @@ class SpecStepProgram(StepProgram):
         or None for an eager step at its exact size)."""
         guided, _, extras = variant
         T, B, S, K = self.sizes(slot, key)
-        tree = self.tree is not None and K == self.tree.tree.nodes
-        if tree and variant != (False, True, False):
-            raise RuntimeError("a draft tree verifies greedy rows without grammar or logprobs only")
+        tree = is_tree_step(self.tree, K, variant)
         ids = self.correct(slot, T, B, S)
         if tree:
             depth_positions(slot.dev, T, self.tree)
@@ -80,9 +73,7 @@ class SpecStepProgram(StepProgram):
         drafted = self.drafted(slot, ids, S, K, guided)
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, S, self.compute_stream, K + 1)
-        meta = self.step_meta(slot, key, T, B, K)
-        if tree:
-            meta.tree_masks = self.tree.masks
+        meta = self.step_meta(slot, key, T, B, K, self.tree.masks if tree else None)
         out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
         hidden, features = out if self.aux_layers else (out, None)
         one_token = key.kind == "decode" if key is not None else slot.max_query_len == 1 and slot.num_sample == T
@@ -123,10 +114,12 @@ class SpecStepProgram(StepProgram):
         return ids
 
     # ---- 2. forward + logits -------------------------------------------------------------------
-    def step_meta(self, slot, key, T: int, B: int, K: int):
+    def step_meta(self, slot, key, T: int, B: int, K: int, tree_masks=None):
         """Attention metadata of the step at its exact size (key None) or padded to its graph key."""
         if K:
-            return self.meta(slot, T, B, K + 1, key.context if key else slot.max_seq_len)
+            meta = self.meta(slot, T, B, K + 1, key.context if key else slot.max_seq_len)
+            meta.tree_masks = tree_masks
+            return meta
         if key is None:
             return self.meta(slot, T, B, slot.max_query_len, slot.max_seq_len)
         if key.kind == "decode":

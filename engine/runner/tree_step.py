@@ -12,7 +12,27 @@ from dataclasses import replace
 
 import torch
 
-from engine.speculative.tree import TreeTables, move_leaf_kv, tree_accept
+from engine.speculative.tree import TreeTables, kv_slab, move_leaf_kv, tree_accept
+
+
+def tree_parts(tree, device, kv_caches, finish_kernel: bool):
+    """(the tree's tables, the KV caches as one view or None, the finish kernels' module or None) of a tree engine's
+    step program; Nones for a chain."""
+    if tree is None:
+        return None, None, None
+    slab = kv_slab(kv_caches)
+    kernels = None
+    if finish_kernel and slab is not None:          # Tuning.spec_finish_kernel: the tree's finish in two kernels
+        from engine.kernels.speculative import tree_finish as kernels
+    return tree.tables(device), slab, kernels
+
+
+def is_tree_step(tables, K: int, variant) -> bool:
+    """Whether a step of K drafts a row verifies the tree; it must then be greedy, without grammar or logprobs."""
+    tree = tables is not None and K == tables.tree.nodes
+    if tree and tuple(variant) != (False, True, False):
+        raise RuntimeError("a draft tree verifies greedy rows without grammar or logprobs only")
+    return tree
 
 
 def depth_positions(d, T: int, tables: TreeTables) -> None:
