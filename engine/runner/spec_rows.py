@@ -46,27 +46,29 @@ def fill_spec_step(slot, rows, block_size: int) -> tuple[int, int, int, int, int
     caller then writes row by row, which names a row it cannot write)."""
     n, k, bs = len(rows), rows[0].spec_k, block_size
     w = k + 1
-    if not 0 < k < bs:
-        raise ValueError(f"a row's 1 + {k} tokens must span at most two pages of {bs}")
-    h, cols, sampling = slot.np, [], []
+    if k <= 0:
+        raise ValueError(f"a spec step's rows hold drafts, got K = {k}")
+    span = k // bs + 2                                  # pages a row's 1 + K tokens may touch
+    h, cols, sampling, pages = slot.np, [], [], np.zeros((n, span), dtype=np.int64)
     for i, row in enumerate(rows):
         seq, start = row.seq, row.start
         pending, bt, known = seq.num_pending, seq.block_table, seq.num_tokens
         if row.num_tokens != w or row.spec_k != k or not row.sample or seq.pool_row < 0 or known > start + 1:
             raise ValueError(f"row {i} is not a speculating decode row")
-        last = (start + k) // bs
+        first, last = start // bs, (start + k) // bs
         if last >= len(bt):
             raise ValueError(f"row {i} lacks the page of its last draft")
-        cols.append((start, 0 if pending or known <= start else seq.token_at(start), bt[start // bs], bt[last],
-                     seq.pool_row, pending > 0, len(bt) * bs))
+        pages[i, :last + 1 - first] = bt[first:last + 1]
+        cols.append((start, 0 if pending or known <= start else seq.token_at(start), seq.pool_row, pending > 0,
+                     len(bt) * bs))
         row.sample_idx, p = i, seq.params
         step = len(seq.output_token_ids) + pending
         sampling.append((p.temperature, p.top_k, p.top_p, seq.seed, step, seq.pool_row,
                          -1 if seq.closer is None else seq.closer.forced_at(step), pending > 0, row.num_drafts))
-    start, token, first, second, pool, pending, kv_cap = (np.array(c, dtype=np.int64) for c in zip(*cols))
+    start, token, pool, pending, kv_cap = (np.array(c, dtype=np.int64) for c in zip(*cols))
     j = np.arange(w)
     pos = start[:, None] + j                                    # [rows, 1 + K]
-    page = np.where(pos // bs == (start // bs)[:, None], first[:, None], second[:, None])
+    page = np.take_along_axis(pages, pos // bs - (start // bs)[:, None], axis=1)
     t = n * w
     h["positions"][:t] = pos.ravel()
     h["slot_mapping"][:t] = (page * bs + pos % bs).ravel()

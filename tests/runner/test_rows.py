@@ -186,12 +186,12 @@ def _spec_rows(rng, n: int, k: int, block_size: int) -> list:
     return rows
 
 
-@pytest.mark.parametrize("block_size,k", [(16, 3), (16, 6), (4, 3), (1, 2)])
+@pytest.mark.parametrize("block_size,k", [(16, 3), (16, 6), (4, 3), (1, 2), (16, 16), (4, 12)])
 def test_a_spec_step_fills_as_row_by_row(block_size, k):
-    """A spec step's rows written a field at a time (engine/runner/spec_rows.py; row by row where a row's drafts
-    would span more than two pages) hold what the row-by-row writer writes, speculation's fields included."""
+    """A spec step's rows written a field at a time (engine/runner/spec_rows.py) hold what the row-by-row writer
+    writes, speculation's fields included, whatever number of pages a row's drafts span (a draft tree's 1 + 16)."""
     rng = random.Random(block_size * 10 + k)
-    for n in (1, 5, 32):
+    for n in (1, 5, min(32, 512 // (k + 1))):          # (a slot of 512 tokens)
         rows = _spec_rows(rng, n, k, block_size)
         slots = [DecodeSlot(0, 512, 32, 400, torch.device("cpu"), spec_k=k) for _ in range(2)]
         got = rows_mod._fill(slots[0], rows, block_size, k)
@@ -199,8 +199,7 @@ def test_a_spec_step_fills_as_row_by_row(block_size, k):
         assert got == rows_mod._fill_rows(slots[1], rows, block_size, k) and idx == [r.sample_idx for r in rows]
         for name, values in slots[1].np.items():
             assert np.array_equal(slots[0].np[name], values), (name, n)
-        if k < block_size:                  # the column writer took them (it refuses nothing here)
-            assert rows_mod.spec_rows.fill_spec_step(slots[0], rows, block_size) == got
+        assert rows_mod.spec_rows.fill_spec_step(slots[0], rows, block_size) == got     # it refuses none here
 
 
 def test_a_spec_row_that_cannot_be_written_names_its_index():
