@@ -49,7 +49,7 @@ def fill_spec_step(slot, rows, block_size: int) -> tuple[int, int, int, int, int
     if k <= 0:
         raise ValueError(f"a spec step's rows hold drafts, got K = {k}")
     span = k // bs + 2                                  # pages a row's 1 + K tokens may touch
-    h, cols, sampling, pages = slot.np, [], [], np.zeros((n, span), dtype=np.int64)
+    h, cols, sampling, pages = slot.np, [], [], []
     for i, row in enumerate(rows):
         seq, start = row.seq, row.start
         pending, bt, known = seq.num_pending, seq.block_table, seq.num_tokens
@@ -58,7 +58,8 @@ def fill_spec_step(slot, rows, block_size: int) -> tuple[int, int, int, int, int
         first, last = start // bs, (start + k) // bs
         if last >= len(bt):
             raise ValueError(f"row {i} lacks the page of its last draft")
-        pages[i, :last + 1 - first] = bt[first:last + 1]
+        row_pages = bt[first:first + span]
+        pages += row_pages if len(row_pages) == span else row_pages + [0] * (span - len(row_pages))
         cols.append((start, 0 if pending or known <= start else seq.token_at(start), seq.pool_row, pending > 0,
                      len(bt) * bs))
         row.sample_idx, p = i, seq.params
@@ -68,7 +69,7 @@ def fill_spec_step(slot, rows, block_size: int) -> tuple[int, int, int, int, int
     start, token, pool, pending, kv_cap = (np.array(c, dtype=np.int64) for c in zip(*cols))
     j = np.arange(w)
     pos = start[:, None] + j                                    # [rows, 1 + K]
-    page = np.take_along_axis(pages, pos // bs - (start // bs)[:, None], axis=1)
+    page = np.array(pages, dtype=np.int64)[pos // bs - (start // bs - np.arange(0, n * span, span))[:, None]]
     t = n * w
     h["positions"][:t] = pos.ravel()
     h["slot_mapping"][:t] = (page * bs + pos % bs).ravel()
