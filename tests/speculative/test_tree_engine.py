@@ -4,13 +4,15 @@ leaves accepted and their keys moved; sampled rows beside greedy ones verify the
 The workload and its references are test_spec_engine's (EOS, stop string, stop token, max_tokens, late arrivals,
 preemption, and answers that repeat themselves).
 """
+import itertools
+
 import pytest
 
 import engine.runner.tree_step as tree_step
 from conftest import assert_no_leak
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
-from helpers import CPU, PREEMPTING, ROOMY, drive, record_steps
+from helpers import CPU, PREEMPTING, ROOMY, EagerGraphs, drive, record_steps
 from test_spec_engine import _same, reference, run, spec_workload  # noqa: F401 (fixtures)
 
 TREE = dict(speculative="eagle", num_speculative_tokens=3, spec_tree=8)
@@ -76,3 +78,20 @@ def test_gpu_graphs_tree_equals_plain(spec_workload):
     eng, got = run(spec_workload, 2, **TREE, **GPU_GRAPHS)
     _same(got, ref)
     assert eng.timings.spec_rows > 0 and eng.timings.spec_leaves > 0
+
+
+def test_any_level_step_by_step_changes_no_token(spec_workload, reference):
+    """The budget's choices in turn (the tree, each chain level, plain and quiet steps) in the graphs' padded layouts:
+    a chain step verifies the first drafts of a tree's, and greedy output stays the plain engine's."""
+    eng = LLMEngine(**CPU, depth=2, **TREE)
+    eng.runner.graphs = EagerGraphs(eng.runner)
+    budget = eng.scheduler.spec.budget
+    assert budget.levels == (1, 3, 8)
+    budget.set_costs({(k, r): 1.0 for k in (0, 1, 3, 8) for r in (1, 2, 4, 8)})
+    picks = itertools.cycle((8, 1, 0, 0, 3, 8, 8, 0, 1, 3))
+    budget.choose, budget.plain_next = (lambda rows: next(picks)), (lambda: True)
+    log = record_steps(eng)
+    _same(drive(eng, spec_workload), reference["roomy"])
+    assert {k for k, _, _ in log} >= {0, 1, 3, 8} and any(q for _, q, _ in log), log
+    assert eng.timings.spec_leaves > 0
+    assert_no_leak(eng)
