@@ -172,3 +172,32 @@ def test_budget_weighs_a_tree_by_its_leaves():
     assert budget.rate(2) < 0.1 and budget.expected(3) < chain
     budget.set_costs({(k, 1): c for k, c in ((0, 1.0), (1, 1.1), (2, 1.15), (3, 1.2), (8, 1.25))})
     assert budget.choose(1) == 8
+
+
+def test_sampled_tree_keeps_the_target_distribution():
+    """A chain of 2 with leaves (1, 1), (2, 1), (1, 2), fixed drafts, 40 000 seeds: the first token is distributed as
+    the target's at the root, and the token after it as the target's at the input that holds it (the chain's, a
+    leaf's); greedy rows keep tree_accept's tokens."""
+    from test_spec_verify import _assert_distributed, _params
+    from engine.speculative.tree_sampling import tree_rejection_sample
+    tree = DraftTree.of_size(2, 5)
+    assert tree.leaves == ((1, 1), (2, 1), (1, 2))
+    n, v = 40000, 6
+    logits = torch.tensor([[1.0, 0.6, 0.3, 0.1, -0.2, 0.0], [0.2, 0.1, 0.9, 0.4, -0.5, 0.3],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.5, -1.0, 0.2, 0.8, 0.1, 0.0],
+                           [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [-0.3, 0.7, 0.0, 0.2, 0.9, 0.1]])
+    drafts = torch.tensor([[0, 3, 1, 4, 2]]).expand(n, 5)            # chain 0, 3; leaves 1 (depth 1), 4, 2 (depth 1)
+    a, t, best, leaf = tree_rejection_sample(drafts, logits.expand(n, 6, v), torch.full((n,), 2), tree.tables("cpu"),
+                                             **_params(n, step=3))
+    p = logits.softmax(-1)
+    _assert_distributed(t[:, 0], p[0], "first token")
+    for first, inp in ((0, 1), (1, 3), (2, 5)):          # the chain's draft, the leaves of rank 1 and 2 at depth 1
+        rows = t[:, 0] == first
+        assert (a[rows] >= 1).all() and (best[rows] >= inp).all()
+        _assert_distributed(t[rows, 1], p[inp], f"the token after {first}")
+    assert 0.1 < leaf.float().mean() < 0.6 and (t[leaf, 5] == LEAF).all() and (t[~leaf, 5] == PAD).all()
+    greedy = tree_rejection_sample(drafts[:8], logits.expand(8, 6, v), torch.full((8,), 2), tree.tables("cpu"),
+                                   **_params(8, temp=0.0))
+    for got, want in zip(greedy, tree_accept(drafts[:8], logits.argmax(-1).expand(8, 6), torch.full((8,), 2),
+                                             tree.tables("cpu"))):
+        assert torch.equal(got, want)
