@@ -85,7 +85,7 @@ class SpecStepProgram(StepProgram):
         mark(slot, "mask_waited")
         tokens = accepted = finished = None
         if S and tree:
-            tokens, accepted, finished = verify_tree(self, slot, ids, logits, target, drafted, S, K, T)
+            tokens, accepted, finished = verify_tree(self, slot, ids, logits, target, drafted, S, K, T, variant.greedy)
         elif S:
             tokens, accepted, finished = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K,
                                                             masked)

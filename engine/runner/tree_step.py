@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from engine.speculative.tree import TreeTables, kv_slab, move_leaf_kv, tree_accept
+from engine.speculative.tree_sampling import tree_rejection_sample
 
 
 def tree_parts(tree, device, kv_caches, finish_kernel: bool):
@@ -28,10 +29,10 @@ def tree_parts(tree, device, kv_caches, finish_kernel: bool):
 
 
 def is_tree_step(tables, K: int, variant) -> bool:
-    """Whether a step of K drafts a row verifies the tree; it must then be greedy, without grammar or logprobs."""
+    """Whether a step of K drafts a row verifies the tree; it must then be without grammar or logprobs."""
     tree = tables is not None and K == tables.tree.nodes
-    if tree and tuple(variant) != (False, True, False):
-        raise RuntimeError("a draft tree verifies greedy rows without grammar or logprobs only")
+    if tree and (variant.guided or variant.extras):
+        raise RuntimeError("a draft tree verifies rows without grammar or logprobs only")
     return tree
 
 
@@ -43,10 +44,17 @@ def depth_positions(d, T: int, tables: TreeTables) -> None:
     d["positions"][:T].sub_(tables.offsets[index])
 
 
-def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: int):
-    """Greedy verification of a tree step's rows -> (tokens [S, K + 1], accepted [S], what the draft reads:
-    (next token of every input, the rows' (last, last_seq, start, last_valid), the head's slot mapping))."""
+def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: int, greedy: bool = True):
+    """Verification of a tree step's rows (greedy, or `greedy` False: lossless sampling, rows of temperature 0 kept
+    greedy) -> (tokens [S, K + 1], accepted [S], what the draft reads: (next token of every input, the rows' (last,
+    last_seq, start, last_valid), the head's slot mapping))."""
     d = slot.dev
+    drafts = ids.view(S, K + 1)[:, 1:]
+    if not greedy:
+        params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
+        accepted, tokens, best, leaf = tree_rejection_sample(drafts, logits.view(S, K + 1, -1), drafted,
+                                                             program.tree, *params)
+        return _finish(program, slot, tokens, accepted, best, leaf, drafted, S, K, T)
     if target is None:
         target = logits.view(S, K + 1, -1).argmax(dim=-1)
     if program.tree_finish is not None:         # Tuning.spec_finish_kernel: the same in two kernels
@@ -55,15 +63,30 @@ def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: 
                                                                   tables.leaf_depths, tables.tree.depth)
         kernels.move_leaves(program.kv_slab, moves)
         return tokens, accepted, (target.reshape(-1), rows, head)
-    accepted, tokens, best, leaf = tree_accept(ids.view(S, K + 1)[:, 1:], target, drafted, program.tree)
+    accepted, tokens, best, leaf = tree_accept(drafts, target, drafted, program.tree)
+    # an accepted input's next token is the target's there (the next accepted draft, or the row's last token)
+    return _finish(program, slot, tokens, accepted, best, leaf, drafted, S, K, T, target.reshape(-1))
+
+
+def _finish(program, slot, tokens, accepted, best, leaf, drafted, S: int, K: int, T: int, next_ids=None):
+    d = slot.dev
     program.finish(slot, tokens, accepted, drafted, S, K)
     mapping = d["slot_mapping"][:T]
     row_start = d["logits_indices"][:S]
     move_leaf_kv(program.kv_caches, program.kv_slab, mapping, row_start, accepted, best, leaf)
     last = row_start + best
     rows = (last, d["tok_seq"][last], None, d["smp_row"][:S] >= 0)
-    # an accepted input's next token is the target's there (the next accepted draft, or the row's last token)
-    return tokens, accepted, (target.reshape(-1), rows, head_mapping(mapping, row_start, accepted, best, leaf, K))
+    if next_ids is None:
+        next_ids = path_next(tokens, accepted, best, leaf, K)
+    return tokens, accepted, (next_ids, rows, head_mapping(mapping, row_start, accepted, best, leaf, K))
+
+
+def path_next(tokens, accepted, best, leaf, K: int):
+    """The token after each of the step's inputs on the accepted path [S * (K + 1)]: the chain's input j is followed
+    by emitted token j, an accepted leaf by the row's last emitted token (the rest: any token)."""
+    j = torch.arange(K + 1, device=tokens.device)[None, :]
+    nxt = torch.where(leaf[:, None] & (j == best[:, None]), tokens.gather(1, accepted[:, None]), tokens)
+    return nxt.clamp(min=0).reshape(-1)
 
 
 def head_mapping(mapping, row_start, accepted, best, leaf, K: int):

@@ -114,7 +114,7 @@ class SpecPolicy:
         if not any(self.row_drafts(s, k) for s in rows):
             return 0
         if self.depth and k > self.depth and not all(_tree_row(s) for s in rows):
-            k = self.depth      # sampled, guided and logprobs rows verify the tree's chain
+            k = self.depth      # guided and logprobs rows verify the tree's chain
         if measured or not self._paused():
             return k
         self.quiet = self._plain < self.probe_every     # the next step is paused too
@@ -122,9 +122,8 @@ class SpecPolicy:
 
 
 def _tree_row(seq) -> bool:
-    """A row a draft tree may verify: greedy, without grammar or logprobs (tree.py: greedy verification only)."""
-    p = seq.params
-    return p.temperature == 0 and seq.guided is None and p.logprobs is None
+    """A row a draft tree may verify: without grammar or logprobs (greedy or sampled: tree.py, tree_sampling.py)."""
+    return seq.guided is None and seq.params.logprobs is None
 
 
 def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:

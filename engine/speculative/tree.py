@@ -1,4 +1,4 @@
-"""Draft trees: a greedy step verifies the head's first-choice chain of D drafts and, beside it, leaves of the
+"""Draft trees: a step verifies the head's first-choice chain of D drafts and, beside it, leaves of the
 head's next choices at chosen depths, in one target forward.
 
 A row's 1 + N inputs are laid out chain first: input 0 is the row's last token (the root), inputs 1..D the chain
@@ -15,8 +15,8 @@ and the row emits one token more (the target's at the leaf). The leaf's keys the
 depth a + 1's (`move_leaf_kv`), so the next step finds the sequence's keys in position order.
 
 Because the chain comes first, a step verifying k <= D drafts of a tree engine is a chain step on the
-first k drafts: sampled and guided rows verify chains (rejection sampling and the grammar's walk are chain
-algorithms), while a step of greedy unguided rows verifies the tree.
+first k drafts: guided and logprobs rows verify chains (the grammar's walk is a chain algorithm), while a step of
+other rows verifies the tree (sampled rows: tree_sampling.py).
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class DraftTree:
 
 
 def config_tree(config) -> DraftTree | None:
-    """The draft tree an EngineConfig's greedy steps verify (Tuning.spec_tree), or None for a chain."""
+    """The draft tree an EngineConfig's steps verify (Tuning.spec_tree), or None for a chain."""
     nodes = config.tuning.spec_tree
     return DraftTree.of_size(config.num_speculative_tokens, nodes) if nodes and config.spec_k else None
 

@@ -1,5 +1,5 @@
-"""Draft trees in the engine (EngineConfig.spec_tree): greedy output equals the plain engine's, token for token, with
-leaves accepted and their keys moved; sampled rows beside greedy ones verify the tree's chain; nothing leaks.
+"""Draft trees in the engine (Tuning.spec_tree): greedy output equals the plain engine's, token for token, with
+leaves accepted and their keys moved; sampled rows verify the tree too, from their own seeds; nothing leaks.
 
 The workload and its references are test_spec_engine's (EOS, stop string, stop token, max_tokens, late arrivals,
 preemption, and answers that repeat themselves).
@@ -46,9 +46,11 @@ def test_greedy_tree_equals_plain(spec_workload, reference, leaf_hits, depth, cf
         assert eng.scheduler.num_preemptions > 0
 
 
-def test_sampled_rows_verify_the_chain(spec_workload, reference, leaf_hits):
-    """A sampled request beside the greedy ones: the steps it is in verify the tree's chain (K = 3), the others
-    the tree; the greedy outputs stay the plain engine's."""
+def test_sampled_rows_verify_the_tree(spec_workload, reference, monkeypatch):
+    """A sampled request beside the greedy ones: every step verifies the tree (lossless sampling for the sampled
+    row: engine/speculative/tree_sampling.py), and the greedy outputs stay the plain engine's."""
+    sampled_steps, sample = [], tree_step.tree_rejection_sample
+    monkeypatch.setattr(tree_step, "tree_rejection_sample", lambda *a: sampled_steps.append(1) or sample(*a))
     eng = LLMEngine(**CPU, depth=2, **TREE)
     log = record_steps(eng)
     last = max(w[0] for w in spec_workload)       # drive returns requests in arrival order: this one last
@@ -56,9 +58,22 @@ def test_sampled_rows_verify_the_chain(spec_workload, reference, leaf_hits):
     seqs = drive(eng, list(spec_workload) + [sampled])
     _same(seqs[:-1], reference["roomy"])
     assert seqs[-1].finish_reason == "length" and len(seqs[-1].output_token_ids) == 24
-    assert {k for k, _, _ in log} >= {3, 8}, log
+    assert {k for k, _, _ in log} <= {0, 8} and 8 in {k for k, _, _ in log} and sampled_steps, log
     assert_no_leak(eng)
     assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows
+
+
+def test_seeded_sampling_through_a_tree_is_reproducible_across_batches(spec_workload):
+    """A sampled row's tree verification draws from its own seed: alone or beside a greedy request (admitted in the
+    same step, every step speculating alike) it emits the same tokens."""
+    prompt, other = spec_workload[-1][1], spec_workload[-2][1]
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    alone = LLMEngine(**CPU, **TREE, spec_min_acceptance=0.0).generate([prompt], params)[0].output_token_ids
+    eng = LLMEngine(**CPU, **TREE, spec_min_acceptance=0.0)
+    beside = eng.generate([other, prompt], [SamplingParams(max_tokens=24, temperature=0), params])[1]
+    assert beside.output_token_ids == alone
+    assert eng.timings.spec_rows > 0
+    assert_no_leak(eng)
 
 
 def test_tree_settings_are_checked():
