@@ -1,10 +1,10 @@
-"""A draft-tree step's own device work (engine/speculative/tree.py), for engine/runner/spec_step.py: RoPE positions
-by depth, greedy verification of the tree with the accepted leaf's keys moved to their depth, and what the head
-writes and drafts from afterwards. Enqueue-only tensor code with shapes fixed by the step's key, like the rest of
-the step.
+"""A draft-tree step's own device work (engine/speculative/tree.py), for engine/runner/spec_step.py: RoPE positions by
+depth, verification of the tree (greedy, or sampled: engine/speculative/tree_sampling.py) with the accepted leaf's
+keys moved to their depth, and what the head writes and drafts from afterwards. Enqueue-only tensor code with shapes
+fixed by the step's key, like the rest of the step.
 
-The step's inputs are its rows' 1 + N tokens each; the host wrote every input's position as its KV slot's
-(the row's position plus its input index), as for a chain.
+The step's inputs are its rows' 1 + N tokens each; the host wrote every input's position as its KV slot's (the row's
+position plus its input index), as for a chain.
 """
 from __future__ import annotations
 
