@@ -41,7 +41,7 @@ class Tuning:
     guide_max_depth: int = 64          # nesting of one JSON schema
     guide_max_repeat: int = 1000       # the count of one {n,m} repetition of a regex, pattern or grammar
     # speculation
-    spec_tree: int = 0                 # eagle: drafts a greedy step verifies as a tree, K of them its chain (0: chain)
+    spec_tree: int = 0                 # eagle: drafts a row holds as a tree, K of them its chain (0: a chain)
     spec_draft_vocab: str = ""         # eagle: a JSON token ranking for unguided drafts ("": the head's, "none")
     spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many of the ranking's tokens (0: all)
     guided_draft_masks: bool = False   # guided + speculative: every draft step picks its token under the grammar

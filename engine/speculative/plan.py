@@ -113,7 +113,7 @@ class SpecPolicy:
             return 0
         if not any(self.row_drafts(s, k) for s in rows):
             return 0
-        if self.depth and k > self.depth and not all(_tree_row(s) for s in rows):
+        if self.depth and k > self.depth and not all(_verifies_tree(s) for s in rows):
             k = self.depth      # guided and logprobs rows verify the tree's chain
         if measured or not self._paused():
             return k
@@ -121,7 +121,7 @@ class SpecPolicy:
         return 0
 
 
-def _tree_row(seq) -> bool:
+def _verifies_tree(seq) -> bool:
     """A row a draft tree may verify: without grammar or logprobs (greedy or sampled: tree.py, tree_sampling.py)."""
     return seq.guided is None and seq.params.logprobs is None
 

@@ -92,7 +92,7 @@ class DraftTree:
 def config_tree(config) -> DraftTree | None:
     """The draft tree an EngineConfig's steps verify (Tuning.spec_tree), or None for a chain."""
     nodes = config.tuning.spec_tree
-    return DraftTree.of_size(config.num_speculative_tokens, nodes) if nodes and config.spec_k else None
+    return DraftTree.of_size(config.num_speculative_tokens, nodes) if nodes else None
 
 
 @dataclass(frozen=True)
