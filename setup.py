@@ -1,3 +1,5 @@
+from glob import glob
+
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
@@ -14,7 +16,7 @@ ext_modules = [
     Pybind11Extension("engine.guided._native", ["engine/guided/csrc/grammar_node.cpp", "engine/guided/csrc/node.cpp",
                                                  "engine/guided/csrc/llg.cpp", "engine/guided/csrc/llg_py.cpp",
                                                  "engine/guided/csrc/closing.cpp", "engine/guided/csrc/closing_py.cpp"],
-                      cxx_std=17, libraries=["dl"], extra_compile_args=["-O2"]),
+                      depends=glob("engine/guided/csrc/*.h"), cxx_std=17, libraries=["dl"], extra_compile_args=["-O2"]),
     # a plain step's decode rows into a slot's host buffers (engine/runner/rows.py): the Python and pybind11 headers
     Pybind11Extension("engine.runner._rows", ["engine/runner/csrc/rows.cpp"], cxx_std=17, extra_compile_args=["-O2"]),
     # the scheduler's walks over running sequences (engine/scheduler.py): the Python and pybind11 headers

@@ -44,7 +44,7 @@ import xgrammar as xgr
 
 import hostfunc
 from engine.guided import native
-from engine.guided.matching import ALL, GuidedRow, accept_rows, walk_drafts
+from engine.guided.matching import ALL, GuidedRow, accept_rows, walk_drafts, walk_tree
 from engine.parallel.group import SINGLE
 
 MIN_PARALLEL_ROWS = 8       # fewer guided rows fill on one thread: waking workers costs more than they save
@@ -152,13 +152,15 @@ class GrammarMasks:
     """Mask buffers of both slots. With speculation (k > 0) a sampling row has 1 + k mask rows (one per
     position it verifies), the previous step's tokens are its emitted ones ([rows, k + 2], PAD after them),
     and the step hands the callback its drafts and draft counts (`drafts_dev`, [rows, k + 1]) and gets back
-    how many of them the grammar accepts (`caps_dev`). `python`: every step takes the Python path."""
+    how many of them the grammar accepts (`caps_dev`; a tree step's: the deepest depth a draft may be accepted at,
+    matching.py walk_tree). `python`: every step takes the Python path."""
 
     def __init__(self, vocab_size: int, max_seqs: int, device: torch.device, threads: int = 1, k: int = 0, tp=SINGLE,
-                 python: bool = False):
+                 python: bool = False, tree=None):
         self.cuda = device.type == "cuda"
         self.tp = tp            # tensor parallelism: rank 0 fills the masks, `join` broadcasts them to the others
         self.k, self.words, self.python = k, -(-vocab_size // 32), python
+        self.tree = tree        # a tree engine's DraftTree (k its drafts): steps of width k + 1 walk it
         pin = self.cuda
 
         def pair(shape, dtype, fill=0):
@@ -178,6 +180,10 @@ class GrammarMasks:
         ptrs = lambda hs: [h.data_ptr() for h in hs]        # noqa: E731
         self.node.set_target(ptrs(self.host), max_seqs * (k + 1), self.words, ptrs(self.tokens_host),
                              self.tokens_host[0].shape[1], ptrs(self.drafts_host), ptrs(self.caps_host), k)
+        if tree is not None:
+            if tree.nodes != k:
+                raise ValueError(f"a draft tree of {tree.nodes} drafts needs masks of k = {tree.nodes}, got k = {k}")
+            self.node.set_tree(tree.depth, [d for d, _ in tree.leaves])
         ref = weakref.ref(self)         # standing entries and graphs keep the node, not the masks, alive
         self.owner = hostfunc.new_owner()   # tags this engine's callbacks: their errors are its alone
         with hostfunc.owner_scope(self.owner):
@@ -280,7 +286,10 @@ class GrammarMasks:
         if accept:
             accept_rows(self.batch, snap.rows, self.tokens_np[snap.prev][:, :self.k + 1])
         drafts = self.drafts_np[snap.slot]
-        walk_drafts(self.batch, self.host[snap.slot], snap.rows, w, drafts, drafts[:, self.k], caps)
+        if self.tree is not None and w == self.k + 1:
+            walk_tree(self.batch, self.host[snap.slot], snap.rows, w, drafts, drafts[:, self.k], caps, self.tree)
+        else:
+            walk_drafts(self.batch, self.host[snap.slot], snap.rows, w, drafts, drafts[:, self.k], caps)
 
 
 def _run_python(ref) -> None:

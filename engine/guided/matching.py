@@ -188,3 +188,60 @@ def walk_drafts(batch, bitmask, rows, width: int, drafts: np.ndarray, counts: np
     back = [(r.request.matcher, walked[id(r)]) for r in rows if walked.get(id(r))]
     if back:
         rollback_each(batch, back)
+
+
+def walk_tree(batch, bitmask, rows, width: int, drafts: np.ndarray, counts: np.ndarray, caps: np.ndarray,
+              tree) -> None:
+    """walk_drafts for a step verifying a draft tree (engine/speculative/tree.py DraftTree), row by row as the
+    grammar node's walk_tree: the chain's masks as walk_drafts fills them, then each leaf's at its input, after
+    the chain's first depth - 1 drafts and the leaf, where the grammar accepts the leaf. caps[r.row] = the deepest
+    depth a draft may be accepted at: one past the chain drafts the grammar accepted (a leaf beside the rejected
+    one), unless the matcher terminated there; at most the row's draft count."""
+    words = bitmask.numpy()
+    for r in rows:
+        caps[r.row] = 0
+        words[r.row * width:(r.row + 1) * width] = ALL
+    order = sorted(range(len(tree.leaves)), key=lambda i: -tree.leaves[i][0])      # deepest first
+    for r in rows:
+        caps[r.row] = _walk_tree_row(batch, bitmask, r, width, drafts[r.row], int(counts[r.row]), tree, order)
+
+
+def _walk_tree_row(batch, bitmask, r, width: int, drafts, count: int, tree, order) -> int:
+    g = r.request
+    fill(batch, bitmask, [g] if live(g) else [], [r.row * width])
+    if g.error is not None or g.matcher.is_terminated():
+        return 0
+    walked, ended = 0, False
+    for j in range(min(tree.depth, count)):
+        if g.error is not None or not _try_draft(g.matcher, drafts[j]):
+            break
+        walked += 1
+        ended = g.matcher.is_terminated()
+        if not ended:
+            fill(batch, bitmask, [g], [r.row * width + j + 1])
+        if ended or g.error is not None:
+            break
+    reach = min(count, walked + (not ended))
+    held = walked
+    for i in order:
+        depth = tree.leaves[i][0]
+        if depth > reach or g.error is not None:
+            continue
+        g.matcher.rollback(held - (depth - 1))
+        held = depth - 1
+        if not _try_draft(g.matcher, drafts[tree.depth + i]):
+            continue
+        if not g.matcher.is_terminated():
+            fill(batch, bitmask, [g], [r.row * width + tree.depth + 1 + i])
+        g.matcher.rollback(1)
+    if held:
+        g.matcher.rollback(held)
+    return reach
+
+
+def _try_draft(matcher, token) -> bool:
+    """Accept one draft token: False where the grammar rejects it or the id is bad (the walk stops there)."""
+    try:
+        return bool(matcher.accept_token(int(token)))
+    except Exception:                   # noqa: BLE001
+        return False

@@ -63,7 +63,8 @@ class ModelRunner:
         self.spec_k = config.spec_k
         tuning = config.tuning
         self.masks = GrammarMasks(self.vocab, config.max_num_seqs, self.device, tuning.grammar_threads, self.spec_k,
-                                  tp, python=tuning.grammar_node == "python") if config.guided else None
+                                  tp, python=tuning.grammar_node == "python", tree=config_tree(config)) \
+            if config.guided else None
         self.spec_rows = spec_rows_limit(config)
         # a row for every sequence that may hold pages: running ones, and finished ones in in-flight steps
         pool_rows = 3 * config.max_num_seqs

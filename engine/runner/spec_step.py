@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runner.step import StepProgram, forced, head_argmax, mark
+from engine.runner.step import StepProgram, first_token, head_argmax, mark
 from engine.runner.tree_step import depth_positions, head_meta, is_tree_step, tree_parts, verify_tree
 from engine.sampling.logprobs import record
 from engine.sampling.sampler import NO_TOKEN
@@ -85,7 +85,8 @@ class SpecStepProgram(StepProgram):
         mark(slot, "mask_waited")
         tokens = accepted = finished = None
         if S and tree:
-            tokens, accepted, finished = verify_tree(self, slot, ids, logits, target, drafted, S, K, T, variant.greedy)
+            tokens, accepted, finished = verify_tree(self, slot, ids, logits, target, drafted, S, K, T, variant.greedy,
+                                                     grammar, masked)
         elif S:
             tokens, accepted, finished = self.verify_finish(slot, ids, logits, target, drafted, variant, grammar, S, K,
                                                             masked)
@@ -208,14 +209,10 @@ class SpecStepProgram(StepProgram):
             accepted, tokens = greedy_accept_ids(drafts, target, drafted)
             return tokens, accepted, drafted
         lead = None
-        if masked:
-            target = self.backend.masked_argmax(logits, grammar[0]).view(S, K + 1)
-            lead = (target != NO_TOKEN).long().cumprod(dim=1).sum(dim=1)
-        elif grammar is not None:
-            # masks in place; a position whose mask allows nothing (unmasked then) emits no token: the drafts
-            # stop before it, and at position 0 the row gets NO_TOKEN (its request fails alone)
-            lead = self.masker(logits, grammar[0]).view(S, K + 1).long().cumprod(dim=1).sum(dim=1)
-        if lead is not None:
+        if grammar is not None:
+            masked_target, allows = self.apply_grammar(logits, grammar, S, K, masked)
+            target = masked_target if masked else None
+            lead = allows.long().cumprod(dim=1).sum(dim=1)
             drafted = torch.minimum(torch.minimum(drafted, grammar[1]), (lead - 1).clamp(min=0))
         if masked:
             accepted, tokens = greedy_accept_ids(drafts, target, drafted)
@@ -224,11 +221,18 @@ class SpecStepProgram(StepProgram):
         else:
             accepted, tokens = rejection_sample(drafts, None, logits.view(S, K + 1, -1), drafted, *params)
         if lead is not None:
-            first = torch.arange(K + 1, device=tokens.device)[None, :] == 0
-            tokens = torch.where(first & (lead == 0)[:, None], NO_TOKEN, tokens)
-            # a row closing its output verifies no draft: its one token is the host's (engine/guided/closing.py)
-            tokens = torch.cat([forced(tokens[:, :1], d["forced"][:S, None]), tokens[:, 1:]], dim=1)
+            tokens = first_token(tokens, lead, d["forced"][:S])
         return tokens, accepted, drafted
+
+    def apply_grammar(self, logits, grammar, S: int, K: int, masked: bool):
+        """A guided step's masks on its logits [S * (K + 1)] -> (the masked argmax [S, K + 1] where `masked`, else
+        None; whether each position's mask allows a token [S, K + 1]). Unmasked, the masks apply in place; a
+        position whose mask allows nothing stays unmasked and emits no token: drafts stop before it, and at
+        position 0 the row gets NO_TOKEN (its request fails alone)."""
+        if masked:
+            target = self.backend.masked_argmax(logits, grammar[0]).view(S, K + 1)
+            return target, target != NO_TOKEN
+        return None, self.masker(logits, grammar[0]).view(S, K + 1)
 
     # ---- 4. record and draft -------------------------------------------------------------------
     def finish(self, slot, tokens, accepted, drafted, S: int, K: int) -> None:
@@ -300,3 +304,4 @@ class SpecStepProgram(StepProgram):
         flat = tokens.flatten() if tokens is not None else ids[:1]
         emitted = flat[(-2 - src).clamp(0, flat.shape[0] - 1)]
         return torch.where(src >= 0, src, torch.where(src == -1, shifted, emitted)).clamp(min=0)
+

@@ -28,7 +28,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.runner.slots import DecodeSlot
 from engine.sampling.logprobs import record
-from engine.sampling.sampler import apply_bitmask, sample
+from engine.sampling.sampler import NO_TOKEN, apply_bitmask, sample
 
 
 class StepVariant(NamedTuple):
@@ -178,3 +178,11 @@ def head_argmax(model, backend, hidden, variant: StepVariant):
 def mark(slot: DecodeSlot, name: str) -> None:
     if slot.marks is not None:
         slot.marks[name].record()
+
+
+def first_token(tokens, lead, forced_ids):
+    """A guided step's first emitted token: NO_TOKEN where position 0's mask allowed nothing (lead 0), the host's
+    token for a row closing its output (engine/guided/closing.py), which verifies no draft."""
+    first = torch.arange(tokens.shape[1], device=tokens.device)[None, :] == 0
+    tokens = torch.where(first & (lead == 0)[:, None], NO_TOKEN, tokens)
+    return torch.cat([forced(tokens[:, :1], forced_ids[:, None]), tokens[:, 1:]], dim=1)

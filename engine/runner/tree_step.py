@@ -1,7 +1,8 @@
 """A draft-tree step's own device work (engine/speculative/tree.py), for engine/runner/spec_step.py: RoPE positions by
-depth, verification of the tree (greedy, or sampled: engine/speculative/tree_sampling.py) with the accepted leaf's
-keys moved to their depth, and what the head writes and drafts from afterwards. Enqueue-only tensor code with shapes
-fixed by the step's key, like the rest of the step.
+depth, verification of the tree (greedy, or sampled: engine/speculative/tree_sampling.py; guided rows under their
+grammar's masks, which the grammar node fills along the tree) with the accepted leaf's keys moved to their depth,
+and what the head writes and drafts from afterwards. Enqueue-only tensor code with shapes fixed by the step's key,
+like the rest of the step.
 
 The step's inputs are its rows' 1 + N tokens each; the host wrote every input's position as its KV slot's (the row's
 position plus its input index), as for a chain.
@@ -12,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.runner.step import first_token
 from engine.speculative.tree import TreeTables, kv_slab, move_leaf_kv, tree_accept
 from engine.speculative.tree_sampling import tree_rejection_sample
 
@@ -29,10 +31,10 @@ def tree_parts(tree, device, kv_caches, finish_kernel: bool):
 
 
 def is_tree_step(tables, K: int, variant) -> bool:
-    """Whether a step of K drafts a row verifies the tree; it must then be without grammar or logprobs."""
+    """Whether a step of K drafts a row verifies the tree; it must then be without logprobs."""
     tree = tables is not None and K == tables.tree.nodes
-    if tree and (variant.guided or variant.extras):
-        raise RuntimeError("a draft tree verifies rows without grammar or logprobs only")
+    if tree and variant.extras:
+        raise RuntimeError("a draft tree verifies rows without logprobs only")
     return tree
 
 
@@ -44,19 +46,32 @@ def depth_positions(d, T: int, tables: TreeTables) -> None:
     d["positions"][:T].sub_(tables.offsets[index])
 
 
-def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: int, greedy: bool = True):
+def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: int, greedy: bool = True,
+                grammar=None, masked: bool = False):
     """Verification of a tree step's rows (greedy, or `greedy` False: lossless sampling, rows of temperature 0 kept
     greedy) -> (tokens [S, K + 1], accepted [S], what the draft reads: (next token of every input, the rows' (last,
-    last_seq, start, last_valid), the head's slot mapping))."""
+    last_seq, start, last_valid), the head's slot mapping)). grammar, masked: a guided step's, as
+    SpecStepProgram.verify's (the caps the grammar node's tree walk wrote)."""
     d = slot.dev
     drafts = ids.view(S, K + 1)[:, 1:]
+    lead = leaf_ok = None
+    if grammar is not None:
+        masked_target, allows = program.apply_grammar(logits, grammar, S, K, masked)
+        target = masked_target if masked else None
+        depth = program.tree.tree.depth
+        lead = allows[:, :depth + 1].long().cumprod(dim=1).sum(dim=1)
+        drafted = torch.minimum(torch.minimum(drafted, grammar[1]), (lead - 1).clamp(min=0))
+        leaf_ok = allows[:, depth + 1:]         # a leaf whose own mask allows nothing is not accepted
     if not greedy:
         params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
         accepted, tokens, best, leaf = tree_rejection_sample(drafts, logits.view(S, K + 1, -1), drafted,
-                                                             program.tree, *params)
-        return _finish(program, slot, tokens, accepted, best, leaf, drafted, S, K, T)
+                                                             program.tree, *params, leaf_ok=leaf_ok)
+        return _finish(program, slot, _first(tokens, lead, d, S), accepted, best, leaf, drafted, S, K, T)
     if target is None:
         target = logits.view(S, K + 1, -1).argmax(dim=-1)
+    if grammar is not None:
+        accepted, tokens, best, leaf = tree_accept(drafts, target, drafted, program.tree, leaf_ok=leaf_ok)
+        return _finish(program, slot, _first(tokens, lead, d, S), accepted, best, leaf, drafted, S, K, T)
     if program.tree_finish is not None:         # Tuning.spec_finish_kernel: the same in two kernels
         kernels, tables = program.tree_finish, program.tree
         tokens, accepted, rows, head, moves = kernels.tree_finish(slot, program.state, ids, target, drafted,
@@ -66,6 +81,10 @@ def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: 
     accepted, tokens, best, leaf = tree_accept(drafts, target, drafted, program.tree)
     # an accepted input's next token is the target's there (the next accepted draft, or the row's last token)
     return _finish(program, slot, tokens, accepted, best, leaf, drafted, S, K, T, target.reshape(-1))
+
+
+def _first(tokens, lead, d, S: int):
+    return tokens if lead is None else first_token(tokens, lead, d["forced"][:S])
 
 
 def _finish(program, slot, tokens, accepted, best, leaf, drafted, S: int, K: int, T: int, next_ids=None):

@@ -15,8 +15,9 @@ and the row emits one token more (the target's at the leaf). The leaf's keys the
 depth a + 1's (`move_leaf_kv`), so the next step finds the sequence's keys in position order.
 
 Because the chain comes first, a step verifying k <= D drafts of a tree engine is a chain step on the
-first k drafts: guided and logprobs rows verify chains (the grammar's walk is a chain algorithm), while a step of
-other rows verifies the tree (sampled rows: tree_sampling.py).
+first k drafts: logprobs rows verify chains, while a step of other rows verifies the tree (sampled rows:
+tree_sampling.py). A guided row's grammar walks the tree (engine/guided/matching.py walk_tree): every input's
+mask is its path's, so a leaf the grammar rejects can never equal the target's token at its parent.
 """
 from __future__ import annotations
 
@@ -104,9 +105,10 @@ class TreeTables:
     leaf_depths: torch.Tensor   # [N - D] int64
 
 
-def tree_accept(drafts, target, num_drafts, tables: TreeTables):
+def tree_accept(drafts, target, num_drafts, tables: TreeTables, leaf_ok=None):
     """Greedy verification of a tree: drafts [S, N] (the chain's D, then the leaves), target [S, N + 1] (the
-    target's argmax at each input), num_drafts [S] (the deepest a row may accept)
+    target's argmax at each input), num_drafts [S] (the deepest a row may accept), leaf_ok [S, N - D] bool or None
+    (a leaf that is False is never accepted: its guided row's mask there allows nothing)
     -> (accepted [S], tokens [S, N + 1], best [S]: the input of the deepest accepted draft (0: none), leaf [S] bool).
     tokens holds the emitted tokens, then PAD; LEAF at column N where a leaf was accepted."""
     tree = tables.tree
@@ -118,6 +120,8 @@ def tree_accept(drafts, target, num_drafts, tables: TreeTables):
     depths = tables.leaf_depths[None, :]
     parents = target.gather(1, (depths - 1).expand(drafts.shape[0], -1))            # the target's token there
     hits = (drafts[:, d:] == parents) & (chain[:, None] == depths - 1) & (depths <= num_drafts[:, None])
+    if leaf_ok is not None:
+        hits &= leaf_ok
     leaf = hits.any(dim=1)
     first = hits.long().argmax(dim=1)                                               # the first leaf that hit
     best = torch.where(leaf, d + 1 + first, chain)

@@ -22,17 +22,17 @@ from engine.speculative.verify import _ACCEPT_SALT, _RESIDUAL_SALT, PAD, _accept
 
 
 def tree_rejection_sample(drafts, target_logits, num_drafts, tables: TreeTables, temperature, top_k, top_p, seeds,
-                          steps):
+                          steps, leaf_ok=None):
     """drafts [S, N] (the chain's D, then the leaves), target_logits [S, N + 1, V], num_drafts [S] (the deepest a row
-    may accept), sampling parameters [S] as rejection_sample's -> (accepted, tokens, best, leaf) as tree_accept's.
-    Rows of temperature 0 are tree_accept's."""
+    may accept), sampling parameters [S] as rejection_sample's, leaf_ok as tree_accept's -> (accepted, tokens, best,
+    leaf) as tree_accept's. Rows of temperature 0 are tree_accept's."""
     tree = tables.tree
     n, d = tree.nodes, tree.depth
     S, _, V = target_logits.shape
     if tuple(drafts.shape) != (S, n) or target_logits.shape[1] != n + 1:
         raise ValueError(f"a tree of {n} drafts samples drafts [S, {n}] against target_logits [S, {n + 1}, V], got "
                          f"{tuple(drafts.shape)} and {tuple(target_logits.shape)}")
-    greedy = tree_accept(drafts, target_logits.argmax(dim=-1), num_drafts, tables)
+    greedy = tree_accept(drafts, target_logits.argmax(dim=-1), num_drafts, tables, leaf_ok)
     cap = num_drafts.clamp(0, d)
     p = target_probs(target_logits, temperature, top_k, top_p)                      # [S, N + 1, V]
     drafts = drafts.long().clamp(0, V - 1)
@@ -49,6 +49,8 @@ def tree_rejection_sample(drafts, target_logits, num_drafts, tables: TreeTables,
     for i, (depth, rank) in enumerate(tree.leaves):
         y = drafts[:, d + i:d + i + 1]
         trying = stopped & ~leaf & (a + 1 == depth)
+        if leaf_ok is not None:
+            trying &= leaf_ok[:, i]
         take = trying & (u[:, depth - 1, rank] * resid.sum(-1) < resid.gather(1, y)[:, 0])
         leaf, best = leaf | take, torch.where(take, d + 1 + i, best)
         resid = torch.where((trying & ~take)[:, None], resid.scatter(1, y, 0.0), resid)

@@ -23,8 +23,8 @@ def leaf_hits(monkeypatch):
     """The number of rows that accepted a leaf, counted as the engine verifies."""
     hits, accept = [0], tree_step.tree_accept
 
-    def counted(*args):
-        out = accept(*args)
+    def counted(*args, **kwargs):
+        out = accept(*args, **kwargs)
         hits[0] += int(out[3].sum())
         return out
     monkeypatch.setattr(tree_step, "tree_accept", counted)
@@ -50,7 +50,8 @@ def test_sampled_rows_verify_the_tree(spec_workload, reference, monkeypatch):
     """A sampled request beside the greedy ones: every step verifies the tree (lossless sampling for the sampled
     row: engine/speculative/tree_sampling.py), and the greedy outputs stay the plain engine's."""
     sampled_steps, sample = [], tree_step.tree_rejection_sample
-    monkeypatch.setattr(tree_step, "tree_rejection_sample", lambda *a: sampled_steps.append(1) or sample(*a))
+    monkeypatch.setattr(tree_step, "tree_rejection_sample",
+                        lambda *a, **kw: sampled_steps.append(1) or sample(*a, **kw))
     eng = LLMEngine(**CPU, depth=2, **TREE)
     log = record_steps(eng)
     last = max(w[0] for w in spec_workload)       # drive returns requests in arrival order: this one last

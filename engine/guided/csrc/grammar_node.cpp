@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -123,6 +124,18 @@ PYBIND11_MODULE(_native, m) {
              n.target.token_cols = token_cols;
              n.target.k = k;
            })
+      .def("set_tree", [](Node& n, int64_t depth, std::vector<int64_t> leaf_depths) {
+             for (int64_t d : leaf_depths)
+               if (d < 1 || d > depth) throw std::invalid_argument("grammar node: a leaf's depth lies outside its tree's chain");
+             Tree t;
+             t.depth = depth;
+             t.leaf_depths = std::move(leaf_depths);
+             for (int64_t i = 0; i < static_cast<int64_t>(t.leaf_depths.size()); ++i) t.deepest_first.push_back(i);
+             std::stable_sort(t.deepest_first.begin(), t.deepest_first.end(),
+                              [&](int64_t a, int64_t b) { return t.leaf_depths[a] > t.leaf_depths[b]; });
+             n.target.tree = std::move(t);
+           }, py::arg("depth"), py::arg("leaf_depths"),
+           "A tree engine's draft tree: steps of width k + 1 walk it (set before any run).")
       .def("set_draft", [](Node& n, std::vector<uintptr_t> masks, std::vector<uintptr_t> ctl,
                            std::vector<uintptr_t> tokens, int64_t rows, int64_t words) {
              if (ctl.size() != masks.size() || tokens.size() != masks.size())

@@ -90,7 +90,8 @@ void Node::fill_target(Snapshot& s, bool accept) {
     for (int64_t j = 0; j < w; ++j) mask.allow_all(r.row * w + j);
     const int64_t* row_drafts = drafts ? drafts + r.row * (k + 1) : nullptr;
     int64_t count = w > 1 && row_drafts ? row_drafts[k] : 0;
-    caps[r.row] = ops.walk(mask, w, row_drafts, count);
+    const bool tree = b.tree.depth > 0 && w == k + 1;
+    caps[r.row] = tree ? ops.walk_tree(mask, w, row_drafts, count, b.tree) : ops.walk(mask, w, row_drafts, count);
   });
 }
 

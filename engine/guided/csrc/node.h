@@ -35,6 +35,7 @@ struct TargetBuffers {
   int64_t* drafts[2] = {};  // [rows, K + 1]: the drafts, then their count
   int64_t* caps[2] = {};    // [rows]: the drafts each row's grammar accepts
   int64_t k = 0;
+  Tree tree;                // a tree engine's: steps of width k + 1 verify it
 };
 
 struct DraftBuffers {

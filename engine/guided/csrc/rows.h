@@ -3,6 +3,7 @@
 // Python path (engine/guided/matching.py); rows are independent, so the node may run them in parallel.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -23,6 +24,14 @@ struct Bitmask {
   void allow_all(int64_t row) {
     if (holds(row)) std::memset(data + row * shape[1], 0xff, sizeof(int32_t) * shape[1]);
   }
+};
+
+// A draft tree's shape, as the grammar node walks it: the chain's drafts, each leaf's depth (leaf i is draft
+// depth + i and input depth + 1 + i), and the leaves in order of depth, deepest first.
+struct Tree {
+  int64_t depth = 0;  // 0: the engine drafts chains
+  std::vector<int64_t> leaf_depths;
+  std::vector<int64_t> deepest_first;
 };
 
 class RowOps {
@@ -126,6 +135,35 @@ class RowOps {
     }
     undo(walked);
     return walked;
+  }
+
+  // A draft tree's masks (engine/speculative/tree.py): the chain's first `tree.depth` drafts as walk() fills
+  // them, then each leaf's mask at its input, after the chain's first depth - 1 drafts and the leaf, where
+  // the grammar accepts the leaf (else its rows stay all-allowed: its parent's mask already rules it out).
+  // Returns the deepest depth a draft may be accepted at: one past the chain drafts the grammar accepted (a
+  // leaf beside the rejected one), unless the matcher terminated there; at most `count`.
+  int64_t walk_tree(Bitmask& mask, int64_t width, const int64_t* drafts, int64_t count, const Tree& tree) {
+    if (!live() || !fill(mask, r_.row * width)) return 0;
+    int64_t walked = 0;
+    bool ended = false;
+    for (int64_t j = 0; j < std::min(tree.depth, count) && !state_.failed(); ++j) {
+      if (!try_draft(drafts[j])) break;
+      ++walked;
+      if ((ended = terminated_after_draft()) || !fill(mask, r_.row * width + j + 1)) break;
+    }
+    const int64_t reach = std::min(count, walked + (ended ? 0 : 1));
+    int64_t held = walked;  // drafts the matcher holds; leaves go deepest first, one rollback per depth
+    for (int64_t i : tree.deepest_first) {
+      const int64_t d = tree.leaf_depths[i];
+      if (d > reach || state_.failed()) continue;
+      undo(held - (d - 1));
+      held = d - 1;
+      if (!try_draft(drafts[tree.depth + i])) continue;
+      if (!terminated_after_draft()) fill(mask, r_.row * width + tree.depth + 1 + i);
+      undo(1);
+    }
+    undo(held);
+    return reach;
   }
 
  private:
