@@ -167,9 +167,6 @@ class EngineConfig:
             if not self.num_speculative_tokens < tree <= 32:
                 raise ValueError(f"spec_tree must be more than num_speculative_tokens ({self.num_speculative_tokens}) "
                                  f"and at most 32, got {tree}")
-            if self.tuning.guided_draft_masks or self.tuning.guided_forced_drafts:
-                raise ValueError("spec_tree drafts without the grammar: turn guided_draft_masks and "
-                                 "guided_forced_drafts off")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ValueError(f"need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
         if self.attention_backend not in ("auto", "torch", "triton"):

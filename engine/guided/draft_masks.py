@@ -41,18 +41,21 @@ _ENCODE_CACHE = 4096
 
 
 class DraftMasks:
-    def __init__(self, masks, k: int, max_rows: int, draft_masks: bool, forced: bool, encode, masker):
-        self.masks, self.k = masks, k
+    def __init__(self, masks, k: int, max_rows: int, draft_masks: bool, forced: bool, encode, masker,
+                 steps: int | None = None):
+        """k: the drafts a row holds; steps: the draft steps that pick them (a draft tree's chain, else k)."""
+        self.masks, self.k, self.steps = masks, k, steps or k
         self.draft_masks, self.forced = draft_masks, forced
-        self.calls = k if draft_masks else int(forced)          # callbacks per drafting step
+        self.calls = self.steps if draft_masks else int(forced)     # callbacks per drafting step
         self.encode, self.masker = encode, masker
         words, pin, device = masks.words, masks.cuda, masks.dev[0].device
-        self.mask_host = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin) for _ in range(k)]
-        self.ctl_host = [torch.full((max_rows, k), FREE, dtype=torch.int64, pin_memory=pin) for _ in range(k)]
+        self.mask_host = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin)
+                          for _ in range(self.steps)]
+        self.ctl_host = [torch.full((max_rows, k), FREE, dtype=torch.int64, pin_memory=pin) for _ in range(self.steps)]
         # callback 0 reads the step's emitted tokens [rows, K + 1], callback j the draft token j - 1 [rows, 1]
         # (whole rows: a copy into a strided slice of pinned memory is not capturable)
         self.tokens_host = [torch.zeros(max_rows, k + 1 if j == 0 else 1, dtype=torch.int64, pin_memory=pin)
-                            for j in range(k)]
+                            for j in range(self.steps)]
         self.mask_dev, self.ctl_dev = ([h.to(device) if pin else h for h in hs]
                                        for hs in (self.mask_host, self.ctl_host))
         self.mask_np, self.ctl_np, self.tokens_np = ([h.numpy() for h in hs] for hs in (
@@ -66,15 +69,15 @@ class DraftMasks:
         self._pick = None                       # per drafting step, device tensors of the one being enqueued
         self.native = draft_masks and not forced and not masks.python
         ref = weakref.ref(self)
-        self.callbacks = [lambda j=j: _call(ref, j) for j in range(k)]
+        self.callbacks = [lambda j=j: _call(ref, j) for j in range(self.steps)]
         if self.native:
             ptrs = lambda hs: [h.data_ptr() for h in hs]        # noqa: E731
             masks.node.set_draft(ptrs(self.mask_host), ptrs(self.ctl_host), ptrs(self.tokens_host), max_rows, words)
             with hostfunc.owner_scope(masks.owner):
                 masks.attach_draft_python([hostfunc.standing_callback(cb)[0] for cb in self.callbacks])
         if pin:
-            self.token_ready = [torch.cuda.Event() for _ in range(k)]
-            self.mask_ready = [torch.cuda.Event() for _ in range(k)]
+            self.token_ready = [torch.cuda.Event() for _ in range(self.steps)]
+            self.mask_ready = [torch.cuda.Event() for _ in range(self.steps)]
 
     @property
     def callback_s(self) -> float:
@@ -97,6 +100,11 @@ class DraftMasks:
 
     def pick(self, j: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft token j [S] from the drafter's logits [S, V] (modified in place by the mask)."""
+        return self.top(j, logits, 1)[:, 0]
+
+    def top(self, j: int, logits: torch.Tensor, n: int) -> torch.Tensor:
+        """Draft token j and the next n - 1 candidates under the mask [S, n] (a draft tree's leaves at depth j + 1:
+        ids past the tokens the mask allows are any, and the grammar's walk of the tree rejects them)."""
         p, S = self._pick, self._pick["S"]
         c = min(j, self.calls - 1)
         if j < self.calls:
@@ -110,7 +118,9 @@ class DraftMasks:
         p["stop"] = p["stop"] | (ctl == STOP) | ~satisfiable
         p["count"] = p["count"] + (~p["stop"]).long()
         p["source"] = token
-        return token
+        if n == 1:
+            return token[:, None]
+        return torch.cat([token[:, None], logits.topk(n, dim=-1).indices[:, 1:]], dim=1)
 
     def num_drafts(self) -> torch.Tensor:
         return self._pick["count"]
@@ -218,7 +228,7 @@ class DraftMasks:
             if len(self.encoded) >= _ENCODE_CACHE:
                 self.encoded.clear()
             toks = self.encoded[text] = self.encode(text)
-        n = min(len(toks) - 1, 1 if self.draft_masks else self.k - j)
+        n = min(len(toks) - 1, 1 if self.draft_masks else self.steps - j)
         if n <= 0 or (self.draft_masks and not (mask_row[toks[0] >> 5] >> (toks[0] & 31)) & 1):
             return
         ctl_row[j:j + n] = toks[:n]

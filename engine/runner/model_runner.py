@@ -143,7 +143,7 @@ class ModelRunner:
         if self.masks is None or drafter.uses_history or not (c.tuning.guided_draft_masks or forced):
             return None
         return DraftMasks(self.masks, self.spec_k, self.spec_rows, c.tuning.guided_draft_masks, forced, encode,
-                          getattr(self.backend, "apply_bitmask", apply_bitmask))
+                          getattr(self.backend, "apply_bitmask", apply_bitmask), c.num_speculative_tokens)
 
     def _events(self, names, timing: bool, external: bool = False):
         if not self.cuda:

@@ -82,8 +82,8 @@ def test_tree_settings_are_checked():
         LLMEngine(**CPU, speculative="ngram", spec_tree=8)
     with pytest.raises(ValueError, match="more than num_speculative_tokens"):
         LLMEngine(**CPU, speculative="eagle", num_speculative_tokens=3, spec_tree=3)
-    with pytest.raises(ValueError, match="guided_draft_masks"):
-        LLMEngine(**CPU, **TREE, guided_draft_masks=True)
+    with pytest.raises(ValueError, match="at most 32"):
+        LLMEngine(**CPU, speculative="eagle", num_speculative_tokens=3, spec_tree=33)
 
 
 @pytest.mark.gpu

@@ -162,12 +162,18 @@ def long_reference(long_workload):
     return run(long_workload, depth=1)[1]
 
 
-@pytest.mark.parametrize("node,depth,graph_layout", [("native", 2, False), ("python", 1, True)])
-def test_guided_tree_equals_guided(long_workload, long_reference, guided_leaf_hits, node, depth, graph_layout):
+@pytest.mark.parametrize("node,depth,graph_layout,draft", [("native", 2, False, ""), ("python", 1, True, ""),
+                                                          ("native", 2, True, "masks"),
+                                                          ("python", 2, False, "masks+forced")])
+def test_guided_tree_equals_guided(long_workload, long_reference, guided_leaf_hits, node, depth, graph_layout, draft):
     """Guided rows (JSON schemas, a regex, a choice; greedy and one sampled) and an unguided one verify the tree under
     their grammar's masks: greedy outputs equal the guided engine's without speculation, every output validates,
-    each matcher was fed exactly the committed tokens, and no KV page or row leaks."""
-    eng, got = run(long_workload, depth, graph_layout, grammar_node=node, **GUIDED_TREE)
+    each matcher was fed exactly the committed tokens, and no KV page or row leaks. `draft`: the head drafts the
+    chain and ranks the leaves under the grammar's draft masks (the native draft nodes), and with forced drafts
+    (the Python draft callbacks)."""
+    eng, got = run(long_workload, depth, graph_layout, grammar_node=node, guided_draft_masks="masks" in draft,
+                   guided_forced_drafts="forced" in draft, **GUIDED_TREE)
+    assert (eng.runner.program.draft_masks is None) == (not draft)
     same_greedy(long_workload, got, long_reference)
     check_valid(long_workload, got)
     matchers_fed_exactly_the_committed_tokens(got, eng.runner.vocab)

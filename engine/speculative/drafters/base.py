@@ -60,8 +60,9 @@ class FeatureContext:
     features: [T, F] the target's hidden states at the drafter's `feature_layers`, one row per input token;
         read by a head (None when the drafter names no feature layers).
     guide: DraftMasks (engine/guided/draft_masks.py) when the step has guided rows and draft masks or forced
-        drafts are on: draft j is then `guide.pick(j, logits)` (masked, maybe forced) instead of the argmax,
-        and `guide.num_drafts()` counts each row's drafts (a row stops where its grammar ends or fails).
+        drafts are on: draft j is then `guide.pick(j, logits)` (masked, maybe forced) instead of the argmax
+        (a draft tree's candidates `guide.top(j, logits, n)`), and `guide.num_drafts()` counts each row's drafts
+        (a row stops where its grammar ends or fails).
     start: [S] int64, positions[last], or None (last_position() indexes it).
     """
     next_ids: torch.Tensor
@@ -83,6 +84,10 @@ class FeatureContext:
     def pick(self, j: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft token j of every row from the drafter's logits [S, V] (under the grammar if guided)."""
         return self.guide.pick(j, logits) if self.guide is not None else logits.argmax(-1)
+
+    def top(self, j: int, logits: torch.Tensor, n: int) -> torch.Tensor:
+        """Draft j's n best candidates [S, n] (a draft tree's chain token first; under the grammar if guided)."""
+        return self.guide.top(j, logits, n) if self.guide is not None else logits.topk(n, dim=-1).indices
 
     def num_drafts(self, tokens: torch.Tensor) -> torch.Tensor:
         """Drafts per row of [S, K] picked tokens."""

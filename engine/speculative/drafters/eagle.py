@@ -56,7 +56,7 @@ class EagleDrafter(Drafter):
                                                 self.max_model_len, self.spec_kernels, (q, feature), self.gather)
         hidden = self.head.attend(q, metas[0], feature)
         if self.tree is not None:
-            return self._tree(hidden, pos, metas)
+            return self._tree(ctx, hidden, pos, metas)
         drafts = [self._pick(ctx, 0, hidden)]
         for i in range(1, self.num_speculative_tokens):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
@@ -64,18 +64,21 @@ class EagleDrafter(Drafter):
         tokens = torch.stack(drafts, dim=1)
         return Proposal(tokens, ctx.num_drafts(tokens))
 
-    def _tree(self, hidden, pos, metas) -> Proposal:
+    def _tree(self, ctx: FeatureContext, hidden, pos, metas) -> Proposal:
         """A draft tree's tokens [S, N]: the chain of first choices, then each leaf (depth d, rank r) the head's
-        choice r at depth d."""
+        choice r at depth d (a guided step's under the grammar's draft masks, where it has them)."""
         widths = self.tree.widths()
-        ranked = [self.head.top(hidden, widths[0])]
+        ranked = [self._top(ctx, 0, hidden, widths[0])]
         for i in range(1, self.num_speculative_tokens):
             hidden = self.head.step(hidden, ranked[-1][:, 0], pos[i], metas[i])
-            ranked.append(self.head.top(hidden, widths[i]))
+            ranked.append(self._top(ctx, i, hidden, widths[i]))
         chain = [r[:, 0] for r in ranked]
         leaves = [ranked[d - 1][:, r] for d, r in self.tree.leaves]
         tokens = torch.stack(chain + leaves, dim=1)
-        return Proposal(tokens, torch.full_like(tokens[:, 0], self.num_speculative_tokens))
+        return Proposal(tokens, ctx.num_drafts(tokens[:, :self.num_speculative_tokens]))
+
+    def _top(self, ctx: FeatureContext, j: int, hidden, n: int):
+        return self.head.top(hidden, n) if ctx.guide is None else ctx.top(j, self.head.logits(hidden), n)
 
     def _pick(self, ctx: FeatureContext, j: int, hidden):
         """Draft j from the head's hidden states: unguided, the backend's argmax kernels where it has them
