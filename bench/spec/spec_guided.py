@@ -22,7 +22,8 @@ without draft masks); ngram (cut by the grammar).
   complete tool call), speedup = tok_s over "none".
 - streams: per stream count, 4 x streams requests through each mode (CUDA graphs); ms_per_step, idle_frac
   (compute stream idle between steps / wall), target callback and draft callback host ms per step.
-Records carry guided, draft_mask and forced_drafts booleans beside bench/spec/spec.py's keys.
+--tree N gives the head modes draft trees of N drafts (spec_tree). Records carry guided, draft_mask and forced_drafts
+booleans and spec_tree beside bench/spec/spec.py's keys.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--datasets", nargs="+", default=["JME", "BFCL"])
     p.add_argument("--limit", type=int, default=None, help="schemas per dataset (acceptance), calls (latency)")
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--tree", type=int, default=0, help="head modes: draft trees of N drafts, K of them the chain "
+                                                       "(spec_tree; 0: chains)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -70,7 +73,7 @@ def build(args, mode: str, rows: int, eager: bool):
     from engine.llm_engine import LLMEngine
     kw = engine_kwargs(args, dtype=args.dtype, max_num_seqs=rows, enforce_eager=eager, spec_min_acceptance=0.0,
                        spec_max_batch=rows, num_speculative_tokens=args.k, **limits(rows))
-    return LLMEngine(**(kw | MODES[mode]))
+    return LLMEngine(**(kw | MODES[mode] | tree(args, mode)))
 
 
 def workload(eng, args, dataset: str, limit):
@@ -88,10 +91,16 @@ def workload(eng, args, dataset: str, limit):
     return out
 
 
-def flags(mode: str) -> dict:
+def tree(args, mode: str) -> dict:
+    """A head mode's spec_tree under --tree."""
+    return dict(spec_tree=args.tree) if args.tree and MODES[mode].get("speculative") == "eagle" else {}
+
+
+def flags(args, mode: str) -> dict:
     m = MODES[mode]
     return dict(guided=True, drafter=m.get("speculative", "none"), draft_mask=m.get("guided_draft_masks", False),
-                forced_drafts=m.get("guided_forced_drafts", False) and m.get("speculative") == "eagle")
+                forced_drafts=m.get("guided_forced_drafts", False) and m.get("speculative") == "eagle",
+                spec_tree=tree(args, mode).get("spec_tree", 0))
 
 
 def outcome(work, seqs) -> dict:
@@ -130,11 +139,11 @@ def run_acceptance(args) -> list[dict]:
                       forced_drafts=[m.get("guided_forced_drafts", False)],
                       batch=args.batch, max_tokens=args.max_tokens, prompts=args.limit or 10 ** 6, device=args.device,
                       dtype=args.dtype, data=args.data, baseline=False,
-                      engine=dict(enforce_eager=True, **limits(args.batch)))
+                      engine=dict(enforce_eager=True, **limits(args.batch), **tree(args, mode)))
         for r in run_study(study, progress=False):
             rec = record("spec_guided_acceptance", mode, r["model"], args.dtype, args.batch, r["new_tokens"],
                          r["tok_s"],
-                         r["ms_per_step"], dataset=r["dataset"], prompts=r["prompts"], k=args.k, **flags(mode),
+                         r["ms_per_step"], dataset=r["dataset"], prompts=r["prompts"], k=args.k, **flags(args, mode),
                          **{key: r[key] for key in ("forced_per_step", "acceptance_length", "valid_frac",
                                                     "finished_frac", "errors")})
             records.append(rec)
@@ -171,7 +180,7 @@ def latency_record(args, eng, mode, work, runs) -> dict:
     tokens = sum(len(s.output_token_ids) for s in seqs)
     return record("spec_guided_latency", mode, eng.source.name, args.dtype, 1, tokens, tokens / wall,
                   1e3 * wall / max(eng.timings.steps, 1), calls=len(runs), k=args.k,
-                  ms_per_call=round(1e3 * wall / len(runs), 2), **flags(mode), **draft_stats(eng),
+                  ms_per_call=round(1e3 * wall / len(runs), 2), **flags(args, mode), **draft_stats(eng),
                   **outcome(work, seqs))
 
 
@@ -228,7 +237,7 @@ def run_streams(args) -> list[dict]:
                                   1e3 * t.wall / n, k=args.k, idle_frac=round(t.gpu_idle / max(t.wall, 1e-9), 4),
                                   callback_ms=round(1e3 * t.callback / n, 4),
                                   mask_wait_ms=round(1e3 * t.mask_wait_gpu / n, 4),
-                                  **flags(m), **draft_stats(eng), **outcome(work, seqs))
+                                  **flags(args, m), **draft_stats(eng), **outcome(work, seqs))
             add_speedup(list(found.values()))
             for r in found.values():
                 records.append(r)

@@ -103,8 +103,8 @@ class DraftMasks:
         return self.top(j, logits, 1)[:, 0]
 
     def top(self, j: int, logits: torch.Tensor, n: int) -> torch.Tensor:
-        """Draft token j and the next n - 1 candidates under the mask [S, n] (a draft tree's leaves at depth j + 1:
-        ids past the tokens the mask allows are any, and the grammar's walk of the tree rejects them)."""
+        """Draft token j and the next n - 1 candidates under the mask [S, n] (a draft tree's leaves at depth j + 1;
+        a rank past the tokens the mask allows repeats token j, which the grammar's walk of the tree skips)."""
         p, S = self._pick, self._pick["S"]
         c = min(j, self.calls - 1)
         if j < self.calls:
@@ -120,7 +120,9 @@ class DraftMasks:
         p["source"] = token
         if n == 1:
             return token[:, None]
-        return torch.cat([token[:, None], logits.topk(n, dim=-1).indices[:, 1:]], dim=1)
+        ranked = logits.topk(n, dim=-1)
+        leaves = torch.where(ranked.values[:, 1:] > float("-inf"), ranked.indices[:, 1:], token[:, None])
+        return torch.cat([token[:, None], leaves], dim=1)
 
     def num_drafts(self) -> torch.Tensor:
         return self._pick["count"]

@@ -196,7 +196,8 @@ def walk_tree(batch, bitmask, rows, width: int, drafts: np.ndarray, counts: np.n
     grammar node's walk_tree: the chain's masks as walk_drafts fills them, then each leaf's at its input, after
     the chain's first depth - 1 drafts and the leaf, where the grammar accepts the leaf. caps[r.row] = the deepest
     depth a draft may be accepted at: one past the chain drafts the grammar accepted (a leaf beside the rejected
-    one), unless the matcher terminated there; at most the row's draft count."""
+    one), unless the matcher terminated there; at most the row's draft count. A leaf equal to its chain sibling is
+    skipped (the target never accepts it)."""
     words = bitmask.numpy()
     for r in rows:
         caps[r.row] = 0
@@ -225,7 +226,7 @@ def _walk_tree_row(batch, bitmask, r, width: int, drafts, count: int, tree, orde
     held = walked
     for i in order:
         depth = tree.leaves[i][0]
-        if depth > reach or g.error is not None:
+        if depth > reach or g.error is not None or drafts[tree.depth + i] == drafts[depth - 1]:
             continue
         g.matcher.rollback(held - (depth - 1))
         held = depth - 1

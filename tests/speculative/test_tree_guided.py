@@ -54,7 +54,7 @@ def walk_reference(fresh, drafts, count, words):
         fill(m, j + 1)
     cap = min(count, walked + (not ended))
     for i, (depth, _) in enumerate(TREE.leaves):
-        if depth > cap:
+        if depth > cap or drafts[D + i] == drafts[depth - 1]:      # a leaf repeating its chain sibling: skipped
             continue
         m = fresh.fork()
         assert all(m.accept_token(int(t)) for t in drafts[:depth - 1])

@@ -139,7 +139,9 @@ class RowOps {
 
   // A draft tree's masks (engine/speculative/tree.py): the chain's first `tree.depth` drafts as walk() fills
   // them, then each leaf's mask at its input, after the chain's first depth - 1 drafts and the leaf, where
-  // the grammar accepts the leaf (else its rows stay all-allowed: its parent's mask already rules it out).
+  // the grammar accepts the leaf (else its rows stay all-allowed: its parent's mask already rules it out). A
+  // leaf equal to its chain sibling is skipped: the target never accepts it (draft masks fill ranks the mask
+  // leaves out with the sibling).
   // Returns the deepest depth a draft may be accepted at: one past the chain drafts the grammar accepted (a
   // leaf beside the rejected one), unless the matcher terminated there; at most `count`.
   int64_t walk_tree(Bitmask& mask, int64_t width, const int64_t* drafts, int64_t count, const Tree& tree) {
@@ -155,7 +157,7 @@ class RowOps {
     int64_t held = walked;  // drafts the matcher holds; leaves go deepest first, one rollback per depth
     for (int64_t i : tree.deepest_first) {
       const int64_t d = tree.leaf_depths[i];
-      if (d > reach || state_.failed()) continue;
+      if (d > reach || state_.failed() || drafts[tree.depth + i] == drafts[d - 1]) continue;
       undo(held - (d - 1));
       held = d - 1;
       if (!try_draft(drafts[tree.depth + i])) continue;
