@@ -12,7 +12,7 @@ transformers generate + xgrammar, and step time / compute-stream idle at 1 / 8 /
 Modes (K = --k, greedy, every request guided by its schema): none (guided, no speculation); head (the EAGLE
 head, drafts cut by the grammar's walk before verification); head+masks (each draft step picks under its own
 grammar mask: K host callbacks per step); head+masks+forced and head+forced (grammar-forced drafts, with and
-without draft masks); ngram (cut by the grammar).
+without draft masks); head+tree and head+masks+tree (draft trees); ngram (cut by the grammar).
 - acceptance: specdec.acceptance's study (docs/acceptance.md), one engine per mode, --batch rows, every step
   speculating (spec_min_acceptance 0), eager (the tokens are the graphs'); acceptance_length = tokens per
   verifying row-step (K + 1 at most); forced_per_step = forced drafts proposed per verifying row-step;
@@ -22,8 +22,8 @@ without draft masks); ngram (cut by the grammar).
   complete tool call), speedup = tok_s over "none".
 - streams: per stream count, 4 x streams requests through each mode (CUDA graphs); ms_per_step, idle_frac
   (compute stream idle between steps / wall), target callback and draft callback host ms per step.
---tree N gives the head modes draft trees of N drafts (spec_tree). Records carry guided, draft_mask and forced_drafts
-booleans and spec_tree beside bench/spec/spec.py's keys.
+head+tree and head+masks+tree verify draft trees of --tree drafts (spec_tree), K of them the chain. Records carry
+guided, draft_mask and forced_drafts booleans and spec_tree beside bench/spec/spec.py's keys.
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ MODES = {"none": {},
          "head+masks": dict(speculative="eagle", guided_draft_masks=True, guided_forced_drafts=False),
          "head+masks+forced": dict(speculative="eagle", guided_draft_masks=True, guided_forced_drafts=True),
          "head+forced": dict(speculative="eagle", guided_draft_masks=False, guided_forced_drafts=True),
+         "head+tree": dict(speculative="eagle", guided_draft_masks=False, guided_forced_drafts=False),
+         "head+masks+tree": dict(speculative="eagle", guided_draft_masks=True, guided_forced_drafts=False),
          "ngram": dict(speculative="ngram")}
 COLUMNS = {"acceptance": ["mode", "dataset", "prompts", "acceptance_length", "forced_per_step", "valid_frac",
                           "finished_frac", "tok_s"],
@@ -59,8 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--datasets", nargs="+", default=["JME", "BFCL"])
     p.add_argument("--limit", type=int, default=None, help="schemas per dataset (acceptance), calls (latency)")
     p.add_argument("--k", type=int, default=3)
-    p.add_argument("--tree", type=int, default=0, help="head modes: draft trees of N drafts, K of them the chain "
-                                                       "(spec_tree; 0: chains)")
+    p.add_argument("--tree", type=int, default=16, help="the +tree modes' draft trees: N drafts, K of them the chain "
+                                                        "(spec_tree)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -92,8 +94,8 @@ def workload(eng, args, dataset: str, limit):
 
 
 def tree(args, mode: str) -> dict:
-    """A head mode's spec_tree under --tree."""
-    return dict(spec_tree=args.tree) if args.tree and MODES[mode].get("speculative") == "eagle" else {}
+    """A +tree mode's spec_tree."""
+    return dict(spec_tree=args.tree) if mode.endswith("+tree") else {}
 
 
 def flags(args, mode: str) -> dict:
