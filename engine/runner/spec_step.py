@@ -304,4 +304,3 @@ class SpecStepProgram(StepProgram):
         flat = tokens.flatten() if tokens is not None else ids[:1]
         emitted = flat[(-2 - src).clamp(0, flat.shape[0] - 1)]
         return torch.where(src >= 0, src, torch.where(src == -1, shifted, emitted)).clamp(min=0)
-

@@ -202,11 +202,13 @@ def test_guided_tree_any_level_step_by_step(guided_workload, reference):
 
 
 @pytest.mark.gpu
-def test_gpu_graphs_guided_tree_equals_guided(guided_workload):
-    """CUDA graphs, the grammar node on the driver thread walking the tree, the Triton backend, float32."""
+@pytest.mark.parametrize("masks", [False, True], ids=["head", "draft-masks"])
+def test_gpu_graphs_guided_tree_equals_guided(guided_workload, masks):
+    """CUDA graphs, the grammar node on the driver thread walking the tree, the Triton backend, float32; with draft
+    masks, the native draft nodes in each drafting step's graph too."""
     from test_spec_guided import GPU_GRAPHS
     _, ref = run(guided_workload, **GPU_GRAPHS)
-    eng, got = run(guided_workload, **(GPU_GRAPHS | GUIDED_TREE | dict(debug_sync=True)))
+    eng, got = run(guided_workload, **(GPU_GRAPHS | GUIDED_TREE | dict(debug_sync=True, guided_draft_masks=masks)))
     same_greedy(guided_workload, got, ref)
     check_valid(guided_workload, got)
     matchers_fed_exactly_the_committed_tokens(got, eng.runner.vocab)
