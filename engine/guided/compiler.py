@@ -29,6 +29,7 @@ import json
 import re
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from operator import attrgetter
 
@@ -115,6 +116,7 @@ class GuidedRequest:
         self.llg = None             # the native llguidance matcher (None: none, or not llguidance's)
         self._matcher: xgr.GrammarMatcher | None = None
         self.ready = False          # it has its matcher (a plain attribute: the scheduler's native walk reads it)
+        self._entry = None          # (registry, index): its entry in a grammar node's registry (`entry`)
 
     @property
     def matcher(self):
@@ -124,6 +126,19 @@ class GuidedRequest:
     def matcher(self, matcher) -> None:
         self._matcher, self.handle, self.llg = matcher, native.handle(matcher), native.llg_matcher(matcher)
         self.ready = matcher is not None
+        if self._entry is not None:
+            self._entry[0].set_matcher(self._entry[1], self.handle, self.llg)
+
+    def entry(self, registry) -> int:
+        """Its index in a grammar node's registry (engine/guided/csrc/registry.h), which snapshots name it by:
+        registered on first use, removed when this request is collected."""
+        if self._entry is not None and self._entry[0] is registry:
+            return self._entry[1]
+        index = registry.add(self.state)
+        registry.set_matcher(index, self.handle, self.llg)
+        weakref.finalize(self, registry.remove, index)
+        self._entry = (registry, index)
+        return index
 
     # C getters (no Python frame): the native commit and schedule walks read these for every guided row
     accepted = property(attrgetter("state.accepted"), lambda self, v: setattr(self.state, "accepted", v))

@@ -57,8 +57,8 @@ class Snapshot:
 
     def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray, step: int = 0, width: int = 1,
                  columns: tuple | None = None):
-        """rows: GuidedRows; or () and `columns`, the same rows as six lists of GuidedRow's fields (build_snapshot's:
-        no tuple a row is made unless the Python path asks for `rows`)."""
+        """rows: GuidedRows; or () and `columns`, the same rows as seven lists (`columns()`; build_snapshot's: no tuple
+        a row is made unless the Python path asks for `rows`)."""
         self._rows, self._columns = rows, columns
         self.id = next(_ids) if rows or (columns and columns[0]) else 0
         self.slot, self.prev, self.unguided = slot, prev, unguided
@@ -71,22 +71,31 @@ class Snapshot:
     @property
     def rows(self) -> tuple:
         if not self._rows and self._columns:
-            self._rows = tuple(GuidedRow(*fields) for fields in zip(*self._columns))
+            row, requests, starts, offsets, feed, sources, steps = self._columns
+            self._rows = tuple(GuidedRow(r, g, start, tuple(feed[offsets[i]:offsets[i + 1]]), src, step)
+                               for i, (r, g, start, src, step) in enumerate(zip(row, requests, starts, sources, steps)))
         return self._rows
 
     def columns(self) -> tuple:
-        """The rows as six lists: row, request, feed_start, feed, pending_src, pending_step."""
+        """The rows as seven lists: row, request, feed_start, feed offsets (one more than rows), the host-known
+        tokens of every row one after another (row i's: feed[offsets[i]:offsets[i + 1]]), pending_src,
+        pending_step."""
         if self._columns is None:
-            self._columns = tuple(map(list, zip(*self._rows))) if self._rows else ([],) * 6
+            offsets, feed = [0], []
+            for r in self._rows:
+                feed += r.feed
+                offsets.append(len(feed))
+            fields = tuple(map(list, zip(*self._rows))) if self._rows else ([],) * 6
+            self._columns = fields[:3] + (offsets, feed) + fields[4:]
         return self._columns
 
-    def bind(self, matchers, python: bool) -> None:
-        row, requests, feed_start, feed, pending_src, pending_step = self.columns()
-        handles, llg = [g.handle for g in requests], [g.llg for g in requests]
-        python = python or any(h == 0 and m is None for h, m in zip(handles, llg))
-        self.native = native.NativeSnapshot(
-            matchers, self.id, self.slot, self.prev, self.step, self.width, python, row, [g.state for g in requests],
-            handles, llg, feed_start, feed, pending_src, pending_step, self.unguided.tolist())
+    def bind(self, registry, python: bool) -> None:
+        """Its copy for the grammar node, each row named by its request's registry entry (GuidedRequest.entry)."""
+        row, requests, starts, offsets, feed, sources, steps = self.columns()
+        entries = [g.entry(registry) for g in requests]
+        self.native = native.NativeSnapshot(registry, self.id, self.slot, self.prev, self.step, self.width, python,
+                                            row, entries, starts, offsets, feed, sources, steps,
+                                            self.unguided.tolist())
 
     @property
     def consumed(self) -> bool:
@@ -127,7 +136,7 @@ EMPTY = Snapshot(0, 1, (), np.zeros(0, dtype=np.int64), step=-1)
 def build_snapshot(slot_index: int, rows, step: int = 0, width: int = 1) -> Snapshot | None:
     """Before the step's rows are marked in flight: `seq.num_pending` still counts the previous step's
     tokens, emitted by step `step - 1` (the one in flight). None: no guided row. One pass, a list a field."""
-    sample, requests, starts, feeds, sources, unguided = [], [], [], [], [], []
+    sample, requests, starts, offsets, feed, sources, unguided = [], [], [], [0], [], [], []
     for row in rows:
         if not row.sample:
             continue
@@ -140,12 +149,15 @@ def build_snapshot(slot_index: int, rows, step: int = 0, width: int = 1) -> Snap
         sample.append(row.sample_idx)
         requests.append(g)
         starts.append(lo)
-        feeds.append(seq.output_token_ids[lo:])
+        out = seq.output_token_ids
+        if lo < len(out):
+            feed += out[lo:]
+        offsets.append(len(feed))
         sources.append(seq.pending_src if seq.num_pending else -1)
     if not requests:
         return None
     return Snapshot(slot_index, 1 - slot_index, (), np.asarray(unguided, dtype=np.int64), step, width,
-                    (sample, requests, starts, feeds, sources, [step - 1] * len(requests)))
+                    (sample, requests, starts, offsets, feed, sources, [step - 1] * len(requests)))
 
 
 class GrammarMasks:
@@ -176,6 +188,7 @@ class GrammarMasks:
         self.pending: OrderedDict[int, Snapshot] = OrderedDict()   # pushed, by id; pruned once the node passed them
         self._last = EMPTY
         self.matchers = native.matchers()
+        self.registry = native.Registry(self.matchers)     # guided requests' native handles, once per request
         self.node = native.Node(self.matchers, threads, MIN_PARALLEL_ROWS)
         ptrs = lambda hs: [h.data_ptr() for h in hs]        # noqa: E731
         self.node.set_target(ptrs(self.host), max_seqs * (k + 1), self.words, ptrs(self.tokens_host),
@@ -202,7 +215,7 @@ class GrammarMasks:
 
     # ---- loop thread -------------------------------------------------------------------------
     def push(self, snapshot: Snapshot) -> None:
-        snapshot.bind(self.matchers, self.python)
+        snapshot.bind(self.registry, self.python)
         snapshot.owner = self.owner
         last = self.node.last_id() or 0
         while self.pending and next(iter(self.pending)) < last:

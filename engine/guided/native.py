@@ -17,7 +17,7 @@ from engine.guided import _native
 from engine.guided.llg import LLGMatcher
 
 TARGET_NODE, DRAFT_NODE = _native.TARGET_NODE, _native.DRAFT_NODE
-Node, RowState, NativeSnapshot = _native.Node, _native.RowState, _native.Snapshot
+Node, RowState, NativeSnapshot, Registry = _native.Node, _native.RowState, _native.Snapshot, _native.Registry
 _METHODS = ("accept_token", "fill_next_token_bitmask", "rollback", "is_terminated")
 _SEARCH_METHODS = ("accept_string", "find_jump_forward_string", "is_completed", "rollback")
 

@@ -167,6 +167,44 @@ def test_a_wrapped_matcher_takes_the_python_path_for_its_steps(aab, monkeypatch)
     assert len(calls) == 1 and g.error is None and g.accepted == 1 and bits(masks.host_np[0][0]) == {A}
 
 
+def test_registry_entries_follow_their_requests(aab, monkeypatch):
+    """Snapshots name rows by registry entry: one entry a request however many steps it takes, the matcher it has
+    now (a wrapper set after registering takes the Python path), gone when the request is; a bad index is refused."""
+    calls = python_runs(monkeypatch)
+    masks = GrammarMasks(27, 4, torch.device("cpu"))
+    g, h = request(aab), request(aab)
+    for step, feed in enumerate(((A,), (A,))):
+        masks.push(Snapshot(step % 2, 1 - step % 2, (GuidedRow(0, g, step, feed, -1, -1),
+                                                     GuidedRow(1, h, step, feed, -1, -1)), np.zeros(0, dtype=np.int64)))
+        masks.run()
+    assert masks.registry.live == 2 and not calls and g.accepted == h.accepted == 2
+    assert bits(masks.host_np[1][0]) == bits(masks.host_np[1][1]) == {B}
+
+    class Wrapper:
+        def __init__(self, m):
+            self._m = m
+
+        def __getattr__(self, name):
+            return getattr(self._m, name)
+    h.matcher = Wrapper(h.matcher)
+    masks.push(Snapshot(0, 1, (GuidedRow(1, h, 2, (B,), -1, -1),), np.zeros(0, dtype=np.int64)))
+    masks.run()
+    assert len(calls) == 1 and h.error is None and h.accepted == 3 and masks.registry.live == 2
+    del g, h
+    k = request(aab)        # two later steps: the earlier snapshots go, and with them the last references to g, h
+    for step in (0, 1):
+        masks.push(Snapshot(1 - step, step, (GuidedRow(0, k, 0, (), -1, -1),), np.zeros(0, dtype=np.int64)))
+        masks.run()
+    assert masks.last.rows[0].request is k
+    gc.collect()
+    assert masks.registry.live == 1
+    with pytest.raises(IndexError, match="no registered row 5"):
+        native.NativeSnapshot(masks.registry, 9, 0, 1, 0, 1, False, [0], [5], [0], [0, 0], [], [-1], [-1], [])
+    with pytest.raises(ValueError, match="feed offsets"):
+        native.NativeSnapshot(masks.registry, 9, 0, 1, 0, 1, False, [0], [k.entry(masks.registry)], [0], [0, 1], [],
+                              [-1], [-1], [])
+
+
 def test_standing_callbacks_run_from_native_code_with_the_gil():
     seen = []
     before = hostfunc.stats()["standing"]

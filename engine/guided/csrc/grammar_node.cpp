@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "node.h"
+#include "registry.h"
 
 namespace py = pybind11;
 using namespace grammar_node;
@@ -34,28 +35,34 @@ std::shared_ptr<const Matchers> make_matchers(const std::string& lib, uintptr_t 
   return m;
 }
 
-std::shared_ptr<Snapshot> make_snapshot(std::shared_ptr<const Matchers> m, uint64_t id, int slot, int prev,
+// A step's snapshot from its rows' registry entries (registry.h); feed[feed_offsets[i]:feed_offsets[i + 1]] are row
+// i's host-known tokens. `python`: the step takes the Python path anyway (a row with a wrapper matcher does too).
+std::shared_ptr<Snapshot> make_snapshot(std::shared_ptr<Registry> registry, uint64_t id, int slot, int prev,
                                         int64_t step, int width, bool python, const std::vector<int64_t>& rows,
-                                        const std::vector<std::shared_ptr<RowState>>& states,
-                                        const std::vector<uintptr_t>& matchers,
-                                        const std::vector<std::shared_ptr<LlgRowMatcher>>& llg,
-                                        const std::vector<int64_t>& feed_start,
-                                        const std::vector<std::vector<int64_t>>& feeds,
-                                        const std::vector<int64_t>& pending_src, const std::vector<int64_t>& pending_step,
-                                        std::vector<int64_t> unguided) {
+                                        const std::vector<int64_t>& entries, const std::vector<int64_t>& feed_start,
+                                        const std::vector<int64_t>& feed_offsets, const std::vector<int64_t>& feed,
+                                        const std::vector<int64_t>& pending_src,
+                                        const std::vector<int64_t>& pending_step, std::vector<int64_t> unguided) {
   size_t n = rows.size();
-  if (states.size() != n || matchers.size() != n || llg.size() != n || feed_start.size() != n ||
-      feeds.size() != n || pending_src.size() != n || pending_step.size() != n)
+  if (!registry) throw std::invalid_argument("grammar node: a snapshot needs its registry");
+  if (entries.size() != n || feed_start.size() != n || feed_offsets.size() != n + 1 || pending_src.size() != n ||
+      pending_step.size() != n)
     throw std::invalid_argument("grammar node: a snapshot's row fields differ in length");
+  if (feed_offsets[0] != 0 || feed_offsets[n] != static_cast<int64_t>(feed.size()))
+    throw std::invalid_argument("grammar node: a snapshot's feed offsets do not span its feed");
+  for (size_t i = 0; i < n; ++i)
+    if (feed_offsets[i + 1] < feed_offsets[i]) throw std::invalid_argument("grammar node: feed offsets decrease");
   if (slot < 0 || slot > 1 || prev < 0 || prev > 1 || width < 1)
     throw std::invalid_argument("grammar node: bad slot, previous slot or width");
-  auto s = std::make_shared<Snapshot>(std::move(m), id, slot, prev, step, width, python);
+  bool wrapped = false;
+  registry->each(entries.data(), n, [&](size_t i, const Entry& e) { wrapped = wrapped || e.python(); });
+  auto s = std::make_shared<Snapshot>(registry->matchers(), id, slot, prev, step, width, python || wrapped);
   s->rows.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (!states[i]) throw std::invalid_argument("grammar node: a row has no state");
-    s->add_row(rows[i], states[i], reinterpret_cast<void*>(matchers[i]), llg[i], feed_start[i], feeds[i],
-               pending_src[i], pending_step[i]);
-  }
+  s->feed.reserve(feed.size());
+  registry->each(entries.data(), n, [&](size_t i, const Entry& e) {
+    s->add_row(rows[i], e.state, e.matcher, e.llg, feed_start[i], feed.data() + feed_offsets[i],
+               static_cast<size_t>(feed_offsets[i + 1] - feed_offsets[i]), pending_src[i], pending_step[i]);
+  });
   s->unguided = std::move(unguided);
   return s;
 }
@@ -92,10 +99,20 @@ PYBIND11_MODULE(_native, m) {
         else s.clear_error();
       });
 
+  py::class_<Registry, std::shared_ptr<Registry>>(m, "Registry")
+      .def(py::init<std::shared_ptr<const Matchers>>(), py::arg("matchers"))
+      .def("add", &Registry::add, py::arg("state"), "Register a request's state -> its index.")
+      .def("set_matcher", [](Registry& r, int64_t i, uintptr_t handle, std::shared_ptr<LlgRowMatcher> llg) {
+             r.set_matcher(i, reinterpret_cast<void*>(handle), std::move(llg));
+           }, py::arg("index"), py::arg("handle"), py::arg("llg"),
+           "Its matcher: xgrammar's tvm-ffi handle (0: none) and llguidance's native matcher (None: none).")
+      .def("remove", &Registry::remove, py::arg("index"))
+      .def_property_readonly("live", &Registry::live);
+
   py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
-      .def(py::init(&make_snapshot), py::arg("matchers"), py::arg("id"), py::arg("slot"), py::arg("prev"),
-           py::arg("step"), py::arg("width"), py::arg("python"), py::arg("rows"), py::arg("states"),
-           py::arg("handles"), py::arg("llg"), py::arg("feed_start"), py::arg("feeds"), py::arg("pending_src"),
+      .def(py::init(&make_snapshot), py::arg("registry"), py::arg("id"), py::arg("slot"), py::arg("prev"),
+           py::arg("step"), py::arg("width"), py::arg("python"), py::arg("rows"), py::arg("entries"),
+           py::arg("feed_start"), py::arg("feed_offsets"), py::arg("feed"), py::arg("pending_src"),
            py::arg("pending_step"), py::arg("unguided"))
       .def_readonly("id", &Snapshot::id)
       .def_property("consumed", [](const Snapshot& s) { return s.consumed.load(); },

@@ -53,10 +53,10 @@ class Snapshot {
   }
 
   void add_row(int64_t row, std::shared_ptr<RowState> state, void* matcher, std::shared_ptr<LlgRowMatcher> llg,
-               int64_t feed_start, const std::vector<int64_t>& tokens, int64_t pending_src, int64_t pending_step) {
+               int64_t feed_start, const int64_t* tokens, size_t n, int64_t pending_src, int64_t pending_step) {
     if (matcher) matchers->api.object_inc_ref(matcher);
     size_t begin = feed.size();
-    feed.insert(feed.end(), tokens.begin(), tokens.end());
+    feed.insert(feed.end(), tokens, tokens + n);
     rows.push_back(Row{row, std::move(state), matcher, std::move(llg), feed_start, begin, feed.size(), pending_src,
                        pending_step});
   }
