@@ -2,9 +2,10 @@
 
 Per step the loop thread pushes a `Snapshot` (which sampling rows are guided, their GuidedRequests, the
 host-known tokens each matcher still has to accept, and where the token sampled by the previous step
-lies) to the grammar node (engine/guided/csrc/), as plain data: row indices, matcher handles, token counts.
-The node pops it when the step's graph replays it: native code calling xgrammar through tvm-ffi, with no
-Python and no GIL. It reads nothing else of the engine's mutable state.
+lies) to the grammar node (engine/guided/csrc/), as plain data: row indices, each request's registry entry
+(its state and matcher handle, registered once), token counts. The node pops it when the step's graph replays
+it: native code calling xgrammar through tvm-ffi, with no Python and no GIL. It reads nothing else of the
+engine's mutable state.
 
 On CUDA the step's grammar branch is, in stream order on `grammar_stream` (forked from the compute stream
 at the step's start, so the previous step's tokens are final on the device):
