@@ -8,8 +8,10 @@ engine/runner/step_costs.py); K = 0 is the engine's plain step, one token a row.
 same cost, so the best K at a batch size is the one with the largest E(K) / cost(K, rows).
 
 Where a plain step wins the engine stops speculating, and runs one step at the best level now and then
-(`probe_every`, the policy's) to measure the acceptance again. Without costs (no graphs: eager engines, the CPU)
-the budget always answers the engine's K.
+(`probe_every`, the policy's) to measure the acceptance again. A probe costs a drafting step and a losing spec
+step, so while probes keep finding plain steps better the gap between them doubles, up to MAX_PROBE_GAP steps;
+a choice to speculate brings it back. Without costs (no graphs: eager engines, the CPU) the budget always answers
+the engine's K.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ PRIOR = 0.75            # a draft's acceptance rate before any was counted: star
 PRIOR_WEIGHT = 4.0      # rows' worth of evidence the prior is worth
 LEAF_PRIOR = 0.3        # a tree leaf's rate before any was counted (right where its chain's draft was not)
 DECAY = 0.97            # a committed spec step's weight on the counts: about the last 30 steps count
+MAX_PROBE_GAP = 256     # plain steps between probes, at most, while probes keep losing
 
 
 def levels_for(k: int) -> tuple[int, ...]:
@@ -50,10 +53,12 @@ class DraftBudget:
     hits: list = field(init=False)          # hits[j] / seen[j]: draft j's acceptance rate given draft j - 1 passed
     seen: list = field(init=False)
     _plain: int = field(default=0, init=False)
+    _gap: int = field(default=0, init=False)        # plain steps before the next probe
 
     def __post_init__(self):
         if any(not 1 <= level <= self.k for level in self.levels):
             raise ValueError(f"draft levels {self.levels} must lie in [1, {self.k}]")
+        self._gap = self.probe_every
         self.hits = [PRIOR * PRIOR_WEIGHT] * (self.k + 1)
         self.seen = [PRIOR_WEIGHT] * (self.k + 1)
         # leaf_hits[j] / leaf_seen[j]: a tree's leaf at depth j was right where its chain's draft j was not
@@ -94,18 +99,18 @@ class DraftBudget:
         padded = self.sizes[min(i, len(self.sizes) - 1)]
         best = max(self.levels, key=lambda k: self.expected(k) / self.costs[(k, padded)])
         if self.expected(best) / self.costs[(best, padded)] > 1.0 / self.costs[(0, padded)]:
-            self._plain = 0
+            self._plain, self._gap = 0, self.probe_every
             return best
         self._plain += 1
-        if self._plain >= self.probe_every:
-            self._plain = 0
+        if self._plain >= self._gap:
+            self._plain, self._gap = 0, min(2 * self._gap, max(MAX_PROBE_GAP, self.probe_every))
             return best
         return 0
 
     def plain_next(self) -> bool:
         """After `choose` answered 0: the next step is plain too, unless new evidence or another batch size changes
         the answer (it is not the probe's turn)."""
-        return 0 < self._plain < self.probe_every - 1
+        return 0 < self._plain < self._gap - 1
 
     def observe(self, drafted: int, accepted: int, tree: bool = False, leaf: bool = False) -> None:
         """A committed row that verified `drafted` drafts and accepted the first `accepted` of them; `tree`: as a

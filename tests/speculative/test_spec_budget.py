@@ -38,10 +38,29 @@ def test_poor_drafts_pause_and_probe():
     budget = DraftBudget(6, levels_for(6), COSTS)
     _accepting(budget, 0.1)
     every = budget.probe_every
-    picks = [budget.choose(32) for _ in range(2 * every)]
-    assert picks.count(0) == 2 * every - 2, picks
+    picks = [budget.choose(32) for _ in range(3 * every)]
+    assert picks.count(0) == 3 * every - 2, picks
     assert picks[every - 1] == 1 and picks[-1] == 1      # a probe at the best level, now and then
     assert budget.choose(1) == 1                 # at one row even 1.1 tokens for 2% more time pays
+
+
+def test_probes_that_keep_losing_come_ever_later():
+    """Each probe that finds plain steps still better doubles the gap to the next one, up to MAX_PROBE_GAP; once
+    drafts pay again the budget speculates at once and probes at the first gap after the next pause."""
+    from engine.speculative.budget import MAX_PROBE_GAP
+    budget = DraftBudget(6, levels_for(6), COSTS)
+    _accepting(budget, 0.1)
+    probes = [i for i in range(4000) if budget.choose(32)]
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    every = budget.probe_every
+    assert gaps[:5] == [every, 2 * every, 4 * every, 8 * every, min(16 * every, MAX_PROBE_GAP)], gaps
+    assert max(gaps) == MAX_PROBE_GAP and gaps[-2] == MAX_PROBE_GAP
+    assert budget.plain_next()                          # deep inside a gap: the next step is plain (quiet) too
+    _accepting(budget, 0.9)
+    assert budget.choose(32) > 0
+    _accepting(budget, 0.1, steps=300)                  # the good evidence decays away
+    picks = [budget.choose(32) for _ in range(every)]
+    assert picks[-1] and not any(picks[:-1]), "the first gap again"
 
 
 def test_without_costs_the_engine_k():
@@ -81,8 +100,9 @@ def test_paused_steps_are_quiet_and_a_drafting_step_comes_before_any_spec_step()
     policy.budget.set_costs({key: cost for key, cost in COSTS.items() if key[0] in (0, 1, 3)})
     _accepting(policy.budget, 0.05)
     rows = _decoding_rows(20)
-    seen = [(policy.step_k(rows, False, 1000), policy.quiet) for _ in range(8)]
-    assert seen == [(0, True), (0, True), (0, False), (1, False)] * 2, seen
+    seen = [(policy.step_k(rows, False, 1000), policy.quiet) for _ in range(12)]
+    # probes 4 steps apart, then 8 (each losing probe doubles the gap)
+    assert seen == [(0, True), (0, True), (0, False), (1, False)] + [(0, True)] * 6 + [(0, False), (1, False)], seen
     policy.step_k(rows, False, 1000)
     assert policy.quiet
     _accepting(policy.budget, 0.9)               # drafts pass now: speculate, but draft first
