@@ -290,6 +290,37 @@ def test_the_guard_skips_only_tokens_that_change_nothing(engine):
     assert skipped > 100
 
 
+def test_the_native_commit_guards_as_closer_committed(engine):
+    """The native commit (engine/requests/csrc/hostpath.cpp) takes Closer.committed(seq, 1) itself: over random
+    outputs one token at a time, a closer it advances keeps the fields of one Closer.committed advances."""
+    import copy
+    import random
+    from types import SimpleNamespace as NS
+
+    from engine.guided.closing import MAX_PERIOD, Closer
+    from engine.requests import _hostpath
+    service = guided(engine)
+    compiled = compile_guide(service.compiler, SamplingParams(json_object=True).guide)
+    vocab, rng = ClosingVocab(service.info), random.Random(2)
+    native_scans = fired = 0
+    for case in range(30):
+        ours = Closer(compiled, vocab, budget=False, guard_limit=rng.randint(6, 30))
+        theirs = copy.copy(ours)
+        theirs.runs = list(ours.runs)
+        seq = NS(output_token_ids=[])
+        while len(seq.output_token_ids) < 150 and not theirs.repeating:
+            period = rng.randint(1, MAX_PERIOD + 3)
+            seq.output_token_ids.append(rng.randint(0, 2 * period))
+            quiet = theirs.quiet and seq.output_token_ids[-1] not in seq.output_token_ids[-MAX_PERIOD - 1:-1]
+            assert _hostpath.closer_committed(ours, seq.output_token_ids)
+            native_scans += not quiet
+            theirs.committed(seq, 1)
+            fields = ("repeating", "watch", "quiet", "wake", "runs")
+            assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], case
+        fired += theirs.repeating
+    assert native_scans > 300 and fired > 1, (native_scans, fired)
+
+
 def test_hold_wakes_where_the_closer_first_has_something_to_decide(engine):
     """Outside its zone a row's hold() is skipped until its next decision: the first output count at which it
     refreshes its estimate or enters the zone, found as the plain per-step checks would find it."""

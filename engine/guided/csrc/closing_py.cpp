@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "closing.h"
+#include "repetition.h"
 
 namespace py = pybind11;
 using namespace grammar_node;
@@ -49,9 +50,7 @@ void* matcher_of(uintptr_t handle) {
 }
 
 // closing.py's repetition_scan_py, over the output's tokens from `start`: `runs` (MAX_PERIOD + 1 ints) updated in
-// place. Returns FIRED, or WATCH (the last token's state) | WOKE (some token set watch).
-constexpr int FIRED = 1, WATCH = 2, WOKE = 4;
-
+// place (repetition.h).
 int repetition_scan(py::list out, size_t start, py::list runs, long limit, long watch_from, bool watch) {
   const size_t n = out.size(), periods = runs.size() - 1;
   if (runs.size() < 2) throw std::invalid_argument("repetition_scan: runs needs a slot per period and one more");
@@ -60,40 +59,17 @@ int repetition_scan(py::list out, size_t start, py::list runs, long limit, long 
   for (size_t i = from; i < n; ++i) tok[i] = PyLong_AsLong(PyList_GET_ITEM(out.ptr(), i));
   for (size_t p = 0; p <= periods; ++p) run[p] = PyLong_AsLong(PyList_GET_ITEM(runs.ptr(), p));
   if (PyErr_Occurred()) throw py::error_already_set();
-  int result = 0;
-  bool any_run = false;
-  for (size_t p = 1; p <= periods; ++p) any_run = any_run || run[p];
-  for (size_t i = start; i < n; ++i) {
-    bool period_ends = false;
-    for (size_t j = i > periods ? i - periods : 0; j < i && !period_ends; ++j) period_ends = tok[j] == tok[i];
-    if (!period_ends) {
-      if (watch || any_run) std::fill(run.begin(), run.end(), 0), watch = any_run = false;
-      continue;
-    }
-    long longest = 0;
-    any_run = false;
-    for (size_t p = 1; p <= periods; ++p) {
-      run[p] = i >= p && tok[i] == tok[i - p] ? run[p] + 1 : 0;
-      if (run[p]) longest = std::max(longest, run[p] + static_cast<long>(p)), any_run = true;
-    }
-    if (longest >= limit) {
-      std::fill(run.begin(), run.end(), 0);
-      result = FIRED;
-      break;
-    }
-    watch = longest >= watch_from;
-    if (watch) result |= WOKE;
-  }
+  const int result = repetition::scan(tok.data(), n, start, run.data(), periods, limit, watch_from, watch);
   for (size_t p = 0; p <= periods; ++p) PyList_SetItem(runs.ptr(), p, PyLong_FromLong(run[p]));
-  return result == FIRED ? FIRED : result | (watch ? WATCH : 0);
+  return result;
 }
 
 }  // namespace
 
 void bind_closing(py::module_& m) {
-  m.attr("REPEAT_FIRED") = FIRED;
-  m.attr("REPEAT_WATCH") = WATCH;
-  m.attr("REPEAT_WOKE") = WOKE;
+  m.attr("REPEAT_FIRED") = repetition::FIRED;
+  m.attr("REPEAT_WATCH") = repetition::WATCH;
+  m.attr("REPEAT_WOKE") = repetition::WOKE;
   m.def("repetition_scan", &repetition_scan, py::arg("out"), py::arg("start"), py::arg("runs"), py::arg("limit"),
         py::arg("watch_from"), py::arg("watch"), "closing.py's repetition_scan_py in one call.");
   py::class_<ClosingSearch, std::shared_ptr<ClosingSearch>>(m, "ClosingSearch");

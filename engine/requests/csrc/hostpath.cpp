@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "../../guided/csrc/repetition.h"
 #include "py_attrs.h"
 #include "slots.h"
 
@@ -54,7 +55,9 @@ struct CloserFields {
   PyObject* cls = slots::class_of("engine.guided.closing", "Closer");
   int64_t max_period = py::module_::import("engine.guided.closing").attr("MAX_PERIOD").cast<int64_t>();
   PyObject *guard_limit = py_attrs::intern("guard_limit"), *repeating = py_attrs::intern("repeating"),
-           *forced = py_attrs::intern("forced"), *quiet = py_attrs::intern("quiet");
+           *forced = py_attrs::intern("forced"), *quiet = py_attrs::intern("quiet"), *runs = py_attrs::intern("runs"),
+           *watch = py_attrs::intern("watch"), *watch_from = py_attrs::intern("watch_from"),
+           *wake = py_attrs::intern("wake");
 };
 
 struct Names {
@@ -118,10 +121,52 @@ bool commit_changes_nothing(PyObject* closer, PyObject* ids) {
   return true;
 }
 
-// commit_changes_nothing, false where it cannot tell (the call then decides, and fails the row if it raises)
+// Closer.committed(seq, 1) of a closer whose new token commit_changes_nothing could not rule out, the same steps
+// in native code: the repetition guard's scan of that token (repetition.h) and the fields it sets. False where
+// this is not a Closer the walk knows, or its fields are not as closing.py writes them: the caller makes the call.
+bool native_committed(PyObject* closer, PyObject* ids) {
+  const CloserFields& c = slots::once<CloserFields>();
+  if (!Py_IS_TYPE(closer, reinterpret_cast<PyTypeObject*>(c.cls)) || !PyList_CheckExact(ids)) return false;
+  py::object runs = py_attrs::attr(closer, c.runs);
+  const size_t periods = static_cast<size_t>(c.max_period);
+  if (!PyList_CheckExact(runs.ptr()) || PyList_GET_SIZE(runs.ptr()) != c.max_period + 1) return false;
+  const size_t n = static_cast<size_t>(PyList_GET_SIZE(ids));
+  if (n == 0) return false;
+  long tok[64], run[64];
+  if (periods + 1 > 64) return false;
+  const size_t from = n - 1 > periods ? n - 1 - periods : 0;   // the scan reads tok[n - 1 - periods ..]
+  for (size_t i = from; i < n; ++i) tok[i - from] = static_cast<long>(py_attrs::as_int(PyList_GET_ITEM(ids, i)));
+  for (size_t p = 0; p <= periods; ++p) run[p] = static_cast<long>(py_attrs::as_int(PyList_GET_ITEM(runs.ptr(), p)));
+  const long limit = static_cast<long>(py_attrs::int_attr(closer, c.guard_limit));
+  const long watch_from = static_cast<long>(py_attrs::int_attr(closer, c.watch_from));
+  const bool watch = py_attrs::truth(py_attrs::attr(closer, c.watch).ptr());
+  const int state = repetition::scan(tok, n - from, n - 1 - from, run, periods, limit, watch_from, watch);
+  for (size_t p = 0; p <= periods; ++p) {
+    PyObject* v = PyLong_FromLong(run[p]);
+    if (!v) throw py::error_already_set();
+    PyList_SetItem(runs.ptr(), static_cast<Py_ssize_t>(p), v);
+  }
+  py::object zero = py::int_(0);
+  if (state & repetition::FIRED) {
+    py_attrs::set_attr(closer, c.repeating, Py_True);
+    py_attrs::set_attr(closer, c.watch, Py_False);
+    py_attrs::set_attr(closer, c.wake, zero.ptr());
+    return true;
+  }
+  const bool watching = state & repetition::WATCH;
+  bool any_run = false;
+  for (size_t p = 0; p <= periods; ++p) any_run = any_run || run[p];
+  py_attrs::set_attr(closer, c.watch, watching ? Py_True : Py_False);
+  py_attrs::set_attr(closer, c.quiet, !watching && !any_run ? Py_True : Py_False);
+  if (state & repetition::WOKE) py_attrs::set_attr(closer, c.wake, zero.ptr());
+  return true;
+}
+
+// Closer.committed(seq, 1) done here where it changes nothing or native_committed can take it; false where it
+// cannot tell (the call then decides, and fails the row if it raises)
 bool quiet_commit(PyObject* closer, PyObject* ids) {
   try {
-    return commit_changes_nothing(closer, ids);
+    return commit_changes_nothing(closer, ids) || native_committed(closer, ids);
   } catch (py::error_already_set&) {
     return false;
   }
@@ -317,4 +362,8 @@ PYBIND11_MODULE(_hostpath, m) {
   m.def("commit_plain", &commit_plain, py::arg("rows"), py::arg("i"), py::arg("tokens"), py::arg("guided_failure"),
         py::arg("now"), py::arg("eos_ids"), py::arg("outputs"), py::arg("on_error"),
         "A plain step's common commits from rows[i]; returns the index the Python loop takes next.");
+  m.def("closer_committed", [](py::object closer, py::object ids) { return quiet_commit(closer.ptr(), ids.ptr()); },
+        py::arg("closer"), py::arg("ids"),
+        "Closer.committed(seq, 1) as the native commit takes it (seq's output `ids`, its last token new): True "
+        "where done here, False where the commit calls it.");
 }
