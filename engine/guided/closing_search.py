@@ -38,10 +38,9 @@ class ClosingVocab:
         for i, b in enumerate(self.bytes):
             if b and i not in special:
                 self.ids.setdefault(b, i)
-        # proper prefixes of the tokens: a longest match stops where its text is none (a few lookups a token)
-        self.prefixes = {b[:j] for b in self.ids for j in range(1, len(b))}
         self.stop = info.stop_token_ids[0]
         self._memo: dict[bytes, list[int]] = {}     # closings recur step after step (a string's end, say)
+        self._native = _native.ClosingVocab(list(self.ids), list(self.ids.values()))     # python_tokens in C++
 
     def text(self, tokens) -> bytes:
         return b"".join(self.bytes[t] for t in tokens)
@@ -53,10 +52,16 @@ class ClosingVocab:
         if out is None:
             if len(self._memo) >= MEMO:
                 self._memo.clear()
-            out = self._memo[text] = self._tokens(text)
+            out = self._memo[text] = self._native.tokens(text)
         return out
 
-    def _tokens(self, text: bytes) -> list[int]:
+    @functools.cached_property
+    def prefixes(self) -> set[bytes]:
+        """Proper prefixes of the tokens: a longest match stops where its text is none (a few lookups a token)."""
+        return {b[:j] for b in self.ids for j in range(1, len(b))}
+
+    def python_tokens(self, text: bytes) -> list[int]:
+        """`tokens` one dictionary lookup at a time (the reference of the native tokenizer)."""
         out, i = [], 0
         while i < len(text):
             best = size = 0

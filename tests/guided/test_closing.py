@@ -290,6 +290,25 @@ def test_the_guard_skips_only_tokens_that_change_nothing(engine):
     assert skipped > 100
 
 
+def test_the_native_closing_tokenizer_equals_the_python_one(engine):
+    """ClosingVocab.tokens (native) gives python_tokens' longest-match tokens over closing-like texts and random
+    runs of the vocabulary's pieces; a byte no token spells is refused by both."""
+    import random
+    service = guided(engine)
+    vocab, rng = ClosingVocab(service.info), random.Random(3)
+    pieces = list(vocab.ids)
+    texts = [b'"}', b'"]}', b'", "name": ""}', b"0]}", b"", b"true}"]
+    texts += [b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    for text in texts:
+        assert vocab.tokens(text) == vocab.python_tokens(text), text
+    assert sum(len(vocab.tokens(t)) for t in texts) > 1000
+    missing = next((bytes([b]) for b in range(256) if bytes([b]) not in vocab.ids), None)
+    if missing is not None:
+        for tokenize in (vocab.tokens, vocab.python_tokens):
+            with pytest.raises(ValueError, match="no token spells"):
+                tokenize(b"a" + missing)
+
+
 def test_the_native_commit_guards_as_closer_committed(engine):
     """The native commit (engine/requests/csrc/hostpath.cpp) takes Closer.committed(seq, 1) itself: over random
     outputs one token at a time, a closer it advances keeps the fields of one Closer.committed advances."""

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "closing.h"
+#include "closing_vocab.h"
 #include "repetition.h"
 
 namespace py = pybind11;
@@ -70,6 +71,13 @@ void bind_closing(py::module_& m) {
   m.attr("REPEAT_FIRED") = repetition::FIRED;
   m.attr("REPEAT_WATCH") = repetition::WATCH;
   m.attr("REPEAT_WOKE") = repetition::WOKE;
+  py::class_<ClosingVocab, std::shared_ptr<ClosingVocab>>(m, "ClosingVocab")
+      .def(py::init([](const std::vector<py::bytes>& pieces, const std::vector<int64_t>& ids) {
+             std::vector<std::string> text(pieces.begin(), pieces.end());
+             return std::make_shared<ClosingVocab>(text, ids);
+           }), py::arg("pieces"), py::arg("ids"))
+      .def("tokens", [](const ClosingVocab& v, py::bytes text) { return v.tokens(std::string(text)); },
+           py::arg("text"), "Longest-match tokens of `text` (ValueError where no token spells a byte).");
   m.def("repetition_scan", &repetition_scan, py::arg("out"), py::arg("start"), py::arg("runs"), py::arg("limit"),
         py::arg("watch_from"), py::arg("watch"), "closing.py's repetition_scan_py in one call.");
   py::class_<ClosingSearch, std::shared_ptr<ClosingSearch>>(m, "ClosingSearch");
