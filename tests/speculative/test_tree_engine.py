@@ -18,17 +18,23 @@ from test_spec_engine import _same, reference, run, spec_workload  # noqa: F401 
 TREE = dict(speculative="eagle", num_speculative_tokens=3, spec_tree=8)
 
 
-@pytest.fixture
-def leaf_hits(monkeypatch):
-    """The number of rows that accepted a leaf, counted as the engine verifies."""
+def count_leaf_hits(monkeypatch, guided_only: bool = False) -> list:
+    """[rows that accepted a leaf], counted as the engine verifies greedily (`guided_only`: in guided steps, which
+    pass leaf_ok)."""
     hits, accept = [0], tree_step.tree_accept
 
     def counted(*args, **kwargs):
         out = accept(*args, **kwargs)
-        hits[0] += int(out[3].sum())
+        if not guided_only or kwargs.get("leaf_ok") is not None:
+            hits[0] += int(out[3].sum())
         return out
     monkeypatch.setattr(tree_step, "tree_accept", counted)
     return hits
+
+
+@pytest.fixture
+def leaf_hits(monkeypatch):
+    return count_leaf_hits(monkeypatch)
 
 
 @pytest.mark.parametrize("depth,cfg,graph_layout", [(2, "roomy", False), (1, "preempting", False),

@@ -9,16 +9,13 @@ greedy guided output equals the guided engine's without speculation, token for t
 """
 import dataclasses
 import itertools
-import json
 import random
 
 import numpy as np
 import pytest
 import torch
-import xgrammar as xgr
 
 from conftest import assert_no_leak
-from engine.guided.compiler import GuidedRequest
 from engine.guided.masks import GrammarMasks, Snapshot
 from engine.guided.matching import GuidedRow
 from engine.llm_engine import LLMEngine
@@ -26,7 +23,8 @@ from engine.requests.sequence import SamplingParams
 from engine.speculative.tree import DraftTree
 from helpers import EagerGraphs, drive, service
 from test_spec_guided import CPU, check_valid, matchers_fed_exactly_the_committed_tokens, reference, run, same_greedy  # noqa: F401
-from test_spec_guided_rollback import ITEMS, same_state
+from test_tree_engine import count_leaf_hits
+from test_spec_guided_rollback import ITEMS, Row, same_state
 
 TREE = DraftTree.of_size(2, 7)      # chain of 2; leaves (1, 1), (2, 1), (1, 2), (2, 2), (1, 3)
 N, D = TREE.nodes, TREE.depth
@@ -63,23 +61,7 @@ def walk_reference(fresh, drafts, count, words):
     return cap, walked, masks
 
 
-class Row:
-    def __init__(self, engine, compiled, seed):
-        rng = random.Random(seed)
-        doc = [{"id": rng.randint(0, 10**6), "tag": rng.choice(["red", "green", "blue"]),
-                "note": rng.choice(["ok", "two words", "x" * rng.randint(1, 9)])} for _ in range(40)]
-        self.stream = engine.tokenizer.encode(json.dumps(doc), add_special_tokens=False) + [min(engine.eos_ids)]
-        self.g = GuidedRequest(SamplingParams(json_schema=ITEMS).guide, None)
-        self.g.matcher = xgr.GrammarMatcher(compiled)
-        self.fresh = xgr.GrammarMatcher(compiled)
-        self.fed = self.committed = 0
-        self.emitted = []
-
-    def feed_fresh(self, upto):
-        for tok in self.stream[self.fed:upto]:
-            assert self.fresh.accept_token(tok)
-        self.fed = upto
-
+class TreeRow(Row):
     def drafts(self, rng, t0, vocab):
         """Chain: the true tokens for a random number of them, then wrong ones; leaves: true, wrong or invalid."""
         true = self.stream[t0:t0 + D + 1] + [self.stream[-1]] * (D + 1)
@@ -93,7 +75,7 @@ class Row:
 def test_tree_walk_masks_caps_and_rollback(engine, python):
     vocab, rng = engine.runner.vocab, random.Random(1)
     compiled = service(engine).compile_now(SamplingParams(json_schema=ITEMS).guide)
-    rows = [Row(engine, compiled, seed) for seed in (3, 4)]
+    rows = [TreeRow(engine, compiled, seed) for seed in (3, 4)]
     masks = GrammarMasks(vocab, 4, torch.device("cpu"), k=N, python=python, tree=TREE)
     steps = leaves_walked = beside_rejected = 0
     for step in range(600):
@@ -138,16 +120,7 @@ GUIDED_TREE = dict(speculative="eagle", num_speculative_tokens=2, spec_tree=12)
 @pytest.fixture
 def guided_leaf_hits(monkeypatch):
     """Rows of guided steps that accepted a leaf (greedy verification; a guided step passes leaf_ok)."""
-    import engine.runner.tree_step as tree_step
-    hits, accept = [0], tree_step.tree_accept
-
-    def counted(*args, **kwargs):
-        out = accept(*args, **kwargs)
-        if kwargs.get("leaf_ok") is not None:
-            hits[0] += int(out[3].sum())
-        return out
-    monkeypatch.setattr(tree_step, "tree_accept", counted)
-    return hits
+    return count_leaf_hits(monkeypatch, guided_only=True)
 
 
 @pytest.fixture(scope="module")
