@@ -18,7 +18,9 @@ and inside plan the scheduler's schedule, the runner's prepare and the rows' `la
 finishes. There the model's layers are replaced by zeros and the sampler by each row's lowest allowed token, read
 from its mask (what the sampler picks from zero logits), not the whole step: the grammar node fills the masks
 (inline on the CPU), so every token is one the grammar accepts. Two more parts: the step's guided-row snapshot (in
-plan) and its push to the grammar node (in launch, which here also holds the node's mask fill).
+plan) and its push to the grammar node (in launch, which here also holds the node's mask fill). Those outputs repeat
+themselves far more than a model's, and the closers' guard and estimates work on what they repeat: --real-model
+keeps the model (its forward then runs in launch and the period, so read the other parts).
 """
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ def parse_args(argv=None):
                    help="requests as the server's engine process adds them: token ids only (detokenize=False)")
     p.add_argument("--guided", action="store_true", help="JSON-schema requests of --max-tokens new tokens each")
     p.add_argument("--closing", action="store_true", help="--guided: outputs close at their budget (default: cut)")
+    p.add_argument("--real-model", action="store_true",
+                   help="--guided: the model's own outputs (its forward runs: time the parts, not the period)")
     p.add_argument("--schemas", default="tests/data/maskbench/JME_*.json", help="--guided: schema files (a glob)")
     p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
                    help="EngineConfig fields, e.g. speculative=ngram (steps past spec_max_batch rows are plain)")
@@ -67,6 +71,8 @@ def parse_args(argv=None):
         raise ValueError("--streams, --steps, --rounds, --warmup-steps and --max-tokens must be positive")
     if args.prompt_tokens < 0:
         raise ValueError(f"--prompt-tokens must be 0 or more, got {args.prompt_tokens}")
+    if args.real_model and not args.guided:
+        raise ValueError("--real-model applies to --guided runs")
     if args.guided and args.prompt_tokens:
         raise ValueError("--guided requests have their schemas' prompts: --prompt-tokens does not apply")
     return args
@@ -182,7 +188,7 @@ def measure(args, streams: int) -> dict:
     load = Load(eng, args, streams, budget)
     rounds = []
     with ExitStack() as stack:
-        if args.guided:
+        if args.guided and not args.real_model:
             _first_allowed_model(stack, eng)
         for _ in range(args.warmup_steps):
             load.step()
@@ -212,7 +218,8 @@ def measure(args, streams: int) -> dict:
     return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
                   us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if load.replaced else None,
-                  ids_only=args.ids_only, guided=args.guided, requests=load.made, engine=engine_overrides(args))
+                  ids_only=args.ids_only, guided=args.guided, requests=load.made, engine=engine_overrides(args),
+                  real_model=args.real_model)
 
 
 def main(argv=None) -> list[dict]:
