@@ -140,8 +140,8 @@ class RowOps {
   // A draft tree's masks (engine/speculative/tree.py): the chain's first `tree.depth` drafts as walk() fills
   // them, then each leaf's mask at its input, after the chain's first depth - 1 drafts and the leaf, where
   // the grammar accepts the leaf (else its rows stay all-allowed: its parent's mask already rules it out). A
-  // leaf equal to its chain sibling is skipped: the target never accepts it (draft masks fill ranks the mask
-  // leaves out with the sibling).
+  // leaf equal to its chain sibling is skipped: the target never accepts it (under draft masks, a rank past the
+  // tokens the mask allows repeats the sibling).
   // Returns the deepest depth a draft may be accepted at: one past the chain drafts the grammar accepted (a
   // leaf beside the rejected one), unless the matcher terminated there; at most `count`.
   int64_t walk_tree(Bitmask& mask, int64_t width, const int64_t* drafts, int64_t count, const Tree& tree) {
