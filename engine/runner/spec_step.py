@@ -210,10 +210,7 @@ class SpecStepProgram(StepProgram):
             return tokens, accepted, drafted
         lead = None
         if grammar is not None:
-            masked_target, allows = self.apply_grammar(logits, grammar, S, K, masked)
-            target = masked_target if masked else None
-            lead = allows.long().cumprod(dim=1).sum(dim=1)
-            drafted = torch.minimum(torch.minimum(drafted, grammar[1]), (lead - 1).clamp(min=0))
+            target, _, lead, drafted = self.apply_grammar(logits, grammar, drafted, S, K, masked)
         if masked:
             accepted, tokens = greedy_accept_ids(drafts, target, drafted)
         elif greedy:
@@ -224,15 +221,21 @@ class SpecStepProgram(StepProgram):
             tokens = first_token(tokens, lead, d["forced"][:S])
         return tokens, accepted, drafted
 
-    def apply_grammar(self, logits, grammar, S: int, K: int, masked: bool):
+    def apply_grammar(self, logits, grammar, drafted, S: int, K: int, masked: bool, chain: int | None = None):
         """A guided step's masks on its logits [S * (K + 1)] -> (the masked argmax [S, K + 1] where `masked`, else
-        None; whether each position's mask allows a token [S, K + 1]). Unmasked, the masks apply in place; a
-        position whose mask allows nothing stays unmasked and emits no token: drafts stop before it, and at
-        position 0 the row gets NO_TOKEN (its request fails alone)."""
+        None; whether each position's mask allows a token [S, K + 1]; lead [S]: the leading positions of the first
+        1 + `chain` (a tree's chain, else all) that allow one; the drafts each row may accept [S]: `drafted` capped
+        by the grammar's walk and before the first position that allows nothing). Unmasked, the masks apply in
+        place; a position whose mask allows nothing stays unmasked and emits no token: drafts stop before it, and
+        at position 0 the row gets NO_TOKEN (its request fails alone)."""
         if masked:
             target = self.backend.masked_argmax(logits, grammar[0]).view(S, K + 1)
-            return target, target != NO_TOKEN
-        return None, self.masker(logits, grammar[0]).view(S, K + 1)
+            allows = target != NO_TOKEN
+        else:
+            target, allows = None, self.masker(logits, grammar[0]).view(S, K + 1)
+        lead = allows[:, :(K if chain is None else chain) + 1].long().cumprod(dim=1).sum(dim=1)
+        drafted = torch.minimum(torch.minimum(drafted, grammar[1]), (lead - 1).clamp(min=0))
+        return target, allows, lead, drafted
 
     # ---- 4. record and draft -------------------------------------------------------------------
     def finish(self, slot, tokens, accepted, drafted, S: int, K: int) -> None:

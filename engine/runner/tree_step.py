@@ -56,11 +56,8 @@ def verify_tree(program, slot, ids, logits, target, drafted, S: int, K: int, T: 
     drafts = ids.view(S, K + 1)[:, 1:]
     lead = leaf_ok = None
     if grammar is not None:
-        masked_target, allows = program.apply_grammar(logits, grammar, S, K, masked)
-        target = masked_target if masked else None
         depth = program.tree.tree.depth
-        lead = allows[:, :depth + 1].long().cumprod(dim=1).sum(dim=1)
-        drafted = torch.minimum(torch.minimum(drafted, grammar[1]), (lead - 1).clamp(min=0))
+        target, allows, lead, drafted = program.apply_grammar(logits, grammar, drafted, S, K, masked, depth)
         leaf_ok = allows[:, depth + 1:]         # a leaf whose own mask allows nothing is not accepted
     if not greedy:
         params = (d["temperature"][:S], d["top_k"][:S], d["top_p"][:S], d["seeds"][:S], d["steps"][:S])
