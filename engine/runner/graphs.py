@@ -146,6 +146,7 @@ class StepGraphs:
         self.max_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
         self.spec_levels = engine_levels(config)
+        self.tree_k = config.spec_k if config.tuning.spec_tree else 0   # a tree step is never an extras step
         self.spec_sizes = graph_batch_sizes(spec_rows) if spec_rows else []
         self.sizes = graph_batch_sizes(self.max_seqs)
         self.contexts = sorted({min(SHORT_CONTEXT, max_model_len), max_model_len})
@@ -202,6 +203,11 @@ class StepGraphs:
                   for drafts in ((True, False) if bs in self.spec_sizes else (True,))]
         return mixed + spec + decode
 
+    def captures(self, key: GraphKey, variant) -> bool:
+        """Whether a graph runs this key in this variant: every pair but a draft tree's step with extras (its
+        logprobs and penalized rows verify the chain: engine/speculative/plan.py)."""
+        return not (variant.extras and key.kind == "spec" and key.spec_k == self.tree_k)
+
     def capture(self, program, slots, compute_stream) -> None:
         """Capture every graph of a StepProgram over both slots and variants (the runner is not kept: no
         runner <-> graphs cycle, so a dropped engine frees its GPU memory at once). Warm-up runs of guided
@@ -213,6 +219,8 @@ class StepGraphs:
                 prev = slots[1 - slot.index]
                 for key in self.keys():
                     for variant in self.variants:
+                        if not self.captures(key, variant):
+                            continue
                         self.set_empty_step(slot, key)
                         if key not in warm or variant not in warm:  # each shape and each variant once
                             program.step(slot, prev, variant, key)      # warm-up: Triton compiles here

@@ -101,8 +101,9 @@ def test_kernels_equal_the_torch_path(depth, nodes, S, pads):
     for a, b in zip(rows1, rows0):
         assert (a is None) == (b is None) and (a is None or torch.equal(a.cpu(), b.cpu()))
     torch.testing.assert_close(head1, head0, rtol=0, atol=0)
+    rows = ROWS + (pads <= 1)       # the dummy row takes colliding writes of several padding rows
     for name in ("last_token", "rejected"):
-        torch.testing.assert_close(getattr(st1, name), getattr(st0, name), rtol=0, atol=0)
+        torch.testing.assert_close(getattr(st1, name)[:rows], getattr(st0, name)[:rows], rtol=0, atol=0)
     torch.testing.assert_close(s1.spec_out, s0.spec_out, rtol=0, atol=0)
     torch.testing.assert_close(s1.sampled, s0.sampled, rtol=0, atol=0)
     for pair0, pair1 in zip(kv0, kv1):

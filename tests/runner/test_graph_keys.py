@@ -35,3 +35,17 @@ def test_an_engine_without_speculation_has_no_quiet_graphs():
     graphs = _graphs()
     assert all(k.drafts for k in graphs.keys())
     assert graphs.key_for(_decode_step(3, quiet=True)).drafts
+
+
+def test_a_tree_engine_captures_no_extras_graph_of_its_tree():
+    """A step with logprobs rows verifies the tree's chain, so the tree's spec graphs exist without extras only (the
+    step program refuses a tree step with extras)."""
+    graphs = _graphs(speculative="eagle", num_speculative_tokens=3, spec_tree=8, logprobs=True)
+    spec = [k for k in graphs.keys() if k.kind == "spec"]
+    assert {k.spec_k for k in spec} >= {3, 8}
+    extras = [v for v in graphs.variants if v.extras]
+    assert extras and len(extras) < len(graphs.variants)
+    for key in spec:
+        assert all(graphs.captures(key, v) for v in graphs.variants if not v.extras)
+        assert all(graphs.captures(key, v) == (key.spec_k != 8) for v in extras), key
+    assert all(graphs.captures(k, v) for k in graphs.keys() if k.kind != "spec" for v in graphs.variants)

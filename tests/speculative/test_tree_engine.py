@@ -83,6 +83,26 @@ def test_seeded_sampling_through_a_tree_is_reproducible_across_batches(spec_work
     assert_no_leak(eng)
 
 
+def test_logprobs_rows_verify_the_chain(spec_workload):
+    """A step holding a row that asks for logprobs is an extras step, which a tree step never is: it verifies the
+    tree's chain, and the tree again once that row is done. Tokens and logprobs stay the plain engine's."""
+    prompt = spec_workload[-1][1]
+    params = [SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+    plain = LLMEngine(**CPU).generate([prompt, prompt], params)
+    eng = LLMEngine(**CPU, **TREE, spec_min_acceptance=0.0)
+    log = record_steps(eng)
+    got = eng.generate([prompt, prompt], params)
+    assert [s.output_token_ids for s in got] == [s.output_token_ids for s in plain]
+    (lp, top), (lp0, top0) = zip(*got[0].logprobs), zip(*plain[0].logprobs)
+    assert len(lp) == 12 and got[1].logprobs is None
+    assert [[t for t, _ in e] for e in top] == [[t for t, _ in e] for e in top0]
+    assert lp == pytest.approx(lp0, abs=1e-4)
+    ks = [k for k, _, _ in log if k]
+    assert ks[0] == 3 and 8 in ks and ks == sorted(ks), ks     # the chain while the logprobs row runs, then the tree
+    assert_no_leak(eng)
+
+
 def test_tree_settings_are_checked():
     with pytest.raises(ValueError, match="speculative='eagle'"):
         LLMEngine(**CPU, speculative="ngram", spec_tree=8)
