@@ -204,8 +204,8 @@ class StepGraphs:
         return mixed + spec + decode
 
     def captures(self, key: GraphKey, variant) -> bool:
-        """Whether a graph runs this key in this variant: every pair but a draft tree's step with extras (its
-        logprobs and penalized rows verify the chain: engine/speculative/plan.py)."""
+        """Whether a graph runs this key in this variant: every pair but a draft tree's step with extras (a step
+        holding logprobs rows verifies the chain, and penalized rows never speculate: engine/speculative/plan.py)."""
         return not (variant.extras and key.kind == "spec" and key.spec_k == self.tree_k)
 
     def capture(self, program, slots, compute_stream) -> None:

@@ -31,10 +31,10 @@ def tree_parts(tree, device, kv_caches, finish_kernel: bool):
 
 
 def is_tree_step(tables, K: int, variant) -> bool:
-    """Whether a step of K drafts a row verifies the tree; it must then be without extras (logprobs, penalties)."""
+    """Whether a step of K drafts a row verifies the tree; it must then be without extras."""
     tree = tables is not None and K == tables.tree.nodes
     if tree and variant.extras:
-        raise RuntimeError("a draft tree verifies rows without logprobs or penalties only")
+        raise RuntimeError("a draft tree verifies rows without logprobs only")
     return tree
 
 

@@ -114,7 +114,7 @@ class SpecPolicy:
         if not any(self.row_drafts(s, k) for s in rows):
             return 0
         if self.depth and k > self.depth and not all(_verifies_tree(s) for s in rows):
-            k = self.depth      # logprobs and penalized rows verify the tree's chain
+            k = self.depth      # logprobs rows verify the tree's chain
         if measured or not self._paused():
             return k
         self.quiet = self._plain < self.probe_every     # the next step is paused too
@@ -122,9 +122,8 @@ class SpecPolicy:
 
 
 def _verifies_tree(seq) -> bool:
-    """A row a draft tree may verify (greedy, sampled or guided: tree.py, tree_sampling.py): one that needs no extras
-    step (logprobs, penalties), since a tree step is never one."""
-    return seq.params.logprobs is None and not seq.params.penalized
+    """A row a draft tree may verify: without logprobs (greedy, sampled or guided: tree.py, tree_sampling.py)."""
+    return seq.params.logprobs is None
 
 
 def fill_spec_row(slot, i: int, row, t: int, block_size: int) -> None:
