@@ -54,7 +54,7 @@ _ids = itertools.count(1)   # snapshot ids (loop thread only; 0 is the node's em
 
 class Snapshot:
     """A step's guided rows. Bound to the grammar node's plain-data copy when pushed (`native`)."""
-    __slots__ = ("id", "slot", "prev", "step", "width", "_rows", "_columns", "unguided", "native", "done", "owner")
+    __slots__ = ("id", "slot", "prev", "step", "width", "_rows", "_columns", "unguided", "native", "owner")
 
     def __init__(self, slot: int, prev: int, rows: tuple, unguided: np.ndarray, step: int = 0, width: int = 1,
                  columns: tuple | None = None):
@@ -67,7 +67,12 @@ class Snapshot:
         self.width = width          # masks per sampling row: 1 + the drafts it verifies
         self.native = None
         self.owner = None           # the hostfunc owner of the masks it was pushed to (their callbacks' errors)
-        self.done = _Done(self)     # set when its callback has run
+
+    @property
+    def done(self) -> "_Done":
+        """Set when its callback has run. Made on each read: a snapshot that held its own _Done would be a
+        reference cycle, keeping its rows' requests and matchers alive until the garbage collector ran."""
+        return _Done(self)
 
     @property
     def rows(self) -> tuple:

@@ -157,6 +157,27 @@ def test_empty_queue_reuses_the_last_snapshot_without_accepting_again(engine):
     assert g.matcher.accept_token(a) and g.matcher.is_completed(), "the first run accepted 'a' once"
 
 
+def test_finished_requests_leave_the_registry_without_a_collection(engine):
+    """A step's snapshot holds its rows' requests: were it a reference cycle, every finished request's matcher and
+    registry entry would live on until the garbage collector ran. With collection off, the registry holds as many
+    entries after each round of requests."""
+    import gc
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(max_tokens=12, temperature=0, json_schema=schema)
+    registry, live = engine.runner.masks.registry, []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(4):
+            outputs = engine.generate(["Write a JSON object."] * 3, params)
+            assert all(o.text.startswith("{") for o in outputs)
+            del outputs
+            live.append(registry.live)
+    finally:
+        gc.enable()
+    assert live[1:] == live[:1] * 3, live
+
+
 # ---- compiling in the background --------------------------------------------------------------------
 def test_request_prefills_while_its_grammar_compiles_and_samples_once_ready(engine, chat_prompts, monkeypatch):
     svc, gate = service(engine), threading.Event()
