@@ -21,7 +21,8 @@ median step-to-step period over decode steps with all rows busy (joins excluded)
 mask_wait_ms (compute stream waiting for the mask after the forward) from CUDA events; callback_ms (host time
 inside the mask callback; callback_p99_ms over steps), callback_delay_ms (tokens on the host -> callback
 start), gpu_idle_ms (compute stream idle between steps) and idle_frac = gpu_idle / period; plan_ms, launch_ms
-and commit_ms (the host's phases); tok_s = tokens committed in the window / its wall. guided_over_free = guided
+and commit_ms (the host's phases); gc_ms (Python's garbage collections inside the window, all of them, and
+gc_count by generation); tok_s = tokens committed in the window / its wall. guided_over_free = guided
 period / free period (target <= 1.03; idle_frac target < 2%). On CPU there are no graphs and the CUDA-event
 times are 0.
 
@@ -39,15 +40,15 @@ import statistics
 import time
 import traceback
 
-from bench.common import dtype_name, engine_overrides, free_gpu_memory, note, progress, record
+from bench.common import GcClock, dtype_name, engine_overrides, free_gpu_memory, note, progress, record
 from bench.guided.guided_quality import (build_engine, close_engine, guided_params,
                                          load_schemas, resolve, schema_prompt)
 from bench.kernels.kernel_trace import device_events, kernel_summary
 
 COLUMNS = ["streams", "mode", "period_ms", "guided_over_free", "steady_period_ms", "steady_guided_over_free",
            "tok_s", "forward_ms", "path_ms", "mask_wait_ms", "callback_ms", "callback_p99_ms", "host_us_per_row",
-           "callback_delay_ms", "plan_ms", "launch_ms", "commit_ms", "gpu_idle_ms", "idle_frac", "requests_done",
-           "error"]
+           "callback_delay_ms", "plan_ms", "launch_ms", "commit_ms", "gpu_idle_ms", "idle_frac", "gc_ms",
+           "requests_done", "error"]
 
 
 def speed_work(eng, args) -> list[tuple]:
@@ -93,26 +94,28 @@ def run_round(eng, work, mode: str, streams: int, args, lengths: dict, prof=None
     t, graphs = eng.timings, eng.runner.graphs
     active, k, tokens, done, errors, timed, t0 = {}, 0, 0, 0, 0, False, 0.0
     t.reset()
-    while True:
-        while len(active) < streams:
-            active[eng.add_request(work[k % len(work)][1], params(k))] = k
-            k += 1
-        for out in eng.step():
-            tokens += len(out.new_token_ids)
-            if out.finished:
-                kk = active.pop(out.request_id)
-                done += timed
-                errors += out.finish_reason == "error"
-                if mode == "guided" and out.finish_reason == "stop":
-                    lengths[kk] = len(out.token_ids)
-        if timed and t.steps >= args.steps:
-            break
-        if not timed and t.steps >= args.warm_steps:
-            _window(prof, "start")
-            t.reset(trace=True)
-            replays = dict(graphs.replays) if graphs else {}
-            tokens, timed, t0 = 0, True, time.perf_counter()
-    wall = time.perf_counter() - t0
+    with GcClock() as gc_clock:     # Python's collections inside the window (cleared at its start)
+        while True:
+            while len(active) < streams:
+                active[eng.add_request(work[k % len(work)][1], params(k))] = k
+                k += 1
+            for out in eng.step():
+                tokens += len(out.new_token_ids)
+                if out.finished:
+                    kk = active.pop(out.request_id)
+                    done += timed
+                    errors += out.finish_reason == "error"
+                    if mode == "guided" and out.finish_reason == "stop":
+                        lengths[kk] = len(out.token_ids)
+            if timed and t.steps >= args.steps:
+                break
+            if not timed and t.steps >= args.warm_steps:
+                _window(prof, "start")
+                t.reset(trace=True)
+                gc_clock.pauses.clear()
+                replays = dict(graphs.replays) if graphs else {}
+                tokens, timed, t0 = 0, True, time.perf_counter()
+        wall = time.perf_counter() - t0
     _window(prof, "stop")
     ms, trace = t.per_step_ms(), t.trace
     steady = [s for s in trace if s["decode"] and s["rows"] >= streams]
@@ -126,7 +129,7 @@ def run_round(eng, work, mode: str, streams: int, args, lengths: dict, prof=None
                gpu_idle_ms=ms["gpu_idle"], idle_frac=ms["gpu_idle"] / ms["period"],
                **{f"{c}_ms": ms[c] for c in ("plan", "launch", "wait", "commit")},
                steps=t.steps, steady_steps=len(steady), guided_steps=t.guided_steps, zombie_rows=t.zombie_rows,
-               tokens=tokens, requests_done=done, errors=errors,
+               tokens=tokens, requests_done=done, errors=errors, gc_ms=gc_clock.ms, gc_count=gc_clock.count,
                graph_replays={key: v - replays.get(key, 0) for key, v in graphs.replays.items()} if graphs else None)
     for rid in list(active):
         eng.abort(rid)
