@@ -12,7 +12,9 @@ host work alone, on whatever CPU runs it: one engine per stream count (float32, 
 decoding with EOS ignored; after --warmup-steps real steps, the runner's forward is replaced by nothing (the sampled
 tokens stay what they were, so commit, detokenization and stop checks still run on real tokens), then --steps steps
 timed in --rounds rounds. Per part, microseconds a step (medians over rounds): the engine's plan, launch and commit,
-and inside plan the scheduler's schedule, the runner's prepare and the rows' `launched` bookkeeping.
+and inside plan the scheduler's schedule, the runner's prepare and the rows' `launched` bookkeeping. As in the
+server's engine process, the heap is collected and frozen (gc.freeze) before the timed rounds, so a full collection
+walks only what the load made since; each round's collections are recorded (`gc_ms_rounds`).
 
 --guided: every request is constrained to one of --schemas' JSON schemas (its prompt asks for it) and replaced as it
 finishes. There the model's layers are replaced by zeros and the sampler by each row's lowest allowed token, read
@@ -25,13 +27,14 @@ keeps the model (its forward then runs in launch and the period, so read the oth
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.common import engine_overrides, markdown_table, note, record, stream_prompt, write_results
+from bench.common import GcClock, engine_overrides, markdown_table, note, record, stream_prompt, write_results
 
 PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
 GUIDED_PROMPT_TOKENS = 512  # --guided: schemas whose prompt is longer are left out
@@ -192,6 +195,9 @@ def measure(args, streams: int) -> dict:
             _first_allowed_model(stack, eng)
         for _ in range(args.warmup_steps):
             load.step()
+        gc.collect()
+        gc.freeze()
+        stack.callback(gc.unfreeze)
         if not args.guided:
             eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
             stack.callback(delattr, eng.runner.program, "step")
@@ -202,11 +208,14 @@ def measure(args, streams: int) -> dict:
         acc = dict.fromkeys((key for _, _, key in timers), 0.0)
         for owner, name, key in timers:
             _timed(stack, owner, name, acc, key)
+        gc_ms = []
         for _ in range(args.rounds):
             eng.timings.reset()
             acc.update(dict.fromkeys(acc, 0.0))
-            for _ in range(args.steps):
-                load.step()
+            with GcClock() as clock:
+                for _ in range(args.steps):
+                    load.step()
+            gc_ms.append(clock.ms)
             ms = eng.timings.per_step_ms()
             n = max(eng.timings.steps, 1)
             rounds.append({k: 1e3 * ms[k] for k in ("plan", "launch", "commit", "period")}
@@ -219,7 +228,7 @@ def measure(args, streams: int) -> dict:
                   us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if load.replaced else None,
                   ids_only=args.ids_only, guided=args.guided, requests=load.made, engine=engine_overrides(args),
-                  real_model=args.real_model)
+                  real_model=args.real_model, gc_ms_rounds=gc_ms)
 
 
 def main(argv=None) -> list[dict]:
