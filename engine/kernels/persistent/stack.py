@@ -1,0 +1,175 @@
+"""The persistent decode stack's launch: which models and steps it runs, its weights as one tensor per kind, and
+a step's plan (tile sizes, KV splits, programs).
+
+    stack = DecodeStack(model, kv_caches)         # stacks the layers' weights in place (no second copy)
+    hidden = stack(x, positions, meta)            # = the model's final norm output for a decode step of <= 4 rows
+
+The kernel (engine/kernels/persistent/decode_stack.py) walks layer l's weights at a fixed offset from layer 0's,
+so each kind of weight (QKV, o_proj, gate_up, down, the two norms) must be one [layers, ...] tensor. Where the
+loader made them one tensor a layer, the constructor copies them into one and points every layer's parameter
+at its slice: the model keeps working as before, on the same memory.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from engine.kernels.attention.paged_attention import _LOG2E, _tile_config
+from engine.kernels.attention.split_merge import split_count
+from engine.kernels.common import sm_count
+from engine.kernels.persistent import decode_stack as ds
+
+MAX_ROWS = 4            # rows a step may hold (the kernel keeps every row's activations in each program)
+MIN_TILE = 4            # output columns a matmul task takes at least
+PRODUCT = 8192          # elements of a task's [rows, tile, chunk] product per chunk (registers)
+
+
+def unsupported(model) -> str | None:
+    """Why the stack cannot run `model`, or None."""
+    attn = model.layers[0].self_attn
+    if model.tp.world != 1:
+        return "tensor parallelism (the stack runs one GPU's whole model)"
+    if attn.qk_norm:
+        return "QK norm (Qwen3)"
+    if attn.head_dim % 2:
+        return f"an odd head size ({attn.head_dim})"
+    return None
+
+
+def stack_params(params: list[torch.Tensor]) -> torch.Tensor:
+    """[len(params), *shape]: the parameters as one tensor. Parameters that are already equal slices of one
+    tensor are viewed as it; others are copied into a new one and pointed at their slices (param.data)."""
+    first = params[0]
+    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in params):
+        raise ValueError("layer parameters of one kind must share shape, dtype and device")
+    if _stacked(params):
+        return first.as_strided((len(params), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
+    stacked = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
+    for i, p in enumerate(params):
+        stacked[i].copy_(p.data)
+        p.data = stacked[i]
+    return stacked
+
+
+def _stacked(params) -> bool:
+    first = params[0]
+    base, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    step = first.numel()
+    return first.is_contiguous() and all(
+        p.is_contiguous() and p.untyped_storage().data_ptr() == base and p.storage_offset() == offset + i * step
+        for i, p in enumerate(params))
+
+
+def kv_layer_stride(kv_caches) -> int:
+    """Elements from layer l's K (and V) cache to layer l + 1's: the caches must be views of one buffer at a
+    fixed stride (engine/memory/kv_cache.py kv_pages makes them so)."""
+    k0, v0 = kv_caches[0]
+    if k0.stride() != v0.stride() or not k0.is_contiguous():
+        raise ValueError("the decode stack needs contiguous K and V caches of one layout")
+    if len(kv_caches) == 1:
+        return 0
+    stride = (kv_caches[1][0].data_ptr() - k0.data_ptr()) // k0.element_size()
+    for layer, (k, v) in enumerate(kv_caches):
+        if (k.data_ptr() - k0.data_ptr() != layer * stride * k0.element_size()
+                or v.data_ptr() - v0.data_ptr() != layer * stride * k0.element_size()):
+            raise ValueError("the decode stack needs every layer's KV cache in one buffer at a fixed stride")
+    return stride
+
+
+class DecodeStack:
+    def __init__(self, model, kv_caches, programs: int | None = None):
+        reason = unsupported(model)
+        if reason:
+            raise ValueError(f"the persistent decode stack does not run this model: {reason}")
+        layers, cfg = model.layers, model.cfg
+        attn, mlp = [la.self_attn for la in layers], [la.mlp for la in layers]
+        self.model, self.kv_caches = model, kv_caches
+        self.w_qkv = stack_params([a.qkv_proj.weight for a in attn])
+        self.b_qkv = stack_params([a.qkv_proj.bias for a in attn]) if attn[0].qkv_proj.bias is not None else None
+        self.w_o = stack_params([a.o_proj.weight for a in attn])
+        self.w_gu = stack_params([m.gate_up_proj.weight for m in mlp])
+        self.w_d = stack_params([m.down_proj.weight for m in mlp])
+        self.n_in = stack_params([la.input_layernorm.weight for la in layers])
+        self.n_post = stack_params([la.post_attention_layernorm.weight for la in layers])
+        self.eps = float(cfg["rms_norm_eps"])
+        self.heads, self.kv_heads, self.head_dim = attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim
+        self.hidden, self.inter = cfg["hidden_size"], mlp[0].inter
+        self.kv_stride = kv_layer_stride(kv_caches)
+        device = self.w_qkv.device
+        if programs is None:
+            programs = 1 if ds.interpreted() or device.type != "cuda" else sm_count(device)
+        if ds.interpreted() and programs != 1:
+            raise ValueError("the interpreter runs one program at a time: a persistent grid of more would wait forever")
+        self.programs = programs
+        # the stage counters and the exit count (zero between launches), then the KV splits' merge tickets
+        self.counters = torch.zeros(len(layers) * ds.STAGES + 1, dtype=torch.int32, device=device)
+        self.tickets = torch.zeros(MAX_ROWS * self.kv_heads, dtype=torch.int32, device=device)
+
+    def plan(self, rows: int, block_size: int, max_seq_len: int, block_tables, num_splits=None) -> dict:
+        """The kernel's constexprs for a step of `rows` rows."""
+        group = self.heads // self.kv_heads
+        block_m, _, tile_n, _ = _tile_config(group, 1, block_size)
+        splits = split_count(num_splits, self.w_qkv.device, rows * self.kv_heads, block_tables, block_size,
+                             max_seq_len, tile_n)
+        r_pad = triton.next_power_of_2(rows)
+        nqkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        plan = dict(ROWS=rows, R_PAD=r_pad, SPLITS=splits, BLOCK_M=block_m, TILE_N=tile_n)
+        for stage, n, k in (("QKV", nqkv, self.hidden), ("O", self.hidden, self.heads * self.head_dim),
+                            ("GU", self.inter, self.hidden), ("D", self.hidden, self.inter)):
+            tile = self._tile(n)
+            plan[f"BN_{stage}"] = tile
+            plan[f"BK_{stage}"] = max(32, min(triton.next_power_of_2(k), PRODUCT // (r_pad * tile)))
+        return plan
+
+    def _tile(self, n: int) -> int:
+        """Output columns a task takes: about one task a program."""
+        per = max(MIN_TILE, n // self.programs)
+        return 1 << (per.bit_length() - 1)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, num_splits=None) -> torch.Tensor:
+        """The final norm's output [rows, hidden] of a decode step (one new token a row) whose embedded inputs are
+        x [rows, hidden]; x is overwritten (it holds each layer's output in turn). Stores the new keys and values."""
+        rows = x.shape[0]
+        self._check(x, positions, meta)
+        model, (k_cache, v_cache) = self.model, self.kv_caches[0]
+        block_size = k_cache.shape[1]
+        p = self.plan(rows, block_size, meta.max_seq_len, meta.block_tables, num_splits)
+        head_pad = max(16, triton.next_power_of_2(self.head_dim))
+        dev, dtype = x.device, x.dtype
+        qs = self.heads * self.head_dim
+        qkv = torch.empty((rows, qs + 2 * self.kv_heads * self.head_dim), dtype=dtype, device=dev)
+        attn = torch.empty((rows, qs), dtype=dtype, device=dev)
+        ha = torch.empty_like(x)
+        act = torch.empty((rows, self.inter), dtype=dtype, device=dev)
+        out = torch.empty_like(x)
+        parts = rows * self.heads * p["SPLITS"]
+        part_acc = torch.empty((parts, head_pad), dtype=torch.float32, device=dev)
+        part_m, part_l = torch.empty((2, parts), dtype=torch.float32, device=dev).unbind(0)
+        bias = self.b_qkv if self.b_qkv is not None else self.w_qkv
+        ds.decode_stack_kernel[(self.programs,)](
+            x, ha, qkv, attn, act, out, self.counters, self.tickets, part_acc, part_m, part_l,
+            self.w_qkv, bias, self.w_o, self.w_gu, self.w_d, self.n_in, self.n_post, model.norm.weight,
+            k_cache, v_cache, self.kv_stride, meta.seq_lens, meta.block_tables, positions, meta.slot_mapping,
+            model.cos_cache, model.sin_cache, self.eps, self.head_dim ** -0.5 * _LOG2E,
+            meta.block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            model.cos_cache.stride(0),
+            LAYERS=len(model.layers), H=self.hidden, INTER=self.inter, NH=self.heads, KVH=self.kv_heads,
+            HEAD_DIM=self.head_dim, HEAD_PAD=head_pad, GROUP=self.heads // self.kv_heads, BLOCK_SIZE=block_size,
+            HAS_BIAS=self.b_qkv is not None, PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=4,
+            **p)
+        return out
+
+    def _check(self, x, positions, meta) -> None:
+        rows = x.shape[0]
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"the decode stack runs steps of 1 to {MAX_ROWS} rows, got {rows}")
+        if x.dim() != 2 or x.shape[1] != self.hidden or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous [rows, {self.hidden}] tensor, got {tuple(x.shape)}")
+        if x.dtype != self.w_qkv.dtype:
+            raise ValueError(f"x is {x.dtype}, the weights {self.w_qkv.dtype}")
+        if meta.seq_lens.shape[0] != rows or positions.shape[0] != rows or meta.max_query_len != 1:
+            raise ValueError("the decode stack takes one new token a sequence, one sequence a row")
+        if meta.tree_masks is not None:
+            raise ValueError("the decode stack does not verify draft trees")
+        if meta.block_tables.stride(1) != 1:
+            raise ValueError("the decode stack needs block tables contiguous along their pages")
