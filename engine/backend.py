@@ -125,6 +125,18 @@ class RoutedBackend(_Matmuls):
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self._argmax = argmax
         self.ops = fused_ops
+        self.stack = None       # the persistent decode stack (engine/kernels/persistent/stack.py), where routed
+
+    def decode_stack(self, model, x, meta):
+        """The persistent decode stack for this forward of `model` (x: its embedded inputs), where the table routes
+        its rows there and it is a decode step (one token a row) of the model the stack was built for; else None."""
+        stack = self.stack
+        if stack is None or stack.model is not model or meta.max_query_len != 1 or meta.tree_masks is not None:
+            return None
+        rows = x.shape[0]
+        if rows > stack.max_rows or rows != meta.seq_lens.shape[0]:
+            return None
+        return stack if self.routes.lookup("stack", stack.hidden, stack.inter, rows) == "persistent" else None
 
     def can_run(self, kernel: str, op: str, x, weight, k: int | None = None, norm_weight=None, residual=None,
                 add=None) -> bool:

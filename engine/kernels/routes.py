@@ -6,11 +6,14 @@ An op is a matmul with what the engine folds around it:
 - "norm_linear_silu": silu(gate) * up of rms_norm(x + residual) @ [gate; up].T (gate_up_proj)
 - "head": argmax(x @ W.T), a greedy step's tokens without float32 logits (the target's LM head)
 - "norm_head": argmax(rms_norm(x) @ W.T) (an EAGLE draft step's head, the final norm folded in)
+- "stack": a plain decode step's whole layer stack, keyed by (hidden, intermediate) size: "layers" runs it layer by
+  layer on the routes above, "persistent" in one launch (engine/kernels/persistent/, steps of up to 4 rows)
 
 Kernels: "gemv" (engine/kernels/matmul/decode_gemv.py, with draft_gemv.py's argmax for heads), "gemm"
 (decode_gemm.py), "stream" (stream_gemm.py: 2-64 rows over large weights, the op around it as kernels of its own),
 "mma" (head_mma.py, heads only) and "cublas" (torch's matmul, the op around it as kernels of its own, and for heads
-engine/kernels/sampling/argmax.py). cuBLAS runs everything, so it is every cell's fallback.
+engine/kernels/sampling/argmax.py). cuBLAS runs everything, so it is every matmul cell's fallback; "layers" is the
+stack's.
 
 The table holds the rows the engine captures (engine/kernels/tune.py measures them); a step of other rows takes
 the cell of the next larger rows, and past the table's last rows cuBLAS. Pins from a route file override it:
@@ -28,16 +31,22 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-OPS = ("linear", "norm_linear", "norm_linear_silu", "head", "norm_head")
+OPS = ("linear", "norm_linear", "norm_linear_silu", "head", "norm_head", "stack")
 MATMUL_KERNELS = ("gemv", "gemm", "stream", "cublas")
 HEAD_KERNELS = ("gemv", "mma", "cublas")
-KERNELS = ("gemv", "gemm", "stream", "mma", "cublas")
+STACK_KERNELS = ("persistent", "layers")
+KERNELS = ("gemv", "gemm", "stream", "mma", "cublas", "persistent", "layers")
 MODES = ("auto", "reference")
 
 
 def kernels_for(op: str) -> tuple[str, ...]:
     """The kernels that can run an op at all (each still checks the call's shapes)."""
-    return HEAD_KERNELS if op in ("head", "norm_head") else MATMUL_KERNELS
+    return HEAD_KERNELS if op in ("head", "norm_head") else STACK_KERNELS if op == "stack" else MATMUL_KERNELS
+
+
+def fallback(op: str) -> str:
+    """What runs an op no cell or pin routes: cuBLAS, or for the stack its layers."""
+    return "layers" if op == "stack" else "cublas"
 
 
 @dataclass
@@ -94,7 +103,7 @@ def _pin(i: int, entry) -> Pin:
         raise ValueError(f"{where}: unknown op {op!r}; choose from {OPS}")
     if op is not None and kernel not in kernels_for(op):
         raise ValueError(f"{where}: kernel {kernel!r} cannot run {op!r} (it runs {kernels_for(op)})")
-    if op is None and kernel in ("gemm", "stream", "mma"):
+    if op is None and kernel in ("gemm", "stream", "mma", "persistent", "layers"):
         raise ValueError(f"{where}: kernel {kernel!r} runs only some ops: name the op")
     for name in ("n", "k"):
         if name in entry and not (isinstance(entry[name], int) and entry[name] > 0):
@@ -131,7 +140,8 @@ def pins(*entries: dict) -> str:
 
 class RouteTable:
     """cells: {(op, n, k): {rows: kernel}}; lookup() of a step's rows reads the cell of the next larger rows.
-    reference: cuBLAS for every matmul, and no head kernel (the step computes logits and samples from them)."""
+    reference: cuBLAS for every matmul, no head kernel (the step computes logits and samples from them), and the
+    stack layer by layer."""
 
     def __init__(self, cells: dict | None = None, pins: tuple[Pin, ...] = (), reference: bool = False):
         self.reference = reference
@@ -146,15 +156,15 @@ class RouteTable:
 
     def lookup(self, op: str, n: int, k: int, rows: int) -> str:
         if self.reference:
-            return "cublas"
+            return fallback(op)
         for pin in reversed(self.pins):
-            if pin.matches(op, n, k, rows):
+            if pin.matches(op, n, k, rows) and pin.kernel in kernels_for(op):    # (a pin of any op names its kind)
                 return pin.kernel
         tuned = self._rows.get((op, n, k))
         if not tuned:
-            return "cublas"
+            return fallback(op)
         i = bisect.bisect_left(tuned, rows)
-        return self._cells[(op, n, k)][tuned[i]] if i < len(tuned) else "cublas"
+        return self._cells[(op, n, k)][tuned[i]] if i < len(tuned) else fallback(op)
 
     def cells(self) -> dict:
         """{(op, n, k): {rows: kernel}} with the pins applied to the measured cells."""

@@ -1,5 +1,9 @@
 """Weights into the engine's model: Hugging Face safetensors (fusing QKV and gate/up) or random dummies.
 
+Each kind of layer weight (QKV, o_proj, gate_up, down, the two norms) is one [layers, ...] tensor whose slices
+are the layers' parameters (stack_layers), so a kernel can walk layer l's weights at a fixed offset from layer
+0's (engine/kernels/persistent/decode_stack.py); every other path sees one parameter a layer, as before.
+
 With tensor parallelism each rank reads only its part of every tensor (safetensors slices; a GGUF is read
 from the directory it was converted to) and no rank holds the whole model (engine/parallel/sharding.py).
 """
@@ -22,6 +26,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
     with torch.device("meta"):
         model = LlamaForCausalLM(source.config, tp)
     model = model.to_empty(device=device).to(dtype)
+    stack_layers(model)
     shards = param_shards(source.config, tp.rank, tp.world)
     if source.path is None:
         _init_dummy(model, shards, seed=0)
@@ -29,6 +34,49 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
         _load_safetensors(model, source, shards)
     model.init_rope(max_positions, device)
     return model.eval().requires_grad_(False)
+
+
+LAYER_WEIGHTS = ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.o_proj.weight",
+                 "mlp.gate_up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                 "post_attention_layernorm.weight")
+
+
+def stack_layers(model: LlamaForCausalLM) -> None:
+    """Every kind of LAYER_WEIGHTS as one tensor, each layer's parameter a slice of it (values kept)."""
+    for name in LAYER_WEIGHTS:
+        params = [_param(layer, name) for layer in model.layers]
+        if all(isinstance(p, torch.nn.Parameter) for p in params):    # (a bias the model has not: None)
+            stack_params(params)
+
+
+def _param(module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def stack_params(params: list[torch.Tensor]) -> torch.Tensor:
+    """[len(params), *shape]: the parameters as one tensor. Parameters that are already equal slices of one
+    tensor are viewed as it; others are copied into a new one and pointed at their slices (param.data)."""
+    first = params[0]
+    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in params):
+        raise ValueError("layer parameters of one kind must share shape, dtype and device")
+    if _stacked(params):
+        return first.as_strided((len(params), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
+    stacked = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
+    for i, p in enumerate(params):
+        stacked[i].copy_(p.data)
+        p.data = stacked[i]
+    return stacked
+
+
+def _stacked(params) -> bool:
+    first = params[0]
+    base, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    step = first.numel()
+    return first.is_contiguous() and all(
+        p.is_contiguous() and p.untyped_storage().data_ptr() == base and p.storage_offset() == offset + i * step
+        for i, p in enumerate(params))
 
 
 def _init_dummy(model: LlamaForCausalLM, shards: dict[str, ParamShard] | None = None, seed: int = 0) -> None:

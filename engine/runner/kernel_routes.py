@@ -2,7 +2,8 @@
 tune.py), cuBLAS for everything under kernels="reference", pins from a route file over either.
 
 Where nothing can be timed (the CPU, where the Triton kernels run in the interpreter) the table holds only the
-pins: cuBLAS wherever none matches.
+pins: cuBLAS wherever none matches. The persistent decode stack is routed by pins only: it runs a step's layers
+layer by layer unless a pin says "persistent".
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def captured_rows(config, spec_rows: int) -> tuple[list[int], list[int]]:
 def check_pins(pins, sites, rows, backend) -> None:
     """ValueError naming a pin whose kernel cannot run a matmul it matches; a warning for one matching none."""
     for pin in pins:
+        if pin.op == "stack":           # checked where the stack is built (decode_stack)
+            continue
         matched = False
         for site in sites:
             op, n, k = site.key
@@ -63,3 +66,17 @@ def route_table(config, sites, backend, spec_rows: int = 0) -> RouteTable:
                            lambda routes: RoutedBackend(routes=routes, device=device), cache_dir(), pins,
                            log=lambda line: print(f"specdec: {line}", file=sys.stderr))
     return table
+
+
+def decode_stack(model, kv_caches, routes):
+    """The persistent decode stack (engine/kernels/persistent/stack.py) where the table routes a decode step of up
+    to its rows to it, else None; ValueError where it does and the model is one it cannot run."""
+    from engine.kernels.persistent.stack import MAX_ROWS
+    hidden, inter = model.cfg["hidden_size"], model.layers[0].mlp.inter
+    if not any(routes.lookup("stack", hidden, inter, rows) == "persistent" for rows in range(1, MAX_ROWS + 1)):
+        return None
+    from engine.kernels.persistent.stack import DecodeStack, unsupported
+    reason = unsupported(model)
+    if reason:
+        raise ValueError(f"route file: the persistent decode stack cannot run this model: {reason}")
+    return DecodeStack(model, kv_caches)

@@ -23,7 +23,7 @@ from engine.models.weights import build_model
 from engine.parallel.group import SINGLE
 from engine.runner.graphs import StepGraphs
 from engine.runner import native_launch
-from engine.runner.kernel_routes import route_table
+from engine.runner.kernel_routes import decode_stack, route_table
 from engine.runner.rows import fill_slot
 from engine.runner.slots import DecodeSlot
 from engine.runner.step import StepProgram, StepVariant
@@ -97,6 +97,7 @@ class ModelRunner:
         if self.backend.name == "triton":      # the drafter's matmuls are routed too: the table comes after it
             sites = self.model.route_sites() + (self.program.drafter.route_sites() if self.spec_k else [])
             self.backend.routes = route_table(config, sites, self.backend, self.spec_rows)
+            self.backend.stack = decode_stack(self.model, self.kv_caches, self.backend.routes)
         self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None, spec_rows=self.spec_rows)

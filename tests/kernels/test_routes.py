@@ -21,7 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     (dict(kernel="gemm", op="head"), "cannot run 'head'"), (dict(kernel="mma", op="linear"), "cannot run"),
     (dict(kernel="gemm"), "name the op"), (dict(kernel="gemv", rows=[4, 2]), "rows must be"),
     (dict(kernel="gemv", rows=0), "rows must be"), (dict(kernel="gemv", n=-1), "n must be"),
-    (dict(kernel="gemv", width=3), "unknown field"),
+    (dict(kernel="gemv", width=3), "unknown field"), (dict(kernel="persistent"), "name the op"),
+    (dict(kernel="gemv", op="stack"), "cannot run 'stack'"), (dict(kernel="persistent", op="linear"), "cannot run"),
 ])
 def test_a_bad_pin_is_refused_naming_it(entry, why):
     with pytest.raises(ValueError, match=why):
@@ -54,6 +55,26 @@ def test_pins_override_the_table_the_later_one_winning():
     assert [table.lookup("linear", 64, 32, r) for r in (1, 3, 4)] == ["cublas", "gemm", "gemm"]
     assert table.lookup("head", 100, 32, 1) == "mma"
     assert RouteTable(cells, reference=True).lookup("head", 100, 32, 1) == "cublas"
+
+
+def test_the_stack_runs_layer_by_layer_unless_a_pin_says_persistent():
+    """A pin of every op (no op named) routes the matmuls, not the stack; reference mode runs it layer by layer."""
+    assert RouteTable().lookup("stack", 64, 96, 1) == "layers"
+    table = RouteTable(pins=(Pin("persistent", op="stack", rows=(1, 2)), Pin("cublas")))
+    assert [table.lookup("stack", 64, 96, r) for r in (1, 2, 3)] == ["persistent", "persistent", "layers"]
+    assert table.lookup("linear", 64, 32, 1) == "cublas"
+    assert RouteTable(pins=table.pins, reference=True).lookup("stack", 64, 96, 1) == "layers"
+
+
+def test_a_stack_pin_for_a_model_it_cannot_run_is_refused_at_start():
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.loader import DUMMY_SHAPES
+    from engine.runner.kernel_routes import decode_stack
+    model = LlamaForCausalLM(dict(DUMMY_SHAPES["tiny"], model_type="qwen3", rms_norm_eps=1e-6))
+    pinned = RouteTable(pins=(Pin("persistent", op="stack"),))
+    with pytest.raises(ValueError, match="persistent decode stack cannot run this model: QK norm"):
+        decode_stack(model, [], pinned)
+    assert decode_stack(model, [], RouteTable()) is None
 
 
 # ---- the tuner ----------------------------------------------------------------------------------------------------

@@ -54,6 +54,19 @@ def test_fused_logits_close_to_reference():
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_fused_path_through_the_persistent_decode_stack(reference, monkeypatch):
+    """Decode steps of 1-4 rows pinned to the persistent stack (the whole layer stack in one launch; its kernel
+    runs one program in the interpreter) give the same tokens, steps of one and of several rows among them."""
+    from engine.kernels.persistent import stack
+    calls = []
+    real = stack.DecodeStack.__call__
+    monkeypatch.setattr(stack.DecodeStack, "__call__", lambda self, x, *a, **kw: calls.append(x.shape[0]) or
+                        real(self, x, *a, **kw))
+    routes = pins(dict(op="stack", kernel="persistent", rows=[1, 4]))
+    assert _tokens("triton", 2, max_num_batched_tokens=16, kernel_routes=routes) == reference
+    assert 1 in calls and max(calls) > 1        # (on a GPU: at graph capture; replays run the captured launch)
+
+
 def test_fused_path_on_decode_gemm(reference):
     """Steps of 2-4 rows on decode_gemm (its SiLU * up epilogue in gate_up), with the same tokens."""
     assert _tokens("triton", 2, max_num_batched_tokens=16, kernel_routes=GEMM) == reference

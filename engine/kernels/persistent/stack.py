@@ -5,9 +5,9 @@ a step's plan (tile sizes, KV splits, programs).
     hidden = stack(x, positions, meta)            # = the model's final norm output for a decode step of <= 4 rows
 
 The kernel (engine/kernels/persistent/decode_stack.py) walks layer l's weights at a fixed offset from layer 0's,
-so each kind of weight (QKV, o_proj, gate_up, down, the two norms) must be one [layers, ...] tensor. Where the
-loader made them one tensor a layer, the constructor copies them into one and points every layer's parameter
-at its slice: the model keeps working as before, on the same memory.
+so each kind of weight (QKV, o_proj, gate_up, down, the two norms) must be one [layers, ...] tensor. The loader
+makes them so (engine/models/weights.py stack_layers); for a model built otherwise the constructor copies them
+into one and points every layer's parameter at its slice.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from engine.kernels.attention.paged_attention import _LOG2E, _tile_config
 from engine.kernels.attention.split_merge import split_count
 from engine.kernels.common import sm_count
 from engine.kernels.persistent import decode_stack as ds
+from engine.models.weights import stack_params
 
 MAX_ROWS = 4            # rows a step may hold (the kernel keeps every row's activations in each program)
 MIN_TILE = 4            # output columns a matmul task takes at least
@@ -34,30 +35,6 @@ def unsupported(model) -> str | None:
     if attn.head_dim % 2:
         return f"an odd head size ({attn.head_dim})"
     return None
-
-
-def stack_params(params: list[torch.Tensor]) -> torch.Tensor:
-    """[len(params), *shape]: the parameters as one tensor. Parameters that are already equal slices of one
-    tensor are viewed as it; others are copied into a new one and pointed at their slices (param.data)."""
-    first = params[0]
-    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in params):
-        raise ValueError("layer parameters of one kind must share shape, dtype and device")
-    if _stacked(params):
-        return first.as_strided((len(params), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
-    stacked = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
-    for i, p in enumerate(params):
-        stacked[i].copy_(p.data)
-        p.data = stacked[i]
-    return stacked
-
-
-def _stacked(params) -> bool:
-    first = params[0]
-    base, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    step = first.numel()
-    return first.is_contiguous() and all(
-        p.is_contiguous() and p.untyped_storage().data_ptr() == base and p.storage_offset() == offset + i * step
-        for i, p in enumerate(params))
 
 
 def kv_layer_stride(kv_caches) -> int:
@@ -101,6 +78,7 @@ class DecodeStack:
         if ds.interpreted() and programs != 1:
             raise ValueError("the interpreter runs one program at a time: a persistent grid of more would wait forever")
         self.programs = programs
+        self.max_rows = MAX_ROWS
         # the stage counters and the exit count (zero between launches), then the KV splits' merge tickets
         self.counters = torch.zeros(len(layers) * ds.STAGES + 1, dtype=torch.int32, device=device)
         self.tickets = torch.zeros(MAX_ROWS * self.kv_heads, dtype=torch.int32, device=device)
