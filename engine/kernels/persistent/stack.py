@@ -23,6 +23,7 @@ from engine.models.weights import stack_params
 MAX_ROWS = 4            # rows a step may hold (the kernel keeps every row's activations in each program)
 MIN_TILE = 4            # output columns a matmul task takes at least
 PRODUCT = 8192          # elements of a task's [rows, tile, chunk] product per chunk (registers)
+NUM_WARPS = 4
 
 
 def unsupported(model) -> str | None:
@@ -54,7 +55,10 @@ def kv_layer_stride(kv_caches) -> int:
 
 
 class DecodeStack:
-    def __init__(self, model, kv_caches, programs: int | None = None):
+    def __init__(self, model, kv_caches, programs: int | None = None, num_warps: int = NUM_WARPS,
+                 product: int = PRODUCT):
+        """programs: the persistent grid (default one an SM; one in the interpreter); num_warps, product: a
+        program's warps and the elements of its [rows, tile, chunk] product a weight chunk (its chunk size)."""
         reason = unsupported(model)
         if reason:
             raise ValueError(f"the persistent decode stack does not run this model: {reason}")
@@ -77,7 +81,7 @@ class DecodeStack:
             programs = 1 if ds.interpreted() or device.type != "cuda" else sm_count(device)
         if ds.interpreted() and programs != 1:
             raise ValueError("the interpreter runs one program at a time: a persistent grid of more would wait forever")
-        self.programs = programs
+        self.programs, self.num_warps, self.product = programs, num_warps, product
         self.max_rows = MAX_ROWS
         # the stage counters and the exit count (zero between launches), then the KV splits' merge tickets
         self.counters = torch.zeros(len(layers) * ds.STAGES + 1, dtype=torch.int32, device=device)
@@ -96,7 +100,7 @@ class DecodeStack:
                             ("GU", self.inter, self.hidden), ("D", self.hidden, self.inter)):
             tile = self._tile(n)
             plan[f"BN_{stage}"] = tile
-            plan[f"BK_{stage}"] = max(32, min(triton.next_power_of_2(k), PRODUCT // (r_pad * tile)))
+            plan[f"BK_{stage}"] = max(32, min(triton.next_power_of_2(k), self.product // (r_pad * tile)))
         return plan
 
     def _tile(self, n: int) -> int:
@@ -133,7 +137,7 @@ class DecodeStack:
             model.cos_cache.stride(0),
             LAYERS=len(model.layers), H=self.hidden, INTER=self.inter, NH=self.heads, KVH=self.kv_heads,
             HEAD_DIM=self.head_dim, HEAD_PAD=head_pad, GROUP=self.heads // self.kv_heads, BLOCK_SIZE=block_size,
-            HAS_BIAS=self.b_qkv is not None, PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=4,
+            HAS_BIAS=self.b_qkv is not None, PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=self.num_warps,
             **p)
         return out
 
