@@ -137,8 +137,8 @@ class DecodeStack:
             model.cos_cache.stride(0),
             LAYERS=len(model.layers), H=self.hidden, INTER=self.inter, NH=self.heads, KVH=self.kv_heads,
             HEAD_DIM=self.head_dim, HEAD_PAD=head_pad, GROUP=self.heads // self.kv_heads, BLOCK_SIZE=block_size,
-            HAS_BIAS=self.b_qkv is not None, PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=self.num_warps,
-            **p)
+            HAS_BIAS=self.b_qkv is not None, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            num_warps=self.num_warps, **p)
         return out
 
     def _check(self, x, positions, meta) -> None:
