@@ -31,29 +31,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels.attention.decode_attention import _cached_tile, _new_column
-from engine.kernels.attention.paged_attention import _attn_tile
-from engine.kernels.attention.split_merge import store_splits
-from engine.kernels.common import is_interpreted, reduce_max, reduce_sum, round_to
+from engine.kernels.common import is_interpreted, reduce_sum, round_to
+from engine.kernels.persistent.stack_attention import _attention
+from engine.kernels.persistent.sync import _signal, _wait
 
 STAGES = 5          # a layer's counters: qkv, attention, o_proj, gate_up, down (the kernel's `5`)
-
-
-@triton.jit
-def _wait(cnt_ptr, index, target):
-    """Until counter `index` reaches `target`: polled with plain loads from L2, then one acquire atomic (it reads
-    the last count, so it synchronizes with every release before it) and a CTA barrier, so that every thread's
-    reads come after it."""
-    while tl.load(cnt_ptr + index, volatile=True) < target:
-        pass
-    tl.atomic_add(cnt_ptr + index, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _signal(cnt_ptr, index):
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr + index, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -124,74 +106,61 @@ def _residual(res_ptr, offs_n, n_ok, N, acc, ROWS: tl.constexpr, R_PAD: tl.const
 
 
 @triton.jit
-def _rotate_cg(base, offs_d, mask, c, s, HEAD_DIM: tl.constexpr):
-    """engine.kernels.fused_ops.rotate_rows reading past L1 (q and the new key are another task's output)."""
-    half = HEAD_DIM // 2
-    partner = tl.where(offs_d < HEAD_DIM, tl.where(offs_d < half, offs_d + half, offs_d - half), 0)
-    sign = tl.where(offs_d < half, -1.0, 1.0)
-    x = tl.load(base + offs_d[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return x * c + sign[None, :] * xp * s
+def _matmul_task(j, layer, cnt_ptr, wait_index, wait_target, done_index, x_ptr, w_layers, N: tl.constexpr,
+                 K: tl.constexpr, norm_ptr, eps, bias_layers, res_ptr, out_ptr, NORM: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ROWS: tl.constexpr, R_PAD: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    """Tile j of a matmul stage of `layer`: out[:, tile] = x (rms-normed where NORM) @ W[tile].T (+ bias) (+ res),
+    W the layer's [N, K] slice of w_layers; first waits for counter wait_index (none where it is negative)."""
+    offs_n = j * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    w = w_layers + layer.to(tl.int64) * (N * K)
+    w0 = _weights(w, offs_n, n_ok, 0, K, BK)
+    if wait_index >= 0:
+        _wait(cnt_ptr, wait_index, wait_target)
+    if NORM:
+        rstd = _rstd(x_ptr, K, eps, ROWS, R_PAD, BK)
+    else:
+        rstd = tl.zeros([R_PAD], tl.float32)
+    acc = _gemv(x_ptr, w, offs_n, n_ok, K, w0, rstd, norm_ptr, NORM, ROWS, R_PAD, BK)
+    if HAS_BIAS:
+        acc += tl.load(bias_layers + layer * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if RESIDUAL:
+        acc = _residual(res_ptr, offs_n, n_ok, N, acc, ROWS, R_PAD)
+    _store_rows(out_ptr, offs_n, n_ok, N, acc, ROWS, R_PAD)
+    _signal(cnt_ptr, done_index)
 
 
 @triton.jit
-def _attention(i, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_stride, part_acc, part_m, part_l,
-               sem_ptr, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale, stride_bt, stride_blk,
-               stride_pos, stride_kvh, stride_cos, T_QKV: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr,
-               HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
-    """Task i of a layer's attention: (row, kv head, split) as engine/kernels/attention/decode_attention.py runs it."""
-    split = i % SPLITS
-    kv_head = (i // SPLITS) % KVH
-    row = i // (SPLITS * KVH)
-    ctx = tl.load(seq_lens + row) - 1       # the new token's position; the cache holds keys [0, ctx)
-    chunk = ((ctx + SPLITS) // SPLITS + TILE_N - 1) // TILE_N * TILE_N
-    lo = split * chunk
-    hi = tl.minimum(ctx + 1, lo + chunk)
-    cached_hi = tl.minimum(hi, ctx)
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD_DIM
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
-    s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
-    kc = kc_ptr + layer.to(tl.int64) * kv_layer_stride
-    vc = vc_ptr + layer.to(tl.int64) * kv_layer_stride
-    bt_row = bt_ptr + row.to(tl.int64) * stride_bt
-    kv_off_head = kv_head * stride_kvh
-    k0, v0, n_ok = _cached_tile(kc, vc, bt_row, 1, lo, cached_hi, kv_off_head, stride_blk, stride_pos, offs_d, d_ok,
-                                BLOCK_SIZE, TILE_N)
-    _wait(cnt_ptr, layer * 5, T_QKV)
-    offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < GROUP
-    head = kv_head * GROUP + offs_m
-    qkv_row = qkv_ptr + row.to(tl.int64) * ((NH + 2 * KVH) * HEAD_DIM)
-    q = round_to(_rotate_cg(qkv_row + head[:, None] * HEAD_DIM, offs_d, row_ok[:, None] & d_ok[None, :], c[None, :],
-                            s[None, :], HEAD_DIM), kc.dtype.element_ty)
-    new_m = (offs_m == 0)[:, None] & d_ok[None, :]
-    kn_base = qkv_row + (NH + kv_head) * HEAD_DIM + offs_m[:, None] * 0
-    kn = round_to(_rotate_cg(kn_base, offs_d, new_m, c[None, :], s[None, :], HEAD_DIM), kc.dtype.element_ty)
-    vn = tl.load(kn_base + KVH * HEAD_DIM + offs_d[None, :], mask=new_m, other=0.0,
-                 cache_modifier=".cg").to(vc.dtype.element_ty)
-    owns = (ctx >= lo) & (ctx < hi)
-    if owns & (slot >= 0):                  # later steps read them from the cache
-        dst = slot * stride_pos + kv_off_head + offs_m[:, None] * 0 + offs_d[None, :]
-        tl.store(kc + dst, kn, mask=new_m)
-        tl.store(vc + dst, vn, mask=new_m)
-    scores = tl.where(n_ok[None, :], tl.dot(q, k0, input_precision=PRECISION) * qk_scale, float("-inf"))
-    m_i = reduce_max(scores, 1)
-    p = tl.exp2(scores - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-    l_i = reduce_sum(p, 1)
-    acc = tl.dot(p.to(v0.dtype), v0, tl.zeros((BLOCK_M, HEAD_PAD), tl.float32), input_precision=PRECISION)
-    q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
-    for start in range(lo + TILE_N, cached_hi, TILE_N):
-        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc, vc, bt_row, 1, start, cached_hi, kv_off_head,
-                                   stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, q_pos, BLOCK_SIZE, TILE_N,
-                                   True, PRECISION, False)
-    if owns:
-        acc, l_i, m_i = _new_column(acc, l_i, m_i, q, kn, vn, qk_scale)
-    store_splits(acc, l_i, m_i, attn_ptr, part_acc, part_m, part_l, sem_ptr, row * KVH + kv_head, row + offs_m * 0,
-                 head, row_ok, offs_d, d_ok, split, NH, NH * HEAD_DIM, HEAD_DIM, SPLITS, BLOCK_M, HEAD_PAD, True)
+def _gate_up_task(j, layer, cnt_ptr, wait_index, wait_target, done_index, x_ptr, w_layers, norm_ptr, eps, act_ptr,
+                  H: tl.constexpr, INTER: tl.constexpr, ROWS: tl.constexpr, R_PAD: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr):
+    """Tile j of gate_up: SiLU(gate) * up of the normed x for intermediate columns tile, both rounded first."""
+    offs_n = j * BN + tl.arange(0, BN)
+    n_ok = offs_n < INTER
+    w = w_layers + layer.to(tl.int64) * (2 * INTER * H)
+    w0_gate = _weights(w, offs_n, n_ok, 0, H, BK)
+    w0_up = _weights(w, INTER + offs_n, n_ok, 0, H, BK)
+    _wait(cnt_ptr, wait_index, wait_target)
+    rstd = _rstd(x_ptr, H, eps, ROWS, R_PAD, BK)
+    gate = _gemv(x_ptr, w, offs_n, n_ok, H, w0_gate, rstd, norm_ptr, True, ROWS, R_PAD, BK)
+    up = _gemv(x_ptr, w, INTER + offs_n, n_ok, H, w0_up, rstd, norm_ptr, True, ROWS, R_PAD, BK)
+    gate = round_to(gate, act_ptr.dtype.element_ty).to(tl.float32)
+    up = round_to(up, act_ptr.dtype.element_ty).to(tl.float32)
+    _store_rows(act_ptr, offs_n, n_ok, INTER, gate / (1.0 + tl.exp(-gate)) * up, ROWS, R_PAD)
+    _signal(cnt_ptr, done_index)
+
+
+@triton.jit
+def _final_norm(cnt_ptr, wait_index, wait_target, h_ptr, norm_ptr, out_ptr, eps, H: tl.constexpr, ROWS: tl.constexpr,
+                R_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    _wait(cnt_ptr, wait_index, wait_target)
+    rstd = _rstd(h_ptr, H, eps, ROWS, R_PAD, BK)
+    for n0 in range(0, H, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < H
+        _store_rows(out_ptr, offs_n, n_ok, H, _gemv_free_norm(h_ptr, offs_n, n_ok, H, rstd, norm_ptr, ROWS, R_PAD),
+                    ROWS, R_PAD)
 
 
 @triton.jit
@@ -221,28 +190,12 @@ def decode_stack_kernel(
     for t in range(tl.program_id(0), LAYERS * T_LAYER + 1, tl.num_programs(0)):
         layer = t // T_LAYER
         i = t % T_LAYER
-        base = layer * 5
+        base = layer * 5                    # this layer's counters: base + stage
         if layer == LAYERS:                 # the final norm, once every layer is done
-            _wait(cnt_ptr, base - 1, T_D)
-            rstd = _rstd(h_ptr, H, eps, ROWS, R_PAD, BK_QKV)
-            for n0 in range(0, H, BN_O):
-                offs_n = n0 + tl.arange(0, BN_O)
-                n_ok = offs_n < H
-                y = _gemv_free_norm(h_ptr, offs_n, n_ok, H, rstd, n_final, ROWS, R_PAD)
-                _store_rows(out_ptr, offs_n, n_ok, H, y, ROWS, R_PAD)
+            _final_norm(cnt_ptr, base - 1, T_D, h_ptr, n_final, out_ptr, eps, H, ROWS, R_PAD, BN_O, BK_QKV)
         elif i < T_QKV:
-            offs_n = i * BN_QKV + tl.arange(0, BN_QKV)
-            n_ok = offs_n < NQKV
-            w = w_qkv + layer.to(tl.int64) * (NQKV * H)
-            w0 = _weights(w, offs_n, n_ok, 0, H, BK_QKV)
-            if layer > 0:
-                _wait(cnt_ptr, base - 1, T_D)
-            rstd = _rstd(h_ptr, H, eps, ROWS, R_PAD, BK_QKV)
-            acc = _gemv(h_ptr, w, offs_n, n_ok, H, w0, rstd, n_in + layer * H, True, ROWS, R_PAD, BK_QKV)
-            if HAS_BIAS:
-                acc += tl.load(b_qkv + layer * NQKV + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            _store_rows(qkv_ptr, offs_n, n_ok, NQKV, acc, ROWS, R_PAD)
-            _signal(cnt_ptr, base)
+            _matmul_task(i, layer, cnt_ptr, base - 1, T_D, base, h_ptr, w_qkv, NQKV, H, n_in + layer * H, eps, b_qkv,
+                         qkv_ptr, qkv_ptr, True, HAS_BIAS, False, ROWS, R_PAD, BN_QKV, BK_QKV)
         elif i < A1:
             _attention(i - T_QKV, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_stride, part_acc, part_m,
                        part_l, sem_ptr, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale, stride_bt,
@@ -250,38 +203,14 @@ def decode_stack_kernel(
                        BLOCK_M, BLOCK_SIZE, TILE_N, SPLITS, PRECISION)
             _signal(cnt_ptr, base + 1)
         elif i < A2:
-            offs_n = (i - A1) * BN_O + tl.arange(0, BN_O)
-            n_ok = offs_n < H
-            w = w_o + layer.to(tl.int64) * (H * QS)
-            w0 = _weights(w, offs_n, n_ok, 0, QS, BK_O)
-            _wait(cnt_ptr, base + 1, T_ATT)
-            acc = _gemv(attn_ptr, w, offs_n, n_ok, QS, w0, w0, n_in, False, ROWS, R_PAD, BK_O)
-            _store_rows(ha_ptr, offs_n, n_ok, H, _residual(h_ptr, offs_n, n_ok, H, acc, ROWS, R_PAD), ROWS, R_PAD)
-            _signal(cnt_ptr, base + 2)
+            _matmul_task(i - A1, layer, cnt_ptr, base + 1, T_ATT, base + 2, attn_ptr, w_o, H, QS, n_in, eps, b_qkv,
+                         h_ptr, ha_ptr, False, False, True, ROWS, R_PAD, BN_O, BK_O)
         elif i < A3:
-            offs_n = (i - A2) * BN_GU + tl.arange(0, BN_GU)
-            n_ok = offs_n < INTER
-            w = w_gu + layer.to(tl.int64) * (2 * INTER * H)
-            w0_gate = _weights(w, offs_n, n_ok, 0, H, BK_GU)
-            w0_up = _weights(w, INTER + offs_n, n_ok, 0, H, BK_GU)
-            _wait(cnt_ptr, base + 2, T_O)
-            rstd = _rstd(ha_ptr, H, eps, ROWS, R_PAD, BK_GU)
-            norm = n_post + layer * H
-            gate = _gemv(ha_ptr, w, offs_n, n_ok, H, w0_gate, rstd, norm, True, ROWS, R_PAD, BK_GU)
-            up = _gemv(ha_ptr, w, INTER + offs_n, n_ok, H, w0_up, rstd, norm, True, ROWS, R_PAD, BK_GU)
-            gate = round_to(gate, act_ptr.dtype.element_ty).to(tl.float32)
-            up = round_to(up, act_ptr.dtype.element_ty).to(tl.float32)
-            _store_rows(act_ptr, offs_n, n_ok, INTER, gate / (1.0 + tl.exp(-gate)) * up, ROWS, R_PAD)
-            _signal(cnt_ptr, base + 3)
+            _gate_up_task(i - A2, layer, cnt_ptr, base + 2, T_O, base + 3, ha_ptr, w_gu, n_post + layer * H, eps,
+                          act_ptr, H, INTER, ROWS, R_PAD, BN_GU, BK_GU)
         else:
-            offs_n = (i - A3) * BN_D + tl.arange(0, BN_D)
-            n_ok = offs_n < H
-            w = w_d + layer.to(tl.int64) * (H * INTER)
-            w0 = _weights(w, offs_n, n_ok, 0, INTER, BK_D)
-            _wait(cnt_ptr, base + 3, T_GU)
-            acc = _gemv(act_ptr, w, offs_n, n_ok, INTER, w0, w0, n_in, False, ROWS, R_PAD, BK_D)
-            _store_rows(h_ptr, offs_n, n_ok, H, _residual(ha_ptr, offs_n, n_ok, H, acc, ROWS, R_PAD), ROWS, R_PAD)
-            _signal(cnt_ptr, base + 4)
+            _matmul_task(i - A3, layer, cnt_ptr, base + 3, T_GU, base + 4, act_ptr, w_d, H, INTER, n_in, eps, b_qkv,
+                         ha_ptr, h_ptr, False, False, True, ROWS, R_PAD, BN_D, BK_D)
     # the last program out resets every counter for the next launch
     tl.debug_barrier()
     exit_index = LAYERS * 5

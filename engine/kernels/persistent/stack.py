@@ -54,6 +54,23 @@ def kv_layer_stride(kv_caches) -> int:
     return stride
 
 
+def stack_plan(dims, rows: int, splits: int, block_size: int, programs: int, product: int = PRODUCT) -> dict:
+    """The kernel's constexprs for a step of `rows` rows of a model of dims (hidden, intermediate, heads, KV heads,
+    head size): each matmul stage's output tile (about one task a program) and weight chunk (`product` elements of
+    the [rows, tile, chunk] product), and the attention's tiles."""
+    hidden, inter, heads, kv_heads, head_dim = dims
+    block_m, _, tile_n, _ = _tile_config(heads // kv_heads, 1, block_size)
+    r_pad = triton.next_power_of_2(rows)
+    plan = dict(ROWS=rows, R_PAD=r_pad, SPLITS=splits, BLOCK_M=block_m, TILE_N=tile_n)
+    for stage, n, k in (("QKV", (heads + 2 * kv_heads) * head_dim, hidden), ("O", hidden, heads * head_dim),
+                        ("GU", inter, hidden), ("D", hidden, inter)):
+        per = max(MIN_TILE, n // programs)
+        tile = 1 << (per.bit_length() - 1)
+        plan[f"BN_{stage}"] = tile
+        plan[f"BK_{stage}"] = max(32, min(triton.next_power_of_2(k), product // (r_pad * tile)))
+    return plan
+
+
 class DecodeStack:
     def __init__(self, model, kv_caches, programs: int | None = None, num_warps: int = NUM_WARPS,
                  product: int = PRODUCT):
@@ -89,24 +106,11 @@ class DecodeStack:
 
     def plan(self, rows: int, block_size: int, max_seq_len: int, block_tables, num_splits=None) -> dict:
         """The kernel's constexprs for a step of `rows` rows."""
-        group = self.heads // self.kv_heads
-        block_m, _, tile_n, _ = _tile_config(group, 1, block_size)
+        tile_n = _tile_config(self.heads // self.kv_heads, 1, block_size)[2]
         splits = split_count(num_splits, self.w_qkv.device, rows * self.kv_heads, block_tables, block_size,
                              max_seq_len, tile_n)
-        r_pad = triton.next_power_of_2(rows)
-        nqkv = (self.heads + 2 * self.kv_heads) * self.head_dim
-        plan = dict(ROWS=rows, R_PAD=r_pad, SPLITS=splits, BLOCK_M=block_m, TILE_N=tile_n)
-        for stage, n, k in (("QKV", nqkv, self.hidden), ("O", self.hidden, self.heads * self.head_dim),
-                            ("GU", self.inter, self.hidden), ("D", self.hidden, self.inter)):
-            tile = self._tile(n)
-            plan[f"BN_{stage}"] = tile
-            plan[f"BK_{stage}"] = max(32, min(triton.next_power_of_2(k), self.product // (r_pad * tile)))
-        return plan
-
-    def _tile(self, n: int) -> int:
-        """Output columns a task takes: about one task a program."""
-        per = max(MIN_TILE, n // self.programs)
-        return 1 << (per.bit_length() - 1)
+        dims = (self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim)
+        return stack_plan(dims, rows, splits, block_size, self.programs, self.product)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, num_splits=None) -> torch.Tensor:
         """The final norm's output [rows, hidden] of a decode step (one new token a row) whose embedded inputs are
