@@ -123,8 +123,29 @@ def test_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gpu_one_program_an_sm(dtype, rows):
+    """Launches in a row on one stack: each leaves its counters at zero for the next, and each gives the reference's
+    hidden states (its KV store writes the same values each time)."""
     contexts = [7, 300, 64, 1000][:rows]
-    for _ in range(3):          # launches in a row: the counters reset themselves
-        got, ref, caches, ref_caches, stack = _both("gqa3", contexts, dtype)
-        torch.testing.assert_close(got, ref, **TOL[dtype])
+    got, ref, caches, ref_caches, stack = _both("gqa3", contexts, dtype)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+    x, positions, meta, _ = _step(stack.model, contexts, dtype)
+    for _ in range(3):
+        torch.testing.assert_close(stack(x.clone(), positions, meta), got, rtol=0, atol=0)
     assert stack.programs > 1 and not stack.counters.any()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays():
+    """Captured once, replayed: the counters zero themselves inside the graph too."""
+    got, ref, caches, ref_caches, stack = _both("llama", [40, 3], torch.bfloat16)
+    x, positions, meta, _ = _step(stack.model, [40, 3], torch.bfloat16)
+    work = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    stack(work, positions, meta)                # compiled before the capture
+    work.copy_(x)
+    with torch.cuda.graph(graph):
+        out = stack(work, positions, meta)
+    for _ in range(3):
+        work.copy_(x)
+        graph.replay()
+        torch.testing.assert_close(out, got, rtol=0, atol=0)
