@@ -127,15 +127,16 @@ class RoutedBackend(_Matmuls):
         self.ops = fused_ops
         self.stack = None       # the persistent decode stack (engine/kernels/persistent/stack.py), where routed
 
-    def decode_stack(self, model, x, meta):
-        """The persistent decode stack for this forward of `model` (x: its embedded inputs), where the table routes
-        its rows there and it is a decode step (one token a row) of the model the stack was built for; else None."""
+    def decode_stack(self, model, x, meta, aux_layers=()):
+        """The persistent decode stack for this forward of `model` (x: its embedded inputs, one row a token), where
+        the table routes its rows there, it is the model the stack was built for, with the aux layers it was built
+        for (or none asked), and no draft tree; else None."""
         stack = self.stack
-        if stack is None or stack.model is not model or meta.max_query_len != 1 or meta.tree_masks is not None:
+        if stack is None or stack.model is not model or meta.tree_masks is not None or x.shape[0] > stack.max_rows:
+            return None
+        if aux_layers and tuple(aux_layers) != stack.aux_layers:
             return None
         rows = x.shape[0]
-        if rows > stack.max_rows or rows != meta.seq_lens.shape[0]:
-            return None
         return stack if self.routes.lookup("stack", stack.hidden, stack.inter, rows) == "persistent" else None
 
     def can_run(self, kernel: str, op: str, x, weight, k: int | None = None, norm_weight=None, residual=None,

@@ -111,19 +111,21 @@ def _decode_attention(splits: int, merge: bool, pdl: bool, prefetch: int = 1):
 
 
 _STACK_TYPES = ({p: "*bf16" for p in ("h_ptr", "ha_ptr", "qkv_ptr", "attn_ptr", "act_ptr", "out_ptr", "w_qkv", "b_qkv",
-                                      "w_o", "w_gu", "w_d", "n_in", "n_post", "n_final", "kc_ptr", "vc_ptr")}
-                | {p: "*i32" for p in ("cnt_ptr", "sem_ptr", "seq_lens", "bt_ptr")}
+                                      "w_o", "w_gu", "w_d", "n_in", "n_post", "n_final", "kc_ptr", "vc_ptr", "aux_ptr")}
+                | {p: "*i32" for p in ("cnt_ptr", "sem_ptr", "cu_q", "seq_lens", "bt_ptr", "aux_map")}
                 | {p: "*fp32" for p in ("part_acc", "part_m", "part_l", "cos_ptr", "sin_ptr")}
                 | dict(pos_ptr="*i64", slot_ptr="*i64", kv_layer_stride="i64", eps="fp32", qk_scale="fp32")
                 | {p: "i32" for p in ("stride_bt", "stride_blk", "stride_pos", "stride_kvh", "stride_cos")})
 
 
-def _stack(rows: int, warps: int, product: int):
-    """The persistent decode stack at SmolLM2's shapes on 132 programs (an H100's or H200's SMs), 2 KV splits."""
+def _stack(rows: int, warps: int, product: int, seqs: int | None = None, aux: bool = False):
+    """The persistent decode stack at SmolLM2's shapes on 132 programs (an H100's or H200's SMs), 2 KV splits; seqs:
+    the sequences of its rows (default one a row: a decode step; fewer: a verification step)."""
     plan = stack.stack_plan((576, 1536, 9, 3, 64), rows, 2, 16, 132, product)
     consts = dict(LAYERS=30, H=576, INTER=1536, NH=9, KVH=3, HEAD_DIM=64, HEAD_PAD=64, GROUP=3, BLOCK_SIZE=16,
-                  HAS_BIAS=False, PRECISION="tf32", **plan)
-    return (f"decode_stack rows={rows} warps={warps} product={product}", decode_stack.decode_stack_kernel,
+                  SEQS=seqs or rows, HAS_BIAS=False, AUX=aux, PRECISION="tf32", **plan)
+    return (f"decode_stack rows={rows} seqs={seqs or rows} aux={aux} warps={warps} product={product}",
+            decode_stack.decode_stack_kernel,
             _STACK_TYPES, consts, warps, dict(stride_bt=128, stride_blk=16 * 192, stride_pos=192, stride_kvh=64,
                                               stride_cos=64))
 
@@ -173,7 +175,7 @@ def variants(pdl: bool) -> list[tuple]:
         ("argmax block max", argmax._block_max_kernel, dict(x_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32",
                                                              stride_x="i32", stride_p="i32", V="i32"),
          dict(BLOCK_V=1024, USE_PDL=pdl), 4),
-        *([] if pdl else [_stack(1, 4, 8192), _stack(4, 8, 16384)]),        # one launch: never dependent
+        *([] if pdl else [_stack(1, 4, 8192), _stack(4, 8, 16384), _stack(4, 8, 16384, seqs=1, aux=True)]),
         *([] if pdl else [("argmax masked block max", argmax._masked_block_max_kernel,    # never dependent-launched
                            dict(x_ptr="*bf16", mask_ptr="*i32", val_ptr="*fp32", idx_ptr="*i32", cnt_ptr="*i32",
                                 stride_x="i32", stride_mask="i32", stride_p="i32", V="i32"), dict(BLOCK_V=1024), 4)]),

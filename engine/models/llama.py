@@ -226,9 +226,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_fused(self, input_ids, positions, meta, kv_caches, backend, aux_layers=(), embeds=None):
         h, residual, aux = self.embed_tokens(input_ids) if embeds is None else embeds, None, {}
-        stack = None if aux_layers else backend.decode_stack(self, h, meta)
+        stack = backend.decode_stack(self, h, meta, aux_layers)
         if stack is not None:           # the whole stack in one launch (it overwrites h, a new tensor of the step's)
-            return stack(h, positions, meta)
+            return stack(h, positions, meta, aux=bool(aux_layers))
         rope_cache = (self.cos_cache, self.sin_cache)
         # a layer's output (h + residual) is the next one's input, and the final norm's: taken from there, no add
         # (and only the asked layers' kept: the others' memory goes back as the forward moves on)

@@ -68,9 +68,10 @@ def route_table(config, sites, backend, spec_rows: int = 0) -> RouteTable:
     return table
 
 
-def decode_stack(model, kv_caches, routes):
-    """The persistent decode stack (engine/kernels/persistent/stack.py) where the table routes a decode step of up
-    to its rows to it, else None; ValueError where it does and the model is one it cannot run."""
+def decode_stack(model, kv_caches, routes, aux_layers=()):
+    """The persistent decode stack (engine/kernels/persistent/stack.py) where the table routes a step of up to its
+    rows (tokens) to it, else None; ValueError where it does and the model is one it cannot run. aux_layers: the
+    layers whose outputs the drafter reads (EAGLE's)."""
     from engine.kernels.persistent.stack import MAX_ROWS
     hidden, inter = model.cfg["hidden_size"], model.layers[0].mlp.inter
     if not any(routes.lookup("stack", hidden, inter, rows) == "persistent" for rows in range(1, MAX_ROWS + 1)):
@@ -79,4 +80,4 @@ def decode_stack(model, kv_caches, routes):
     reason = unsupported(model)
     if reason:
         raise ValueError(f"route file: the persistent decode stack cannot run this model: {reason}")
-    return DecodeStack(model, kv_caches)
+    return DecodeStack(model, kv_caches, aux_layers=aux_layers)

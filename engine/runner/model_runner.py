@@ -97,7 +97,8 @@ class ModelRunner:
         if self.backend.name == "triton":      # the drafter's matmuls are routed too: the table comes after it
             sites = self.model.route_sites() + (self.program.drafter.route_sites() if self.spec_k else [])
             self.backend.routes = route_table(config, sites, self.backend, self.spec_rows)
-            self.backend.stack = decode_stack(self.model, self.kv_caches, self.backend.routes)
+            self.backend.stack = decode_stack(self.model, self.kv_caches, self.backend.routes,
+                                              getattr(self.program, "aux_layers", ()))
         self.graphs = None
         if self.cuda and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = StepGraphs(config, max_model_len, guided=self.masks is not None, spec_rows=self.spec_rows)

@@ -38,12 +38,14 @@ def _model(cfg, dtype, seed=0):
     return model
 
 
-def _step(model, contexts, dtype, seed=1):
-    """(x, positions, meta, kv caches) of a decode step whose rows have `contexts` cached keys each (random cache
-    contents; each row's pages are scattered through the pool)."""
+def _step(model, contexts, dtype, seed=1, q_lens=None):
+    """(x, positions, meta, kv caches) of a step whose sequences have `contexts` cached keys and q_lens new tokens
+    each (default one: a decode step), with random cache contents and each sequence's pages scattered through the
+    pool."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.cfg
-    pages_per_row = max(c // BLOCK + 1 for c in contexts)
+    q_lens = q_lens or [1] * len(contexts)
+    pages_per_row = max((c + q) // BLOCK + 1 for c, q in zip(contexts, q_lens))
     num_blocks = len(contexts) * pages_per_row + 3
     caches = kv_pages(cfg["num_hidden_layers"], (num_blocks, BLOCK, cfg["num_key_value_heads"], cfg["head_dim"]),
                       dtype, DEV)
@@ -52,24 +54,25 @@ def _step(model, contexts, dtype, seed=1):
         v.copy_(torch.randn(v.shape, generator=g).to(dtype))
     order = torch.randperm(num_blocks, generator=g)
     tables = order[:len(contexts) * pages_per_row].view(len(contexts), pages_per_row).to(torch.int32)
-    positions = torch.tensor(contexts, dtype=torch.int64)
-    slots = torch.tensor([tables[i, c // BLOCK].item() * BLOCK + c % BLOCK for i, c in enumerate(contexts)])
-    meta = AttentionMetadata(slot_mapping=slots.to(DEV), cu_seqlens_q=torch.arange(len(contexts) + 1,
-                                                                                    dtype=torch.int32).to(DEV),
-                             seq_lens=(positions + 1).to(torch.int32).to(DEV), block_tables=tables.to(DEV),
-                             max_query_len=1, max_seq_len=max(contexts) + 1)
-    x = (torch.randn(len(contexts), cfg["hidden_size"], generator=g) * 0.5).to(dtype).to(DEV)
+    positions = torch.tensor([c + j for c, q in zip(contexts, q_lens) for j in range(q)])
+    seq_of = [i for i, q in enumerate(q_lens) for _ in range(q)]
+    slots = torch.tensor([tables[i, p // BLOCK].item() * BLOCK + p % BLOCK for i, p in zip(seq_of, positions.tolist())])
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([c + q for c, q in zip(contexts, q_lens)], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=slots.to(DEV), cu_seqlens_q=cu.to(DEV), seq_lens=seq_lens.to(DEV),
+                             block_tables=tables.to(DEV), max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()))
+    x = (torch.randn(len(positions), cfg["hidden_size"], generator=g) * 0.5).to(dtype).to(DEV)
     return x, positions.to(DEV), meta, caches
 
 
-def _both(shape, contexts, dtype=torch.float32, num_splits=None, programs=None):
+def _both(shape, contexts, dtype=torch.float32, num_splits=None, programs=None, q_lens=None, aux_layers=()):
     model = _model(SHAPES[shape], dtype)
-    x, positions, meta, caches = _step(model, contexts, dtype)
+    x, positions, meta, caches = _step(model, contexts, dtype, q_lens=q_lens)
     ref_caches = [(k.clone(), v.clone()) for k, v in caches]
     with torch.no_grad():
-        ref = model.forward(None, positions, meta, ref_caches, TorchBackend(), embeds=x.clone())
-    stack = stack_mod.DecodeStack(model, caches, programs=programs)
-    got = stack(x.clone(), positions, meta, num_splits=num_splits)
+        ref = model.forward(None, positions, meta, ref_caches, TorchBackend(), aux_layers=aux_layers, embeds=x.clone())
+    stack = stack_mod.DecodeStack(model, caches, programs=programs, aux_layers=aux_layers)
+    got = stack(x.clone(), positions, meta, aux=bool(aux_layers), num_splits=num_splits)
     return got, ref, caches, ref_caches, stack
 
 
@@ -86,6 +89,24 @@ def test_matches_the_reference_path(shape, contexts):
         torch.testing.assert_close(k, rk, **TOL[torch.float32])
         torch.testing.assert_close(v, rv, **TOL[torch.float32])
     assert not stack.counters.any() and not stack.tickets.any(), "counters are zero again after the launch"
+
+
+@pytest.mark.parametrize("contexts,q_lens", [([9], [4]), ([0, 33], [2, 2]), ([70, 5, 16], [1, 2, 1])])
+def test_verification_steps_see_their_sequences_earlier_new_tokens(contexts, q_lens):
+    """Several new tokens a sequence (a verification step): each attends to the cache and to its sequence's new
+    tokens up to itself, and stores its own key and value."""
+    got, ref, caches, ref_caches, _ = _both("gqa3", contexts, q_lens=q_lens, num_splits=2)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    for (k, v), (rk, rv) in zip(caches, ref_caches):
+        torch.testing.assert_close(k, rk, **TOL[torch.float32])
+        torch.testing.assert_close(v, rv, **TOL[torch.float32])
+
+
+def test_aux_layers_outputs_as_the_model_returns_them():
+    """A draft head's inputs: the outputs of the layers asked, in the order asked (one asked twice, the last)."""
+    (got, got_aux), (ref, ref_aux), *_ = _both("qwen2-bias", [12], q_lens=[4], aux_layers=(2, 0, 2))
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    torch.testing.assert_close(got_aux, ref_aux, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("num_splits", [2, 4])
@@ -114,9 +135,10 @@ def test_refuses_what_it_cannot_run():
     stack = stack_mod.DecodeStack(_model(TINY, torch.float32), caches)
     with pytest.raises(ValueError, match="1 to 4 rows"):
         stack(torch.zeros(5, 64, device=DEV), positions, meta)
-    with pytest.raises(ValueError, match="one new token"):
-        meta.max_query_len = 2
-        stack(x.clone(), positions, meta)
+    with pytest.raises(ValueError, match="as many positions"):
+        stack(x.clone(), positions[:0], meta)
+    with pytest.raises(ValueError, match="without aux_layers"):
+        stack(x.clone(), positions, meta, aux=True)
 
 
 @pytest.mark.gpu

@@ -107,11 +107,12 @@ def _residual(res_ptr, offs_n, n_ok, N, acc, ROWS: tl.constexpr, R_PAD: tl.const
 
 @triton.jit
 def _matmul_task(j, layer, cnt_ptr, wait_index, wait_target, done_index, x_ptr, w_layers, N: tl.constexpr,
-                 K: tl.constexpr, norm_ptr, eps, bias_layers, res_ptr, out_ptr, NORM: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ROWS: tl.constexpr, R_PAD: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 K: tl.constexpr, norm_ptr, eps, bias_layers, res_ptr, out_ptr, aux_ptr, aux_map, NORM: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, AUX: tl.constexpr, ROWS: tl.constexpr,
+                 R_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Tile j of a matmul stage of `layer`: out[:, tile] = x (rms-normed where NORM) @ W[tile].T (+ bias) (+ res),
-    W the layer's [N, K] slice of w_layers; first waits for counter wait_index (none where it is negative)."""
+    W the layer's [N, K] slice of w_layers; first waits for counter wait_index (none where it is negative). AUX: the
+    layer's output also goes to aux slot aux_map[layer] ([slots, ROWS, N]) where that is not negative."""
     offs_n = j * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     w = w_layers + layer.to(tl.int64) * (N * K)
@@ -128,6 +129,10 @@ def _matmul_task(j, layer, cnt_ptr, wait_index, wait_target, done_index, x_ptr, 
     if RESIDUAL:
         acc = _residual(res_ptr, offs_n, n_ok, N, acc, ROWS, R_PAD)
     _store_rows(out_ptr, offs_n, n_ok, N, acc, ROWS, R_PAD)
+    if AUX:
+        aux_slot = tl.load(aux_map + layer)
+        if aux_slot >= 0:
+            _store_rows(aux_ptr + aux_slot * (ROWS * N), offs_n, n_ok, N, acc, ROWS, R_PAD)
     _signal(cnt_ptr, done_index)
 
 
@@ -167,15 +172,17 @@ def _final_norm(cnt_ptr, wait_index, wait_target, h_ptr, norm_ptr, out_ptr, eps,
 def decode_stack_kernel(
         h_ptr, ha_ptr, qkv_ptr, attn_ptr, act_ptr, out_ptr, cnt_ptr, sem_ptr, part_acc, part_m, part_l,
         w_qkv, b_qkv, w_o, w_gu, w_d, n_in, n_post, n_final,
-        kc_ptr, vc_ptr, kv_layer_stride, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+        kc_ptr, vc_ptr, kv_layer_stride, cu_q, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, aux_ptr, aux_map,
         eps, qk_scale, stride_bt, stride_blk, stride_pos, stride_kvh, stride_cos,
         LAYERS: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLITS: tl.constexpr, SEQS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, AUX: tl.constexpr,
         ROWS: tl.constexpr, R_PAD: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
         BN_D: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_D: tl.constexpr,
         PRECISION: tl.constexpr):
-    """h [ROWS, H]: the embedded inputs, overwritten by each layer's output; out [ROWS, H]: the final norm's."""
+    """h [ROWS, H]: the embedded inputs, overwritten by each layer's output; out [ROWS, H]: the final norm's. A row is
+    a token of one of SEQS sequences (cu_q); aux [slots, ROWS, H]: the outputs of the layers aux_map names."""
     NQKV: tl.constexpr = (NH + 2 * KVH) * HEAD_DIM
     QS: tl.constexpr = NH * HEAD_DIM
     T_QKV: tl.constexpr = (NQKV + BN_QKV - 1) // BN_QKV
@@ -195,22 +202,23 @@ def decode_stack_kernel(
             _final_norm(cnt_ptr, base - 1, T_D, h_ptr, n_final, out_ptr, eps, H, ROWS, R_PAD, BN_O, BK_QKV)
         elif i < T_QKV:
             _matmul_task(i, layer, cnt_ptr, base - 1, T_D, base, h_ptr, w_qkv, NQKV, H, n_in + layer * H, eps, b_qkv,
-                         qkv_ptr, qkv_ptr, True, HAS_BIAS, False, ROWS, R_PAD, BN_QKV, BK_QKV)
+                         qkv_ptr, qkv_ptr, aux_ptr, aux_map, True, HAS_BIAS, False, False, ROWS, R_PAD, BN_QKV,
+                         BK_QKV)
         elif i < A1:
             _attention(i - T_QKV, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_stride, part_acc, part_m,
-                       part_l, sem_ptr, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale, stride_bt,
-                       stride_blk, stride_pos, stride_kvh, stride_cos, T_QKV, NH, KVH, HEAD_DIM, HEAD_PAD, GROUP,
-                       BLOCK_M, BLOCK_SIZE, TILE_N, SPLITS, PRECISION)
+                       part_l, sem_ptr, cu_q, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale,
+                       stride_bt, stride_blk, stride_pos, stride_kvh, stride_cos, T_QKV, NH, KVH, HEAD_DIM, HEAD_PAD,
+                       GROUP, BLOCK_M, BLOCK_SIZE, TILE_N, SPLITS, SEQS, PRECISION)
             _signal(cnt_ptr, base + 1)
         elif i < A2:
             _matmul_task(i - A1, layer, cnt_ptr, base + 1, T_ATT, base + 2, attn_ptr, w_o, H, QS, n_in, eps, b_qkv,
-                         h_ptr, ha_ptr, False, False, True, ROWS, R_PAD, BN_O, BK_O)
+                         h_ptr, ha_ptr, aux_ptr, aux_map, False, False, True, False, ROWS, R_PAD, BN_O, BK_O)
         elif i < A3:
             _gate_up_task(i - A2, layer, cnt_ptr, base + 2, T_O, base + 3, ha_ptr, w_gu, n_post + layer * H, eps,
                           act_ptr, H, INTER, ROWS, R_PAD, BN_GU, BK_GU)
         else:
             _matmul_task(i - A3, layer, cnt_ptr, base + 3, T_GU, base + 4, act_ptr, w_d, H, INTER, n_in, eps, b_qkv,
-                         ha_ptr, h_ptr, False, False, True, ROWS, R_PAD, BN_D, BK_D)
+                         ha_ptr, h_ptr, aux_ptr, aux_map, False, False, True, AUX, ROWS, R_PAD, BN_D, BK_D)
     # the last program out resets every counter for the next launch
     tl.debug_barrier()
     exit_index = LAYERS * 5

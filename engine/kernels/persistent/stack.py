@@ -73,9 +73,10 @@ def stack_plan(dims, rows: int, splits: int, block_size: int, programs: int, pro
 
 class DecodeStack:
     def __init__(self, model, kv_caches, programs: int | None = None, num_warps: int = NUM_WARPS,
-                 product: int = PRODUCT):
+                 product: int = PRODUCT, aux_layers=()):
         """programs: the persistent grid (default one an SM; one in the interpreter); num_warps, product: a
-        program's warps and the elements of its [rows, tile, chunk] product a weight chunk (its chunk size)."""
+        program's warps and the elements of its [rows, tile, chunk] product a weight chunk (its chunk size);
+        aux_layers: the layers whose outputs a call with aux=True returns too, in this order (a draft head's)."""
         reason = unsupported(model)
         if reason:
             raise ValueError(f"the persistent decode stack does not run this model: {reason}")
@@ -103,6 +104,14 @@ class DecodeStack:
         # the stage counters and the exit count (zero between launches), then the KV splits' merge tickets
         self.counters = torch.zeros(len(layers) * ds.STAGES + 1, dtype=torch.int32, device=device)
         self.tickets = torch.zeros(MAX_ROWS * self.kv_heads, dtype=torch.int32, device=device)
+        # each asked layer's slot in the kernel's aux output (-1: none), and the slots in the order asked
+        self.aux_layers = tuple(aux_layers)
+        unique = sorted(set(self.aux_layers))
+        if any(not 0 <= layer < len(layers) for layer in unique):
+            raise ValueError(f"aux_layers {self.aux_layers} name layers the model does not have ({len(layers)})")
+        self.aux_map = torch.tensor([unique.index(i) if i in unique else -1 for i in range(len(layers))],
+                                    dtype=torch.int32, device=device)
+        self.aux_order = [unique.index(layer) for layer in self.aux_layers]
 
     def plan(self, rows: int, block_size: int, max_seq_len: int, block_tables, num_splits=None) -> dict:
         """The kernel's constexprs for a step of `rows` rows."""
@@ -112,9 +121,11 @@ class DecodeStack:
         dims = (self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim)
         return stack_plan(dims, rows, splits, block_size, self.programs, self.product)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, num_splits=None) -> torch.Tensor:
-        """The final norm's output [rows, hidden] of a decode step (one new token a row) whose embedded inputs are
-        x [rows, hidden]; x is overwritten (it holds each layer's output in turn). Stores the new keys and values."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, aux: bool = False, num_splits=None):
+        """The final norm's output [rows, hidden] of a step of `rows` tokens (a decode step's, or a verification
+        step's of several tokens a sequence) whose embedded inputs are x [rows, hidden]; x is overwritten (it holds
+        each layer's output in turn). Stores the new keys and values. aux: also the aux layers' outputs, as
+        [rows, len(aux_layers) * hidden] (the model's forward returns the same pair)."""
         rows = x.shape[0]
         self._check(x, positions, meta)
         model, (k_cache, v_cache) = self.model, self.kv_caches[0]
@@ -132,18 +143,22 @@ class DecodeStack:
         part_acc = torch.empty((parts, head_pad), dtype=torch.float32, device=dev)
         part_m, part_l = torch.empty((2, parts), dtype=torch.float32, device=dev).unbind(0)
         bias = self.b_qkv if self.b_qkv is not None else self.w_qkv
+        if aux and not self.aux_layers:
+            raise ValueError("this decode stack was built without aux_layers")
+        slots = torch.empty((len(set(self.aux_layers)) if aux else 0, rows, self.hidden), dtype=dtype, device=dev)
         ds.decode_stack_kernel[(self.programs,)](
             x, ha, qkv, attn, act, out, self.counters, self.tickets, part_acc, part_m, part_l,
             self.w_qkv, bias, self.w_o, self.w_gu, self.w_d, self.n_in, self.n_post, model.norm.weight,
-            k_cache, v_cache, self.kv_stride, meta.seq_lens, meta.block_tables, positions, meta.slot_mapping,
-            model.cos_cache, model.sin_cache, self.eps, self.head_dim ** -0.5 * _LOG2E,
+            k_cache, v_cache, self.kv_stride, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, positions,
+            meta.slot_mapping, model.cos_cache, model.sin_cache, slots if aux else out, self.aux_map, self.eps,
+            self.head_dim ** -0.5 * _LOG2E,
             meta.block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             model.cos_cache.stride(0),
             LAYERS=len(model.layers), H=self.hidden, INTER=self.inter, NH=self.heads, KVH=self.kv_heads,
             HEAD_DIM=self.head_dim, HEAD_PAD=head_pad, GROUP=self.heads // self.kv_heads, BLOCK_SIZE=block_size,
-            HAS_BIAS=self.b_qkv is not None, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-            num_warps=self.num_warps, **p)
-        return out
+            SEQS=meta.seq_lens.shape[0], HAS_BIAS=self.b_qkv is not None, AUX=aux,
+            PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=self.num_warps, **p)
+        return (out, torch.cat([slots[i] for i in self.aux_order], dim=-1)) if aux else out
 
     def _check(self, x, positions, meta) -> None:
         rows = x.shape[0]
@@ -153,8 +168,11 @@ class DecodeStack:
             raise ValueError(f"x must be a contiguous [rows, {self.hidden}] tensor, got {tuple(x.shape)}")
         if x.dtype != self.w_qkv.dtype:
             raise ValueError(f"x is {x.dtype}, the weights {self.w_qkv.dtype}")
-        if meta.seq_lens.shape[0] != rows or positions.shape[0] != rows or meta.max_query_len != 1:
-            raise ValueError("the decode stack takes one new token a sequence, one sequence a row")
+        seqs = meta.seq_lens.shape[0]
+        if positions.shape[0] != rows or meta.slot_mapping.shape[0] != rows or not 1 <= seqs <= rows \
+                or meta.cu_seqlens_q.shape[0] != seqs + 1 or meta.block_tables.shape[0] != seqs:
+            raise ValueError(f"a step of {rows} tokens needs as many positions and slots, and 1 to {rows} sequences "
+                             "with their cu_seqlens_q and block tables")
         if meta.tree_masks is not None:
             raise ValueError("the decode stack does not verify draft trees")
         if meta.block_tables.stride(1) != 1:

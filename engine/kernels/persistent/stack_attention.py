@@ -25,16 +25,40 @@ def _rotate_cg(base, offs_d, mask, c, s, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _new_key(acc, l_i, m_i, q, qkv_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_cos, kv_head, offs_m, offs_d, d_ok,
+             qk_scale, DTYPE: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online softmax over token t's new key and value, rotated at its position and rounded as the cache holds
+    them."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
+    s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
+    new_m = (offs_m == 0)[:, None] & d_ok[None, :]
+    base = qkv_ptr + t * ((NH + 2 * KVH) * HEAD_DIM) + (NH + kv_head) * HEAD_DIM + offs_m[:, None] * 0
+    kn = round_to(_rotate_cg(base, offs_d, new_m, c[None, :], s[None, :], HEAD_DIM), DTYPE)
+    vn = tl.load(base + KVH * HEAD_DIM + offs_d[None, :], mask=new_m, other=0.0, cache_modifier=".cg").to(DTYPE)
+    return _new_column(acc, l_i, m_i, q, kn, vn, qk_scale)
+
+
+@triton.jit
 def _attention(i, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_stride, part_acc, part_m, part_l,
-               sem_ptr, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale, stride_bt, stride_blk,
+               sem_ptr, cu_q, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale, stride_bt, stride_blk,
                stride_pos, stride_kvh, stride_cos, T_QKV: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
-    """Task i of a layer's attention: (row, kv head, split) as engine/kernels/attention/decode_attention.py runs it."""
+               BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLITS: tl.constexpr, SEQS: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Task i of a layer's attention: (row, kv head, split) as engine/kernels/attention/decode_attention.py runs it.
+    A row is a token; its sequence's earlier new tokens (a verification step's) are not in the cache yet: the split
+    holding the cache's end adds them and the row's own key from the QKV buffer, as columns of the online softmax."""
     split = i % SPLITS
     kv_head = (i // SPLITS) % KVH
     row = i // (SPLITS * KVH)
-    ctx = tl.load(seq_lens + row) - 1       # the new token's position; the cache holds keys [0, ctx)
+    seq = row * 0                           # the row's sequence: the sequence starts at or below it (cu_q[0] = 0)
+    for j in tl.static_range(1, SEQS):
+        seq += (tl.load(cu_q + j) <= row).to(tl.int32)
+    q_start = tl.load(cu_q + seq)
+    q_end = tl.load(cu_q + seq + 1)
+    # keys the cache held before the step, [0, ctx); -1 for a row past the last sequence (graph padding)
+    ctx = tl.where(row < q_end, tl.load(seq_lens + seq) - (q_end - q_start), -1)
     chunk = ((ctx + SPLITS) // SPLITS + TILE_N - 1) // TILE_N * TILE_N
     lo = split * chunk
     hi = tl.minimum(ctx + 1, lo + chunk)
@@ -47,7 +71,7 @@ def _attention(i, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_st
     s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
     kc = kc_ptr + layer.to(tl.int64) * kv_layer_stride
     vc = vc_ptr + layer.to(tl.int64) * kv_layer_stride
-    bt_row = bt_ptr + row.to(tl.int64) * stride_bt
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_off_head = kv_head * stride_kvh
     k0, v0, n_ok = _cached_tile(kc, vc, bt_row, 1, lo, cached_hi, kv_off_head, stride_blk, stride_pos, offs_d, d_ok,
                                 BLOCK_SIZE, TILE_N)
@@ -78,7 +102,9 @@ def _attention(i, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_st
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc, vc, bt_row, 1, start, cached_hi, kv_off_head,
                                    stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, q_pos, BLOCK_SIZE, TILE_N,
                                    True, PRECISION, False)
-    if owns:
-        acc, l_i, m_i = _new_column(acc, l_i, m_i, q, kn, vn, qk_scale)
+    if owns:        # the sequence's new keys up to the row's own, in order
+        for t in range(q_start, row + 1):
+            acc, l_i, m_i = _new_key(acc, l_i, m_i, q, qkv_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_cos, kv_head,
+                                     offs_m, offs_d, d_ok, qk_scale, kc.dtype.element_ty, NH, KVH, HEAD_DIM)
     store_splits(acc, l_i, m_i, attn_ptr, part_acc, part_m, part_l, sem_ptr, row * KVH + kv_head, row + offs_m * 0,
                  head, row_ok, offs_d, d_ok, split, NH, NH * HEAD_DIM, HEAD_DIM, SPLITS, BLOCK_M, HEAD_PAD, True)
