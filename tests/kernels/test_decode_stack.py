@@ -109,6 +109,17 @@ def test_aux_layers_outputs_as_the_model_returns_them():
     torch.testing.assert_close(got_aux, ref_aux, **TOL[torch.float32])
 
 
+def test_every_layer_output_within_fp32_rounding_of_the_reference():
+    """Each layer's output (the residual stream after it), not only the last: a relative error of at most 2e-5 of
+    the largest value (fp32: the two paths sum in different orders)."""
+    layers = tuple(range(SHAPES["qwen2-bias"]["num_hidden_layers"]))
+    (_, got), (_, ref), *_ = _both("qwen2-bias", [30, 2], aux_layers=layers)
+    h = SHAPES["qwen2-bias"]["hidden_size"]
+    for i in layers:
+        g, r = got[:, i * h:(i + 1) * h], ref[:, i * h:(i + 1) * h]
+        assert (g - r).abs().max() <= 2e-5 * r.abs().max(), f"layer {i}"
+
+
 @pytest.mark.parametrize("num_splits", [2, 4])
 def test_kv_splits_merge_in_the_kernel(num_splits):
     got, ref, *_ = _both("gqa3", [70, 9, 130], num_splits=num_splits)
@@ -171,3 +182,20 @@ def test_gpu_cuda_graph_replays():
         work.copy_(x)
         graph.replay()
         torch.testing.assert_close(out, got, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_a_step_is_one_launch():
+    """The whole stack of a decode step is one kernel (its buffers are allocations, not kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+    model = _model(SHAPES["llama"], torch.bfloat16)
+    x, positions, meta, caches = _step(model, [40, 3], torch.bfloat16)
+    stack = stack_mod.DecodeStack(model, caches)
+    stack(x.clone(), positions, meta)           # compiled first
+    work = x.clone()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        stack(work, positions, meta)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert kernels == ["decode_stack_kernel"], kernels
