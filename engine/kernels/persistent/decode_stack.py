@@ -1,4 +1,4 @@
-"""A decode step's whole layer stack in one persistent launch, for steps of a few one-token rows.
+"""A step's whole layer stack in one persistent launch, for steps of up to 4 tokens (decode or verification).
 
     decode_stack_kernel[(programs,)](...)        (launched by engine/kernels/persistent/stack.py)
 
@@ -17,8 +17,8 @@ Invariants:
 - No deadlock: every program takes its tasks in increasing order and every wait is on a stage of lower task
   numbers, so the lowest unfinished task can always run, as long as all programs are resident at once (one an
   SM, a grid of at most the SM count). The interpreter runs programs one after another: one program there.
-- Ordering: a task's stores, a CTA barrier, then its count as a release atomic at GPU scope; a waiter's acquire
-  atomic, then every read of another task's output past L1 (.cg).
+- Ordering: a task's stores, a CTA barrier, then its count as a release atomic at GPU scope; a waiter polls the
+  count, takes it with an acquire atomic and a CTA barrier, then reads another task's output past L1 (.cg).
 - Buffers are reused by every layer: a stage's output is rewritten only by the same stage of the next layer,
   which waits (through the stages between) for every reader of the last one to finish.
 - The counters are zero between launches: the last program to leave resets them (CUDA graph replays included).
