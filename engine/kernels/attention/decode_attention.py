@@ -52,16 +52,10 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     if tl.load(cu_q + seq + 1) <= row:      # a padding sequence: no token
         return
     ctx = tl.load(seq_lens + seq) - 1       # the new token's position; the cache holds keys [0, ctx)
-    chunk = ((ctx + NUM_SPLITS) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
-    lo = split * chunk
-    hi = tl.minimum(ctx + 1, lo + chunk)    # this split's keys [lo, hi); its cached ones [lo, min(hi, ctx))
-    cached_hi = tl.minimum(hi, ctx)
+    lo, hi, cached_hi = split_range(ctx, split, NUM_SPLITS, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
-    s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
+    slot, c, s = row_rope(pos_ptr, slot_ptr, cos_ptr, sin_ptr, row, stride_cos, offs_d, d_ok)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
     kv_off_head = kv_head * stride_kvh
     k0, v0, n_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head, stride_blk,
@@ -108,6 +102,25 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, seq * tl.num_programs(2) + kv_head,
                  row + offs_m * 0, head, row_ok, offs_d, d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS,
                  BLOCK_M, HEAD_PAD, MERGE)
+
+
+@triton.jit
+def split_range(ctx, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
+    """Split `split`'s keys [lo, hi) of a query at position ctx (keys [0, ctx] with its own), whole tiles a split,
+    and the end of its cached ones, cached_hi = min(hi, ctx)."""
+    chunk = ((ctx + NUM_SPLITS) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
+    lo = split * chunk
+    hi = tl.minimum(ctx + 1, lo + chunk)
+    return lo, hi, tl.minimum(hi, ctx)
+
+
+@triton.jit
+def row_rope(pos_ptr, slot_ptr, cos_ptr, sin_ptr, row, stride_cos, offs_d, d_ok):
+    """Token `row`'s cache slot and the cos / sin rows of its position."""
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
+    s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
+    return tl.load(slot_ptr + row).to(tl.int64), c, s
 
 
 @triton.jit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels.attention.decode_attention import _cached_tile, _new_column
+from engine.kernels.attention.decode_attention import _cached_tile, _new_column, row_rope, split_range
 from engine.kernels.attention.paged_attention import _attn_tile
 from engine.kernels.attention.split_merge import store_splits
 from engine.kernels.common import reduce_max, reduce_sum, round_to
@@ -59,16 +59,10 @@ def _attention(i, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_st
     q_end = tl.load(cu_q + seq + 1)
     # keys the cache held before the step, [0, ctx); -1 for a row past the last sequence (graph padding)
     ctx = tl.where(row < q_end, tl.load(seq_lens + seq) - (q_end - q_start), -1)
-    chunk = ((ctx + SPLITS) // SPLITS + TILE_N - 1) // TILE_N * TILE_N
-    lo = split * chunk
-    hi = tl.minimum(ctx + 1, lo + chunk)
-    cached_hi = tl.minimum(hi, ctx)
+    lo, hi, cached_hi = split_range(ctx, split, SPLITS, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
-    s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0)
+    slot, c, s = row_rope(pos_ptr, slot_ptr, cos_ptr, sin_ptr, row, stride_cos, offs_d, d_ok)
     kc = kc_ptr + layer.to(tl.int64) * kv_layer_stride
     vc = vc_ptr + layer.to(tl.int64) * kv_layer_stride
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
