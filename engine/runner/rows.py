@@ -61,9 +61,7 @@ def _fill(slot, rows, block_size: int, spec_k: int) -> tuple[int, int, int, int,
     lead = _rows.leading_decode(rows)
     if not lead:
         return _fill_rows(slot, rows, block_size, spec_k)
-    t, s, max_q, max_len, carries = _fill_decode(slot, rows[:lead], block_size)
-    if spec_k:
-        spec_rows.fill_spec_decode(slot, rows[:lead], block_size)
+    t, s, max_q, max_len, carries = _fill_decode(slot, rows[:lead], block_size, spec=bool(spec_k))
     if lead == len(rows):
         return t, s, max_q, max_len, carries
     t, s, rest_q, rest_len, rest_carries = _fill_rows(slot, rows, block_size, spec_k, lead, t, s)
@@ -98,13 +96,17 @@ def _fill_spec(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
     return out
 
 
-def _fill_decode(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:
-    """_fill_decode_py in native code (engine/runner/csrc/rows.cpp); a row it cannot write is written again by
-    _fill_decode_py, which raises RowError naming it."""
+def _fill_decode(slot, rows, block_size: int, spec: bool = False) -> tuple[int, int, int, int, int]:
+    """_fill_decode_py in native code (engine/runner/csrc/rows.cpp), with `spec` a speculating engine's fields too
+    (spec_rows.fill_spec_decode); a row it cannot write is written again by the Python walks, which raise RowError
+    naming it."""
     try:
-        return _rows.fill_decode(rows, slot.np, slot.bt_rows, block_size)
+        return _rows.fill_decode(rows, slot.np, slot.bt_rows, block_size, spec)
     except Exception:       # noqa: BLE001 - the Python walk names the row, or writes what native code refused
-        return _fill_decode_py(slot, rows, block_size)
+        out = _fill_decode_py(slot, rows, block_size)
+        if spec:
+            spec_rows.fill_spec_decode(slot, rows, block_size)
+        return out
 
 
 def _fill_decode_py(slot, rows, block_size: int) -> tuple[int, int, int, int, int]:

@@ -169,6 +169,28 @@ def test_a_speculating_engines_plain_decode_step_fills_as_row_by_row(block_size)
     assert any(not r.sample for r in rows) and any(r.seq.num_pending for r in rows)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_the_native_writer_writes_a_speculating_engines_fields_as_python_does(block_size):
+    """rows.cpp's fill_decode with spec=True against _fill_decode_py then spec_rows.fill_spec_decode, their
+    definition: every field, prompt tokens whose next token the host knows and pending rows among them."""
+    rng = random.Random(11 + block_size)
+    for n in (1, 9, 30):
+        rows = _decode_rows(rng, n, block_size)
+        for row in rows:
+            seq = row.seq
+            if not row.sample and not seq.num_pending:
+                tokens = [seq.token_at(p) for p in range(seq.num_tokens)] + [rng.randrange(50000) for _ in range(3)]
+                seq.num_tokens, seq.token_at = len(tokens), tokens.__getitem__
+        native, python = (DecodeSlot(0, 512, 32, 400, torch.device("cpu"), spec_k=3) for _ in range(2))
+        got = rows_mod._rows.fill_decode(rows, native.np, native.bt_rows, block_size, True)
+        want = rows_mod._fill_decode_py(python, rows, block_size)
+        rows_mod.spec_rows.fill_spec_decode(python, rows, block_size)
+        assert got == want
+        for name, values in python.np.items():
+            assert np.array_equal(native.np[name], values), (name, n)
+    assert any(not r.sample for r in rows) and any(r.seq.num_pending for r in rows)
+
+
 def _spec_rows(rng, n: int, k: int, block_size: int) -> list:
     """A spec step's rows: each its sequence's last token (known, or in flight after a spec step whose drafts the
     host counts as accepted) then k drafts, with pages for all of them."""

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -43,7 +44,7 @@ struct Fields {
       temperature{params_cls, "temperature"}, top_k{params_cls, "top_k"}, top_p{params_cls, "top_p"},
       logprobs{params_cls, "logprobs"}, penalized{params_cls, "_penalized", "penalized"};
   PyObject *token_at = intern("token_at"), *forced_at = intern("forced_at"), *forced = intern("forced"),
-           *start_name = intern("start");
+           *start_name = intern("start"), *seq_num_tokens = intern("num_tokens");
   PyObject* closer_cls = slots::class_of("engine.guided.closing", "Closer");
 };
 
@@ -82,6 +83,22 @@ int64_t token_at(const Fields& k, PyObject* seq, int64_t i) {
   return as_int(t.ptr());
 }
 
+// Sequence.num_tokens: its prompt and output lengths where it is a Sequence (a stand-in's own attribute otherwise).
+int64_t num_tokens(const Fields& k, PyObject* seq) {
+  if (Py_IS_TYPE(seq, reinterpret_cast<PyTypeObject*>(k.seq_cls))) return k.prompt.length(seq) + k.output.length(seq);
+  return int_attr(seq, k.seq_num_tokens);
+}
+
+// A speculating engine's fields of a plain step (engine/runner/spec_rows.py fill_spec_decode, their definition).
+struct SpecColumns {
+  int64_t *tok_seq, *shift, *seq_shift, *kv_cap, *smp_shift, *num_drafts, *next_ids;
+  SpecColumns(const py::dict& h, Py_ssize_t n)
+      : tok_seq(field<int64_t>(h, "tok_seq", n)), shift(field<int64_t>(h, "shift", n)),
+        seq_shift(field<int64_t>(h, "seq_shift", n)), kv_cap(field<int64_t>(h, "kv_cap", n)),
+        smp_shift(field<int64_t>(h, "smp_shift", n)), num_drafts(field<int64_t>(h, "num_drafts", n)),
+        next_ids(field<int64_t>(h, "next_ids", n)) {}
+};
+
 // Row i's block table into row i of the slot's tables, only the pages it lacks if it last held this very list
 // (rows.py write_block_table).
 void write_table(PyObject* bt_rows, Py_ssize_t i, PyObject* table, int32_t* tables, Py_ssize_t max_blocks) {
@@ -104,7 +121,7 @@ void write_table(PyObject* bt_rows, Py_ssize_t i, PyObject* table, int32_t* tabl
   PyList_SetItem(bt_rows, i, now);  // steals `now`, drops the old tuple
 }
 
-py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block_size) {
+py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block_size, bool spec) {
   const Fields& k = slots::once<Fields>();
   const Py_ssize_t n = PyList_GET_SIZE(rows.ptr());
   if (block_size <= 0) throw std::invalid_argument("block_size must be positive");
@@ -130,6 +147,8 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
     throw std::invalid_argument("slot field block_tables: not a writable int32 (seqs, pages) C array");
   auto* tables = static_cast<int32_t*>(tables_arr.mutable_data());
   const Py_ssize_t max_blocks = tables_arr.shape(1);
+  std::optional<SpecColumns> sc;
+  if (spec) sc.emplace(h, n);
 
   Py_ssize_t s = 0, carries = 0;
   int64_t max_len = 0;
@@ -159,7 +178,21 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
     cu_seqlens_q[i + 1] = static_cast<int32_t>(i + 1);
     carries += pending == 0 ? 0 : 1;
     max_len = std::max(max_len, start + 1);
-    if (!k.sample.truth(row)) continue;
+    if (sc) {
+      sc->tok_seq[i] = i;
+      sc->shift[i] = pending > 0;
+      sc->seq_shift[i] = pending > 0 ? pool_row : -1;
+      sc->kv_cap[i] = PyList_GET_SIZE(table.ptr()) * block_size;
+    }
+    if (!k.sample.truth(row)) {
+      if (sc) sc->next_ids[i] = start + 1 < num_tokens(k, seq) ? token_at(k, seq, start + 1) : -1;
+      continue;
+    }
+    if (sc) {
+      sc->smp_shift[s] = pending > 0;
+      sc->num_drafts[s] = 0;
+      sc->next_ids[i] = -2 - s;
+    }
     k.sample_idx.set_int(row, s);
     py::object params = k.params.get(seq);
     const int64_t step = k.output.length(seq) + pending;
@@ -209,8 +242,10 @@ Py_ssize_t leading_decode(py::list rows) {
 PYBIND11_MODULE(_rows, m) {
   m.doc() = "A plain step's one-token rows written into a slot's host buffers (engine/runner/rows.py).";
   m.def("fill_decode", &fill_decode, py::arg("rows"), py::arg("h"), py::arg("bt_rows"), py::arg("block_size"),
-        "Write the rows' inputs and sampling fields; returns (tokens, sampling rows, 1, longest sequence, carrying "
-        "rows). Raises on a row it cannot write, having written some rows.");
+        py::arg("spec") = false,
+        "Write the rows' inputs and sampling fields (with `spec`, a speculating engine's too); returns (tokens, "
+        "sampling rows, 1, longest sequence, carrying rows). Raises on a row it cannot write, having written some "
+        "rows.");
   m.def("leading_decode", &leading_decode, py::arg("rows"), "How many first rows compute one token each.");
   m.def("row_flags", &row_flags, py::arg("rows"), "rows.py's ROW_* bits of a step's rows.");
 }
