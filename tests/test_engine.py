@@ -113,11 +113,11 @@ def test_a_batch_written_natively_decodes_as_each_request_alone(engine, chat_pro
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     fill_decode = rows._fill_decode
     with monkeypatch.context() as m:
-        m.setattr(rows, "_fill_decode", lambda slot, step_rows, bs: rows._fill_rows(slot, step_rows, bs, 0))
+        m.setattr(rows, "_fill_decode", lambda slot, step_rows, bs, spec=False: rows._fill_rows(slot, step_rows, bs, 0))
         alone = [engine.generate([p], params)[0].output_token_ids for p in prompts]
     fast = []
-    monkeypatch.setattr(rows, "_fill_decode", lambda slot, step_rows, bs: fast.append(len(step_rows)) or
-                        fill_decode(slot, step_rows, bs))
+    monkeypatch.setattr(rows, "_fill_decode", lambda slot, step_rows, bs, spec=False: fast.append(len(step_rows)) or
+                        fill_decode(slot, step_rows, bs, spec))
     batched = [s.output_token_ids for s in engine.generate(prompts, params)]
     assert fast and max(fast) == len(prompts)
     assert batched == alone

@@ -2,8 +2,9 @@
 engine/speculative/plan.py's fill_spec_row and fill_spec_sampling, their definition) writes for the two kinds of
 step that are all decode rows, gathered one tuple a row. Tests hold the two equal (tests/runner/test_rows.py).
 
-- `fill_spec_decode`: a plain step's leading one-token rows, after the native decode writer wrote their tokens and
-  sampling fields: only speculation's own fields.
+- `fill_spec_decode`: a plain step's leading one-token rows, after their tokens and sampling fields: only
+  speculation's own fields. The native decode writer writes the same fields in its walk (rows.cpp, spec=True);
+  this is their definition, and what writes them where the native writer refuses a row.
 - `fill_spec_step`: a spec step, every row its sequence's last token and K drafts (1 + K tokens), all sampling.
   Block tables are the caller's (rows.py write_block_table).
 """
