@@ -27,7 +27,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device, m
     with torch.device("meta"):
         model = LlamaForCausalLM(source.config, tp)
     model = model.to_empty(device=device).to(dtype)
-    stack_layers(model)
+    stack_layers(model, copy=False)                 # (nothing loaded yet)
     shards = param_shards(source.config, tp.rank, tp.world)
     if source.path is None:
         _init_dummy(model, shards, seed=0)
@@ -42,12 +42,12 @@ LAYER_WEIGHTS = ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_a
                  "post_attention_layernorm.weight")
 
 
-def stack_layers(model: LlamaForCausalLM) -> None:
-    """Every kind of LAYER_WEIGHTS as one tensor, each layer's parameter a slice of it (values kept)."""
+def stack_layers(model: LlamaForCausalLM, copy: bool = True) -> None:
+    """Every kind of LAYER_WEIGHTS as one tensor, each layer's parameter a slice of it (values kept where `copy`)."""
     for name in LAYER_WEIGHTS:
         params = [_param(layer, name) for layer in model.layers]
         if all(isinstance(p, torch.nn.Parameter) for p in params):    # (a bias the model has not: None)
-            stack_params(params)
+            stack_params(params, copy)
 
 
 def _param(module, dotted: str):

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 
-def stack_params(params: list[torch.Tensor]) -> torch.Tensor:
+def stack_params(params: list[torch.Tensor], copy: bool = True) -> torch.Tensor:
     """[len(params), *shape]: the parameters as one tensor. Parameters that are already equal slices of one
-    tensor are viewed as it; others are copied into a new one and pointed at their slices (param.data)."""
+    tensor are viewed as it; others are pointed at the slices of a new one (param.data), their values copied
+    there unless `copy` is False (parameters not loaded yet)."""
     first = params[0]
     if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in params):
         raise ValueError("layer parameters of one kind must share shape, dtype and device")
@@ -16,7 +17,8 @@ def stack_params(params: list[torch.Tensor]) -> torch.Tensor:
         return first.as_strided((len(params), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
     stacked = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
     for i, p in enumerate(params):
-        stacked[i].copy_(p.data)
+        if copy:
+            stacked[i].copy_(p.data)
         p.data = stacked[i]
     return stacked
 
