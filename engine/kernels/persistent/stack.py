@@ -113,11 +113,14 @@ class DecodeStack:
                                     dtype=torch.int32, device=device)
         self.aux_order = [unique.index(layer) for layer in self.aux_layers]
 
-    def plan(self, rows: int, block_size: int, max_seq_len: int, block_tables, num_splits=None) -> dict:
-        """The kernel's constexprs for a step of `rows` rows."""
+    def plan(self, rows: int, block_size: int, block_tables, num_splits=None) -> dict:
+        """The kernel's constexprs for a step of `rows` rows. The KV splits follow the block tables' capacity, not
+        the step's context bound: one compiled variant serves every context of a row count (a split past a short
+        context has no keys and costs its program little), where the graphs of each context bound would each
+        compile one."""
         tile_n = _tile_config(self.heads // self.kv_heads, 1, block_size)[2]
-        splits = split_count(num_splits, self.w_qkv.device, rows * self.kv_heads, block_tables, block_size,
-                             max_seq_len, tile_n)
+        splits = split_count(num_splits, self.w_qkv.device, rows * self.kv_heads, block_tables, block_size, None,
+                             tile_n)
         dims = (self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim)
         return stack_plan(dims, rows, splits, block_size, self.programs, self.product)
 
@@ -130,7 +133,7 @@ class DecodeStack:
         self._check(x, positions, meta)
         model, (k_cache, v_cache) = self.model, self.kv_caches[0]
         block_size = k_cache.shape[1]
-        p = self.plan(rows, block_size, meta.max_seq_len, meta.block_tables, num_splits)
+        p = self.plan(rows, block_size, meta.block_tables, num_splits)
         head_pad = max(16, triton.next_power_of_2(self.head_dim))
         dev, dtype = x.device, x.dtype
         qs = self.heads * self.head_dim
