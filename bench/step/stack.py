@@ -64,12 +64,14 @@ def start(shape: str, args):
 
 
 def step_inputs(eng, rows: int, context: int):
-    """(x, positions, meta) of a decode step: row i's pages are a run of the pool, its new token at `context`."""
+    """(x, positions, meta) of a decode step: row i's pages are a run of the pool, its new token at `context`; the
+    block tables as wide as the engine's (the stack's KV splits follow their capacity)."""
     import torch
     from engine.attention import AttentionMetadata
     runner, block = eng.runner, eng.runner.config.block_size
     dev, per = runner.device, context // block + 1
-    tables = torch.arange(rows * per, dtype=torch.int32).view(rows, per)
+    tables = torch.zeros(rows, -(-runner.max_model_len // block), dtype=torch.int32)   # the engine's table width
+    tables[:, :per] = torch.arange(rows * per, dtype=torch.int32).view(rows, per)
     slots = tables[:, context // block].long() * block + context % block
     meta = AttentionMetadata(slot_mapping=slots.to(dev), cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32,
                                                                                     device=dev),
