@@ -35,7 +35,7 @@ from engine.kernels.common import is_interpreted, reduce_sum, round_to
 from engine.kernels.persistent.stack_attention import _attention
 from engine.kernels.persistent.sync import _signal, _wait
 
-STAGES = 5          # a layer's counters: qkv, attention, o_proj, gate_up, down (the kernel's `5`)
+STAGES = tl.constexpr(5)    # a layer's counters: qkv, attention, o_proj, gate_up, down
 
 
 @triton.jit
@@ -197,7 +197,7 @@ def decode_stack_kernel(
     for t in range(tl.program_id(0), LAYERS * T_LAYER + 1, tl.num_programs(0)):
         layer = t // T_LAYER
         i = t % T_LAYER
-        base = layer * 5                    # this layer's counters: base + stage
+        base = layer * STAGES               # this layer's counters: base + stage
         if layer == LAYERS:                 # the final norm, once every layer is done
             _final_norm(cnt_ptr, base - 1, T_D, h_ptr, n_final, out_ptr, eps, H, ROWS, R_PAD, BN_O, BK_QKV)
         elif i < T_QKV:
@@ -205,8 +205,8 @@ def decode_stack_kernel(
                          qkv_ptr, qkv_ptr, aux_ptr, aux_map, True, HAS_BIAS, False, False, ROWS, R_PAD, BN_QKV,
                          BK_QKV)
         elif i < A1:
-            _attention(i - T_QKV, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_stride, part_acc, part_m,
-                       part_l, sem_ptr, cu_q, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale,
+            _attention(i - T_QKV, layer, base, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_stride, part_acc,
+                       part_m, part_l, sem_ptr, cu_q, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale,
                        stride_bt, stride_blk, stride_pos, stride_kvh, stride_cos, T_QKV, NH, KVH, HEAD_DIM, HEAD_PAD,
                        GROUP, BLOCK_M, BLOCK_SIZE, TILE_N, SPLITS, SEQS, PRECISION)
             _signal(cnt_ptr, base + 1)
@@ -221,7 +221,7 @@ def decode_stack_kernel(
                          ha_ptr, h_ptr, aux_ptr, aux_map, False, False, True, AUX, ROWS, R_PAD, BN_D, BK_D)
     # the last program out resets every counter for the next launch
     tl.debug_barrier()
-    exit_index = LAYERS * 5
+    exit_index = LAYERS * STAGES
     if tl.atomic_add(cnt_ptr + exit_index, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         for c0 in range(0, exit_index + 1, 256):
             offs = c0 + tl.arange(0, 256)

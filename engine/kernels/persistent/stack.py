@@ -102,7 +102,7 @@ class DecodeStack:
         self.programs, self.num_warps, self.product = programs, num_warps, product
         self.max_rows = MAX_ROWS
         # the stage counters and the exit count (zero between launches), then the KV splits' merge tickets
-        self.counters = torch.zeros(len(layers) * ds.STAGES + 1, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(len(layers) * ds.STAGES.value + 1, dtype=torch.int32, device=device)
         self.tickets = torch.zeros(MAX_ROWS * self.kv_heads, dtype=torch.int32, device=device)
         # each asked layer's slot in the kernel's aux output (-1: none), and the slots in the order asked
         self.aux_layers = tuple(aux_layers)

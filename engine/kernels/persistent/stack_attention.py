@@ -40,13 +40,14 @@ def _new_key(acc, l_i, m_i, q, qkv_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_cos
 
 
 @triton.jit
-def _attention(i, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_stride, part_acc, part_m, part_l,
-               sem_ptr, cu_q, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale, stride_bt, stride_blk,
-               stride_pos, stride_kvh, stride_cos, T_QKV: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr,
+def _attention(i, layer, qkv_index, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_stride, part_acc, part_m,
+               part_l, sem_ptr, cu_q, seq_lens, bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qk_scale, stride_bt,
+               stride_blk, stride_pos, stride_kvh, stride_cos, T_QKV: tl.constexpr, NH: tl.constexpr, KVH: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLITS: tl.constexpr, SEQS: tl.constexpr,
                PRECISION: tl.constexpr):
-    """Task i of a layer's attention: (row, kv head, split) as engine/kernels/attention/decode_attention.py runs it.
+    """Task i of a layer's attention: (row, kv head, split) as engine/kernels/attention/decode_attention.py runs it,
+    once counter qkv_index says the layer's QKV stage is done.
     A row is a token; its sequence's earlier new tokens (a verification step's) are not in the cache yet: the split
     holding the cache's end adds them and the row's own key from the QKV buffer, as columns of the online softmax."""
     split = i % SPLITS
@@ -69,7 +70,7 @@ def _attention(i, layer, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, kv_layer_st
     kv_off_head = kv_head * stride_kvh
     k0, v0, n_ok = _cached_tile(kc, vc, bt_row, 1, lo, cached_hi, kv_off_head, stride_blk, stride_pos, offs_d, d_ok,
                                 BLOCK_SIZE, TILE_N)
-    _wait(cnt_ptr, layer * 5, T_QKV)
+    _wait(cnt_ptr, qkv_index, T_QKV)
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < GROUP
     head = kv_head * GROUP + offs_m
