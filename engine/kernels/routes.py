@@ -6,8 +6,8 @@ An op is a matmul with what the engine folds around it:
 - "norm_linear_silu": silu(gate) * up of rms_norm(x + residual) @ [gate; up].T (gate_up_proj)
 - "head": argmax(x @ W.T), a greedy step's tokens without float32 logits (the target's LM head)
 - "norm_head": argmax(rms_norm(x) @ W.T) (an EAGLE draft step's head, the final norm folded in)
-- "stack": a plain decode step's whole layer stack, keyed by (hidden, intermediate) size: "layers" runs it layer by
-  layer on the routes above, "persistent" in one launch (engine/kernels/persistent/, steps of up to 4 rows)
+- "stack": a step's whole layer stack, keyed by (hidden, intermediate) size and the step's tokens: "layers" runs it
+  layer by layer on the routes above, "persistent" in one launch (engine/kernels/persistent/, up to 4 tokens)
 
 Kernels: "gemv" (engine/kernels/matmul/decode_gemv.py, with draft_gemv.py's argmax for heads), "gemm"
 (decode_gemm.py), "stream" (stream_gemm.py: 2-64 rows over large weights, the op around it as kernels of its own),

@@ -164,7 +164,7 @@ def _final_norm(cnt_ptr, wait_index, wait_target, h_ptr, norm_ptr, out_ptr, eps,
     for n0 in range(0, H, BN):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < H
-        _store_rows(out_ptr, offs_n, n_ok, H, _gemv_free_norm(h_ptr, offs_n, n_ok, H, rstd, norm_ptr, ROWS, R_PAD),
+        _store_rows(out_ptr, offs_n, n_ok, H, _normed_columns(h_ptr, offs_n, n_ok, H, rstd, norm_ptr, ROWS, R_PAD),
                     ROWS, R_PAD)
 
 
@@ -229,7 +229,7 @@ def decode_stack_kernel(
 
 
 @triton.jit
-def _gemv_free_norm(x_ptr, offs_n, n_ok, K, rstd, norm_ptr, ROWS: tl.constexpr, R_PAD: tl.constexpr):
+def _normed_columns(x_ptr, offs_n, n_ok, K, rstd, norm_ptr, ROWS: tl.constexpr, R_PAD: tl.constexpr):
     """The final norm of x's rows at columns offs_n, fp32 (rounded as the reference norm rounds)."""
     rows, r_ok = _rows(ROWS, R_PAD)
     x = tl.load(x_ptr + rows[:, None] * K + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0,
