@@ -20,7 +20,9 @@ ext_modules = [
     # a plain step's decode rows into a slot's host buffers (engine/runner/rows.py): the Python and pybind11 headers
     Pybind11Extension("engine.runner._rows", ["engine/runner/csrc/rows.cpp"], cxx_std=17, extra_compile_args=["-O2"]),
     # the scheduler's walks over running sequences (engine/scheduler.py): the Python and pybind11 headers
-    Pybind11Extension("engine.requests._hostpath", ["engine/requests/csrc/hostpath.cpp"], cxx_std=17,
+    Pybind11Extension("engine.requests._hostpath", ["engine/requests/csrc/hostpath.cpp",
+                                                    "engine/requests/csrc/guided_walk.cpp"],
+                      depends=glob("engine/requests/csrc/*.h"), cxx_std=17,
                       extra_compile_args=["-O2"]),
     # CPU matmuls of a few rows (AVX2 + FMA, chosen at run time): needs only the pybind11 headers
     Pybind11Extension("engine.kernels.matmul._cpu_gemm", ["engine/kernels/matmul/csrc/cpu_gemm.cpp"], cxx_std=17,

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 from engine.commit import Commits, describe
 from engine.config import EngineConfig
-from engine.guided.masks import Snapshot, build_snapshot
+from engine.guided.masks import Snapshot, build_snapshot, guided_columns
 from engine.guided.tracker import GuidedTracker
 from engine.memory.block_manager import BlockManager
 from engine.memory.row_pool import RowPool
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.parallel.group import TensorParallelError
+from engine.requests import _hostpath
 from engine.requests.frontend import EngineFrontend
 from engine.requests.output import OutputProcessor, RequestOutput
 from engine.requests.request_handle import RequestHandle
@@ -273,7 +274,9 @@ class LLMEngine(EngineFrontend):
             return False
         rows, slot = planned
         # before the rows count this step's tokens
-        snapshot = build_snapshot(slot.index, rows, self._step_index, 1 + slot.spec_k) if slot.guided_rows else None
+        walk = _hostpath.guided_columns if self.scheduler.native else guided_columns
+        snapshot = build_snapshot(slot.index, rows, self._step_index, 1 + slot.spec_k, walk) \
+            if slot.guided_rows else None
         self.scheduler.launched(rows)
         all_greedy = slot.all_greedy
         t1 = time.perf_counter()

@@ -139,9 +139,11 @@ class _Done:
 EMPTY = Snapshot(0, 1, (), np.zeros(0, dtype=np.int64), step=-1)
 
 
-def build_snapshot(slot_index: int, rows, step: int = 0, width: int = 1) -> Snapshot | None:
-    """Before the step's rows are marked in flight: `seq.num_pending` still counts the previous step's
-    tokens, emitted by step `step - 1` (the one in flight). None: no guided row. One pass, a list a field."""
+def guided_columns(rows) -> tuple:
+    """A step's sampling rows as build_snapshot reads them, one list a field: the guided rows' sample indices,
+    GuidedRequests, accepted counts (a lower bound of what each will have accepted), feed offsets, feed (the
+    output tokens from there), the sample index of each one's token in flight (-1: none); then the unguided rows'
+    sample indices. One pass. The host path's native walk (engine/requests/csrc/guided_walk.cpp) does the same."""
     sample, requests, starts, offsets, feed, sources, unguided = [], [], [], [0], [], [], []
     for row in rows:
         if not row.sample:
@@ -151,7 +153,7 @@ def build_snapshot(slot_index: int, rows, step: int = 0, width: int = 1) -> Snap
         if g is None:
             unguided.append(row.sample_idx)
             continue
-        lo = g.accepted                                 # a lower bound of what it will have accepted
+        lo = g.accepted
         sample.append(row.sample_idx)
         requests.append(g)
         starts.append(lo)
@@ -160,6 +162,14 @@ def build_snapshot(slot_index: int, rows, step: int = 0, width: int = 1) -> Snap
             feed += out[lo:]
         offsets.append(len(feed))
         sources.append(seq.pending_src if seq.num_pending else -1)
+    return sample, requests, starts, offsets, feed, sources, unguided
+
+
+def build_snapshot(slot_index: int, rows, step: int = 0, width: int = 1, walk=guided_columns) -> Snapshot | None:
+    """Before the step's rows are marked in flight: `seq.num_pending` still counts the previous step's
+    tokens, emitted by step `step - 1` (the one in flight). None: no guided row. `walk`: guided_columns or a
+    native walk equal to it."""
+    sample, requests, starts, offsets, feed, sources, unguided = walk(rows)
     if not requests:
         return None
     return Snapshot(slot_index, 1 - slot_index, (), np.asarray(unguided, dtype=np.int64), step, width,

@@ -12,38 +12,16 @@
 #include <utility>
 
 #include "../../guided/csrc/repetition.h"
+#include "fields.h"
 #include "py_attrs.h"
 #include "slots.h"
 
 namespace py = pybind11;
+using row_fields::RowFields;
+using row_fields::SeqFields;
 using slots::Field;
 
 namespace {
-
-struct SeqFields {
-  PyObject* cls = slots::class_of("engine.requests.sequence", "Sequence");
-  Field prompt{cls, "prompt_token_ids"}, output{cls, "output_token_ids"}, pending{cls, "num_pending"},
-      computed{cls, "num_computed_tokens"}, guided{cls, "guided"}, max_len{cls, "max_len"}, closer{cls, "closer"},
-      block_table{cls, "block_table"}, preemptions{cls, "num_preemptions"}, inflight{cls, "inflight_refs"},
-      pending_src{cls, "pending_src"}, registered{cls, "num_registered"}, finalized{cls, "finalized"},
-      out{cls, "out"}, logprobs{cls, "logprobs"}, params{cls, "params"}, seq_id{cls, "seq_id"},
-      first_token_time{cls, "first_token_time"};
-};
-
-struct RowFields {
-  PyObject* cls = slots::class_of("engine.scheduler", "ScheduledRow");
-  Field seq{cls, "seq"}, start{cls, "start"}, num_tokens{cls, "num_tokens"}, sample{cls, "sample"},
-      sample_idx{cls, "sample_idx"}, spec_k{cls, "spec_k"}, num_drafts{cls, "num_drafts"}, epoch{cls, "epoch"},
-      cached{cls, "cached"};
-  // a new row by its slots, not through the dataclass's Python __init__; needs every field a slot
-  bool direct = seq.direct() && start.direct() && num_tokens.direct() && sample.direct() && sample_idx.direct() &&
-                spec_k.direct() && num_drafts.direct() && epoch.direct() && cached.direct() && slot_count() == 9;
-
-  Py_ssize_t slot_count() const {
-    py::object names = py::reinterpret_borrow<py::object>(cls).attr("__slots__");
-    return py::len(names);
-  }
-};
 
 struct OutFields {
   PyObject* cls = slots::class_of("engine.requests.output", "OutputState");
@@ -351,6 +329,8 @@ Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guide
 
 }  // namespace
 
+void bind_guided_walk(py::module_& m);  // guided_walk.cpp
+
 PYBIND11_MODULE(_hostpath, m) {
   m.doc() = "The host's walks over a step's rows, for the rows that need nothing else (engine/scheduler.py, "
             "engine/commit.py).";
@@ -366,4 +346,5 @@ PYBIND11_MODULE(_hostpath, m) {
         py::arg("closer"), py::arg("ids"),
         "Closer.committed(seq, 1) as the native commit takes it (seq's output `ids`, its last token new): True "
         "where done here, False where the commit calls it.");
+  bind_guided_walk(m);
 }
