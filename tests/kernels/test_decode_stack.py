@@ -158,7 +158,7 @@ def test_refuses_what_it_cannot_run():
 def test_gpu_one_program_an_sm(dtype, rows):
     """Launches in a row on one stack: each leaves its counters at zero for the next, and each gives the reference's
     hidden states (its KV store writes the same values each time)."""
-    contexts = [7, 300, 64, 1000][:rows]
+    contexts = [7, 300, 64, 500][:rows]        # within the tiny model's RoPE table (512 positions)
     got, ref, caches, ref_caches, stack = _both("gqa3", contexts, dtype)
     torch.testing.assert_close(got, ref, **TOL[dtype])
     x, positions, meta, _ = _step(stack.model, contexts, dtype)
