@@ -19,8 +19,10 @@ ext_modules = [
                       depends=glob("engine/guided/csrc/*.h"), cxx_std=17, libraries=["dl"], extra_compile_args=["-O2"]),
     # a plain step's decode rows into a slot's host buffers (engine/runner/rows.py): the Python and pybind11 headers
     Pybind11Extension("engine.runner._rows", ["engine/runner/csrc/rows.cpp"], cxx_std=17, extra_compile_args=["-O2"]),
-    # the scheduler's walks over running sequences (engine/scheduler.py): the Python and pybind11 headers
+    # the host's walks over a step's rows (engine/scheduler.py, engine/commit.py, the guided snapshot): the Python
+    # and pybind11 headers
     Pybind11Extension("engine.requests._hostpath", ["engine/requests/csrc/hostpath.cpp",
+                                                    "engine/requests/csrc/commit_walk.cpp",
                                                     "engine/requests/csrc/guided_walk.cpp"],
                       depends=glob("engine/requests/csrc/*.h"), cxx_std=17,
                       extra_compile_args=["-O2"]),
