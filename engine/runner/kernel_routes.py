@@ -72,7 +72,7 @@ def decode_stack(model, kv_caches, routes, aux_layers=()):
     """The persistent decode stack (engine/kernels/persistent/stack.py) where the table routes a step of up to its
     rows (tokens) to it, else None; ValueError where it does and the model is one it cannot run. aux_layers: the
     layers whose outputs the drafter reads (EAGLE's)."""
-    from engine.kernels.persistent.stack import MAX_ROWS
+    from engine.kernels.persistent import MAX_ROWS
     hidden, inter = model.cfg["hidden_size"], model.layers[0].mlp.inter
     if not any(routes.lookup("stack", hidden, inter, rows) == "persistent" for rows in range(1, MAX_ROWS + 1)):
         return None

@@ -17,10 +17,9 @@ import triton
 from engine.kernels.attention.paged_attention import _LOG2E, _tile_config
 from engine.kernels.attention.split_merge import split_count
 from engine.kernels.common import sm_count
-from engine.kernels.persistent import decode_stack as ds
+from engine.kernels.persistent import MAX_ROWS, decode_stack as ds
 from engine.kernels.persistent.weights import stack_params
 
-MAX_ROWS = 4            # rows a step may hold (the kernel keeps every row's activations in each program)
 MIN_TILE = 4            # output columns a matmul task takes at least
 PRODUCT = 8192          # elements of a task's [rows, tile, chunk] product per chunk (registers)
 NUM_WARPS = 4
