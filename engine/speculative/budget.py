@@ -12,6 +12,10 @@ Where a plain step wins the engine stops speculating, and runs one step at the b
 step, so while probes keep finding plain steps better the gap between them doubles, up to MAX_PROBE_GAP steps;
 a choice to speculate brings it back. Without costs (no graphs: eager engines, the CPU) the budget always answers
 the engine's K.
+
+A tree engine's leaves are counted only in steps that verify the tree, so a tree that the prior ranks below its
+chain would never be tried. While chain levels win, the budget verifies the tree now and then (the same doubling
+gaps), wherever leaves that were always right could make it the best level at that batch size.
 """
 from __future__ import annotations
 
@@ -54,11 +58,13 @@ class DraftBudget:
     seen: list = field(init=False)
     _plain: int = field(default=0, init=False)
     _gap: int = field(default=0, init=False)        # plain steps before the next probe
+    _chain: int = field(default=0, init=False)      # chain steps since the tree was verified (tree engines)
+    _tree_gap: int = field(default=0, init=False)   # chain steps before the next tree probe
 
     def __post_init__(self):
         if any(not 1 <= level <= self.k for level in self.levels):
             raise ValueError(f"draft levels {self.levels} must lie in [1, {self.k}]")
-        self._gap = self.probe_every
+        self._gap = self._tree_gap = self.probe_every
         self.hits = [PRIOR * PRIOR_WEIGHT] * (self.k + 1)
         self.seen = [PRIOR_WEIGHT] * (self.k + 1)
         # leaf_hits[j] / leaf_seen[j]: a tree's leaf at depth j was right where its chain's draft j was not
@@ -79,14 +85,16 @@ class DraftBudget:
     def rate(self, j: int) -> float:
         return self.hits[j] / self.seen[j]
 
-    def expected(self, k: int) -> float:
+    def expected(self, k: int, leaf_rate: float | None = None) -> float:
         """Tokens a row emits, on average, in a step verifying k drafts (a tree's: its chain's, plus a token where
-        the chain stops at a depth whose leaf is right)."""
+        the chain stops at a depth whose leaf is right; `leaf_rate`: that rate at every depth, for the counted
+        ones)."""
         tree = bool(self.depth) and k > self.depth
         total = passed = 1.0
         for j in range(1, (self.depth if tree else k) + 1):
             if tree:
-                total += passed * (1.0 - self.rate(j)) * self.leaf_hits[j] / self.leaf_seen[j]
+                leaf = self.leaf_hits[j] / self.leaf_seen[j] if leaf_rate is None else leaf_rate
+                total += passed * (1.0 - self.rate(j)) * leaf
             passed *= self.rate(j)
             total += passed
         return total
@@ -100,12 +108,30 @@ class DraftBudget:
         best = max(self.levels, key=lambda k: self.expected(k) / self.costs[(k, padded)])
         if self.expected(best) / self.costs[(best, padded)] > 1.0 / self.costs[(0, padded)]:
             self._plain, self._gap = 0, self.probe_every
-            return best
+            return self._tree_probe(best, padded)
         self._plain += 1
         if self._plain >= self._gap:
             self._plain, self._gap = 0, min(2 * self._gap, max(MAX_PROBE_GAP, self.probe_every))
             return best
         return 0
+
+    def _tree_probe(self, best: int, padded: int) -> int:
+        """`best`, or in a tree engine whose chain wins the tree now and then: where right leaves could make it
+        the best level here, once a gap of chain steps has passed (the gap doubles each time, up to
+        MAX_PROBE_GAP; the tree winning on its counts brings it back)."""
+        tree = self.k
+        if not self.depth or tree not in self.levels:
+            return best
+        if best == tree:
+            self._chain, self._tree_gap = 0, self.probe_every
+            return best
+        if self.expected(tree, 1.0) / self.costs[(tree, padded)] <= self.expected(best) / self.costs[(best, padded)]:
+            return best
+        self._chain += 1
+        if self._chain < self._tree_gap:
+            return best
+        self._chain, self._tree_gap = 0, min(2 * self._tree_gap, max(MAX_PROBE_GAP, self.probe_every))
+        return tree
 
     def plain_next(self) -> bool:
         """After `choose` answered 0: the next step is plain too, unless new evidence or another batch size changes

@@ -63,6 +63,46 @@ def test_probes_that_keep_losing_come_ever_later():
     assert picks[-1] and not any(picks[:-1]), "the first gap again"
 
 
+# a tree engine's: a chain of 3 (levels 1 and 3) and a tree of 8 drafts, which costs more than the chain at 1 row
+TREE_COSTS = {(0, 1): 1.0, (1, 1): 1.02, (3, 1): 1.06, (8, 1): 1.12, (0, 32): 1.0, (1, 32): 1.25, (3, 32): 1.8,
+              (8, 32): 4.0}
+
+
+def _tree_steps(budget, rows: int, steps: int, chain_rate: float, leaf_rate: float) -> list[int]:
+    """`steps` choices at `rows` rows, each committed: a row's chain drafts pass at chain_rate, and where the chain
+    stops in a tree step, the leaf there is right at leaf_rate (expected counts, as _accepting)."""
+    picks, k, depth = [], budget.k, budget.depth
+    for _ in range(steps):
+        level = budget.choose(rows)
+        picks.append(level)
+        tree, drafted = level == k, min(level, depth)
+        for a in range(drafted + 1):
+            n = 100 * chain_rate ** a * (1 - chain_rate if a < drafted else 1)
+            hit = tree and a < drafted
+            for accepted, leaf, share in ((a + 1, True, leaf_rate), (a, False, 1 - leaf_rate)) if hit \
+                    else ((a, False, 1.0),):
+                for _ in range(round(n * share)):
+                    budget.observe(drafted, accepted, tree, leaf)
+        budget.decay()
+    return picks
+
+
+def test_a_losing_tree_is_probed_and_taken_once_its_leaves_are_right():
+    """Leaves are counted only in tree steps: while the chain wins, the tree is verified now and then (gaps doubling
+    from probe_every), and once its leaves prove right it is the level at one row. At 32 rows, where even right
+    leaves could not pay for it, it is never probed."""
+    budget = DraftBudget(8, (1, 3, 8), TREE_COSTS, depth=3)
+    every = budget.probe_every
+    picks = _tree_steps(budget, 1, 6 * every, chain_rate=0.8, leaf_rate=0.05)
+    probes = [i for i, k in enumerate(picks) if k == 8]
+    # the prior ranks the tree first; once its leaves count as wrong, it is probed after every, then 2 * every steps
+    assert set(picks) == {3, 8} and probes[0] == 0 and [b - a for a, b in zip(probes, probes[1:])] == [every, 2 * every]
+    assert _tree_steps(budget, 32, 300, chain_rate=0.8, leaf_rate=0.9).count(8) == 0
+    picks = _tree_steps(budget, 1, 40 * every, chain_rate=0.8, leaf_rate=0.9)
+    assert picks[-1] == 8 and picks[-every:].count(8) == every, "right leaves make the tree the level"
+    assert budget.leaf_hits[1] / budget.leaf_seen[1] > 0.7
+
+
 def test_without_costs_the_engine_k():
     budget = DraftBudget(3, (1, 2, 3))
     _accepting(budget, 0.05)
