@@ -77,6 +77,11 @@ class _Matmuls:
         of the backend's, or None where it has none for the call."""
         return None
 
+    def norm_linear_top(self, x, norm_weight, eps, weight, n: int, ids=None):
+        """The n largest columns of linear(rms_norm(x)) a row, best first (int64 [M, n]; ids[them] as
+        norm_linear_argmax's) in kernels of the backend's, or None where it has none for the call."""
+        return None
+
 
 class TorchBackend(_Matmuls):
     """Torch ops and cuBLAS everywhere: runs anywhere, and every other path is checked against it."""
@@ -106,7 +111,7 @@ class RoutedBackend(_Matmuls):
     def __init__(self, routes: RouteTable | None = None, rope_attention: bool = False, split_merge: bool = False,
                  decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
                  device=None):
-        from engine.kernels.sampling import argmax, bitmask
+        from engine.kernels.sampling import argmax, bitmask, topk
         from engine.kernels.matmul import decode_gemm, decode_gemv, draft_gemv, head_mma, stream_gemm
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
         from engine.kernels import fused_ops
@@ -123,7 +128,7 @@ class RoutedBackend(_Matmuls):
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
-        self._argmax = argmax
+        self._argmax, self._topk = argmax, topk
         self.ops = fused_ops
         self.stack = None       # the persistent decode stack (engine/kernels/persistent/stack.py), where routed
 
@@ -229,6 +234,15 @@ class RoutedBackend(_Matmuls):
         if kernel == "gemv":
             return self._draft.linear_argmax(x, weight, ids)
         return self._argmax_on(kernel, x, weight, ids)
+
+    def norm_linear_top(self, x, norm_weight, eps, weight, n: int, ids=None):
+        if self.routes.reference or not self._topk.supports(x, n) or n > weight.shape[0]:
+            return None
+        if self.kernel_for("norm_head", x, weight, norm_weight=norm_weight) == "gemv":
+            logits = self._mods["gemv"].decode_norm_linear(x, norm_weight, eps, weight)[0]
+        else:
+            logits = linear(self.ops.rms_norm(x, norm_weight, eps), weight)
+        return self._topk.top_rows(logits, n, ids)
 
     def masks_greedy(self, hidden) -> bool:
         """Whether a greedy guided step of these hidden states takes masked_argmax: not under the reference table

@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine.kernels.sampling import argmax  # noqa: E402
+from engine.kernels.sampling import argmax, topk  # noqa: E402
 from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
 from engine.kernels.matmul import decode_gemm, decode_gemv, head_mma  # noqa: E402
 from engine.kernels.speculative import head_ops, ngram_draft, spec_finish, spec_ops, tree_finish  # noqa: E402
@@ -175,6 +175,12 @@ def variants(pdl: bool) -> list[tuple]:
         ("argmax block max", argmax._block_max_kernel, dict(x_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32",
                                                              stride_x="i32", stride_p="i32", V="i32"),
          dict(BLOCK_V=1024, USE_PDL=pdl), 4),
+        ("topk block top", topk._block_top_kernel, dict(x_ptr="*bf16", val_ptr="*fp32", col_ptr="*i32",
+                                                         stride_x="i32", stride_p="i32", V="i32"),
+         dict(N=6, BLOCK_V=topk.BLOCK_V, USE_PDL=pdl), 4),
+        ("topk merge top", topk._merge_top_kernel, dict(val_ptr="*fp32", col_ptr="*i32", ids_ptr="*i64",
+                                                         tok_ptr="*i64", stride_p="i32", P="i32"),
+         dict(N=6, BLOCK=128, HAS_IDS=True, USE_PDL=pdl), 4),
         *([] if pdl else [_stack(1, 4, 8192), _stack(4, 8, 16384), _stack(4, 8, 16384, seqs=1, aux=True)]),
         *([] if pdl else [("argmax masked block max", argmax._masked_block_max_kernel,    # never dependent-launched
                            dict(x_ptr="*bf16", mask_ptr="*i32", val_ptr="*fp32", idx_ptr="*i32", cnt_ptr="*i32",

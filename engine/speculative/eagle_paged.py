@@ -166,6 +166,11 @@ class PagedHead:
         """The n tokens of the highest logits under the target's final norm and LM head (over the draft
         vocabulary where it has one), best first: int64 [N, n]."""
         t = self.target
+        if t.tp.world == 1:         # the backend's kernels, where it has them (as `greedy`)
+            weight, ids = (t.head_weight, None) if self.draft_ids is None else (self.draft_weight, self.draft_ids)
+            tokens = self.backend.norm_linear_top(hidden, t.norm.weight, t.norm.eps, weight, n, ids)
+            if tokens is not None:
+                return tokens
         if self.draft_ids is None:
             return self.logits(hidden).topk(n, dim=-1).indices
         logits = linear(t.final_norm(hidden, self.backend), self.draft_weight).float()
