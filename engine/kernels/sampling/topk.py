@@ -29,15 +29,12 @@ _NO_COLUMN = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _take_top(val, col, alive, out_val_ptr, out_col_ptr, N: tl.constexpr):
-    """out_val[j], out_col[j] for j < N: the j-th largest of the alive values (the lower column first among equal
-    ones) and its column; each taken entry leaves `alive`. Columns are distinct among alive entries."""
-    for j in tl.static_range(N):
-        top = reduce_max(tl.where(alive, val, float("-inf")), 0)
-        first = reduce_min(tl.where(alive & (val == top), col, _NO_COLUMN), 0)
-        tl.store(out_val_ptr + j, top)
-        tl.store(out_col_ptr + j, first)
-        alive = alive & (col != first)
+def _pop_top(val, col, alive):
+    """(the largest alive value, its column, alive without it): the lower column first among equal values.
+    Columns are distinct among alive entries; with none alive, (-inf, _NO_COLUMN, alive)."""
+    top = reduce_max(tl.where(alive, val, float("-inf")), 0)
+    first = reduce_min(tl.where(alive & (val == top), col, _NO_COLUMN), 0)
+    return top, first, alive & (col != first)
 
 
 @triton.jit
@@ -51,7 +48,11 @@ def _block_top_kernel(x_ptr, val_ptr, col_ptr, stride_x, stride_p, V, N: tl.cons
     inside = cols < V
     x = tl.load(x_ptr + m * stride_x + cols, mask=inside, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)
-    _take_top(x, cols, inside, val_ptr + m * stride_p + p * N, col_ptr + m * stride_p + p * N, N)
+    alive = inside
+    for j in tl.static_range(N):
+        top, first, alive = _pop_top(x, cols, alive)
+        tl.store(val_ptr + m * stride_p + p * N + j, top)
+        tl.store(col_ptr + m * stride_p + p * N + j, first)
 
 
 @triton.jit
@@ -67,9 +68,7 @@ def _merge_top_kernel(val_ptr, col_ptr, ids_ptr, tok_ptr, stride_p, P, N: tl.con
     col = tl.load(col_ptr + m * stride_p + offs, mask=ok, other=_NO_COLUMN)
     alive = ok & (col != _NO_COLUMN)
     for j in tl.static_range(N):
-        top = reduce_max(tl.where(alive, val, float("-inf")), 0)
-        first = reduce_min(tl.where(alive & (val == top), col, _NO_COLUMN), 0)
-        alive = alive & (col != first)
+        _, first, alive = _pop_top(val, col, alive)
         tok = first.to(tl.int64)
         if HAS_IDS:
             tok = tl.load(ids_ptr + tok)
