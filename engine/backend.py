@@ -236,7 +236,7 @@ class RoutedBackend(_Matmuls):
         return self._argmax_on(kernel, x, weight, ids)
 
     def norm_linear_top(self, x, norm_weight, eps, weight, n: int, ids=None):
-        if self.routes.reference or not self._topk.supports(x, n) or n > weight.shape[0]:
+        if self.routes.reference or not self._topk.supports(x.device, weight.shape[0], n):
             return None
         if self.kernel_for("norm_head", x, weight, norm_weight=norm_weight) == "gemv":
             logits = self._mods["gemv"].decode_norm_linear(x, norm_weight, eps, weight)[0]

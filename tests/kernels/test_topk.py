@@ -70,7 +70,8 @@ def test_bad_calls_are_refused():
         tk.top_rows(x, 51)
     with pytest.raises(ValueError, match="ids"):
         tk.top_rows(x, 3, torch.arange(49, device=DEV))
-    assert not tk.supports(x, tk.MAX_N + 1) and tk.supports(x, 3)
+    assert tk.supports(x.device, 50, 3) and not tk.supports(x.device, 50, tk.MAX_N + 1)
+    assert not tk.supports(x.device, 2, 3) and not tk.supports(x.device, tk.MAX_PARTIALS * tk.BLOCK_V, 2)
 
 
 @pytest.mark.parametrize("vocab", ["none", "ranked"])

@@ -80,12 +80,12 @@ def interpreted() -> bool:
     return is_interpreted(_block_top_kernel)
 
 
-def supports(x: torch.Tensor, n: int) -> bool:
-    """Whether top_rows takes x and n: on CUDA (or the CPU's interpreter), 1 <= n <= MAX_N and the row's
-    columns, and a row's partials within MAX_PARTIALS."""
-    if x.device.type != "cuda" and not interpreted():
+def supports(device: torch.device, columns: int, n: int) -> bool:
+    """Whether top_rows takes rows of `columns` logits on `device` at this n: on CUDA (or the CPU's interpreter),
+    1 <= n <= MAX_N and the columns, and a row's partials within MAX_PARTIALS."""
+    if device.type != "cuda" and not interpreted():
         return False
-    return x.dim() == 2 and 1 <= n <= min(MAX_N, x.shape[1]) and triton.cdiv(x.shape[1], BLOCK_V) * n <= MAX_PARTIALS
+    return 1 <= n <= min(MAX_N, columns) and triton.cdiv(columns, BLOCK_V) * n <= MAX_PARTIALS
 
 
 def top_rows(x: torch.Tensor, n: int, ids: torch.Tensor | None = None) -> torch.Tensor:
