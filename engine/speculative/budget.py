@@ -111,7 +111,7 @@ class DraftBudget:
             return self._tree_probe(best, padded)
         self._plain += 1
         if self._plain >= self._gap:
-            self._plain, self._gap = 0, min(2 * self._gap, max(MAX_PROBE_GAP, self.probe_every))
+            self._plain, self._gap = 0, self._doubled(self._gap)
             return best
         return 0
 
@@ -130,8 +130,12 @@ class DraftBudget:
         self._chain += 1
         if self._chain < self._tree_gap:
             return best
-        self._chain, self._tree_gap = 0, min(2 * self._tree_gap, max(MAX_PROBE_GAP, self.probe_every))
+        self._chain, self._tree_gap = 0, self._doubled(self._tree_gap)
         return tree
+
+    def _doubled(self, gap: int) -> int:
+        """A probe gap after a losing probe: twice as long, up to MAX_PROBE_GAP (or probe_every, if longer)."""
+        return min(2 * gap, max(MAX_PROBE_GAP, self.probe_every))
 
     def plain_next(self) -> bool:
         """After `choose` answered 0: the next step is plain too, unless new evidence or another batch size changes
