@@ -211,7 +211,7 @@ Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guide
     f.inflight.set_int(seq, f.inflight.get_int(seq) - 1);
     f.pending.set_int(seq, f.pending.get_int(seq) - 1);
     py::object ids = f.output.get(seq);
-    if (PyList_Append(ids.ptr(), token) < 0) throw py::error_already_set();
+    py_attrs::append(ids.ptr(), token);
     o.num_new.set(f.out.get(seq).ptr(), one.ptr());
     py::object out = slots::once<OutputMaker>().make(f.seq_id.get(seq).ptr(), token);
     if (py::object closer = f.closer.get(seq); !closer.is_none() && !quiet_commit(closer.ptr(), ids.ptr())) {
@@ -219,13 +219,13 @@ Py_ssize_t commit_plain(py::list rows, Py_ssize_t i, py::list tokens, bool guide
       if (!res) {
         py::error_already_set exc;
         out = on_error(seq_obj, exc.value());
-        if (PyList_Append(outputs.ptr(), out.ptr()) < 0) throw py::error_already_set();
+        py_attrs::append(outputs.ptr(), out.ptr());
         continue;
       }
       Py_DECREF(res);
     }
     if (f.first_token_time.is_none(seq)) f.first_token_time.set(seq, now.ptr());
-    if (PyList_Append(outputs.ptr(), out.ptr()) < 0) throw py::error_already_set();
+    py_attrs::append(outputs.ptr(), out.ptr());
   }
   return i;
 }

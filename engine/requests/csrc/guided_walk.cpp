@@ -11,9 +11,7 @@ namespace py = pybind11;
 
 namespace {
 
-void append(PyObject* list, PyObject* value) {
-  if (PyList_Append(list, value) < 0) throw py::error_already_set();
-}
+using py_attrs::append;
 
 void append_int(PyObject* list, int64_t value) {
   py::object v = py::reinterpret_steal<py::object>(PyLong_FromLongLong(value));

@@ -88,7 +88,7 @@ py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_
       if (!same) throw std::runtime_error("a block table that does not grow in place");
     }
     py::object row = decode_row(row_cls, seq, computed, computed + 1 == scheduled, f.preemptions.get(seq));
-    if (PyList_Append(rows.ptr(), row.ptr()) < 0) throw py::error_already_set();
+    py_attrs::append(rows.ptr(), row.ptr());
     --budget;
   }
   return py::make_tuple(i, budget);

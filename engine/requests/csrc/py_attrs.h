@@ -43,6 +43,10 @@ inline Py_ssize_t len_attr(PyObject* obj, PyObject* name) {
   return n;
 }
 
+inline void append(PyObject* list, PyObject* value) {
+  if (PyList_Append(list, value) < 0) throw py::error_already_set();
+}
+
 inline void set_attr(PyObject* obj, PyObject* name, PyObject* value) {
   if (PyObject_SetAttr(obj, name, value) < 0) throw py::error_already_set();
 }
