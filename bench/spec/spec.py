@@ -149,10 +149,11 @@ def run_speed(args, keep=None) -> list[dict]:
     records = []
     variants = parse_variants(args.variants)
     modes = [("none", 0, "")] + [(d, k, v) for d in args.drafters for k in (args.k or [3]) for v in variants]
-    for item in args.datasets:
-        for streams in args.streams:
-            engines = {(d, k, v): build(args, streams, d, k, variants.get(v)) for d, k, v in modes}
-            try:
+    for streams in args.streams:
+        # one engine per mode and stream count, used for every dataset in turn (builds and captures dominate)
+        engines = {(d, k, v): build(args, streams, d, k, variants.get(v)) for d, k, v in modes}
+        try:
+            for item in args.datasets:
                 # enough requests that the batch stays full: streams at a time from a queue of 4 x streams
                 name, prompts = load_prompts(engines[modes[0]], item, args.data, max(4 * streams, args.min_prompts))
                 runs = {m: [] for m in modes}
@@ -173,8 +174,8 @@ def run_speed(args, keep=None) -> list[dict]:
                     note(f"speed {name} streams={streams} {m}: {rec['tok_s']:.0f} tok/s x{rec['speedup']}")
                 if keep is not None:
                     keep(records)
-            finally:
-                close_engines(engines.values())
+        finally:
+            close_engines(engines.values())
     return records
 
 
