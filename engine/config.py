@@ -44,6 +44,7 @@ class Tuning:
     spec_tree: int = 0                 # eagle: drafts a row holds as a tree, K of them its chain (0: a chain)
     spec_draft_vocab: str = ""         # eagle: a JSON token ranking for unguided drafts ("": the head's, "none")
     spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many of the ranking's tokens (0: all)
+    spec_prompt_vocab: int = 256       # eagle: ... and this many more, lent to recent prompts' tokens it leaves out
     guided_draft_masks: bool = False   # guided + speculative: every draft step picks its token under the grammar
     guided_forced_drafts: bool = False  # guided + speculative: text the grammar forces is drafted as it is
     guided_repeat_limit: int = 48      # a JSON value repeating one n-gram this many tokens is closed (0: never)
@@ -66,8 +67,9 @@ class Tuning:
         if self.decode_attention_prefetch not in (0, 1, 2):
             raise ValueError("decode_attention_prefetch must be 0 (by rule), 1 or 2, got "
                              f"{self.decode_attention_prefetch}")
-        if self.spec_draft_vocab_size < 0:
-            raise ValueError(f"spec_draft_vocab_size must be >= 0, got {self.spec_draft_vocab_size}")
+        for name in ("spec_draft_vocab_size", "spec_prompt_vocab"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.tp_backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"unknown tp_backend {self.tp_backend!r}; choose from auto, nccl, gloo")
         if not self.tp_timeout_s > 0:

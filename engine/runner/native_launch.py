@@ -58,7 +58,8 @@ class NativeLaunch:
     @staticmethod
     def takes(slot) -> bool:
         """Whether this launch can take the slot's step: a graph step with no state written before it."""
-        return slot.graph_key is not None and not (slot.bias_writes or slot.span_writes or slot.history_writes)
+        return slot.graph_key is not None and not (slot.bias_writes or slot.span_writes or slot.history_writes or
+                                                 slot.vocab_writes)
 
     @staticmethod
     def elapsed_ms(pairs) -> list[float]:

@@ -96,6 +96,7 @@ class DecodeSlot:
         self.bias_writes = []                                           # logit_bias rows set before the step
         self.span_writes = []                                           # penalty counts of cached prefixes
         self.history_writes = []                                        # n-gram history of cached prefixes
+        self.vocab_writes = None                                        # the draft vocabulary's spare rows
         self.num_tokens = self.num_seqs = self.num_sample = 0
         self.max_query_len = self.max_seq_len = 0
         self.num_carry = 0                                              # tokens taken from the previous step

@@ -24,6 +24,7 @@ from engine.kernels.routes import Site
 from engine.memory.kv_cache import kv_pages
 from engine.models.llama import rope_inv_freq, rope_tables
 from engine.speculative.eagle_head import EagleHead, HeadConfig
+from engine.speculative.prompt_vocab import PromptVocab
 
 # The shipped heads live with the training code that writes them (`specdec.train_head --ship`); the engine only
 # reads them as files, found beside the engine package (repository root, or site-packages), never by importing specdec.
@@ -82,6 +83,7 @@ class PagedHead:
                                          w.device)
         self.scale = c.head_dim ** -0.5
         self.draft_ids = self.draft_weight = None       # restrict(): a draft vocabulary
+        self.prompt_vocab = None                        # ... and its spare rows for prompts' tokens
         # the embedding, both norms and their stack in one kernel (engine/kernels/speculative/head_ops.py) on the fused
         # path with the whole vocabulary here (one rank)
         self._pair_norm = None
@@ -139,18 +141,31 @@ class PagedHead:
         """The target's final norm and LM head on the head's hidden states -> float logits [N, V]."""
         return self.target.compute_logits(self.target.final_norm(hidden, self.backend))
 
-    def restrict(self, token_ids) -> None:
+    def restrict(self, token_ids, spare=()) -> None:
         """Unguided drafts from these token ids only (Tuning.spec_draft_vocab): their rows of the LM head
-        are gathered once, so a draft step reads len(token_ids) rows instead of the vocabulary. Guided drafts keep
+        are gathered once, so a draft step reads len(token_ids) rows instead of the vocabulary. `spare`: ids of
+        rows after them that recent prompts' tokens take (engine/speculative/prompt_vocab.py). Guided drafts keep
         the whole vocabulary (the grammar's mask is over it); so does a target split over ranks."""
-        ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.target.head_weight.device)
-        if ids.dim() != 1 or ids.numel() == 0:
+        ranked = torch.as_tensor(token_ids, dtype=torch.int64)
+        if ranked.dim() != 1 or ranked.numel() == 0:
             raise ValueError("the draft vocabulary must be a non-empty list of token ids")
+        ids = torch.cat([ranked, torch.as_tensor(list(spare), dtype=torch.int64)])
         vocab = self.target.vocab
         if ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != ids.numel():
             raise ValueError(f"the draft vocabulary's ids must be distinct, in [0, {vocab})")
         if self.target.tp.world == 1:
+            ids = ids.to(self.target.head_weight.device)
             self.draft_ids, self.draft_weight = ids, self.target.head_weight[ids].contiguous()
+            self.prompt_vocab = PromptVocab(ranked.tolist(), list(spare), vocab) if len(spare) else None
+
+    def write_vocab(self, writes: dict[int, int]) -> None:
+        """Spare rows take new ids ({row: id}, from PromptVocab.admit), on the current stream: the steps enqueued
+        before it draft from the old ids, those after it from the new."""
+        pairs = torch.tensor([list(writes), list(writes.values())], dtype=torch.int64,
+                             pin_memory=self.draft_ids.is_cuda)
+        rows, ids = pairs.to(self.draft_ids.device, non_blocking=True)
+        self.draft_ids.index_copy_(0, rows, ids)
+        self.draft_weight.index_copy_(0, rows, self.target.head_weight.index_select(0, ids))
 
     def route_sites(self) -> list[Site]:
         """The head's matmuls and its draft LM head (with the final norm), for the route table."""

@@ -14,9 +14,10 @@ DEV = "cpu" if dr.interpreted() else "cuda"
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 5, 17, 99]
 
 
-def _engine(backend: str, vocab_file=None, size: int = 0, **kw):
+def _engine(backend: str, vocab_file=None, size: int = 0, spare: int = 0, **kw):
     from engine.llm_engine import LLMEngine
-    extra = dict(spec_draft_vocab=str(vocab_file), spec_draft_vocab_size=size) if vocab_file else {}
+    extra = dict(spec_draft_vocab=str(vocab_file), spec_draft_vocab_size=size, spec_prompt_vocab=spare) \
+        if vocab_file else {}
     return LLMEngine(model="dummy:tiny", device=DEV if backend == "triton" else "cpu", dtype="float32",
                      attention_backend=backend, max_num_seqs=4, max_model_len=64, enforce_eager=True,
                      speculative="eagle", spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0,
@@ -109,14 +110,19 @@ def test_the_heads_ranking_is_the_default(tmp_path):
 
 @pytest.mark.slow
 def test_the_shipped_head_drafts_from_its_ranking():
-    """The default model's engine loads the shipped head's ranking (16 K ids by default; distinct and in the
-    vocabulary, or restrict refuses it); "none" keeps the whole vocabulary."""
+    """The default model's engine loads the shipped head's ranking (16 K ids by default, and the next 256 in the
+    spare rows to start with; distinct and in the vocabulary, or restrict refuses it); "none" keeps the whole
+    vocabulary."""
     from engine.llm_engine import LLMEngine
+    from engine.speculative.drafters import default_head_dir, draft_vocab_file, load_draft_vocab
     heads = {}
     for vocab in ("", "none"):
         eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=1,
                         speculative="eagle", num_speculative_tokens=2, spec_draft_vocab=vocab)
         heads[vocab] = eng.runner.program.drafter.head
         eng.close()
-    assert heads[""].draft_ids.numel() == 16384 and heads[""].draft_weight.shape[0] == 16384
-    assert heads["none"].draft_ids is None
+    ranked = load_draft_vocab(draft_vocab_file("", default_head_dir(eng.source)))
+    spare = heads[""].prompt_vocab.capacity
+    assert spare == 256 and heads[""].draft_ids.tolist() == ranked[:16384 + spare]
+    assert heads[""].draft_weight.shape[0] == 16384 + spare
+    assert heads["none"].draft_ids is None and heads["none"].prompt_vocab is None

@@ -43,7 +43,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
         paged = PagedHead(head, model, backend, num_blocks, config.block_size, max_model_len + k)
         vocab = draft_vocab_file(config.tuning.spec_draft_vocab, where)
         if vocab:
-            paged.restrict(load_draft_vocab(vocab, config.tuning.spec_draft_vocab_size))
+            restrict_vocab(paged, vocab, config.tuning.spec_draft_vocab_size, config.tuning.spec_prompt_vocab)
         return EagleDrafter(k, paged, config.block_size, max_model_len, config.use_spec_kernels(),
                             config.tuning.draft_gather, config_tree(config))
     if config.speculative == "draft_model":
@@ -64,6 +64,16 @@ def draft_vocab_file(spec_draft_vocab: str, head: str) -> str:
         return spec_draft_vocab
     ranks = Path(head) / "token_ranks.json"
     return str(ranks) if head != "random" and ranks.is_file() else ""
+
+
+def restrict_vocab(paged, path: str, size: int, spare: int) -> None:
+    """The head drafts unguided rows from the ranking's first `size` ids (0: all), and `spare` rows more that
+    recent prompts' tokens take where the ranking leaves some out."""
+    from engine.speculative.prompt_vocab import spare_ids
+    base = load_draft_vocab(path, size)
+    ranked = load_draft_vocab(path) if spare else base
+    vocab = paged.target.vocab
+    paged.restrict(base, spare_ids(ranked, len(base), min(spare, vocab - len(base)), vocab))
 
 
 def load_draft_vocab(path: str, size: int = 0) -> list[int]:

@@ -136,6 +136,14 @@ class Drafter(abc.ABC):
         """A step that drafts nothing (too many rows) still shows the drafter its tokens: a drafter with state
         of its own (a head's KV cache) updates it here. Stateless drafters need nothing."""
 
+    def vocab_writes(self, rows) -> dict[int, int] | None:
+        """Host, while a step is planned: what the step's admissions change in the drafter's vocabulary, for
+        write_vocab before the step runs (None: nothing)."""
+        return None
+
+    def write_vocab(self, writes: dict[int, int]) -> None:
+        """On the compute stream, before the step whose vocab_writes these are."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, k={self.num_speculative_tokens})"
 

@@ -46,6 +46,21 @@ class EagleDrafter(Drafter):
     def route_sites(self) -> list:
         return self.head.route_sites()
 
+    def vocab_writes(self, rows) -> dict[int, int] | None:
+        """The prompts of the step's admissions (their first chunk: more than one token from their cached
+        prefix on) in the draft vocabulary's spare rows. Guided drafts read the whole vocabulary."""
+        vocab = self.head.prompt_vocab
+        if vocab is None:
+            return None
+        writes = {}
+        for row in rows:
+            if row.num_tokens > 1 and row.start == row.cached and not row.seq.guided:
+                vocab.admit(row.seq.prompt_token_ids, writes)
+        return writes or None
+
+    def write_vocab(self, writes: dict[int, int]) -> None:
+        self.head.write_vocab(writes)
+
     def observe(self, ctx: FeatureContext) -> None:
         self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
 
