@@ -42,8 +42,8 @@ class Tuning:
     guide_max_repeat: int = 1000       # the count of one {n,m} repetition of a regex, pattern or grammar
     # speculation
     spec_tree: int = 0                 # eagle: drafts a row holds as a tree, K of them its chain (0: a chain)
-    spec_draft_vocab: str = ""         # eagle: a JSON token ranking for unguided drafts ("": the head's, "none")
-    spec_draft_vocab_size: int = 16384  # eagle: unguided drafts from this many of the ranking's tokens (0: all)
+    spec_draft_vocab: str = ""         # eagle: a JSON token ranking drafts come from ("": the head's, "none")
+    spec_draft_vocab_size: int = 16384  # eagle: drafts from this many of the ranking's tokens (0: all)
     spec_prompt_vocab: int = 256       # eagle: ... and this many more, lent to recent prompts' tokens it leaves out
     guided_draft_masks: bool = False   # guided + speculative: every draft step picks its token under the grammar
     guided_forced_drafts: bool = False  # guided + speculative: text the grammar forces is drafted as it is

@@ -117,6 +117,7 @@ class GuidedRequest:
         self._matcher: xgr.GrammarMatcher | None = None
         self.ready = False          # it has its matcher (a plain attribute: the scheduler's native walk reads it)
         self._entry = None          # (registry, index): its entry in a grammar node's registry (`entry`)
+        self.guide_ids = ()         # its guide's text as token ids, where a draft head may draft them
 
     @property
     def matcher(self):

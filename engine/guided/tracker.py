@@ -21,6 +21,7 @@ INITIAL_CACHE = 1024          # guides whose first closing a tracker remembers
 
 class GuidedTracker:
     def __init__(self, tokenizer, vocab_size: int, eos_ids, config, cuda: bool):
+        self.tokenizer = tokenizer
         self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids, config.grammar_compile_threads,
                                             config.grammar_compile_queue, config.grammar_compile_processes,
                                             config.grammar_cache_mb << 20)
@@ -34,6 +35,10 @@ class GuidedTracker:
         self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
         self._vocab: ClosingVocab | None = None         # built with the service
         self._initial: dict = {}                        # guide -> its closing from the start (see closer)
+        # a head's drafts can be what the guide's text holds (property names, enum values): its token ids go to
+        # the draft vocabulary's spare rows (engine/speculative/prompt_vocab.py), tokenized once a guide
+        self.lend_ids = config.speculative == "eagle" and t.spec_prompt_vocab > 0
+        self._guide_ids: dict = {}
 
     def start(self, seq) -> None:
         """At add_request: start compiling (raises ValueError if guided decoding cannot run here)."""
@@ -45,11 +50,22 @@ class GuidedTracker:
         if self.service is None:
             self._start_service()
         seq.guided = self.service.submit(seq.params.guide)
+        if self.lend_ids:
+            seq.guided.guide_ids = self.guide_ids(seq.params.guide)
         # A cached grammar is ready almost at once: waiting for it lets the request sample in its first step
         # (a later poll would find it ready one step late); an uncached one goes on in the background.
         concurrent.futures.wait([seq.guided.future], timeout=CACHED_COMPILE_WAIT)
         seq.guided.poll()
         self.compiling.append(seq)
+
+    def guide_ids(self, guide) -> list[int]:
+        """The token ids of the guide's source text (its JSON schema, regex or grammar), remembered a guide."""
+        ids = self._guide_ids.get(guide)
+        if ids is None:
+            if len(self._guide_ids) >= INITIAL_CACHE:
+                self._guide_ids.clear()
+            ids = self._guide_ids[guide] = self.tokenizer.encode(guide.source, add_special_tokens=False)
+        return ids
 
     def ensure_service(self) -> None:
         """Build the compiler now (before another thread may call `check`)."""

@@ -280,9 +280,11 @@ class SpecStepProgram(StepProgram):
                 last = d["logits_indices"][:S] + (accepted if S else 0)     # each row's last verified input
                 draft_rows = last, d["tok_seq"][last], None, d["smp_row"][:S] >= 0
             last, last_seq, start, last_valid = draft_rows
+            # a chain step of level K drafts K for the next (a plain step, a tree step, draft masks: all of them)
+            depth = K if K and self.tree is None and not (guided and self.draft_masks is not None) else 0
             ctx = FeatureContext(input_ids=ids, features=features, next_ids=next_ids, positions=d["positions"][:T],
                                  meta=meta, last=last, last_seq=last_seq, last_valid=last_valid, start=start,
-                                 kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]])
+                                 kv_cap=d["kv_cap"][:meta.seq_lens.shape[0]], depth=depth)
             if not drafting:
                 self.drafter.observe(ctx)
             elif guided and self.draft_masks is not None:
@@ -294,7 +296,7 @@ class SpecStepProgram(StepProgram):
             if tp.world > 1:        # decided once: rank 0's drafts are every rank's
                 packed = tp.broadcast(torch.cat([tokens, count[:, None]], dim=1))
                 tokens, count = packed[:, :-1], packed[:, -1]
-            st.drafts[rows] = tokens
+            st.drafts[rows, :tokens.shape[1]] = tokens     # (past them: older drafts, never verified)
             st.draft_count[rows] = count
 
     @staticmethod

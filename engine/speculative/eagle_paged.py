@@ -142,10 +142,10 @@ class PagedHead:
         return self.target.compute_logits(self.target.final_norm(hidden, self.backend))
 
     def restrict(self, token_ids, spare=()) -> None:
-        """Unguided drafts from these token ids only (Tuning.spec_draft_vocab): their rows of the LM head
-        are gathered once, so a draft step reads len(token_ids) rows instead of the vocabulary. `spare`: ids of
-        rows after them that recent prompts' tokens take (engine/speculative/prompt_vocab.py). Guided drafts keep
-        the whole vocabulary (the grammar's mask is over it); so does a target split over ranks."""
+        """Drafts from these token ids only (Tuning.spec_draft_vocab): their rows of the LM head are gathered
+        once, so a draft step reads len(token_ids) rows instead of the vocabulary. `spare`: ids of rows after them
+        that recent prompts' tokens take (engine/speculative/prompt_vocab.py). Drafts under the grammar's draft
+        masks keep the whole vocabulary (the mask is over it); so does a target split over ranks."""
         ranked = torch.as_tensor(token_ids, dtype=torch.int64)
         if ranked.dim() != 1 or ranked.numel() == 0:
             raise ValueError("the draft vocabulary must be a non-empty list of token ids")
@@ -172,7 +172,7 @@ class PagedHead:
         h, t = self.head, self.target
         sites = [Site("linear", [self.fc_weight]), Site("linear", [self.qkv_weight]), Site("linear", [h.o_proj.weight]),
                  Site("norm_linear_silu", [self.gate_up_weight], h.post_norm), Site("linear", [h.down_proj.weight])]
-        if t.tp.world == 1:     # guided drafts read the whole vocabulary, unguided ones the draft vocabulary's rows
+        if t.tp.world == 1:     # drafts under draft masks read the whole vocabulary, others the draft rows
             heads = [t.head_weight] + ([] if self.draft_weight is None else [self.draft_weight])
             sites += [Site("norm_head", [w], t.norm.weight) for w in heads]
         return sites

@@ -1,10 +1,11 @@
 """The draft vocabulary's spare rows, lent to the tokens of recent prompts that its ranking leaves out.
 
-Unguided EAGLE drafts come from the LM-head rows of the ranking's first ids (Tuning.spec_draft_vocab_size): a
+EAGLE drafts come from the LM-head rows of the ranking's first ids (Tuning.spec_draft_vocab_size): a
 draft step reads those rows, not the whole vocabulary. A tool call copies its schema's rare tokens (a property
 name, an enum value) from the prompt, and a ranking of typical answers leaves many of them out, so the head could
 never draft them. `spec_prompt_vocab` more rows follow the ranked ones. They start as the next ranked ids, and
-each admitted request's prompt tokens outside the ranked ones take the rows used least recently (host only here;
+each admitted request's prompt tokens outside the ranked ones, and a guided request's guide text
+(GuidedRequest.guide_ids), take the rows used least recently (host only here;
 PagedHead.write_vocab copies the ids and their LM-head rows on the compute stream before the step that follows).
 
 A row always holds one id whose LM-head row it carries, and no id is in two rows: the argmax and top-k over the

@@ -79,23 +79,28 @@ def test_rows_stay_consistent_through_evictions(tmp_path):
 
 
 @pytest.mark.slow
-def test_guided_prompts_take_no_rows():
-    """Guided drafts read the whole vocabulary: a guided request's prompt lends it nothing; the same prompt
-    unguided takes spare rows for its ids outside the ranking (the default model and its shipped head)."""
+def test_guided_requests_lend_their_guides_ids_and_draft_from_the_rows():
+    """Without draft masks a guided step's drafts come from the draft rows too (the grammar then walks them). A
+    guided request's guide text lends its ids outside the ranking spare rows, though its prompt does not hold
+    them (a schema given as response_format), and its drafts are the rows' ids (the default model and its
+    shipped head)."""
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
+    from helpers import record_drafts
     eng = LLMEngine(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2, max_model_len=256,
                     speculative="eagle", num_speculative_tokens=2)
     head = eng.runner.program.drafter.head
     schema = {"type": "object", "properties": {"zygomorphicPetiole": {"type": "integer"}},
               "required": ["zygomorphicPetiole"]}
-    prompt = eng.apply_chat_template([{"role": "user", "content": f"JSON for {json.dumps(schema)}"}])
-    novel = set(prompt) - set(head.draft_ids[:16384].tolist())
-    before = head.draft_ids.tolist()
-    eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, json_schema=schema))
-    assert head.draft_ids.tolist() == before and novel and not novel <= set(before)
-    eng.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    prompt = eng.apply_chat_template([{"role": "user", "content": "A leaf, as JSON."}])
+    guide_ids = eng.tokenizer.encode(json.dumps(schema), add_special_tokens=False)
+    novel = set(guide_ids) - set(head.draft_ids[:16384].tolist()) - set(prompt)
+    assert novel and not novel <= set(head.draft_ids.tolist())
+    proposals = record_drafts(eng.runner.program.drafter)
+    [seq] = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, json_schema=schema))
     assert novel <= set(head.draft_ids.tolist())
+    drafted = {t for p in proposals for t in p.draft_tokens.flatten().tolist()}
+    assert drafted and drafted <= set(head.draft_ids.tolist())
     _consistent(head)
     eng.close()
 

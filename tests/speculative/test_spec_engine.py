@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_no_leak
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
-from helpers import CPU, PREEMPTING, REPEATING, ROOMY, EagerGraphs, drive, record_steps
+from helpers import CPU, PREEMPTING, REPEATING, ROOMY, EagerGraphs, drive, record_drafts, record_steps
 
 # float32: in bfloat16 scoring 1 + K tokens at once rounds differently from scoring one, and a near-tie argmax
 # can flip (bench/spec/spec.py reports how often outputs stay identical in bfloat16: same_tokens_as_none)
@@ -131,14 +131,20 @@ def test_graph_padded_spec_steps_change_no_token(spec_workload, reference, draft
 @pytest.mark.parametrize("drafter", ["ngram", "eagle"])
 def test_any_k_step_by_step_changes_no_token(spec_workload, reference, drafter):
     """Each step verifies the K the budget picks (here every level and none, in turn), in the graphs' padded
-    layouts: greedy output equals the plain engine's, and nothing leaks."""
+    layouts: greedy output equals the plain engine's, and nothing leaks. A head's step of level k drafts k (a
+    plain step all 5), so the step after a lower level verifies at most that level's drafts."""
     eng = LLMEngine(**CPU, depth=2, speculative=drafter, num_speculative_tokens=5)
-    used = []
+    used, widths = [], []
+    proposals = record_drafts(eng.runner.program.drafter)
 
     class Recording(EagerGraphs):
         def replay(self, slot, variant):
             used.append(slot.graph_key.spec_k)
-            return super().replay(slot, variant)
+            before = len(proposals)
+            result = super().replay(slot, variant)
+            if len(proposals) > before:
+                widths.append((slot.graph_key.spec_k, proposals[-1].draft_tokens.shape[1]))
+            return result
     eng.runner.graphs = Recording(eng.runner)
     budget = eng.scheduler.spec.budget
     assert budget.levels == (1, 3, 5)
@@ -149,6 +155,7 @@ def test_any_k_step_by_step_changes_no_token(spec_workload, reference, drafter):
     assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in reference["roomy"]]
     assert [s.finish_reason for s in seqs] == [s.finish_reason for s in reference["roomy"]]
     assert {1, 3, 5} <= set(used), used
+    assert {(k, (k or 5) if drafter == "eagle" else 5) for k in (0, 1, 3, 5)} == set(widths), widths
     assert eng.timings.spec_accepted > 0
     assert_no_leak(eng)
     assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows

@@ -55,7 +55,7 @@ def make_drafter(config, source=None, model=None, backend=None, num_blocks: int 
 
 
 def draft_vocab_file(spec_draft_vocab: str, head: str) -> str:
-    """The ranking unguided drafts come from: Tuning.spec_draft_vocab's file, or ("") the head directory's
+    """The ranking drafts come from: Tuning.spec_draft_vocab's file, or ("") the head directory's
     token_ranks.json where it has one; "" for the whole vocabulary ("none", a random head, a head without one)."""
     from pathlib import Path
     if spec_draft_vocab == "none":
@@ -67,7 +67,7 @@ def draft_vocab_file(spec_draft_vocab: str, head: str) -> str:
 
 
 def restrict_vocab(paged, path: str, size: int, spare: int) -> None:
-    """The head drafts unguided rows from the ranking's first `size` ids (0: all), and `spare` rows more that
+    """The head drafts from the ranking's first `size` ids (0: all), and `spare` rows more that
     recent prompts' tokens take where the ranking leaves some out."""
     from engine.speculative.prompt_vocab import spare_ids
     base = load_draft_vocab(path, size)

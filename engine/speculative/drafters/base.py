@@ -64,6 +64,8 @@ class FeatureContext:
         (a draft tree's candidates `guide.top(j, logits, n)`), and `guide.num_drafts()` counts each row's drafts
         (a row stops where its grammar ends or fails).
     start: [S] int64, positions[last], or None (last_position() indexes it).
+    depth: drafts a chain drafter makes this step (0: its K). A step verifying a lower level of K drafts that
+        many for the next step: a level held step after step then costs what an engine of that K costs.
     """
     next_ids: torch.Tensor
     positions: torch.Tensor
@@ -76,6 +78,7 @@ class FeatureContext:
     features: torch.Tensor | None = None
     guide: object = None
     start: torch.Tensor | None = None
+    depth: int = 0
 
     def last_position(self) -> torch.Tensor:
         """[S] int64, positions[last]: `start` where the step computed it already."""

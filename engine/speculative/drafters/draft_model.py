@@ -59,10 +59,10 @@ class DraftModelDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         self.observe(ctx)
         start = ctx.last_position()
-        pos, metas, _ = draft_layout(ctx, start, 1, self.num_speculative_tokens, self.block_size,
-                                     self.max_model_len, self.spec_kernels)
+        k = ctx.depth or self.num_speculative_tokens
+        pos, metas, _ = draft_layout(ctx, start, 1, k, self.block_size, self.max_model_len, self.spec_kernels)
         token, drafts = ctx.next_ids[ctx.last], []
-        for j in range(self.num_speculative_tokens):
+        for j in range(k):
             hidden = self.model(token, pos[j], metas[j], self.kv_caches, self.backend)
             token = ctx.pick(j, self.model.compute_logits(hidden))
             drafts.append(token)

@@ -48,14 +48,17 @@ class EagleDrafter(Drafter):
 
     def vocab_writes(self, rows) -> dict[int, int] | None:
         """The prompts of the step's admissions (their first chunk: more than one token from their cached
-        prefix on) in the draft vocabulary's spare rows. Guided drafts read the whole vocabulary."""
+        prefix on), and a guided one's guide text (GuidedRequest.guide_ids), in the draft vocabulary's spare
+        rows."""
         vocab = self.head.prompt_vocab
         if vocab is None:
             return None
         writes = {}
         for row in rows:
-            if row.num_tokens > 1 and row.start == row.cached and not row.seq.guided:
+            if row.num_tokens > 1 and row.start == row.cached:
                 vocab.admit(row.seq.prompt_token_ids, writes)
+                if row.seq.guided is not None:
+                    vocab.admit(row.seq.guided.guide_ids, writes)
         return writes or None
 
     def write_vocab(self, writes: dict[int, int]) -> None:
@@ -67,13 +70,14 @@ class EagleDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         q, feature = self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
         start = ctx.last_position()
-        pos, metas, (q, feature) = draft_layout(ctx, start, 0, self.num_speculative_tokens, self.block_size,
-                                                self.max_model_len, self.spec_kernels, (q, feature), self.gather)
+        k = self.num_speculative_tokens if self.tree is not None else ctx.depth or self.num_speculative_tokens
+        pos, metas, (q, feature) = draft_layout(ctx, start, 0, k, self.block_size, self.max_model_len,
+                                                self.spec_kernels, (q, feature), self.gather)
         hidden = self.head.attend(q, metas[0], feature)
         if self.tree is not None:
             return self._tree(ctx, hidden, pos, metas)
         drafts = [self._pick(ctx, 0, hidden)]
-        for i in range(1, self.num_speculative_tokens):
+        for i in range(1, ctx.depth or self.num_speculative_tokens):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
             drafts.append(self._pick(ctx, i, hidden))
         tokens = torch.stack(drafts, dim=1)
