@@ -167,8 +167,8 @@ class ModelRunner:
         fill_slot(slot, rows, self.config.block_size, self.spec_k, self.penalties, self.eos_ids,
                   self.spec_k and self.program.drafter.uses_history)
         slot.quiet = bool(quiet and self.spec_k and not slot.spec_k)
-        slot.vocab_writes = self.program.drafter.vocab_writes(rows) if self.spec_k and slot.max_query_len > 1 \
-            else None
+        admits = self.spec_k and not slot.spec_k and slot.max_query_len > 1     # (spec steps admit no request)
+        slot.vocab_writes = self.program.drafter.vocab_writes(rows) if admits else None
         slot.graph_key = self.graphs.key_for(slot) if self.graphs else None
         if slot.graph_key:
             self.graphs.pad(slot, slot.graph_key)
