@@ -70,8 +70,8 @@ def restrict_vocab(paged, path: str, size: int, spare: int) -> None:
     """The head drafts from the ranking's first `size` ids (0: all), and `spare` rows more that
     recent prompts' tokens take where the ranking leaves some out."""
     from engine.speculative.prompt_vocab import spare_ids
-    base = load_draft_vocab(path, size)
-    ranked = load_draft_vocab(path) if spare else base
+    ranked = load_draft_vocab(path)
+    base = first_ids(ranked, size, path)
     vocab = paged.target.vocab
     paged.restrict(base, spare_ids(ranked, len(base), min(spare, vocab - len(base)), vocab))
 
@@ -85,6 +85,11 @@ def load_draft_vocab(path: str, size: int = 0) -> list[int]:
     ids = data["token_ids"] if isinstance(data, dict) else data
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"draft vocabulary {path}: expected a list of token ids")
+    return first_ids(ids, size, path)
+
+
+def first_ids(ids: list[int], size: int, path: str) -> list[int]:
+    """The first `size` (0: all) ids of the ranking at `path`."""
     if size > len(ids):
         raise ValueError(f"draft vocabulary {path} has {len(ids)} ids; spec_draft_vocab_size asks for {size}")
     return ids[:size] if size else ids

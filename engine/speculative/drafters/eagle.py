@@ -70,14 +70,14 @@ class EagleDrafter(Drafter):
     def propose(self, ctx: FeatureContext) -> Proposal:
         q, feature = self.head.write_kv(ctx.features, ctx.next_ids, ctx.positions, ctx.meta.slot_mapping)
         start = ctx.last_position()
-        k = self.num_speculative_tokens if self.tree is not None else ctx.depth or self.num_speculative_tokens
+        k = ctx.depth or self.num_speculative_tokens      # (a tree engine's steps draft the whole tree: depth 0)
         pos, metas, (q, feature) = draft_layout(ctx, start, 0, k, self.block_size, self.max_model_len,
                                                 self.spec_kernels, (q, feature), self.gather)
         hidden = self.head.attend(q, metas[0], feature)
         if self.tree is not None:
             return self._tree(ctx, hidden, pos, metas)
         drafts = [self._pick(ctx, 0, hidden)]
-        for i in range(1, ctx.depth or self.num_speculative_tokens):
+        for i in range(1, k):
             hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
             drafts.append(self._pick(ctx, i, hidden))
         tokens = torch.stack(drafts, dim=1)
