@@ -105,6 +105,31 @@ def test_guided_requests_lend_their_guides_ids_and_draft_from_the_rows():
     eng.close()
 
 
+@pytest.mark.gpu
+def test_gpu_graphs_lend_rows_between_replays():
+    """CUDA graphs, float32, debug_sync: the spare rows change between graph replays (on the compute stream, no
+    host sync while a step is enqueued), every row keeps its id's LM-head row, and greedy outputs equal the
+    engine's without speculation (the default model and its shipped head)."""
+    from engine.llm_engine import LLMEngine
+    from engine.requests.sequence import SamplingParams
+    cfg = dict(device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=4)
+    plain = LLMEngine(**cfg)
+    prompts = [plain.apply_chat_template([{"role": "user", "content": text}]) for text in (
+        'Fill {"zygomorphicPetiole": int, "xanthophyllQuota": str} as JSON.', "Name three quasars.",
+        'Return {"glaucousBract": bool} as JSON.', "What is a petiole?", 'Write {"ombrophilousId": 7}.')]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = [s.output_token_ids for s in plain.generate(prompts, params)]
+    plain.close()
+    eng = LLMEngine(**cfg, speculative="eagle", num_speculative_tokens=3, spec_prompt_vocab=8, debug_sync=True)
+    head = eng.runner.program.drafter.head
+    before = head.draft_ids.tolist()
+    assert [s.output_token_ids for s in eng.generate(prompts, params)] == want
+    assert head.draft_ids.tolist() != before and eng.runner.graphs.replays["spec"] > 0
+    _consistent(head)
+    assert_no_leak(eng)
+    eng.close()
+
+
 def test_refusals():
     from engine.config import EngineConfig
     with pytest.raises(ValueError, match="spec_prompt_vocab must be >= 0"):
