@@ -97,7 +97,8 @@ class LLMEngine(EngineFrontend):
         self.eos_ids = self._eos_ids()
         self.runner.eos_ids = self.eos_ids
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)
-        self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config, self.runner.cuda)
+        self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config, self.runner.cuda,
+                                    self.runner.spec_k > 0 and self.runner.program.drafter.lends_vocab)
         self.timings = StepTimings()
         self._counted_query = self._counted_hits = 0     # the prefix-cache counters timings already holds
         self._rng = random.Random(config.seed)

@@ -20,7 +20,7 @@ INITIAL_CACHE = 1024          # guides whose first closing a tracker remembers
 
 
 class GuidedTracker:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, config, cuda: bool):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, config, cuda: bool, lend_ids: bool = False):
         self.tokenizer = tokenizer
         self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids, config.grammar_compile_threads,
                                             config.grammar_compile_queue, config.grammar_compile_processes,
@@ -35,9 +35,9 @@ class GuidedTracker:
         self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
         self._vocab: ClosingVocab | None = None         # built with the service
         self._initial: dict = {}                        # guide -> its closing from the start (see closer)
-        # a head's drafts can be what the guide's text holds (property names, enum values): its token ids go to
-        # the draft vocabulary's spare rows (engine/speculative/prompt_vocab.py), tokenized once a guide
-        self.lend_ids = config.speculative == "eagle" and t.spec_prompt_vocab > 0
+        # lend_ids: a head's drafts can be what the guide's text holds (property names, enum values): its token ids
+        # go to the draft vocabulary's spare rows (engine/speculative/prompt_vocab.py), tokenized once a guide
+        self.lend_ids = lend_ids
         self._guide_ids: dict = {}
 
     def start(self, seq) -> None:

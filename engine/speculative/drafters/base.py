@@ -125,6 +125,7 @@ class Drafter(abc.ABC):
     uses_history = True     # False: gets a FeatureContext (and sets feature_layers, the target layers it reads)
     feature_layers: tuple = ()
     lookahead = 0           # positions past a row's inputs it writes KV at (the scheduler reserves pages for them)
+    lends_vocab = False     # its vocabulary takes admitted prompts' and guides' ids (vocab_writes)
 
     def route_sites(self) -> list:
         """The drafter's matmuls whose kernels the route table chooses (engine/kernels/routes.py Site): none for

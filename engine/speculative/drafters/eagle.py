@@ -46,6 +46,10 @@ class EagleDrafter(Drafter):
     def route_sites(self) -> list:
         return self.head.route_sites()
 
+    @property
+    def lends_vocab(self) -> bool:
+        return self.head.prompt_vocab is not None
+
     def vocab_writes(self, rows) -> dict[int, int] | None:
         """The prompts of the step's admissions (their first chunk: more than one token from their cached
         prefix on), and a guided one's guide text (GuidedRequest.guide_ids), in the draft vocabulary's spare
