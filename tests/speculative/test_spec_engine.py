@@ -131,8 +131,8 @@ def test_graph_padded_spec_steps_change_no_token(spec_workload, reference, draft
 @pytest.mark.parametrize("drafter", ["ngram", "eagle", pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_any_k_step_by_step_changes_no_token(spec_workload, reference, drafter):
     """Each step verifies the K the budget picks (here every level and none, in turn), in the graphs' padded
-    layouts: greedy output equals the plain engine's, and nothing leaks. A head's or draft model's step of level k drafts k (a
-    plain step all 5), so the step after a lower level verifies at most that level's drafts."""
+    layouts: greedy output equals the plain engine's, and nothing leaks. A head's or a draft model's step of
+    level k drafts k (a plain step all 5), so the step after a lower level verifies at most that level's drafts."""
     eng = LLMEngine(**CPU, depth=2, num_speculative_tokens=5, **drafter_cfg(drafter))
     used, widths = [], []
     proposals = record_drafts(eng.runner.program.drafter)
