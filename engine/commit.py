@@ -92,6 +92,19 @@ class Commits:
     def _commit_failed(self, seq: Sequence, exc: BaseException) -> RequestOutput:
         return self.fail(seq, f"committing its tokens failed: {describe(exc)}")
 
+    def close(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Rows the scheduler found closing (Closer.closes_now): each appends its whole forced closing and ends,
+        with no step."""
+        outputs, now = [], time.perf_counter()
+        for seq in seqs:
+            if seq.finalized:
+                continue
+            try:
+                outputs.append(self.append(seq, list(seq.closer.forced), now))
+            except Exception as exc:
+                outputs.append(self._commit_failed(seq, exc))
+        return outputs
+
     def append(self, seq: Sequence, new: list[int], now: float, logprobs: list | None = None) -> RequestOutput:
         """Append a step's tokens for one request (several with speculation); it may stop inside them.
         `logprobs`: an entry per token of `new`, for a request that asked for them."""

@@ -57,6 +57,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix = PrefixMap(block_manager)
+        self.closing: list[Sequence] = []   # the last schedule's rows whose whole rest is a forced closing
         self.native = True          # runs of common decode rows and launched counters in native code
                                     # (engine/requests/csrc/hostpath.cpp); False: all in Python, their definition
 
@@ -67,7 +68,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledRow]:
+        """The next step's rows. Rows that need no step go to `closing` instead: the engine commits their forced
+        closings at once (Commits.close)."""
         rows: list[ScheduledRow] = []
+        self.closing = []
         budget = self.max_num_batched_tokens
         k = 0
         if self.spec is not None:
@@ -93,8 +97,8 @@ class Scheduler:
             scheduled = seq.num_scheduled_tokens          # read once: seq.schedule_target is this less grammar_blocked
             computed = seq.num_computed_tokens
             n = min(scheduled - seq.grammar_blocked - computed, budget)
-            # nothing new, capped, or a guided output about to close that waits for its token in flight
-            if n <= 0 or scheduled >= seq.max_len or (seq.closer is not None and seq.closer.hold(seq)):
+            # nothing new, capped, or a guided output about to close (its token in flight, or its closing due)
+            if n <= 0 or scheduled >= seq.max_len or (seq.closer is not None and self._holds(seq)):
                 i += 1
                 continue
             if plain and n == 1 and computed < len(seq.block_table) * page_tokens:
@@ -113,6 +117,16 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _holds(self, seq: Sequence) -> bool:
+        """Whether a guided row sits out this step: it waits for its token in flight before closing, or the rest
+        of its output is a forced closing that needs no step (it joins `closing`)."""
+        if seq.closer.hold(seq):
+            return True
+        if seq.closer.closes_now(seq):
+            self.closing.append(seq)
+            return True
+        return False
 
     def _could_admit(self, budget: int) -> bool:
         """Whether _admit_waiting would admit a request now (the first it would try has the pages)."""
@@ -195,8 +209,8 @@ class Scheduler:
         start = seq.num_computed_tokens
         scheduled = seq.num_scheduled_tokens if scheduled is None else scheduled
         row = ScheduledRow(seq, start, n, sample=start + n - k == scheduled, spec_k=k, epoch=seq.num_preemptions)
-        if k:       # a guided output closing runs a token a step (engine/guided/closing.py)
-            row.num_drafts = 0 if seq.closer is not None and seq.closer.stepwise else self.spec.row_drafts(seq, k)
+        if k:
+            row.num_drafts = self.spec.row_drafts(seq, k)
         return row
 
     def preempt(self, seq: Sequence) -> None:

@@ -18,7 +18,9 @@ of a string, array or object) and lets the model go on as the schema allows. A t
 
 Forcing: the host knows each token a closing row will emit, so the step's `forced` input carries it and the
 sampler emits it in place of its own choice (the grammar's mask allows it: the text came from the grammar). The
-closing text starts from committed output: a row due to close with a token in flight sits out one step first.
+closing text starts from committed output: a row due to close with a token in flight sits out one step first. A
+closing that ends the output (the stop token last) needs no model at all: the engine commits it whole, at once,
+instead of a token a step (Closer.closes_now; the tokens are the same).
 Outputs that end on their own before any of this are untouched.
 """
 from __future__ import annotations
@@ -105,6 +107,12 @@ class Closer:
     def stepwise(self) -> bool:
         """One token a step, none in flight when planned (a speculative step verifies no draft of it)."""
         return self.zone or self.watch or self.repeating or bool(self.forced)
+
+    def closes_now(self, seq) -> bool:
+        """The row's whole rest is its forced closing, stop token last, and nothing is in flight: the host can
+        commit it without a step (a request that asked for logprobs steps through it, to get them)."""
+        return bool(self.forced) and self.forced[-1] == self.vocab.stop and self.start == len(seq.output_token_ids) \
+            and not seq.num_pending and seq.logprobs is None
 
     def forced_at(self, index: int) -> int:
         """The token output index `index` must be, or -1."""

@@ -78,7 +78,10 @@ class SpecPolicy:
 
     def row_drafts(self, seq, k: int) -> int:
         """Drafts this row may accept: emitting all of them plus the bonus token stays within max_len even if
-        the host's optimistic count of the in-flight tokens is right."""
+        the host's optimistic count of the in-flight tokens is right. None while a guided output closes a token
+        a step (engine/guided/closing.py): a step of such rows alone is plain."""
+        if seq.closer is not None and seq.closer.stepwise:
+            return 0
         return max(0, min(k, self.depth or k, self.request_k(seq), seq.max_len - 1 - seq.num_scheduled_tokens))
 
     def step_k(self, running, could_admit: bool, budget: int) -> int:

@@ -2,8 +2,8 @@
 gives completes real schemas from any prefix; at budgets down to each schema's minimum every output validates
 and ends "stop"; outputs that end on their own are the same with closing on and off; the budget holds a branch
 that grows the closing (an array item of required properties); the repetition guard closes a value that repeats;
-a budget no output fits is refused; speculative rows close as plain ones do; hold() wakes where the per-step
-checks would act; the native closing search walks as the Python one."""
+a budget no output fits is refused; speculative rows close as plain ones do; a closing that ends the output takes
+no step; hold() wakes where the per-step checks would act; the native closing search walks as the Python one."""
 import json
 import os
 from pathlib import Path
@@ -13,7 +13,7 @@ import xgrammar as xgr
 
 from conftest import assert_no_leak
 from engine.guided import _native, native
-from engine.guided.closing import SLACK
+from engine.guided.closing import SLACK, Closer
 from engine.guided.closing_search import (BRANCH_POINTS, BRANCHES, CANDIDATES, CLOSERS, ClosingVocab,
                                           branch_closings, closing_text, python_branch_closings, python_closing_text)
 from engine.guided.compiler import compile_guide
@@ -389,3 +389,37 @@ def test_the_native_repetition_scan_equals_the_python_one():
             fired, watched = fired + (got == REPEAT_FIRED), watched + bool(got & REPEAT_WATCH)
             watch = bool(got & REPEAT_WATCH) and got != REPEAT_FIRED
     assert fired > 50 and watched > 50          # both outcomes were met often
+
+
+@needs_data
+def test_a_closing_that_ends_the_output_takes_no_step(engine, monkeypatch):
+    """Outputs closed by their budget end with the tokens that stepping through the closing gives (a token a step,
+    as a request with logprobs still does), but the closing itself takes no step: the host commits it whole."""
+    names = available()[:6]
+    schemas = [case(n)[0] for n in names]
+    params = [SamplingParams(max_tokens=m, temperature=0, json_schema=s) for s, m in zip(schemas, (24, 30, 36) * 2)]
+
+    def one_by_one():
+        out = []
+        for s, p in zip(schemas, params):
+            engine.timings.reset()
+            [seq] = engine.generate([prompt(engine, s)], [p])
+            out.append((seq, engine.timings.steps))
+        return out
+
+    at_once = one_by_one()
+    monkeypatch.setattr(Closer, "closes_now", lambda self, seq: False)
+    stepped = one_by_one()
+    closed = 0
+    for name, (a, steps_a), (b, steps_b) in zip(names, at_once, stepped):
+        assert (a.output_token_ids, a.finish_reason, a.closed_by) == (b.output_token_ids, b.finish_reason,
+                                                                      b.closed_by), name
+        if a.closed_by == "budget":
+            closed += 1
+            forced = len(a.output_token_ids) - a.closer.start
+            assert forced >= 2 and steps_a <= a.closer.start + 1 and steps_b >= steps_a + forced - 1, \
+                (name, forced, steps_a, steps_b)
+        else:
+            assert steps_a == steps_b, name
+    assert closed >= 2
+    assert_no_leak(engine)

@@ -129,7 +129,7 @@ def test_bad_costs_and_levels_refused():
 def _decoding_rows(n: int) -> list:
     from types import SimpleNamespace
     return [SimpleNamespace(num_scheduled_tokens=10, max_len=100, schedule_target=11, num_computed_tokens=10,
-                            params=SimpleNamespace(num_speculative_tokens=None)) for _ in range(n)]
+                            closer=None, params=SimpleNamespace(num_speculative_tokens=None)) for _ in range(n)]
 
 
 def test_paused_steps_are_quiet_and_a_drafting_step_comes_before_any_spec_step():
