@@ -100,7 +100,7 @@ class EngineConfig:
     seed: int = 0                      # draws the sampling seed of each request that sends none
     # speculative decoding
     speculative: str = "none"          # the drafter: "none", "ngram", "eagle" or "draft_model"
-    num_speculative_tokens: int = 3    # K: drafts a speculating sequence holds, the most a step verifies
+    num_speculative_tokens: int = 6    # K: drafts a speculating sequence holds, the most a step verifies
     spec_head: str = ""                # eagle: a head directory ("": the one shipped for the model, "random")
     spec_draft_model: str = ""         # draft_model: a model sharing the tokenizer (a path, "default", "dummy:X")
     spec_max_batch: int = 32           # steps with more sequences do not speculate
