@@ -107,7 +107,8 @@ def flags(args, mode: str) -> dict:
 
 def outcome(work, seqs) -> dict:
     stopped = [check_output(w[0], s.text)[0] for w, s in zip(work, seqs) if s.finish_reason == "stop"]
-    return dict(valid_frac=round(sum(v == "valid" for v in stopped) / len(stopped), 4) if stopped else None,
+    checked = [v for v in stopped if v != "unchecked"]      # (unchecked: no jsonschema where the bench ran)
+    return dict(valid_frac=round(sum(v == "valid" for v in checked) / len(checked), 4) if checked else None,
                 finished_frac=round(len(stopped) / len(seqs), 4), errors=sum(s.error is not None for s in seqs))
 
 
