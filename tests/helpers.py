@@ -236,3 +236,12 @@ class Exploding:
 
     def __getattr__(self, name):
         return getattr(self._matcher, name)
+
+
+def stepped_output(seq) -> list[int]:
+    """A guided request's output up to a closing that ended it (engine/guided/closing.py): with no logprobs asked
+    for, the host commits such a closing whole, and no matcher of the grammar node sees it."""
+    closer = seq.closer
+    if seq.closed_by is not None and closer.forced and closer.forced[-1] == closer.vocab.stop:
+        return seq.output_token_ids[:closer.start]
+    return seq.output_token_ids

@@ -104,6 +104,9 @@ class _Closer:
         self.wake = len(seq.output_token_ids) + (seq.seq_id + self.calls) % 4
         return (seq.seq_id + self.calls) % 3 == 0
 
+    def closes_now(self, seq) -> bool:
+        return False
+
 
 def _world(seed: int, native: bool):
     """A pipelined run of one scheduler (depth 2: a step's rows land after the next step launched) over sequences

@@ -16,7 +16,7 @@ from conftest import assert_no_leak
 from engine.guided.compiler import compile_guide
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
-from helpers import CPU, EagerGraphs, allowed, drive_hooked, staggered
+from helpers import CPU, EagerGraphs, allowed, drive_hooked, staggered, stepped_output
 
 DATA = Path(os.environ.get("SPECDEC_DATA", Path(__file__).resolve().parents[2] / "../shared/data"))
 BENCH = DATA / "jsonschemabench" / "maskbench"
@@ -152,7 +152,7 @@ def test_pipelined_matchers_accepted_exactly_the_committed_tokens(engine, pipeli
     assert reasons.count("stop") >= 3 and reasons.count("length") >= 2, reasons
     fed_all = 0
     for seq in pipelined:
-        g, out = seq.guided, seq.output_token_ids
+        g, out = seq.guided, stepped_output(seq)
         if g is None:
             continue
         assert seq.error is None and len(out) - 1 <= g.accepted <= len(out), (g.accepted, len(out))

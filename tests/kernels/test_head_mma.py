@@ -182,7 +182,7 @@ def test_eagle_engine_outputs_equal_with_head_mma_on_every_head(tmp_path, monkey
         kw = dict(kernel_routes=mma) if on else dict(kernels="reference")
         eng = LLMEngine(model="dummy:tiny3", device=DEV, dtype="float32", attention_backend="triton", depth=1,
                         max_num_seqs=4, max_model_len=128, enforce_eager=True, speculative="eagle",
-                        spec_head=head_dir, **kw)
+                        num_speculative_tokens=3, spec_head=head_dir, **kw)
         runs[on] = greedy_drafts(eng, [[5, 17, 99, 3, 250, 42, 7], [300, 1, 2]], (5, 4))
         assert_no_leak(eng)
         # each spec step: three draft heads of both prompts' rows, then one verification of 2 x 4 rows

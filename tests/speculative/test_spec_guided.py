@@ -14,7 +14,7 @@ from conftest import assert_no_leak
 from engine.guided.draft_masks import DraftMasks
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
-from helpers import ASK, PEOPLE, WEATHER, EagerGraphs, allowed, drive
+from helpers import ASK, PEOPLE, WEATHER, EagerGraphs, allowed, drive, stepped_output
 
 CPU = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, spec_min_acceptance=0.0)
 
@@ -186,10 +186,11 @@ GPU_GRAPHS = dict(device="cuda", dtype="float32", attention_backend="triton", ma
 
 def matchers_fed_exactly_the_committed_tokens(seqs, vocab):
     """Each matcher's state is a fresh matcher's fed the committed tokens it accepted (every draft walk of
-    every replay rolled back); a request's last step's tokens may not have been accepted (no step after it)."""
+    every replay rolled back); a request's last step's tokens may not have been accepted (no step after it), nor
+    a closing the host committed whole (no step ran it)."""
     import xgrammar as xgr
     for seq in seqs:
-        g, out = seq.guided, seq.output_token_ids
+        g, out = seq.guided, stepped_output(seq)
         if g is None or seq.finish_reason == "error":
             continue
         fresh = xgr.GrammarMatcher(g.future.result())
