@@ -29,7 +29,7 @@ class Tuning:
     decode_attention_prefetch: int = 0  # KV tiles a decode_attention split reads before the wait: 0 by rule, 1, 2
     native_launch: bool = True         # a graph step's upload, events, replay and download in one native call
     spec_kernels: bool = True          # one kernel each: the spec step's correction, draft layout, n-gram search
-    spec_finish_kernel: bool = True    # a greedy unguided spec step's acceptance and finish in one kernel
+    spec_finish_kernel: bool = True    # a greedy spec step's acceptance and finish in one kernel
     draft_gather: bool = True          # the draft layout kernel also gathers the EAGLE head's inputs
     spec_budget: bool = True           # each step verifies K, a lower level or none: what its cost makes fastest
     # grammar
