@@ -13,6 +13,7 @@ from helpers import INTERPRETER_SETTINGS, SPEC_DEPTHS, greedy_drafts
 
 sf = triton_module("speculative.spec_finish")
 dr = triton_module("matmul.draft_gemv")
+am = triton_module("sampling.argmax")
 DEV = "cpu" if sf.interpreted() else "cuda"
 MML, ROWS, VOCAB = 40, 160, 50      # max_model_len, pool rows, token ids
 
@@ -151,8 +152,8 @@ def _program(on, history):
 @pytest.mark.parametrize("source,K", [("logits", 3), ("target_ids", 3), ("target_ids", 0)])
 def test_verify_finish_routes_greedy_steps_through_the_kernel(source, K, history, monkeypatch):
     """SpecStepProgram.verify_finish of a greedy unguided step on either the logits' argmax or the head kernels' ids
-    (K = 0: a plain step of one-token rows, which verifies nothing): the same tokens and writes on and off; guided and
-    sampled steps keep the torch path."""
+    (K = 0: a plain step of one-token rows, which verifies nothing): the same tokens and writes on and off; sampled
+    steps keep the torch path."""
     from engine.runner.spec_step import SpecStepProgram
     from engine.runner.step import StepVariant
     calls = []
@@ -179,6 +180,46 @@ def test_verify_finish_routes_greedy_steps_through_the_kernel(source, K, history
         assert torch.equal(got[2][0], SpecStepProgram.next_tokens(s0, ids, want[0], ids.shape[0]))
         assert all(torch.equal(x, y) for x, y in zip(got[2][1], _draft_rows(s0, want[1], ids.shape[0])))
     _assert_same_writes(s0, st0, s1, st1, 1, source)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("history", [True, False], ids=["history", "next_ids"])
+def test_verify_finish_routes_masked_guided_steps_through_the_kernel(history, monkeypatch):
+    """A greedy guided step on the masked argmax (a position whose mask allows nothing, the grammar's own cap on
+    each row's drafts, a closing row's forced token): the kernel gives the torch path's tokens and writes."""
+    from engine.runner.step import StepVariant
+    from engine.sampling.sampler import NO_TOKEN
+    calls = []
+    real = sf.greedy_finish
+    monkeypatch.setattr(sf, "greedy_finish", lambda *a: calls.append(1) or real(*a))
+    S, K = 5, 3
+    slot, st, ids, target, drafted = _case(7, S, K, K, 1)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(S * (K + 1), VOCAB, generator=g)
+    logits[torch.arange(S * (K + 1)), target.flatten().cpu()] = 9.0
+    bitmask = torch.full((S * (K + 1), 2), -1, dtype=torch.int32)
+    bitmask[2] = 0                          # row 0's third position allows nothing: its drafts stop before it
+    bitmask[1 * (K + 1)] = 0                # row 1's first position allows nothing: it emits NO_TOKEN
+    bitmask[3 * (K + 1) + 1] &= 0x0000FFFF  # row 3's second position: half its tokens
+    accepts = torch.tensor([3, 2, 1, 3, 0])     # the drafts each row's grammar walk accepted
+    forced = torch.full((S + 2,), -1, dtype=torch.int64)
+    forced[2], drafted[2] = 11, 0           # a closing row: its token forced, no draft verified
+    slot.dev["forced"] = forced.to(DEV)
+    grammar = (bitmask.to(DEV), accepts.to(DEV))
+    runs = []
+    for on in (False, True):
+        s, state = _clone(slot, st)
+        program = _program(on, history)
+        program.state = program.pool = state
+        program.backend = SimpleNamespace(masked_argmax=am.masked_argmax)
+        program.draft_masks = None
+        out = program.verify_finish(s, ids, logits.to(DEV), None, drafted, StepVariant(True, True, False), grammar,
+                                    S, K, masked=True)
+        runs.append((s, state, out))
+    (s0, st0, want), (s1, st1, got) = runs
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got[0], want[0])
+    assert want[0][1, 0] == NO_TOKEN and want[0][2, 0] == 11 and want[1][0] <= 1
+    _assert_same_writes(s0, st0, s1, st1, 1, "guided")
     assert calls == [1]
 
 
