@@ -228,7 +228,6 @@ class LLMEngine(EngineFrontend):
         launched = self._plan_and_launch(outputs)
         if self.scheduler.closing:
             outputs += self.commits.close(self.scheduler.closing)
-            self.scheduler.closing = []
         while self._inflight and (len(self._inflight) >= self.config.depth or not launched):
             outputs += self._wait_and_commit(self._inflight.popleft())
         if not launched and not self._inflight:

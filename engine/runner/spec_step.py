@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runner.step import StepProgram, first_token, forced, head_argmax, mark
+from engine.runner.step import StepProgram, first_token, head_argmax, mark
 from engine.runner.tree_step import depth_positions, head_meta, is_tree_step, tree_parts, verify_tree
 from engine.sampling.logprobs import record
 from engine.sampling.sampler import NO_TOKEN
@@ -158,8 +158,8 @@ class SpecStepProgram(StepProgram):
         guided_finish = grammar is not None and masked and K and self.draft_masks is None
         if self.spec_finish is not None and (K or target is not None) and greedy and (grammar is None or guided_finish):
             if guided_finish:
-                target, _, _, drafted = self.apply_grammar(logits, grammar, drafted, S, K, masked)
-                target = torch.cat([forced(target[:, :1], slot.dev["forced"][:S, None]), target[:, 1:]], dim=1)
+                target, _, lead, drafted = self.apply_grammar(logits, grammar, drafted, S, K, masked)
+                target = first_token(target, lead, slot.dev["forced"][:S])
             target = logits.view(S, K + 1, -1).argmax(dim=-1) if target is None else target
             if drafted is None:             # a plain step: its rows' draft caps are all 0
                 drafted = slot.dev["num_drafts"][:S]
