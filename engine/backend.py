@@ -119,7 +119,7 @@ class RoutedBackend(_Matmuls):
         self._k = paged_attention
         self._mods = {"gemv": decode_gemv, "gemm": decode_gemm}     # the matmul kernels by route name
         self._draft, self._mma = draft_gemv, head_mma                # the heads' ("gemv", "mma")
-        self._stream = stream_gemm                                   # "stream": the matmul alone
+        self._stream = stream_gemm                                   # "stream": the norm and SiLU folded in
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
@@ -157,7 +157,7 @@ class RoutedBackend(_Matmuls):
             return self._draft.supports(x, norm_weight, weight) if op == "norm_head" \
                 else self._draft.supports_linear(x, weight)
         if kernel == "stream":
-            return self._stream.supports(x, weight)
+            return self._stream.supports(x, weight, norm_weight, residual, silu=op == "norm_linear_silu")
         mod = self._mods.get(kernel)
         if mod is None:
             return False
@@ -194,8 +194,7 @@ class RoutedBackend(_Matmuls):
         if kernel == "cublas":
             return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
         if kernel == "stream":
-            normed, residual = self._norm(x, residual, norm_weight, eps)
-            return self._stream.linear(normed, weight), residual
+            return self._stream.norm_linear(x, norm_weight, eps, weight, residual)
         return self._mods[kernel].decode_norm_linear(x, norm_weight, eps, weight, residual,
                                                      **self._launch(kernel, meta))
 
@@ -206,8 +205,7 @@ class RoutedBackend(_Matmuls):
             gate_up, residual = super().norm_linear(x, residual, norm_weight, eps, weight)
             return self.ops.silu_mul(gate_up), residual
         if kernel == "stream":
-            normed, residual = self._norm(x, residual, norm_weight, eps)
-            return self.ops.silu_mul(self._stream.linear(normed, weight)), residual
+            return self._stream.norm_linear_silu(x, norm_weight, eps, weight, residual)
         return self._mods[kernel].decode_norm_linear_silu(x, norm_weight, eps, weight, residual,
                                                           **self._launch(kernel, meta))
 

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from engine.kernels.sampling import argmax, topk  # noqa: E402
 from engine.kernels.attention import decode_attention, paged_attention  # noqa: E402
-from engine.kernels.matmul import decode_gemm, decode_gemv, head_mma  # noqa: E402
+from engine.kernels.matmul import decode_gemm, decode_gemv, head_mma, stream_gemm  # noqa: E402
 from engine.kernels.speculative import head_ops, ngram_draft, spec_finish, spec_ops, tree_finish  # noqa: E402
 from engine.kernels import step_io  # noqa: E402
 from engine.kernels.persistent import decode_stack, stack  # noqa: E402
@@ -67,6 +67,20 @@ def _gemv(k, n, prologue, epilogue, pdl, m=1):
                   BLOCK_K=cfg["BLOCK_K"], ROWS=cfg["ROWS"], USE_PDL=pdl)
     return (f"decode_gemv M={m} K={k} N={n} {prologue}/{epilogue}", decode_gemv._decode_gemv_kernel,
             _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
+
+
+def _stream(m, k, n, prologue, epilogue, pdl):
+    """stream_gemm.py's kernel at its launch config, its weight slice prefetched into L2 (Llama 1B's shapes)."""
+    cfg = stream_gemm.config(m, n, k)
+    warps = cfg.pop("num_warps")
+    consts = dict(cfg, PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, USE_PDL=pdl,
+                  PRECISION="tf32", L2_AHEAD=True)
+    types = {p: "*bf16" for p in _BF16_PTRS if p != "add_ptr"} | dict(
+        stride_x="i32", stride_res="i32", stride_w="i32", stride_out="i32", stride_new_res="i32", M="i32",
+        N="i32", K="i32", eps="fp32")
+    out = n // 2 if epilogue == "silu_mul" else n
+    return (f"stream_gemm M={m} K={k} N={n} {prologue}/{epilogue}", stream_gemm._stream_gemm_kernel, types, consts,
+            warps, dict(stride_x=k, stride_res=k, stride_w=k, stride_out=out, stride_new_res=k, M=m, N=out, K=k))
 
 
 def _head_mma(m, pdl, v=49152, k=576):
@@ -162,6 +176,8 @@ def variants(pdl: bool) -> list[tuple]:
         _gemm(8, 576, 576, "none", "store", pdl),
         _gemm(16, 576, 49152, "norm", "argmax", pdl),
         _head_mma(1, pdl), _head_mma(4, pdl), _head_mma(32, pdl),
+        _stream(8, 2048, 3072, "norm", "store", pdl), _stream(8, 2048, 16384, "norm", "silu_mul", pdl),
+        _stream(32, 8192, 2048, "none", "store", pdl), _stream(32, 2048, 2048, "none", "store", pdl),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
         _gemv(1536, 576, "silu", "store", pdl, m=4), _gemv(576, 49152, "none", "argmax", pdl, m=4),

@@ -127,3 +127,24 @@ def pdl_start(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def l2_prefetch(ptr, nbytes):
+    """Start bringing `nbytes` at `ptr` (both multiples of 16) into L2 and go on (Hopper's bulk prefetch, issued
+    by the program's first thread). A hint: nothing waits for it and it changes no value. Compiled kernels on
+    Hopper or newer only (inline assembly): call it under a constexpr that is off elsewhere."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def l2_ahead(fn, device: torch.device) -> bool:
+    """Whether kernel `fn` may use l2_prefetch on `device`: compiled, CUDA, Hopper or newer, and not turned off
+    (SPECDEC_L2_AHEAD=0, read at import)."""
+    return (_L2_AHEAD_ON and device.type == "cuda" and not is_interpreted(fn)
+            and _hopper_or_newer(device_index(device)))
+
+
+_L2_AHEAD_ON = os.environ.get("SPECDEC_L2_AHEAD", "1") != "0"

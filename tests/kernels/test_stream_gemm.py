@@ -32,6 +32,38 @@ def test_linear_matches_torch(m, n, k, dtype):
     torch.testing.assert_close(got, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
+# the norm over K not a multiple of BLOCK_K, rows across BLOCK_M; gate_up's pairs across programs
+@pytest.mark.parametrize("m,n,k", [(2, 40, 64), (5, 96, 300), (17, 64, 96), (33, 20, 512)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["no_residual", "residual"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_the_norm_and_silu_folded_in_match_the_separate_ops(m, n, k, with_residual, dtype):
+    from engine.kernels import fused_ops
+    x, w = randn(m, k, seed=11, dtype=dtype) * 3, randn(n, k, seed=12, dtype=dtype)
+    nw = (torch.rand(k, device=DEV) + 0.5).to(dtype)
+    residual = randn(m, k, seed=13, dtype=dtype) if with_residual else None
+    ref = (fused_ops.rms_norm(x, nw, 1e-5, residual) if with_residual
+           else (fused_ops.rms_norm(x, nw, 1e-5), x))
+    want = F.linear(ref[0].float(), w.float()).to(dtype)
+    out, new_res = sg.norm_linear(x, nw, 1e-5, w, residual)
+    torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    assert (new_res is x) if residual is None else torch.equal(new_res, ref[1])
+    act, new_res = sg.norm_linear_silu(x, nw, 1e-5, w, residual)
+    gate, up = want.float().chunk(2, dim=1)
+    scale = float(want.float().abs().max()) ** 2            # act's error: |up| |d gate| + |gate| |d up|
+    torch.testing.assert_close(act, (F.silu(gate) * up).to(dtype), rtol=2 * TOL[dtype][0],
+                               atol=2 * TOL[dtype][0] * scale)
+    assert act.shape == (m, n // 2)
+    assert (new_res is x) if residual is None else torch.equal(new_res, ref[1])
+
+
+def test_an_odd_gate_up_or_a_wrong_norm_weight_is_refused():
+    x, nw = randn(4, 64, seed=14), torch.ones(64, device=DEV)
+    with pytest.raises(ValueError, match="even N"):
+        sg.norm_linear_silu(x, nw, 1e-5, randn(9, 64, seed=15))
+    with pytest.raises(ValueError, match="norm_weight"):
+        sg.norm_linear(x, torch.ones(32, device=DEV), 1e-5, randn(8, 64, seed=15))
+
+
 def test_rows_of_a_strided_x_are_read_where_they_are():
     wide = randn(5, 128, seed=3)
     x, w = wide[:, :64], randn(24, 64, seed=4)             # rows 128 apart, each contiguous

@@ -1,6 +1,10 @@
 """A matmul of a few rows over a large weight, the weight streamed over K on tensor cores.
 
     linear(x [MIN_ROWS <= M <= MAX_ROWS, K], weight [N, K]) -> [M, N]         (= F.linear(x, weight))
+    norm_linear(x, norm_weight, eps, weight, residual=None) -> (out, new_residual)
+                                                  (= F.linear(fused_ops.rms_norm(...), weight))
+    norm_linear_silu(x, norm_weight, eps, gate_up_weight, residual=None) -> (act, new_residual)
+                                                  (= fused_ops.silu_mul(norm_linear(...)[0]))
 
 The decode GEMV holds whole weight rows of one x row at a time, and decode_gemm the whole of K in registers
 (K <= 2048): both were made for small weights. A step of 2-64 rows over a 1-8B model's weights is a pure weight
@@ -10,12 +14,19 @@ flight), multiplying each tile by the rows' x tile on tensor cores with the weig
 the token rows are its N side, padded to BLOCK_M = 16-64 by masked rows, not to 64). BLOCK_N is small where N is,
 so that N / BLOCK_N programs still fill the GPU.
 
-Launched with programmatic dependent launch (engine/kernels/common.pdl), a program loads its first weight tile
-before it waits for the kernel before it (weights never change during a step), then reads x.
+Launched with programmatic dependent launch (engine/kernels/common.pdl), a program starts its whole weight slice
+on its way into L2 (on Hopper) and loads its first tile before it waits for the kernel before it (weights never
+change during a step), then reads x.
 
-The op before (RMSNorm, SiLU * up) and after (a residual add) stay separate kernels, as on the cuBLAS route.
-Accumulation is fp32, rounded once to x.dtype; the summation order differs from cuBLAS, so results agree to
-rounding, not bit for bit. Grid and constexprs depend only on shapes: every call can be captured in a CUDA graph.
+The residual add and RMSNorm before qkv and gate_up run inside it, and SiLU * up after gate_up, so that a layer is
+five kernels as on the decode GEMV's route, not eight as on cuBLAS's: the tiles of x carry norm_weight * (x +
+residual) into the MMA while the loop sums each row's squares, and each row's 1 / rms scales the product after the
+loop (a row's scale commutes with the matmul). The program of the first weight rows stores the new residual.
+With "silu_mul" a program's weight rows are gate and up rows in pairs (silu_pairs.py), and it stores
+silu(gate) * up. Accumulation is fp32, rounded once to x.dtype. The summation order and the norm's rounding
+(norm_weight * h rounded once, where rms_norm rounds h / rms and then its product) differ from the separate
+kernels, so results agree to rounding, not bit for bit. Grid and constexprs depend only on shapes: every call can
+be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -23,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, pdl
+from engine.kernels.common import is_interpreted, l2_ahead, l2_prefetch, pdl, reduce_sum, round_to
 from engine.kernels.matmul import gemv_checks
+from engine.kernels.matmul.silu_pairs import block_rows, out_columns, silu_store
 
 MIN_ROWS, MAX_ROWS = 2, 64       # one row is the GEMV's; past 64 rows cuBLAS's tiles are full
 MIN_K = 16                       # a tensor-core tile's K
@@ -33,29 +45,82 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _stream_gemm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_w, stride_out, M, N, K,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr):
+def _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok, kk, K, stored,
+            PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """x's tile [BLOCK_K, BLOCK_M] as the MMA takes it, and h (x [+ residual], the norm's input) for the sum of
+    squares. With the "norm" prologue the tile is norm_weight * h, each row's 1 / rms applied to the product after
+    the loop; this program writes the new residual h of the rows below `stored` (M or 0)."""
+    ok = (kk < K)[:, None] & row_ok[None, :]
+    h = tl.load(x_ptr + rows[None, :] * stride_x + kk[:, None], mask=ok, other=0.0)
+    if PROLOGUE == "norm":
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[None, :] * stride_res + kk[:, None], mask=ok, other=0.0)
+            h = round_to(h.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)
+            tl.store(new_res_ptr + rows[None, :] * stride_new_res + kk[:, None], h, mask=ok & (rows < stored)[None, :])
+        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0)
+        return round_to(nw.to(tl.float32)[:, None] * h.to(tl.float32), x_ptr.dtype.element_ty), h
+    return h, h
+
+
+@triton.jit
+def _slice_to_l2(w_ptr, stride_w, pid, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr):
+    """The program's whole weight slice on its way into L2 before the wait, so that the loop after it reads L2
+    where the kernel before left HBM idle: one bulk prefetch a run of contiguous rows (gate's and up's with
+    "silu_mul"). Rows are stride_w elements apart, their bytes a multiple of 16 (the launch checks)."""
+    size: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    if EPILOGUE == "silu_mul":
+        first = pid * (BLOCK_N // 2)
+        count = tl.minimum(BLOCK_N // 2, N - first)
+        l2_prefetch(w_ptr + first.to(tl.int64) * stride_w, count * stride_w * size)
+        l2_prefetch(w_ptr + (first + N).to(tl.int64) * stride_w, count * stride_w * size)
+    else:
+        first = pid * BLOCK_N
+        count = tl.minimum(BLOCK_N, N - first)
+        l2_prefetch(w_ptr + first.to(tl.int64) * stride_w, count * stride_w * size)
+
+
+@triton.jit
+def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_w,
+                        stride_out, stride_new_res, M, N, K, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                        EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
+                        L2_AHEAD: tl.constexpr):
     pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)          # weight rows: the output's columns
+    offs_n, n_ok = block_rows(pid, N, BLOCK_N, EPILOGUE)  # weight rows ("silu_mul": gate and up rows in pairs)
+    if L2_AHEAD:
+        _slice_to_l2(w_ptr, stride_w, pid, N, BLOCK_N, EPILOGUE)
     rows = tl.arange(0, BLOCK_M)                          # token rows
+    row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
-    col_ok, row_ok = cols < N, rows < M
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :]
-    x_ptrs = x_ptr + rows[None, :] * stride_x + ks[:, None]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + ks[None, :]
     # the first weight tile before the wait: the weight does not depend on the kernel before
-    w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < K), other=0.0)
+    w = tl.load(w_ptrs, mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    xt = tl.load(x_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
-    acc = tl.dot(w, xt.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
+    stored = tl.where(pid == 0, M, 0)      # the first weight rows' program stores the new residual
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    a, h = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok, ks, K,
+                   stored, PROLOGUE, HAS_RESIDUAL)
+    if PROLOGUE == "norm":
+        hf = h.to(tl.float32)
+        ss += reduce_sum(hf * hf, 0)
+    acc = tl.dot(w, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & (ks[None, :] + k0 < K), other=0.0)
-        xt = tl.load(x_ptrs + k0, mask=row_ok[None, :] & (ks[:, None] + k0 < K), other=0.0)
-        acc += tl.dot(w, xt.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
-    out_ptrs = out_ptr + rows[None, :] * stride_out + cols[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & (ks[None, :] + k0 < K), other=0.0)
+        a, h = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok,
+                       ks + k0, K, stored, PROLOGUE, HAS_RESIDUAL)
+        if PROLOGUE == "norm":
+            hf = h.to(tl.float32)
+            ss += reduce_sum(hf * hf, 0)
+        acc += tl.dot(w, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
+    if PROLOGUE == "norm":
+        acc = acc * tl.rsqrt(tl.where(row_ok, ss / K + eps, 1.0))[None, :]     # padded rows stay finite
+    y = round_to(acc, out_ptr.dtype.element_ty)
+    if EPILOGUE == "silu_mul":
+        silu_store(out_ptr, tl.trans(y), rows, row_ok, stride_out, N, pid, BLOCK_M, BLOCK_N)
+    else:
+        tl.store(out_ptr + rows[None, :] * stride_out + offs_n[:, None], y, mask=n_ok[:, None] & row_ok[None, :])
 
 
 def interpreted() -> bool:
@@ -63,18 +128,21 @@ def interpreted() -> bool:
     return is_interpreted(_stream_gemm_kernel)
 
 
-def problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why this kernel cannot take x @ weight.T, or None where it can: its own conditions (a tensor-core tile of K,
-    a float dtype), then those it shares with the decode GEMV (gemv_checks.problem)."""
+def problem(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=None, silu: bool = False) -> str | None:
+    """Why this kernel cannot take x @ weight.T (with the norm before it where norm_weight is given, SiLU * up
+    after it where silu), or None where it can: its own conditions (a tensor-core tile of K, a float dtype, an even
+    [gate; up]), then those it shares with the decode GEMV (gemv_checks.problem)."""
     if x.dim() == 2 and weight.dim() == 2 and (x.shape[1] != weight.shape[1] or x.shape[1] < MIN_K):
         return f"K must match and be at least {MIN_K}"
     if x.dtype != weight.dtype or x.dtype not in DTYPES:
         return "x and weight must share a float dtype"
-    return gemv_checks.problem(x, weight, x.shape[1], rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
+    if silu and (weight.dim() != 2 or weight.shape[0] % 2):
+        return f"weight {tuple(weight.shape)} must be [gate; up] with an even N"
+    return gemv_checks.problem(x, weight, x.shape[1], norm_weight, residual, rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return problem(x, weight) is None
+def supports(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=None, silu: bool = False) -> bool:
+    return problem(x, weight, norm_weight, residual, silu) is None
 
 
 def config(m: int, n: int, k: int) -> dict:
@@ -86,17 +154,40 @@ def config(m: int, n: int, k: int) -> dict:
                 NUM_STAGES=4, num_warps=4)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for 2-64 rows; ValueError naming the reason where this kernel cannot take it."""
-    why = problem(x, weight)
+def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=None, epilogue: str = "store"):
+    """The kernel -> (out, new_residual); ValueError naming the reason where it cannot take the call."""
+    why = problem(x, weight, norm_weight, residual, epilogue == "silu_mul")
     if why is not None:
-        raise ValueError(f"stream_gemm.linear: {why}")
+        raise ValueError(f"stream_gemm.{name}: {why}")
     m, k = x.shape
-    n = weight.shape[0]
-    cfg = config(m, n, k)
+    cfg = config(m, weight.shape[0], k)
+    n, grid = out_columns(weight.shape[0], cfg["BLOCK_N"], epilogue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+    res = x if residual is None else residual
+    new_res = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"     # tf32 would round float32 inputs
-    _stream_gemm_kernel[grid](x, weight, out, x.stride(0), weight.stride(0), out.stride(0), m, n, k, **cfg,
-                              PRECISION=precision, **pdl(_stream_gemm_kernel, x.device, m))
-    return out
+    ahead = (l2_ahead(_stream_gemm_kernel, x.device) and weight.data_ptr() % 16 == 0
+             and weight.stride(0) * weight.element_size() % 16 == 0)
+    _stream_gemm_kernel[(grid,)](
+        x, res, x if norm_weight is None else norm_weight, weight, out, new_res, x.stride(0), res.stride(0),
+        weight.stride(0), out.stride(0), new_res.stride(0), m, n, k, float(eps),
+        PROLOGUE="none" if norm_weight is None else "norm", HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue,
+        **cfg, PRECISION=precision, L2_AHEAD=ahead, **pdl(_stream_gemm_kernel, x.device, m))
+    return out, new_res
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for 2-64 rows."""
+    return _launch("linear", x, weight)[0]
+
+
+def norm_linear(x, norm_weight, eps: float, weight, residual=None):
+    """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
+    new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
+    return _launch("norm_linear", x, weight, norm_weight, eps, residual)
+
+
+def norm_linear_silu(x, norm_weight, eps: float, weight, residual=None):
+    """fused_ops.silu_mul(norm_linear(...)[0]) in one kernel, for weight = [gate; up] ([2 * I, K]). Returns
+    (act [M, I], new_residual) as norm_linear's."""
+    return _launch("norm_linear_silu", x, weight, norm_weight, eps, residual, epilogue="silu_mul")
