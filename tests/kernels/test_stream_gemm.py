@@ -45,11 +45,12 @@ def test_the_norm_and_silu_folded_in_match_the_separate_ops(m, n, k, with_residu
            else (fused_ops.rms_norm(x, nw, 1e-5), x))
     want = F.linear(ref[0].float(), w.float()).to(dtype)
     out, new_res = sg.norm_linear(x, nw, 1e-5, w, residual)
-    torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    big = float(want.float().abs().max())          # the norm's rounding differs: errors scale with the output
+    torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1] * max(1.0, big))
     assert (new_res is x) if residual is None else torch.equal(new_res, ref[1])
     act, new_res = sg.norm_linear_silu(x, nw, 1e-5, w, residual)
     gate, up = want.float().chunk(2, dim=1)
-    scale = float(want.float().abs().max()) ** 2            # act's error: |up| |d gate| + |gate| |d up|
+    scale = big ** 2                                # act's error: |up| |d gate| + |gate| |d up|
     torch.testing.assert_close(act, (F.silu(gate) * up).to(dtype), rtol=2 * TOL[dtype][0],
                                atol=2 * TOL[dtype][0] * scale)
     assert act.shape == (m, n // 2)
