@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine.commit import Commits, describe
 from engine.config import EngineConfig
-from engine.guided.masks import Snapshot, build_snapshot, guided_columns
+from engine.guided.snapshot import Snapshot, build_snapshot, guided_columns
 from engine.guided.tracker import GuidedTracker
 from engine.memory.block_manager import BlockManager
 from engine.memory.row_pool import RowPool

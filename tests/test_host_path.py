@@ -118,16 +118,16 @@ def test_the_native_guided_walk_reads_what_the_python_one_does(monkeypatch):
     """Every step's guided-row snapshot is built from the native walk's columns; at each step they equal
     guided_columns' on the same rows (JSON-schema rows among the others, preemptions and prefix-cache hits)."""
     import engine.llm_engine as llm_engine
-    from engine.guided import masks
+    from engine.guided import snapshot
     from engine.requests import _hostpath
     compared = []
 
-    def both(slot_index, rows, step=0, width=1, walk=masks.guided_columns):
+    def both(slot_index, rows, step=0, width=1, walk=snapshot.guided_columns):
         assert walk is _hostpath.guided_columns
-        got, want = walk(rows), masks.guided_columns(rows)
+        got, want = walk(rows), snapshot.guided_columns(rows)
         assert got == want and all(type(a) is list for a in got), step
         compared.append((len(want[1]), len(want[4]), sum(src >= 0 for src in want[5]), len(want[6])))
-        return masks.build_snapshot(slot_index, rows, step, width, walk)
+        return snapshot.build_snapshot(slot_index, rows, step, width, walk)
 
     monkeypatch.setattr(llm_engine, "build_snapshot", both)
     _run(native=True, count=160)

@@ -13,7 +13,7 @@ from engine.guided import limits
 from engine.guided.closing import JSON_KINDS, UNKNOWN, Closer
 from engine.guided.closing_search import ClosingVocab
 from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
-from engine.guided.masks import Snapshot
+from engine.guided.snapshot import Snapshot
 
 CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before leaving it to the pool
 INITIAL_CACHE = 1024          # guides whose first closing a tracker remembers

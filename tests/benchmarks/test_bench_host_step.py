@@ -44,7 +44,7 @@ def test_a_guided_load_times_its_snapshot_and_push(tmp_path):
     raise), finish after --max-tokens and are replaced; the guided parts are timed and the model is back after.
     A request waits for its schema's grammar to compile (on another thread), so a loaded machine finishes fewer in
     the same steps: 24 steps leave room for that (in 10, one run under CI's load added only three requests)."""
-    from engine.guided import masks
+    from engine.guided import snapshot
     out = tmp_path / "h.json"
     records = host_step.main(["--streams", "2", "--guided", "--max-tokens", "3", "--steps", "24", "--rounds", "1",
                               "--warmup-steps", "2", "--out", str(out)])
@@ -53,7 +53,7 @@ def test_a_guided_load_times_its_snapshot_and_push(tmp_path):
     assert r["us"]["snapshot"] > 0 and r["us"]["push"] > 0 and r["us"]["snapshot"] <= r["us"]["plan"]
     assert "| snapshot | push |" in out.with_suffix(".md").read_text() and records[0]["max_tokens"] == 3
     import engine.llm_engine as llm_engine
-    assert llm_engine.build_snapshot is masks.build_snapshot     # the timer put back a module's own function
+    assert llm_engine.build_snapshot is snapshot.build_snapshot     # the timer put back a module's own function
 
 
 def test_the_guided_load_takes_what_the_sampler_picks_from_zero_logits():

@@ -16,7 +16,8 @@ from conftest import assert_no_leak
 from engine.config import EngineConfig
 from engine.guided import _native, native
 from engine.guided.compiler import GuidedRequest
-from engine.guided.masks import GrammarMasks, Snapshot
+from engine.guided.masks import GrammarMasks
+from engine.guided.snapshot import Snapshot
 from engine.guided.matching import GuidedRow
 from engine.guided.tracker import GuidedTracker
 from engine.llm_engine import LLMEngine

@@ -13,7 +13,9 @@ import xgrammar as xgr
 
 from conftest import assert_no_leak
 from engine.guided.compiler import GrammarService, GuidedRequest
-from engine.guided.masks import GrammarMasks, GuidedRow, Snapshot
+from engine.guided.masks import GrammarMasks
+from engine.guided.matching import GuidedRow
+from engine.guided.snapshot import Snapshot
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams
 from helpers import CAT, CPU, UNGUIDED, Exploding, allowed, drive_hooked, service

@@ -14,7 +14,8 @@ import xgrammar as xgr
 
 from engine.guided.compiler import GuidedRequest
 from engine.guided.draft_masks import DraftMasks
-from engine.guided.masks import GrammarMasks, Snapshot
+from engine.guided.masks import GrammarMasks
+from engine.guided.snapshot import Snapshot
 from engine.guided.matching import GuidedRow
 from engine.sampling.sampler import apply_bitmask
 from engine.requests.sequence import SamplingParams

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import assert_no_leak
-from engine.guided.masks import GrammarMasks, Snapshot
+from engine.guided.masks import GrammarMasks
+from engine.guided.snapshot import Snapshot
 from engine.guided.matching import GuidedRow
 from engine.llm_engine import LLMEngine
 from engine.requests.sequence import SamplingParams

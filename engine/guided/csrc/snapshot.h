@@ -1,6 +1,6 @@
 // A step's guided rows as plain data: what the loop thread hands the grammar node for one step.
 //
-// Built by the loop thread (engine/guided/masks.py) before the step launches, read by the node on the
+// Built by the loop thread (engine/guided/snapshot.py) before the step launches, read by the node on the
 // driver's thread; after construction only `consumed`, the failure, the times and `done` change, under its
 // mutex or atomically. Each row holds a strong reference to its matcher object, released when the snapshot
 // goes (possibly on the driver's thread: a matcher's destructor is plain C++, llguidance's too).

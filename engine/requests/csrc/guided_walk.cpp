@@ -1,4 +1,4 @@
-// engine/guided/masks.py guided_columns in native code: a step's sampling rows as its guided-row snapshot reads
+// engine/guided/snapshot.py guided_columns in native code: a step's sampling rows as its guided-row snapshot reads
 // them. The Python function is the definition; tests hold the two equal.
 #include <pybind11/pybind11.h>
 
@@ -60,5 +60,5 @@ py::tuple guided_columns(py::list rows) {
 
 void bind_guided_walk(py::module_& m) {
   m.def("guided_columns", &guided_columns, py::arg("rows"),
-        "A step's sampling rows as its guided-row snapshot reads them (engine/guided/masks.py guided_columns).");
+        "A step's sampling rows as its guided-row snapshot reads them (engine/guided/snapshot.py guided_columns).");
 }

@@ -2,7 +2,7 @@
 // else. Here: the scheduler's runs of common decode rows and the counters of a launched step; commit_walk.cpp: the
 // commit of a plain step's tokens that end nothing; guided_walk.cpp: the rows a guided step's snapshot reads.
 //
-// engine/scheduler.py, engine/commit.py and engine/guided/masks.py keep each walk's definition in Python and call
+// engine/scheduler.py, engine/commit.py and engine/guided/snapshot.py keep each walk's definition in Python and call
 // these for the rows that fit; tests hold the two equal. Fields of the engine's slots classes (Sequence,
 // ScheduledRow, OutputState, SamplingParams) are read at their offsets (slots.h); a grammar's readiness is its
 // GuidedRequest's `ready`.
