@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.matmul import decode_gemv, gemv_checks
-from engine.kernels.matmul.silu_pairs import block_rows, out_columns, silu_store
+from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit, silu_store
 from engine.kernels.sampling.argmax import store_block_max
 from engine.kernels.common import is_interpreted, pdl, reduce_sum, round_to
 
@@ -274,7 +274,7 @@ def decode_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, residual=Non
 
 def silu_mul_fits(weight: torch.Tensor) -> bool:
     """Whether decode_norm_linear_silu takes this [gate; up] weight: an even N (a program always holds 16+ rows)."""
-    return weight.dim() == 2 and weight.shape[0] % 2 == 0
+    return pairs_fit(weight)
 
 
 def decode_norm_linear_silu(x, norm_weight, eps: float, weight, residual=None, decode: bool = False):

@@ -45,7 +45,7 @@ import triton.language as tl
 from engine.kernels.matmul import gemv_checks
 from engine.kernels.common import is_interpreted, pdl, reduce_max, reduce_min, reduce_sum, round_to
 from engine.kernels.matmul.gemv_checks import check, problem
-from engine.kernels.matmul.silu_pairs import block_rows, out_columns, silu_store
+from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit, silu_store
 
 MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K these kernels take
 MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K (no prologue)
@@ -266,7 +266,7 @@ def decode_norm_linear(x, norm_weight, eps: float, weight, residual=None):
 def silu_mul_fits(weight: torch.Tensor) -> bool:
     """Whether decode_norm_linear_silu takes this [gate; up] weight: an even N, and a program holding at least
     one gate row and its up row (BLOCK_N >= 2: K <= 4096)."""
-    return weight.dim() == 2 and weight.shape[0] % 2 == 0 and decode_gemv_config(*weight.shape)["BLOCK_N"] >= 2
+    return pairs_fit(weight) and decode_gemv_config(*weight.shape)["BLOCK_N"] >= 2
 
 
 def decode_norm_linear_silu(x, norm_weight, eps: float, weight, residual=None):

@@ -33,6 +33,11 @@ def silu_store(out_ptr, y, rows, rows_ok, stride_out, N, pid, R: tl.constexpr, B
     tl.store(out_ptr + rows[:, None] * stride_out + offs_h[None, :], act, mask=mask)
 
 
+def pairs_fit(weight) -> bool:
+    """Whether a weight can be [gate; up] for this epilogue: 2-D with an even N (gate's rows, then up's)."""
+    return weight.dim() == 2 and weight.shape[0] % 2 == 0
+
+
 def out_columns(n: int, block_n: int, epilogue: str) -> tuple[int, int]:
     """(output columns, programs) of a launch over n weight rows, BLOCK_N a program: with "silu_mul" a program's
     rows give BLOCK_N / 2 outputs."""

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from engine.kernels.common import is_interpreted, l2_ahead, l2_prefetch, pdl, reduce_sum, round_to
 from engine.kernels.matmul import gemv_checks
-from engine.kernels.matmul.silu_pairs import block_rows, out_columns, silu_store
+from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit, silu_store
 
 MIN_ROWS, MAX_ROWS = 2, 64       # one row is the GEMV's; past 64 rows cuBLAS's tiles are full
 MIN_K = 16                       # a tensor-core tile's K
@@ -47,9 +47,10 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok, kk, K, stored,
             PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """x's tile [BLOCK_K, BLOCK_M] as the MMA takes it, and h (x [+ residual], the norm's input) for the sum of
-    squares. With the "norm" prologue the tile is norm_weight * h, each row's 1 / rms applied to the product after
-    the loop; this program writes the new residual h of the rows below `stored` (M or 0)."""
+    """x's tile [BLOCK_K, BLOCK_M] as the MMA takes it, and each row's sum of squares of h (x [+ residual], the
+    norm's input) over the tile (0 without the norm). With the "norm" prologue the tile is norm_weight * h, each
+    row's 1 / rms applied to the product after the loop; this program writes the new residual h of the rows below
+    `stored` (M or 0)."""
     ok = (kk < K)[:, None] & row_ok[None, :]
     h = tl.load(x_ptr + rows[None, :] * stride_x + kk[:, None], mask=ok, other=0.0)
     if PROLOGUE == "norm":
@@ -58,8 +59,11 @@ def _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_ne
             h = round_to(h.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)
             tl.store(new_res_ptr + rows[None, :] * stride_new_res + kk[:, None], h, mask=ok & (rows < stored)[None, :])
         nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0)
-        return round_to(nw.to(tl.float32)[:, None] * h.to(tl.float32), x_ptr.dtype.element_ty), h
-    return h, h
+        hf = h.to(tl.float32)
+        a, sq = round_to(nw.to(tl.float32)[:, None] * hf, x_ptr.dtype.element_ty), reduce_sum(hf * hf, 0)
+    else:
+        a, sq = h, 0.0
+    return a, sq
 
 
 @triton.jit
@@ -100,19 +104,15 @@ def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, str
         tl.extra.cuda.gdc_launch_dependents()
     stored = tl.where(pid == 0, M, 0)      # the first weight rows' program stores the new residual
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    a, h = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok, ks, K,
-                   stored, PROLOGUE, HAS_RESIDUAL)
-    if PROLOGUE == "norm":
-        hf = h.to(tl.float32)
-        ss += reduce_sum(hf * hf, 0)
+    a, sq = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok, ks, K,
+                    stored, PROLOGUE, HAS_RESIDUAL)
+    ss += sq
     acc = tl.dot(w, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & (ks[None, :] + k0 < K), other=0.0)
-        a, h = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok,
-                       ks + k0, K, stored, PROLOGUE, HAS_RESIDUAL)
-        if PROLOGUE == "norm":
-            hf = h.to(tl.float32)
-            ss += reduce_sum(hf * hf, 0)
+        a, sq = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok,
+                        ks + k0, K, stored, PROLOGUE, HAS_RESIDUAL)
+        ss += sq
         acc += tl.dot(w, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
     if PROLOGUE == "norm":
         acc = acc * tl.rsqrt(tl.where(row_ok, ss / K + eps, 1.0))[None, :]     # padded rows stay finite
@@ -136,7 +136,7 @@ def problem(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=No
         return f"K must match and be at least {MIN_K}"
     if x.dtype != weight.dtype or x.dtype not in DTYPES:
         return "x and weight must share a float dtype"
-    if silu and (weight.dim() != 2 or weight.shape[0] % 2):
+    if silu and not pairs_fit(weight):
         return f"weight {tuple(weight.shape)} must be [gate; up] with an even N"
     return gemv_checks.problem(x, weight, x.shape[1], norm_weight, residual, rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
 
