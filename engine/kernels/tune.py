@@ -8,7 +8,8 @@ it, and no weight is read warm. cuBLAS is always a candidate.
 
 Alone, one op over layers does not see what the step sees between different ops under dependent launch, so
 where kernels are near a tie alone they are timed again inside their layer: the layer's ops in call order over
-CHAIN layers, one op's kernel changed at a time (coordinate descent from the choices made alone).
+CHAIN layers, one op's kernel changed at a time (coordinate descent from the choices made alone), then the whole
+layer on each kernel near the fastest alone on every op.
 
 The cache is one JSON file per fingerprint (GPU, driver, torch, Triton, dtype and the kernels' source), cells
 keyed by (op, N, K, rows): a model whose shapes were measured before starts without timing; a damaged or stale
@@ -230,18 +231,38 @@ class Timer:
 
 def refine_in_layer(group: list[Site], rows: int, cells: dict, timer, decode: bool) -> None:
     """Each op of the layer whose kernels are near a tie alone (within NEAR) is routed to the one fastest inside
-    the layer, the other ops on their current choice; the timings go to the cell as "layer_us"."""
+    the layer, the other ops on their current choice; the timings go to the cell as "layer_us". Then each kernel
+    near the fastest alone on every op runs the whole layer, and takes it where that is faster: a kernel overlaps
+    the one before it under dependent launch only where both launch so, which one op changed at a time misses."""
     names = {site.key: _cell_name(*site.key, rows) for site in group}
     choice = {key: cells[name]["kernel"] for key, name in names.items()}
+    near = {key: _near(cells[name]["us"]) for key, name in names.items()}
+    timed: dict = {}
+
+    def layer_us(kernels: dict) -> float:
+        key = tuple(sorted(kernels.items()))
+        if key not in timed:
+            timed[key] = round(timer.time_layer_us(group, rows, kernels, decode), 2)
+        return timed[key]
+
     for key, name in names.items():
-        alone = cells[name]["us"]
-        near = [kernel for kernel, us in alone.items() if us <= NEAR * min(alone.values())] if alone else []
-        if len(near) < 2:
+        if len(near[key]) < 2:
             continue
-        in_layer = {kernel: round(timer.time_layer_us(group, rows, {**choice, key: kernel}, decode), 2)
-                    for kernel in near}
+        in_layer = {kernel: layer_us({**choice, key: kernel}) for kernel in near[key]}
         choice[key] = choose(in_layer)
         cells[name] = {**cells[name], "kernel": choice[key], "layer_us": in_layer}
+    for kernel in sorted(set.intersection(*(set(kernels) for kernels in near.values()))):
+        whole = dict.fromkeys(choice, kernel)
+        if whole != choice and layer_us(whole) < layer_us(choice):
+            for key, name in names.items():
+                cells[name] = {**cells[name], "kernel": kernel,
+                               "whole_layer_us": {kernel: layer_us(whole), "mixed": layer_us(choice)}}
+            choice = whole
+
+
+def _near(alone: dict) -> list[str]:
+    """The kernels within NEAR of the fastest alone."""
+    return [kernel for kernel, us in alone.items() if us <= NEAR * min(alone.values())] if alone else []
 
 
 def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progress: bool = True,

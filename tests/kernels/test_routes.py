@@ -165,6 +165,29 @@ def test_near_ties_alone_are_decided_inside_the_layer_and_clear_wins_are_not_tim
     assert len(timer.layer_calls) == 2
 
 
+def test_a_layer_wholly_on_one_kernel_wins_where_its_overlap_beats_the_mixed_choice():
+    """stream is a little slower alone on both ops and on either one inside a layer of cuBLAS, but the layer wholly
+    on stream is faster (its launches overlap): the tuner times that layer and routes both ops to stream."""
+    layer = [Site("norm_linear", [torch.empty(96, 32)] * 2), Site("linear", [torch.empty(32, 32)] * 2)]
+    alone = {("norm_linear", 8, "stream"): 10.5, ("norm_linear", 8, "cublas"): 10.0,
+             ("linear", 8, "stream"): 6.2, ("linear", 8, "cublas"): 6.0}
+
+    class Overlap(LayerTimes):
+        def time_layer_us(self, group, rows, choice, decode):
+            self.layer_calls.append(dict(choice))
+            kernels = {choice[site.key] for site in group}
+            return 12.0 if kernels == {"stream"} else 16.0 + 0.5 * (kernels == {"stream", "cublas"})
+
+    timer = Overlap(alone, {})
+    cells, _ = tune.measure(layer, [8], {8}, timer, progress=False)
+    assert {cells[name]["kernel"] for name in ("norm_linear 96 32 8", "linear 32 32 8")} == {"stream"}
+    assert cells["linear 32 32 8"]["whole_layer_us"] == {"stream": 12.0, "mixed": 16.0}
+    assert len(timer.layer_calls) == len({tuple(sorted(c.items())) for c in timer.layer_calls})   # each once
+    slower = Overlap({**alone, ("linear", 8, "stream"): 9.0}, {})      # not near on one op: the layer is not tried
+    cells, _ = tune.measure(layer, [8], {8}, slower, progress=False)
+    assert cells["linear 32 32 8"]["kernel"] == "cublas" and "whole_layer_us" not in cells["linear 32 32 8"]
+
+
 def test_the_rows_measured_are_the_captured_ones_up_to_the_kernels_limit():
     assert tune.tuning_rows([1, 2, 4, 8, 16, 24, 32, 40, 64, 128, 256], [4, 8, 16, 32, 64, 96]) == \
         [1, 2, 4, 8, 16, 24, 32, 40, 64]
