@@ -7,11 +7,12 @@ Per (shape, rows), with engine/kernels/tune.py's Timer (a CUDA graph of the call
 cache evicted before each replay, median of its replays):
 - each op alone: qkv (residual add + RMSNorm folded in), o, gate_up (the norm and SiLU * up folded in) and down, on
   cuBLAS (the norm and SiLU as kernels of their own) and on stream_gemm with its L2 prefetch on and off;
-- a whole layer's four ops in call order (Timer.time_layer_us), all on cuBLAS and all on stream_gemm: under
-  dependent launch a kernel's early reads overlap a different kernel before it, which one op alone does not show.
+- a whole layer's four ops in call order (Timer.time_layer_us), all on cuBLAS and all on stream_gemm (its L2
+  prefetch off, then on): under dependent launch a kernel's early reads overlap a different kernel before it,
+  which one op alone does not show.
 --sweep times stream_gemm's launch configs (BLOCK_N, BLOCK_K, NUM_STAGES, warps) on each op and reports the
-fastest. Microseconds a call or a layer. Dummy weights; CUDA only. Writes JSON (--out) and a markdown table beside
-it, printed last.
+fastest (every config's time in the JSON). Microseconds a call or a layer. Dummy weights; CUDA only. Writes JSON
+(--out) and a markdown table beside it, printed last.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from bench.common import markdown_table, record, write_results
 
 OPS = ("qkv", "o", "gate_up", "down")
 SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=w)
-         for bn, bk, st, w in itertools.product((16, 32, 64), (128, 256), (2, 4), (4, 8))]
+         for bn, bk, st, w in itertools.product((16, 32, 64, 128), (128, 256), (2, 4), (4, 8))]
 
 
 def parse_args(argv=None):
@@ -59,12 +60,13 @@ def layer_sites(shape: str, layers: int, device, dtype) -> dict:
 def stream_launch(config: dict | None = None, l2_ahead: bool | None = None):
     """stream_gemm launched with `config` in place of its own (None: its own) and its L2 prefetch forced on or off
     (None: as it decides); both put back after."""
+    from engine.kernels.common import l2_prefetch_runs
     from engine.kernels.matmul import stream_gemm
     saved = stream_gemm.config, stream_gemm.l2_ahead
     if config is not None:
-        stream_gemm.config = lambda m, n, k: dict(saved[0](m, n, k), **config)
+        stream_gemm.config = lambda *shape, **fit: dict(saved[0](*shape, **fit), **config)
     if l2_ahead is not None:
-        stream_gemm.l2_ahead = lambda fn, device: l2_ahead and saved[1](fn, device)
+        stream_gemm.l2_ahead = lambda fn, device: l2_ahead and l2_prefetch_runs(fn, device)
     try:
         yield
     finally:
@@ -89,9 +91,11 @@ def bench_shape(shape: str, rows_list, sweep: bool) -> list[dict]:
                     us = timer.time_us(site, rows, "stream", decode=True)
                 r[f"{name}_stream{'' if l2 else '_nol2'}_us"] = round(us, 2)
             if sweep:
-                r[f"{name}_best_us"], r[f"{name}_best_config"] = best_config(timer, site, rows)
+                r[f"{name}_best_us"], r[f"{name}_best_config"], r[f"{name}_sweep"] = best_config(timer, site, rows)
         for kernel in ("cublas", "stream"):
             r[f"layer_{kernel}_us"] = round(timer.time_layer_us(group, rows, {s.key: kernel for s in group}, True), 2)
+        with stream_launch(l2_ahead=True):
+            r["layer_stream_l2_us"] = round(timer.time_layer_us(group, rows, {s.key: "stream" for s in group}, True), 2)
         r["layer_speedup"] = round(r["layer_cublas_us"] / r["layer_stream_us"], 3)
         print(f"{shape} {rows} rows: a layer {r['layer_cublas_us']} us on cuBLAS, {r['layer_stream_us']} us on "
               "stream_gemm", flush=True)
@@ -99,10 +103,11 @@ def bench_shape(shape: str, rows_list, sweep: bool) -> list[dict]:
     return records
 
 
-def best_config(timer, site, rows: int) -> tuple[float | None, dict | None]:
-    """(us, config) of the fastest of SWEEP's configs for stream_gemm on the site's op; a config that fails to
-    build or run (too much shared memory) is skipped."""
-    best = (None, None)
+def best_config(timer, site, rows: int) -> tuple[float | None, dict | None, list]:
+    """(us, config) of the fastest of SWEEP's configs for stream_gemm on the site's op, and every config's
+    [BLOCK_N, BLOCK_K, NUM_STAGES, num_warps, us]; a config that fails to build or run (too much shared memory)
+    is skipped."""
+    best, timed = (None, None), []
     for cfg in SWEEP:
         try:
             with stream_launch(config=cfg):
@@ -110,16 +115,17 @@ def best_config(timer, site, rows: int) -> tuple[float | None, dict | None]:
         except Exception as e:     # noqa: BLE001 - reported, then the next config
             print(f"  {site.op} {cfg}: {type(e).__name__}", flush=True)
             continue
+        timed.append([*cfg.values(), us])
         if best[0] is None or us < best[0]:
             best = (us, cfg)
-    return best
+    return (*best, timed)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     records = [r for shape in args.shapes for r in bench_shape(shape, args.rows, args.sweep)]
     cols = ["shape", "rows", *(f"{n}_{k}_us" for n in OPS for k in ("cublas", "stream", "stream_nol2")),
-            "layer_cublas_us", "layer_stream_us", "layer_speedup"]
+            "layer_cublas_us", "layer_stream_us", "layer_stream_l2_us", "layer_speedup"]
     write_results(records, args.out)
     table = markdown_table(records, cols)
     Path(args.out).with_suffix(".md").write_text(table + "\n")

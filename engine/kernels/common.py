@@ -105,6 +105,17 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def shared_memory_bytes(device: torch.device) -> int:
+    """The shared memory one program may take on `device` (the Triton driver's figure); 99 KiB, a floor every
+    tensor-core GPU has, where it cannot be read (the CPU interpreter)."""
+    try:
+        from triton.runtime import driver
+        return int(driver.active.utils.get_device_properties(device_index(device))["max_shared_mem"])
+    except Exception:       # noqa: BLE001 - no CUDA driver: a conservative figure
+        return 99 * 1024
+
+
+@functools.lru_cache(maxsize=None)
 def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
@@ -140,11 +151,15 @@ def l2_prefetch(ptr, nbytes):
         "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
+def l2_prefetch_runs(fn, device: torch.device) -> bool:
+    """Whether l2_prefetch runs in kernel `fn` on `device`: compiled, CUDA, Hopper or newer."""
+    return device.type == "cuda" and not is_interpreted(fn) and _hopper_or_newer(device_index(device))
+
+
 def l2_ahead(fn, device: torch.device) -> bool:
-    """Whether kernel `fn` may use l2_prefetch on `device`: compiled, CUDA, Hopper or newer, and not turned off
-    (SPECDEC_L2_AHEAD=0, read at import)."""
-    return (_L2_AHEAD_ON and device.type == "cuda" and not is_interpreted(fn)
-            and _hopper_or_newer(device_index(device)))
+    """Whether kernel `fn` uses l2_prefetch on `device`: where it runs and is turned on (SPECDEC_L2_AHEAD=1, read
+    at import; off by default: alone, each matmul measured slower with it)."""
+    return _L2_AHEAD_ON and l2_prefetch_runs(fn, device)
 
 
-_L2_AHEAD_ON = os.environ.get("SPECDEC_L2_AHEAD", "1") != "0"
+_L2_AHEAD_ON = os.environ.get("SPECDEC_L2_AHEAD", "0") == "1"

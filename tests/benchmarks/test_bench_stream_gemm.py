@@ -24,7 +24,7 @@ def test_the_sites_it_times_are_the_models_matmuls():
 def test_a_launch_override_takes_effect_and_is_put_back():
     own_config, own_l2 = stream_gemm.config, stream_gemm.l2_ahead
     with bench.stream_launch(config=dict(BLOCK_N=64, NUM_STAGES=2), l2_ahead=False):
-        cfg = stream_gemm.config(8, 2048, 2048)
+        cfg = stream_gemm.config(8, 2048, 2048, 2, 2, 200 << 10)
         assert cfg["BLOCK_N"] == 64 and cfg["NUM_STAGES"] == 2 and cfg["BLOCK_M"] == 16
         assert stream_gemm.l2_ahead(stream_gemm._stream_gemm_kernel, torch.device("cuda")) is False
     assert stream_gemm.config is own_config and stream_gemm.l2_ahead is own_l2

@@ -57,6 +57,19 @@ def test_the_norm_and_silu_folded_in_match_the_separate_ops(m, n, k, with_residu
     assert (new_res is x) if residual is None else torch.equal(new_res, ref[1])
 
 
+@pytest.mark.parametrize("m,n,k,elem,x_tiles", [(8, 3072, 2048, 2, 2), (32, 28672, 4096, 2, 2),
+                                                 (33, 20, 512, 4, 2), (64, 4096, 8192, 4, 2), (2, 576, 576, 2, 1)])
+def test_the_launch_config_fits_its_shared_memory(m, n, k, elem, x_tiles):
+    """The pipeline's buffers fit what a program may take, by fewer stages first, then shorter K tiles (a float32
+    step of 33 rows with a residual once asked an H100 for 247 KB)."""
+    smem = 227 * 1024 - sg.SMEM_SPARE
+    cfg = sg.config(m, n, k, elem, x_tiles, smem)
+    bm, bn, bk, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NUM_STAGES"]
+    assert elem * bk * (stages * (bn + x_tiles * bm) + bm) <= smem
+    assert bm >= m and 2 <= stages <= 4 and bk >= sg.MIN_K
+    assert sg.config(m, n, k, elem, x_tiles)["NUM_STAGES"] == 4       # no limit: four stages
+
+
 def test_an_odd_gate_up_or_a_wrong_norm_weight_is_refused():
     x, nw = randn(4, 64, seed=14), torch.ones(64, device=DEV)
     with pytest.raises(ValueError, match="even N"):

@@ -11,12 +11,12 @@ The decode GEMV holds whole weight rows of one x row at a time, and decode_gemm 
 read (the rows are a few KB, the weight tens of MB), which cuBLAS's skinny GEMMs do not run at the memory's pace.
 Here each program owns BLOCK_N weight rows and walks K in BLOCK_K tiles, software-pipelined (NUM_STAGES loads in
 flight), multiplying each tile by the rows' x tile on tensor cores with the weight as the MMA's M side (swap-AB:
-the token rows are its N side, padded to BLOCK_M = 16-64 by masked rows, not to 64). BLOCK_N is small where N is,
-so that N / BLOCK_N programs still fill the GPU.
+the token rows are its N side, padded to BLOCK_M = 16-64 by masked rows, not to 64). BLOCK_N is 64 where N leaves
+enough programs (config).
 
-Launched with programmatic dependent launch (engine/kernels/common.pdl), a program starts its whole weight slice
-on its way into L2 (on Hopper) and loads its first tile before it waits for the kernel before it (weights never
-change during a step), then reads x.
+Launched with programmatic dependent launch (engine/kernels/common.pdl), a program loads its first weight tile
+before it waits for the kernel before it (weights never change during a step), then reads x. With
+SPECDEC_L2_AHEAD=1 (on Hopper) it first starts its whole weight slice on its way into L2.
 
 The residual add and RMSNorm before qkv and gate_up run inside it, and SiLU * up after gate_up, so that a layer is
 five kernels as on the decode GEMV's route, not eight as on cuBLAS's: the tiles of x carry norm_weight * (x +
@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, l2_ahead, l2_prefetch, pdl, reduce_sum, round_to
+from engine.kernels.common import (is_interpreted, l2_ahead, l2_prefetch, pdl, reduce_sum, round_to,
+                                   shared_memory_bytes)
 from engine.kernels.matmul import gemv_checks
 from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit, silu_store
 
@@ -42,6 +43,7 @@ MIN_ROWS, MAX_ROWS = 2, 64       # one row is the GEMV's; past 64 rows cuBLAS's 
 MIN_K = 16                       # a tensor-core tile's K
 MAX_K = 1 << 16                  # any model's K: the weight is streamed, not held
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SMEM_SPARE = 16 << 10            # shared memory the compiler takes beyond the pipeline's tiles (layout changes)
 
 
 @triton.jit
@@ -145,13 +147,21 @@ def supports(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=N
     return problem(x, weight, norm_weight, residual, silu) is None
 
 
-def config(m: int, n: int, k: int) -> dict:
-    """Launch constants by shape: at least ~2 programs an SM where N allows (BLOCK_N 16-64), K in 128-256 tiles."""
+def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 1 << 30) -> dict:
+    """Launch constants by shape: 64 weight rows a program where N leaves 32 programs or more (fewer, longer
+    programs repeat the prologue less and keep more bytes in flight each), K in 256-element tiles at 16 token
+    rows and 128 past them, four stages; then fewer stages, then shorter K tiles, until the pipeline's buffers
+    fit `smem` bytes (`elem` bytes an element; `x_tiles`: tiles of x a stage loads, 2 with a residual)."""
     block_m = max(16, triton.next_power_of_2(m))
-    block_n = 16 if n <= 4096 else 32 if n <= 16384 else 64
-    block_k = 256 if block_m <= 32 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, max(MIN_K, triton.next_power_of_2(k))),
-                NUM_STAGES=4, num_warps=4)
+    block_n = 64 if n >= 2048 else 32 if n >= 1024 else 16
+    block_k = min(256 if block_m <= 16 else 128, max(MIN_K, triton.next_power_of_2(k)))
+    stages = 4
+
+    def need(stages, block_k):        # the stages' weight and x tiles, and the MMA's operand of x
+        return elem * block_k * (stages * (block_n + x_tiles * block_m) + block_m)
+    while need(stages, block_k) > smem and (stages > 2 or block_k > MIN_K):
+        stages, block_k = (stages - 1, block_k) if stages > 2 else (stages, block_k // 2)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=4)
 
 
 def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=None, epilogue: str = "store"):
@@ -160,7 +170,8 @@ def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=N
     if why is not None:
         raise ValueError(f"stream_gemm.{name}: {why}")
     m, k = x.shape
-    cfg = config(m, weight.shape[0], k)
+    cfg = config(m, weight.shape[0], k, x.element_size(), 1 + (residual is not None),
+                 shared_memory_bytes(x.device) - SMEM_SPARE)
     n, grid = out_columns(weight.shape[0], cfg["BLOCK_N"], epilogue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = x if residual is None else residual
