@@ -4,6 +4,7 @@ picks a free port; the "listening" line names the real one once requests can be 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine.server.api.limits import DEFAULT_MAX_BODY_BYTES
@@ -40,9 +41,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-cache-reset", action="store_true",
                    help="add POST /reset_prefix_cache, which forgets every cached prompt page no request holds (for "
                         "benchmarks and operators; any client reaching the server could call it)")
-    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                   help="API processes (HTTP, templates, tokenization, SSE) in front of the one engine process; "
-                        "raise it where many concurrent streams of a small model make them the limit "
+    p.add_argument("--api-server-count", type=int, default=None, metavar="N",
+                   help="API processes (HTTP, templates, tokenization, SSE) in front of the engine processes; "
+                        "default: one per 64 of --max-num-seqs, at most 4 and a quarter of the CPU cores "
                         "(docs/server.md)")
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="engine processes, one a GPU, behind the same API processes; each request goes to the one "
@@ -71,9 +72,20 @@ def build_state(args):
     return ServerState.for_engine(args, aengine, tokenizer)
 
 
+def auto_api_servers(max_num_seqs: int, cpu_count: int) -> int:
+    """API processes for a server of `max_num_seqs` streams on `cpu_count` cores: one streams about 64 of a small
+    model's concurrent streams before it, not the engine, sets the pace; each takes a core, and the engine
+    process and its compile workers need theirs."""
+    return max(1, min(4, max_num_seqs // 64, cpu_count // 4))
+
+
 def cmd_serve(args) -> int:
     if args.max_queued < 0 or args.stream_interval < 0:
         raise ValueError("--max-queued and --stream-interval must be >= 0")
+    if args.api_server_count is None:
+        from engine.options import engine_config
+        seqs = engine_config(args).max_num_seqs
+        args.api_server_count = 1 if args.single_process else auto_api_servers(seqs, os.cpu_count() or 1)
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
     from engine.server.api.connections import ConnectionGuard

@@ -227,3 +227,16 @@ def test_api_processes_that_die_starting_are_reported_not_raised(capsys):
     api, engine = SimpleNamespace(sentinel=api_r.fileno()), SimpleNamespace(sentinel=engine_r.fileno())
     assert _wait_ready([api], ready_r, [engine], []) is False
     assert "API processes exited during start-up" in capsys.readouterr().err
+
+
+def test_the_api_processes_follow_the_streams_and_the_cores():
+    """One API process per 64 streams the engine may hold, at most 4 and a quarter of the cores; a count given is
+    kept, and a bad one refused naming the option."""
+    from engine.cli import parser
+    from engine.server.serve import auto_api_servers, cmd_serve
+    assert [auto_api_servers(seqs, 16) for seqs in (8, 64, 128, 256, 1024)] == [1, 1, 2, 4, 4]
+    assert [auto_api_servers(256, cores) for cores in (1, 2, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    args = parser().parse_args(["serve", "--device", "cpu", "--api-server-count", "0"])
+    with pytest.raises(ValueError, match="--api-server-count must be >= 1"):
+        cmd_serve(args)
+    assert parser().parse_args(["serve"]).api_server_count is None
