@@ -23,7 +23,8 @@ ext_modules = [
     # and pybind11 headers
     Pybind11Extension("engine.requests._hostpath", ["engine/requests/csrc/hostpath.cpp",
                                                     "engine/requests/csrc/commit_walk.cpp",
-                                                    "engine/requests/csrc/guided_walk.cpp"],
+                                                    "engine/requests/csrc/guided_walk.cpp",
+                                                    "engine/requests/csrc/publish_walk.cpp"],
                       depends=glob("engine/requests/csrc/*.h"), cxx_std=17,
                       extra_compile_args=["-O2"]),
     # CPU matmuls of a few rows (AVX2 + FMA, chosen at run time): needs only the pybind11 headers

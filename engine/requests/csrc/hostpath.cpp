@@ -124,6 +124,7 @@ py::list launched(py::list rows, bool caching, int64_t page_tokens) {
 
 void bind_commit_walk(py::module_& m);  // commit_walk.cpp
 void bind_guided_walk(py::module_& m);  // guided_walk.cpp
+void bind_publish_walk(py::module_& m);  // publish_walk.cpp
 
 PYBIND11_MODULE(_hostpath, m) {
   m.doc() = "The host's walks over a step's rows, for the rows that need nothing else (engine/scheduler.py, "
@@ -135,4 +136,5 @@ PYBIND11_MODULE(_hostpath, m) {
         "A launched step's counters; returns the sequences whose full pages the prefix map registers.");
   bind_commit_walk(m);
   bind_guided_walk(m);
+  bind_publish_walk(m);
 }

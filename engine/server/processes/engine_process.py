@@ -25,11 +25,16 @@ from typing import TYPE_CHECKING
 import zmq
 
 from engine.guided.compile_pool import CompileBusy
+from engine.requests import _hostpath
 from engine.server.metrics import engine_stats
 from engine.server.processes import ipc
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+
+
+def _new_frame() -> ipc.Outputs:
+    return ipc.Outputs([])
 
 
 def die_with_parent() -> None:
@@ -200,22 +205,14 @@ class EngineServer:
         out.send(ipc.encode(ipc.Added(msg.sub)))
 
     def _publish(self, outputs) -> None:
+        """Each API process's outputs of a step in one frame: the rows that bring only token ids (most of them)
+        into its columns in native code, the rest as `Out`s here."""
         frames: dict[int, ipc.Outputs] = {}
-        for o in outputs:
-            route = self.routes.get(o.request_id)
-            if route is None:                 # an undone choice's abort
-                continue
-            client, sub, choice, text, whole = route
+        for o in _hostpath.publish_columns(outputs, self.routes, frames, _new_frame):
+            client, sub, choice, text, _ = self.routes[o.request_id]
             frame = frames.get(client)
             if frame is None:
-                frame = frames[client] = ipc.Outputs([])
-            if not (whole or o.finished):
-                ids = o.new_token_ids
-                frame.subs.append(sub)
-                frame.choices.append(choice)
-                frame.counts.append(len(ids))
-                frame.ids.extend(ids)
-                continue
+                frame = frames[client] = _new_frame()
             frame.items.append(ipc.Out(
                 sub, choice, list(o.new_token_ids), o.new_text if text else None, o.finished, o.finish_reason,
                 o.error, o.spec, o.logprobs, o.cached_tokens, o.prompt_logprobs, o.closed_by))
