@@ -7,7 +7,8 @@
 
 One engine per (depth, streams) with max_num_seqs=streams; a short warm-up generate (other prompts)
 resets nothing but the counters before the timed one.
-ms_per_step = wall / engine steps (prefill steps included). The per-step breakdown (plan, launch,
+ms_per_step = wall / engine steps (prefill steps included); steady_period_ms, steady_forward_ms and
+steady_idle_ms are medians over the decode steps with every stream busy. The per-step breakdown (plan, launch,
 wait, commit on the CPU; forward and sampling on the GPU) comes from `engine.timings`; outside_steps_ms is
 the timed generate's wall outside the engine's step calls (its period's); gc_ms, the garbage collections Python ran
 in it (bench.step.generate_phases splits the wall further).
@@ -82,6 +83,15 @@ def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: in
     return out
 
 
+def steady_fields(trace: list[dict], streams: int) -> dict:
+    """Medians over the decode steps with every stream busy (bench.step.pipeline.steady): the period and the GPU's
+    forward and idle a step once admission and ramp-down are past, which the means over the whole generate are
+    not."""
+    from bench.step.pipeline import steady
+    st = steady(trace, streams)
+    return {f"steady_{k}": st[k] for k in ("period_ms", "forward_ms", "idle_ms")} | {"steady_steps": st["steady_steps"]}
+
+
 def shared_prefix(prompts: list[list[int]], total: int) -> list[list[int]]:
     """The prompts behind one shared prefix that brings the longest to `total` tokens (none if it is as long): the
     prompts' own ids repeated, which decode as well as any text. The warm-up prompts share it, so the timed
@@ -126,7 +136,9 @@ def run_one(args, depth: int, streams: int, bandwidth_gbs: float | None = None) 
         model = eng.source.name
         dtype = dtype_name(eng, dtype)
         prompts = shared_prefix(chat_prompts(eng, 2 * streams), args.prompt_tokens)  # timed: [:streams]
-        fields = time_generate(eng, prompts[:streams], prompts[streams:], args.new_tokens, args.warmup_tokens)
+        fields = time_generate(eng, prompts[:streams], prompts[streams:], args.new_tokens, args.warmup_tokens,
+                               trace=True)
+        fields.update(steady_fields(eng.timings.trace, streams))
         tok_s, ms = fields.pop("tok_s"), fields.pop("ms_per_step")
         fields.update(floor_fields(eng, ms, bandwidth_gbs))
         rec = record("throughput", mode, model, dtype, streams, args.new_tokens, tok_s, ms, **extra, **fields)

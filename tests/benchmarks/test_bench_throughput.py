@@ -16,3 +16,5 @@ def test_throughput_splits_its_wall_into_steps_and_the_rest(tmp_path):
         assert r["gc_ms"] >= 0 and r["gc_collections"] >= 0, r
         in_steps = r["period_ms"] * r["steps"]
         assert in_steps + r["outside_steps_ms"] == pytest.approx(1e3 * r["wall_s"], rel=1e-6), r
+        # the steady medians: decode steps of both streams only (not the prefill), each at most the run's longest
+        assert 1 <= r["steady_steps"] < r["steps"] and 0 < r["steady_period_ms"] <= 1e3 * r["wall_s"], r
