@@ -209,7 +209,10 @@ class EngineServer:
         into its columns in native code, the rest as `Out`s here."""
         frames: dict[int, ipc.Outputs] = {}
         for o in _hostpath.publish_columns(outputs, self.routes, frames, _new_frame):
-            client, sub, choice, text, _ = self.routes[o.request_id]
+            route = self.routes.get(o.request_id)
+            if route is None:                 # ended by an output before it in this step
+                continue
+            client, sub, choice, text, _ = route
             frame = frames.get(client)
             if frame is None:
                 frame = frames[client] = _new_frame()
