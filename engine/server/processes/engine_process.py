@@ -206,28 +206,34 @@ class EngineServer:
 
     def _publish(self, outputs) -> None:
         """Each API process's outputs of a step in one frame: the rows that bring only token ids (most of them)
-        into its columns in native code, the rest as `Out`s here."""
+        into its columns in native code, the rest as `Out`s (_publish_out)."""
         frames: dict[int, ipc.Outputs] = {}
         for o in _hostpath.publish_columns(outputs, self.routes, frames, _new_frame):
-            route = self.routes.get(o.request_id)
-            if route is None:                 # ended by an output before it in this step
-                continue
-            client, sub, choice, text, _ = route
-            frame = frames.get(client)
-            if frame is None:
-                frame = frames[client] = _new_frame()
-            frame.items.append(ipc.Out(
-                sub, choice, list(o.new_token_ids), o.new_text if text else None, o.finished, o.finish_reason,
-                o.error, o.spec, o.logprobs, o.cached_tokens, o.prompt_logprobs, o.closed_by))
-            if o.finished:
-                del self.routes[o.request_id]
-                left = self.subs.get((client, sub))
-                if left is not None:
-                    left.discard(o.request_id)
-                    if not left:
-                        del self.subs[(client, sub)]
+            self._publish_out(frames, o)
         for client, frame in frames.items():
             self.outboxes[client].send(ipc.encode(frame))
+
+    def _publish_out(self, frames: dict, o) -> None:
+        """An output as an `Out` of its client's frame (one with text or logprobs, or a request's last); a final
+        one ends the request's route. An output whose route is gone (an undone choice's abort, or ended by an
+        output before it in the step) is dropped."""
+        route = self.routes.get(o.request_id)
+        if route is None:
+            return
+        client, sub, choice, text, _ = route
+        frame = frames.get(client)
+        if frame is None:
+            frame = frames[client] = _new_frame()
+        frame.items.append(ipc.Out(
+            sub, choice, list(o.new_token_ids), o.new_text if text else None, o.finished, o.finish_reason,
+            o.error, o.spec, o.logprobs, o.cached_tokens, o.prompt_logprobs, o.closed_by))
+        if o.finished:
+            del self.routes[o.request_id]
+            left = self.subs.get((client, sub))
+            if left is not None:
+                left.discard(o.request_id)
+                if not left:
+                    del self.subs[(client, sub)]
 
     def _broadcast(self, msg) -> None:
         frame = ipc.encode(msg)
