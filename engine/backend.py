@@ -22,7 +22,7 @@ import torch
 
 from engine.attention import paged_attention_torch, store_kv_torch
 from engine.kernels.matmul.cpu_gemm import linear
-from engine.kernels.routes import RouteTable
+from engine.kernels.routes import STREAM_KERNELS, RouteTable
 
 HEAD_OPS = ("head", "norm_head")        # the route table's LM head ops
 
@@ -119,7 +119,7 @@ class RoutedBackend(_Matmuls):
         self._k = paged_attention
         self._mods = {"gemv": decode_gemv, "gemm": decode_gemm}     # the matmul kernels by route name
         self._draft, self._mma = draft_gemv, head_mma                # the heads' ("gemv", "mma")
-        self._stream = stream_gemm                                   # "stream": the norm and SiLU folded in
+        self._stream = stream_gemm                                   # "stream*": the norm and SiLU folded in
         self._rope_attention = rope_attention           # RoPE + KV store in the attention kernel where it fits
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
@@ -156,7 +156,7 @@ class RoutedBackend(_Matmuls):
                 return False
             return self._draft.supports(x, norm_weight, weight) if op == "norm_head" \
                 else self._draft.supports_linear(x, weight)
-        if kernel == "stream":
+        if kernel in STREAM_KERNELS:
             return self._stream.supports(x, weight, norm_weight, residual, silu=op == "norm_linear_silu")
         mod = self._mods.get(kernel)
         if mod is None:
@@ -181,8 +181,8 @@ class RoutedBackend(_Matmuls):
         kernel = "cublas" if bias is not None else self.kernel_for("linear", x, weight, add=add)
         if kernel == "gemv":
             return self._mods["gemv"].decode_linear(x, weight, add)
-        if kernel == "stream":
-            out = self._stream.linear(x, weight)
+        if kernel in STREAM_KERNELS:
+            out = self._stream.linear(x, weight, STREAM_KERNELS[kernel])
             return out if add is None else add + out
         out = self._mods["gemm"].decode_linear(x, weight, **self._launch(kernel, meta)) if kernel == "gemm" \
             else super().linear(x, weight, bias)
@@ -193,8 +193,8 @@ class RoutedBackend(_Matmuls):
                                                                    residual=residual)
         if kernel == "cublas":
             return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
-        if kernel == "stream":
-            return self._stream.norm_linear(x, norm_weight, eps, weight, residual)
+        if kernel in STREAM_KERNELS:
+            return self._stream.norm_linear(x, norm_weight, eps, weight, residual, STREAM_KERNELS[kernel])
         return self._mods[kernel].decode_norm_linear(x, norm_weight, eps, weight, residual,
                                                      **self._launch(kernel, meta))
 
@@ -204,8 +204,8 @@ class RoutedBackend(_Matmuls):
         if kernel == "cublas":
             gate_up, residual = super().norm_linear(x, residual, norm_weight, eps, weight)
             return self.ops.silu_mul(gate_up), residual
-        if kernel == "stream":
-            return self._stream.norm_linear_silu(x, norm_weight, eps, weight, residual)
+        if kernel in STREAM_KERNELS:
+            return self._stream.norm_linear_silu(x, norm_weight, eps, weight, residual, STREAM_KERNELS[kernel])
         return self._mods[kernel].decode_norm_linear_silu(x, norm_weight, eps, weight, residual,
                                                           **self._launch(kernel, meta))
 

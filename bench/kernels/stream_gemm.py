@@ -6,10 +6,11 @@
 Per (shape, rows), with engine/kernels/tune.py's Timer (a CUDA graph of the call over 8 layers' own weights, the L2
 cache evicted before each replay, median of its replays):
 - each op alone: qkv (residual add + RMSNorm folded in), o, gate_up (the norm and SiLU * up folded in) and down, on
-  cuBLAS (the norm and SiLU as kernels of their own) and on stream_gemm with its L2 prefetch on and off;
-- a whole layer's four ops in call order (Timer.time_layer_us), all on cuBLAS and all on stream_gemm (its L2
-  prefetch off, then on): under dependent launch a kernel's early reads overlap a different kernel before it,
-  which one op alone does not show.
+  cuBLAS (the norm and SiLU as kernels of their own), on each of stream_gemm's launch shapes (the route table's
+  stream, stream_wide and stream_narrow) and on stream with its L2 prefetch on (`_stream_l2_us`);
+- a whole layer's four ops in call order (Timer.time_layer_us): all on cuBLAS, all on stream (its L2 prefetch off,
+  then on), and each op on its fastest alone (`layer_fastest_us`, the choice in `layer_fastest`): under dependent
+  launch a kernel's early reads overlap a different kernel before it, which one op alone does not show.
 --sweep times stream_gemm's launch configs (BLOCK_N, BLOCK_K, NUM_STAGES, warps) on each op and reports the
 fastest (every config's time in the JSON). Microseconds a call or a layer. Dummy weights; CUDA only. Writes JSON
 (--out) and a markdown table beside it, printed last.
@@ -22,6 +23,7 @@ import itertools
 from pathlib import Path
 
 from bench.common import markdown_table, record, write_results
+from engine.kernels.routes import STREAM_KERNELS
 
 OPS = ("qkv", "o", "gate_up", "down")
 SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=w)
@@ -83,22 +85,25 @@ def bench_shape(shape: str, rows_list, sweep: bool) -> list[dict]:
     group = [sites[name] for name in OPS]
     records = []
     for rows in rows_list:
-        r = dict(shape=shape, rows=rows)
+        r, fastest = dict(shape=shape, rows=rows), {}
         for name, site in sites.items():
-            r[f"{name}_cublas_us"] = round(timer.time_us(site, rows, "cublas", decode=True), 2)
-            for l2 in (True, False):
-                with stream_launch(l2_ahead=l2):
-                    us = timer.time_us(site, rows, "stream", decode=True)
-                r[f"{name}_stream{'' if l2 else '_nol2'}_us"] = round(us, 2)
+            alone = {kernel: round(timer.time_us(site, rows, kernel, decode=True), 2)
+                     for kernel in ("cublas", *STREAM_KERNELS)}
+            r.update({f"{name}_{kernel}_us": us for kernel, us in alone.items()})
+            fastest[site.key] = min(alone, key=alone.get)
+            with stream_launch(l2_ahead=True):
+                r[f"{name}_stream_l2_us"] = round(timer.time_us(site, rows, "stream", decode=True), 2)
             if sweep:
                 r[f"{name}_best_us"], r[f"{name}_best_config"], r[f"{name}_sweep"] = best_config(timer, site, rows)
         for kernel in ("cublas", "stream"):
             r[f"layer_{kernel}_us"] = round(timer.time_layer_us(group, rows, {s.key: kernel for s in group}, True), 2)
         with stream_launch(l2_ahead=True):
             r["layer_stream_l2_us"] = round(timer.time_layer_us(group, rows, {s.key: "stream" for s in group}, True), 2)
-        r["layer_speedup"] = round(r["layer_cublas_us"] / r["layer_stream_us"], 3)
+        r["layer_fastest_us"] = round(timer.time_layer_us(group, rows, fastest, True), 2)
+        r["layer_fastest"] = {name: fastest[site.key] for name, site in sites.items()}
+        r["layer_speedup"] = round(r["layer_cublas_us"] / r["layer_fastest_us"], 3)
         print(f"{shape} {rows} rows: a layer {r['layer_cublas_us']} us on cuBLAS, {r['layer_stream_us']} us on "
-              "stream_gemm", flush=True)
+              f"stream_gemm, {r['layer_fastest_us']} us on each op's fastest alone", flush=True)
         records.append(record("stream_gemm", "layer", f"dummy:{shape}", "bfloat16", rows, 0, None, None, **r))
     return records
 
@@ -124,8 +129,8 @@ def best_config(timer, site, rows: int) -> tuple[float | None, dict | None, list
 def main(argv=None) -> None:
     args = parse_args(argv)
     records = [r for shape in args.shapes for r in bench_shape(shape, args.rows, args.sweep)]
-    cols = ["shape", "rows", *(f"{n}_{k}_us" for n in OPS for k in ("cublas", "stream", "stream_nol2")),
-            "layer_cublas_us", "layer_stream_us", "layer_stream_l2_us", "layer_speedup"]
+    cols = ["shape", "rows", *(f"{n}_{k}_us" for n in OPS for k in ("cublas", *STREAM_KERNELS)),
+            "layer_cublas_us", "layer_stream_us", "layer_stream_l2_us", "layer_fastest_us", "layer_speedup"]
     write_results(records, args.out)
     table = markdown_table(records, cols)
     Path(args.out).with_suffix(".md").write_text(table + "\n")

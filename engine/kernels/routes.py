@@ -10,8 +10,9 @@ An op is a matmul with what the engine folds around it:
   layer by layer on the routes above, "persistent" in one launch (engine/kernels/persistent/, up to 4 tokens)
 
 Kernels: "gemv" (engine/kernels/matmul/decode_gemv.py, with draft_gemv.py's argmax for heads), "gemm"
-(decode_gemm.py), "stream" (stream_gemm.py: 2-64 rows over large weights, the norm and SiLU * up folded in),
-"mma" (head_mma.py, heads only) and "cublas" (torch's matmul, the op around it as kernels of its own, and for heads
+(decode_gemm.py), "stream" (stream_gemm.py: 2-64 rows over large weights, the norm and SiLU * up folded in;
+"stream_wide" and "stream_narrow" are its other launch shapes, stream_gemm.config), "mma" (head_mma.py, heads
+only) and "cublas" (torch's matmul, the op around it as kernels of its own, and for heads
 engine/kernels/sampling/argmax.py). cuBLAS runs everything, so it is every matmul cell's fallback; "layers" is the
 stack's.
 
@@ -32,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OPS = ("linear", "norm_linear", "norm_linear_silu", "head", "norm_head", "stack")
-MATMUL_KERNELS = ("gemv", "gemm", "stream", "cublas")
+STREAM_KERNELS = {"stream": "base", "stream_wide": "wide", "stream_narrow": "narrow"}   # -> stream_gemm variant
+MATMUL_KERNELS = ("gemv", "gemm", *STREAM_KERNELS, "cublas")
 HEAD_KERNELS = ("gemv", "mma", "cublas")
 STACK_KERNELS = ("persistent", "layers")
-KERNELS = ("gemv", "gemm", "stream", "mma", "cublas", "persistent", "layers")
+KERNELS = ("gemv", "gemm", *STREAM_KERNELS, "mma", "cublas", "persistent", "layers")
 MODES = ("auto", "reference")
 
 
@@ -103,7 +105,7 @@ def _pin(i: int, entry) -> Pin:
         raise ValueError(f"{where}: unknown op {op!r}; choose from {OPS}")
     if op is not None and kernel not in kernels_for(op):
         raise ValueError(f"{where}: kernel {kernel!r} cannot run {op!r} (it runs {kernels_for(op)})")
-    if op is None and kernel in ("gemm", "stream", "mma", "persistent", "layers"):
+    if op is None and kernel in ("gemm", *STREAM_KERNELS, "mma", "persistent", "layers"):
         raise ValueError(f"{where}: kernel {kernel!r} runs only some ops: name the op")
     for name in ("n", "k"):
         if name in entry and not (isinstance(entry[name], int) and entry[name] > 0):

@@ -23,6 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     (dict(kernel="gemv", rows=0), "rows must be"), (dict(kernel="gemv", n=-1), "n must be"),
     (dict(kernel="gemv", width=3), "unknown field"), (dict(kernel="persistent"), "name the op"),
     (dict(kernel="gemv", op="stack"), "cannot run 'stack'"), (dict(kernel="persistent", op="linear"), "cannot run"),
+    (dict(kernel="stream_wide"), "name the op"), (dict(kernel="stream_narrow", op="head"), "cannot run 'head'"),
 ])
 def test_a_bad_pin_is_refused_naming_it(entry, why):
     with pytest.raises(ValueError, match=why):
@@ -37,8 +38,10 @@ def test_a_route_file_that_is_not_one_is_refused(tmp_path):
         load_pins(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="holds"):
         load_pins('{"routes": []}')
-    (tmp_path / "ok.json").write_text(pins(dict(kernel="cublas", op="linear", n=64, k=32, rows=[1, 4])))
-    assert load_pins(str(tmp_path / "ok.json")) == (Pin("cublas", "linear", 64, 32, (1, 4)),)
+    (tmp_path / "ok.json").write_text(pins(dict(kernel="cublas", op="linear", n=64, k=32, rows=[1, 4]),
+                                           dict(kernel="stream_wide", op="norm_linear_silu")))
+    assert load_pins(str(tmp_path / "ok.json")) == (Pin("cublas", "linear", 64, 32, (1, 4)),
+                                                    Pin("stream_wide", "norm_linear_silu"))
 
 
 def test_lookup_takes_the_cell_of_the_next_larger_rows_and_cublas_past_the_table():

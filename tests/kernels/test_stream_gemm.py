@@ -59,15 +59,37 @@ def test_the_norm_and_silu_folded_in_match_the_separate_ops(m, n, k, with_residu
 
 @pytest.mark.parametrize("m,n,k,elem,x_tiles", [(8, 3072, 2048, 2, 2), (32, 28672, 4096, 2, 2),
                                                  (33, 20, 512, 4, 2), (64, 4096, 8192, 4, 2), (2, 576, 576, 2, 1)])
-def test_the_launch_config_fits_its_shared_memory(m, n, k, elem, x_tiles):
+@pytest.mark.parametrize("variant", ["base", "wide", "narrow"])
+def test_the_launch_config_fits_its_shared_memory(m, n, k, elem, x_tiles, variant):
     """The pipeline's buffers fit what a program may take, by fewer stages first, then shorter K tiles (a float32
     step of 33 rows with a residual once asked an H100 for 247 KB)."""
     smem = 227 * 1024 - sg.SMEM_SPARE
-    cfg = sg.config(m, n, k, elem, x_tiles, smem)
+    cfg = sg.config(m, n, k, elem, x_tiles, smem, variant)
     bm, bn, bk, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NUM_STAGES"]
     assert elem * bk * (stages * (bn + x_tiles * bm) + bm) <= smem
     assert bm >= m and 2 <= stages <= 4 and bk >= sg.MIN_K
-    assert sg.config(m, n, k, elem, x_tiles)["NUM_STAGES"] == 4       # no limit: four stages
+    assert sg.config(m, n, k, elem, x_tiles, variant=variant)["NUM_STAGES"] == 4       # no limit: four stages
+
+
+def test_the_variants_change_the_programs_weight_rows_and_warps():
+    base, wide, narrow = (sg.config(8, 16384, 2048, variant=v) for v in ("base", "wide", "narrow"))
+    assert (base["BLOCK_N"], base["num_warps"]) == (64, 4)
+    assert (wide["BLOCK_N"], wide["BLOCK_K"], wide["num_warps"]) == (128, 128, 8)
+    assert (narrow["BLOCK_N"], narrow["BLOCK_K"], narrow["num_warps"]) == (16, 256, 4)
+    with pytest.raises(ValueError, match="unknown stream_gemm variant 'tall'"):
+        sg.config(8, 16384, 2048, variant="tall")
+
+
+# each variant's launch over N and K that are not multiples of its tiles, with the norm, residual and SiLU
+@pytest.mark.parametrize("variant", ["wide", "narrow"])
+@pytest.mark.parametrize("m,n,k", [(3, 200, 300), (17, 36, 96)])
+def test_each_variant_matches_the_base_launch(variant, m, n, k):
+    x, w = randn(m, k, seed=21) * 3, randn(n, k, seed=22)
+    nw, residual = torch.rand(k, device=DEV) + 0.5, randn(m, k, seed=23)
+    torch.testing.assert_close(sg.linear(x, w, variant), sg.linear(x, w), rtol=1e-5, atol=1e-5)
+    for fn in (sg.norm_linear, sg.norm_linear_silu):
+        for got, want in zip(fn(x, nw, 1e-5, w, residual, variant), fn(x, nw, 1e-5, w, residual)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_an_odd_gate_up_or_a_wrong_norm_weight_is_refused():
@@ -99,16 +121,20 @@ def test_what_it_cannot_take_is_refused_naming_why(x, w, words):
         sg.linear(x, w)
 
 
+@pytest.mark.parametrize("kernel", ["stream", "stream_wide", "stream_narrow"])
 @pytest.mark.parametrize("op", ["linear", "norm_linear", "norm_linear_silu"])
-def test_the_backend_runs_each_matmul_op_on_it_where_pinned(op):
+def test_the_backend_runs_each_matmul_op_on_it_where_pinned(op, kernel, monkeypatch):
     from engine.backend import RoutedBackend
+    from engine.kernels.routes import STREAM_KERNELS
+    launched, config = [], sg.config
+    monkeypatch.setattr(sg, "config", lambda *a, **kw: launched.append(a[-1]) or config(*a, **kw))
     n, k, rows = 96, 64, 5
     w, x = randn(n, k, seed=5), randn(rows, k, seed=6)
     nw, residual = torch.rand(k, device=DEV) + 0.5, randn(rows, k, seed=7)
     add = randn(rows, n, seed=8)
-    routed = RoutedBackend(routes=RouteTable.pinned(Pin("stream", op=op)), device=DEV)
+    routed = RoutedBackend(routes=RouteTable.pinned(Pin(kernel, op=op)), device=DEV)
     reference = RoutedBackend(routes=RouteTable.pinned(Pin("cublas")), device=DEV)
-    assert routed.kernel_for(op, x, w, norm_weight=nw, residual=residual) == "stream"
+    assert routed.kernel_for(op, x, w, norm_weight=nw, residual=residual) == kernel
     assert routed.kernel_for(op, x[:1], w, norm_weight=nw, residual=residual[:1]) == "cublas"   # one row: not its
 
     def run(backend):
@@ -118,6 +144,7 @@ def test_the_backend_runs_each_matmul_op_on_it_where_pinned(op):
         return fn(x, residual, nw, 1e-5, w)
     for got, want in zip(run(routed), run(reference)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert launched == [STREAM_KERNELS[kernel]]           # the route's launch shape, once
 
 
 def test_an_engine_with_every_matmul_pinned_to_it_matches_cublas_greedy():

@@ -44,6 +44,7 @@ MIN_K = 16                       # a tensor-core tile's K
 MAX_K = 1 << 16                  # any model's K: the weight is streamed, not held
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SMEM_SPARE = 16 << 10            # shared memory the compiler takes beyond the pipeline's tiles (layout changes)
+VARIANTS = ("base", "wide", "narrow")   # launch shapes (config); the route table names them stream, stream_wide, ...
 
 
 @triton.jit
@@ -147,31 +148,44 @@ def supports(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=N
     return problem(x, weight, norm_weight, residual, silu) is None
 
 
-def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 1 << 30) -> dict:
-    """Launch constants by shape: 64 weight rows a program where N leaves 32 programs or more (fewer, longer
-    programs repeat the prologue less and keep more bytes in flight each), K in 256-element tiles at 16 token
-    rows and 128 past them, four stages; then fewer stages, then shorter K tiles, until the pipeline's buffers
-    fit `smem` bytes (`elem` bytes an element; `x_tiles`: tiles of x a stage loads, 2 with a residual)."""
+def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 1 << 30,
+           variant: str = "base") -> dict:
+    """Launch constants by shape and VARIANTS' variant. "base": 64 weight rows a program where N leaves 32
+    programs or more (fewer, longer programs repeat the prologue less and keep more bytes in flight each), K in
+    256-element tiles at 16 token rows and 128 past them, four warps. "wide": twice base's weight rows (at most
+    128), 128-element K tiles and eight warps: a large gate_up, whose pairs' prologue would repeat over many narrow
+    programs. "narrow": 16 weight rows and 256-element K tiles, four times the programs: a smaller weight without a
+    prologue, whose few base programs leave SMs idle. Which one a matmul takes is measured (engine/kernels/tune.py).
+    All start at four stages; then fewer stages, then shorter K tiles, until the pipeline's buffers fit `smem`
+    bytes (`elem` bytes an element; `x_tiles`: tiles of x a stage loads, 2 with a residual)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown stream_gemm variant {variant!r}; choose from {VARIANTS}")
     block_m = max(16, triton.next_power_of_2(m))
     block_n = 64 if n >= 2048 else 32 if n >= 1024 else 16
-    block_k = min(256 if block_m <= 16 else 128, max(MIN_K, triton.next_power_of_2(k)))
+    block_k, warps = (256 if block_m <= 16 else 128), 4
+    if variant == "wide":
+        block_n, block_k, warps = min(128, 2 * block_n), 128, 8
+    elif variant == "narrow":
+        block_n, block_k = 16, 256
+    block_k = min(block_k, max(MIN_K, triton.next_power_of_2(k)))
     stages = 4
 
     def need(stages, block_k):        # the stages' weight and x tiles, and the MMA's operand of x
         return elem * block_k * (stages * (block_n + x_tiles * block_m) + block_m)
     while need(stages, block_k) > smem and (stages > 2 or block_k > MIN_K):
         stages, block_k = (stages - 1, block_k) if stages > 2 else (stages, block_k // 2)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps)
 
 
-def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=None, epilogue: str = "store"):
+def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=None, epilogue: str = "store",
+            variant: str = "base"):
     """The kernel -> (out, new_residual); ValueError naming the reason where it cannot take the call."""
     why = problem(x, weight, norm_weight, residual, epilogue == "silu_mul")
     if why is not None:
         raise ValueError(f"stream_gemm.{name}: {why}")
     m, k = x.shape
     cfg = config(m, weight.shape[0], k, x.element_size(), 1 + (residual is not None),
-                 shared_memory_bytes(x.device) - SMEM_SPARE)
+                 shared_memory_bytes(x.device) - SMEM_SPARE, variant)
     n, grid = out_columns(weight.shape[0], cfg["BLOCK_N"], epilogue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = x if residual is None else residual
@@ -187,18 +201,18 @@ def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=N
     return out, new_res
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for 2-64 rows."""
-    return _launch("linear", x, weight)[0]
+def linear(x: torch.Tensor, weight: torch.Tensor, variant: str = "base") -> torch.Tensor:
+    """x @ weight.T for 2-64 rows (`variant`: config's launch shape)."""
+    return _launch("linear", x, weight, variant=variant)[0]
 
 
-def norm_linear(x, norm_weight, eps: float, weight, residual=None):
+def norm_linear(x, norm_weight, eps: float, weight, residual=None, variant: str = "base"):
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
     new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
-    return _launch("norm_linear", x, weight, norm_weight, eps, residual)
+    return _launch("norm_linear", x, weight, norm_weight, eps, residual, variant=variant)
 
 
-def norm_linear_silu(x, norm_weight, eps: float, weight, residual=None):
+def norm_linear_silu(x, norm_weight, eps: float, weight, residual=None, variant: str = "base"):
     """fused_ops.silu_mul(norm_linear(...)[0]) in one kernel, for weight = [gate; up] ([2 * I, K]). Returns
     (act [M, I], new_residual) as norm_linear's."""
-    return _launch("norm_linear_silu", x, weight, norm_weight, eps, residual, epilogue="silu_mul")
+    return _launch("norm_linear_silu", x, weight, norm_weight, eps, residual, epilogue="silu_mul", variant=variant)
