@@ -58,7 +58,8 @@ def test_the_norm_and_silu_folded_in_match_the_separate_ops(m, n, k, with_residu
 
 
 @pytest.mark.parametrize("m,n,k,elem,x_tiles", [(8, 3072, 2048, 2, 2), (32, 28672, 4096, 2, 2),
-                                                 (33, 20, 512, 4, 2), (64, 4096, 8192, 4, 2), (2, 576, 576, 2, 1)])
+                                                 (33, 20, 512, 4, 2), (64, 4096, 8192, 4, 2), (2, 576, 576, 2, 1),
+                                                 (40, 2048, 2048, 2, 1)])
 @pytest.mark.parametrize("variant", ["base", "wide", "narrow"])
 def test_the_launch_config_fits_its_shared_memory(m, n, k, elem, x_tiles, variant):
     """The pipeline's buffers fit what a program may take, by fewer stages first, then shorter K tiles (a float32
@@ -66,7 +67,7 @@ def test_the_launch_config_fits_its_shared_memory(m, n, k, elem, x_tiles, varian
     smem = 227 * 1024 - sg.SMEM_SPARE
     cfg = sg.config(m, n, k, elem, x_tiles, smem, variant)
     bm, bn, bk, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NUM_STAGES"]
-    assert elem * bk * (stages * (bn + x_tiles * bm) + bm) <= smem
+    assert elem * bk * (stages * (bn + x_tiles * bm) + bm) + 4 * bn * bm <= smem
     assert bm >= m and 2 <= stages <= 4 and bk >= sg.MIN_K
     assert sg.config(m, n, k, elem, x_tiles, variant=variant)["NUM_STAGES"] == 4       # no limit: four stages
 

@@ -156,8 +156,9 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
     128), 128-element K tiles and eight warps: a large gate_up, whose pairs' prologue would repeat over many narrow
     programs. "narrow": 16 weight rows and 256-element K tiles, four times the programs: a smaller weight without a
     prologue, whose few base programs leave SMs idle. Which one a matmul takes is measured (engine/kernels/tune.py).
-    All start at four stages; then fewer stages, then shorter K tiles, until the pipeline's buffers fit `smem`
-    bytes (`elem` bytes an element; `x_tiles`: tiles of x a stage loads, 2 with a residual)."""
+    All start at four stages; then fewer stages, then shorter K tiles, until the pipeline's buffers and the
+    epilogue's float32 tile fit `smem` bytes (`elem` bytes an element; `x_tiles`: tiles of x a stage loads, 2 with a
+    residual)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown stream_gemm variant {variant!r}; choose from {VARIANTS}")
     block_m = max(16, triton.next_power_of_2(m))
@@ -170,8 +171,8 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
     block_k = min(block_k, max(MIN_K, triton.next_power_of_2(k)))
     stages = 4
 
-    def need(stages, block_k):        # the stages' weight and x tiles, and the MMA's operand of x
-        return elem * block_k * (stages * (block_n + x_tiles * block_m) + block_m)
+    def need(stages, block_k):        # the stages' weight and x tiles, the MMA's operand of x, and the epilogue's
+        return elem * block_k * (stages * (block_n + x_tiles * block_m) + block_m) + 4 * block_n * block_m  # fp32 tile
     while need(stages, block_k) > smem and (stages > 2 or block_k > MIN_K):
         stages, block_k = (stages - 1, block_k) if stages > 2 else (stages, block_k // 2)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps)
