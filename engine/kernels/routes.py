@@ -42,8 +42,15 @@ MODES = ("auto", "reference")
 
 
 def kernels_for(op: str) -> tuple[str, ...]:
-    """The kernels that can run an op at all (each still checks the call's shapes)."""
-    return HEAD_KERNELS if op in ("head", "norm_head") else STACK_KERNELS if op == "stack" else MATMUL_KERNELS
+    """The kernels that can run an op at all (each still checks the call's shapes). stream's narrow launch is for
+    ops without a prologue and its wide one for those with the norm: narrow programs would each repeat the norm
+    over x, and a plain matmul's few wide programs leave SMs idle."""
+    if op in ("head", "norm_head"):
+        return HEAD_KERNELS
+    if op == "stack":
+        return STACK_KERNELS
+    unfit = "stream_wide" if op == "linear" else "stream_narrow"
+    return tuple(kernel for kernel in MATMUL_KERNELS if kernel != unfit)
 
 
 def fallback(op: str) -> str:

@@ -24,6 +24,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     (dict(kernel="gemv", width=3), "unknown field"), (dict(kernel="persistent"), "name the op"),
     (dict(kernel="gemv", op="stack"), "cannot run 'stack'"), (dict(kernel="persistent", op="linear"), "cannot run"),
     (dict(kernel="stream_wide"), "name the op"), (dict(kernel="stream_narrow", op="head"), "cannot run 'head'"),
+    (dict(kernel="stream_wide", op="linear"), "cannot run 'linear'"),
+    (dict(kernel="stream_narrow", op="norm_linear_silu"), "cannot run 'norm_linear_silu'"),
 ])
 def test_a_bad_pin_is_refused_naming_it(entry, why):
     with pytest.raises(ValueError, match=why):

@@ -122,8 +122,9 @@ def test_what_it_cannot_take_is_refused_naming_why(x, w, words):
         sg.linear(x, w)
 
 
-@pytest.mark.parametrize("kernel", ["stream", "stream_wide", "stream_narrow"])
-@pytest.mark.parametrize("op", ["linear", "norm_linear", "norm_linear_silu"])
+@pytest.mark.parametrize("op,kernel", [("linear", "stream"), ("linear", "stream_narrow"), ("norm_linear", "stream"),
+                                       ("norm_linear", "stream_wide"), ("norm_linear_silu", "stream"),
+                                       ("norm_linear_silu", "stream_wide")])
 def test_the_backend_runs_each_matmul_op_on_it_where_pinned(op, kernel, monkeypatch):
     from engine.backend import RoutedBackend
     from engine.kernels.routes import STREAM_KERNELS
