@@ -77,7 +77,8 @@ def test_auto_splits_split_a_full_grid_only_over_long_contexts(monkeypatch):
     def splits(streams, keys):                     # SmolLM2 decode: 3 kv heads, one query block, 64-key tiles
         return sm._auto_splits(cuda, 3 * streams, keys, 64)
     assert [splits(1, k) for k in (128, 512, 8192)] == [1, 4, 32]          # a tile pair a split, at most 32
-    assert [splits(8, k) for k in (256, 8192)] == [2, 4]                   # up to one program an SM
+    assert [splits(8, k) for k in (256, 8192)] == [2, 8]                   # every SM a program, up to two
+    assert [splits(16, k) for k in (1024, 8192)] == [4, 4]                 # 48 programs: 3 an SM's worth, so 4
     assert [splits(32, k) for k in (512, 2048, 8192)] == [1, 4, 4]         # full grid: long bounds only, ~3 an SM
     assert [splits(64, 8192), splits(128, 8192)] == [2, 1]
     assert sm._auto_splits(torch.device("cpu"), 3, 8192, 64) == 1

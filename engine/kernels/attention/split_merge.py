@@ -155,8 +155,9 @@ def split_count(num_splits, device, groups: int, block_tables, block_size: int, 
 def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
     """KV splits (a power of two) for a grid of `programs` (query block, sequence, kv head) and a context bound.
 
-    A grid under half an SM a program: splits up to one program an SM, at most one per 2 tiles of the bound (at
-    one stream even ~170-key contexts decode faster split 3 ways plus the merge than unsplit). A fuller grid
+    A grid under half an SM a program: splits until every SM has a program, rounded up to a power of two (so up to
+    two an SM: an SM with two programs' loads in flight reads faster than with one), at most one per 2 tiles of the
+    bound (at one stream even ~170-key contexts decode faster split 3 ways plus the merge than unsplit). A fuller grid
     splits only for long bounds (>= LONG_TILES tiles: the decode graphs of the model's whole context, eager long
     steps), up to ~3 programs an SM: several are resident on an SM at once. With SmolLM2's heads at 32-64 streams
     splits win at 1024 keys and lose at 256, so the 512-key graphs keep one (docs/decode_step.md)."""
@@ -165,7 +166,7 @@ def _auto_splits(device, programs: int, max_kv: int, tile_n: int) -> int:
     sms = sm_count(device)
     tiles = triton.cdiv(max_kv, tile_n)
     if programs < sms // 2:
-        want = triton.cdiv(sms, programs)
+        want = triton.next_power_of_2(triton.cdiv(sms, programs))
     else:
         want = (3 * sms) // programs if tiles >= LONG_TILES else 1
     splits = min(32, want, tiles // 2)
