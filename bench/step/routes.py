@@ -5,6 +5,13 @@
 For each model: a cold start (an empty route cache: every cell measured, compiles included, as a first start on a new
 machine) and a warm one (every cell read from the cache), each timed; then the table (op, N x K: kernel by rows) and
 every cell's candidates in microseconds. No KV cache or graphs are built: only the weights and the tuner.
+
+    python -m bench.step.routes --replay bench/results/kernel_routes/route_cache_h200_bf16.json
+
+--replay (no GPU): each recorded tuner run (a route cache file, or records holding its "cells") goes through the
+tuner again with its own recorded times in place of the GPU's: how many of the recorded timings the tuner takes
+now (the candidates each op may take, less those dropped after losing at fewer rows), and the cells whose choice
+alone would differ (the layer timings are not recorded, so the choice inside the layer is not replayed).
 """
 from __future__ import annotations
 
@@ -24,8 +31,49 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--max-num-seqs", type=int, default=64, help="the engine's rows: the decode batches it captures")
     p.add_argument("--speculative", default="none", help="none | eagle | ngram | draft_model (its matmuls too)")
+    p.add_argument("--replay", nargs="+", metavar="FILE", help="recorded tuner runs to replay instead (no GPU)")
     p.add_argument("--out", default="bench/results/routes.json")
     return p.parse_args(argv)
+
+
+class Recorded:
+    """A tuner's timer that reads a recorded run's times: (op, n, k, rows) -> {kernel: us}."""
+
+    def __init__(self, cells: dict):
+        self.cells, self.calls = cells, 0
+
+    def candidates(self, site, rows):
+        from engine.kernels.routes import kernels_for
+        us = self.cells[f"{' '.join(map(str, site.key))} {rows}"]["us"]
+        return [kernel for kernel in kernels_for(site.op) if kernel in us] or ["cublas"]
+
+    def agrees(self, site, rows, kernel, decode):
+        return True
+
+    def time_us(self, site, rows, kernel, decode):
+        self.calls += 1
+        return self.cells[f"{' '.join(map(str, site.key))} {rows}"]["us"][kernel]
+
+
+def replay(cells: dict) -> dict:
+    """One recorded run through the tuner: timings recorded, timings taken now, cells whose choice differs."""
+    import torch
+    from engine.kernels import tune
+    from engine.kernels.routes import Site, kernels_for
+    by_site: dict = {}
+    for name in cells:
+        op, n, k, rows = name.split()
+        by_site.setdefault((op, int(n), int(k)), []).append(int(rows))
+    timer, changed = Recorded(cells), []
+    for (op, n, k), rows in sorted(by_site.items()):
+        site = Site(op, [torch.empty(n, k, device="meta")])
+        got, _ = tune.measure([site], sorted(rows), set(rows), timer, progress=False)
+        for name, cell in got.items():
+            allowed = {kernel: us for kernel, us in cells[name]["us"].items() if kernel in kernels_for(op)}
+            if allowed and cell["kernel"] != tune.choose(allowed):
+                changed.append(name)
+    recorded = sum(sum(kernel in kernels_for(name.split()[0]) for kernel in cell["us"]) for name, cell in cells.items())
+    return dict(cells=len(cells), recorded_timings=recorded, timings_now=timer.calls, changed=changed)
 
 
 def start(model: str, args) -> tuple[float, object, list]:
@@ -50,6 +98,14 @@ def start(model: str, args) -> tuple[float, object, list]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.replay:
+        rows = []
+        for path in args.replay:
+            data = json.loads(Path(path).read_text())
+            runs = [data] if isinstance(data, dict) else [r for r in data if isinstance(r.get("cells"), dict)]
+            rows += [dict(file=path, run=run.get("study", ""), **replay(run["cells"])) for run in runs]
+        print(markdown_table(rows, ["file", "run", "cells", "recorded_timings", "timings_now", "changed"]))
+        return
     records = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as cache:

@@ -4,7 +4,8 @@ For each site (a matmul or LM head of the model: op, N x K, one weight per layer
 captures, every kernel that can run the call is timed and the fastest is routed to. A timing replays a CUDA graph
 of the op over up to CHAIN of the site's layers (their own weights, as a step reads them) after a write that
 evicts the L2 cache, so a kernel that hides its weight read behind the kernel before it (dependent launch) shows
-it, and no weight is read warm. cuBLAS is always a candidate.
+it, and no weight is read warm. cuBLAS is always a candidate; a kernel that lost by over DROP at a site's fewer
+rows is not timed at its larger rows.
 
 Alone, one op over layers does not see what the step sees between different ops under dependent launch, so
 where kernels are near a tie alone they are timed again inside their layer: the layer's ops in call order over
@@ -35,6 +36,7 @@ CHAIN = 8           # layers' weights one timing reads in a row
 REPEATS = 9         # timed replays a candidate (the median counts)
 MAX_ROWS = 64       # no kernel but cuBLAS takes more rows (head_mma's limit)
 NEAR = 1.3          # kernels within this factor of a cell's fastest alone are timed again inside the layer
+DROP = 2.0          # a kernel over this factor of a site's fastest at some rows is not timed at its larger rows
 AGREE_FP32, AGREE_HALF = 1e-3, 2 ** -5      # a candidate's largest error against cuBLAS, over cuBLAS's largest value
 FORMAT = 1          # the cache file's layout
 _KERNEL_SOURCES = ("matmul/decode_gemv.py", "matmul/decode_gemm.py", "matmul/draft_gemv.py", "matmul/head_mma.py",
@@ -260,6 +262,12 @@ def refine_in_layer(group: list[Site], rows: int, cells: dict, timer, decode: bo
             choice = whole
 
 
+def _far(alone: dict) -> list[str]:
+    """The kernels but cuBLAS over DROP times the fastest alone: a kernel made for fewer rows only loses more
+    ground to cuBLAS as rows grow, so it is not timed at the site's larger rows (a first start compiles less)."""
+    return [kernel for kernel, us in alone.items() if kernel != "cublas" and us > DROP * min(alone.values())]
+
+
 def _near(alone: dict) -> list[str]:
     """The kernels within NEAR of the fastest alone."""
     return [kernel for kernel, us in alone.items() if us <= NEAR * min(alone.values())] if alone else []
@@ -279,8 +287,10 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
     from tqdm import tqdm
     timer = timer() if callable(timer) else timer         # built only where there is something to time
     bar = tqdm(todo, desc="measuring kernel routes", unit="cell", file=sys.stderr, disable=not progress)
+    dropped: dict = {}          # site key -> kernels that lost by over DROP at fewer rows (todo: rows ascending)
     for site, r in bar:
-        times, candidates = {}, timer.candidates(site, r)
+        times = {}
+        candidates = [kernel for kernel in timer.candidates(site, r) if kernel not in dropped.get(site.key, ())]
         if len(candidates) == 1:                # nothing to choose: cuBLAS alone runs it
             cells[_cell_name(*site.key, r)] = {"kernel": candidates[0], "us": {}}
             continue
@@ -296,6 +306,7 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
                     raise
                 warnings.warn(f"kernel {kernel} failed on {site.op} {site.key[1:]} at {r} rows: {e}", stacklevel=2)
         cells[_cell_name(*site.key, r)] = {"kernel": choose(times), "us": times}
+        dropped.setdefault(site.key, set()).update(_far(times))
     timed = {(site.key, r) for site, r in todo}
     for group in layer_groups(sites):
         for r in rows:

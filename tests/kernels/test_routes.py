@@ -126,6 +126,19 @@ def test_a_kernel_that_disagrees_with_cublas_is_not_timed_nor_routed():
     assert ("linear", 4, "gemv", False) not in timer.calls
 
 
+def test_a_kernel_that_lost_by_over_drop_is_not_timed_at_more_rows():
+    """gemv lost 3x at 2 rows: 4 and 8 rows do not time it (nor compile it); gemm, 1.5x, is timed on; cuBLAS,
+    the fallback, is always timed, however far behind."""
+    times = {("linear", r, kernel): us for r in (2, 4, 8) for kernel, us in
+             (("gemv", 9.0), ("gemm", 4.5), ("stream", 3.0), ("cublas", 10.0))}
+    timer = GivenTimes(times)
+    cells, timed = tune.measure([_site("linear")], [2, 4, 8], {2, 4, 8}, timer, progress=False)
+    assert timed == 3
+    assert [r for (_, r, kernel, _) in timer.calls if kernel == "gemv"] == [2]
+    assert [r for (_, r, kernel, _) in timer.calls if kernel in ("gemm", "cublas")] == [2, 2, 4, 4, 8, 8]
+    assert cells["linear 64 32 8"] == {"kernel": "stream", "us": {"gemm": 4.5, "stream": 3.0, "cublas": 10.0}}
+
+
 def test_cached_cells_are_not_measured_again_and_one_site_a_shape_is():
     timer = GivenTimes({("linear", 1, "gemv"): 3.0, ("linear", 1, "cublas"): 9.0})
     cached = {"linear 64 32 1": {"kernel": "cublas", "us": {}}}
