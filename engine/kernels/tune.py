@@ -12,15 +12,11 @@ where kernels are near a tie alone they are timed again inside their layer: the 
 CHAIN layers, one op's kernel changed at a time (coordinate descent from the choices made alone), then the whole
 layer on each kernel near the fastest alone on every op.
 
-The cache is one JSON file per fingerprint (GPU, driver, torch, Triton, dtype and the kernels' source), cells
-keyed by (op, N, K, rows): a model whose shapes were measured before starts without timing; a damaged or stale
-file is measured again, with a warning.
+The measurements are cached on disk (engine/kernels/route_cache.py): a model whose shapes were measured before on
+the same GPU, driver, torch, Triton and kernel sources starts without timing.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import statistics
 import sys
 import time
@@ -30,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
+from engine.kernels.route_cache import cache_path, fingerprint, load_cache, save_cache
 from engine.kernels.routes import HEAD_KERNELS, MATMUL_KERNELS, Pin, RouteTable, Site, kernels_for
 
 CHAIN = 8           # layers' weights one timing reads in a row
@@ -38,10 +35,6 @@ MAX_ROWS = 64       # no kernel but cuBLAS takes more rows (head_mma's limit)
 NEAR = 1.3          # kernels within this factor of a cell's fastest alone are timed again inside the layer
 DROP = 2.0          # a kernel over this factor of a site's fastest at some rows is not timed at its larger rows
 AGREE_FP32, AGREE_HALF = 1e-3, 2 ** -5      # a candidate's largest error against cuBLAS, over cuBLAS's largest value
-FORMAT = 1          # the cache file's layout
-_KERNEL_SOURCES = ("matmul/decode_gemv.py", "matmul/decode_gemm.py", "matmul/draft_gemv.py", "matmul/head_mma.py",
-                   "matmul/gemv_checks.py", "matmul/stream_gemm.py", "matmul/silu_pairs.py", "sampling/argmax.py",
-                   "common.py", "fused_ops.py", "tune.py")
 
 
 def unique_sites(sites) -> list[Site]:
@@ -67,63 +60,8 @@ def tuning_rows(decode_rows, spec_tokens=()) -> list[int]:
     return sorted({r for r in (*decode_rows, *spec_tokens) if 0 < r <= MAX_ROWS})
 
 
-# ---- the cache ----------------------------------------------------------------------------------------------------
-def fingerprint(device: torch.device, dtype: torch.dtype) -> dict:
-    import triton
-    props = torch.cuda.get_device_properties(device)
-    driver = driver_version()
-    here = Path(__file__).parent
-    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in _KERNEL_SOURCES)).hexdigest()[:16]
-    return dict(format=FORMAT, gpu=props.name, capability=f"{props.major}.{props.minor}", driver=driver,
-                torch=torch.__version__, triton=triton.__version__, dtype=str(dtype).removeprefix("torch."),
-                kernels=digest)
-
-
-def driver_version() -> int:
-    """The CUDA driver's API version (13000 for 13.0) from libcuda, 0 where it cannot be read."""
-    import ctypes
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    version = ctypes.c_int(0)
-    return version.value if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else 0
-
-
-def cache_path(directory: Path, fp: dict) -> Path:
-    """Where the measurements of `fp` are kept under `directory`, the engine's cache (the caller's to name)."""
-    name = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
-    return directory / "routes" / f"{name}.json"
-
-
 def _cell_name(op: str, n: int, k: int, rows: int) -> str:
     return f"{op} {n} {k} {rows}"
-
-
-def load_cache(path: Path, fp: dict) -> dict:
-    """{cell name: {"kernel": ..., "us": {...}}}; {} with a warning for a damaged or stale file."""
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        if data.get("fingerprint") != fp:
-            raise ValueError("it was measured on another GPU, driver, torch, Triton or kernel version")
-        cells = data["cells"]
-        for name, cell in cells.items():
-            op, *dims = name.split()
-            if len(dims) != 3 or cell["kernel"] not in kernels_for(op) or not all(d.isdigit() for d in dims):
-                raise ValueError(f"cell {name!r} is not a route")
-        return cells
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        warnings.warn(f"kernel route cache {path} is not usable ({e}); measuring again", stacklevel=2)
-        return {}
-
-
-def save_cache(path: Path, fp: dict, cells: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"fingerprint": fp, "cells": cells}, indent=1, sort_keys=True))
-    os.replace(tmp, path)
 
 
 # ---- timing -------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.kernels import tune
+from engine.kernels import route_cache, tune
 from engine.kernels.routes import Pin, RouteTable, Site, load_pins, parse_pins, pins
 from engine.llm_engine import LLMEngine
 
@@ -217,13 +217,13 @@ FP = dict(format=1, gpu="NVIDIA H200", capability="9.0", driver=13000, torch="2.
 
 
 def test_the_cache_key_changes_with_every_part_of_the_fingerprint(tmp_path):
-    paths = {tune.cache_path(tmp_path, {**FP, name: "other"}) for name in FP}
-    assert len(paths) == len(FP) and tune.cache_path(tmp_path, FP) not in paths
+    paths = {route_cache.cache_path(tmp_path, {**FP, name: "other"}) for name in FP}
+    assert len(paths) == len(FP) and route_cache.cache_path(tmp_path, FP) not in paths
     cells = {"linear 64 32 1": {"kernel": "gemv", "us": {"gemv": 1.0}}}
-    tune.save_cache(tune.cache_path(tmp_path, FP), FP, cells)
+    route_cache.save_cache(route_cache.cache_path(tmp_path, FP), FP, cells)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert tune.load_cache(tune.cache_path(tmp_path, FP), FP) == cells
+        assert route_cache.load_cache(route_cache.cache_path(tmp_path, FP), FP) == cells
 
 
 @pytest.mark.parametrize("content", [
@@ -236,7 +236,7 @@ def test_a_damaged_or_stale_cache_is_measured_again_with_a_warning(tmp_path, con
     path = tmp_path / "routes.json"
     path.write_text(content)
     with pytest.warns(UserWarning, match="measuring again"):
-        assert tune.load_cache(path, FP) == {}
+        assert route_cache.load_cache(path, FP) == {}
 
 
 # ---- the engine's options -----------------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def test_a_gpu_start_measures_every_site_once_and_then_reads_the_cache(tmp_path,
     second = LLMEngine(**kw)
     assert f"{len(sites) * len(rows)} cells from" in capfd.readouterr().err
     assert second.runner.backend.routes.cells()
-    assert tune.fingerprint(torch.device("cuda"), torch.float32)["driver"] > 0     # a new driver measures again
+    assert route_cache.fingerprint(torch.device("cuda"), torch.float32)["driver"] > 0     # a new driver measures again
 
 
 @pytest.mark.gpu
