@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import free_gpu_memory, markdown_table, note, record, write_results
+from engine.kernels.tune import cell_name
 
 
 def parse_args(argv=None):
@@ -44,7 +45,7 @@ class Recorded:
 
     def candidates(self, site, rows):
         from engine.kernels.routes import kernels_for
-        us = self.cells[f"{' '.join(map(str, site.key))} {rows}"]["us"]
+        us = self.cells[cell_name(*site.key, rows)]["us"]
         return [kernel for kernel in kernels_for(site.op) if kernel in us] or ["cublas"]
 
     def agrees(self, site, rows, kernel, decode):
@@ -52,7 +53,7 @@ class Recorded:
 
     def time_us(self, site, rows, kernel, decode):
         self.calls += 1
-        return self.cells[f"{' '.join(map(str, site.key))} {rows}"]["us"][kernel]
+        return self.cells[cell_name(*site.key, rows)]["us"][kernel]
 
 
 def replay(cells: dict) -> dict:

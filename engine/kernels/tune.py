@@ -60,7 +60,7 @@ def tuning_rows(decode_rows, spec_tokens=()) -> list[int]:
     return sorted({r for r in (*decode_rows, *spec_tokens) if 0 < r <= MAX_ROWS})
 
 
-def _cell_name(op: str, n: int, k: int, rows: int) -> str:
+def cell_name(op: str, n: int, k: int, rows: int) -> str:
     return f"{op} {n} {k} {rows}"
 
 
@@ -174,7 +174,7 @@ def refine_in_layer(group: list[Site], rows: int, cells: dict, timer, decode: bo
     the layer, the other ops on their current choice; the timings go to the cell as "layer_us". Then each kernel
     near the fastest alone on every op runs the whole layer, and takes it where that is faster: a kernel overlaps
     the one before it under dependent launch only where both launch so, which one op changed at a time misses."""
-    names = {site.key: _cell_name(*site.key, rows) for site in group}
+    names = {site.key: cell_name(*site.key, rows) for site in group}
     choice = {key: cells[name]["kernel"] for key, name in names.items()}
     near = {key: _near(cells[name]["us"]) for key, name in names.items()}
     timed: dict = {}
@@ -218,7 +218,7 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
     cells, todo = dict(cached or {}), []
     for site in unique_sites(sites):
         for r in rows:
-            if _cell_name(*site.key, r) not in cells and not pinned(*site.key, r):
+            if cell_name(*site.key, r) not in cells and not pinned(*site.key, r):
                 todo.append((site, r))
     if not todo:
         return cells, 0
@@ -230,7 +230,7 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
         times = {}
         candidates = [kernel for kernel in timer.candidates(site, r) if kernel not in dropped.get(site.key, ())]
         if len(candidates) == 1:                # nothing to choose: cuBLAS alone runs it
-            cells[_cell_name(*site.key, r)] = {"kernel": candidates[0], "us": {}}
+            cells[cell_name(*site.key, r)] = {"kernel": candidates[0], "us": {}}
             continue
         for kernel in candidates:
             try:
@@ -243,13 +243,13 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
                 if kernel == "cublas":
                     raise
                 warnings.warn(f"kernel {kernel} failed on {site.op} {site.key[1:]} at {r} rows: {e}", stacklevel=2)
-        cells[_cell_name(*site.key, r)] = {"kernel": choose(times), "us": times}
+        cells[cell_name(*site.key, r)] = {"kernel": choose(times), "us": times}
         dropped.setdefault(site.key, set()).update(_far(times))
     timed = {(site.key, r) for site, r in todo}
     for group in layer_groups(sites):
         for r in rows:
             if any((site.key, r) in timed for site in group) and all(
-                    _cell_name(*site.key, r) in cells for site in group):
+                    cell_name(*site.key, r) in cells for site in group):
                 refine_in_layer(group, r, cells, timer, decode=r in decode_rows)
     return cells, len(todo)
 
@@ -268,7 +268,7 @@ def measured_table(sites, rows, decode_rows, device, dtype, backend_factory, dir
     fp = fingerprint(device, dtype)
     path = cache_path(directory, fp)
     pinned = lambda *cell: any(pin.matches(*cell) for pin in pins)     # a pinned cell is never looked up
-    wanted = {_cell_name(*s.key, r) for s in sites for r in rows if not pinned(*s.key, r)}
+    wanted = {cell_name(*s.key, r) for s in sites for r in rows if not pinned(*s.key, r)}
     begin = time.perf_counter()
     cached = load_cache(path, fp)
     with torch.inference_mode():

@@ -171,8 +171,9 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
     block_k = min(block_k, max(MIN_K, triton.next_power_of_2(k)))
     stages = 4
 
-    def need(stages, block_k):        # the stages' weight and x tiles, the MMA's operand of x, and the epilogue's
-        return elem * block_k * (stages * (block_n + x_tiles * block_m) + block_m) + 4 * block_n * block_m  # fp32 tile
+    # the stages' weight and x tiles, the MMA's operand of x, and the epilogue's float32 tile
+    def need(stages, block_k):
+        return elem * block_k * (stages * (block_n + x_tiles * block_m) + block_m) + 4 * block_n * block_m
     while need(stages, block_k) > smem and (stages > 2 or block_k > MIN_K):
         stages, block_k = (stages - 1, block_k) if stages > 2 else (stages, block_k // 2)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps)
