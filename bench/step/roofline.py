@@ -16,7 +16,8 @@ ignored. Step time: the median period of the steady decode steps (every stream d
 (depth 2, CUDA graphs), and the median GPU forward beside it; tok/s = streams / period. The KV length the floor
 counts is the mean those steps really read. One engine per (shape, side), the sides one after the other per shape
 (their order alternates by shape), so both sides of a cell ran on the machine in the same state; --kernels
-reference is cuBLAS for every matmul and LM head, the baseline. Writes roofline.json after every cell (--resume),
+reference is cuBLAS for every matmul and LM head, the baseline. Each record holds the engine's route table
+(`routes`, a line a matmul site). Writes roofline.json after every cell (--resume),
 then roofline.md (the table and which targets hold) and roofline.png (bench/step/roofline_report.py).
 """
 from __future__ import annotations
@@ -196,11 +197,18 @@ def cell_record(held, cell, args, peak: float) -> dict:
         note(f"{shape} {side} {streams} streams, {context} tokens: {m['period_ms']:.3f} ms a step "
              f"(forward {m['forward_ms']:.3f}), {m['x_floor']:.2f}x the floor {m['floor_ms']:.3f}")
         tok_s, new = m.pop("tok_s"), m.pop("new_tokens")
-        return record(**base, new_tokens=new, tok_s=tok_s, ms_per_step=m["period_ms"], **fields, **m)
+        return record(**base, new_tokens=new, tok_s=tok_s, ms_per_step=m["period_ms"], **fields, **m,
+                      routes=routes(eng))
     except Exception as e:                  # noqa: BLE001 - one failing cell must not end the sweep
         traceback.print_exc()
         return record(**base, new_tokens=None, tok_s=None, ms_per_step=None, **fields,
                       error=f"{type(e).__name__}: {e}")
+
+
+def routes(eng) -> list[str] | None:
+    """The engine's route table, a line a matmul site (RouteTable.summary), where its backend has one."""
+    table = getattr(eng.runner.backend, "routes", None)
+    return table.summary().splitlines() if table is not None else None
 
 
 def start(shape: str, side: str, args):
