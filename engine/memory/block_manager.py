@@ -12,21 +12,27 @@ positions hold committed tokens, below any rollback of rejected drafts).
 """
 from __future__ import annotations
 
-from hashlib import blake2b
-from array import array
+import struct
 from collections import OrderedDict, deque
+from functools import lru_cache
+from hashlib import blake2b
 
 ROOT = b""
+
+
+@lru_cache(maxsize=None)
+def _page_bytes(block_size: int):
+    """A page's tokens as their int64 bytes (native order): struct's pack, faster than an array a page."""
+    return struct.Struct(f"{block_size}q").pack
 
 
 def prefix_digests(tokens: list[int], block_size: int, parent: bytes) -> list[bytes]:
     """Digests of the full pages of `tokens`, which follow the page whose digest is `parent` (ROOT: they start
     the sequence). Each digest covers every token up to its page's end, so equal digests mean equal prefixes
     (blake2b: no crafted collisions between tenants' prompts)."""
-    out, page = [], 8 * block_size          # a page's bytes: int64 tokens
-    data = array("q", tokens[:len(tokens) // block_size * block_size]).tobytes()    # one conversion
-    for start in range(0, len(data), page):
-        parent = blake2b(parent + data[start:start + page], digest_size=16).digest()
+    out, pack = [], _page_bytes(block_size)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = blake2b(parent + pack(*tokens[start:start + block_size]), digest_size=16).digest()
         out.append(parent)
     return out
 
@@ -109,11 +115,18 @@ class BlockManager:
     def register(self, block: int, digest: bytes) -> bool:
         """`block` holds the page `digest` names; whether it was registered now. A page with the same digest
         already registered stays the one (this copy goes back to the free list when its holder lets go)."""
-        if digest in self._page or block in self._digest:
-            return False
-        self._page[digest] = block
-        self._digest[block] = digest
-        return True
+        return bool(self.register_pages([block], [digest], 0, 1))
+
+    def register_pages(self, blocks: list[int], digests: list[bytes], start: int, end: int) -> list[int]:
+        """register(blocks[i], digests[i]) for i in [start, end); the i registered now."""
+        page, digest_of, new = self._page, self._digest, []
+        for i in range(start, end):
+            block, digest = blocks[i], digests[i]
+            if digest not in page and block not in digest_of:
+                page[digest] = block
+                digest_of[block] = digest
+                new.append(i)
+        return new
 
     def count_query(self, tokens: int, hit: int) -> None:
         self.query_tokens += tokens

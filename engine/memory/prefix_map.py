@@ -65,13 +65,12 @@ class PrefixMap:
 
     def register(self, seq) -> None:
         """Register the sequence's full pages whose tokens the host knows and whose KV is enqueued."""
-        full = min(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table) * self.blocks.block_size)
-        full //= self.blocks.block_size
+        bs = self.blocks.block_size
+        full = min(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table) * bs) // bs
         if full <= seq.num_registered:
             return
         self._digest_pages(seq, full)
-        new = [i for i in range(seq.num_registered, full)
-               if self.blocks.register(seq.block_table[i], seq.block_digests[i])]
+        new = self.blocks.register_pages(seq.block_table, seq.block_digests, seq.num_registered, full)
         seq.num_registered = full
         if new and self.blocks.events is not None:
             self._record_stored(seq, new)

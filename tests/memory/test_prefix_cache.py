@@ -28,7 +28,7 @@ def test_digests_chain_over_the_whole_prefix():
 
 
 def test_a_digest_is_blake2b_of_its_parent_and_its_pages_int64_tokens():
-    """The definition, page by page (prefix_digests hashes one conversion of all the pages)."""
+    """The definition, page by page with an array of int64 (prefix_digests packs each page with struct)."""
     rng = random.Random(0)
     tokens, parent, want = [rng.randrange(-3, 1 << 40) for _ in range(4 * 37 + 3)], ROOT, []
     for i in range(37):
