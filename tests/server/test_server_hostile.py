@@ -79,6 +79,18 @@ CASES = [   # (id, body or a function of the server giving it, expected status, 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_hostile_request_gets_its_error_and_slows_nobody(server, solo_s, case):
+    """Each try sends the hostile request beside a well-behaved one, then the well-behaved one alone; a second try
+    only where the first missed the bound, since other test workers load the machine by the second."""
+    for _ in range(2):
+        beside_s, alone_s = _beside_then_alone(server, solo_s, case)
+        if beside_s <= 2 * alone_s + 0.25:
+            return
+    pytest.fail(f"the request beside it took {beside_s:.2f} s, {alone_s:.2f} s alone (twice over the bound)")
+
+
+def _beside_then_alone(server, solo_s, case) -> tuple[float, float]:
+    """(seconds the well-behaved request took beside the hostile one, seconds it took alone right after), the
+    hostile request's error checked."""
     _, body, status, word = case
     normal: dict = {}
 
@@ -99,8 +111,7 @@ def test_a_hostile_request_gets_its_error_and_slows_nobody(server, solo_s, case)
     # alone again right after, under the machine's load of the moment (other test workers come and go)
     t0 = time.perf_counter()
     assert post(server, NORMAL).status_code == 200
-    alone = max(solo_s, time.perf_counter() - t0)
-    assert normal["s"] <= 2 * alone + 0.25, f"the request beside it took {normal['s']:.2f} s, {alone:.2f} s alone"
+    return normal["s"], max(solo_s, time.perf_counter() - t0)
 
 
 def test_the_declared_length_is_refused_before_the_body_is_read(server):
