@@ -112,13 +112,10 @@ class BlockManager:
             self._refs[b] += 1
         return pages
 
-    def register(self, block: int, digest: bytes) -> bool:
-        """`block` holds the page `digest` names; whether it was registered now. A page with the same digest
-        already registered stays the one (this copy goes back to the free list when its holder lets go)."""
-        return bool(self.register_pages([block], [digest], 0, 1))
-
     def register_pages(self, blocks: list[int], digests: list[bytes], start: int, end: int) -> list[int]:
-        """register(blocks[i], digests[i]) for i in [start, end); the i registered now."""
+        """blocks[i] holds the page digests[i] names, for i in [start, end); the i registered now. A page with the
+        same digest already registered stays the one (this copy goes back to the free list when its holder lets
+        go)."""
         page, digest_of, new = self._page, self._digest, []
         for i in range(start, end):
             block, digest = blocks[i], digests[i]

@@ -44,8 +44,7 @@ def _two_registered_pages():
     bm = BlockManager(4, 4, caching=True)
     d = prefix_digests(list(range(8)), 4, ROOT)
     pages = bm.allocate(2)
-    for p, x in zip(pages, d):
-        bm.register(p, x)
+    assert bm.register_pages(pages, d, 0, 2) == [0, 1]
     return bm, d, pages
 
 
