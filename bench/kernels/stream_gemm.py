@@ -78,7 +78,7 @@ def stream_launch(config: dict | None = None, l2_ahead: bool | None = None):
 def bench_shape(shape: str, rows_list, sweep: bool) -> list[dict]:
     import torch
     from engine.backend import RoutedBackend
-    from engine.kernels.tune import CHAIN, Timer
+    from engine.kernels.tune import CHAIN, Timer, choose
     device = torch.device("cuda")
     sites = layer_sites(shape, CHAIN, device, torch.bfloat16)
     timer = Timer(device, lambda routes: RoutedBackend(routes=routes, device=device))
@@ -90,7 +90,7 @@ def bench_shape(shape: str, rows_list, sweep: bool) -> list[dict]:
             alone = {kernel: round(timer.time_us(site, rows, kernel, decode=True), 2)
                      for kernel in ("cublas", *STREAM_KERNELS)}
             r.update({f"{name}_{kernel}_us": us for kernel, us in alone.items()})
-            fastest[site.key] = min(alone, key=alone.get)
+            fastest[site.key] = choose(alone)
             with stream_launch(l2_ahead=True):
                 r[f"{name}_stream_l2_us"] = round(timer.time_us(site, rows, "stream", decode=True), 2)
             if sweep:

@@ -61,14 +61,11 @@ def replay(cells: dict) -> dict:
     import torch
     from engine.kernels import tune
     from engine.kernels.routes import Site, kernels_for
-    by_site: dict = {}
-    for name in cells:
-        op, n, k, rows = name.split()
-        by_site.setdefault((op, int(n), int(k)), []).append(int(rows))
     timer, changed = Recorded(cells), []
-    for (op, n, k), rows in sorted(by_site.items()):
+    for (op, n, k), by_rows in sorted(tune.table_from_cells(cells).cells().items()):
+        rows = sorted(by_rows)
         site = Site(op, [torch.empty(n, k, device="meta")])
-        got, _ = tune.measure([site], sorted(rows), set(rows), timer, progress=False)
+        got, _ = tune.measure([site], rows, set(rows), timer, progress=False)
         for name, cell in got.items():
             allowed = {kernel: us for kernel, us in cells[name]["us"].items() if kernel in kernels_for(op)}
             if allowed and cell["kernel"] != tune.choose(allowed):
