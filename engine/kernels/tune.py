@@ -17,10 +17,12 @@ the same GPU, driver, torch, Triton and kernel sources starts without timing.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,6 +36,7 @@ REPEATS = 9         # timed replays a candidate (the median counts)
 MAX_ROWS = 64       # no kernel but cuBLAS takes more rows (head_mma's limit)
 NEAR = 1.3          # kernels within this factor of a cell's fastest alone are timed again inside the layer
 DROP = 2.0          # a kernel over this factor of a site's fastest at some rows is not timed at its larger rows
+COMPILE_THREADS = min(16, os.cpu_count() or 1)    # threads compiling a row count's kernels at once
 AGREE_FP32, AGREE_HALF = 1e-3, 2 ** -5      # a candidate's largest error against cuBLAS, over cuBLAS's largest value
 
 
@@ -111,6 +114,20 @@ class Timer:
         return [kernel for kernel in kernels_for(site.op)
                 if backend.can_run(kernel, site.op, x, site.weights[0], norm_weight=site.norm_weight,
                                    residual=residual)]
+
+    def prepare(self, calls) -> None:
+        """Each (site, rows, kernel, decode) call run once, on COMPILE_THREADS threads: Triton compiles a kernel
+        at its first call and its compiler releases the GIL, so a first start's compiles run side by side instead
+        of one by one inside the timings. A call that fails is left to the timing, which reports it."""
+        def run(site, rows, kernel, decode):
+            with torch.cuda.device(self.device), torch.inference_mode():
+                x, residual = _inputs(site, rows)
+                call(self.backends[kernel], site, site.weights[0], x, residual, decode)
+        calls = [c for c in calls if c[2] != "cublas"]          # nothing to compile
+        with ThreadPoolExecutor(max(1, min(COMPILE_THREADS, len(calls)))) as pool:
+            for done in [pool.submit(run, *c) for c in calls]:
+                done.exception()
+        torch.cuda.synchronize(self.device)
 
     def agrees(self, site: Site, rows: int, kernel: str, decode: bool) -> bool:
         """Whether `kernel`'s output on the site's op agrees with cuBLAS's to its dtype's rounding (heads, whose
@@ -214,44 +231,58 @@ def _near(alone: dict) -> list[str]:
 def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progress: bool = True,
             pinned=lambda op, n, k, rows: False) -> tuple[dict, int]:
     """Every (site, rows) cell not in `cached` and not `pinned` timed by `timer` (a Timer's candidates and
-    time_us) -> (cells, how many were timed); cells as the cache's."""
-    cells, todo = dict(cached or {}), []
+    time_us) -> (cells, how many were timed); cells as the cache's. Row counts go in ascending order, every site
+    at one count before the next: a timer with `prepare` first runs that count's candidates once all at once."""
+    cells, todo = dict(cached or {}), {}
     for site in unique_sites(sites):
         for r in rows:
             if cell_name(*site.key, r) not in cells and not pinned(*site.key, r):
-                todo.append((site, r))
+                todo.setdefault(r, []).append(site)
     if not todo:
         return cells, 0
     from tqdm import tqdm
     timer = timer() if callable(timer) else timer         # built only where there is something to time
-    bar = tqdm(todo, desc="measuring kernel routes", unit="cell", file=sys.stderr, disable=not progress)
-    dropped: dict = {}          # site key -> kernels that lost by over DROP at fewer rows (todo: rows ascending)
-    for site, r in bar:
-        times = {}
-        candidates = [kernel for kernel in timer.candidates(site, r) if kernel not in dropped.get(site.key, ())]
-        if len(candidates) == 1:                # nothing to choose: cuBLAS alone runs it
-            cells[cell_name(*site.key, r)] = {"kernel": candidates[0], "us": {}}
-            continue
-        for kernel in candidates:
-            try:
-                if kernel != "cublas" and not timer.agrees(site, r, kernel, decode=r in decode_rows):
-                    warnings.warn(f"kernel {kernel} disagrees with cuBLAS on {site.op} {site.key[1:]} at {r} rows: "
-                                  "not a route there", stacklevel=2)
-                    continue
-                times[kernel] = round(timer.time_us(site, r, kernel, decode=r in decode_rows), 2)
-            except Exception as e:      # a kernel that fails to build or run here is no route
-                if kernel == "cublas":
-                    raise
-                warnings.warn(f"kernel {kernel} failed on {site.op} {site.key[1:]} at {r} rows: {e}", stacklevel=2)
-        cells[cell_name(*site.key, r)] = {"kernel": choose(times), "us": times}
-        dropped.setdefault(site.key, set()).update(_far(times))
-    timed = {(site.key, r) for site, r in todo}
+    bar = tqdm(total=sum(map(len, todo.values())), desc="measuring kernel routes", unit="cell", file=sys.stderr,
+               disable=not progress)
+    dropped: dict = {}          # site key -> kernels that lost by over DROP at fewer rows
+    for r in sorted(todo):
+        decode = r in decode_rows
+        candidates = {site.key: [kernel for kernel in timer.candidates(site, r)
+                                 if kernel not in dropped.get(site.key, ())] for site in todo[r]}
+        if hasattr(timer, "prepare"):
+            timer.prepare([(site, r, kernel, decode) for site in todo[r] for kernel in candidates[site.key]
+                           if len(candidates[site.key]) > 1])
+        for site in todo[r]:
+            times = _time_cell(site, r, candidates[site.key], timer, decode)
+            cells[cell_name(*site.key, r)] = {"kernel": choose(times) if times else "cublas", "us": times}
+            dropped.setdefault(site.key, set()).update(_far(times))
+            bar.update()
+    bar.close()
     for group in layer_groups(sites):
         for r in rows:
-            if any((site.key, r) in timed for site in group) and all(
+            if any(site in todo.get(r, ()) for site in group) and all(
                     cell_name(*site.key, r) in cells for site in group):
                 refine_in_layer(group, r, cells, timer, decode=r in decode_rows)
-    return cells, len(todo)
+    return cells, sum(map(len, todo.values()))
+
+
+def _time_cell(site: Site, rows: int, candidates: list[str], timer, decode: bool) -> dict:
+    """{kernel: us} of the candidates that agree with cuBLAS and run; {} where cuBLAS alone runs the cell."""
+    if len(candidates) == 1:                # nothing to choose: cuBLAS alone runs it
+        return {}
+    times = {}
+    for kernel in candidates:
+        try:
+            if kernel != "cublas" and not timer.agrees(site, rows, kernel, decode):
+                warnings.warn(f"kernel {kernel} disagrees with cuBLAS on {site.op} {site.key[1:]} at {rows} rows: "
+                              "not a route there", stacklevel=3)
+                continue
+            times[kernel] = round(timer.time_us(site, rows, kernel, decode), 2)
+        except Exception as e:      # a kernel that fails to build or run here is no route
+            if kernel == "cublas":
+                raise
+            warnings.warn(f"kernel {kernel} failed on {site.op} {site.key[1:]} at {rows} rows: {e}", stacklevel=3)
+    return times
 
 
 def table_from_cells(cells: dict, pins=()) -> RouteTable:

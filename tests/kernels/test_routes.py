@@ -139,6 +139,26 @@ def test_a_kernel_that_lost_by_over_drop_is_not_timed_at_more_rows():
     assert cells["linear 64 32 8"] == {"kernel": "stream", "us": {"gemm": 4.5, "stream": 3.0, "cublas": 10.0}}
 
 
+def test_each_row_count_is_prepared_at_once_before_its_timings_without_dropped_kernels():
+    """A timer with `prepare` (the GPU's: it compiles a row count's kernels side by side) gets every site's
+    candidates at one row count, before any of that count's timings, less the kernels dropped at fewer rows and
+    cells cuBLAS alone can run."""
+    class Preparing(GivenTimes):
+        def prepare(self, calls):
+            self.calls.append(("prepare", sorted((site.op, *rest) for site, *rest in calls)))
+    times = {(op, r, kernel): us for op in ("linear", "norm_linear") for r in (2, 4) for kernel, us in
+             (("gemv", 9.0), ("stream", 3.0), ("cublas", 10.0))}
+    times[("head", 2, "cublas")] = 5.0
+    timer = Preparing(times)
+    tune.measure([_site("linear"), _site("norm_linear"), _site("head", 100)], [2, 4], {2}, timer, progress=False)
+    prepares = [i for i, c in enumerate(timer.calls) if c[0] == "prepare"]
+    assert prepares == [0, 7]       # six timings at 2 rows (the head's lone cuBLAS untimed), then 4 rows'
+    assert timer.calls[0][1] == sorted((op, 2, kernel, True) for op in ("linear", "norm_linear")
+                                       for kernel in ("gemv", "stream", "cublas"))
+    assert timer.calls[7][1] == sorted((op, 4, kernel, False) for op in ("linear", "norm_linear")
+                                       for kernel in ("stream", "cublas"))
+
+
 def test_cached_cells_are_not_measured_again_and_one_site_a_shape_is():
     timer = GivenTimes({("linear", 1, "gemv"): 3.0, ("linear", 1, "cublas"): 9.0})
     cached = {"linear 64 32 1": {"kernel": "cublas", "us": {}}}
