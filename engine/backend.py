@@ -101,6 +101,7 @@ class TorchBackend(_Matmuls):
 
 
 SEMAPHORES = 1024   # split_merge's counters, one a group of a merging launch: its programs fit one an SM
+TILE_COUNTERS = 1024    # stream_split's counters, one a weight tile (zero between launches, as the semaphores)
 
 
 class RoutedBackend(_Matmuls):
@@ -127,6 +128,7 @@ class RoutedBackend(_Matmuls):
         # split_merge: the counters of split attention's groups, zero between kernels (each launch leaves them so);
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
+        self._tile_counters = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)     # stream_split's
         self.apply_bitmask = bitmask.apply_bitmask      # the sampler's grammar mask, one kernel
         self._argmax, self._topk = argmax, topk
         self.ops = fused_ops
@@ -157,7 +159,8 @@ class RoutedBackend(_Matmuls):
             return self._draft.supports(x, norm_weight, weight) if op == "norm_head" \
                 else self._draft.supports_linear(x, weight)
         if kernel in STREAM_KERNELS:
-            return self._stream.supports(x, weight, norm_weight, residual, silu=op == "norm_linear_silu")
+            return self._stream.supports(x, weight, norm_weight, residual, silu=op == "norm_linear_silu",
+                                         variant=STREAM_KERNELS[kernel], counters=self._tile_counters)
         mod = self._mods.get(kernel)
         if mod is None:
             return False
@@ -182,7 +185,7 @@ class RoutedBackend(_Matmuls):
         if kernel == "gemv":
             return self._mods["gemv"].decode_linear(x, weight, add)
         if kernel in STREAM_KERNELS:
-            out = self._stream.linear(x, weight, STREAM_KERNELS[kernel])
+            out = self._stream.linear(x, weight, STREAM_KERNELS[kernel], self._tile_counters)
             return out if add is None else add + out
         out = self._mods["gemm"].decode_linear(x, weight, **self._launch(kernel, meta)) if kernel == "gemm" \
             else super().linear(x, weight, bias)
@@ -194,7 +197,8 @@ class RoutedBackend(_Matmuls):
         if kernel == "cublas":
             return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
         if kernel in STREAM_KERNELS:
-            return self._stream.norm_linear(x, norm_weight, eps, weight, residual, STREAM_KERNELS[kernel])
+            return self._stream.norm_linear(x, norm_weight, eps, weight, residual, STREAM_KERNELS[kernel],
+                                            self._tile_counters)
         return self._mods[kernel].decode_norm_linear(x, norm_weight, eps, weight, residual,
                                                      **self._launch(kernel, meta))
 
@@ -205,7 +209,8 @@ class RoutedBackend(_Matmuls):
             gate_up, residual = super().norm_linear(x, residual, norm_weight, eps, weight)
             return self.ops.silu_mul(gate_up), residual
         if kernel in STREAM_KERNELS:
-            return self._stream.norm_linear_silu(x, norm_weight, eps, weight, residual, STREAM_KERNELS[kernel])
+            return self._stream.norm_linear_silu(x, norm_weight, eps, weight, residual, STREAM_KERNELS[kernel],
+                                                 self._tile_counters)
         return self._mods[kernel].decode_norm_linear_silu(x, norm_weight, eps, weight, residual,
                                                           **self._launch(kernel, meta))
 

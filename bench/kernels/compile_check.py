@@ -69,18 +69,21 @@ def _gemv(k, n, prologue, epilogue, pdl, m=1):
             _gemv_types(epilogue), consts, cfg["num_warps"], _shapes(m, k, n, prologue))
 
 
-def _stream(m, k, n, prologue, epilogue, pdl):
-    """stream_gemm.py's kernel at its launch config, its weight slice prefetched into L2 (Llama 1B's shapes)."""
-    cfg = stream_gemm.config(m, n, k)
-    warps = cfg.pop("num_warps")
+def _stream(m, k, n, prologue, epilogue, pdl, variant="base"):
+    """stream_gemm.py's kernel at its launch config (Llama 1B's shapes): the base launch with its weight slice
+    prefetched into L2, or another variant's without."""
+    cfg = stream_gemm.config(m, n, k, variant=variant)
+    warps, k_split = cfg.pop("num_warps"), cfg.pop("K_SPLIT")
     consts = dict(cfg, PROLOGUE=prologue, HAS_RESIDUAL=prologue == "norm", EPILOGUE=epilogue, USE_PDL=pdl,
-                  PRECISION="tf32", L2_AHEAD=True)
+                  PRECISION="tf32", L2_AHEAD=variant == "base")
     types = {p: "*bf16" for p in _BF16_PTRS if p != "add_ptr"} | dict(
-        stride_x="i32", stride_res="i32", stride_w="i32", stride_out="i32", stride_new_res="i32", M="i32",
-        N="i32", K="i32", eps="fp32")
+        part_ptr="*fp32", cnt_ptr="*i32", stride_x="i32", stride_res="i32", stride_w="i32", stride_out="i32",
+        stride_new_res="i32", M="i32", N="i32", K="i32", K_SPLIT="i32", eps="fp32")
     out = n // 2 if epilogue == "silu_mul" else n
-    return (f"stream_gemm M={m} K={k} N={n} {prologue}/{epilogue}", stream_gemm._stream_gemm_kernel, types, consts,
-            warps, dict(stride_x=k, stride_res=k, stride_w=k, stride_out=out, stride_new_res=k, M=m, N=out, K=k))
+    name = f"stream_gemm{'' if variant == 'base' else ' ' + variant} M={m} K={k} N={n} {prologue}/{epilogue}"
+    return (name, stream_gemm._stream_gemm_kernel, types, consts, warps,
+            dict(stride_x=k, stride_res=k, stride_w=k, stride_out=out, stride_new_res=k, M=m, N=out, K=k,
+                 K_SPLIT=k_split))
 
 
 def _head_mma(m, pdl, v=49152, k=576):
@@ -178,6 +181,7 @@ def variants(pdl: bool) -> list[tuple]:
         _head_mma(1, pdl), _head_mma(4, pdl), _head_mma(32, pdl),
         _stream(8, 2048, 3072, "norm", "store", pdl), _stream(8, 2048, 16384, "norm", "silu_mul", pdl),
         _stream(32, 8192, 2048, "none", "store", pdl), _stream(32, 2048, 2048, "none", "store", pdl),
+        _stream(8, 8192, 2048, "none", "store", pdl, "split"), _stream(8, 2048, 3072, "norm", "store", pdl, "split"),
         _gemv(576, 49152, "norm", "argmax", pdl), _gemv(576, 49152, "none", "argmax", pdl),
         _gemv(1536, 576, "silu", "add", pdl), _gemv(576, 960, "norm", "store", pdl, m=4),
         _gemv(1536, 576, "silu", "store", pdl, m=4), _gemv(576, 49152, "none", "argmax", pdl, m=4),

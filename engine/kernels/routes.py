@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OPS = ("linear", "norm_linear", "norm_linear_silu", "head", "norm_head", "stack")
-STREAM_KERNELS = {"stream": "base", "stream_wide": "wide", "stream_narrow": "narrow"}   # -> stream_gemm variant
+STREAM_KERNELS = {"stream": "base", "stream_wide": "wide", "stream_narrow": "narrow",       # -> stream_gemm variant
+                  "stream_split": "split"}
 MATMUL_KERNELS = ("gemv", "gemm", *STREAM_KERNELS, "cublas")
 HEAD_KERNELS = ("gemv", "mma", "cublas")
 STACK_KERNELS = ("persistent", "layers")

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import (is_interpreted, l2_ahead, l2_prefetch, pdl, reduce_sum, round_to,
-                                   shared_memory_bytes)
+                                   shared_memory_bytes, sm_count)
 from engine.kernels.matmul import gemv_checks
 from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit, silu_store
 
@@ -44,7 +44,9 @@ MIN_K = 16                       # a tensor-core tile's K
 MAX_K = 1 << 16                  # any model's K: the weight is streamed, not held
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SMEM_SPARE = 16 << 10            # shared memory the compiler takes beyond the pipeline's tiles (layout changes)
-VARIANTS = ("base", "wide", "narrow")   # launch shapes (config); the route table names them stream, stream_wide, ...
+VARIANTS = ("base", "wide", "narrow", "split")   # launch shapes (config); routes name them stream, stream_wide, ...
+MAX_SPLITS = 8                   # "split": programs a tile at most
+INTERPRETED_SMS = 132            # the SMs "split" fills where there are none (the CPU interpreter)
 
 
 @triton.jit
@@ -87,36 +89,51 @@ def _slice_to_l2(w_ptr, stride_w, pid, N, BLOCK_N: tl.constexpr, EPILOGUE: tl.co
 
 
 @triton.jit
-def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_w,
-                        stride_out, stride_new_res, M, N, K, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                        EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
-                        L2_AHEAD: tl.constexpr):
-    pid = tl.program_id(0)
+def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, part_ptr, cnt_ptr, stride_x, stride_res,
+                        stride_w, stride_out, stride_new_res, M, N, K, K_SPLIT, eps, PROLOGUE: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SPLITS: tl.constexpr,
+                        USE_PDL: tl.constexpr, PRECISION: tl.constexpr, L2_AHEAD: tl.constexpr):
+    pid, split = tl.program_id(0), tl.program_id(1)
     offs_n, n_ok = block_rows(pid, N, BLOCK_N, EPILOGUE)  # weight rows ("silu_mul": gate and up rows in pairs)
     if L2_AHEAD:
         _slice_to_l2(w_ptr, stride_w, pid, N, BLOCK_N, EPILOGUE)
     rows = tl.arange(0, BLOCK_M)                          # token rows
     row_ok = rows < M
-    ks = tl.arange(0, BLOCK_K)
+    ks = split * K_SPLIT + tl.arange(0, BLOCK_K)          # this program's K range (all of K but with SPLITS)
+    k_end = tl.minimum(K, split * K_SPLIT + K_SPLIT)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + ks[None, :]
     # the first weight tile before the wait: the weight does not depend on the kernel before
-    w = tl.load(w_ptrs, mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
+    w = tl.load(w_ptrs, mask=n_ok[:, None] & (ks[None, :] < k_end), other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    stored = tl.where(pid == 0, M, 0)      # the first weight rows' program stores the new residual
+    stored = tl.where(pid == 0, M, 0)      # the first weight rows' programs store the new residual
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    a, sq = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok, ks, K,
-                    stored, PROLOGUE, HAS_RESIDUAL)
+    a, sq = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok, ks,
+                    k_end, stored, PROLOGUE, HAS_RESIDUAL)
     ss += sq
     acc = tl.dot(w, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & (ks[None, :] + k0 < K), other=0.0)
+    for k0 in tl.range(BLOCK_K, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & (ks[None, :] + k0 < k_end), other=0.0)
         a, sq = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok,
-                        ks + k0, K, stored, PROLOGUE, HAS_RESIDUAL)
+                        ks + k0, k_end, stored, PROLOGUE, HAS_RESIDUAL)
         ss += sq
         acc += tl.dot(w, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
+    if SPLITS > 1:      # the tile's last split program to finish sums the partials and ends the tile
+        if _store_partial(acc, ss, part_ptr, cnt_ptr, pid, split, BLOCK_M, BLOCK_N) == SPLITS - 1:
+            acc, ss = _sum_partials(part_ptr, cnt_ptr, pid, BLOCK_M, BLOCK_N, SPLITS)
+            _end(acc, ss, out_ptr, rows, row_ok, offs_n, n_ok, stride_out, pid, N, K, eps, PROLOGUE, EPILOGUE,
+                 BLOCK_M, BLOCK_N)
+    else:
+        _end(acc, ss, out_ptr, rows, row_ok, offs_n, n_ok, stride_out, pid, N, K, eps, PROLOGUE, EPILOGUE, BLOCK_M,
+             BLOCK_N)
+
+
+@triton.jit
+def _end(acc, ss, out_ptr, rows, row_ok, offs_n, n_ok, stride_out, pid, N, K, eps, PROLOGUE: tl.constexpr,
+         EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's end: each row's 1 / rms after the norm prologue, rounded once, then stored (or SiLU * up)."""
     if PROLOGUE == "norm":
         acc = acc * tl.rsqrt(tl.where(row_ok, ss / K + eps, 1.0))[None, :]     # padded rows stay finite
     y = round_to(acc, out_ptr.dtype.element_ty)
@@ -126,36 +143,92 @@ def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, str
         tl.store(out_ptr + rows[None, :] * stride_out + offs_n[:, None], y, mask=n_ok[:, None] & row_ok[None, :])
 
 
+@triton.jit
+def _store_partial(acc, ss, part_ptr, cnt_ptr, pid, split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This split's product and sums of squares into its slot of the partials, then a ticket from the tile's
+    counter: a CTA barrier after the stores, the ticket one acq_rel atomic at GPU scope (release: the partial is
+    visible before the count says so; acquire: the last program sees every other's)."""
+    tiles = tl.num_programs(0)
+    slot = split * tiles + pid
+    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(part_ptr + slot * (BLOCK_N + 1) * BLOCK_M + tile, acc)
+    tl.store(part_ptr + (slot * (BLOCK_N + 1) + BLOCK_N) * BLOCK_M + tl.arange(0, BLOCK_M), ss)
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _sum_partials(part_ptr, cnt_ptr, pid, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """The tile's product and sums of squares over its splits, in split order (whichever program sums them), read
+    past L1; the counter back to 0 for the next launch (CUDA graph replays included)."""
+    tiles = tl.num_programs(0)
+    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        slot = split * tiles + pid
+        acc += tl.load(part_ptr + slot * (BLOCK_N + 1) * BLOCK_M + tile, cache_modifier=".cg")
+        ss += tl.load(part_ptr + (slot * (BLOCK_N + 1) + BLOCK_N) * BLOCK_M + tl.arange(0, BLOCK_M),
+                      cache_modifier=".cg")
+    tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+    return acc, ss
+
+
 def interpreted() -> bool:
     """True when the kernel was built for Triton's CPU interpreter."""
     return is_interpreted(_stream_gemm_kernel)
 
 
-def problem(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=None, silu: bool = False) -> str | None:
+def problem(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=None, silu: bool = False,
+            variant: str = "base", counters=None) -> str | None:
     """Why this kernel cannot take x @ weight.T (with the norm before it where norm_weight is given, SiLU * up
     after it where silu), or None where it can: its own conditions (a tensor-core tile of K, a float dtype, an even
-    [gate; up]), then those it shares with the decode GEMV (gemv_checks.problem)."""
+    [gate; up]; for "split", K long enough for two splits and a counter a tile), then those it shares with the
+    decode GEMV (gemv_checks.problem)."""
     if x.dim() == 2 and weight.dim() == 2 and (x.shape[1] != weight.shape[1] or x.shape[1] < MIN_K):
         return f"K must match and be at least {MIN_K}"
     if x.dtype != weight.dtype or x.dtype not in DTYPES:
         return "x and weight must share a float dtype"
     if silu and not pairs_fit(weight):
         return f"weight {tuple(weight.shape)} must be [gate; up] with an even N"
-    return gemv_checks.problem(x, weight, x.shape[1], norm_weight, residual, rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
+    why = gemv_checks.problem(x, weight, x.shape[1], norm_weight, residual, rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
+    if why is None and variant == "split":
+        return _split_problem(x, weight, silu, counters)
+    return why
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=None, silu: bool = False) -> bool:
-    return problem(x, weight, norm_weight, residual, silu) is None
+def _split_problem(x, weight, silu: bool, counters) -> str | None:
+    cfg = config(x.shape[0], weight.shape[0], x.shape[1], variant="split", sms=_sms(x.device))
+    if cfg["SPLITS"] < 2:
+        return f"K = {x.shape[1]} over {weight.shape[0]} rows leaves no room for two splits"
+    tiles = out_columns(weight.shape[0], cfg["BLOCK_N"], "silu_mul" if silu else "store")[1]
+    if counters is None or counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != x.device:
+        return f"split needs a 1-D int32 counter buffer on {x.device}"
+    if counters.numel() < tiles:
+        return f"split needs {tiles} counters, the buffer holds {counters.numel()}"
+    return None
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=None, silu: bool = False,
+             variant: str = "base", counters=None) -> bool:
+    return problem(x, weight, norm_weight, residual, silu, variant, counters) is None
+
+
+def _sms(device: torch.device) -> int:
+    return sm_count(device) if device.type == "cuda" else INTERPRETED_SMS
 
 
 def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 1 << 30,
-           variant: str = "base") -> dict:
+           variant: str = "base", sms: int = INTERPRETED_SMS) -> dict:
     """Launch constants by shape and VARIANTS' variant. "base": 64 weight rows a program where N leaves 32
     programs or more (fewer, longer programs repeat the prologue less and keep more bytes in flight each), K in
     256-element tiles at 16 token rows and 128 past them, four warps. "wide": twice base's weight rows (at most
     128), 128-element K tiles and eight warps: a large gate_up, whose pairs' prologue would repeat over many narrow
     programs. "narrow": 16 weight rows and 256-element K tiles, four times the programs: a smaller weight without a
-    prologue, whose few base programs leave SMs idle. Which one a matmul takes is measured (engine/kernels/tune.py).
+    prologue, whose few base programs leave SMs idle. "split": base's tiles with K split over SPLITS programs a
+    tile, enough for the `sms` SMs (at most MAX_SPLITS, each at least two K tiles long, K_SPLIT elements): a weight
+    of few base programs with a long K, each SM keeping a whole pipeline of base's tiles in flight, at the cost of
+    the partials' sum by the tile's last program. Which one a matmul takes is measured (engine/kernels/tune.py).
     All start at four stages; then fewer stages, then shorter K tiles, until the pipeline's buffers and the
     epilogue's float32 tile fit `smem` bytes (`elem` bytes an element; `x_tiles`: tiles of x a stage loads, 2 with a
     residual)."""
@@ -176,45 +249,57 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
         return elem * block_k * (stages * (block_n + x_tiles * block_m) + block_m) + 4 * block_n * block_m
     while need(stages, block_k) > smem and (stages > 2 or block_k > MIN_K):
         stages, block_k = (stages - 1, block_k) if stages > 2 else (stages, block_k // 2)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps)
+    splits, k_split = 1, k
+    if variant == "split":
+        splits = min(MAX_SPLITS, triton.cdiv(sms, triton.cdiv(n, block_n)), k // (2 * block_k))
+        k_split = triton.cdiv(triton.cdiv(k, max(splits, 1)), block_k) * block_k
+        splits = triton.cdiv(k, k_split)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps,
+                SPLITS=splits, K_SPLIT=k_split)
 
 
 def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=None, epilogue: str = "store",
-            variant: str = "base"):
+            variant: str = "base", counters=None):
     """The kernel -> (out, new_residual); ValueError naming the reason where it cannot take the call."""
-    why = problem(x, weight, norm_weight, residual, epilogue == "silu_mul")
+    why = problem(x, weight, norm_weight, residual, epilogue == "silu_mul", variant, counters)
     if why is not None:
         raise ValueError(f"stream_gemm.{name}: {why}")
     m, k = x.shape
     cfg = config(m, weight.shape[0], k, x.element_size(), 1 + (residual is not None),
-                 shared_memory_bytes(x.device) - SMEM_SPARE, variant)
+                 shared_memory_bytes(x.device) - SMEM_SPARE, variant=variant, sms=_sms(x.device))
+    k_split = cfg.pop("K_SPLIT")
     n, grid = out_columns(weight.shape[0], cfg["BLOCK_N"], epilogue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = x if residual is None else residual
     new_res = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    part = out if cfg["SPLITS"] == 1 else torch.empty(     # each split's tile and its rows' sums of squares
+        cfg["SPLITS"] * grid * (cfg["BLOCK_N"] + 1) * cfg["BLOCK_M"], dtype=torch.float32, device=x.device)
     precision = "ieee" if weight.dtype == torch.float32 else "tf32"     # tf32 would round float32 inputs
     ahead = (l2_ahead(_stream_gemm_kernel, x.device) and weight.data_ptr() % 16 == 0
              and weight.stride(0) * weight.element_size() % 16 == 0)
-    _stream_gemm_kernel[(grid,)](
-        x, res, x if norm_weight is None else norm_weight, weight, out, new_res, x.stride(0), res.stride(0),
-        weight.stride(0), out.stride(0), new_res.stride(0), m, n, k, float(eps),
-        PROLOGUE="none" if norm_weight is None else "norm", HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue,
-        **cfg, PRECISION=precision, L2_AHEAD=ahead, **pdl(_stream_gemm_kernel, x.device, m))
+    _stream_gemm_kernel[(grid, cfg["SPLITS"])](
+        x, res, x if norm_weight is None else norm_weight, weight, out, new_res, part,
+        out if counters is None else counters, x.stride(0), res.stride(0), weight.stride(0), out.stride(0),
+        new_res.stride(0), m, n, k, k_split, float(eps), PROLOGUE="none" if norm_weight is None else "norm",
+        HAS_RESIDUAL=residual is not None, EPILOGUE=epilogue, **cfg, PRECISION=precision, L2_AHEAD=ahead,
+        **pdl(_stream_gemm_kernel, x.device, m))
     return out, new_res
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, variant: str = "base") -> torch.Tensor:
-    """x @ weight.T for 2-64 rows (`variant`: config's launch shape)."""
-    return _launch("linear", x, weight, variant=variant)[0]
+def linear(x: torch.Tensor, weight: torch.Tensor, variant: str = "base", counters=None) -> torch.Tensor:
+    """x @ weight.T for 2-64 rows (`variant`: config's launch shape; "split" takes a zeroed int32 counter buffer of
+    a counter a tile, which each launch leaves zeroed)."""
+    return _launch("linear", x, weight, variant=variant, counters=counters)[0]
 
 
-def norm_linear(x, norm_weight, eps: float, weight, residual=None, variant: str = "base"):
+def norm_linear(x, norm_weight, eps: float, weight, residual=None, variant: str = "base", counters=None):
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps, residual), weight) in one kernel. Returns (out,
     new_residual): with a residual, h = x + residual rounded to the dtype (a new tensor), else x itself."""
-    return _launch("norm_linear", x, weight, norm_weight, eps, residual, variant=variant)
+    return _launch("norm_linear", x, weight, norm_weight, eps, residual, variant=variant, counters=counters)
 
 
-def norm_linear_silu(x, norm_weight, eps: float, weight, residual=None, variant: str = "base"):
+def norm_linear_silu(x, norm_weight, eps: float, weight, residual=None, variant: str = "base", counters=None):
     """fused_ops.silu_mul(norm_linear(...)[0]) in one kernel, for weight = [gate; up] ([2 * I, K]). Returns
     (act [M, I], new_residual) as norm_linear's."""
-    return _launch("norm_linear_silu", x, weight, norm_weight, eps, residual, epilogue="silu_mul", variant=variant)
+    return _launch("norm_linear_silu", x, weight, norm_weight, eps, residual, epilogue="silu_mul", variant=variant,
+                   counters=counters)
