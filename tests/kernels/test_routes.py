@@ -246,6 +246,14 @@ def test_the_cache_key_changes_with_every_part_of_the_fingerprint(tmp_path):
         assert route_cache.load_cache(route_cache.cache_path(tmp_path, FP), FP) == cells
 
 
+def test_the_fingerprint_digests_every_routed_matmul_kernel_source():
+    """A change to any matmul kernel's source measures its routes again (cpu_gemm is the CPU's, never routed)."""
+    from pathlib import Path
+    matmul = Path(route_cache.__file__).parent / "matmul"
+    sources = {f"matmul/{f.name}" for f in matmul.glob("*.py")} - {"matmul/__init__.py", "matmul/cpu_gemm.py"}
+    assert sources <= set(route_cache._KERNEL_SOURCES)
+
+
 @pytest.mark.parametrize("content", [
     "{damaged", json.dumps({"fingerprint": {**FP, "triton": "3.5"}, "cells": {}}),
     json.dumps({"fingerprint": FP, "cells": {"linear 64 32 1": {"kernel": "mma"}}}),

@@ -38,6 +38,7 @@ from engine.kernels.common import (is_interpreted, l2_ahead, l2_prefetch, pdl, r
                                    shared_memory_bytes, sm_count)
 from engine.kernels.matmul import gemv_checks
 from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit, silu_store
+from engine.kernels.matmul.split_k import store_partial, sum_partials
 
 MIN_ROWS, MAX_ROWS = 2, 64       # one row is the GEMV's; past 64 rows cuBLAS's tiles are full
 MIN_K = 16                       # a tensor-core tile's K
@@ -121,8 +122,8 @@ def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, par
         ss += sq
         acc += tl.dot(w, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
     if SPLITS > 1:      # the tile's last split program to finish sums the partials and ends the tile
-        if _store_partial(acc, ss, part_ptr, cnt_ptr, pid, split, BLOCK_M, BLOCK_N) == SPLITS - 1:
-            acc, ss = _sum_partials(part_ptr, cnt_ptr, pid, BLOCK_M, BLOCK_N, SPLITS)
+        if store_partial(acc, ss, part_ptr, cnt_ptr, pid, split, BLOCK_M, BLOCK_N) == SPLITS - 1:
+            acc, ss = sum_partials(part_ptr, cnt_ptr, pid, BLOCK_M, BLOCK_N, SPLITS)
             _end(acc, ss, out_ptr, rows, row_ok, offs_n, n_ok, stride_out, pid, N, K, eps, PROLOGUE, EPILOGUE,
                  BLOCK_M, BLOCK_N)
     else:
@@ -141,37 +142,6 @@ def _end(acc, ss, out_ptr, rows, row_ok, offs_n, n_ok, stride_out, pid, N, K, ep
         silu_store(out_ptr, tl.trans(y), rows, row_ok, stride_out, N, pid, BLOCK_M, BLOCK_N)
     else:
         tl.store(out_ptr + rows[None, :] * stride_out + offs_n[:, None], y, mask=n_ok[:, None] & row_ok[None, :])
-
-
-@triton.jit
-def _store_partial(acc, ss, part_ptr, cnt_ptr, pid, split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This split's product and sums of squares into its slot of the partials, then a ticket from the tile's
-    counter: a CTA barrier after the stores, the ticket one acq_rel atomic at GPU scope (release: the partial is
-    visible before the count says so; acquire: the last program sees every other's)."""
-    tiles = tl.num_programs(0)
-    slot = split * tiles + pid
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(part_ptr + slot * (BLOCK_N + 1) * BLOCK_M + tile, acc)
-    tl.store(part_ptr + (slot * (BLOCK_N + 1) + BLOCK_N) * BLOCK_M + tl.arange(0, BLOCK_M), ss)
-    tl.debug_barrier()
-    return tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def _sum_partials(part_ptr, cnt_ptr, pid, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
-    """The tile's product and sums of squares over its splits, in split order (whichever program sums them), read
-    past L1; the counter back to 0 for the next launch (CUDA graph replays included)."""
-    tiles = tl.num_programs(0)
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for split in tl.static_range(SPLITS):
-        slot = split * tiles + pid
-        acc += tl.load(part_ptr + slot * (BLOCK_N + 1) * BLOCK_M + tile, cache_modifier=".cg")
-        ss += tl.load(part_ptr + (slot * (BLOCK_N + 1) + BLOCK_N) * BLOCK_M + tl.arange(0, BLOCK_M),
-                      cache_modifier=".cg")
-    tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
-    return acc, ss
 
 
 def interpreted() -> bool:
