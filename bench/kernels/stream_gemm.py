@@ -78,7 +78,8 @@ def stream_launch(config: dict | None = None, l2_ahead: bool | None = None):
 def bench_shape(shape: str, rows_list, sweep: bool) -> list[dict]:
     import torch
     from engine.backend import RoutedBackend
-    from engine.kernels.tune import CHAIN, Timer, choose
+    from engine.kernels.timer import CHAIN, Timer
+    from engine.kernels.tune import choose
     device = torch.device("cuda")
     sites = layer_sites(shape, CHAIN, device, torch.bfloat16)
     timer = Timer(device, lambda routes: RoutedBackend(routes=routes, device=device))

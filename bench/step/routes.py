@@ -35,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=64, help="the engine's rows: the decode batches it captures")
     p.add_argument("--speculative", default="none", help="none | eagle | ngram | draft_model (its matmuls too)")
     p.add_argument("--compile-threads", type=int, default=None,
-                   help="threads compiling a row count's kernels at once (default: the tuner's COMPILE_THREADS)")
+                   help="threads compiling a row count's kernels at once (default: timer.COMPILE_THREADS)")
     p.add_argument("--replay", nargs="+", metavar="FILE", help="recorded tuner runs to replay instead (no GPU)")
     p.add_argument("--out", default="bench/results/routes.json")
     return p.parse_args(argv)
@@ -108,9 +108,9 @@ def main(argv=None) -> None:
             rows += [dict(file=path, run=run.get("study", ""), **replay(run["cells"])) for run in runs]
         print(markdown_table(rows, ["file", "run", "cells", "recorded_timings", "timings_now", "changed"]))
         return
-    from engine.kernels import tune
+    from engine.kernels import timer
     if args.compile_threads:
-        tune.COMPILE_THREADS = args.compile_threads
+        timer.COMPILE_THREADS = args.compile_threads
     records = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as cache:
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
                 measured.update(json.loads(path.read_text())["cells"])
         note(f"{model}: cold {cold:.1f} s, warm {warm:.2f} s\n{table.summary()}")
         records.append(record("routes", "start", model, args.dtype, args.max_num_seqs, 0, 0.0, 0.0,
-                              cold_s=round(cold, 2), warm_s=round(warm, 3), compile_threads=tune.COMPILE_THREADS,
+                              cold_s=round(cold, 2), warm_s=round(warm, 3), compile_threads=timer.COMPILE_THREADS,
                               triton_cache=os.environ.get("TRITON_CACHE_DIR", "default"),
                               cells=sum(map(len, table.cells().values())),
                               table=table.summary().splitlines(), measured=measured))

@@ -17,7 +17,8 @@ from engine.kernels.routes import kernels_for
 FORMAT = 1          # the cache file's layout
 _KERNEL_SOURCES = ("matmul/decode_gemv.py", "matmul/decode_gemm.py", "matmul/draft_gemv.py", "matmul/head_mma.py",
                    "matmul/gemv_checks.py", "matmul/stream_gemm.py", "matmul/silu_pairs.py", "matmul/split_k.py",
-                   "sampling/argmax.py", "common.py", "fused_ops.py", "routes.py", "tune.py")
+                   "sampling/argmax.py", "common.py", "fused_ops.py", "routes.py", "tune.py",
+                   "timer.py")
 
 
 def fingerprint(device: torch.device, dtype: torch.dtype) -> dict:

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kernels import route_cache, tune
+from engine.kernels.timer import Timer
 from engine.kernels.routes import Pin, RouteTable, Site, load_pins, parse_pins, pins
 from engine.llm_engine import LLMEngine
 
@@ -378,7 +379,7 @@ def test_the_timer_checks_each_candidate_against_cublas():
     torch.manual_seed(0)
     w = [torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(2)]
     site = Site("linear", w)
-    timer = tune.Timer(torch.device("cuda"), lambda routes: RoutedBackend(routes=routes, device="cuda"))
+    timer = Timer(torch.device("cuda"), lambda routes: RoutedBackend(routes=routes, device="cuda"))
     assert all(timer.agrees(site, 8, kernel, decode=True) for kernel in timer.candidates(site, 8))
     timer.backends["stream"].linear = lambda x, weight, meta=None, add=None: torch.zeros(
         x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)          # a kernel that computes wrong
