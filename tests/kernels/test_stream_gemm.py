@@ -93,14 +93,20 @@ def test_each_variant_matches_the_base_launch(variant, m, n, k):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_the_split_launch_fills_the_sms_with_k_splits_of_at_least_two_tiles():
-    down = sg.config(8, 2048, 8192, variant="split", sms=132)       # 32 tiles of 64 rows: 5 splits of 1,792
-    assert (down["BLOCK_N"], down["SPLITS"], down["K_SPLIT"]) == (64, 5, 1792)
+def test_the_split_launch_fits_the_sms_in_one_wave_with_splits_of_at_least_two_k_tiles():
+    down = sg.config(8, 2048, 8192, variant="split", sms=132)       # 32 tiles of 64 rows: 4 splits, one wave
+    assert (down["BLOCK_N"], down["SPLITS"], down["K_SPLIT"]) == (64, 4, 2048)
+    qkv = sg.config(8, 3072, 2048, variant="split", sms=132)        # 48 tiles: 2 splits, not 3 in two waves
+    assert (qkv["SPLITS"], qkv["K_SPLIT"]) == (2, 1024)
+    odd = sg.config(8, 2048, 7000, variant="split", sms=132)        # the last split shorter
+    assert (odd["SPLITS"], odd["K_SPLIT"]) == (4, 1792)
     o_proj = sg.config(8, 2048, 2048, variant="split", sms=132)     # K leaves room for 4 splits of 2 tiles
     assert (o_proj["SPLITS"], o_proj["K_SPLIT"]) == (4, 512)
     assert sg.config(8, 28672, 4096, variant="split", sms=132)["SPLITS"] == 1    # 448 tiles fill the SMs
-    for cfg in (down, o_proj):
-        assert (cfg["SPLITS"] - 1) * cfg["K_SPLIT"] < (8192 if cfg is down else 2048) <= cfg["SPLITS"] * cfg["K_SPLIT"]
+    for cfg, n, k in ((down, 2048, 8192), (o_proj, 2048, 2048), (qkv, 3072, 2048), (odd, 2048, 7000)):
+        assert -(-n // cfg["BLOCK_N"]) * cfg["SPLITS"] <= 132
+        assert (cfg["SPLITS"] - 1) * cfg["K_SPLIT"] < k <= cfg["SPLITS"] * cfg["K_SPLIT"]
+        assert cfg["K_SPLIT"] % cfg["BLOCK_K"] == 0 and cfg["K_SPLIT"] >= 2 * cfg["BLOCK_K"]
 
 
 def _counters(n=64):

@@ -196,7 +196,8 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
     128), 128-element K tiles and eight warps: a large gate_up, whose pairs' prologue would repeat over many narrow
     programs. "narrow": 16 weight rows and 256-element K tiles, four times the programs: a smaller weight without a
     prologue, whose few base programs leave SMs idle. "split": base's tiles with K split over SPLITS programs a
-    tile, enough for the `sms` SMs (at most MAX_SPLITS, each at least two K tiles long, K_SPLIT elements): a weight
+    tile, as many as the `sms` SMs hold in one wave (a program takes an SM's shared memory; at most MAX_SPLITS,
+    each at least two K tiles long, K_SPLIT elements): a weight
     of few base programs with a long K, each SM keeping a whole pipeline of base's tiles in flight, at the cost of
     the partials' sum by the tile's last program. Which one a matmul takes is measured (engine/kernels/tune.py).
     All start at four stages; then fewer stages, then shorter K tiles, until the pipeline's buffers and the
@@ -221,7 +222,7 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
         stages, block_k = (stages - 1, block_k) if stages > 2 else (stages, block_k // 2)
     splits, k_split = 1, k
     if variant == "split":
-        splits = min(MAX_SPLITS, triton.cdiv(sms, triton.cdiv(n, block_n)), k // (2 * block_k))
+        splits = min(MAX_SPLITS, sms // triton.cdiv(n, block_n), k // (2 * block_k))
         k_split = triton.cdiv(triton.cdiv(k, max(splits, 1)), block_k) * block_k
         splits = triton.cdiv(k, k_split)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps,
