@@ -122,10 +122,11 @@ def test_the_split_launch_matches_the_base_launch_and_leaves_its_counters_zero(m
     cfg = sg.config(m, n, k, variant="split")
     assert cfg["SPLITS"] >= 2
     for _ in range(2):          # the second launch finds the counters as the first left them
-        torch.testing.assert_close(sg.linear(x, w, "split", counters), sg.linear(x, w), rtol=1e-5, atol=1e-5)
-        for fn in (sg.norm_linear, sg.norm_linear_silu):
-            for got, want in zip(fn(x, nw, 1e-5, w, residual, "split", counters), fn(x, nw, 1e-5, w, residual)):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        for got, want in [(sg.linear(x, w, "split", counters), sg.linear(x, w)), *[
+                pair for fn in (sg.norm_linear, sg.norm_linear_silu)
+                for pair in zip(fn(x, nw, 1e-5, w, residual, "split", counters), fn(x, nw, 1e-5, w, residual))]]:
+            # fp32 sums in another order: a few units of rounding of the largest value
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         assert not counters.any()
 
 
