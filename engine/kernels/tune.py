@@ -138,12 +138,13 @@ def measure(sites, rows, decode_rows, timer, cached: dict | None = None, progres
             dropped.setdefault(site.key, set()).update(_far(times))
             bar.update()
     bar.close()
+    timed = {(site.key, r) for r, at_rows in todo.items() for site in at_rows}   # keys: a Site's == compares weights
     for group in layer_groups(sites):
         for r in rows:
-            if any(site in todo.get(r, ()) for site in group) and all(
+            if any((site.key, r) in timed for site in group) and all(
                     cell_name(*site.key, r) in cells for site in group):
                 refine_in_layer(group, r, cells, timer, decode=r in decode_rows)
-    return cells, sum(map(len, todo.values()))
+    return cells, len(timed)
 
 
 def _time_cell(site: Site, rows: int, candidates: list[str], timer, decode: bool) -> dict:

@@ -204,6 +204,20 @@ def test_near_ties_alone_are_decided_inside_the_layer_and_clear_wins_are_not_tim
     assert len(timer.layer_calls) == 2
 
 
+def test_a_layer_with_only_its_last_op_to_measure_is_still_refined():
+    """Cells of a layer's first ops cached (a model sharing their shapes ran before), its last op new: the layer is
+    timed again around it. Two ops of one kind and different shapes must not be told apart by their weights."""
+    layer = [Site("norm_linear", [torch.empty(96, 32)] * 2), Site("linear", [torch.empty(32, 32)] * 2),
+             Site("linear", [torch.empty(32, 64)] * 2)]
+    cached = {"norm_linear 96 32 4": {"kernel": "gemv", "us": {"gemv": 2.6, "cublas": 9.0}},
+              "linear 32 32 4": {"kernel": "gemv", "us": {"gemv": 2.0, "cublas": 6.0}}}
+    timer = LayerTimes({("linear", 4, "gemv"): 2.0, ("linear", 4, "gemm"): 2.1, ("linear", 4, "cublas"): 6.0},
+                       {("norm_linear", "gemv"): 3.0, ("linear", "gemv"): 2.0, ("linear", "gemm"): 1.0})
+    cells, timed = tune.measure(layer, [4], {4}, timer, cached, progress=False)
+    assert timed == 1 and timer.layer_calls          # the new cell, then the layer around it
+    assert cells["linear 32 64 4"]["kernel"] == "gemm" and "layer_us" in cells["linear 32 64 4"]
+
+
 def test_a_layer_wholly_on_one_kernel_wins_where_its_overlap_beats_the_mixed_choice():
     """stream is a little slower alone on both ops and on either one inside a layer of cuBLAS, but the layer wholly
     on stream is faster (its launches overlap): the tuner times that layer and routes both ops to stream."""
