@@ -38,6 +38,7 @@ class Commits:
         outputs = []
         now = time.perf_counter()
         spec_rows = spec_proposed = spec_accepted = spec_leaves = 0
+        levels = self.timings.spec_levels
         k = self.spec_k if spec else 0
         i, native = 0, self.native and not k and isinstance(tokens, list)
         while i < len(rows):
@@ -73,6 +74,7 @@ class Commits:
                     self.scheduler.rejected(row, len(new) - 1)
                 if row.num_drafts:      # (a row that verified no draft did not speculate)
                     drafted, accepted = tokens[row.sample_idx][-1], len(new) - 1
+                    levels[row.spec_k] = levels.get(row.spec_k, 0) + 1
                     spec_rows, spec_proposed, spec_accepted = spec_rows + 1, spec_proposed + drafted, \
                         spec_accepted + accepted
                     tree, leaf = tree_row(self.scheduler.spec, row, tokens[row.sample_idx])

@@ -30,6 +30,8 @@ class StepTimings:
     spec_proposed: int = 0     # drafts those rows verified
     spec_accepted: int = 0     # drafts accepted
     spec_leaves: int = 0       # draft trees: rows whose last accepted draft was a leaf (engine/speculative/tree.py)
+    spec_levels: dict = field(default_factory=dict)  # verifying rows by their step's level: {drafts a row holds
+                                                     # (K, or a tree's): rows}, what the draft budget chose
     quiet_steps: int = 0       # speculation: launched steps that drafted nothing (a paused engine's plain steps)
     prefix_query_tokens: int = 0   # prompt tokens of admitted requests looked up in the prefix cache
     prefix_hit_tokens: int = 0     # ... of them found there (mapped, not computed)

@@ -17,7 +17,8 @@ over --rounds; greedy, so every mode emits the same tokens. tok_s = output token
 / wall; speedup = tok_s over "none" of the same round set. The engine's batch-level policy (EngineConfig
 spec_max_batch, or --engine spec_max_batch=N) decides when a step speculates; spec_frac = share of row-steps that
 verified drafts, quiet_frac = share of steps that drafted nothing (a paused engine's plain steps), leaf_frac = share
-of spec row-steps whose last accepted draft was a tree's leaf (--variants NAME:spec_tree=N).
+of spec row-steps whose last accepted draft was a tree's leaf (--variants NAME:spec_tree=N), level_frac = share of
+spec row-steps at each level the draft budget chose ({drafts a row holds: share}; a tree engine's largest is its tree).
 Datasets: JME / BFCL (schemas under --data: prompt "produce JSON matching this schema"), chat (specdec/datasets.py's
 questions), NAME=PATH for a directory of schemas in the same format or a JSONL of {"prompt"} / {"messages"}.
 Writes JSON records (common keys + drafter, k, dataset, acceptance_length, tok_s, speedup), markdown, and a
@@ -39,7 +40,7 @@ from bench.guided.guided_quality import (DATASETS, close_engines, load_schemas, 
 ACC_COLUMNS = ["drafter", "k", "dataset", "prompts", "new_tokens", "acceptance_length", "rate_by_position",
                "tok_s"]
 SPEED_COLUMNS = ["streams", "drafter", "k", "variant", "dataset", "tok_s", "speedup", "acceptance_length",
-                 "spec_frac", "quiet_frac", "leaf_frac", "ms_per_step"]
+                 "spec_frac", "quiet_frac", "leaf_frac", "level_frac", "ms_per_step"]
 
 
 def parse_args(argv=None):
@@ -117,6 +118,7 @@ def timed_generate(eng, prompts, max_tokens: int) -> dict:
                 acceptance_length=round(t.acceptance_length, 4) if t.spec_rows else None,
                 spec_frac=round(t.spec_rows / max(t.rows, 1), 4), quiet_frac=round(t.quiet_steps / max(t.steps, 1), 4),
                 leaf_frac=round(t.spec_leaves / max(t.spec_rows, 1), 4),
+                level_frac={k: round(n / t.spec_rows, 4) for k, n in sorted(t.spec_levels.items())},
                 rate_by_position=[round(a / p, 3) for a, p in zip(pos, props) if p],
                 outputs=[s.output_token_ids for s in seqs])
 

@@ -29,6 +29,20 @@ def test_the_bits_of_embedding_stack_and_norm(n, h, dtype):
     assert torch.equal(ho.embed_pair_norm(ids, emb, feature, weight, 1e-5), want)
 
 
+@pytest.mark.parametrize("n", [1, 5])
+def test_ids_read_at_their_stride(n):
+    """A draft tree's next tokens are a column of its ranked candidates ([N, width][:, 0]): row r's id is at r *
+    width, not at r."""
+    h = 64
+    emb, weight = randn(50, h, seed=1, dtype=torch.float32), randn(h, seed=2, dtype=torch.float32)
+    feature = randn(n, h, seed=3, dtype=torch.float32)
+    ranked = torch.randint(0, 50, (n, 4), generator=torch.Generator(device=DEV).manual_seed(4), device=DEV)
+    ids = ranked[:, 0]
+    assert ids.stride(0) == 4
+    want = ho.embed_pair_norm(ids.contiguous(), emb, feature, weight, 1e-5)
+    assert torch.equal(ho.embed_pair_norm(ids, emb, feature, weight, 1e-5), want)
+
+
 def test_refusals():
     emb, feature, w = torch.ones(8, 16, device=DEV), torch.ones(2, 16, device=DEV), torch.ones(16, device=DEV)
     ids = torch.zeros(2, dtype=torch.int64, device=DEV)

@@ -96,3 +96,29 @@ def test_drafts_past_the_pages_write_nothing(parts):
     with torch.no_grad():
         drafter.propose(ctx_for([(0, 7)], feats, toks, tables, [8], [0]))
     assert paged.k_cache[5].abs().sum() == 0 and paged.k_cache[3].abs().sum() > 0
+
+
+def test_a_tree_drafts_its_chain_as_a_chain_drafter_does(parts):
+    """On the fused backend, where the head's input is one kernel: a tree's chain (each draft step fed the first
+    column of the ranked candidates before it, a strided view) equals a chain drafter's drafts, row for row."""
+    from conftest import triton_module
+    if not triton_module("speculative.head_ops").interpreted():
+        pytest.skip("the kernels are built for the GPU; this test's tensors are on the CPU")
+    from engine.backend import RoutedBackend
+    from engine.speculative.tree import DraftTree
+    target, head = parts
+    gen = torch.Generator().manual_seed(2)
+    lengths, k = [19, 13, 9], 4
+    toks = [torch.randint(0, TINY["vocab_size"], (n + k + 2,), generator=gen).tolist() for n in lengths]
+    feats = [torch.randn(n + k + 2, 3 * TINY["hidden_size"], generator=gen) * 3 for n in lengths]
+    tables = [[5, 17, 2, 9, 11], [3, 8, 21, 1, 13], [6, 19, 4, 0, 20]]
+    caps = [len(t) * BS for t in tables]
+    drafts = {}
+    for name, tree in (("chain", None), ("tree", DraftTree.of_size(k, 10))):
+        paged = PagedHead(head, target, RoutedBackend(device=torch.device("cpu")), PAGES, BS, 128)
+        assert paged._pair_norm is not None
+        drafter = EagleDrafter(k, paged, BS, 128, tree=tree)
+        with torch.no_grad():
+            out = drafter.propose(ctx_for([(0, n) for n in lengths], feats, toks, tables, caps, [0, 1, 2]))
+        drafts[name] = out.draft_tokens[:, :k]
+    assert torch.equal(drafts["tree"], drafts["chain"])

@@ -157,6 +157,8 @@ def test_any_k_step_by_step_changes_no_token(spec_workload, reference, drafter):
     assert {1, 3, 5} <= set(used), used
     assert {(k, (k or 5) if drafter != "ngram" else 5) for k in (0, 1, 3, 5)} == set(widths), widths
     assert eng.timings.spec_accepted > 0
+    levels = eng.timings.spec_levels        # verifying rows by the level their step verified
+    assert set(levels) == {1, 3, 5} and sum(levels.values()) == eng.timings.spec_rows, levels
     assert_no_leak(eng)
     assert len(eng.scheduler.row_pools[0]) == eng.runner.pool.num_rows
 

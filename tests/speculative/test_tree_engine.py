@@ -45,6 +45,7 @@ def test_greedy_tree_equals_plain(spec_workload, reference, leaf_hits, depth, cf
     t = eng.timings
     assert t.spec_rows > 0 and leaf_hits[0] > 0, "no leaf was accepted"
     assert 0 < t.spec_leaves <= leaf_hits[0]      # (verification also counts padding and zombie rows)
+    assert t.spec_leaves <= t.spec_levels.get(TREE["spec_tree"], 0), t.spec_levels    # leaves in tree rows only
     assert 1.0 < t.acceptance_length <= 4
     if graph_layout:
         assert eng.runner.graphs.replays["spec"] > 0

@@ -1,7 +1,7 @@
 """The EAGLE head's input in one kernel: each row's token embedding and feature, each RMS-normed on its own,
 side by side (engine/speculative/eagle_paged.py), where torch launches an embedding, a stack and the norm.
 
-    embed_pair_norm(ids [N], emb [V, H], feature [N, H], weight [H], eps) -> [N, 2H]
+    embed_pair_norm(ids [N] (any stride), emb [V, H], feature [N, H], weight [H], eps) -> [N, 2H]
         = fused_ops.rms_norm(stack([emb[ids], feature], 1).reshape(2N, H), weight, eps).view(N, 2H)
 
 The norm is fused_ops.rms_norm's (rms_norm_row): the same bits. An id outside [0, V) reads
@@ -20,15 +20,15 @@ from engine.kernels.fused_ops import rms_norm_row
 
 
 @triton.jit
-def _embed_pair_norm_kernel(ids_ptr, emb_ptr, feat_ptr, w_ptr, out_ptr, stride_emb, stride_feat, stride_out, n_cols,
-                            vocab, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _embed_pair_norm_kernel(ids_ptr, emb_ptr, feat_ptr, w_ptr, out_ptr, stride_ids, stride_emb, stride_feat, stride_out,
+                            n_cols, vocab, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)                    # 0: the embedding of ids[row], 1: feature[row]
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     if piece == 0:
-        tok = tl.minimum(tl.maximum(tl.load(ids_ptr + row).to(tl.int64), 0), vocab - 1)
+        tok = tl.minimum(tl.maximum(tl.load(ids_ptr + row * stride_ids).to(tl.int64), 0), vocab - 1)
         h = tl.load(emb_ptr + tok * stride_emb + cols, mask=ok, other=0.0)
     else:
         h = tl.load(feat_ptr + row * stride_feat + cols, mask=ok, other=0.0)
@@ -65,7 +65,8 @@ def embed_pair_norm(ids: torch.Tensor, emb: torch.Tensor, feature: torch.Tensor,
     if n:
         block = triton.next_power_of_2(h)
         _embed_pair_norm_kernel[(n, 2)](
-            ids, emb, feature, weight, out, emb.stride(0), feature.stride(0), out.stride(0), h, emb.shape[0],
-            float(eps), BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,  # as rms_norm's
+            ids, emb, feature, weight, out, ids.stride(0), emb.stride(0), feature.stride(0), out.stride(0), h,
+            emb.shape[0], float(eps), BLOCK=block,
+            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,  # as rms_norm's
             **pdl(_embed_pair_norm_kernel, emb.device, n))
     return out
