@@ -100,7 +100,8 @@ def test_drafts_past_the_pages_write_nothing(parts):
 
 def test_a_tree_drafts_its_chain_as_a_chain_drafter_does(parts):
     """On the fused backend, where the head's input is one kernel: a tree's chain (each draft step fed the first
-    column of the ranked candidates before it, a strided view) equals a chain drafter's drafts, row for row."""
+    column of the ranked candidates before it, a strided view) equals a chain drafter's drafts, row for row, and
+    both equal the torch backend's (float32; drafts of several rows, which a one-row step cannot tell apart)."""
     from conftest import triton_module
     if not triton_module("speculative.head_ops").interpreted():
         pytest.skip("the kernels are built for the GPU; this test's tensors are on the CPU")
@@ -114,11 +115,15 @@ def test_a_tree_drafts_its_chain_as_a_chain_drafter_does(parts):
     tables = [[5, 17, 2, 9, 11], [3, 8, 21, 1, 13], [6, 19, 4, 0, 20]]
     caps = [len(t) * BS for t in tables]
     drafts = {}
-    for name, tree in (("chain", None), ("tree", DraftTree.of_size(k, 10))):
-        paged = PagedHead(head, target, RoutedBackend(device=torch.device("cpu")), PAGES, BS, 128)
-        assert paged._pair_norm is not None
-        drafter = EagleDrafter(k, paged, BS, 128, tree=tree)
-        with torch.no_grad():
-            out = drafter.propose(ctx_for([(0, n) for n in lengths], feats, toks, tables, caps, [0, 1, 2]))
-        drafts[name] = out.draft_tokens[:, :k]
-    assert torch.equal(drafts["tree"], drafts["chain"])
+    for backend in ("torch", "fused"):
+        for name, tree in (("chain", None), ("tree", DraftTree.of_size(k, 10))):
+            paged = PagedHead(head, target, TorchBackend() if backend == "torch" else
+                              RoutedBackend(device=torch.device("cpu")), PAGES, BS, 128)
+            assert (paged._pair_norm is not None) == (backend == "fused")
+            drafter = EagleDrafter(k, paged, BS, 128, tree=tree)
+            with torch.no_grad():
+                out = drafter.propose(ctx_for([(0, n) for n in lengths], feats, toks, tables, caps, [0, 1, 2]))
+            drafts[backend, name] = out.draft_tokens
+    for backend in ("torch", "fused"):
+        assert torch.equal(drafts[backend, "tree"][:, :k], drafts[backend, "chain"]), backend
+    assert torch.equal(drafts["fused", "tree"], drafts["torch", "tree"])
