@@ -77,9 +77,10 @@ class Commits:
                     levels[row.spec_k] = levels.get(row.spec_k, 0) + 1
                     spec_rows, spec_proposed, spec_accepted = spec_rows + 1, spec_proposed + drafted, \
                         spec_accepted + accepted
-                    tree, leaf = tree_row(self.scheduler.spec, row, tokens[row.sample_idx])
+                    policy = self.scheduler.spec
+                    tree, leaf = tree_row(policy, row, tokens[row.sample_idx])
                     spec_leaves += leaf
-                    self.scheduler.spec.budget.observe(drafted, accepted, tree, leaf)
+                    policy.budget.observe(drafted, accepted, tree, leaf, policy.depth if tree else row.spec_k)
                 lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
                     if seq.logprobs is not None else None
                 outputs.append(self.append(seq, new, now, lps))

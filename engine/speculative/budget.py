@@ -2,10 +2,11 @@
 batch size, from measured step costs and the drafts' recent acceptance.
 
 A row of a step that verifies K drafts emits, on average, E(K) = 1 + sum over j <= K of a_1 * ... * a_j tokens,
-where a_j is the recent rate at which draft j passed when draft j - 1 had (counted at commit, decayed step by
-step). The step's cost is the seconds its captured graph takes at the padded batch size (timed once at start,
-engine/runner/step_costs.py); K = 0 is the engine's plain step, one token a row. Every row of the step pays the
-same cost, so the best K at a batch size is the one with the largest E(K) / cost(K, rows).
+where a_j is the recent rate at which a row passed position j when it had passed j - 1 (counted at commit,
+decayed step by step; a row with no draft there missed it). The step's cost is the seconds its captured graph
+takes at the padded batch size (timed once at start, engine/runner/step_costs.py); K = 0 is the engine's plain
+step, one token a row. Every row of the step pays the same cost, so the best K at a batch size is the one with
+the largest E(K) / cost(K, rows).
 
 Where a plain step wins the engine stops speculating, and runs one step at the best level now and then
 (`probe_every`, the policy's) to measure the acceptance again. A probe costs a drafting step and a losing spec
@@ -142,9 +143,14 @@ class DraftBudget:
         the answer (it is not the probe's turn)."""
         return 0 < self._plain < self._gap - 1
 
-    def observe(self, drafted: int, accepted: int, tree: bool = False, leaf: bool = False) -> None:
+    def observe(self, drafted: int, accepted: int, tree: bool = False, leaf: bool = False,
+                level: int | None = None) -> None:
         """A committed row that verified `drafted` drafts and accepted the first `accepted` of them; `tree`: as a
-        tree, `leaf`: the last accepted was a leaf (its chain stopped one draft before)."""
+        tree, `leaf`: the last accepted was a leaf (its chain stopped one draft before). `level`: the drafts its
+        step let it verify (a tree step's: its chain's). A row that drafted fewer and passed them all missed at
+        the next position: like a rejected draft it emits nothing more, so the rates count what a step at that
+        level yields a row (an n-gram drafter's rows without a match yield one token), not what drafts alone
+        would."""
         chain = accepted - leaf
         for j in range(1, min(chain, self.k) + 1):
             self.hits[j] += 1.0
@@ -154,6 +160,8 @@ class DraftBudget:
             if tree:
                 self.leaf_hits[chain + 1] += float(leaf)
                 self.leaf_seen[chain + 1] += 1.0
+        elif level is not None and chain == drafted < min(level, self.k):
+            self.seen[chain + 1] += 1.0
 
     def decay(self) -> None:
         """After a committed spec step's rows: older steps count less, down to PRIOR_WEIGHT rows' worth of evidence

@@ -103,6 +103,38 @@ def test_a_losing_tree_is_probed_and_taken_once_its_leaves_are_right():
     assert budget.leaf_hits[1] / budget.leaf_seen[1] > 0.7
 
 
+def test_rows_without_drafts_count_as_misses():
+    """An n-gram drafter finds no match for some rows: they verify nothing and emit one token, so a step yields
+    less a row than the drafts' own pass rate says. Half the rows without a draft halve the first position's rate,
+    and the budget stops speculating where the drafted rows alone would have paid."""
+    def feed(budget, level: int | None):
+        for _ in range(40):
+            # 50 drafted rows a step, each of 3 drafts passing at 0.6 after the last, and 50 rows with no draft
+            for accepted, n in enumerate((20, 12, 7, 11)):
+                for _ in range(n):
+                    budget.observe(3, accepted, level=level)
+            for _ in range(50):
+                budget.observe(0, 0, level=level)
+            budget.decay()
+    costs = {(0, 1): 1.0, (1, 1): 1.02, (3, 1): 1.06, (0, 32): 1.0, (1, 32): 1.35, (3, 32): 1.7}
+    counted, drafts_only = DraftBudget(3, (1, 3), costs), DraftBudget(3, (1, 3), costs)
+    feed(counted, 3)
+    feed(drafts_only, None)
+    assert abs(drafts_only.rate(1) - 0.6) < 0.05 and abs(counted.rate(1) - 0.3) < 0.05
+    assert abs(counted.rate(2) - 0.6) < 0.05       # past the first position only drafted rows take part
+    assert drafts_only.choose(32) == 3 and counted.choose(32) == 0
+    assert counted.choose(1) == 3                   # at one row a spec step costs little more than a plain one
+
+
+def test_a_row_that_drafted_fewer_than_its_level_misses_after_them():
+    budget = DraftBudget(6, levels_for(6))
+    budget.observe(2, 2, level=6)                   # both drafts passed, nothing at position 3
+    budget.observe(6, 6, level=6)
+    assert budget.seen[3] - budget.hits[3] == pytest.approx(budget.seen[1] - budget.hits[1] + 1.0)
+    budget.observe(2, 2, level=2)                   # a step of level 2: nothing was missed
+    assert budget.seen[3] == budget.seen[4] + 1.0
+
+
 def test_without_costs_the_engine_k():
     budget = DraftBudget(3, (1, 2, 3))
     _accepting(budget, 0.05)
