@@ -208,6 +208,8 @@ def check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_
     for name, c in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
         _check_tensor(name, c, 2, (torch.float32,), dev)
         _check_same(name, c, "cos_cache", cos_cache, dtype=False)
+    if sin_cache.stride(0) != cos_cache.stride(0):      # the kernels read both at cos_cache's row stride
+        raise ValueError(f"sin_cache's row stride {sin_cache.stride(0)} != cos_cache's {cos_cache.stride(0)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, c, 4, _FLOAT_DTYPES, dev)
         _check_same(name, c, "k_cache", k_cache)

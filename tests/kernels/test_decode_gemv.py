@@ -121,6 +121,10 @@ def test_supports_and_refusals():
         dg.decode_linear(x, randn(32, 63, seed=6, dtype=torch.float32))
     with pytest.raises(ValueError, match="stride"):
         dg.decode_linear(x, randn(64, 32, seed=7, dtype=torch.float32).t())
+    nw = torch.ones(64, 2, device=x.device)[:, 0]            # the prologue reads norm weight k at offset k
+    assert not dg.supports(x, w, norm_weight=nw)
+    with pytest.raises(ValueError, match="norm_weight .* unit stride"):
+        dg.decode_norm_linear(x, nw, 1e-5, w)
 
 
 MATMUL_OPS = ("linear", "norm_linear", "norm_linear_silu")

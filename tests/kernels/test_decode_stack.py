@@ -150,6 +150,9 @@ def test_refuses_what_it_cannot_run():
         stack(x.clone(), positions[:0], meta)
     with pytest.raises(ValueError, match="without aux_layers"):
         stack(x.clone(), positions, meta, aux=True)
+    x, positions, meta, _ = _step(_model(TINY, torch.float32), [3, 5], torch.float32)
+    with pytest.raises(ValueError, match="positions must have unit stride"):     # entry i is read at offset i
+        stack(x.clone(), torch.stack([positions, positions], 1)[:, 0], meta)
 
 
 @pytest.mark.gpu

@@ -172,6 +172,20 @@ def test_draft_layout_gathers_each_rows_last_input(dtypes):
         assert all(torch.equal(x, y) for x, y in zip(torch_rows, rows))
 
 
+def test_draft_layout_gathers_at_a_strided_last():
+    """ctx.last as a column of a wider tensor (rows S * 2 apart): the kernel reads it at unit stride, so such a
+    last is gathered by torch indexing, with the same result."""
+    from engine.speculative.drafters.base import draft_layout
+    from engine.kernels.speculative import spec_ops
+    g = torch.Generator().manual_seed(4)
+    ctx, start = _ctx(5, 5, 2)
+    ctx.last = _ints(g, 0, 20, 10).to(DEV).view(5, 2)[:, 1]
+    q, feature = torch.randn(20, 3, 12, generator=g).to(DEV), torch.randn(20, 40, generator=g).to(DEV)
+    _, _, rows = draft_layout(ctx, start, 0, 3, BS, MML, True, (q, feature), True)
+    assert all(torch.equal(x, y) for x, y in zip(rows, (q[ctx.last], feature[ctx.last])))
+    assert ctx.last.stride(0) == 2 and not spec_ops.gathers(ctx, (q, feature))
+
+
 def test_draft_layout_of_no_rows():
     from engine.speculative.drafters.base import draft_layout
     ctx, start = _ctx(0, 0, 2)

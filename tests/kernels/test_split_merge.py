@@ -56,6 +56,8 @@ def test_bad_semaphores_raise():
     q, k_cache, v_cache, meta = make_batch([1], [30], 4, 2)
     with pytest.raises(ValueError, match="semaphores"):
         run(q, k_cache, v_cache, meta, 2, torch.zeros(8, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match="semaphores must have unit stride"):     # counter i read at offset i
+        run(q, k_cache, v_cache, meta, 2, torch.zeros(8, 2, dtype=torch.int32, device=DEV)[:, 0])
 
 
 def test_merged_only_where_the_programs_fit_one_an_sm(monkeypatch):

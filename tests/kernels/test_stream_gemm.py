@@ -134,6 +134,7 @@ def test_the_split_launch_needs_room_for_two_splits_and_a_counter_a_tile():
     x, w = randn(4, 1024, seed=34), randn(96, 1024, seed=35)
     assert sg.supports(x, w, variant="split", counters=_counters())
     for counters, words in ((None, "counter buffer"), (_counters().long(), "counter buffer"),
+                            (torch.zeros(64, 2, dtype=torch.int32, device=DEV)[:, 0], "unit stride"),
                             (_counters(3), "needs 6 counters, the buffer holds 3")):
         assert not sg.supports(x, w, variant="split", counters=counters)
         with pytest.raises(ValueError, match=words):
@@ -148,6 +149,8 @@ def test_an_odd_gate_up_or_a_wrong_norm_weight_is_refused():
         sg.norm_linear_silu(x, nw, 1e-5, randn(9, 64, seed=15))
     with pytest.raises(ValueError, match="norm_weight"):
         sg.norm_linear(x, torch.ones(32, device=DEV), 1e-5, randn(8, 64, seed=15))
+    with pytest.raises(ValueError, match="norm_weight .* unit stride"):
+        sg.norm_linear(x, torch.ones(64, 2, device=DEV)[:, 0], 1e-5, randn(8, 64, seed=15))
 
 
 def test_rows_of_a_strided_x_are_read_where_they_are():

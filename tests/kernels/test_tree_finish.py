@@ -123,6 +123,8 @@ def test_bad_arguments_are_named():
         tf.tree_finish(slot, st, ids, target, drafted, leaf_depths, 9)
     with pytest.raises(ValueError, match="slab"):
         tf.move_leaves(torch.zeros(2, 4, 8, device=DEV)[:, :, :4], torch.zeros(1, 2, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match="moves must be a contiguous"):   # rows of a wider tensor: misread
+        tf.move_leaves(torch.zeros(2, 4, 8, device=DEV), torch.zeros(2, 3, dtype=torch.int64, device=DEV)[:, 1:])
 
 
 def test_engine_tree_outputs_equal_with_the_kernels(monkeypatch):

@@ -134,6 +134,25 @@ def test_invalid_inputs_raise_value_error():
         ta.store_kv(q[:, :2], q[:, :2], k_cache, v_cache, torch.zeros(q.shape[0], device=DEV))
 
 
+def test_strided_index_tensors_are_refused():
+    """The kernels read entry i of cu_seqlens_q, seq_lens, slot_mapping and tree_masks at offset i: a column view
+    ([N, w][:, j]) would be misread, so it is refused."""
+    q, k_cache, v_cache, meta = make_batch([1, 2], [5, 9], 2, 2)
+    slots = torch.arange(q.shape[0], device=DEV)
+    col = {name: torch.stack([x, x], 1)[:, 0] for name, x in
+           (("cu_seqlens_q", meta.cu_seqlens_q), ("seq_lens", meta.seq_lens), ("slot_mapping", slots))}
+    with pytest.raises(ValueError, match="cu_seqlens_q must have unit stride"):
+        ta.paged_attention(q, k_cache, v_cache, col["cu_seqlens_q"], meta.seq_lens, meta.block_tables, 0.1, 2)
+    with pytest.raises(ValueError, match="seq_lens must have unit stride"):
+        ta.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, col["seq_lens"], meta.block_tables, 0.1, 2)
+    masks = torch.ones(2, 2, dtype=torch.int64, device=DEV)[:, 0]
+    with pytest.raises(ValueError, match="tree_masks must have unit stride"):
+        ta.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, 0.1, 2,
+                           tree_masks=masks)
+    with pytest.raises(ValueError, match="slot_mapping must have unit stride"):
+        ta.store_kv(q, q, k_cache, v_cache, col["slot_mapping"])
+
+
 # ---- GPU: real dtypes and sizes, CUDA graphs ------------------------------------------------------------
 
 SHAPES = {"smollm": (9, 3, 64), "llama8b": (32, 8, 128)}

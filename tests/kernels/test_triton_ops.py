@@ -220,6 +220,7 @@ def test_rope_store_kv_bad_inputs():
         (ValueError, "v shape", dict(v=v[:1])),
         (TypeError, "cos_cache dtype", dict(cos_cache=cos.half())),
         (ValueError, "sin_cache shape", dict(sin_cache=sin[:5])),
+        (ValueError, "sin_cache's row stride", dict(sin_cache=torch.cat([sin, sin], 1)[:, :sin.shape[1]])),
         (ValueError, "k_cache must be contiguous", dict(k_cache=kc.transpose(0, 1))),
         (ValueError, "v_cache shape", dict(v_cache=vc[:2])),
         (TypeError, "slot_mapping dtype", dict(slot_mapping=slots.float())),

@@ -36,6 +36,15 @@ def check_index(name, x, dim, device):
     if x.dim() != dim or x.dtype not in _INDEX_DTYPES or x.device != device:
         raise ValueError(f"{name} must be a {dim}-D int32/int64 tensor on {device}, "
                          f"got {x.dim()}-D {x.dtype} on {x.device}")
+    if dim == 1:
+        check_unit_stride(name, x)
+
+
+def check_unit_stride(name, x):
+    """A 1-D tensor the kernels read at entry i from offset i (no stride passed): a column view such as
+    x[:, j] of a wider tensor would be misread."""
+    if x.shape[0] > 1 and x.stride(0) != 1:
+        raise ValueError(f"{name} must have unit stride, got stride {x.stride(0)}")
 
 
 def check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
@@ -62,6 +71,7 @@ def check_tree(tree_masks, max_query_len: int, device) -> None:
     """A draft tree's masks: int64 [n], one per new token of every sequence, at most 64 (bit j: new token j)."""
     if not isinstance(tree_masks, torch.Tensor) or tree_masks.dim() != 1 or tree_masks.dtype != torch.int64:
         raise ValueError("tree_masks must be an int64 tensor [n], one mask per new token of a sequence")
+    check_unit_stride("tree_masks", tree_masks)
     if tree_masks.device != device:
         raise ValueError(f"tree_masks is on {tree_masks.device}, q on {device}")
     if not 1 <= tree_masks.shape[0] <= 64 or tree_masks.shape[0] < max_query_len:

@@ -116,6 +116,8 @@ def _check_semaphores(sem, device) -> int:
     if sem.dtype != torch.int32 or sem.dim() != 1 or sem.device != device:
         raise ValueError(f"semaphores must be a 1-D int32 tensor on {device}, got {sem.dim()}-D {sem.dtype} on "
                          f"{sem.device}")
+    if sem.shape[0] > 1 and sem.stride(0) != 1:     # counter i is read at offset i
+        raise ValueError(f"semaphores must have unit stride, got stride {sem.stride(0)}")
     return sem.numel()
 
 

@@ -27,8 +27,8 @@ def problem(x, weight, k, norm_weight=None, residual=None, add=None, rows=(1, MA
     if x.device.type != "cuda" and not kernels_interpreted():
         return f"x on {x.device} needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1)"
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
-                                    or norm_weight.device != x.device):
-        return f"norm_weight must be [{k}] of x's dtype and device"
+                                    or norm_weight.device != x.device or (k > 1 and norm_weight.stride(0) != 1)):
+        return f"norm_weight must be [{k}] of x's dtype and device, with unit stride"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
         return "residual must match x's shape and dtype, with unit stride in K"
     if add is not None and (add.shape != (x.shape[0], weight.shape[0]) or add.dtype != x.dtype

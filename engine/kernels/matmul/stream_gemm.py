@@ -172,8 +172,9 @@ def _split_problem(x, weight, silu: bool, counters) -> str | None:
     if cfg["SPLITS"] < 2:
         return f"K = {x.shape[1]} over {weight.shape[0]} rows leaves no room for two splits"
     tiles = out_columns(weight.shape[0], cfg["BLOCK_N"], "silu_mul" if silu else "store")[1]
-    if counters is None or counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != x.device:
-        return f"split needs a 1-D int32 counter buffer on {x.device}"
+    if counters is None or counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != x.device \
+            or (counters.shape[0] > 1 and counters.stride(0) != 1):        # tile i's counter is at offset i
+        return f"split needs a 1-D int32 counter buffer on {x.device}, with unit stride"
     if counters.numel() < tiles:
         return f"split needs {tiles} counters, the buffer holds {counters.numel()}"
     return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from engine.kernels.attention.attention_checks import check_unit_stride
 from engine.kernels.attention.paged_attention import _LOG2E, _tile_config
 from engine.kernels.attention.split_merge import split_count
 from engine.kernels.common import sm_count
@@ -177,5 +178,8 @@ class DecodeStack:
                              "with their cu_seqlens_q and block tables")
         if meta.tree_masks is not None:
             raise ValueError("the decode stack does not verify draft trees")
+        for name, t in (("positions", positions), ("slot_mapping", meta.slot_mapping),
+                        ("cu_seqlens_q", meta.cu_seqlens_q), ("seq_lens", meta.seq_lens)):
+            check_unit_stride(name, t)
         if meta.block_tables.stride(1) != 1:
             raise ValueError("the decode stack needs block tables contiguous along their pages")

@@ -211,13 +211,15 @@ def _check_layout(ctx, start, offset, k, block_size, max_model_len):
 
 def gathers(ctx, rows) -> bool:
     """Whether draft_layout takes `rows` (two [T, ...] tensors to read each row's `last` of) in its launch: both
-    of one float dtype on the step's device, each a contiguous run of at most 4096 values a row."""
+    of one float dtype on the step's device, each a contiguous run of at most 4096 values a row, and ctx.last
+    [S] int64 of unit stride (the kernel reads row s's at offset s)."""
     if len(rows) != 2 or any(not isinstance(x, torch.Tensor) or x.dim() < 2 for x in rows):
         return False
-    a, b = (x.flatten(1) for x in rows)
+    a, b, last = *(x.flatten(1) for x in rows), ctx.last
     return (a.dtype == b.dtype and a.dtype.is_floating_point and a.shape[0] == b.shape[0] and a.stride(1) == 1
             and b.stride(1) == 1 and max(a.shape[1], b.shape[1]) <= _GATHER_MAX and a.device == b.device ==
-            ctx.last.device and ctx.last.dtype == torch.int64 and ctx.last.dim() == 1)
+            last.device and last.dtype == torch.int64 and last.dim() == 1
+            and (last.shape[0] <= 1 or last.stride(0) == 1))
 
 
 def draft_layout(ctx, start, offset: int, k: int, block_size: int, max_model_len: int, rows=()):

@@ -159,6 +159,8 @@ def move_leaves(slab, moves) -> None:
     """Copy slab[:, source] to slab[:, destination] for each row of moves [S, 2] whose source is not -1: every
     layer's keys and values (slab: tree.kv_slab's [2 * layers, slots, width] view) in one launch."""
     _check_tensor("moves", moves, 2, _I64, slab.device)
+    if moves.shape[1] != 2 or not moves.is_contiguous():     # row r's pair is read at offsets 2r, 2r + 1
+        raise ValueError(f"moves must be a contiguous [S, 2], got shape {tuple(moves.shape)} strides {moves.stride()}")
     if slab.dim() != 3 or slab.stride(2) != 1 or slab.stride(1) != slab.shape[2]:
         raise ValueError("slab must hold each slot's width contiguously, slot after slot")
     if moves.shape[0]:
