@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.attention.attention_checks import check_unit_stride
 from engine.kernels.common import pdl, pdl_start, reduce_max, reduce_sum, sm_count
 
 LONG_TILES = 32                # a context bound of this many KV tiles (2048 keys) splits a full grid
@@ -116,8 +117,7 @@ def _check_semaphores(sem, device) -> int:
     if sem.dtype != torch.int32 or sem.dim() != 1 or sem.device != device:
         raise ValueError(f"semaphores must be a 1-D int32 tensor on {device}, got {sem.dim()}-D {sem.dtype} on "
                          f"{sem.device}")
-    if sem.shape[0] > 1 and sem.stride(0) != 1:     # counter i is read at offset i
-        raise ValueError(f"semaphores must have unit stride, got stride {sem.stride(0)}")
+    check_unit_stride("semaphores", sem)
     return sem.numel()
 
 
