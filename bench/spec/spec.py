@@ -18,7 +18,8 @@ over --rounds; greedy, so every mode emits the same tokens. tok_s = output token
 spec_max_batch, or --engine spec_max_batch=N) decides when a step speculates; spec_frac = share of row-steps that
 verified drafts, quiet_frac = share of steps that drafted nothing (a paused engine's plain steps), leaf_frac = share
 of spec row-steps whose last accepted draft was a tree's leaf (--variants NAME:spec_tree=N), level_frac = share of
-spec row-steps at each level the draft budget chose ({drafts a row holds: share}; a tree engine's largest is its tree).
+spec row-steps at each level the draft budget chose ({drafts a row holds: share}; a tree engine's largest is its tree),
+budget_rates / budget_costs_ms = the budget's pass rates by position and step costs at the run's end.
 Datasets: JME / BFCL (schemas under --data: prompt "produce JSON matching this schema"), chat (specdec/datasets.py's
 questions), NAME=PATH for a directory of schemas in the same format or a JSONL of {"prompt"} / {"messages"}.
 Writes JSON records (common keys + drafter, k, dataset, acceptance_length, tok_s, speedup), markdown, and a
@@ -119,8 +120,20 @@ def timed_generate(eng, prompts, max_tokens: int) -> dict:
                 spec_frac=round(t.spec_rows / max(t.rows, 1), 4), quiet_frac=round(t.quiet_steps / max(t.steps, 1), 4),
                 leaf_frac=round(t.spec_leaves / max(t.spec_rows, 1), 4),
                 level_frac={k: round(n / t.spec_rows, 4) for k, n in sorted(t.spec_levels.items())},
+                **budget_state(eng),
                 rate_by_position=[round(a / p, 3) for a, p in zip(pos, props) if p],
                 outputs=[s.output_token_ids for s in seqs])
+
+
+def budget_state(eng) -> dict:
+    """The draft budget's view after a run: its pass rate by position and its step costs (ms by "K,rows"), to set
+    what it expected against what the run got."""
+    policy = eng.scheduler.spec
+    if policy is None:
+        return {}
+    b = policy.budget
+    return dict(budget_rates=[round(b.rate(j), 3) for j in range(1, b.k + 1)],
+                budget_costs_ms={f"{k},{rows}": round(1e3 * s, 4) for (k, rows), s in sorted(b.costs.items())})
 
 
 # ---- parts -----------------------------------------------------------------------------------------

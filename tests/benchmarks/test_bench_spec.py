@@ -1,5 +1,6 @@
 """--variants of bench/spec/spec.py and bench/step/profile_step.py (bench/common.py's parse_variants): engine
-overrides measured side by side with the same baseline; and the benches' --engine overrides (engine_overrides)."""
+overrides measured side by side with the same baseline; the benches' --engine overrides (engine_overrides); and
+the draft budget's view a spec run records."""
 from types import SimpleNamespace
 
 import pytest
@@ -26,3 +27,16 @@ def test_an_inline_route_file_stays_text():
 def test_malformed_variants_are_refused(bad):
     with pytest.raises(SystemExit, match="--variants"):
         common.parse_variants(bad)
+
+
+def test_a_run_records_the_budgets_view():
+    """bench/spec/spec.py's budget_state: the pass rate of each draft position (K of them) and the step costs
+    (none without graphs); nothing for an engine that does not speculate."""
+    from bench.spec.spec import budget_state
+    from engine.llm_engine import LLMEngine
+    from helpers import CPU
+    eng = LLMEngine(**CPU, speculative="ngram", num_speculative_tokens=3, max_num_seqs=2)
+    state = budget_state(eng)
+    assert len(state["budget_rates"]) == 3 and all(0 < r < 1 for r in state["budget_rates"])
+    assert state["budget_costs_ms"] == {}
+    assert budget_state(LLMEngine(**CPU, max_num_seqs=2)) == {}
