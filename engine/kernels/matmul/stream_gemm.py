@@ -163,18 +163,19 @@ def problem(x: torch.Tensor, weight: torch.Tensor, norm_weight=None, residual=No
         return f"weight {tuple(weight.shape)} must be [gate; up] with an even N"
     why = gemv_checks.problem(x, weight, x.shape[1], norm_weight, residual, rows=(MIN_ROWS, MAX_ROWS), max_k=MAX_K)
     if why is None and variant == "split":
-        return _split_problem(x, weight, silu, counters)
+        cfg = config(x.shape[0], weight.shape[0], x.shape[1], variant="split", sms=_sms(x.device))
+        return _split_problem(weight, silu, counters, cfg, x.device)
     return why
 
 
-def _split_problem(x, weight, silu: bool, counters) -> str | None:
-    cfg = config(x.shape[0], weight.shape[0], x.shape[1], variant="split", sms=_sms(x.device))
+def _split_problem(weight, silu: bool, counters, cfg: dict, device) -> str | None:
+    """Why the split launch of config `cfg` cannot run over `weight`, or None."""
     if cfg["SPLITS"] < 2:
-        return f"K = {x.shape[1]} over {weight.shape[0]} rows leaves no room for two splits"
+        return f"K = {weight.shape[1]} over {weight.shape[0]} rows leaves no room for two splits"
     tiles = out_columns(weight.shape[0], cfg["BLOCK_N"], "silu_mul" if silu else "store")[1]
-    if counters is None or counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != x.device \
+    if counters is None or counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != device \
             or (counters.shape[0] > 1 and counters.stride(0) != 1):        # tile i's counter is at offset i
-        return f"split needs a 1-D int32 counter buffer on {x.device}, with unit stride"
+        return f"split needs a 1-D int32 counter buffer on {device}, with unit stride"
     if counters.numel() < tiles:
         return f"split needs {tiles} counters, the buffer holds {counters.numel()}"
     return None
@@ -233,12 +234,16 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
 def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=None, epilogue: str = "store",
             variant: str = "base", counters=None):
     """The kernel -> (out, new_residual); ValueError naming the reason where it cannot take the call."""
-    why = problem(x, weight, norm_weight, residual, epilogue == "silu_mul", variant, counters)
+    silu = epilogue == "silu_mul"
+    why = problem(x, weight, norm_weight, residual, silu)       # the checks every launch shape shares
+    if why is None:
+        m, k = x.shape
+        cfg = config(m, weight.shape[0], k, x.element_size(), 1 + (residual is not None),
+                     shared_memory_bytes(x.device) - SMEM_SPARE, variant=variant, sms=_sms(x.device))
+        if variant == "split":                  # checked on the config that runs, computed once
+            why = _split_problem(weight, silu, counters, cfg, x.device)
     if why is not None:
         raise ValueError(f"stream_gemm.{name}: {why}")
-    m, k = x.shape
-    cfg = config(m, weight.shape[0], k, x.element_size(), 1 + (residual is not None),
-                 shared_memory_bytes(x.device) - SMEM_SPARE, variant=variant, sms=_sms(x.device))
     k_split = cfg.pop("K_SPLIT")
     n, grid = out_columns(weight.shape[0], cfg["BLOCK_N"], epilogue)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
