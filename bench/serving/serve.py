@@ -52,7 +52,7 @@ from bench.serving.serve_servers import (engine_counters, engine_rates, start_ou
 
 COLUMNS = ["mode", "load", "x", "ok", "errors", "out_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "itl_tok_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "json_valid_frac", "chat_tokens_mean",
-           "step_ms", "tokens_per_step", "gpu_idle_frac"]
+           "step_ms", "tokens_per_step", "gpu_idle_frac", "plan_ms", "commit_ms", "io_ms"]
 
 
 def parse_args(argv=None):

@@ -61,7 +61,8 @@ def closed_run(eng, jobs: list, concurrency: int) -> dict:
     wall, t = time.perf_counter() - t0, eng.timings
     return dict(ok=ok, errors=errors, output_tokens=out_tokens, makespan_s=wall, out_tok_s=out_tokens / wall,
                 engine_steps=t.steps, step_ms=1e3 * wall / max(t.steps, 1), tokens_per_step=t.tokens / max(t.steps, 1),
-                gpu_idle_frac=t.gpu_idle / wall)
+                gpu_idle_frac=t.gpu_idle / wall, plan_ms=1e3 * t.plan / max(t.steps, 1),
+                commit_ms=1e3 * t.commit / max(t.steps, 1), wait_ms=1e3 * t.wait / max(t.steps, 1))
 
 
 def bench_engine(args, requests) -> list[dict]:

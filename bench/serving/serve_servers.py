@@ -191,10 +191,14 @@ def start_vllm(args, requests, logdir: Path):
     return proc, url, str(path), dict(server_cmd=" ".join(cmd), server_log=str(log), peer_dtype="bfloat16")
 
 
+HOST_PARTS = ("host_plan", "host_commit", "host_wait", "server_io")     # /metrics' specdec_<part>_seconds
+
+
 def engine_counters(url: str) -> dict[str, float]:
     """Our engine's step counters from /metrics (prometheus text, unlabelled samples)."""
     import httpx
-    keep = ("specdec_steps_total", "specdec_gpu_idle_seconds_total", "specdec_generation_tokens_total")
+    keep = ("specdec_steps_total", "specdec_gpu_idle_seconds_total", "specdec_generation_tokens_total",
+            *(f"specdec_{part}_seconds_total" for part in HOST_PARTS))
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         name, _, value = line.partition(" ")
@@ -204,12 +208,19 @@ def engine_counters(url: str) -> dict[str, float]:
 
 
 def engine_rates(before: dict, after: dict, seconds: float) -> dict:
-    """Per run: engine steps per second, wall ms per step, tokens per step, compute-stream idle fraction."""
-    steps = after["specdec_steps_total"] - before["specdec_steps_total"]
-    idle = after["specdec_gpu_idle_seconds_total"] - before["specdec_gpu_idle_seconds_total"]
-    tokens = after["specdec_generation_tokens_total"] - before["specdec_generation_tokens_total"]
+    """Per run: engine steps per second, wall ms per step, tokens per step, compute-stream idle fraction, and the
+    engine loop's host ms per step by part (plan, commit, blocked on tokens, the engine process's request intake
+    and output sends)."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    steps = delta("specdec_steps_total")
+    idle = delta("specdec_gpu_idle_seconds_total")
+    tokens = delta("specdec_generation_tokens_total")
+    host = {f"{part.split('_')[-1]}_ms": round(1e3 * delta(f"specdec_{part}_seconds_total") / steps, 4)
+            if steps else None for part in HOST_PARTS}
     return dict(engine_steps=int(steps), step_ms=round(1e3 * seconds / steps, 3) if steps else None,
-                tokens_per_step=round(tokens / steps, 2) if steps else None, gpu_idle_frac=round(idle / seconds, 4))
+                tokens_per_step=round(tokens / steps, 2) if steps else None, gpu_idle_frac=round(idle / seconds, 4),
+                **host)
 
 
 def ttft_probe(url: str, model: str, tokens: int, n: int = 20) -> dict:

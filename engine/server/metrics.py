@@ -72,20 +72,23 @@ class ServerMetrics:
         return generate_latest(self.exposed)
 
 
-def engine_stats(engine, live: int, up: bool) -> dict:
-    """What /metrics reports of the engine: read where the engine runs (a plain dict, so it can cross processes)."""
+def engine_stats(engine, live: int, up: bool, server_io: float = 0.0) -> dict:
+    """What /metrics reports of the engine: read where the engine runs (a plain dict, so it can cross processes).
+    `server_io`: seconds the engine process's loop spent taking in requests and sending outputs."""
     t, service = engine.timings, engine.guided.service
     return dict(queue=len(engine.scheduler.waiting), running=len(engine.scheduler.running), live=live,
                 kv_used=engine.blocks.num_blocks - engine.blocks.num_free, kv_total=engine.blocks.num_blocks,
                 compiles=service.compiling() if service is not None else 0, steps=t.steps, gpu_idle=t.gpu_idle,
                 spec_rows=t.spec_rows, spec_proposed=t.spec_proposed, spec_accepted=t.spec_accepted,
                 acceptance_length=t.acceptance_length, up=float(up), frozen_objects=gc.get_freeze_count(),
-                preemptions=engine.scheduler.num_preemptions, **engine.prefix_cache_stats())
+                preemptions=engine.scheduler.num_preemptions, host_plan=t.plan, host_commit=t.commit,
+                host_wait=t.wait, server_io=server_io, **engine.prefix_cache_stats())
 
 
 DEAD_STATS = dict(queue=0, running=0, live=0, kv_used=0, kv_total=0, compiles=0, steps=0, gpu_idle=0.0, spec_rows=0,
                   spec_proposed=0, spec_accepted=0, acceptance_length=0.0, up=0.0, prefix_query_tokens=0,
-                  prefix_hit_tokens=0, prefix_cached_pages=0, prefix_evictions=0, frozen_objects=0, preemptions=0)
+                  prefix_hit_tokens=0, prefix_cached_pages=0, prefix_evictions=0, frozen_objects=0, preemptions=0,
+                  host_plan=0.0, host_commit=0.0, host_wait=0.0, server_io=0.0)
 
 
 def combine_stats(replies: list[dict]) -> dict:
@@ -122,6 +125,11 @@ class EngineCollector:
         yield _counter("specdec_gpu_idle_seconds", "Compute stream idle between steps (CUDA)", s["gpu_idle"])
         yield _gauge("specdec_gpu_idle_per_step_seconds", "Mean compute-stream idle per step since start",
                      s["gpu_idle"] / s["steps"] if s["steps"] else 0.0)
+        yield _counter("specdec_host_plan_seconds", "Engine loop: planning steps (schedule, inputs)", s["host_plan"])
+        yield _counter("specdec_host_commit_seconds", "Engine loop: committing steps' tokens", s["host_commit"])
+        yield _counter("specdec_host_wait_seconds", "Engine loop: blocked on a step's tokens", s["host_wait"])
+        yield _counter("specdec_server_io_seconds", "Engine process loop: taking in requests, sending outputs",
+                       s["server_io"])
         yield _counter("specdec_spec_verify_rows", "Row-steps that verified drafts", s["spec_rows"])
         yield _counter("specdec_spec_draft_tokens", "Draft tokens verified", s["spec_proposed"])
         yield _counter("specdec_spec_accepted_tokens", "Draft tokens accepted", s["spec_accepted"])

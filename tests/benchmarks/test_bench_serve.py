@@ -115,3 +115,18 @@ def test_closed_loop_workers_share_one_queue():
     assert sent == sorted(sent)
     # the second worker serves every short request while the first waits on a long one
     assert max(r["end"] for r in recs) - min(sent) < 2.0        # a fixed list each: 4 x 0.6 s at least
+
+
+def test_engine_rates_divide_the_counters_by_steps():
+    """A run's engine figures from two /metrics scrapes: ms a step per host part, idle as a fraction of the run;
+    a server without the host counters (an older one) leaves them at zero, not an error."""
+    from bench.serving.serve_servers import engine_rates
+    before = {"specdec_steps_total": 10, "specdec_gpu_idle_seconds_total": 0.5, "specdec_generation_tokens_total": 100,
+              "specdec_host_plan_seconds_total": 1.0, "specdec_server_io_seconds_total": 0.25}
+    after = {"specdec_steps_total": 110, "specdec_gpu_idle_seconds_total": 0.6, "specdec_generation_tokens_total": 900,
+             "specdec_host_plan_seconds_total": 1.02, "specdec_server_io_seconds_total": 0.26}
+    rates = engine_rates(before, after, 2.0)
+    assert rates["engine_steps"] == 100 and rates["step_ms"] == 20.0 and rates["tokens_per_step"] == 8.0
+    assert rates["gpu_idle_frac"] == 0.05
+    assert rates["plan_ms"] == pytest.approx(0.2) and rates["io_ms"] == pytest.approx(0.1)
+    assert rates["commit_ms"] == 0.0 and rates["wait_ms"] == 0.0

@@ -200,6 +200,9 @@ def test_metrics_move(server, client):
     assert after["specdec_generation_tokens_total"] >= before["specdec_generation_tokens_total"] + 5
     assert after["specdec_time_to_first_token_seconds_count"] == before["specdec_time_to_first_token_seconds_count"] + 1
     assert after["specdec_steps_total"] > before["specdec_steps_total"]
+    for part in ("host_plan", "host_commit", "server_io"):       # where the engine process's loop spent its time
+        name = f"specdec_{part}_seconds_total"
+        assert after[name] > before[name], name
     assert after["specdec_engine_up"] == 1 and after["specdec_kv_blocks_total"] > 0
 
 

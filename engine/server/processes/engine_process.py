@@ -18,6 +18,7 @@ import gc
 import os
 import queue
 import signal
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -114,6 +115,7 @@ class EngineServer:
         self.poller.register(self.inbox, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.running, self.error = True, None
+        self.io_seconds = 0.0       # the loop's time in _drain and _publish around busy steps (metrics)
 
     def stop(self) -> None:
         self.running = False
@@ -122,9 +124,14 @@ class EngineServer:
     def run(self) -> None:
         try:
             while self.running:
+                start = time.perf_counter()
                 self._drain()
                 if self.engine.has_unfinished():
-                    self._publish(self.engine.step())
+                    stepped = time.perf_counter()
+                    outputs = self.engine.step()
+                    start += time.perf_counter() - stepped
+                    self._publish(outputs)
+                    self.io_seconds += time.perf_counter() - start
                 else:
                     self._idle()
         except Exception as exc:          # a bug or a lost tensor-parallel worker, not a bad request
@@ -175,7 +182,7 @@ class EngineServer:
             if pending is not None:
                 pending.cancel()
         elif isinstance(msg, ipc.Stats):
-            stats = engine_stats(self.engine, len(self.routes), True)
+            stats = engine_stats(self.engine, len(self.routes), True, self.io_seconds)
             self.outboxes[msg.client].send(ipc.encode(ipc.StatsReply(msg.token, stats)))
         elif isinstance(msg, ipc.ResetCache):
             reply = ipc.StatsReply(msg.token, {"reset_pages": self.engine.reset_prefix_cache()})
