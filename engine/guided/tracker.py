@@ -35,6 +35,8 @@ class GuidedTracker:
         self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
         self._vocab: ClosingVocab | None = None         # built with the service
         self._initial: dict = {}                        # guide -> its closing from the start (see closer)
+        self._checked: dict = {}                        # guides within self.bounds (a guide's check is the same
+                                                        # for every request of it, and walks its whole schema)
         # lend_ids: a head's drafts can be what the guide's text holds (property names, enum values): its token ids
         # go to the draft vocabulary's spare rows (engine/speculative/prompt_vocab.py), tokenized once a guide
         self.lend_ids = lend_ids
@@ -46,7 +48,7 @@ class GuidedTracker:
             raise ValueError("this engine was built with guided=False: guides are not available")
         if not self.has_tokenizer:
             raise ValueError("guided decoding needs the model's tokenizer, and this model has none")
-        limits.check_guide(seq.params.guide, *self.bounds)
+        self.check_guide(seq.params.guide)
         if self.service is None:
             self._start_service()
         seq.guided = self.service.submit(seq.params.guide)
@@ -54,9 +56,20 @@ class GuidedTracker:
             seq.guided.guide_ids = self.guide_ids(seq.params.guide)
         # A cached grammar is ready almost at once: waiting for it lets the request sample in its first step
         # (a later poll would find it ready one step late); an uncached one goes on in the background.
-        concurrent.futures.wait([seq.guided.future], timeout=CACHED_COMPILE_WAIT)
+        if not seq.guided.future.done():
+            concurrent.futures.wait([seq.guided.future], timeout=CACHED_COMPILE_WAIT)
         seq.guided.poll()
         self.compiling.append(seq)
+
+    def check_guide(self, guide) -> None:
+        """Raise ValueError if `guide` passes one of this engine's bounds (limits.check_guide); a guide that passed
+        is remembered, not walked again."""
+        if guide in self._checked:
+            return
+        limits.check_guide(guide, *self.bounds)
+        if len(self._checked) >= INITIAL_CACHE:
+            self._checked.clear()
+        self._checked[guide] = None
 
     def guide_ids(self, guide) -> list[int]:
         """The token ids of the guide's source text (its JSON schema, regex or grammar), remembered a guide."""
@@ -81,7 +94,7 @@ class GuidedTracker:
         client). Raises ValueError (a bound) or CompileBusy (the pool's or this owner's share is full)."""
         if self.service is None:
             raise ValueError("guided decoding is not available on this engine")
-        limits.check_guide(guide, *self.bounds)
+        self.check_guide(guide)
         return self.service.submit(guide, owner)
 
     def check_compiled(self, request: GuidedRequest) -> int | None:

@@ -224,9 +224,9 @@ class OutputProcessor:
 
     def _finalize(self, seq, st: OutputState, reason: str) -> str:
         """End the request: the detokenizer's held tail joins the text (unless a stop string cut it)."""
-        if st.lazy:
+        if st.lazy:     # tokenizer.decode's text, through the Rust decode where the two agree (_decoder)
             ids = seq.output_token_ids
-            seq.text = self.tokenizer.decode(ids[:len(ids) - st.token_stop])
+            seq.text = _decoder(self.tokenizer, False)(ids[:len(ids) - st.token_stop])
         elif st.detok is not None and not st.cut and self._extend(seq, st, st.detok.flush()):
             reason = "stop" if reason == "length" else reason
         st.reason = reason

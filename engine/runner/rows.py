@@ -24,6 +24,7 @@ ROW_LOGPROBS, ROW_PENALIZED, ROW_SAMPLED, ROW_GUIDED = 1, 2, 4, 8
 # _fill_decode's fields, in the order of its tuples
 DECODE_INPUTS = ("input_ids", "positions", "slot_mapping", "carry_src", "tok_row", "seq_lens")
 DECODE_SAMPLING = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps", "smp_row", "forced")
+SHORT_CHUNK = 16        # chunks of at most this many tokens are written from lists (fill_tokens)
 
 
 class RowError(Exception):
@@ -178,6 +179,13 @@ def fill_tokens(h, row, t: int, block_size: int) -> None:
         h["carry_src"][t] = -1
         if known > start:
             h["input_ids"][t] = seq.token_at(start)
+    elif n <= SHORT_CHUNK:                          # an admission's tail past its cached prefix: lists cost less
+        h["positions"][t:t + n] = range(start, end)     # here than numpy's temporaries
+        h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
+        h["tok_row"][t:t + n] = seq.pool_row
+        h["carry_src"][t:t + n] = -1
+        if known > start:
+            h["input_ids"][t:t + known - start] = seq.tokens(start, known)
     else:                                           # chunks: whole arrays, not a Python step per token
         positions = np.arange(start, end)
         first = start // bs

@@ -77,3 +77,20 @@ def test_min_chars_of_the_real_schemas_fits_a_small_context():
     sizes = sorted(min_chars(json.loads(f.read_text()).get("schema", {}) if "maskbench" in f.parts
                              else json.loads(f.read_text())) for f in DATA.rglob("*.json"))
     assert sizes[-2] < 512 and sizes[-1] < 20_000, sizes[-3:]
+
+
+def test_a_tracker_checks_each_guide_once_and_refuses_a_bad_one_every_time(monkeypatch):
+    """GuidedTracker.check_guide: a guide within bounds is walked once (its later requests find it remembered); one
+    past a bound raises at every request."""
+    from engine.guided import limits
+    from engine.guided.tracker import GuidedTracker
+    walked = []
+    check = limits.check_guide
+    monkeypatch.setattr(limits, "check_guide", lambda guide, *b: walked.append(guide) or check(guide, *b))
+    tracker = GuidedTracker(None, 100, (), C, cuda=False)
+    good, bad = schema({"type": "string"}), schema(deep(C.tuning.guide_max_depth))
+    for _ in range(3):
+        tracker.check_guide(good)
+        with pytest.raises(ValueError, match="guide_max_depth"):
+            tracker.check_guide(bad)
+    assert walked == [good] + [bad] * 3

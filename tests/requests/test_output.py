@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from engine.requests import output as output_mod
 from engine.requests.output import IncrementalDetokenizer, OutputProcessor, RequestOutput
 from engine.requests.sequence import SamplingParams, Sequence
 
@@ -265,9 +266,11 @@ def test_lazy_requests_decode_once_and_end_with_the_streamed_text(tok, tail, max
     streamed = run(proc, new_seq(SamplingParams(max_tokens=max_tokens)), ids)
     lazy_seq = new_seq(SamplingParams(max_tokens=max_tokens))
     proc.start(lazy_seq, stream=False)
-    calls = []
+    calls, slow = [], []
+    decoder = output_mod._decoder
+    output_mod._decoder = lambda *a: lambda ids: calls.append(1) or decoder(*a)(ids)
     decode = tok.decode
-    tok.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+    tok.decode = lambda *a, **k: slow.append(1) or decode(*a, **k)
     try:
         lazy = []
         for t in ids:
@@ -277,8 +280,11 @@ def test_lazy_requests_decode_once_and_end_with_the_streamed_text(tok, tail, max
             if reason:
                 break
     finally:
+        output_mod._decoder = decoder
         del tok.decode
     assert len(calls) == 1 and all(o.new_text == "" for o in lazy[:-1])
+    # its one decode is the Rust one where that gives tokenizer.decode's text (this tokenizer's: no space cleanup)
+    assert decoder(tok, False).func == tok.backend_tokenizer.decode and not slow
     assert (lazy[-1].finish_reason, lazy[-1].text, lazy[-1].token_ids) == \
         (streamed[-1].finish_reason, streamed[-1].text, streamed[-1].token_ids)
     assert lazy[-1].new_text == lazy[-1].text == "".join(o.new_text for o in streamed)
