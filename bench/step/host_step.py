@@ -12,7 +12,10 @@ host work alone, on whatever CPU runs it: one engine per stream count (float32, 
 decoding with EOS ignored; after --warmup-steps real steps, the runner's forward is replaced by nothing (the sampled
 tokens stay what they were, so commit, detokenization and stop checks still run on real tokens), then --steps steps
 timed in --rounds rounds. Per part, microseconds a step (medians over rounds): the engine's plan, launch and commit,
-and inside plan the scheduler's schedule, the runner's prepare and the rows' `launched` bookkeeping. As in the
+and inside plan the scheduler's schedule, the runner's prepare and the rows' `launched` bookkeeping; `period` is the
+engine's step alone, `loop` the step with the admissions before it (`admit`: add_request of the requests that replace
+finished ones, `admitted_per_step` of them; --stagger spreads the budgets over [M / 2, M] so that requests finish at
+an even rate from the start). As in the
 server's engine process, the heap is collected and frozen (gc.freeze) before the timed rounds, so a full collection
 walks only what the load made since; each round's collections are recorded (`gc_ms_rounds`).
 
@@ -27,6 +30,7 @@ keeps the model (its forward then runs in launch and the period, so read the oth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import random
 import statistics
@@ -38,7 +42,7 @@ from bench.common import GcClock, engine_overrides, markdown_table, note, record
 
 PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
 GUIDED_PROMPT_TOKENS = 512  # --guided: schemas whose prompt is longer are left out
-PARTS = ("plan", "schedule", "prepare", "launched", "launch", "commit", "period")
+PARTS = ("plan", "schedule", "prepare", "launched", "launch", "commit", "period", "admit", "loop")
 GUIDED_PARTS = ("snapshot", "push")
 
 
@@ -65,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--real-model", action="store_true",
                    help="--guided: the model's own outputs (its forward runs: time the parts, not the period)")
     p.add_argument("--schemas", default="tests/data/maskbench/JME_*.json", help="--guided: schema files (a glob)")
+    p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=True,
+                   help="replaced requests: budgets spread over [--max-tokens / 2, --max-tokens], so requests finish "
+                        "and are replaced at an even rate (else the first ones all at once, after --max-tokens)")
     p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
                    help="EngineConfig fields, e.g. speculative=ngram (steps past spec_max_batch rows are plain)")
     p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
@@ -104,6 +111,7 @@ class Load:
     def __init__(self, eng, args, streams: int, budget: int):
         from engine.requests.sequence import SamplingParams
         self.eng, self.args, self.streams, self.live, self.made = eng, args, streams, set(), 0
+        self.loop = 0.0         # seconds in step(): admissions and the engine's step
         self.replaced = bool(args.prompt_tokens or args.guided)
         self.params = SamplingParams(max_tokens=args.max_tokens if self.replaced else budget, temperature=0,
                                      ignore_eos=True)
@@ -111,19 +119,35 @@ class Load:
 
     def request(self) -> tuple[list[int], object]:
         if self.work:
-            return self.work[self.made % len(self.work)]
+            ids, params = self.work[self.made % len(self.work)]
+            return ids, self._staggered(params)
         if self.args.prompt_tokens:
             rng = random.Random(self.made)
-            return [rng.randrange(100, 20000) for _ in range(self.args.prompt_tokens)], self.params
+            return [rng.randrange(100, 20000) for _ in range(self.args.prompt_tokens)], self._staggered(self.params)
         ids = stream_prompt(self.eng, self.made)
         if len(ids) > PROMPT_TOKENS:
             raise ValueError(f"a prompt of {len(ids)} tokens: PROMPT_TOKENS is {PROMPT_TOKENS}")
         return ids, self.params
 
+    def _staggered(self, params):
+        """--stagger: the request's budget, one of [M / 2, M] for --max-tokens M, spread over the requests (a
+        closing output needs room: M / 2, not 1)."""
+        if not self.args.stagger:
+            return params
+        low = (params.max_tokens + 1) // 2
+        return dataclasses.replace(params, max_tokens=low + self.made * 7919 % (params.max_tokens - low + 1))
+
     def step(self) -> None:
+        """One engine step, and first the admission of requests to replace finished ones (add_request runs on
+        the loop's thread before the step, as in the server's engine process)."""
+        start = time.perf_counter()
         while len(self.live) < self.streams and (self.replaced or self.made < self.streams):
             self.live.add(self.eng.add_request(*self.request(), detokenize=not self.args.ids_only))
             self.made += 1
+        self._step()
+        self.loop += time.perf_counter() - start
+
+    def _step(self) -> None:
         for out in self.eng.step():
             if out.finished:
                 if out.finish_reason == "error":        # a failing request would time its failure, not its steps
@@ -202,7 +226,7 @@ def measure(args, streams: int) -> dict:
             eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
             stack.callback(delattr, eng.runner.program, "step")
         timers = [(eng.scheduler, "schedule", "schedule"), (eng.runner, "prepare", "prepare"),
-                  (eng.scheduler, "launched", "launched")]
+                  (eng.scheduler, "launched", "launched"), (eng, "add_request", "admit")]
         if args.guided:
             timers += [(llm_engine, "build_snapshot", "snapshot"), (eng.runner.masks, "push", "push")]
         acc = dict.fromkeys((key for _, _, key in timers), 0.0)
@@ -212,6 +236,7 @@ def measure(args, streams: int) -> dict:
         for _ in range(args.rounds):
             eng.timings.reset()
             acc.update(dict.fromkeys(acc, 0.0))
+            load.loop, made = 0.0, load.made
             with GcClock() as clock:
                 for _ in range(args.steps):
                     load.step()
@@ -219,15 +244,18 @@ def measure(args, streams: int) -> dict:
             ms = eng.timings.per_step_ms()
             n = max(eng.timings.steps, 1)
             rounds.append({k: 1e3 * ms[k] for k in ("plan", "launch", "commit", "period")}
-                          | {k: 1e6 * v / n for k, v in acc.items()})
+                          | {k: 1e6 * v / n for k, v in acc.items()}
+                          | {"loop": 1e6 * load.loop / args.steps, "admitted": (load.made - made) / args.steps})
     if eng.scheduler.num_preemptions:
         raise RuntimeError(f"{eng.scheduler.num_preemptions} preemptions: the KV pages were sized to avoid them")
     eng.close()
     us = {k: statistics.median(r[k] for r in rounds) for k in parts(args)}
+    admitted = statistics.median(r["admitted"] for r in rounds)
     return record("host_step", args.tag or "plain", eng.source.name, "float32", streams, None, None,
                   us["period"] / 1e3, tag=args.tag, steps=args.steps, rounds=args.rounds, us=us, us_rounds=rounds,
                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if load.replaced else None,
-                  ids_only=args.ids_only, guided=args.guided, requests=load.made, engine=engine_overrides(args),
+                  ids_only=args.ids_only, guided=args.guided, requests=load.made, admitted_per_step=admitted,
+                  stagger=args.stagger and load.replaced, engine=engine_overrides(args),
                   real_model=args.real_model, gc_ms_rounds=gc_ms)
 
 

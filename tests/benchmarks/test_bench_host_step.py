@@ -13,10 +13,12 @@ def test_plan_holds_its_parts_and_every_round_is_kept(tmp_path):
     assert [r["streams"] for r in records] == [1, 2]
     for r in records:
         us = r["us"]
-        assert len(r["us_rounds"]) == 2 and all(us[k] > 0 for k in host_step.PARTS)
+        # (streams decoding throughout: nothing is admitted in the timed steps)
+        assert len(r["us_rounds"]) == 2 and all(us[k] > 0 for k in host_step.PARTS if k != "admit")
+        assert us["admit"] == 0 and r["admitted_per_step"] == 0
         for rnd in r["us_rounds"]:      # schedule, prepare and launched run inside plan; the phases inside a step
             assert rnd["schedule"] + rnd["prepare"] + rnd["launched"] <= rnd["plan"]
-            assert rnd["plan"] + rnd["launch"] + rnd["commit"] <= rnd["period"]
+            assert rnd["plan"] + rnd["launch"] + rnd["commit"] <= rnd["period"] <= rnd["loop"]
     assert "| 2 |" in out.with_suffix(".md").read_text()
 
 
@@ -29,6 +31,22 @@ def test_an_agent_load_replaces_finished_requests(tmp_path):
     (r,) = json.loads(out.read_text())
     assert r["prompt_tokens"] == 40 and r["requests"] >= 2 + 12 * 2 // 5
     assert r["us"]["prepare"] > 0 and r["us"]["plan"] <= r["us"]["period"]
+    assert r["stagger"] and r["admitted_per_step"] > 0 and 0 < r["us"]["admit"] < r["us"]["loop"]
+
+
+def test_stagger_spreads_budgets_over_the_upper_half():
+    """--stagger: budgets of replaced requests vary over [M / 2, M], so they finish at an even rate; without it
+    each is M."""
+    def budgets(*flags):
+        load = host_step.Load(None, host_step.parse_args(["--prompt-tokens", "8", "--max-tokens", "10", *flags]), 4, 0)
+        out = []
+        for made in range(40):
+            load.made = made
+            out.append(load.request()[1].max_tokens)
+        return out
+    spread = budgets()
+    assert min(spread) == 5 and max(spread) == 10 and len(set(spread)) == 6
+    assert set(budgets("--no-stagger")) == {10}
 
 
 def test_ids_only_requests_are_timed_as_the_servers_engine_adds_them(tmp_path):
