@@ -14,7 +14,7 @@ from engine.requests.sequence import Sequence
 from engine.sampling.logprobs import HostLogprobs
 from engine.sampling.sampler import NO_TOKEN
 from engine.scheduler import Scheduler
-from engine.speculative.plan import commit_row, tree_row
+from engine.speculative.plan import commit_row, miss_level, tree_row
 from engine.timings import StepTimings
 
 
@@ -80,7 +80,7 @@ class Commits:
                     policy = self.scheduler.spec
                     tree, leaf = tree_row(policy, row, tokens[row.sample_idx])
                     spec_leaves += leaf
-                    policy.budget.observe(drafted, accepted, tree, leaf, policy.depth if tree else row.spec_k)
+                    policy.budget.observe(drafted, accepted, tree, leaf, miss_level(policy, row, tree))
                 lps = logprobs.entries(row.sample_idx, len(new), seq.params.logprobs) \
                     if seq.logprobs is not None else None
                 outputs.append(self.append(seq, new, now, lps))

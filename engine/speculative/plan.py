@@ -33,6 +33,7 @@ class SpecPolicy:
     probe_every: int = 16           # below it: one spec step after this many plain ones, to measure again
     levels: tuple = ()              # K values a step may verify (engine/speculative/budget.py); () : K alone
     depth: int = 0                  # a draft tree's chain (engine/speculative/tree.py): k is the tree's drafts
+    short_rows: bool = False        # a row may hold fewer drafts than its step asked for (n-gram, draft masks)
     ema: float = field(default=0.0, init=False)     # acceptance length of recent spec steps
     budget: DraftBudget = field(init=False)
     quiet: bool = field(default=False, init=False)  # the step planned last drafts nothing (see the docstring)
@@ -165,6 +166,16 @@ def tree_row(policy: SpecPolicy, row, entry: list[int]) -> tuple[bool, bool]:
     """(whether a committed spec row verified a draft tree, whether it accepted one of the tree's leaves)."""
     tree = bool(policy.depth) and row.spec_k == policy.k
     return tree, tree and entry[policy.k] == LEAF
+
+
+def miss_level(policy: SpecPolicy, row, tree: bool) -> int | None:
+    """The level a committed spec row's budget counts a miss after its drafts at (DraftBudget.observe), or None.
+    A chain drafter drafts a step's level for the next step, so after a step of a lower level a row holds fewer
+    drafts than the next level through no fault of its drafts; only rows that may hold fewer than asked for
+    (`short_rows`) miss, at their step's level (a tree step's: its chain's, which a tree engine always drafts)."""
+    if not policy.short_rows:
+        return None
+    return policy.depth if tree else row.spec_k
 
 
 def commit_row(seq, row, entry: list[int], k: int) -> list[int]:

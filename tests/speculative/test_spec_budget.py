@@ -135,6 +135,24 @@ def test_a_row_that_drafted_fewer_than_its_level_misses_after_them():
     assert budget.seen[3] == budget.seen[4] + 1.0
 
 
+def test_only_rows_that_may_hold_fewer_drafts_miss_after_them():
+    """A chain head drafts its step's level for the next step, so a level-6 step after a level-3 one verifies 3
+    drafts a row: passing them all is not a miss at position 4. An n-gram row (or one the grammar cut) holds what
+    it matched, and is."""
+    from types import SimpleNamespace
+
+    from engine.speculative.plan import SpecPolicy, miss_level
+    row = SimpleNamespace(spec_k=6)
+    head = SpecPolicy(k=6, max_rows=32, max_model_len=512, levels=(1, 3, 6))
+    ngram = SpecPolicy(k=6, max_rows=32, max_model_len=512, levels=(1, 3, 6), short_rows=True)
+    tree = SpecPolicy(k=16, max_rows=32, max_model_len=512, levels=(1, 3, 6, 16), depth=6, short_rows=True)
+    assert miss_level(head, row, False) is None and miss_level(ngram, row, False) == 6
+    assert miss_level(tree, SimpleNamespace(spec_k=16), True) == 6
+    for policy in (head, ngram):
+        policy.budget.observe(3, 3, False, False, miss_level(policy, row, False))
+    assert head.budget.seen[4] == ngram.budget.seen[4] - 1.0
+
+
 def test_without_costs_the_engine_k():
     budget = DraftBudget(3, (1, 2, 3))
     _accepting(budget, 0.05)
