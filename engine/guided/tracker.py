@@ -16,7 +16,15 @@ from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
 from engine.guided.snapshot import Snapshot
 
 CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before leaving it to the pool
-INITIAL_CACHE = 1024          # guides whose first closing a tracker remembers
+INITIAL_CACHE = 1024          # guides a tracker remembers a fact of (checked, first closing, ids, compile check)
+
+
+def remember(cache: dict, key, value):
+    """cache[key] = value, the cache emptied first once it holds INITIAL_CACHE guides; returns value."""
+    if len(cache) >= INITIAL_CACHE:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 class GuidedTracker:
@@ -37,6 +45,7 @@ class GuidedTracker:
         self._initial: dict = {}                        # guide -> its closing from the start (see closer)
         self._checked: dict = {}                        # guides within self.bounds (a guide's check is the same
                                                         # for every request of it, and walks its whole schema)
+        self._minimum: dict = {}                        # guide -> check_compiled's answer (compile-check threads)
         # lend_ids: a head's drafts can be what the guide's text holds (property names, enum values): its token ids
         # go to the draft vocabulary's spare rows (engine/speculative/prompt_vocab.py), tokenized once a guide
         self.lend_ids = lend_ids
@@ -67,17 +76,13 @@ class GuidedTracker:
         if guide in self._checked:
             return
         limits.check_guide(guide, *self.bounds)
-        if len(self._checked) >= INITIAL_CACHE:
-            self._checked.clear()
-        self._checked[guide] = None
+        remember(self._checked, guide, None)
 
     def guide_ids(self, guide) -> list[int]:
         """The token ids of the guide's source text (its JSON schema, regex or grammar), remembered a guide."""
         ids = self._guide_ids.get(guide)
         if ids is None:
-            if len(self._guide_ids) >= INITIAL_CACHE:
-                self._guide_ids.clear()
-            ids = self._guide_ids[guide] = self.tokenizer.encode(guide.source, add_special_tokens=False)
+            ids = remember(self._guide_ids, guide, self.tokenizer.encode(guide.source, add_special_tokens=False))
         return ids
 
     def ensure_service(self) -> None:
@@ -105,12 +110,14 @@ class GuidedTracker:
         message = request.poll()
         if message is not None:
             raise ValueError(message)
+        if request.guide in self._minimum:      # the same grammar gives the same answer: asked once a guide
+            return self._minimum[request.guide]
         mask = xgr.allocate_token_bitmask(1, self.service.vocab_size)
         new_matcher(request.future.result()).fill_next_token_bitmask(mask, 0)
         if not torch.any(mask != 0):
             raise ValueError(f"{request.guide.kind} allows no output at all (unsatisfiable)")
         closer = self.closer(request.future.result(), None, request.guide)
-        return closer.minimum if closer is not None else None
+        return remember(self._minimum, request.guide, closer.minimum if closer is not None else None)
 
     def timeout_message(self, guide) -> str:
         return limits.timeout_message(guide, self.timeout_s)
@@ -150,9 +157,7 @@ class GuidedTracker:
         initial = self._initial.get(guide, UNKNOWN) if guide is not None else UNKNOWN
         closer = Closer(compiled, self.vocab, budget, guard, self.spec_k, initial)
         if initial is UNKNOWN and guide is not None:
-            if len(self._initial) >= INITIAL_CACHE:
-                self._initial.clear()
-            self._initial[guide] = closer.text
+            remember(self._initial, guide, closer.text)
         return closer
 
     @property

@@ -2,6 +2,7 @@
 its request alone inside a step), the mask callback's stale-queue rule, grammars that compile while their request
 prefills, and what each guide kind yields. tests/guided/test_guided_reference.py: equality with transformers + xgrammar,
 schema validity, and the pipelined loop's snapshots (depth 1 vs 2, graph layout, preemption)."""
+import concurrent.futures
 import json
 import re
 import threading
@@ -69,6 +70,28 @@ def test_guides_need_a_tokenizer_and_guided_engines():
     with pytest.raises(ValueError, match="guided=False"):
         eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, regex="a"))
     assert eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].finish_reason == "length"
+
+
+def test_a_compile_check_is_worked_out_once_a_guide(engine, monkeypatch):
+    """check_compiled, the server's admission check (on a compile-check thread): a guide's first request walks its
+    grammar's first mask and closing, later requests of it get the remembered answer, and an unsatisfiable guide is
+    refused every time."""
+    from engine.guided import tracker as tracker_module
+    made, real = [], tracker_module.new_matcher
+    monkeypatch.setattr(tracker_module, "new_matcher", lambda compiled: made.append(1) or real(compiled))
+    tracker = engine.guided
+    tracker.ensure_service()
+
+    def check(schema):
+        pending = tracker.admit(SamplingParams(json_schema=schema).guide, None)
+        concurrent.futures.wait([pending.future], timeout=120)
+        return tracker.check_compiled(pending)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    answers = [check(schema) for _ in range(3)]
+    assert len(made) == 1 and answers[0] == answers[1] == answers[2] and answers[0] > 0
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            check({"type": "integer", "minimum": 5, "maximum": 1})
 
 
 def _finals(engine, requests, hook=None):
