@@ -38,7 +38,7 @@ from engine.runner.rows import RowError
 from engine.runner.slots import DecodeSlot
 from engine.scheduler import Scheduler
 from engine.speculative.drafters.draft_model import draft_source
-from engine.speculative.plan import SpecPolicy
+from engine.speculative.plan import SpecPolicy, short_rows
 from engine.speculative.budget import engine_levels
 from engine.timings import StepTimings
 from engine.workers.cluster import start_ranks
@@ -87,7 +87,7 @@ class LLMEngine(EngineFrontend):
         spec = SpecPolicy(self.spec_k, self.runner.spec_rows, self.max_model_len, config.spec_min_acceptance,
                           lookahead=self.runner.draft_lookahead, levels=engine_levels(config),
                           depth=config.tuning.spec_tree and config.num_speculative_tokens,
-                          short_rows=self._short_rows()) if self.spec_k else None
+                          short_rows=short_rows(self.runner.program)) if self.spec_k else None
         if spec is not None:
             spec.budget.set_costs(getattr(self.runner, "step_costs", {}))
         pools = [RowPool(self.runner.pool.num_rows)] + ([RowPool(
@@ -149,11 +149,6 @@ class LLMEngine(EngineFrontend):
         if self.blocks.events:
             self.kv_events.publish(self.blocks.events)
             self.blocks.events = []
-
-    def _short_rows(self) -> bool:
-        """Whether a row may hold fewer drafts than its step asked for: n-gram matches, grammar-cut drafts."""
-        program = self.runner.program
-        return program.drafter.uses_history or program.draft_masks is not None
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.source.config.get("eos_token_id")

@@ -168,6 +168,12 @@ def tree_row(policy: SpecPolicy, row, entry: list[int]) -> tuple[bool, bool]:
     return tree, tree and entry[policy.k] == LEAF
 
 
+def short_rows(program) -> bool:
+    """Whether a spec step program's rows may hold fewer drafts than a step asked for: n-gram matches, drafts the
+    grammar cut (SpecPolicy.short_rows)."""
+    return program.drafter.uses_history or program.draft_masks is not None
+
+
 def miss_level(policy: SpecPolicy, row, tree: bool) -> int | None:
     """The level a committed spec row's budget counts a miss after its drafts at (DraftBudget.observe), or None.
     A chain drafter drafts a step's level for the next step, so after a step of a lower level a row holds fewer
