@@ -93,6 +93,12 @@ def round_to(x, DTYPE: tl.constexpr):
     return x.to(DTYPE)
 
 
+def unit_stride(x: torch.Tensor) -> bool:
+    """Whether a 1-D tensor holds entry i at offset i, as kernels that take no stride for it read it (a column view
+    x[:, j] of a wider tensor does not)."""
+    return x.shape[0] <= 1 or x.stride(0) == 1
+
+
 @functools.lru_cache(maxsize=None)
 def device_index(device: torch.device) -> int:
     """A CUDA device's index: its own, or the current device's where it names none ("cuda")."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.common import unit_stride
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -43,7 +45,7 @@ def check_index(name, x, dim, device):
 def check_unit_stride(name, x):
     """A 1-D tensor the kernels read at entry i from offset i (no stride passed): a column view such as
     x[:, j] of a wider tensor would be misread."""
-    if x.shape[0] > 1 and x.stride(0) != 1:
+    if not unit_stride(x):
         raise ValueError(f"{name} must have unit stride, got stride {x.stride(0)}")
 
 

@@ -2,7 +2,7 @@
 (engine/kernels/matmul/decode_gemv.py, decode_gemm.py, draft_gemv.py)."""
 from __future__ import annotations
 
-from engine.kernels.common import kernels_interpreted
+from engine.kernels.common import kernels_interpreted, unit_stride
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 
 MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (past AT_ONCE_ROWS a row is a pass over the registers);
@@ -27,7 +27,7 @@ def problem(x, weight, k, norm_weight=None, residual=None, add=None, rows=(1, MA
     if x.device.type != "cuda" and not kernels_interpreted():
         return f"x on {x.device} needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1)"
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
-                                    or norm_weight.device != x.device or (k > 1 and norm_weight.stride(0) != 1)):
+                                    or norm_weight.device != x.device or not unit_stride(norm_weight)):
         return f"norm_weight must be [{k}] of x's dtype and device, with unit stride"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
         return "residual must match x's shape and dtype, with unit stride in K"

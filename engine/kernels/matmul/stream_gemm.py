@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import (is_interpreted, l2_ahead, l2_prefetch, pdl, reduce_sum, round_to,
-                                   shared_memory_bytes, sm_count)
+                                   shared_memory_bytes, sm_count, unit_stride)
 from engine.kernels.matmul import gemv_checks
 from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit, silu_store
 from engine.kernels.matmul.split_k import store_partial, sum_partials
@@ -174,7 +174,7 @@ def _split_problem(weight, silu: bool, counters, cfg: dict, device) -> str | Non
         return f"K = {weight.shape[1]} over {weight.shape[0]} rows leaves no room for two splits"
     tiles = out_columns(weight.shape[0], cfg["BLOCK_N"], "silu_mul" if silu else "store")[1]
     if counters is None or counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != device \
-            or (counters.shape[0] > 1 and counters.stride(0) != 1):        # tile i's counter is at offset i
+            or not unit_stride(counters):        # tile i's counter is at offset i
         return f"split needs a 1-D int32 counter buffer on {device}, with unit stride"
     if counters.numel() < tiles:
         return f"split needs {tiles} counters, the buffer holds {counters.numel()}"

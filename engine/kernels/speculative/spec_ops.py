@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import is_interpreted, pdl, pdl_start, wrap_row as _wrap
+from engine.kernels.common import is_interpreted, pdl, pdl_start, unit_stride, wrap_row as _wrap
 from engine.kernels.fused_ops import _check_device, _check_entries, _check_tensor
 
 _I32, _I64 = (torch.int32,), (torch.int64,)
@@ -219,7 +219,7 @@ def gathers(ctx, rows) -> bool:
     return (a.dtype == b.dtype and a.dtype.is_floating_point and a.shape[0] == b.shape[0] and a.stride(1) == 1
             and b.stride(1) == 1 and max(a.shape[1], b.shape[1]) <= _GATHER_MAX and a.device == b.device ==
             last.device and last.dtype == torch.int64 and last.dim() == 1
-            and (last.shape[0] <= 1 or last.stride(0) == 1))
+            and unit_stride(last))
 
 
 def draft_layout(ctx, start, offset: int, k: int, block_size: int, max_model_len: int, rows=()):

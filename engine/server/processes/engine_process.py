@@ -126,12 +126,12 @@ class EngineServer:
             while self.running:
                 start = time.perf_counter()
                 self._drain()
+                drained = time.perf_counter() - start
                 if self.engine.has_unfinished():
-                    stepped = time.perf_counter()
                     outputs = self.engine.step()
-                    start += time.perf_counter() - stepped
+                    start = time.perf_counter()
                     self._publish(outputs)
-                    self.io_seconds += time.perf_counter() - start
+                    self.io_seconds += drained + time.perf_counter() - start
                 else:
                     self._idle()
         except Exception as exc:          # a bug or a lost tensor-parallel worker, not a bad request
