@@ -111,10 +111,11 @@ class RoutedBackend(_Matmuls):
 
     def __init__(self, routes: RouteTable | None = None, rope_attention: bool = False, split_merge: bool = False,
                  decode_attention: bool = False, decode_attention_splits: int = 0, decode_attention_prefetch: int = 0,
-                 device=None):
+                 verify_attention: bool = False, device=None):
         from engine.kernels.sampling import argmax, bitmask, topk
         from engine.kernels.matmul import decode_gemm, decode_gemv, draft_gemv, head_mma, stream_gemm
         from engine.kernels.attention import decode_attention as decode_attn, paged_attention
+        from engine.kernels.attention import verify_attention as verify
         from engine.kernels import fused_ops
         self.routes = routes if routes is not None else RouteTable()
         self._k = paged_attention
@@ -125,6 +126,7 @@ class RoutedBackend(_Matmuls):
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
         self._decode_prefetch = decode_attention_prefetch                  # its cached tiles read before the wait
+        self._verify_attn = verify if verify_attention else None     # rope_attend of steps of a few tokens a row
         # split_merge: the counters of split attention's groups, zero between kernels (each launch leaves them so);
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
@@ -281,6 +283,11 @@ class RoutedBackend(_Matmuls):
                 q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                 meta.slot_mapping, scale, num_splits=self._decode_splits, max_seq_len=meta.max_seq_len,
                 semaphores=self._semaphores, prefetch_tiles=self._decode_prefetch)
+        if (self._verify_attn is not None and meta.tree_masks is None
+                and self._verify_attn.supports(q.shape[1], k_cache.shape[2], meta.max_query_len, k_cache.shape[1])):
+            return self._verify_attn.verify_attention(
+                q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                meta.slot_mapping, scale, meta.max_query_len, max_seq_len=meta.max_seq_len, semaphores=self._semaphores)
         if self._rope_attention and self._k.fuses_rope(q.shape[1], k_cache.shape[2], meta.max_query_len,
                                                        k_cache.shape[1]):
             return self.attend(q, k_cache, v_cache, meta, scale, rope=(k, v, positions, *rope_cache, meta.slot_mapping))
