@@ -58,11 +58,8 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     slot, c, s = row_rope(pos_ptr, slot_ptr, cos_ptr, sin_ptr, row, stride_cos, offs_d, d_ok)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
     kv_off_head = kv_head * stride_kvh
-    k0, v0, n_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head, stride_blk,
-                                stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
-    if PREFETCH == 2:                       # the split's second tile, read here too
-        k1, v1, n1_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo + TILE_N, cached_hi, kv_off_head,
-                                     stride_blk, stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
+    k0, v0, n_ok, k1, v1, n1_ok = prefetch_tiles_of(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head,
+                                                    stride_blk, stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N, PREFETCH)
     pdl_start(USE_PDL)
     # ---- after it: q and the new key and value, rotated in registers
     offs_m = tl.arange(0, BLOCK_M)
@@ -82,16 +79,8 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
         tl.store(kc_ptr + dst, kn, mask=new_m)
         tl.store(vc_ptr + dst, vn, mask=new_m)
     # ---- the products: the prefetched tile, the split's other cached tiles, the new key's column
-    scores = tl.dot(q, k0, input_precision=PRECISION) * qk_scale
-    scores = tl.where(n_ok[None, :], scores, float("-inf"))
-    m_i = reduce_max(scores, 1)
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    p = tl.exp2(scores - m_safe[:, None])
-    l_i = reduce_sum(p, 1)
-    acc = tl.dot(p.to(v0.dtype), v0, tl.zeros((BLOCK_M, HEAD_PAD), tl.float32), input_precision=PRECISION)
-    if PREFETCH == 2:                       # as _attn_tile would take it: the same products, masks and order
-        s1 = tl.where(n1_ok[None, :], tl.dot(q, k1, input_precision=PRECISION) * qk_scale, float("-inf"))
-        acc, l_i, m_i = online_update(acc, l_i, m_i, s1, v1, PRECISION)
+    acc, l_i, m_i = prefetched_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, BLOCK_M, HEAD_PAD, PREFETCH,
+                                        PRECISION)
     q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
     for start in range(lo + PREFETCH * TILE_N, cached_hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi,
@@ -135,6 +124,38 @@ def _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi, kv_off_h
     k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
     v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     return k, v, n_ok
+
+
+@triton.jit
+def prefetch_tiles_of(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head, stride_blk, stride_pos, offs_d,
+                      d_ok, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PREFETCH: tl.constexpr):
+    """A split's first PREFETCH (1 or 2) cached tiles, read before the wait: (k0, v0, n_ok, k1, v1, n1_ok); with one
+    tile the second three repeat the first (unread)."""
+    k0, v0, n_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head, stride_blk,
+                                stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
+    if PREFETCH == 2:
+        k1, v1, n1_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo + TILE_N, cached_hi, kv_off_head,
+                                     stride_blk, stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
+    else:
+        k1, v1, n1_ok = k0, v0, n_ok
+    return k0, v0, n_ok, k1, v1, n1_ok
+
+
+@triton.jit
+def prefetched_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
+                        PREFETCH: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax (acc, l_i, m_i) over the prefetched tiles, as _attn_tile would take them: the same
+    products, masks and order."""
+    scores = tl.where(n_ok[None, :], tl.dot(q, k0, input_precision=PRECISION) * qk_scale, float("-inf"))
+    m_i = reduce_max(scores, 1)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = reduce_sum(p, 1)
+    acc = tl.dot(p.to(v0.dtype), v0, tl.zeros((BLOCK_M, HEAD_PAD), tl.float32), input_precision=PRECISION)
+    if PREFETCH == 2:
+        s1 = tl.where(n1_ok[None, :], tl.dot(q, k1, input_precision=PRECISION) * qk_scale, float("-inf"))
+        acc, l_i, m_i = online_update(acc, l_i, m_i, s1, v1, PRECISION)
+    return acc, l_i, m_i
 
 
 @triton.jit

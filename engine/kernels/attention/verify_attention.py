@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention.attention_checks import check_attention
-from engine.kernels.attention.decode_attention import _cached_tile, prefetch_rule, split_range, warps
+from engine.kernels.attention.decode_attention import (prefetch_rule, prefetch_tiles_of, prefetched_products,
+                                                       split_range, warps)
 from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _tile_config, online_update
 from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
-from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
+from engine.kernels.common import is_interpreted, pdl, pdl_start
 from engine.kernels.fused_ops import check_rope, rotate_rows
 
 MAX_NEW = 16        # new tokens a sequence this kernel takes (the new keys' tile)
@@ -82,11 +83,8 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     slots = tl.load(slot_ptr + first + offs_j, mask=new_ok, other=-1).to(tl.int64)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
     kv_off_head = kv_head * stride_kvh
-    k0, v0, n_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head, stride_blk,
-                                stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
-    if PREFETCH == 2:                       # the split's second tile, read here too
-        k1, v1, n1_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo + TILE_N, cached_hi, kv_off_head,
-                                     stride_blk, stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
+    k0, v0, n_ok, k1, v1, n1_ok = prefetch_tiles_of(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head,
+                                                    stride_blk, stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N, PREFETCH)
     pdl_start(USE_PDL)
     # ---- after it: q and the new keys and values, rotated in registers
     q = rotate_rows(q_ptr + q_row.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh, offs_d, qm, qc, qs,
@@ -103,15 +101,8 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
         tl.store(kc_ptr + dst, kn, mask=stored)
         tl.store(vc_ptr + dst, vn, mask=stored)
     # ---- the products: the prefetched tile, the split's other cached tiles, the new keys' tile
-    scores = tl.where(n_ok[None, :], tl.dot(q, k0, input_precision=PRECISION) * qk_scale, float("-inf"))
-    m_i = reduce_max(scores, 1)
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    p = tl.exp2(scores - m_safe[:, None])
-    l_i = reduce_sum(p, 1)
-    acc = tl.dot(p.to(v0.dtype), v0, tl.zeros((BLOCK_M, HEAD_PAD), tl.float32), input_precision=PRECISION)
-    if PREFETCH == 2:
-        s1 = tl.where(n1_ok[None, :], tl.dot(q, k1, input_precision=PRECISION) * qk_scale, float("-inf"))
-        acc, l_i, m_i = online_update(acc, l_i, m_i, s1, v1, PRECISION)
+    acc, l_i, m_i = prefetched_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, BLOCK_M, HEAD_PAD, PREFETCH,
+                                        PRECISION)
     q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
     for start in range(lo + PREFETCH * TILE_N, cached_hi, TILE_N):
         acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi,
