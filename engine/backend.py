@@ -283,11 +283,12 @@ class RoutedBackend(_Matmuls):
                 q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                 meta.slot_mapping, scale, num_splits=self._decode_splits, max_seq_len=meta.max_seq_len,
                 semaphores=self._semaphores, prefetch_tiles=self._decode_prefetch)
-        if (self._verify_attn is not None and meta.tree_masks is None
-                and self._verify_attn.supports(q.shape[1], k_cache.shape[2], meta.max_query_len, k_cache.shape[1])):
+        if self._verify_attn is not None and self._verify_attn.supports(q.shape[1], k_cache.shape[2],
+                                                                          meta.max_query_len, k_cache.shape[1]):
             return self._verify_attn.verify_attention(
                 q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                meta.slot_mapping, scale, meta.max_query_len, max_seq_len=meta.max_seq_len, semaphores=self._semaphores)
+                meta.slot_mapping, scale, meta.max_query_len, max_seq_len=meta.max_seq_len, semaphores=self._semaphores,
+                tree_masks=meta.tree_masks)
         if self._rope_attention and self._k.fuses_rope(q.shape[1], k_cache.shape[2], meta.max_query_len,
                                                        k_cache.shape[1]):
             return self.attend(q, k_cache, v_cache, meta, scale, rope=(k, v, positions, *rope_cache, meta.slot_mapping))

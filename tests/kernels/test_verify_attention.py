@@ -69,9 +69,9 @@ def test_two_tiles_before_the_wait(num_splits):
     assert_agree(both(s, num_splits, prefetch_tiles=2))
 
 
-def test_wide_heads_and_sixteen_new_tokens():
-    """Llama 8B's heads (128 wide, 4 queries a KV head) and the widest step the kernel takes (16 tokens)."""
-    s = make_step([16, 9], [16, 150], 8, 2, head_dim=128, seed=3)
+def test_wide_heads_and_thirty_two_new_tokens():
+    """Llama 8B's heads (128 wide, 4 queries a KV head) and the widest step the kernel takes (32 tokens)."""
+    s = make_step([32, 9], [32, 150], 8, 2, head_dim=128, seed=3)
     assert_agree(both(s, 2, semaphores=True))
 
 
@@ -86,19 +86,47 @@ def test_padding_sequences_and_rows():
     assert_agree(both(s, 2), rows=slice(3, None))     # the first sequence's rows read the key slot -1 left out
 
 
-@pytest.mark.parametrize("max_q", [17, 0])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_draft_tree_matches_paged_attention(num_splits):
+    """A draft tree of 17 new tokens (16 drafts) a sequence, positions by depth: each new key is seen only by the
+    tokens whose mask names it, as paged_attention(tree_masks=...) sees it."""
+    parents = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10, 13]
+    masks, depth = [], []
+    for i, p in enumerate(parents):
+        masks.append((masks[p] if p >= 0 else 0) | 1 << i)
+        depth.append(depth[p] + 1 if p >= 0 else 0)
+    s = make_step([17, 17], [17, 150], 9, 3, seed=21)
+    ctx = (s["seq_lens"] - 17).tolist()
+    s["positions"] = torch.tensor([c + d for c in ctx for d in depth], device=DEV)
+    tree = torch.tensor(masks, dtype=torch.int64, device=DEV)
+    scale, results = s["q"].shape[-1] ** -0.5, []
+    for verify in (False, True):
+        kc, vc = s["k_cache"].clone(), s["v_cache"].clone()
+        args = (s["k"], s["v"], s["positions"], s["cos"], s["sin"])
+        if verify:
+            out = va.verify_attention(s["q"], *args, kc, vc, s["cu"], s["seq_lens"], s["tables"], s["slots"], scale,
+                                      17, num_splits=num_splits, tree_masks=tree)
+        else:
+            out = ta.paged_attention(s["q"], kc, vc, s["cu"], s["seq_lens"], s["tables"], scale, 17,
+                                     num_splits=num_splits, rope=(*args, s["slots"]), tree_masks=tree)
+        results.append((out, kc, vc))
+    assert_agree(results)
+
+
+@pytest.mark.parametrize("max_q", [33, 0])
 def test_refuses_steps_it_cannot_take(max_q):
     s = make_step([2, 1], [20, 33], 4, 2, seed=8)
     with pytest.raises(ValueError, match="new tokens a sequence"):
         va.verify_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"], s["k_cache"],
                             s["v_cache"], s["cu"], s["seq_lens"], s["tables"], s["slots"], 0.125, max_q)
-    assert va.supports(4, 2, 16, 16) and not va.supports(32, 1, 8, 16)      # 32 queries a KV head: 4 tokens a block
+    assert va.supports(4, 2, 32, 16) and not va.supports(32, 1, 8, 16)      # 32 queries a KV head: 4 tokens a block
 
 
-def test_engine_eagle_outputs_and_drafts_equal_with_verify_attention():
+@pytest.mark.parametrize("tree", [0, 8])
+def test_engine_eagle_outputs_and_drafts_equal_with_verify_attention(tree):
     """A whole engine with an untrained EAGLE head (K = 3: verification steps of four tokens a sequence, whose
-    metadata the draft layout wrote kernels earlier): verify_attention on gives the drafts and greedy outputs of it
-    off, and its verification steps take the kernel."""
+    metadata the draft layout wrote kernels earlier; or a tree of 8 drafts, nine tokens): verify_attention on gives
+    the drafts and greedy outputs of it off, and its verification steps take the kernel."""
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
     from helpers import INTERPRETER_SETTINGS
@@ -107,7 +135,7 @@ def test_engine_eagle_outputs_and_drafts_equal_with_verify_attention():
         eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
                         **INTERPRETER_SETTINGS, depth=2, max_num_seqs=4, max_model_len=64, enforce_eager=True,
                         speculative="eagle", spec_head="random", num_speculative_tokens=3, spec_min_acceptance=0.0,
-                        verify_attention=on)
+                        spec_tree=tree, verify_attention=on)
         eng.runner.backend._verify_attn = va if on else None     # this file's (interpreter-built) module
         calls, drafts, real = [], record_drafts(eng.runner.program.drafter), va.verify_attention
         va.verify_attention = lambda *a, **kw: calls.append(a[13]) or real(*a, **kw)
@@ -116,6 +144,6 @@ def test_engine_eagle_outputs_and_drafts_equal_with_verify_attention():
                                 [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 6, 12)])
         finally:
             va.verify_attention = real
-        assert (4 in calls) == on
+        assert ((1 + (tree or 3)) in calls) == on
         results.append(([s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]))
     assert results[1] == results[0]

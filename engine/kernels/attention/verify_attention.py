@@ -1,10 +1,10 @@
 """Verification attention: decode_attention's plan for steps of a few new tokens a sequence (a speculative step's
-1 + K, or a short prefill chunk), chains only: paged_attention(rope=...) with as little as possible after the
+1 + K, a draft tree, or a short prefill chunk): paged_attention(rope=...) with as little as possible after the
 dependent-launch wait.
 
     verify_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cu_seqlens_q, seq_lens,
                      block_tables, slot_mapping, scale, max_query_len, ...) -> out
-                     (= paged_attention(q, ..., max_query_len, rope=(k, v, positions, ...)))
+                     (= paged_attention(q, ..., max_query_len, rope=(k, v, positions, ...), tree_masks=...))
 
 A program owns (KV split, sequence, kv head) and all of the sequence's queries, packed as paged_attention packs a
 query block (row m = new token m // GROUP, head m % GROUP). Before the wait: the metadata (written by the step's
@@ -12,11 +12,12 @@ upload), the RoPE rows of every new token's position, their cache slots, and the
 and values (earlier steps wrote them). After it: q and the new keys and values in one round of loads, their
 rotation in registers, the store of the new keys and values for later steps, and the products. The cached tiles
 stop below the first new position; the split holding it adds the new keys from registers as one more tile, under
-the causal mask (new key j is seen by the queries of new tokens j and later). No barrier: no program reads a key
-another stores in this launch.
+the causal mask (new key j is seen by the queries of new tokens j and later) or a draft tree's (new key j is seen
+by the new tokens whose mask has bit j). No barrier: no program reads a key another stores in this launch.
 
 Invariant for the reads before the wait: as decode_attention's, every input but q / k / v was written by the
-step's upload or at least two launches earlier (the kernel right before this one is the layer's QKV matmul).
+step's upload or at least two launches earlier (the kernel right before this one is the layer's QKV matmul; a
+tree's masks are the tree's own constant buffer).
 
 Math as paged_attention's: scores in the log2 domain, probabilities rounded to the cache dtype before the product
 with V, fp32 accumulation, the new keys and values rounded to the cache dtype as the cache holds them. The
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention.attention_checks import check_attention
+from engine.kernels.attention.attention_checks import check_attention, check_tree
 from engine.kernels.attention.decode_attention import (prefetch_rule, prefetch_tiles_of, prefetched_products,
                                                        split_range, warps)
 from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _tile_config, online_update
@@ -38,7 +39,7 @@ from engine.kernels.attention.split_merge import combine_splits, merges, split_c
 from engine.kernels.common import is_interpreted, pdl, pdl_start
 from engine.kernels.fused_ops import check_rope, rotate_rows
 
-MAX_NEW = 16        # new tokens a sequence this kernel takes (the new keys' tile)
+MAX_NEW = 32        # new tokens a sequence this kernel takes (the new keys' tile): a chain's 1 + K, a tree of 31
 
 
 @triton.jit
@@ -52,13 +53,13 @@ def _rope_of(pos_ptr, cos_ptr, sin_ptr, rows, ok, stride_cos, offs_d, mask):
 
 @triton.jit
 def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l, cu_q, seq_lens,
-                        bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, sem_ptr, qk_scale, num_heads, stride_qt,
+                        bt_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, sem_ptr, tree_ptr, qk_scale, num_heads, stride_qt,
                         stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh, stride_bt_b,
                         stride_bt_n, stride_blk, stride_pos, stride_kvh, stride_cos,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, NEW: tl.constexpr,
                         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr,
-                        MERGE: tl.constexpr, USE_PDL: tl.constexpr):
+                        MERGE: tl.constexpr, TREE: tl.constexpr, USE_PDL: tl.constexpr):
     split, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # ---- before the wait: the step's inputs and the cache as earlier steps left it
     first = tl.load(cu_q + seq)
@@ -81,6 +82,11 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     nm = new_ok[:, None] & d_ok[None, :]
     nc, ns = _rope_of(pos_ptr, cos_ptr, sin_ptr, first + offs_j, new_ok, stride_cos, offs_d, nm)
     slots = tl.load(slot_ptr + first + offs_j, mask=new_ok, other=-1).to(tl.int64)
+    if TREE:                                # bit j of a new token's mask: it sees new token j
+        bits = tl.load(tree_ptr + q_idx, mask=row_ok, other=0)
+        seen = new_ok[None, :] & (((bits[:, None] >> offs_j[None, :].to(tl.int64)) & 1) != 0)
+    else:
+        seen = new_ok[None, :] & (offs_j[None, :] <= q_idx[:, None])
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt_b
     kv_off_head = kv_head * stride_kvh
     k0, v0, n_ok, k1, v1, n1_ok = prefetch_tiles_of(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off_head,
@@ -110,7 +116,6 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
                                    BLOCK_SIZE, TILE_N, True, PRECISION, False)
     if owns:
         s_new = tl.dot(q, tl.trans(kn), input_precision=PRECISION) * qk_scale
-        seen = new_ok[None, :] & (offs_j[None, :] <= q_idx[:, None])
         acc, l_i, m_i = online_update(acc, l_i, m_i, tl.where(seen, s_new, float("-inf")), vn, PRECISION)
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, seq * tl.num_programs(2) + kv_head,
                  q_row, head, row_ok, offs_d, d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M,
@@ -130,11 +135,11 @@ def supports(num_heads: int, num_kv_heads: int, max_query_len: int, block_size: 
 
 def verify_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cu_seqlens_q, seq_lens,
                      block_tables, slot_mapping, scale, max_query_len, *, out=None, num_splits=None, max_seq_len=None,
-                     semaphores=None, prefetch_tiles: int = 0):
+                     semaphores=None, prefetch_tiles: int = 0, tree_masks=None):
     """paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len, rope=(k, v,
     positions, cos_cache, sin_cache, slot_mapping), ...) for steps of at most max_query_len (<= MAX_NEW) new tokens a
-    sequence, as a causal chain: q [T, heads, D], k, v [T, kv_heads, D] not yet rotated or cached. num_splits,
-    max_seq_len, semaphores, out, prefetch_tiles: decode_attention's."""
+    sequence: q [T, heads, D], k, v [T, kv_heads, D] not yet rotated or cached. num_splits, max_seq_len, semaphores,
+    out, prefetch_tiles: decode_attention's; tree_masks: paged_attention's (a draft tree; None: a causal chain)."""
     check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
     check_rope(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
     if isinstance(scale, torch.Tensor) or isinstance(max_query_len, torch.Tensor):
@@ -142,6 +147,8 @@ def verify_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
     if prefetch_tiles not in (0, 1, 2):
         raise ValueError(f"prefetch_tiles must be 0 (by rule), 1 or 2, got {prefetch_tiles}")
     max_query_len = operator.index(max_query_len)
+    if tree_masks is not None:
+        check_tree(tree_masks, max_query_len, q.device)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if not supports(num_heads, num_kv_heads, max_query_len, block_size):
@@ -161,14 +168,15 @@ def verify_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
     merge = merges(num_splits, semaphores, groups, q.device)
     _verify_attn_kernel[(num_splits, num_seqs, num_kv_heads)](
         q, k, v, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables, positions,
-        slot_mapping, cos_cache, sin_cache, semaphores if merge else seq_lens, float(scale) * _LOG2E, num_heads,
+        slot_mapping, cos_cache, sin_cache, semaphores if merge else seq_lens,
+        seq_lens if tree_masks is None else tree_masks, float(scale) * _LOG2E, num_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         cos_cache.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         NEW=max(16, triton.next_power_of_2(max_query_len)), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits,
         PREFETCH=prefetch_tiles or prefetch_rule(num_splits), num_warps=warps(head_pad, tile_warps),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge, TREE=tree_masks is not None,
         **pdl(_verify_attn_kernel, q.device, num_tokens))
     if num_splits > 1 and not merge:
         combine_splits(part_acc, part_m, part_l, out, cu_seqlens_q, num_seqs, head_pad)
