@@ -79,13 +79,9 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
         tl.store(kc_ptr + dst, kn, mask=new_m)
         tl.store(vc_ptr + dst, vn, mask=new_m)
     # ---- the products: the prefetched tile, the split's other cached tiles, the new key's column
-    acc, l_i, m_i = prefetched_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, BLOCK_M, HEAD_PAD, PREFETCH,
-                                        PRECISION)
-    q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
-    for start in range(lo + PREFETCH * TILE_N, cached_hi, TILE_N):
-        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi,
-                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, q_pos,
-                                   BLOCK_SIZE, TILE_N, True, PRECISION, False)
+    acc, l_i, m_i = cached_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, kc_ptr, vc_ptr, bt_row, stride_bt_n,
+                                    lo, cached_hi, ctx, kv_off_head, stride_blk, stride_pos, offs_d, d_ok, BLOCK_M,
+                                    HEAD_PAD, BLOCK_SIZE, TILE_N, PREFETCH, PRECISION)
     if owns:
         acc, l_i, m_i = _new_column(acc, l_i, m_i, q, kn, vn, qk_scale)
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, seq * tl.num_programs(2) + kv_head,
@@ -142,10 +138,11 @@ def prefetch_tiles_of(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off
 
 
 @triton.jit
-def prefetched_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
-                        PREFETCH: tl.constexpr, PRECISION: tl.constexpr):
-    """The online softmax (acc, l_i, m_i) over the prefetched tiles, as _attn_tile would take them: the same
-    products, masks and order."""
+def cached_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, ctx,
+                    kv_off_head, stride_blk, stride_pos, offs_d, d_ok, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax (acc, l_i, m_i) over a split's cached keys [lo, cached_hi): the prefetched tiles, as
+    _attn_tile would take them (the same products, masks and order), then the rest."""
     scores = tl.where(n_ok[None, :], tl.dot(q, k0, input_precision=PRECISION) * qk_scale, float("-inf"))
     m_i = reduce_max(scores, 1)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -155,6 +152,11 @@ def prefetched_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, BLOCK_M: tl.co
     if PREFETCH == 2:
         s1 = tl.where(n1_ok[None, :], tl.dot(q, k1, input_precision=PRECISION) * qk_scale, float("-inf"))
         acc, l_i, m_i = online_update(acc, l_i, m_i, s1, v1, PRECISION)
+    q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
+    for start in range(lo + PREFETCH * TILE_N, cached_hi, TILE_N):
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi,
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, q_pos,
+                                   BLOCK_SIZE, TILE_N, True, PRECISION, False)
     return acc, l_i, m_i
 
 

@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention.attention_checks import check_attention, check_tree
-from engine.kernels.attention.decode_attention import (prefetch_rule, prefetch_tiles_of, prefetched_products,
+from engine.kernels.attention.decode_attention import (cached_products, prefetch_rule, prefetch_tiles_of,
                                                        split_range, warps)
-from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _tile_config, online_update
+from engine.kernels.attention.paged_attention import _LOG2E, _tile_config, online_update
 from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
 from engine.kernels.common import is_interpreted, pdl, pdl_start
 from engine.kernels.fused_ops import check_rope, rotate_rows
@@ -107,13 +107,9 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
         tl.store(kc_ptr + dst, kn, mask=stored)
         tl.store(vc_ptr + dst, vn, mask=stored)
     # ---- the products: the prefetched tile, the split's other cached tiles, the new keys' tile
-    acc, l_i, m_i = prefetched_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, BLOCK_M, HEAD_PAD, PREFETCH,
-                                        PRECISION)
-    q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
-    for start in range(lo + PREFETCH * TILE_N, cached_hi, TILE_N):
-        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi,
-                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, q_pos,
-                                   BLOCK_SIZE, TILE_N, True, PRECISION, False)
+    acc, l_i, m_i = cached_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, kc_ptr, vc_ptr, bt_row, stride_bt_n,
+                                    lo, cached_hi, ctx, kv_off_head, stride_blk, stride_pos, offs_d, d_ok, BLOCK_M,
+                                    HEAD_PAD, BLOCK_SIZE, TILE_N, PREFETCH, PRECISION)
     if owns:
         s_new = tl.dot(q, tl.trans(kn), input_precision=PRECISION) * qk_scale
         acc, l_i, m_i = online_update(acc, l_i, m_i, tl.where(seen, s_new, float("-inf")), vn, PRECISION)
