@@ -8,14 +8,22 @@ from engine.kernels.fused_ops import rotate_rows
 
 
 @triton.jit
+def rope_tables(pos_ptr, cos_ptr, sin_ptr, rows, ok, stride_cos, offs_d, mask):
+    """The cos / sin rows [R, HEAD_PAD] of the positions of tokens `rows` (zeros outside `mask`; rows not `ok`
+    read position 0)."""
+    pos = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.int64)
+    c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_d[None, :], mask=mask, other=0.0)
+    s = tl.load(sin_ptr + pos[:, None] * stride_cos + offs_d[None, :], mask=mask, other=0.0)
+    return c, s
+
+
+@triton.jit
 def rope_rows(ptr, rows, heads, stride_t, stride_h, ok, pos_ptr, cos_ptr, sin_ptr, stride_cos, offs_d,
                HEAD_DIM: tl.constexpr):
     """RoPE of x[rows, heads] (each row at positions[row]) in fp32, by rope_store_kv's rotation
     (fused_ops.rotate_rows). Rows not `ok` give 0."""
     m = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    pos = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.int64)
-    c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_d[None, :], mask=m, other=0.0)
-    s = tl.load(sin_ptr + pos[:, None] * stride_cos + offs_d[None, :], mask=m, other=0.0)
+    c, s = rope_tables(pos_ptr, cos_ptr, sin_ptr, rows, ok, stride_cos, offs_d, m)
     return rotate_rows(ptr + rows.to(tl.int64)[:, None] * stride_t + heads[:, None] * stride_h, offs_d, m, c, s,
                        HEAD_DIM)
 

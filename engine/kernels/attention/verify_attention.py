@@ -35,20 +35,12 @@ from engine.kernels.attention.attention_checks import check_attention, check_tre
 from engine.kernels.attention.decode_attention import (cached_products, prefetch_rule, prefetch_tiles_of,
                                                        split_range, warps)
 from engine.kernels.attention.paged_attention import _LOG2E, _tile_config, online_update
+from engine.kernels.attention.rope_kv import rope_tables
 from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
 from engine.kernels.common import is_interpreted, pdl, pdl_start
 from engine.kernels.fused_ops import check_rope, rotate_rows
 
 MAX_NEW = 32        # new tokens a sequence this kernel takes (the new keys' tile): a chain's 1 + K, a tree of 31
-
-
-@triton.jit
-def _rope_of(pos_ptr, cos_ptr, sin_ptr, rows, ok, stride_cos, offs_d, mask):
-    """The cos / sin rows [R, HEAD_PAD] of the positions of tokens `rows` (zeros where not `ok`)."""
-    pos = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.int64)
-    c = tl.load(cos_ptr + pos[:, None] * stride_cos + offs_d[None, :], mask=mask, other=0.0)
-    s = tl.load(sin_ptr + pos[:, None] * stride_cos + offs_d[None, :], mask=mask, other=0.0)
-    return c, s
 
 
 @triton.jit
@@ -76,11 +68,11 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     head = kv_head * GROUP + offs_m % GROUP
     q_row = first + q_idx
     qm = row_ok[:, None] & d_ok[None, :]
-    qc, qs = _rope_of(pos_ptr, cos_ptr, sin_ptr, q_row, row_ok, stride_cos, offs_d, qm)
+    qc, qs = rope_tables(pos_ptr, cos_ptr, sin_ptr, q_row, row_ok, stride_cos, offs_d, qm)
     offs_j = tl.arange(0, NEW)
     new_ok = offs_j < q_len
     nm = new_ok[:, None] & d_ok[None, :]
-    nc, ns = _rope_of(pos_ptr, cos_ptr, sin_ptr, first + offs_j, new_ok, stride_cos, offs_d, nm)
+    nc, ns = rope_tables(pos_ptr, cos_ptr, sin_ptr, first + offs_j, new_ok, stride_cos, offs_d, nm)
     slots = tl.load(slot_ptr + first + offs_j, mask=new_ok, other=-1).to(tl.int64)
     if TREE:                                # bit j of a new token's mask: it sees new token j
         bits = tl.load(tree_ptr + q_idx, mask=row_ok, other=0)
