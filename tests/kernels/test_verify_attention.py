@@ -16,7 +16,7 @@ va = triton_module("attention.verify_attention")
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7)}
 
 
-def both(s, num_splits, semaphores=False, prefetch_tiles=0):
+def both(s, num_splits, semaphores=False, prefetch_tiles=0, tree_masks=None):
     """(output, k_cache, v_cache) of paged_attention(rope=...) and of verify_attention on copies of the cache."""
     scale = s["q"].shape[-1] ** -0.5
     results = []
@@ -26,11 +26,12 @@ def both(s, num_splits, semaphores=False, prefetch_tiles=0):
         if verify:
             out = va.verify_attention(s["q"], s["k"], s["v"], s["positions"], s["cos"], s["sin"], kc, vc, s["cu"],
                                       s["seq_lens"], s["tables"], s["slots"], scale, s["max_q"],
-                                      num_splits=num_splits, semaphores=sem, prefetch_tiles=prefetch_tiles)
+                                      num_splits=num_splits, semaphores=sem, prefetch_tiles=prefetch_tiles,
+                                      tree_masks=tree_masks)
         else:
             rope = (s["k"], s["v"], s["positions"], s["cos"], s["sin"], s["slots"])
             out = ta.paged_attention(s["q"], kc, vc, s["cu"], s["seq_lens"], s["tables"], scale, s["max_q"],
-                                     num_splits=num_splits, rope=rope)
+                                     num_splits=num_splits, rope=rope, tree_masks=tree_masks)
         if sem is not None:
             assert not sem.any(), "the merge leaves its counters at zero"
         results.append((out, kc, vc))
@@ -99,18 +100,7 @@ def test_draft_tree_matches_paged_attention(num_splits):
     ctx = (s["seq_lens"] - 17).tolist()
     s["positions"] = torch.tensor([c + d for c in ctx for d in depth], device=DEV)
     tree = torch.tensor(masks, dtype=torch.int64, device=DEV)
-    scale, results = s["q"].shape[-1] ** -0.5, []
-    for verify in (False, True):
-        kc, vc = s["k_cache"].clone(), s["v_cache"].clone()
-        args = (s["k"], s["v"], s["positions"], s["cos"], s["sin"])
-        if verify:
-            out = va.verify_attention(s["q"], *args, kc, vc, s["cu"], s["seq_lens"], s["tables"], s["slots"], scale,
-                                      17, num_splits=num_splits, tree_masks=tree)
-        else:
-            out = ta.paged_attention(s["q"], kc, vc, s["cu"], s["seq_lens"], s["tables"], scale, 17,
-                                     num_splits=num_splits, rope=(*args, s["slots"]), tree_masks=tree)
-        results.append((out, kc, vc))
-    assert_agree(results)
+    assert_agree(both(s, num_splits, tree_masks=tree))
 
 
 @pytest.mark.parametrize("max_q", [33, 0])
