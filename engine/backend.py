@@ -126,7 +126,7 @@ class RoutedBackend(_Matmuls):
         self._decode_attn = decode_attn if decode_attention else None     # rope_attend of steps of <= 1 token a row
         self._decode_splits = decode_attention_splits or None              # None: by rule
         self._decode_prefetch = decode_attention_prefetch                  # its cached tiles read before the wait
-        self._verify_attn = verify if verify_attention else None     # rope_attend of steps of a few tokens a row
+        self._verify_attn = verify if verify_attention else None     # rope_attend of a few rows of a few tokens
         # split_merge: the counters of split attention's groups, zero between kernels (each launch leaves them so);
         # the kernels that use them run one after another on the compute stream
         self._semaphores = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device) if split_merge else None
@@ -283,9 +283,10 @@ class RoutedBackend(_Matmuls):
                 q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                 meta.slot_mapping, scale, num_splits=self._decode_splits, max_seq_len=meta.max_seq_len,
                 semaphores=self._semaphores, prefetch_tiles=self._decode_prefetch)
-        if self._verify_attn is not None and self._verify_attn.supports(q.shape[1], k_cache.shape[2],
-                                                                          meta.max_query_len, k_cache.shape[1]):
-            return self._verify_attn.verify_attention(
+        verify = self._verify_attn
+        if verify is not None and verify.preferred(meta.seq_lens.shape[0]) and verify.supports(
+                q.shape[1], k_cache.shape[2], meta.max_query_len, k_cache.shape[1]):
+            return verify.verify_attention(
                 q, k, v, positions, *rope_cache, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                 meta.slot_mapping, scale, meta.max_query_len, max_seq_len=meta.max_seq_len, semaphores=self._semaphores,
                 tree_masks=meta.tree_masks)

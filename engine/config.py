@@ -27,7 +27,7 @@ class Tuning:
     decode_attention: bool = True      # one-token steps: attention with its prologue before the dependent-launch wait
     decode_attention_splits: int = 0   # decode_attention's KV splits: 0 by rule, else a power of two up to 32
     decode_attention_prefetch: int = 0  # KV tiles a decode_attention split reads before the wait: 0 by rule, 1, 2
-    verify_attention: bool = False     # steps of 2-32 new tokens a sequence (verification): decode_attention's plan
+    verify_attention: bool = True      # steps of 2-32 new tokens for up to 4 sequences: decode_attention's plan
     native_launch: bool = True         # a graph step's upload, events, replay and download in one native call
     spec_kernels: bool = True          # one kernel each: the spec step's correction, draft layout, n-gram search
     spec_finish_kernel: bool = True    # a greedy spec step's acceptance and finish in one kernel

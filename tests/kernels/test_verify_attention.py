@@ -137,3 +137,26 @@ def test_engine_eagle_outputs_and_drafts_equal_with_verify_attention(tree):
         assert ((1 + (tree or 3)) in calls) == on
         results.append(([s.output_token_ids for s in seqs], [d.draft_tokens.tolist() for d in drafts]))
     assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("seqs", [va.MAX_SEQS, va.MAX_SEQS + 1])
+def test_backend_routes_steps_of_few_sequences(seqs):
+    """The routed backend sends a verification step here up to MAX_SEQS sequences and to paged_attention past
+    them, with the same output either way."""
+    from types import SimpleNamespace
+    from engine.attention import AttentionMetadata
+    from engine.backend import RoutedBackend
+    s = make_step([3] * seqs, [21 + i for i in range(seqs)], 4, 2, seed=seqs)
+    backend = RoutedBackend(rope_attention=True, verify_attention=True, device=DEV)
+    calls = []
+    backend._k = ta                                 # this file's (interpreter-built) modules
+    backend._verify_attn = SimpleNamespace(
+        preferred=va.preferred, supports=va.supports,
+        verify_attention=lambda *a, **kw: calls.append(len(a[9])) or va.verify_attention(*a, **kw))
+    meta = AttentionMetadata(s["slots"], s["cu"], s["seq_lens"], s["tables"], s["max_q"], int(s["seq_lens"].max()))
+    kc, vc = s["k_cache"].clone(), s["v_cache"].clone()
+    out = backend.rope_attend(s["q"], s["k"], s["v"], s["positions"], (s["cos"], s["sin"]), kc, vc, meta, 0.125)
+    assert calls == ([seqs] if seqs <= va.MAX_SEQS else [])
+    (want, want_k, _), _ = both(s, None)
+    torch.testing.assert_close(kc, want_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out, want, **TOL[torch.float32])

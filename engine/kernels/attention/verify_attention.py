@@ -41,6 +41,9 @@ from engine.kernels.common import is_interpreted, pdl, pdl_start
 from engine.kernels.fused_ops import check_rope, rotate_rows
 
 MAX_NEW = 32        # new tokens a sequence this kernel takes (the new keys' tile): a chain's 1 + K, a tree of 31
+# sequences of a step the engine routes here (preferred()): with more, paged_attention's launch is as fast or
+# faster (bench/results/spec_policy/README.md, "Verification attention")
+MAX_SEQS = 4
 
 
 @triton.jit
@@ -119,6 +122,12 @@ def supports(num_heads: int, num_kv_heads: int, max_query_len: int, block_size: 
     """Whether steps of up to max_query_len new tokens a sequence fit one program's rows and new-key tile."""
     block_q = _tile_config(num_heads // num_kv_heads, max_query_len, block_size)[1]
     return 1 <= max_query_len <= min(MAX_NEW, block_q)
+
+
+def preferred(num_seqs: int) -> bool:
+    """Whether the engine routes a step of `num_seqs` sequences here rather than to paged_attention: a small grid,
+    whose splits each wait on the QKV matmul, gains most from what this kernel reads before the wait."""
+    return num_seqs <= MAX_SEQS
 
 
 def verify_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cu_seqlens_q, seq_lens,
