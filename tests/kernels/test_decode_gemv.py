@@ -227,10 +227,9 @@ def test_backend_mlp_takes_the_silu_epilogue_where_the_gemv_takes_gate_up(monkey
 @pytest.mark.parametrize("m", [2, 3, 4, 8])
 @pytest.mark.parametrize("op", ["norm", "silu", "none", "add", "argmax", "silu_mul"])
 def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
-    """The at-once path (steps of 2-8 rows by default; past 4 rows on fewer weight rows a program) and the loop
-    over rows agree for every prologue and epilogue: the same bits in the interpreter; compiled, the product's
-    reduction may sum K in another order, so to fp32 rounding (the argmax's rows exactly: the tie sits on a copied
-    weight row; its programs' maxima compared as the step's argmax, since the programs differ past 4 rows)."""
+    """The at-once path (steps of 2-4 rows by default) and the loop over rows agree for every prologue and
+    epilogue: the same bits in the interpreter; compiled, the product's reduction may sum K in another order, so
+    to fp32 rounding (the argmax's rows exactly: the tie sits on a copied weight row)."""
     k, n = 96, 40
     w = randn(n, k, seed=21, dtype=dtype) / k ** 0.5
     x = randn(m, 2 * k if op == "silu" else k, seed=22, dtype=dtype) * 2
@@ -245,19 +244,11 @@ def test_all_rows_at_once_give_the_loops_bits(op, m, dtype):
     elif op == "silu_mul":
         kw = dict(nw=randn(k, seed=23, dtype=dtype), eps=1e-5, epilogue="silu_mul")
     prologue = {"norm": "norm", "silu": "silu", "silu_mul": "norm"}.get(op, "none")
-    assert dg.decode_gemv_config(n, k, m)["ROWS"] == triton.next_power_of_2(m)
+    assert dg.decode_gemv_config(n, k, m)["ROWS"] == (triton.next_power_of_2(m) if m <= 4 else 0)
     loop = dg.launch(x, w, k, prologue, at_once=False, **kw)
     once = dg.launch(x, w, k, prologue, at_once=True, **kw)
-    if op == "argmax":          # (top, first row) of each row over the programs' maxima
-        loop, once = (first_maxima(*r[::2]) for r in (loop, once))
     for a, b in zip(loop, once):
         if DEV == "cpu" or a.dtype not in TOL:
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=TOL[a.dtype][0], atol=TOL[a.dtype][1] * a.abs().max().item())
-
-
-def first_maxima(tops, idx):
-    """Each row's largest program maximum and the first weight row that holds it."""
-    best = tops.max(1, keepdim=True).values
-    return best, torch.where(tops == best, idx, idx.max() + 1).min(1).values

@@ -27,10 +27,9 @@ with the SiLU prologue every one of its programs recomputed the whole row's (819
 down, 2048 programs).
 
 Rows. In a loop over rows each row is a pass waiting on the one before (x load, reductions, stores), so each row
-adds its own latency. Steps of 2-8 rows (AT_ONCE_ROWS; a one-stream verification) reduce one
-[rows, BLOCK_N, BLOCK_K] product of every row's x, loaded at once, equal to the loop's up to K's summation order.
-Past 4 rows a program takes fewer weight rows, so that the product holds 4 rows' values; past K = 2048 it spills,
-and single rows gain nothing: those keep the loop.
+adds its own latency. Steps of 2-4 rows (AT_ONCE_ROWS; a one-stream verification at K = 3) reduce one
+[rows, BLOCK_N, BLOCK_K] product of every row's x, loaded at once, equal to the loop's up to K's summation order;
+past 4 rows or K > 2048 its registers spill, and single rows gain nothing: those keep the loop.
 
 Accumulation is fp32 (exact products for fp32 inputs), rounded once to x.dtype to nearest even, as torch rounds
 (common.round_to, the interpreter included); the summation order differs from cuBLAS, so results agree to
@@ -51,9 +50,8 @@ from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit,
 MAX_ROWS, MAX_K = gemv_checks.MAX_ROWS, gemv_checks.MAX_K   # the rows and K these kernels take
 MAX_K_PLAIN = gemv_checks.MAX_K_PLAIN                       # decode_linear's K (no prologue)
 _ELEMS = 8192           # weight elements per program (BLOCK_N x BLOCK_K): 64 per thread at 4 warps
-AT_ONCE_ROWS = (2, 8)   # steps of 2-8 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
-AT_ONCE_MAX_K = 2048    # past it the product's registers spill
-FULL_ROWS = 4           # rows an at-once program takes with its whole BLOCK_N; with more, BLOCK_N shrinks as much
+AT_ONCE_ROWS = (2, 4)   # steps of 2-4 rows with BLOCK_K <= AT_ONCE_MAX_K take every row at once (_rows_at_once);
+AT_ONCE_MAX_K = 2048    # past these the product's registers spill
 FOUR_WARPS_K = 4096     # rows up to this K run 4 warps, longer ones 8 (_warps)
 
 
@@ -188,17 +186,14 @@ def interpreted() -> bool:
 
 
 def decode_gemv_config(n: int, k: int, m: int = 1, at_once: bool | None = None) -> dict:
-    """BLOCK_K: the whole row (a power of two); BLOCK_N: as many rows as fit _ELEMS, at least one (fewer past
-    FULL_ROWS rows at once); ROWS: m rounded up to a power of two where all rows go at once (at_once None:
-    AT_ONCE_ROWS and AT_ONCE_MAX_K say where that is faster than the loop), else 0 (the loop); num_warps by BLOCK_K
-    (_warps)."""
+    """BLOCK_K: the whole row (a power of two); BLOCK_N: as many rows as fit _ELEMS, at least one; ROWS: m
+    rounded up to a power of two where all rows go at once (at_once None: AT_ONCE_ROWS and AT_ONCE_MAX_K say
+    where that is faster than the loop), else 0 (the loop); num_warps by BLOCK_K (_warps)."""
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(_ELEMS // block_k, triton.next_power_of_2(n)))
     if at_once is None:
         at_once = AT_ONCE_ROWS[0] <= m <= AT_ONCE_ROWS[1] and not one_row_at_a_time(k)
     rows = triton.next_power_of_2(m) if at_once else 0
-    if rows > FULL_ROWS:        # (at least the two rows of a SiLU pair where it had them)
-        block_n = max(min(block_n, 2), block_n * FULL_ROWS // rows)
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, num_warps=_warps(block_k))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.kernels.common import kernels_interpreted, unit_stride
 from engine.kernels.fused_ops import _FLOAT_DTYPES, _check_same, _check_tensor
 
-MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (past AT_ONCE_MAX_K a row is a pass over the registers);
+MAX_ROWS = 8            # more rows: decode_gemm.py or cuBLAS (past AT_ONCE_ROWS a row is a pass over the registers);
                         # the engine hands it the steps its route table gives it (engine/kernels/routes.py)
 MAX_K = 8192            # a whole weight row sits in registers
 MAX_K_PLAIN = 16384     # the same with no prologue (decode_linear), 8 warps a row: Llama 8B's down projection
