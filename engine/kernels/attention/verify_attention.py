@@ -42,7 +42,7 @@ from engine.kernels.fused_ops import check_rope, rotate_rows
 
 MAX_NEW = 32        # new tokens a sequence this kernel takes (the new keys' tile): a chain's 1 + K, a tree of 31
 # sequences of a step the engine routes here (preferred()): with more, paged_attention's launch is as fast or
-# faster (bench/results/spec_policy/README.md, "Verification attention")
+# faster (docs/decode_step.md)
 MAX_SEQS = 4
 
 
