@@ -66,10 +66,11 @@ class _Matmuls:
         gate_up, residual = self.norm_linear(x, residual, norm_weight, eps, gate_up_weight, meta=meta)
         return self.silu_linear(gate_up, down_weight, residual if add_residual else None, meta=meta), residual
 
-    def norm_linear_argmax(self, x, norm_weight, eps, weight, ids=None):
+    def norm_linear_argmax(self, x, norm_weight, eps, weight, ids=None, out=None):
         """linear(rms_norm(x)).float().argmax(-1) (int64, the first maximum; ids[it] where an int64 map of
         weight's rows is given) in kernels of the backend's, or None where it has none for the call: the caller
-        computes the logits."""
+        computes the logits. The kernels may write the tokens into `out` (int64 [M], unit stride): the caller
+        checks whether the result is `out`."""
         return None
 
     def linear_argmax(self, x, weight, ids=None):
@@ -224,12 +225,12 @@ class RoutedBackend(_Matmuls):
         act, residual = self.norm_linear_silu(x, residual, norm_weight, eps, gate_up_weight, meta=meta)
         return self.linear(act, down_weight, meta=meta, add=residual if add_residual else None), residual
 
-    def norm_linear_argmax(self, x, norm_weight, eps, weight, ids=None):
+    def norm_linear_argmax(self, x, norm_weight, eps, weight, ids=None, out=None):
         if self.routes.reference:
             return None
         kernel = self.kernel_for("norm_head", x, weight, norm_weight=norm_weight)
         if kernel == "gemv":
-            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids)
+            return self._draft.norm_linear_argmax(x, norm_weight, eps, weight, ids, out)
         return self._argmax_on(kernel, self.ops.rms_norm(x, norm_weight, eps), weight, ids)
 
     def linear_argmax(self, x, weight, ids=None):

@@ -152,7 +152,7 @@ def variants(pdl: bool) -> list[tuple]:
     vocabulary 49152)."""
     i64 = ("pos_ptr", "shift_ptr", "tok_row_ptr", "tok_seq_ptr", "map_ptr", "in_ptr", "carry_ptr", "ids_ptr",
            "seq_shift_ptr", "steps_ptr", "smp_shift_ptr", "smp_row_ptr", "rejected_ptr", "last_ptr", "drafts_ptr",
-           "hist_ptr")
+           "hist_ptr", "cap_ptr", "count_ptr", "drafted_ptr")
     correct = {p: "*i64" for p in i64} | dict(bt_ptr="*i32", seq_lens_ptr="*i32", stride_bt="i32",
                                               stride_drafts="i32", stride_hist="i32", draft_cols="i32", n_rows="i32",
                                               max_model_len="i32", T="i32", B="i32", S="i32")
@@ -206,7 +206,7 @@ def variants(pdl: bool) -> list[tuple]:
                            dict(x_ptr="*bf16", mask_ptr="*i32", val_ptr="*fp32", idx_ptr="*i32", cnt_ptr="*i32",
                                 stride_x="i32", stride_mask="i32", stride_p="i32", V="i32"), dict(BLOCK_V=1024), 4)]),
         ("spec_ops correct", spec_ops._correct_kernel, correct,
-         dict(BLOCK_SIZE=16, DRAFTS=True, HISTORY=True, BLOCK=32, USE_PDL=pdl), 4),
+         dict(BLOCK_SIZE=16, DRAFTS=True, HISTORY=True, DRAFTED=True, BLOCK=32, USE_PDL=pdl), 4),
         ("spec_ops draft_layout", spec_ops._draft_layout_kernel, layout,
          dict(K=3, K_PAD=4, BLOCK_SIZE=16, COLS=256, GATHER=False, WIDTH=1, USE_PDL=pdl), 1),
         ("spec_ops draft_layout gather", spec_ops._draft_layout_kernel, layout,
@@ -236,7 +236,7 @@ def variants(pdl: bool) -> list[tuple]:
         ("step_io inputs", step_io._inputs_kernel,
          {p: "*i64" for p in ("in_ptr", "carry_ptr", "tok_row_ptr", "last_ptr", "ids_ptr")} | dict(
              w_ptr="*bf16", x_ptr="*bf16", n_rows="i32", H="i32", stride_w="i32", stride_x="i32"),
-         dict(CARRY=True, BLOCK_H=1024, USE_PDL=pdl), 4),
+         dict(CARRY=True, STORE_IDS=True, BLOCK_H=1024, USE_PDL=pdl), 4),
         ("step_io emit", step_io._emit_kernel,
          {p: "*i64" for p in ("tok_ptr", "sampled_ptr", "rows_ptr", "last_ptr")} | dict(n="i32", n_rows="i32"),
          dict(BLOCK=32, USE_PDL=pdl), 4),

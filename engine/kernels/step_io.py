@@ -27,9 +27,9 @@ _BLOCK_T = 1024     # tokens an emit program takes
 
 @triton.jit
 def _inputs_kernel(in_ptr, carry_ptr, tok_row_ptr, last_ptr, w_ptr, ids_ptr, x_ptr, n_rows, H, stride_w, stride_x,
-                   CARRY: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program t: ids[t] (the host's in[t], or with CARRY last[tok_row[t]] where carry[t] >= 0) and x[t] =
-    w[ids[t]]."""
+                   CARRY: tl.constexpr, STORE_IDS: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program t: ids[t] (the host's in[t], or with CARRY last[tok_row[t]] where carry[t] >= 0; stored with
+    STORE_IDS) and x[t] = w[ids[t]]."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     tok = tl.load(in_ptr + t)
@@ -37,7 +37,8 @@ def _inputs_kernel(in_ptr, carry_ptr, tok_row_ptr, last_ptr, w_ptr, ids_ptr, x_p
         src = tl.load(carry_ptr + t)
         row = wrap_row(tl.load(tok_row_ptr + t), n_rows)
         tok = tl.where(src >= 0, tl.load(last_ptr + row, mask=src >= 0, other=0), tok)
-    tl.store(ids_ptr + t, tok)
+    if STORE_IDS:
+        tl.store(ids_ptr + t, tok)
     for start in range(0, H, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
         ok = cols < H
@@ -75,10 +76,28 @@ def inputs(input_ids, carry_src, tok_row, last_token, weight, n: int, carry: boo
     x = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=device)
     if n:
         _inputs_kernel[(n,)](input_ids, carry_src, tok_row, last_token, weight, ids, x, last_token.shape[0],
-                             weight.shape[1], weight.stride(0), x.stride(0), CARRY=bool(carry),
+                             weight.shape[1], weight.stride(0), x.stride(0), CARRY=bool(carry), STORE_IDS=True,
                              BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(weight.shape[1])), num_warps=4,
                              **pdl(_inputs_kernel, device, n))
     return ids, x
+
+
+def embed(ids, weight):
+    """weight[ids] (F.embedding) for ids [n] int64, in the inputs kernel: a speculative step's inputs come from its
+    correction kernel (engine/kernels/speculative/spec_ops.py), and torch's lookup of a few rows is a slower launch
+    that does not overlap the kernel before it. Every id must be a row of weight."""
+    device = weight.device
+    _check_tensor("weight", weight, 2, _FLOAT_DTYPES, device)
+    _check_entries("ids", ids, 0, _I64, device)
+    _check_device(device)
+    ids, n = ids.contiguous(), ids.shape[0]
+    x = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=device)
+    if n:
+        _inputs_kernel[(n,)](ids, ids, ids, ids, weight, ids, x, 1, weight.shape[1], weight.stride(0), x.stride(0),
+                             CARRY=False, STORE_IDS=False,
+                             BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(weight.shape[1])), num_warps=4,
+                             **pdl(_inputs_kernel, device, n))
+    return x
 
 
 def emit(tokens, sampled, rows, last_token) -> None:

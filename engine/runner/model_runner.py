@@ -71,6 +71,7 @@ class ModelRunner:
         self.pool = SpecState(pool_rows, max_model_len, self.spec_k, self.device) if self.spec_k \
             else TokenPool(pool_rows, 0, self.device)
         args = (self.model, self.kv_caches, self.backend, max_model_len, self.compute_stream, self.masks)
+        step_io = config.tuning.step_io_kernels and self.backend.fused and tp.world == 1
         self.penalties = PenaltyState(config.penalty_rows, self.vocab, self.device) if config.penalty_rows else None
         self.eos_ids: frozenset[int] = frozenset()      # what min_tokens masks besides stop ids (set by the engine)
         if self.spec_k:
@@ -81,10 +82,9 @@ class ModelRunner:
                                            draft_masks=self._draft_masks(drafter, encode), penalties=self.penalties,
                                            spec_kernels=config.use_spec_kernels(),
                                            finish_kernel=config.use_spec_kernels() and config.tuning.spec_finish_kernel,
-                                           tree=config_tree(config))
+                                           tree=config_tree(config), step_io=step_io)
         else:
-            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool,
-                                       step_io=config.tuning.step_io_kernels and self.backend.fused and tp.world == 1)
+            self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool, step_io=step_io)
         # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)
         self.draft_lookahead = self.program.drafter.lookahead if self.spec_k else 0
         max_blocks = -(-max_model_len // config.block_size)

@@ -66,15 +66,17 @@ class SpecStepProgram(StepProgram):
         guided, _, extras = variant
         T, B, S, K = self.sizes(slot, key)
         tree = is_tree_step(self.tree, K, variant)
-        ids = self.correct(slot, T, B, S)
+        ids, drafted = self.correct(slot, T, B, S, K)
         if tree:
             depth_positions(slot.dev, T, self.tree)
         self.observe(slot, ids, B, extras)
-        drafted = self.drafted(slot, ids, S, K, guided)
+        drafted = self.drafted(slot, ids, S, K, guided, drafted)
         if guided and self.masks.cuda:
             self.masks.branch(slot, prev, S, self.compute_stream, K + 1)
         meta = self.step_meta(slot, key, T, B, K, self.tree.masks if tree else None)
-        out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers)
+        embeds = self.step_io.embed(ids, self.model.embed_tokens.weight) if self.step_io is not None else None
+        out = self.model(ids, slot.dev["positions"][:T], meta, self.kv_caches, self.backend, self.aux_layers,
+                         embeds=embeds)
         hidden, features = out if self.aux_layers else (out, None)
         one_token = key.kind == "decode" if key is not None else slot.max_query_len == 1 and slot.num_sample == T
         target = self.target_ids(hidden, variant, T, S, K, one_token)
@@ -95,10 +97,14 @@ class SpecStepProgram(StepProgram):
                    key.context + K + 2 if key is not None else None, quiet)
 
     # ---- 1. correct ----------------------------------------------------------------------------
-    def correct(self, slot, T: int, B: int, S: int) -> torch.Tensor:
+    def correct(self, slot, T: int, B: int, S: int, K: int = 0):
+        """-> (the step's input ids [T], the drafts each sampling row verifies [S] where the correction kernel
+        counted them (a spec step's), else None)."""
         d, st, bs = slot.dev, self.state, self.block_size
         if self.spec_ops is not None:
-            return self.spec_ops.correct(d, st, T, B, S, bs, self.drafter.uses_history)
+            if S and K:
+                return self.spec_ops.correct(d, st, T, B, S, bs, self.drafter.uses_history, drafted=True)
+            return self.spec_ops.correct(d, st, T, B, S, bs, self.drafter.uses_history), None
         tok_rows = d["tok_row"][:T]
         pos = d["positions"][:T]
         pos.sub_(torch.where(d["shift"][:T] > 0, st.rejected[tok_rows], 0))
@@ -112,7 +118,7 @@ class SpecStepProgram(StepProgram):
         ids = st.carried(d["input_ids"][:T], d["carry_src"][:T], tok_rows)
         if self.drafter.uses_history:
             st.history[tok_rows, pos.clamp(max=st.max_model_len)] = ids.int()
-        return ids
+        return ids, None
 
     # ---- 2. forward + logits -------------------------------------------------------------------
     def step_meta(self, slot, key, T: int, B: int, K: int, tree_masks=None):
@@ -176,13 +182,15 @@ class SpecStepProgram(StepProgram):
             record(slot.logprobs[:S, :K + 1], logits, tokens)
         return tokens, accepted, finished
 
-    def drafted(self, slot, ids, S: int, K: int, guided: bool):
-        """Drafts each row verifies (the host's cap and what the drafter proposed); a guided step hands its
-        drafts and these counts to the grammar callback, which walks them before verification."""
+    def drafted(self, slot, ids, S: int, K: int, guided: bool, drafted=None):
+        """Drafts each row verifies (the host's cap and what the drafter proposed; `drafted` where the correction
+        kernel counted them); a guided step hands its drafts and these counts to the grammar callback, which walks
+        them before verification."""
         if not (S and K):
             return None
-        rows = slot.dev["smp_row"][:S]
-        drafted = torch.minimum(slot.dev["num_drafts"][:S], self.state.draft_count[rows])
+        if drafted is None:
+            rows = slot.dev["smp_row"][:S]
+            drafted = torch.minimum(slot.dev["num_drafts"][:S], self.state.draft_count[rows])
         if guided:
             out = self.masks.drafts_dev[slot.index]
             out[:S, :K] = ids.view(S, K + 1)[:, 1:]

@@ -191,17 +191,18 @@ class PagedHead:
         logits = linear(t.final_norm(hidden, self.backend), self.draft_weight).float()
         return self.draft_ids[logits.topk(n, dim=-1).indices]
 
-    def greedy(self, hidden):
+    def greedy(self, hidden, out=None):
         """logits(hidden).argmax(-1) in the backend's norm + LM head + argmax kernels (int64 [N]), or None where it
         has none for the call. A target split over ranks keeps the logits: its vocabulary is gathered. With a
-        draft vocabulary, the argmax over its rows (by kernels or torch), as a token id (the kernels map it)."""
+        draft vocabulary, the argmax over its rows (by kernels or torch), as a token id (the kernels map it).
+        The kernels may write into `out` (int64 [N], unit stride); the result may also be another tensor."""
         t = self.target
         if t.tp.world > 1:
             return None
         if self.draft_ids is None:
-            return self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, t.head_weight)
+            return self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, t.head_weight, out=out)
         tokens = self.backend.norm_linear_argmax(hidden, t.norm.weight, t.norm.eps, self.draft_weight,
-                                                 ids=self.draft_ids)
+                                                 ids=self.draft_ids, out=out)
         if tokens is None:
             tokens = self.draft_ids[linear(t.final_norm(hidden, self.backend), self.draft_weight).float().argmax(-1)]
         return tokens

@@ -59,6 +59,12 @@ def test_ids_map_the_rows_to_token_ids(m, block_p):
     assert torch.equal(dr.linear_argmax(x, w, ids), ids[F.linear(x, w).float().argmax(-1)])
     with pytest.raises(ValueError, match="columns"):
         dr.linear_argmax(x, w, ids[1:])
+    rows = torch.full((3, m), -5, dtype=torch.int64, device=DEV)     # a drafter's [K, S] drafts: row 1 is this draft
+    assert dr.norm_linear_argmax(x, nw, EPS, w, ids, out=rows[1]) is not None
+    assert torch.equal(rows[1], ids[torch_argmax(x, nw, w)]) and (rows[0] == -5).all() and (rows[2] == -5).all()
+    for bad in (rows[1, 1:], rows[1].int(), torch.empty(2 * m, dtype=torch.int64, device=DEV)[::2]):
+        with pytest.raises(ValueError, match="out must be int64"):
+            dr.norm_linear_argmax(x, nw, EPS, w, ids, out=bad)
 
 
 @DTYPES

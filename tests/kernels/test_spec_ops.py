@@ -28,6 +28,7 @@ def _pool(g, rows, k):
     st.drafts.copy_(torch.randint(0, 500, st.drafts.shape, generator=g))
     st.rejected.copy_(_ints(g, 0, k + 1, rows + 1))
     st.history.copy_(torch.randint(0, 500, st.history.shape, generator=g))
+    st.draft_count.copy_(_ints(g, 0, k + 1, rows + 1))
     return st
 
 
@@ -59,7 +60,7 @@ def _step(seed, T, B, S, k, rows=8):
     d["seq_shift"] = torch.full((m,), -1)
     d["seq_shift"][:real] = torch.where(_ints(g, 0, 2, real) > 0, pool_rows, -1)
     m = S + 2
-    d["steps"], d["smp_shift"] = _ints(g, k, 200, m), _ints(g, 0, 2, m)
+    d["steps"], d["smp_shift"], d["num_drafts"] = _ints(g, k, 200, m), _ints(g, 0, 2, m), _ints(g, 0, k + 1, m)
     d["smp_row"] = torch.where(_ints(g, 0, 4, m) > 0, torch.randint(0, rows, (m,), generator=g), -1)
     d["block_tables"] = torch.randint(0, 99, (B + 2, MAX_BLOCKS), generator=g, dtype=torch.int32)
     return {name: x.to(DEV) for name, x in d.items()}, _to(st, DEV)
@@ -82,7 +83,7 @@ def _torch_correct(d, st, T, B, S, history):
     """The reference: SpecStepProgram.correct's torch path on a stand-in program and slot."""
     from engine.runner.spec_step import SpecStepProgram
     program = SimpleNamespace(state=st, block_size=BS, spec_ops=None, drafter=SimpleNamespace(uses_history=history))
-    return SpecStepProgram.correct(program, SimpleNamespace(dev=d), T, B, S)
+    return SpecStepProgram.correct(program, SimpleNamespace(dev=d), T, B, S)[0]
 
 
 SHAPES = [(1, 1, 1), (4, 1, 1), (7, 3, 2), (16, 4, 4), (33, 6, 5), (12, 8, 8), (5, 5, 0), (0, 0, 0)]
@@ -96,8 +97,11 @@ def test_correct_equals_torch(k, history):
         d, st = _step(seed * 10 + k, T, B, S, k)
         d2, st2 = _clone(d, st)
         want = _torch_correct(d, st, T, B, S, history)
-        got = so.correct(d2, st2, T, B, S, BS, history)
+        got, drafted = so.correct(d2, st2, T, B, S, BS, history, drafted=True)
         assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want), (T, B, S)
+        # SpecStepProgram.drafted's count: the host's cap and the drafter's count of the row (-1: the dummy row)
+        want = torch.minimum(d["num_drafts"][:S], st.draft_count[d["smp_row"][:S]])
+        assert drafted.dtype == torch.int64 and torch.equal(drafted, want), (T, B, S)
         for name in d:
             assert torch.equal(d2[name], d[name]), (name, T, B, S)
         for name in ("last_token", "drafts", "rejected"):
@@ -210,6 +214,10 @@ def test_refusals():
     with pytest.raises(ValueError, match="history"):
         so.correct(d, short, 4, 2, 2, BS, True)
     so.correct(d, short, 4, 2, 2, BS, False)            # no history: not read
+    with pytest.raises(ValueError, match="no 'num_drafts'"):
+        so.correct({n: v for n, v in d.items() if n != "num_drafts"}, st, 4, 2, 2, BS, True, drafted=True)
+    with pytest.raises(ValueError, match="draft_count has 3 rows"):
+        so.correct(d, SimpleNamespace(**{**vars(st), "draft_count": st.draft_count[:3]}), 4, 2, 2, BS, True)
     ctx, start = _ctx(0, 3, 2)
     for args in [(start, 0, 0, BS, MML), (start, -1, 2, BS, MML), (start, 0, 2, 6, MML), (start, 0, 2, BS, 0),
                  (start[:2], 0, 2, BS, MML), (start.int(), 0, 2, BS, MML)]:
@@ -230,9 +238,9 @@ def _counting(monkeypatch):
     for name in calls:
         module = nd if name == "ngram_draft" else so
         real = getattr(module, name)
-        def count(*a, name=name, real=real):
+        def count(*a, name=name, real=real, **kw):
             calls[name] += 1
-            return real(*a)
+            return real(*a, **kw)
         monkeypatch.setattr(module, name, count)
     return calls
 

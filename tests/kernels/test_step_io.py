@@ -1,12 +1,13 @@
-"""engine.kernels.step_io (a plain step's input ids + embedding, and its emit, one kernel each) against the torch code
-they replace (TokenPool.carried + the embedding lookup; the slot copy + TokenPool.emit), bit for bit, and whole
-engines with Tuning.step_io_kernels on against off. Without CUDA the kernels run in the Triton CPU
-interpreter (tests/conftest.py)."""
+"""engine.kernels.step_io (a plain step's input ids + embedding, a speculative step's embedding, and its emit, one
+kernel each) against the torch code they replace (TokenPool.carried + the embedding lookup; the slot copy +
+TokenPool.emit), bit for bit, and whole engines with Tuning.step_io_kernels on against off. Without CUDA the
+kernels run in the Triton CPU interpreter (tests/conftest.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import assert_no_leak, triton_module
+from helpers import INTERPRETER_SETTINGS, greedy_drafts
 from engine.memory.token_pool import TokenPool
 
 io = triton_module("step_io")
@@ -42,6 +43,17 @@ def test_inputs_equal_the_pools_carry_and_the_embedding(n, hidden, carry, dtype)
     assert x.dtype == dtype and torch.equal(x, F.embedding(want, weight))      # hidden 2500: three column chunks
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,hidden", [(1, 64), (7, 96), (5, 2500), (0, 64)])
+def test_embed_equals_the_embedding(n, hidden, dtype):
+    g = torch.Generator().manual_seed(n * 17 + hidden)
+    ids = torch.randint(0, VOCAB, (n + 2,), generator=g).to(DEV)[1:n + 1]   # a view at an offset
+    weight = torch.randn(VOCAB, hidden, generator=g).to(DEV, dtype)
+    before = ids.clone()
+    x = io.embed(ids, weight)
+    assert x.dtype == dtype and torch.equal(x, F.embedding(ids, weight)) and torch.equal(ids, before)
+
+
 @pytest.mark.parametrize("n", [1, 5, 1100])
 def test_emit_equals_the_slot_copy_and_the_pools_emit(n):
     """Tokens into `sampled` and each row's last token, clamped to 0 (a failed row's -1); rows -1 write the dummy
@@ -72,6 +84,8 @@ def test_refusals():
         io.inputs(ids, ids, ids.int(), ids, weight, 4)
     with pytest.raises(TypeError, match="weight dtype"):
         io.inputs(ids, ids, ids, ids, weight.long(), 4)
+    with pytest.raises(TypeError, match="ids dtype"):
+        io.embed(ids.int(), weight)
     with pytest.raises(ValueError, match="sampled has 2 entries, the step uses 4"):
         io.emit(ids, ids[:2], ids, ids)
     with pytest.raises(TypeError, match="tokens dtype"):
@@ -94,3 +108,23 @@ def test_engine_outputs_equal_with_step_io_kernels(depth):
         out[on] = [s.output_token_ids for s in eng.generate(prompts, params)]
         assert_no_leak(eng)
     assert out[True] == out[False]
+
+
+def test_speculative_engine_embeds_with_the_kernel(monkeypatch):
+    """An EAGLE engine (an untrained head, Triton backend): step_io_kernels on embeds its spec steps' corrected inputs
+    with `embed` and gives the drafts and greedy outputs of step_io_kernels off."""
+    from engine.llm_engine import LLMEngine
+    calls = []
+    real = io.embed
+    monkeypatch.setattr(io, "embed", lambda ids, weight: calls.append(ids.shape[0]) or real(ids, weight))
+    prompts = [[5, 17, 99, 3, 250, 42, 7, 5, 17, 99], [300, 1, 2, 300, 1]]
+    runs = {}
+    for on in (False, True):
+        eng = LLMEngine(model="dummy:tiny", device=DEV, dtype="float32", attention_backend="triton",
+                        **INTERPRETER_SETTINGS, max_num_seqs=4, max_model_len=64, enforce_eager=True,
+                        speculative="eagle", spec_head="random", num_speculative_tokens=2, spec_min_acceptance=0.0,
+                        step_io_kernels=on)
+        runs[on] = greedy_drafts(eng, prompts, (6, 5))
+        assert_no_leak(eng)
+        assert runs[on][1] and bool(calls) == on
+    assert runs[True] == runs[False]

@@ -46,14 +46,15 @@ def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def norm_linear_argmax(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                       ids: torch.Tensor | None = None) -> torch.Tensor:
+                       ids: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(fused_ops.rms_norm(x, norm_weight, eps), weight).float().argmax(-1) in two kernels: x [M <=
     MAX_ROWS, K] (unit stride in K), weight [V, K] contiguous, of x's dtype (the LM head, or the tied
-    embedding). Returns int64 [M], the first maximal row on ties (ids[that row] with ids [V] int64)."""
+    embedding). Returns int64 [M], the first maximal row on ties (ids[that row] with ids [V] int64), in `out`
+    where given (int64, M entries of unit stride: a drafter's row of drafts)."""
     _check_tensor("x", x, 2, _FLOAT_DTYPES)
     _check_tensor("norm_weight", norm_weight, 1, _FLOAT_DTYPES, x.device)
     gemv_checks.check(x, weight, norm_weight=norm_weight)
-    return _argmax(x, weight, "norm", norm_weight, eps, ids)
+    return _argmax(x, weight, "norm", norm_weight, eps, ids, out)
 
 
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,8 +63,13 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | Non
     return _argmax(x, weight, "none", ids=ids)
 
 
-def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0, ids=None) -> torch.Tensor:
-    """The two kernels on checked inputs (ids checked here: the map's length is the weight's rows)."""
+def _argmax(x, weight, prologue: str, norm_weight=None, eps: float = 0.0, ids=None, out=None) -> torch.Tensor:
+    """The two kernels on checked inputs (ids and out checked here: the map's length is the weight's rows)."""
     argmax.check_ids(ids, weight.shape[0], x.device)
+    if out is None:
+        out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    elif out.dtype != torch.int64 or out.shape != (x.shape[0],) or out.stride(0) != 1 or out.device != x.device:
+        raise ValueError(f"out must be int64 [{x.shape[0]}] of unit stride on {x.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} stride {out.stride()} on {out.device}")
     val, _, idx = decode_gemv.launch(x, weight, x.shape[1], prologue, nw=norm_weight, eps=eps, epilogue="argmax")
-    return argmax.first_max(val, idx, torch.empty(val.shape[0], dtype=torch.int64, device=x.device), ids)
+    return argmax.first_max(val, idx, out, ids)

@@ -2,7 +2,8 @@
 Tuning.spec_kernels):
 
 - `correct`: SpecStepProgram.correct, i.e. the rejected-draft correction of a step's positions, slot mapping,
-  seq_lens and sampling steps, its carried input ids (TokenPool.carried) and the history write;
+  seq_lens and sampling steps, its carried input ids (TokenPool.carried) and the history write, and the drafts
+  each sampling row verifies (SpecStepProgram.drafted's count);
 - `draft_layout`: engine/speculative/drafters/base.py draft_layout, where a paged drafter's K draft forwards sit.
 
 Each replaces some twenty small torch kernels with one launch and computes exactly what they do (integers
@@ -60,9 +61,9 @@ def _correct_tokens(i, T, pos_ptr, shift_ptr, tok_row_ptr, tok_seq_ptr, map_ptr,
 @triton.jit
 def _correct_kernel(pos_ptr, shift_ptr, tok_row_ptr, tok_seq_ptr, map_ptr, bt_ptr, in_ptr, carry_ptr, ids_ptr,
                     seq_lens_ptr, seq_shift_ptr, steps_ptr, smp_shift_ptr, smp_row_ptr, rejected_ptr, last_ptr,
-                    drafts_ptr, hist_ptr, stride_bt, stride_drafts, stride_hist, draft_cols, n_rows, max_model_len,
-                    T, B, S, BLOCK_SIZE: tl.constexpr, DRAFTS: tl.constexpr, HISTORY: tl.constexpr,
-                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                    drafts_ptr, hist_ptr, cap_ptr, count_ptr, drafted_ptr, stride_bt, stride_drafts, stride_hist,
+                    draft_cols, n_rows, max_model_len, T, B, S, BLOCK_SIZE: tl.constexpr, DRAFTS: tl.constexpr,
+                    HISTORY: tl.constexpr, DRAFTED: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     _correct_tokens(i, T, pos_ptr, shift_ptr, tok_row_ptr, tok_seq_ptr, map_ptr, bt_ptr, stride_bt, in_ptr,
@@ -77,6 +78,9 @@ def _correct_kernel(pos_ptr, shift_ptr, tok_row_ptr, tok_seq_ptr, map_ptr, bt_pt
     row = _wrap(tl.load(smp_row_ptr + i, mask=ok, other=0), n_rows)
     rej = tl.load(rejected_ptr + row, mask=ok & (shift > 0), other=0)
     tl.store(steps_ptr + i, tl.load(steps_ptr + i, mask=ok, other=0) - rej, mask=ok)
+    if DRAFTED:     # the host's cap on the row's drafts and what the drafter proposed for it
+        cap = tl.load(cap_ptr + i, mask=ok, other=0)
+        tl.store(drafted_ptr + i, tl.minimum(cap, tl.load(count_ptr + row, mask=ok, other=0)), mask=ok)
 
 
 @triton.jit
@@ -141,7 +145,7 @@ def _check_rows(dev, names, n, dtypes, device):
         _check_entries(name, dev[name], n, dtypes, device)
 
 
-def _check_correct(dev, state, T, B, S, block_size, history):
+def _check_correct(dev, state, T, B, S, block_size, history, drafted=False):
     for name, n in (("T", T), ("B", B), ("S", S)):
         _check_int(name, n, 0)
     _check_block_size(block_size)
@@ -150,12 +154,15 @@ def _check_correct(dev, state, T, B, S, block_size, history):
                 _I64, device)
     _check_rows(dev, ("seq_shift",), B, _I64, device)
     _check_rows(dev, ("seq_lens",), B, _I32, device)
-    _check_rows(dev, ("steps", "smp_shift", "smp_row"), S, _I64, device)
+    _check_rows(dev, ("steps", "smp_shift", "smp_row") + (("num_drafts",) if drafted else ()), S, _I64, device)
     _check_tensor("block_tables", dev.get("block_tables"), 2, _I32, device)
     rows = state.rejected.shape[0]
     _check_tensor("rejected", state.rejected, 1, _I64, device)
     _check_tensor("last_token", state.last_token, 1, _I64, device)
     _check_tensor("drafts", state.drafts, 2, _I64, device)
+    _check_tensor("draft_count", state.draft_count, 1, _I64, device)
+    if state.draft_count.shape[0] != rows:
+        raise ValueError(f"the pool's draft_count has {state.draft_count.shape[0]} rows, rejected {rows}")
     if state.last_token.shape[0] != rows or state.drafts.shape[0] != rows:
         raise ValueError(f"the pool's rejected, last_token and drafts disagree on rows: {rows}, "
                          f"{state.last_token.shape[0]}, {state.drafts.shape[0]}")
@@ -167,28 +174,32 @@ def _check_correct(dev, state, T, B, S, block_size, history):
     _check_device(device)
 
 
-def correct(dev, state, T: int, B: int, S: int, block_size: int, history: bool) -> torch.Tensor:
+def correct(dev, state, T: int, B: int, S: int, block_size: int, history: bool, drafted: bool = False):
     """SpecStepProgram.correct in one launch: for the step's T tokens, B sequences and S sampling rows of the
     slot's device tensors `dev` (engine/runner/slots.py names) and the SpecState `state`, positions, slot_mapping,
     seq_lens and steps move back by each one's rejected drafts (in place), and the step's input ids
     (TokenPool.carried) are returned as a new [T] int64 tensor; with `history` they are written to
-    state.history at the corrected positions (clamped to max_model_len, the dummy column)."""
-    _check_correct(dev, state, T, B, S, block_size, history)
+    state.history at the corrected positions (clamped to max_model_len, the dummy column). With `drafted`, returns
+    (ids, drafted): also each sampling row's drafts to verify, a new [S] int64 tensor (num_drafts capped by the
+    row's draft_count)."""
+    _check_correct(dev, state, T, B, S, block_size, history, drafted)
     ids = torch.empty_like(dev["input_ids"][:T])
+    counts = torch.empty_like(dev["steps"][:S]) if drafted else None
     n = max(T, B, S)
     if not n:
-        return ids
+        return (ids, counts) if drafted else ids
     block = min(_MAX_BLOCK, triton.next_power_of_2(n))
     bt, drafts = dev["block_tables"], state.drafts
     hist = state.history if history else ids
     _correct_kernel[(triton.cdiv(n, block),)](
         dev["positions"], dev["shift"], dev["tok_row"], dev["tok_seq"], dev["slot_mapping"], bt, dev["input_ids"],
         dev["carry_src"], ids, dev["seq_lens"], dev["seq_shift"], dev["steps"], dev["smp_shift"], dev["smp_row"],
-        state.rejected, state.last_token, drafts, hist, bt.stride(0), drafts.stride(0), hist.stride(0),
-        drafts.shape[1], state.rejected.shape[0], state.max_model_len if history else 0, T, B, S,
-        BLOCK_SIZE=block_size, DRAFTS=state.k > 0, HISTORY=bool(history), BLOCK=block, num_warps=4,
-        **pdl(_correct_kernel, ids.device, T))
-    return ids
+        state.rejected, state.last_token, drafts, hist, dev["num_drafts"] if drafted else ids,
+        state.draft_count if drafted else ids, ids if counts is None else counts, bt.stride(0), drafts.stride(0),
+        hist.stride(0), drafts.shape[1], state.rejected.shape[0], state.max_model_len if history else 0, T, B, S,
+        BLOCK_SIZE=block_size, DRAFTS=state.k > 0, HISTORY=bool(history), DRAFTED=bool(drafted), BLOCK=block,
+        num_warps=4, **pdl(_correct_kernel, ids.device, T))
+    return (ids, counts) if drafted else ids
 
 
 def _check_layout(ctx, start, offset, k, block_size, max_model_len):

@@ -42,6 +42,8 @@ class EagleDrafter(Drafter):
         self.max_model_len = max_model_len
         self.spec_kernels = spec_kernels        # draft_layout in one kernel
         self.gather = gather                    # ... which also gathers the step-0 queries and features
+        # every unguided row drafts all k of its level: count k is counts[k] broadcast, a view and not a kernel
+        self.counts = torch.arange(k + 1, device=head.fc_weight.device)
 
     def route_sites(self) -> list:
         return self.head.route_sites()
@@ -80,12 +82,15 @@ class EagleDrafter(Drafter):
         hidden = self.head.attend(q, metas[0], feature)
         if self.tree is not None:
             return self._tree(ctx, hidden, pos, metas)
-        drafts = [self._pick(ctx, 0, hidden)]
+        # draft i is row i of [K, S]: the argmax kernels write it in place, so no stacking follows
+        drafts = torch.empty((k, hidden.shape[0]), dtype=torch.int64, device=hidden.device)
+        self._pick(ctx, 0, hidden, drafts[0])
         for i in range(1, k):
-            hidden = self.head.step(hidden, drafts[-1], pos[i], metas[i])
-            drafts.append(self._pick(ctx, i, hidden))
-        tokens = torch.stack(drafts, dim=1)
-        return Proposal(tokens, ctx.num_drafts(tokens))
+            hidden = self.head.step(hidden, drafts[i - 1], pos[i], metas[i])
+            self._pick(ctx, i, hidden, drafts[i])
+        tokens = drafts.t()
+        count = self.counts[k].expand(tokens.shape[0]) if ctx.guide is None else ctx.num_drafts(tokens)
+        return Proposal(tokens, count)
 
     def _tree(self, ctx: FeatureContext, hidden, pos, metas) -> Proposal:
         """A draft tree's tokens [S, N]: the chain of first choices, then each leaf (depth d, rank r) the head's
@@ -103,8 +108,11 @@ class EagleDrafter(Drafter):
     def _top(self, ctx: FeatureContext, j: int, hidden, n: int):
         return self.head.top(hidden, n) if ctx.guide is None else ctx.top(j, self.head.logits(hidden), n)
 
-    def _pick(self, ctx: FeatureContext, j: int, hidden):
-        """Draft j from the head's hidden states: unguided, the backend's argmax kernels where it has them
-        (engine/backend.py), else ctx.pick on the logits."""
-        tokens = self.head.greedy(hidden) if ctx.guide is None else None
-        return tokens if tokens is not None else ctx.pick(j, self.head.logits(hidden))
+    def _pick(self, ctx: FeatureContext, j: int, hidden, out) -> None:
+        """Draft j from the head's hidden states into `out`: unguided, the backend's argmax kernels where it has
+        them (engine/backend.py), else ctx.pick on the logits."""
+        tokens = self.head.greedy(hidden, out) if ctx.guide is None else None
+        if tokens is None:
+            tokens = ctx.pick(j, self.head.logits(hidden))
+        if tokens is not out:
+            out.copy_(tokens)
