@@ -70,9 +70,11 @@ def test_wide_heads_run_eight_warps_and_match_paged_attention(monkeypatch, merge
     torch.testing.assert_close(out_b, out_a, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("num_splits", [2, 4])
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
 def test_splits_merged_in_the_kernel(num_splits):
-    s = make_step([1] * 3, [70, 5, 130], 9, 3, seed=7)
+    """A launch of num_splits splits: short contexts hold keys in fewer (1 to 5 here, a split takes whole tiles); the
+    others return at once and the merge counts only the active ones, leaving its counters at zero."""
+    s = make_step([1] * 4, [70, 5, 130, 600], 9, 3, seed=7)
     (out_a, _, _), (out_b, _, _) = both(s, num_splits, semaphores=True)
     torch.testing.assert_close(out_b, out_a, **TOL[torch.float32])
 

@@ -52,6 +52,9 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     if tl.load(cu_q + seq + 1) <= row:      # a padding sequence: no token
         return
     ctx = tl.load(seq_lens + seq) - 1       # the new token's position; the cache holds keys [0, ctx)
+    active = active_splits(ctx, NUM_SPLITS, TILE_N)
+    if MERGE and split >= active:           # no keys: the group's merge counts its active splits only
+        return
     lo, hi, cached_hi = split_range(ctx, split, NUM_SPLITS, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -86,14 +89,28 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
         acc, l_i, m_i = _new_column(acc, l_i, m_i, q, kn, vn, qk_scale)
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, seq * tl.num_programs(2) + kv_head,
                  row + offs_m * 0, head, row_ok, offs_d, d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS,
-                 BLOCK_M, HEAD_PAD, MERGE)
+                 BLOCK_M, HEAD_PAD, MERGE, active)
+
+
+@triton.jit
+def _chunk(ctx, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
+    """Keys a split takes of a query at position ctx: an even share of ctx + 1, rounded up to whole tiles."""
+    return ((ctx + NUM_SPLITS) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
+
+
+@triton.jit
+def active_splits(ctx, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
+    """The splits that hold keys of a query at position ctx: the first cdiv(ctx + 1, chunk). A launch sized for a
+    context bound runs short contexts on fewer splits (a split takes whole tiles); the rest have nothing to add."""
+    chunk = _chunk(ctx, NUM_SPLITS, TILE_N)
+    return (ctx + chunk) // chunk
 
 
 @triton.jit
 def split_range(ctx, split, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
     """Split `split`'s keys [lo, hi) of a query at position ctx (keys [0, ctx] with its own), whole tiles a split,
     and the end of its cached ones, cached_hi = min(hi, ctx)."""
-    chunk = ((ctx + NUM_SPLITS) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
+    chunk = _chunk(ctx, NUM_SPLITS, TILE_N)
     lo = split * chunk
     hi = tl.minimum(ctx + 1, lo + chunk)
     return lo, hi, tl.minimum(hi, ctx)

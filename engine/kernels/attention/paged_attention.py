@@ -164,7 +164,7 @@ def _paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc, part_m, part_l,
 
     group_index = (q_block * tl.num_programs(1) + seq) * tl.num_programs(2) + kv_head
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, group_index, q_row, head, row_ok, offs_d,
-                 d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, HEAD_PAD, MERGE)
+                 d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, HEAD_PAD, MERGE, NUM_SPLITS)
 
 
 def interpreted() -> bool:

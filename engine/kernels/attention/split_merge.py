@@ -27,9 +27,10 @@ LONG_TILES = 32                # a context bound of this many KV tiles (2048 key
 @triton.jit
 def store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, group_index, q_row, head, row_ok, offs_d,
                  d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 HEAD_PAD: tl.constexpr, MERGE: tl.constexpr):
+                 HEAD_PAD: tl.constexpr, MERGE: tl.constexpr, active):
     """An attention program's end: its rows' output (one split), or its split's partials (acc, max, sum) and, with
-    MERGE, the group's merge by its last program. q_row, head: each row's token and head [BLOCK_M]."""
+    MERGE, the group's merge by its last program. q_row, head: each row's token and head [BLOCK_M]. active: the
+    group's splits that hold keys, the first ones (active_splits; the others returned before this: MERGE only)."""
     out_off = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows with no visible key (bad metadata) give 0, not NaN
@@ -42,39 +43,43 @@ def store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, grou
         tl.store(part_l + row, l_i, mask=row_ok)
         if MERGE:  # the group's last split program merges, no combine kernel
             merge_if_last(sem_ptr, group_index, part_acc, part_m, part_l, out_ptr, q_row * num_heads + head, row_ok,
-                          out_off, offs_d, d_ok, NUM_SPLITS, BLOCK_M, HEAD_PAD)
+                          out_off, offs_d, d_ok, NUM_SPLITS, BLOCK_M, HEAD_PAD, active)
 
 
 @triton.jit
 def merge_if_last(sem_ptr, index, part_acc, part_m, part_l, out_ptr, first, row_ok, out_off, offs_d, d_ok,
-                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr, active):
     """After this program stored its partials: take a ticket from counter `index`; the last of the group's
-    NUM_SPLITS programs merges them into out[rows] and resets the counter. first [BLOCK_M]: each row's
-    (token * num_heads + head); out_off: each row's out offsets [BLOCK_M, HEAD_PAD]; rows not `row_ok` are
-    neither read nor written."""
+    `active` programs (its first splits) merges their partials into out[rows] and resets the counter. first
+    [BLOCK_M]: each row's (token * num_heads + head); out_off: each row's out offsets [BLOCK_M, HEAD_PAD]; rows not
+    `row_ok` are neither read nor written."""
     tl.debug_barrier()
     ticket = tl.atomic_add(sem_ptr + index, 1, sem="acq_rel", scope="gpu")
-    if ticket == NUM_SPLITS - 1:
-        _merge(part_acc, part_m, part_l, out_ptr, first, row_ok, out_off, offs_d, d_ok, NUM_SPLITS, BLOCK_M, HEAD_PAD)
+    if ticket == active - 1:
+        _merge(part_acc, part_m, part_l, out_ptr, first, row_ok, out_off, offs_d, d_ok, NUM_SPLITS, BLOCK_M, HEAD_PAD,
+               active)
         tl.atomic_xchg(sem_ptr + index, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _merge(part_acc, part_m, part_l, out_ptr, first, row_ok, out_off, offs_d, d_ok,
-           NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """The combine kernel's math for this program's rows, the splits summed in order."""
+           NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr, active):
+    """The combine kernel's math for this program's rows over the first `active` splits, summed in order (an
+    inactive split's partial is never read: it weighs 0, as the partial of a split without keys would)."""
     base = first * NUM_SPLITS
-    m = tl.load(part_m + base[:, None] + tl.arange(0, NUM_SPLITS)[None, :], mask=row_ok[:, None],
-                other=float("-inf"), cache_modifier=".cg")
+    m = tl.load(part_m + base[:, None] + tl.arange(0, NUM_SPLITS)[None, :],
+                mask=row_ok[:, None] & (tl.arange(0, NUM_SPLITS) < active)[None, :], other=float("-inf"),
+                cache_modifier=".cg")
     m_max = reduce_max(m, 1)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     acc = tl.zeros((BLOCK_M, HEAD_PAD), dtype=tl.float32)
     l_tot = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        w = tl.exp2(tl.load(part_m + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-        l_tot += w * tl.load(part_l + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        ok = row_ok & ((first * 0 + s) < active)
+        w = tl.exp2(tl.load(part_m + base + s, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+        l_tot += w * tl.load(part_l + base + s, mask=ok, other=0.0, cache_modifier=".cg")
         acc += w[:, None] * tl.load(part_acc + (base + s)[:, None] * HEAD_PAD + offs_d[None, :],
-                                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                                    mask=ok[:, None], other=0.0, cache_modifier=".cg")
     o = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
     tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention.attention_checks import check_attention, check_tree
-from engine.kernels.attention.decode_attention import (cached_products, prefetch_rule, prefetch_tiles_of,
-                                                       split_range, warps)
+from engine.kernels.attention.decode_attention import (active_splits, cached_products, prefetch_rule,
+                                                       prefetch_tiles_of, split_range, warps)
 from engine.kernels.attention.paged_attention import _LOG2E, _tile_config, online_update
 from engine.kernels.attention.rope_kv import rope_tables
 from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
@@ -62,6 +62,9 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
     if q_len <= 0:                          # a padding sequence: no token
         return
     ctx = tl.load(seq_lens + seq) - q_len   # the first new token's position; the cache holds keys [0, ctx)
+    active = active_splits(ctx, NUM_SPLITS, TILE_N)
+    if MERGE and split >= active:           # no keys: the group's merge counts its active splits only
+        return
     lo, hi, cached_hi = split_range(ctx, split, NUM_SPLITS, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -110,7 +113,7 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
         acc, l_i, m_i = online_update(acc, l_i, m_i, tl.where(seen, s_new, float("-inf")), vn, PRECISION)
     store_splits(acc, l_i, m_i, out_ptr, part_acc, part_m, part_l, sem_ptr, seq * tl.num_programs(2) + kv_head,
                  q_row, head, row_ok, offs_d, d_ok, split, num_heads, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M,
-                 HEAD_PAD, MERGE)
+                 HEAD_PAD, MERGE, active)
 
 
 def interpreted() -> bool:
