@@ -102,4 +102,5 @@ def _attention(i, layer, qkv_index, cnt_ptr, qkv_ptr, attn_ptr, kc_ptr, vc_ptr, 
             acc, l_i, m_i = _new_key(acc, l_i, m_i, q, qkv_ptr, t, pos_ptr, cos_ptr, sin_ptr, stride_cos, kv_head,
                                      offs_m, offs_d, d_ok, qk_scale, kc.dtype.element_ty, NH, KVH, HEAD_DIM)
     store_splits(acc, l_i, m_i, attn_ptr, part_acc, part_m, part_l, sem_ptr, row * KVH + kv_head, row + offs_m * 0,
-                 head, row_ok, offs_d, d_ok, split, NH, NH * HEAD_DIM, HEAD_DIM, SPLITS, BLOCK_M, HEAD_PAD, True)
+                 head, row_ok, offs_d, d_ok, split, NH, NH * HEAD_DIM, HEAD_DIM, SPLITS, BLOCK_M, HEAD_PAD, True,
+                 SPLITS)
