@@ -73,13 +73,7 @@ def inputs(input_ids, carry_src, tok_row, last_token, weight, n: int, carry: boo
     _check_entries("last_token", last_token, 1, _I64, device)
     _check_device(device)
     ids = torch.empty(n, dtype=torch.int64, device=device)
-    x = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=device)
-    if n:
-        _inputs_kernel[(n,)](input_ids, carry_src, tok_row, last_token, weight, ids, x, last_token.shape[0],
-                             weight.shape[1], weight.stride(0), x.stride(0), CARRY=bool(carry), STORE_IDS=True,
-                             BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(weight.shape[1])), num_warps=4,
-                             **pdl(_inputs_kernel, device, n))
-    return ids, x
+    return ids, _launch_inputs(input_ids, carry_src, tok_row, last_token, weight, ids, n, bool(carry), True)
 
 
 def embed(ids, weight):
@@ -90,13 +84,18 @@ def embed(ids, weight):
     _check_tensor("weight", weight, 2, _FLOAT_DTYPES, device)
     _check_entries("ids", ids, 0, _I64, device)
     _check_device(device)
-    ids, n = ids.contiguous(), ids.shape[0]
-    x = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=device)
+    ids = ids.contiguous()
+    return _launch_inputs(ids, ids, ids, ids, weight, ids, ids.shape[0], False, False)
+
+
+def _launch_inputs(input_ids, carry_src, tok_row, last_token, weight, ids, n: int, carry: bool, store_ids: bool):
+    """The inputs kernel on checked tensors -> x [n, H], a new tensor (ids written where store_ids)."""
+    x = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     if n:
-        _inputs_kernel[(n,)](ids, ids, ids, ids, weight, ids, x, 1, weight.shape[1], weight.stride(0), x.stride(0),
-                             CARRY=False, STORE_IDS=False,
+        _inputs_kernel[(n,)](input_ids, carry_src, tok_row, last_token, weight, ids, x, last_token.shape[0],
+                             weight.shape[1], weight.stride(0), x.stride(0), CARRY=carry, STORE_IDS=store_ids,
                              BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(weight.shape[1])), num_warps=4,
-                             **pdl(_inputs_kernel, device, n))
+                             **pdl(_inputs_kernel, weight.device, n))
     return x
 
 
