@@ -32,8 +32,8 @@ IMPLS = ("cublas", "cublas_pdl", "gemm", "gemm_pdl", "gemv_pdl", "gemv_loop_pdl"
 COLUMNS = ["model", "mode", "streams", "K", "N", *(f"{i}_us" for i in IMPLS), "speedup", "max_abs_diff", "ref_max",
            "config", "best_us", "best_config"]
 # GROUPS 2: one program takes two row groups with the weight tile it holds (17-32 rows read it once, not twice)
-SWEEP = [dict(BLOCK_M=bm, GROUPS=g, BLOCK_N=bn, BLOCK_K=64, num_warps=w, num_stages=1)
-         for bm, g, bn, w in itertools.product((8, 16, 32), (1, 2), (16, 32, 64), (4, 8))]
+SWEEP = [dict(BLOCK_M=bm, GROUPS=g, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=1)
+         for bm, g, bn, bk, w in itertools.product((8, 16, 32), (1, 2), (16, 32, 64), (64, 128), (4, 8))]
 
 
 def parse_args(argv=None):
@@ -68,7 +68,7 @@ def pdl_rows(rows: int):
 def gemm_config(cfg: dict):
     """decode_gemm's launches with `cfg` in place of decode_gemm_config's choice."""
     from engine.kernels.matmul import decode_gemm as gm
-    saved, gm.decode_gemm_config = gm.decode_gemm_config, lambda m, n, k: dict(cfg)
+    saved, gm.decode_gemm_config = gm.decode_gemm_config, lambda m, n, k, decode=False: dict(cfg)
     try:
         yield
     finally:
