@@ -13,8 +13,8 @@ whose grammar is still compiling prefills all but its last prompt token (`schedu
 A sequence's in-flight counters (`inflight_refs`, `num_pending`, `pending_src`, and `num_computed_tokens` as
 steps launch and land) change only here: `launched`, `landed`, `rejected`, preemption and release.
 Prefix caching (engine/memory/prefix_map.py): an admitted sequence maps the cached pages of its longest known
-prefix (all but its last token: one is left to compute) and starts computing after them; its own full pages are
-registered as soon as their tokens are known and their step is launched.
+prefix (all but its last token: one is left to compute) and starts computing after them; its full prompt pages are
+registered as their step is launched, the pages of its outputs when it gives its pages back (release, preemption).
 Preemption frees pages at once even if a launched step still writes them: every KV writer runs on the
 one compute stream, so the new owner's writes are ordered after the old owner's.
 """
@@ -215,6 +215,8 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if self.blocks.caching:
+            self.prefix.register_all(seq)       # its recompute maps them back
         self.blocks.free(seq.block_table)
         seq.block_table, seq.num_registered = [], 0
         self._give_rows_back(seq)
@@ -240,7 +242,7 @@ class Scheduler:
             if row.sample:
                 seq.num_pending += 1 + row.spec_k
                 seq.pending_src = row.sample_idx
-            if caching and seq.num_computed_tokens // page_tokens > seq.num_registered:
+            if caching and min(seq.num_computed_tokens, len(seq.prompt_token_ids)) // page_tokens > seq.num_registered:
                 self.prefix.register(seq)     # (the test first: this runs for every row of every step)
 
     def landed(self, row: ScheduledRow) -> bool:
@@ -278,6 +280,8 @@ class Scheduler:
         if not seq.finalized or seq.inflight_refs:
             return
         if seq.block_table:
+            if self.blocks.caching:
+                self.prefix.register_all(seq)
             self.blocks.free(seq.block_table)
             seq.block_table, seq.num_registered = [], 0
         self._give_rows_back(seq)

@@ -87,7 +87,9 @@ class BlockManager:
         return b
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
+        """Let go of `blocks` (a block table, in order). Its last pages become evictable first: a cached prefix
+        is only usable from its first page, so evicting a head page would strand the pages after it."""
+        for b in reversed(blocks):
             if self._refs[b] <= 0:
                 raise RuntimeError(f"double free of KV block {b}")
             self._refs[b] -= 1

@@ -1,6 +1,8 @@
 """The scheduler's side of prefix caching: a sequence's page digests, the cached pages of its prefix mapped on
-admission, and its own full pages registered as their steps launch (the registry of cached pages is
-engine/memory/block_manager.py's).
+admission, its full prompt pages registered as their steps launch and the pages of its outputs as it gives its
+pages back (the registry of cached pages is engine/memory/block_manager.py's). No other request can use an
+output page while its sequence runs (no prompt holds those tokens yet), and registering a page costs a digest
+and a lookup: done once a sequence for all its output pages, not once a decode step for each.
 
 A sequence's `block_digests` grow as its tokens become known, each chained over every token up to its page's
 end; `num_registered` counts its pages already registered. A mapped page counts as computed: an admitted
@@ -64,9 +66,17 @@ class PrefixMap:
             seq.block_digests += prefix_digests(seq.tokens(have * bs, pages * bs), bs, parent)
 
     def register(self, seq) -> None:
-        """Register the sequence's full pages whose tokens the host knows and whose KV is enqueued."""
+        """Register the sequence's full prompt pages whose KV is enqueued (as their steps launch)."""
+        self._register(seq, len(seq.prompt_token_ids))
+
+    def register_all(self, seq) -> None:
+        """Register every full page whose tokens the host knows and whose KV is enqueued, outputs included (as the
+        sequence gives its pages back: released or preempted)."""
+        self._register(seq, seq.num_tokens)
+
+    def _register(self, seq, known: int) -> None:
         bs = self.blocks.block_size
-        full = min(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table) * bs) // bs
+        full = min(known, seq.num_computed_tokens, len(seq.block_table) * bs) // bs
         if full <= seq.num_registered:
             return
         self._digest_pages(seq, full)

@@ -72,6 +72,19 @@ def test_reset_forgets_cached_pages_but_not_held_ones():
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------
+def test_a_freed_table_gives_up_its_last_pages_first():
+    """A cached prefix is usable only from its first page: a freed table's tail is evicted before its head, so an
+    allocation that evicts leaves the head of the prefix mapped."""
+    bm = BlockManager(3, 4, caching=True)
+    d = prefix_digests(list(range(8)), 4, ROOT)
+    pages = bm.allocate(2)
+    bm.register_pages(pages, d, 0, 2)
+    bm.free(pages)
+    got = bm.allocate(2)                            # the one free page, then the table's last page
+    assert pages[1] in got and pages[0] not in got
+    assert bm.match(d) == pages[:1]
+
+
 def _engine(caching: bool, **cfg):
     return LLMEngine(**(CPU | dict(prefix_caching=caching, max_model_len=1024) | cfg))
 
@@ -258,3 +271,27 @@ def test_drafts_after_a_hit_accept_as_after_a_full_prefill(drafter):
     assert [s.num_cached_tokens > 0 for s in on] == [False, True, True]
     assert [s.output_token_ids for s in on] == [s.output_token_ids for s in off]
     assert [s.spec.as_dict() for s in on] == [s.spec.as_dict() for s in off]
+
+
+def test_output_pages_are_registered_when_their_request_ends():
+    """A running sequence registers its prompt's full pages as their steps launch and its outputs' pages as it
+    gives its pages back (no other prompt holds its outputs while it runs). A second turn that extends the
+    first turn's prompt with its answer maps the answer's pages, and decodes as without the cache."""
+    bs, params = CPU.get("block_size", 16), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    eng = _engine(True)
+    p = _prompts(eng)[0]
+    rid, running = eng.add_request(p, params, retain=True), 0
+    while eng.has_unfinished():
+        eng.step()
+        seq = eng._seqs.get(rid)
+        if seq is not None and not seq.finalized:
+            assert seq.num_registered <= len(p) // bs
+            running += 1
+    first = eng.take(rid)
+    assert running >= 30
+    assert eng.prefix_cache_stats()["prefix_cached_pages"] >= (len(p) + len(first.output_token_ids) - 1) // bs
+    turn2 = p + first.output_token_ids + eng.encode(" And in Rome?")
+    got = eng.generate([turn2], GREEDY)[0]
+    assert got.num_cached_tokens > len(p) // bs * bs            # past the prompt: the answer's pages
+    assert got.output_token_ids == _engine(False).generate([turn2], GREEDY)[0].output_token_ids
+    assert_no_leak(eng)

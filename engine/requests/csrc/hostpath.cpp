@@ -94,8 +94,8 @@ py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_
   return py::make_tuple(i, budget);
 }
 
-// Scheduler.launched's counters for every row of a launched step. -> the sequences with newly full pages, in row
-// order, for the prefix map to register (Scheduler.launched does, after this).
+// Scheduler.launched's counters for every row of a launched step. -> the sequences with newly full prompt pages, in
+// row order, for the prefix map to register (Scheduler.launched does, after this).
 py::list launched(py::list rows, bool caching, int64_t page_tokens) {
   const SeqFields& f = slots::once<SeqFields>();
   const RowFields& r = slots::once<RowFields>();
@@ -111,10 +111,11 @@ py::list launched(py::list rows, bool caching, int64_t page_tokens) {
       f.pending.set_int(seq, f.pending.get_int(seq) + 1 + r.spec_k.get_int(row));
       f.pending_src.set(seq, r.sample_idx.get(row).ptr());
     }
-    // PrefixMap.register's own test: its full pages of known tokens, within its table, that are not registered
+    // PrefixMap.register's own test: its full pages of prompt tokens, within its table, that are not registered
+    // (pages holding outputs wait for the sequence's release or preemption: PrefixMap.register_all)
     if (caching && computed / page_tokens > f.registered.get_int(seq) &&
-        std::min({f.prompt.length(seq) + f.output.length(seq), computed, f.block_table.length(seq) * page_tokens}) /
-                page_tokens > f.registered.get_int(seq))
+        std::min({f.prompt.length(seq), computed, f.block_table.length(seq) * page_tokens}) / page_tokens >
+            f.registered.get_int(seq))
       to_register.append(seq_obj);
   }
   return to_register;
