@@ -42,8 +42,8 @@ class PrefixMap:
         return self._may_match(seq) and len(seq.block_table) < self._usable_pages(seq)
 
     def computing(self, rows) -> set[bytes]:
-        """Digests of every page these rows compute in their step."""
-        return {d for row in rows for d in self.row_pages(row)}
+        """Digests of every page these rows compute in their step (a decode row completes none: row_pages)."""
+        return {d for row in rows if row.num_tokens > 1 for d in self.row_pages(row)}
 
     def row_pages(self, row) -> list[bytes]:
         """Digests of the full pages whose KV the row computes (tokens the host knows, not yet registered)."""
