@@ -75,6 +75,14 @@ class BlockManager:
             self._refs[b] = 1
         return blocks
 
+    def take_page(self) -> int | None:
+        """allocate(1)'s page, or None where none is free (a decode row's next page, from native code)."""
+        if not self._free and not self._evictable:
+            return None
+        b = self._take()
+        self._refs[b] = 1
+        return b
+
     def _take(self) -> int:
         if self._free:
             return self._free.popleft()

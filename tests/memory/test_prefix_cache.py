@@ -85,6 +85,22 @@ def test_a_freed_table_gives_up_its_last_pages_first():
     assert bm.match(d) == pages[:1]
 
 
+def test_take_page_is_allocate_of_one_or_none():
+    """A decode row's next page (the scheduler's native walk): a free page, else the oldest cached one, else None;
+    the page it gives is held once, as allocate's."""
+    bm, d, pages = _two_registered_pages()
+    spare = [bm.take_page(), bm.take_page()]
+    assert not set(spare) & set(pages) and bm.num_free == 0 and bm.take_page() is None
+    bm.free(pages)                                              # cached, the table's last page first
+    assert bm.take_page() == pages[1] and bm.evictions == 1
+    assert bm.take_page() == pages[0] and bm.take_page() is None and bm.evictions == 2
+    bm.free(spare[:1])
+    assert bm.take_page() == spare[0]
+    bm.free(spare[:1])
+    with pytest.raises(RuntimeError, match="double free"):
+        bm.free(spare[:1])
+
+
 def _engine(caching: bool, **cfg):
     return LLMEngine(**(CPU | dict(prefix_caching=caching, max_model_len=1024) | cfg))
 

@@ -23,13 +23,8 @@ namespace {
 
 struct Names {
   PyObject *ready = py_attrs::intern("ready"), *wake = py_attrs::intern("wake"),
-           *can_allocate = py_attrs::intern("can_allocate"), *allocate = py_attrs::intern("allocate");
+           *take_page = py_attrs::intern("take_page");
 };
-
-bool call_truth(const py::object& obj, PyObject* method, int64_t arg) {
-  py::object result = obj.attr(method)(arg);
-  return py_attrs::truth(result.ptr());
-}
 
 // ScheduledRow(seq, start, 1, sample, -1, 0, 0, epoch, 0): a common decode row.
 py::object decode_row(py::handle row_cls, PyObject* seq, int64_t start, bool sample, py::object epoch) {
@@ -78,14 +73,12 @@ py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_
     if (n != 1) break;
     if (const Py_ssize_t held = f.block_table.length(seq) * page_tokens; computed >= held) {
       // its next page, where one is free (Scheduler._reserve without a preemption); else the Python loop's
-      if (blocks.is_none() || computed > held || !call_truth(blocks, k.can_allocate, 1)) break;
-      py::object page = blocks.attr(k.allocate)(1);
+      if (blocks.is_none() || computed > held) break;
+      py::object page = blocks.attr(k.take_page)();
+      if (page.is_none()) break;
       py::object table = f.block_table.get(seq);
-      PyObject* grown = PySequence_InPlaceConcat(table.ptr(), page.ptr());  // seq.block_table += page: in place
-      if (!grown) throw py::error_already_set();
-      const bool same = grown == table.ptr();
-      Py_DECREF(grown);
-      if (!same) throw std::runtime_error("a block table that does not grow in place");
+      if (!PyList_Check(table.ptr())) throw std::runtime_error("a block table that is not a list");
+      py_attrs::append(table.ptr(), page.ptr());  // seq.block_table.append(page): in place
     }
     py::object row = decode_row(row_cls, seq, computed, computed + 1 == scheduled, f.preemptions.get(seq));
     py_attrs::append(rows.ptr(), row.ptr());
