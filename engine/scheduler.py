@@ -215,10 +215,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if self.blocks.caching:
-            self.prefix.register_all(seq)       # its recompute maps them back
-        self.blocks.free(seq.block_table)
-        seq.block_table, seq.num_registered = [], 0
+        self.prefix.release(seq)
         self._give_rows_back(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
@@ -280,10 +277,7 @@ class Scheduler:
         if not seq.finalized or seq.inflight_refs:
             return
         if seq.block_table:
-            if self.blocks.caching:
-                self.prefix.register_all(seq)
-            self.blocks.free(seq.block_table)
-            seq.block_table, seq.num_registered = [], 0
+            self.prefix.release(seq)
         self._give_rows_back(seq)
 
     def _take_rows(self, seq: Sequence) -> bool:

@@ -69,10 +69,14 @@ class PrefixMap:
         """Register the sequence's full prompt pages whose KV is enqueued (as their steps launch)."""
         self._register(seq, len(seq.prompt_token_ids))
 
-    def register_all(self, seq) -> None:
-        """Register every full page whose tokens the host knows and whose KV is enqueued, outputs included (as the
-        sequence gives its pages back: released or preempted)."""
-        self._register(seq, seq.num_tokens)
+    def release(self, seq) -> None:
+        """Give back every page the sequence holds (released or preempted), its full pages of known tokens whose KV
+        is enqueued registered first, outputs included: a later turn that carries them, or its own recompute,
+        maps them."""
+        if self.blocks.caching:
+            self._register(seq, seq.num_tokens)
+        self.blocks.free(seq.block_table)
+        seq.block_table, seq.num_registered = [], 0
 
     def _register(self, seq, known: int) -> None:
         bs = self.blocks.block_size

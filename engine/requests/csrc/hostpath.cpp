@@ -105,7 +105,7 @@ py::list launched(py::list rows, bool caching, int64_t page_tokens) {
       f.pending_src.set(seq, r.sample_idx.get(row).ptr());
     }
     // PrefixMap.register's own test: its full pages of prompt tokens, within its table, that are not registered
-    // (pages holding outputs wait for the sequence's release or preemption: PrefixMap.register_all)
+    // (pages holding outputs wait for the sequence's release or preemption: PrefixMap.release)
     if (caching && computed / page_tokens > f.registered.get_int(seq) &&
         std::min({f.prompt.length(seq), computed, f.block_table.length(seq) * page_tokens}) / page_tokens >
             f.registered.get_int(seq))
