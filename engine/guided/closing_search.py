@@ -43,7 +43,7 @@ class ClosingVocab:
         self._native = _native.ClosingVocab(list(self.ids), list(self.ids.values()))     # python_tokens in C++
 
     def text(self, tokens) -> bytes:
-        return b"".join(self.bytes[t] for t in tokens)
+        return b"".join(map(self.bytes.__getitem__, tokens))      # (no generator frame: a closer feeds each step)
 
     def tokens(self, text: bytes) -> list[int]:
         """Longest-match tokens of `text` (every byte has a token in a byte-level vocabulary); the caller must
