@@ -71,7 +71,6 @@ def test_reset_forgets_cached_pages_but_not_held_ones():
     assert bm.num_free == 4 and sorted(bm.allocate(4)) == [0, 1, 2, 3]
 
 
-# ---- the engine ------------------------------------------------------------------------------------------------
 def test_a_freed_table_gives_up_its_last_pages_first():
     """A cached prefix is usable only from its first page: a freed table's tail is evicted before its head, so an
     allocation that evicts leaves the head of the prefix mapped."""
@@ -101,6 +100,7 @@ def test_take_page_is_allocate_of_one_or_none():
         bm.free(spare[:1])
 
 
+# ---- the engine ------------------------------------------------------------------------------------------------
 def _engine(caching: bool, **cfg):
     return LLMEngine(**(CPU | dict(prefix_caching=caching, max_model_len=1024) | cfg))
 
@@ -293,8 +293,9 @@ def test_output_pages_are_registered_when_their_request_ends():
     """A running sequence registers its prompt's full pages as their steps launch and its outputs' pages as it
     gives its pages back (no other prompt holds its outputs while it runs). A second turn that extends the
     first turn's prompt with its answer maps the answer's pages, and decodes as without the cache."""
-    bs, params = CPU.get("block_size", 16), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     eng = _engine(True)
+    bs = eng.config.block_size
     p = _prompts(eng)[0]
     rid, running = eng.add_request(p, params, retain=True), 0
     while eng.has_unfinished():
