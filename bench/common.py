@@ -277,13 +277,13 @@ _FILLER = " The tide comes in and goes out again."
 
 def stream_prompt(eng, i: int, tokens: int = 0) -> list[int]:
     """Stream i's chat prompt ("Tell me about the sea, part i."), through the chat template where the model has
-    one (dummy weights have none: fixed ids); with `tokens`, lengthened by filler sentences to at least that many
-    prompt tokens."""
+    one (dummy weights have none: ids that differ from the first, so that no two streams share a cached page and
+    each reads its own KV); with `tokens`, lengthened by filler sentences to at least that many prompt tokens."""
     text = f"Tell me about the sea, part {i}."
     try:
         ids = eng.apply_chat_template([{"role": "user", "content": text}])
     except ValueError:
-        return [(7 * j + len(text)) % 1000 + 1 for j in range(max(32, tokens))]
+        return [(7 * j + 31 * i) % 1000 + 1 for j in range(max(32, tokens))]
     if len(ids) < tokens:
         per = len(eng.apply_chat_template([{"role": "user", "content": text + _FILLER * 8}])) - len(ids)
         fillers = -(-8 * (tokens - len(ids)) // per)

@@ -71,3 +71,18 @@ def test_dtype_name_reads_the_engine_or_falls_back():
     from bench.common import dtype_name
     assert dtype_name(SimpleNamespace(runner=SimpleNamespace(dtype=torch.bfloat16))) == "bfloat16"
     assert dtype_name(SimpleNamespace(runner=SimpleNamespace()), "float16") == "float16"
+
+
+def test_dummy_stream_prompts_share_no_page():
+    """Dummy weights have no chat template: each stream's prompt must still be its own from the first page, or the
+    prefix cache maps every stream onto the same KV and a bench at a long context times cached reads."""
+    from bench.common import stream_prompt
+    from engine.llm_engine import LLMEngine
+    eng = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", max_num_seqs=2)
+    try:
+        block = eng.config.block_size
+        prompts = [stream_prompt(eng, i, 3 * block) for i in range(64)]
+    finally:
+        eng.close()
+    assert all(len(p) >= 3 * block for p in prompts)
+    assert len({tuple(p[:block]) for p in prompts}) == len(prompts)
