@@ -11,7 +11,8 @@ ms_per_step = wall / engine steps (prefill steps included); steady_period_ms, st
 steady_idle_ms are medians over the decode steps with every stream busy. The per-step breakdown (plan, launch,
 wait, commit on the CPU; forward and sampling on the GPU) comes from `engine.timings`; outside_steps_ms is
 the timed generate's wall outside the engine's step calls (its period's); gc_ms, the garbage collections Python ran
-in it (bench.step.generate_phases splits the wall further).
+in it, over a heap collected and frozen (gc.freeze) before it, as in the server's engine process
+(bench.step.generate_phases splits the wall further).
 On CUDA, read_floor_ms is the time to read the weights a decode step touches (every parameter but an
 untied input embedding) at this GPU's copy bandwidth, measured here; floor_x = ms_per_step / read_floor_ms.
 Writes JSON (`--out`) and a PNG of tok/s vs streams beside it; prints a markdown table last.
@@ -19,6 +20,7 @@ Writes JSON (`--out`) and a PNG of tok/s vs streams beside it; prints a markdown
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 import traceback
 
@@ -64,11 +66,16 @@ def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: in
     cuda_sync()
     eng.timings.reset(trace=trace)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    with GcClock() as clock:
-        t0 = time.perf_counter()
-        seqs = eng.generate(prompts, params)
-        cuda_sync()
-        wall = time.perf_counter() - t0
+    gc.collect()
+    gc.freeze()     # as the server's engine process does: a collection in the timed generate walks what it made
+    try:
+        with GcClock() as clock:
+            t0 = time.perf_counter()
+            seqs = eng.generate(prompts, params)
+            cuda_sync()
+            wall = time.perf_counter() - t0
+    finally:
+        gc.unfreeze()   # a frozen object is never collected: the next cell's engine would not get its memory back
     t = eng.timings
     generated = sum(len(s.output_token_ids) for s in seqs)
     out = dict(tok_s=generated / wall, ms_per_step=1e3 * wall / max(t.steps, 1), wall_s=wall,

@@ -18,3 +18,26 @@ def test_throughput_splits_its_wall_into_steps_and_the_rest(tmp_path):
         assert in_steps + r["outside_steps_ms"] == pytest.approx(1e3 * r["wall_s"], rel=1e-6), r
         # the steady medians: decode steps of both streams only (not the prefill), each at most the run's longest
         assert 1 <= r["steady_steps"] < r["steps"] and 0 < r["steady_period_ms"] <= 1e3 * r["wall_s"], r
+
+
+def test_the_timed_generate_runs_over_a_frozen_heap_and_unfreezes_it():
+    """A collection inside the timed generate walks only what the load made (as in the server's engine process), and
+    the heap is unfrozen after it: a frozen engine would never be collected, nor its memory given back."""
+    import gc
+    from bench.step.throughput import time_generate
+    from engine.llm_engine import LLMEngine
+    eng = LLMEngine(model="dummy:tiny", device="cpu", dtype="float32", max_num_seqs=2)
+    frozen, generate = [], eng.generate
+
+    def generate_counting(prompts, params):
+        frozen.append(gc.get_freeze_count())
+        return generate(prompts, params)
+
+    eng.generate = generate_counting
+    try:
+        out = time_generate(eng, [[5, 6, 7, 8], [9, 10, 11]], [[12, 13, 14]], new_tokens=3, warmup_tokens=2)
+    finally:
+        eng.close()
+    assert out["generated_tokens"] == 6
+    assert frozen[0] == 0 < frozen[1], frozen          # the warm-up on the live heap, the timed generate frozen
+    assert gc.get_freeze_count() == 0
