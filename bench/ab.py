@@ -19,7 +19,9 @@ each side's idle share: the compute stream's idle time over the step period. Ove
 median forward (GPU ms a step, where its bench reports it) is the GPU's own measure: a host's lag cannot move it, the
 kernels and the load can (greedy bf16 outputs, and so the load, may differ where kernels sum in another order).
 Where the sides' benches finished different numbers of requests (guided's requests_done), `requests_done` gives
-both medians: the two sides then ran different loads.
+both medians: the two sides then ran different loads. `before_gc_ms` / `after_gc_ms` are the milliseconds of Python's
+garbage collections inside each side's timed run (plain mode), which its tok/s includes: a tree whose throughput
+bench does not freeze the heap before timing can pay a collection the other side does not.
 """
 from __future__ import annotations
 
@@ -180,7 +182,8 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
 
 
 COLUMNS = ["mode", "streams", "before_tok_s", "tok_s", "after_over_before", "before_idle", "after_idle", "host_bound",
-           "before_forward_ms", "after_forward_ms", "requests_done", "before_runs", "after_runs"]
+           "before_forward_ms", "after_forward_ms", "before_gc_ms", "after_gc_ms", "requests_done", "before_runs",
+           "after_runs"]
 
 
 def write_markdown(records: list[dict], path) -> str:
@@ -191,7 +194,9 @@ def write_markdown(records: list[dict], path) -> str:
             f"{r['before_tree']}{sides}; {r['model']} {r['dtype']}, {r['new_tokens']} new tokens, pipelined "
             f"(plain: EOS ignored); median of {r['rounds']} rounds (tok_s = after). idle: the compute stream's idle "
             f"share of a step; over {HOST_BOUND:.0%} a side was host-bound (host_bound), and its ratio measures that "
-            "run's host; forward: the median forward GPU ms a step, the GPU's own measure."
+            "run's host; forward: the median forward GPU ms a step, the GPU's own measure; gc: ms of Python's "
+            "collections inside the timed run, in its tok/s (a tree whose bench does not freeze the heap before it "
+            "may collect where the other does not)."
             "\n\n" + markdown_table(records, COLUMNS))
     Path(path).write_text(text + "\n")
     return text

@@ -81,7 +81,7 @@ def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned)
     assert (plain["before_outside_ms"], plain["after_outside_ms"]) == (pytest.approx(0.9), pytest.approx(5.5))
     assert (plain["before_gc_ms"], plain["after_gc_ms"]) == (pytest.approx(0.1), None)
     assert guided["before_outside_ms"] is None                 # only throughput times what lies outside its steps
-    assert "| before_forward_ms | after_forward_ms |" in out.with_suffix(".md").read_text()
+    assert "| before_forward_ms | after_forward_ms | before_gc_ms | after_gc_ms |" in out.with_suffix(".md").read_text()
 
 
 def test_one_tree_against_itself_with_a_setting_flipped(tmp_path, canned):
