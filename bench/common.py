@@ -5,6 +5,7 @@ Every benchmark builds records with `record(...)` (one schema for all of them), 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -103,6 +104,19 @@ def free_gpu_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """The heap collected and frozen (gc.freeze) for the block, as in the server's engine process, so that a
+    collection inside it walks only what the block made; unfrozen after, since a frozen object is never collected
+    (the next engine would not get a dropped one's memory back)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class GcClock:

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import random
 import statistics
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.common import GcClock, engine_overrides, markdown_table, note, record, stream_prompt, write_results
+from bench.common import (GcClock, engine_overrides, frozen_heap, markdown_table, note, record, stream_prompt,
+                          write_results)
 
 PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
 GUIDED_PROMPT_TOKENS = 512  # --guided: schemas whose prompt is longer are left out
@@ -219,9 +219,7 @@ def measure(args, streams: int) -> dict:
             _first_allowed_model(stack, eng)
         for _ in range(args.warmup_steps):
             load.step()
-        gc.collect()
-        gc.freeze()
-        stack.callback(gc.unfreeze)
+        stack.enter_context(frozen_heap())
         if not args.guided:
             eng.runner.program.step = lambda *a, **k: None      # the host around the forward is the subject
             stack.callback(delattr, eng.runner.program, "step")

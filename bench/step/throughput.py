@@ -20,13 +20,12 @@ Writes JSON (`--out`) and a PNG of tok/s vs streams beside it; prints a markdown
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 import traceback
 
 from bench.common import (GcClock, chat_prompts, copy_bandwidth_gbs, cuda_sync, dtype_name, engine_kwargs,
-                          engine_overrides, free_gpu_memory, markdown_table, note, plot, progress, record,
-                          write_results)
+                          engine_overrides, free_gpu_memory, frozen_heap, markdown_table, note, plot, progress,
+                          record, write_results)
 
 MODES = {1: "blocking", 2: "pipelined"}
 COLUMNS = ["mode", "streams", "new_tokens", "tok_s", "ms_per_step", "steps"]   # + the *_ms breakdown found
@@ -66,16 +65,11 @@ def time_generate(eng, prompts, warm_prompts, new_tokens: int, warmup_tokens: in
     cuda_sync()
     eng.timings.reset(trace=trace)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    gc.collect()
-    gc.freeze()     # as the server's engine process does: a collection in the timed generate walks what it made
-    try:
-        with GcClock() as clock:
-            t0 = time.perf_counter()
-            seqs = eng.generate(prompts, params)
-            cuda_sync()
-            wall = time.perf_counter() - t0
-    finally:
-        gc.unfreeze()   # a frozen object is never collected: the next cell's engine would not get its memory back
+    with frozen_heap(), GcClock() as clock:
+        t0 = time.perf_counter()
+        seqs = eng.generate(prompts, params)
+        cuda_sync()
+        wall = time.perf_counter() - t0
     t = eng.timings
     generated = sum(len(s.output_token_ids) for s in seqs)
     out = dict(tok_s=generated / wall, ms_per_step=1e3 * wall / max(t.steps, 1), wall_s=wall,
