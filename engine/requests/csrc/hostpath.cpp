@@ -74,10 +74,10 @@ py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_
     if (const Py_ssize_t held = f.block_table.length(seq) * page_tokens; computed >= held) {
       // its next page, where one is free (Scheduler._reserve without a preemption); else the Python loop's
       if (blocks.is_none() || computed > held) break;
-      py::object page = blocks.attr(k.take_page)();
-      if (page.is_none()) break;
       py::object table = f.block_table.get(seq);
       if (!PyList_Check(table.ptr())) throw std::runtime_error("a block table that is not a list");
+      py::object page = blocks.attr(k.take_page)();  // (after the check: a page taken is a page held)
+      if (page.is_none()) break;
       py_attrs::append(table.ptr(), page.ptr());  // seq.block_table.append(page): in place
     }
     py::object row = decode_row(row_cls, seq, computed, computed + 1 == scheduled, f.preemptions.get(seq));
