@@ -72,6 +72,10 @@ class Closer:
     the estimate, after the tokens in flight, at which the row enters its closing zone, where it has no token in
     flight when it is planned, so each estimate is exact; it covers the next step's 1 + K tokens and an estimate
     that grows between refreshes."""
+    # slots: the native commit and schedule walks read and write these at their offsets (engine/requests/csrc)
+    __slots__ = ("vocab", "budget", "guard_limit", "spec_k", "margin", "watch_from", "matcher", "fed", "text",
+                 "minimum", "estimate", "estimated_at", "reserve", "branched", "forced", "start", "zone", "watch",
+                 "repeating", "fired", "runs", "quiet", "wake", "closed_by")
 
     def __init__(self, compiled, vocab: ClosingVocab, budget: bool, guard_limit: int, spec_k: int = 0,
                  initial=UNKNOWN):

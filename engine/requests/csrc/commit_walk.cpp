@@ -26,15 +26,27 @@ struct OutFields {
   Field reason{cls, "reason"}, lazy{cls, "lazy"}, detok{cls, "detok"}, num_new{cls, "num_new"};
 };
 
-// Closer's fields that decide whether Closer.committed(seq, 1) changes anything.
+// Closer's fields that decide whether Closer.committed(seq, 1) changes anything (a slots class: at their offsets).
 struct CloserFields {
   PyObject* cls = slots::class_of("engine.guided.closing", "Closer");
   int64_t max_period = py::module_::import("engine.guided.closing").attr("MAX_PERIOD").cast<int64_t>();
-  PyObject *guard_limit = py_attrs::intern("guard_limit"), *repeating = py_attrs::intern("repeating"),
-           *forced = py_attrs::intern("forced"), *quiet = py_attrs::intern("quiet"), *runs = py_attrs::intern("runs"),
-           *watch = py_attrs::intern("watch"), *watch_from = py_attrs::intern("watch_from"),
-           *wake = py_attrs::intern("wake");
+  Field guard_limit{cls, "guard_limit"}, repeating{cls, "repeating"}, forced{cls, "forced"}, quiet{cls, "quiet"},
+      runs{cls, "runs"}, watch{cls, "watch"}, watch_from{cls, "watch_from"}, wake{cls, "wake"};
 };
+
+// Whether list item `item` equals `token` (an exact int: compared as a C value; anything else as Python compares)
+bool same_token(PyObject* item, PyObject* token, long long value, bool exact) {
+  if (item == token) return true;
+  if (exact && PyLong_CheckExact(item)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (!overflow && !(v == -1 && PyErr_Occurred())) return v == value;
+    PyErr_Clear();
+  }
+  const int eq = PyObject_RichCompareBool(item, token, Py_EQ);
+  if (eq < 0) throw py::error_already_set();
+  return eq;
+}
 
 struct CommitNames {
   PyObject *error = py_attrs::intern("error"), *committed = py_attrs::intern("committed"),
@@ -80,19 +92,20 @@ struct OutputMaker {
 bool commit_changes_nothing(PyObject* closer, PyObject* ids) {
   const CloserFields& c = slots::once<CloserFields>();
   if (!Py_IS_TYPE(closer, reinterpret_cast<PyTypeObject*>(c.cls)) || !PyList_CheckExact(ids)) return false;
-  if (!py_attrs::truth(py_attrs::attr(closer, c.guard_limit).ptr()) ||
-      py_attrs::truth(py_attrs::attr(closer, c.repeating).ptr()) ||
-      py_attrs::truth(py_attrs::attr(closer, c.forced).ptr()))
-    return true;
-  if (!py_attrs::truth(py_attrs::attr(closer, c.quiet).ptr())) return false;
+  if (!c.guard_limit.truth(closer) || c.repeating.truth(closer) || c.forced.truth(closer)) return true;
+  if (!c.quiet.truth(closer)) return false;
   const Py_ssize_t n = PyList_GET_SIZE(ids);
   if (n == 0) return false;
   PyObject* last = PyList_GET_ITEM(ids, n - 1);
-  for (Py_ssize_t j = std::max<Py_ssize_t>(0, n - 1 - c.max_period); j < n - 1; ++j) {
-    const int eq = PyObject_RichCompareBool(PyList_GET_ITEM(ids, j), last, Py_EQ);
-    if (eq < 0) throw py::error_already_set();
-    if (eq) return false;
+  int overflow = 0;
+  const bool exact = PyLong_CheckExact(last);
+  const long long value = exact ? PyLong_AsLongLongAndOverflow(last, &overflow) : 0;
+  if (exact && (overflow || (value == -1 && PyErr_Occurred()))) {
+    PyErr_Clear();
+    return false;                       // the call decides
   }
+  for (Py_ssize_t j = std::max<Py_ssize_t>(0, n - 1 - c.max_period); j < n - 1; ++j)
+    if (same_token(PyList_GET_ITEM(ids, j), last, value, exact)) return false;
   return true;
 }
 
@@ -102,7 +115,7 @@ bool commit_changes_nothing(PyObject* closer, PyObject* ids) {
 bool native_committed(PyObject* closer, PyObject* ids) {
   const CloserFields& c = slots::once<CloserFields>();
   if (!Py_IS_TYPE(closer, reinterpret_cast<PyTypeObject*>(c.cls)) || !PyList_CheckExact(ids)) return false;
-  py::object runs = py_attrs::attr(closer, c.runs);
+  py::object runs = c.runs.get(closer);
   const size_t periods = static_cast<size_t>(c.max_period);
   if (!PyList_CheckExact(runs.ptr()) || PyList_GET_SIZE(runs.ptr()) != c.max_period + 1) return false;
   const size_t n = static_cast<size_t>(PyList_GET_SIZE(ids));
@@ -112,28 +125,31 @@ bool native_committed(PyObject* closer, PyObject* ids) {
   const size_t from = n - 1 > periods ? n - 1 - periods : 0;   // the scan reads tok[n - 1 - periods ..]
   for (size_t i = from; i < n; ++i) tok[i - from] = static_cast<long>(py_attrs::as_int(PyList_GET_ITEM(ids, i)));
   for (size_t p = 0; p <= periods; ++p) run[p] = static_cast<long>(py_attrs::as_int(PyList_GET_ITEM(runs.ptr(), p)));
-  const long limit = static_cast<long>(py_attrs::int_attr(closer, c.guard_limit));
-  const long watch_from = static_cast<long>(py_attrs::int_attr(closer, c.watch_from));
-  const bool watch = py_attrs::truth(py_attrs::attr(closer, c.watch).ptr());
+  const long limit = static_cast<long>(c.guard_limit.get_int(closer));
+  const long watch_from = static_cast<long>(c.watch_from.get_int(closer));
+  const bool watch = c.watch.truth(closer);
+  long before[64];
+  std::copy(run, run + periods + 1, before);
   const int state = repetition::scan(tok, n - from, n - 1 - from, run, periods, limit, watch_from, watch);
   for (size_t p = 0; p <= periods; ++p) {
+    if (run[p] == before[p]) continue;  // (the list keeps its int)
     PyObject* v = PyLong_FromLong(run[p]);
     if (!v) throw py::error_already_set();
     PyList_SetItem(runs.ptr(), static_cast<Py_ssize_t>(p), v);
   }
   py::object zero = py::int_(0);
   if (state & repetition::FIRED) {
-    py_attrs::set_attr(closer, c.repeating, Py_True);
-    py_attrs::set_attr(closer, c.watch, Py_False);
-    py_attrs::set_attr(closer, c.wake, zero.ptr());
+    c.repeating.set(closer, Py_True);
+    c.watch.set(closer, Py_False);
+    c.wake.set(closer, zero.ptr());
     return true;
   }
   const bool watching = state & repetition::WATCH;
   bool any_run = false;
   for (size_t p = 0; p <= periods; ++p) any_run = any_run || run[p];
-  py_attrs::set_attr(closer, c.watch, watching ? Py_True : Py_False);
-  py_attrs::set_attr(closer, c.quiet, !watching && !any_run ? Py_True : Py_False);
-  if (state & repetition::WOKE) py_attrs::set_attr(closer, c.wake, zero.ptr());
+  c.watch.set(closer, watching ? Py_True : Py_False);
+  c.quiet.set(closer, !watching && !any_run ? Py_True : Py_False);
+  if (state & repetition::WOKE) c.wake.set(closer, zero.ptr());
   return true;
 }
 

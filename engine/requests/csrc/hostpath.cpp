@@ -22,8 +22,8 @@ using row_fields::SeqFields;
 namespace {
 
 struct Names {
-  PyObject *ready = py_attrs::intern("ready"), *wake = py_attrs::intern("wake"),
-           *take_page = py_attrs::intern("take_page");
+  PyObject *ready = py_attrs::intern("ready"), *take_page = py_attrs::intern("take_page");
+  slots::Field wake{slots::class_of("engine.guided.closing", "Closer"), "wake"};
 };
 
 // ScheduledRow(seq, start, 1, sample, -1, 0, 0, epoch, 0): a common decode row.
@@ -60,7 +60,7 @@ py::tuple schedule_decode(py::list running, Py_ssize_t i, int64_t budget, int64_
     PyObject* seq = PyList_GET_ITEM(running.ptr(), i);
     const Py_ssize_t outputs = f.output.length(seq);
     if (py::object closer = f.closer.get(seq); !closer.is_none()) {
-      if (outputs >= py_attrs::int_attr(closer.ptr(), k.wake)) break;
+      if (outputs >= k.wake.get_int(closer.ptr())) break;
     }
     const int64_t scheduled = f.prompt.length(seq) + outputs + f.pending.get_int(seq);  // num_scheduled_tokens
     const int64_t computed = f.computed.get_int(seq);
