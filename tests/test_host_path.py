@@ -134,3 +134,32 @@ def test_the_native_guided_walk_reads_what_the_python_one_does(monkeypatch):
     guided, fed, in_flight, unguided = (max(c[j] for c in compared) for j in range(4))
     assert len(compared) > 20 and guided >= 8 and unguided >= 8      # many steps, both kinds of rows at once
     assert fed > 0 and in_flight > 0        # rows with host-known tokens to feed, and with a token in flight
+
+
+def test_the_native_registry_entries_are_the_requests_own():
+    """Snapshot.bind names each guided row by _hostpath.guided_entries: each request's GuidedRequest.entry, cached
+    for its own registry, registered on first use; and the native walks read a request's counters as its
+    properties give them (the native RowState: `accepted`, and no error until one is set)."""
+    from engine.guided import native
+    from engine.requests import _hostpath
+    from engine.scheduler import ScheduledRow
+    eng = _engine(native=True)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    ids = [eng.add_request(eng.tokenizer.encode(f"Reply {i}."), SamplingParams(max_tokens=16, json_schema=schema))
+           for i in range(3)]
+    for _ in range(4):
+        eng.step()
+    requests = [eng._seqs[i].guided for i in ids]
+    registry = eng.runner.masks.registry
+    assert _hostpath.guided_entries(requests, registry) == [g.entry(registry) for g in requests]
+    other = native.Registry(eng.runner.masks.matchers)          # not yet registered there: entry() registers
+    got = _hostpath.guided_entries(requests[:2], other)
+    assert got == [g.entry(other) for g in requests[:2]] and got != _hostpath.guided_entries(requests[:2], registry)
+    rows = [ScheduledRow(eng._seqs[i], 0, 1, True, j, 0, 0, 0) for j, i in enumerate(ids)]
+    columns = _hostpath.guided_columns(rows)
+    assert columns[2] == [g.accepted for g in requests] and all(n > 0 for n in columns[2])
+    requests[0].error = "set by a test"         # as a grammar callback sets it: the row's commit fails it alone
+    outs = [o for _ in range(3) for o in eng.step()]
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert [o.request_id for o in failed] == [ids[0]] and "set by a test" in failed[0].error
+    eng.close()

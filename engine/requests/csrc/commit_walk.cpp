@@ -11,6 +11,7 @@
 
 #include "../../guided/csrc/repetition.h"
 #include "fields.h"
+#include "guided_state.h"
 #include "py_attrs.h"
 #include "slots.h"
 
@@ -171,7 +172,9 @@ bool plain_commit(PyObject* seq, PyObject* token, bool guided_failure, PyObject*
   const OutFields& o = slots::once<OutFields>();
   const CommitNames& k = slots::once<CommitNames>();
   if (py::object guided = f.guided.get(seq); py_attrs::truth(guided.ptr())) {
-    if (guided_failure || py_attrs::truth(py_attrs::attr(guided.ptr(), k.error).ptr())) return false;
+    if (guided_failure) return false;
+    const grammar_node::RowState* state = guided_state::of(guided.ptr());   // (no error: failed() is false)
+    if ((!state || state->failed()) && py_attrs::truth(py_attrs::attr(guided.ptr(), k.error).ptr())) return false;
   }
   py::object st = f.out.get(seq);
   if (st.is_none() || !o.reason.is_none(st.ptr()) || !(o.lazy.truth(st.ptr()) || o.detok.is_none(st.ptr())) ||
