@@ -50,8 +50,8 @@ bool same_token(PyObject* item, PyObject* token, long long value, bool exact) {
 }
 
 struct CommitNames {
-  PyObject *error = py_attrs::intern("error"), *committed = py_attrs::intern("committed"),
-           *stop_token_ids = py_attrs::intern("stop_token_ids");
+  PyObject *error = py_attrs::intern("error"), *committed = py_attrs::intern("committed");
+  Field stop_token_ids{slots::class_of("engine.requests.sequence", "SamplingParams"), "stop_token_ids"};
 };
 
 // RequestOutput(request_id, new_token_ids, new_text, finished) with every other field at its default, built as the
@@ -185,7 +185,7 @@ bool plain_commit(PyObject* seq, PyObject* token, bool guided_failure, PyObject*
     if (in < 0) throw py::error_already_set();
     return false;
   }
-  py::object stops = py_attrs::attr(f.params.get(seq).ptr(), k.stop_token_ids);
+  py::object stops = k.stop_token_ids.get(f.params.get(seq).ptr());
   if (!PyTuple_CheckExact(stops.ptr()) || PyTuple_GET_SIZE(stops.ptr()) > 0) {
     in = PySequence_Contains(stops.ptr(), token);
     if (in != 0) {

@@ -43,20 +43,20 @@ struct Fields {
       params{seq_cls, "params"}, seed{seq_cls, "seed"}, closer{seq_cls, "closer"}, guided{seq_cls, "guided"},
       temperature{params_cls, "temperature"}, top_k{params_cls, "top_k"}, top_p{params_cls, "top_p"},
       logprobs{params_cls, "logprobs"}, penalized{params_cls, "_penalized", "penalized"};
-  PyObject *token_at = intern("token_at"), *forced_at = intern("forced_at"), *forced = intern("forced"),
-           *start_name = intern("start"), *seq_num_tokens = intern("num_tokens");
+  PyObject *token_at = intern("token_at"), *forced_at = intern("forced_at"), *seq_num_tokens = intern("num_tokens");
   PyObject* closer_cls = slots::class_of("engine.guided.closing", "Closer");
+  slots::Field forced{closer_cls, "forced"}, forced_start{closer_cls, "start"};     // (after closer_cls)
 };
 
 // Closer.forced_at(index), read from its `forced` tokens and their `start` where it is a Closer (the method
 // otherwise): most rows force nothing, and the call would cost more than the row's other fields.
 int64_t forced_at(const Fields& k, PyObject* closer, int64_t index) {
   if (Py_IS_TYPE(closer, reinterpret_cast<PyTypeObject*>(k.closer_cls))) {
-    py::object forced = attr(closer, k.forced);
+    py::object forced = k.forced.get(closer);
     if (PyList_CheckExact(forced.ptr())) {
       const Py_ssize_t n = PyList_GET_SIZE(forced.ptr());
       if (n == 0) return -1;
-      const int64_t i = index - int_attr(closer, k.start_name);
+      const int64_t i = index - k.forced_start.get_int(closer);
       return 0 <= i && i < n ? as_int(PyList_GET_ITEM(forced.ptr(), i)) : -1;
     }
   }
