@@ -137,7 +137,7 @@ def test_the_native_guided_walk_reads_what_the_python_one_does(monkeypatch):
 
 
 def test_the_native_registry_entries_are_the_requests_own():
-    """Snapshot.bind names each guided row by _hostpath.guided_entries: each request's GuidedRequest.entry, cached
+    """Snapshot.bind names each guided row by native.registry_entries: each request's GuidedRequest.entry, cached
     for its own registry, registered on first use; and the native walks read a request's counters as its
     properties give them (the native RowState: `accepted`, and no error until one is set)."""
     from engine.guided import native
@@ -151,10 +151,10 @@ def test_the_native_registry_entries_are_the_requests_own():
         eng.step()
     requests = [eng._seqs[i].guided for i in ids]
     registry = eng.runner.masks.registry
-    assert _hostpath.guided_entries(requests, registry) == [g.entry(registry) for g in requests]
+    assert native.registry_entries(registry, requests) == [g.entry(registry) for g in requests]
     other = native.Registry(eng.runner.masks.matchers)          # not yet registered there: entry() registers
-    got = _hostpath.guided_entries(requests[:2], other)
-    assert got == [g.entry(other) for g in requests[:2]] and got != _hostpath.guided_entries(requests[:2], registry)
+    got = native.registry_entries(other, requests[:2])
+    assert got == [g.entry(other) for g in requests[:2]] and got != native.registry_entries(registry, requests[:2])
     rows = [ScheduledRow(eng._seqs[i], 0, 1, True, j, 0, 0, 0) for j, i in enumerate(ids)]
     columns = _hostpath.guided_columns(rows)
     assert columns[2] == [g.accepted for g in requests] and all(n > 0 for n in columns[2])

@@ -18,6 +18,7 @@ from engine.guided.llg import LLGMatcher
 
 TARGET_NODE, DRAFT_NODE = _native.TARGET_NODE, _native.DRAFT_NODE
 Node, RowState, NativeSnapshot, Registry = _native.Node, _native.RowState, _native.Snapshot, _native.Registry
+registry_entries = _native.registry_entries
 _METHODS = ("accept_token", "fill_next_token_bitmask", "rollback", "is_terminated")
 _SEARCH_METHODS = ("accept_string", "find_jump_forward_string", "is_completed", "rollback")
 

@@ -13,7 +13,6 @@ import numpy as np
 
 from engine.guided import native
 from engine.guided.matching import GuidedRow
-from engine.requests import _hostpath
 
 _ids = itertools.count(1)   # snapshot ids (loop thread only; 0 is the node's empty first snapshot)
 
@@ -64,7 +63,7 @@ class Snapshot:
     def bind(self, registry, python: bool) -> None:
         """Its copy for the grammar node, each row named by its request's registry entry (GuidedRequest.entry)."""
         row, requests, starts, offsets, feed, sources, steps = self.columns()
-        entries = _hostpath.guided_entries(requests, registry)      # [g.entry(registry) for g in requests]
+        entries = native.registry_entries(registry, requests)      # [g.entry(registry) for g in requests]
         self.native = native.NativeSnapshot(registry, self.id, self.slot, self.prev, self.step, self.width, python,
                                             row, entries, starts, offsets, feed, sources, steps,
                                             self.unguided.tolist())

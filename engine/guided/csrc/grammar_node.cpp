@@ -80,6 +80,26 @@ T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 }  // namespace
 
+// [g.entry(registry) for g in requests] (Snapshot.bind): a request's cached (registry, index) where it is this
+// registry's, else its entry() call (which registers it).
+py::list registry_entries(py::object registry, py::list requests) {
+  static PyObject* const cached = PyUnicode_InternFromString("_entry");
+  static PyObject* const entry = PyUnicode_InternFromString("entry");
+  py::list out(PyList_GET_SIZE(requests.ptr()));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(requests.ptr()); ++i) {
+    PyObject* g = PyList_GET_ITEM(requests.ptr(), i);
+    py::object e = py::reinterpret_steal<py::object>(PyObject_GetAttr(g, cached));
+    if (!e) throw py::error_already_set();
+    py::object index;
+    if (PyTuple_CheckExact(e.ptr()) && PyTuple_GET_SIZE(e.ptr()) == 2 && PyTuple_GET_ITEM(e.ptr(), 0) == registry.ptr())
+      index = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(e.ptr(), 1));
+    else if (!(index = py::reinterpret_steal<py::object>(PyObject_CallMethodOneArg(g, entry, registry.ptr()))))
+      throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), i, index.release().ptr());
+  }
+  return out;
+}
+
 PYBIND11_MODULE(_native, m) {
   m.doc() = "The grammar node: guided rows' masks filled in native code on the driver's thread, no GIL";
 
@@ -108,6 +128,9 @@ PYBIND11_MODULE(_native, m) {
            "Its matcher: xgrammar's tvm-ffi handle (0: none) and llguidance's native matcher (None: none).")
       .def("remove", &Registry::remove, py::arg("index"))
       .def_property_readonly("live", &Registry::live);
+
+  m.def("registry_entries", &registry_entries, py::arg("registry"), py::arg("requests"),
+        "Each GuidedRequest's index in `registry`, as GuidedRequest.entry gives it.");
 
   py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
       .def(py::init(&make_snapshot), py::arg("registry"), py::arg("id"), py::arg("slot"), py::arg("prev"),

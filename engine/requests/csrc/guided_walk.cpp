@@ -58,31 +58,9 @@ py::tuple guided_columns(py::list rows) {
   return py::make_tuple(sample, requests, starts, offsets, feed, sources, unguided);
 }
 
-// [g.entry(registry) for g in requests] (Snapshot.bind): a request's cached (registry, index) where it is this
-// registry's, else its entry() call (which registers it).
-py::list guided_entries(py::list requests, py::object registry) {
-  static PyObject* const cached = py_attrs::intern("_entry");
-  static PyObject* const entry = py_attrs::intern("entry");
-  py::list out;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(requests.ptr()); ++i) {
-    PyObject* g = PyList_GET_ITEM(requests.ptr(), i);
-    py::object e = py_attrs::attr(g, cached);
-    if (PyTuple_CheckExact(e.ptr()) && PyTuple_GET_SIZE(e.ptr()) == 2 && PyTuple_GET_ITEM(e.ptr(), 0) == registry.ptr()) {
-      append(out.ptr(), PyTuple_GET_ITEM(e.ptr(), 1));
-      continue;
-    }
-    py::object index = py::reinterpret_steal<py::object>(PyObject_CallMethodOneArg(g, entry, registry.ptr()));
-    if (!index) throw py::error_already_set();
-    append(out.ptr(), index.ptr());
-  }
-  return out;
-}
-
 }  // namespace
 
 void bind_guided_walk(py::module_& m) {
-  m.def("guided_entries", &guided_entries, py::arg("requests"), py::arg("registry"),
-        "Each GuidedRequest's index in the grammar node's registry, as GuidedRequest.entry gives it.");
   m.def("guided_columns", &guided_columns, py::arg("rows"),
         "A step's sampling rows as its guided-row snapshot reads them (engine/guided/snapshot.py guided_columns).");
 }
