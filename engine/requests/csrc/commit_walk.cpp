@@ -35,15 +35,21 @@ struct CloserFields {
       runs{cls, "runs"}, watch{cls, "watch"}, watch_from{cls, "watch_from"}, wake{cls, "wake"};
 };
 
+// Whether `obj` is an exact int that fits a long long (its value in `value`); false leaves no Python error set
+bool exact_int(PyObject* obj, long long& value) {
+  if (!PyLong_CheckExact(obj)) return false;
+  int overflow = 0;
+  value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (!overflow && !(value == -1 && PyErr_Occurred())) return true;
+  PyErr_Clear();
+  return false;
+}
+
 // Whether list item `item` equals `token` (an exact int: compared as a C value; anything else as Python compares)
 bool same_token(PyObject* item, PyObject* token, long long value, bool exact) {
   if (item == token) return true;
-  if (exact && PyLong_CheckExact(item)) {
-    int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (!overflow && !(v == -1 && PyErr_Occurred())) return v == value;
-    PyErr_Clear();
-  }
+  long long v = 0;
+  if (exact && exact_int(item, v)) return v == value;
   const int eq = PyObject_RichCompareBool(item, token, Py_EQ);
   if (eq < 0) throw py::error_already_set();
   return eq;
@@ -98,13 +104,9 @@ bool commit_changes_nothing(PyObject* closer, PyObject* ids) {
   const Py_ssize_t n = PyList_GET_SIZE(ids);
   if (n == 0) return false;
   PyObject* last = PyList_GET_ITEM(ids, n - 1);
-  int overflow = 0;
+  long long value = 0;
   const bool exact = PyLong_CheckExact(last);
-  const long long value = exact ? PyLong_AsLongLongAndOverflow(last, &overflow) : 0;
-  if (exact && (overflow || (value == -1 && PyErr_Occurred()))) {
-    PyErr_Clear();
-    return false;                       // the call decides
-  }
+  if (exact && !exact_int(last, value)) return false;    // too large for a C value: the call decides
   for (Py_ssize_t j = std::max<Py_ssize_t>(0, n - 1 - c.max_period); j < n - 1; ++j)
     if (same_token(PyList_GET_ITEM(ids, j), last, value, exact)) return false;
   return true;
