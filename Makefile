@@ -40,7 +40,9 @@ test: setup
 
 # on a GPU machine, the package built in place (README, "On the GPU machine"; no venv: that machine has no
 # internet): every test that runs on CUDA there, GPU_TESTS="<files>" for a part of them, GPU_TEST_ARGS for pytest's
-# own (e.g. "-n 8 --dist loadfile" where pytest-xdist is installed: the kernel tests mostly wait on compiles)
+# own (e.g. "-n 8 --dist loadfile" where pytest-xdist is installed: the kernel tests mostly wait on compiles).
+# An engine without num_kv_blocks takes half the free device memory for its KV pages, so concurrent workers
+# squeeze each other: -n 8 fits a 141 GB card, -n 2 an 80 GB one.
 GPU_TESTS ?= tests
 GPU_TEST_ARGS ?=
 gpu-test:
