@@ -7,8 +7,9 @@ SCHEMA ?= docs/examples/get_weather.schema.json
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
-# pytest-xdist workers for `make test` (each loads the model: a few GB)
-TEST_WORKERS ?= 2
+# pytest-xdist workers for `make test` (each loads the model: a few GB). One more than a 2-core machine's cores:
+# the server tests spend much of their time waiting on their servers' processes
+TEST_WORKERS ?= 3
 
 .PHONY: run test gpu-test setup bench serve clean
 

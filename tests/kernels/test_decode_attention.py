@@ -143,7 +143,7 @@ def test_engine_eagle_outputs_and_drafts_equal_with_decode_attention():
         da.decode_attention = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
         try:
             seqs = eng.generate([[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8]],
-                                [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 6, 12)])
+                                [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 3, 6)])
         finally:
             da.decode_attention = real
         assert bool(calls) == on
@@ -189,7 +189,7 @@ def test_engine_with_decode_attention_splits_and_prefetch_set_keeps_the_tokens(m
         calls, real = [], da.decode_attention
         monkeypatch.setattr(da, "decode_attention",
                             lambda *a, **kw: calls.append((kw["num_splits"], kw["prefetch_tiles"])) or real(*a, **kw))
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 6)]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 2, 3)]
         seqs = eng.generate(prompts, params)
         monkeypatch.setattr(da, "decode_attention", real)
         assert calls and set(calls) == {(splits or None, tiles)}

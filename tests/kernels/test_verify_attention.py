@@ -131,7 +131,7 @@ def test_engine_eagle_outputs_and_drafts_equal_with_verify_attention(tree):
         va.verify_attention = lambda *a, **kw: calls.append(a[13]) or real(*a, **kw)
         try:
             seqs = eng.generate([[5, 17, 99, 3], [300, 1, 2], [7, 7, 7, 7, 8]],
-                                [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 6, 12)])
+                                [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 3, 6)])
         finally:
             va.verify_attention = real
         assert ((1 + (tree or 3)) in calls) == on
