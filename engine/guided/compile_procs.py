@@ -159,12 +159,14 @@ class CompileProcesses:
         """Stop the compile process (its children are killed); compiles still waiting fail."""
         with self._lock:
             proc, conn, self._proc, self._conn, self._closed = self._proc, self._conn, None, None, True
-            jobs, self._jobs, self._waiting = list(self._jobs.values()), {}, []
+            jobs, self._jobs, self._waiting, ready = list(self._jobs.values()), {}, [], self._ready
         for job in jobs:
             job.outcome = ("died", "the grammar service closed")
             job.done.set()
         if proc is not None:
             try:
+                if not ready:       # the reader may still be sending the tokenizer info: a second writer would
+                    raise OSError   # interleave its bytes with it
                 conn.send(("stop",))
                 proc.wait(5)
             except (OSError, subprocess.TimeoutExpired):

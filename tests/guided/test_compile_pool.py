@@ -175,3 +175,16 @@ def test_a_lost_compile_process_fails_its_compiles_and_the_next_starts_another(i
     assert running.future.exception(30) is not None and "exited" in running.poll()
     again = isolated.submit(Guide("regex", "again-[0-9]{3}", False), "a")
     assert again.future.result(120) is not None and isolated.procs._proc.pid != old
+
+
+def test_closing_while_the_compile_process_starts_ends_it_cleanly(engine, capfd):
+    """Closed at once, while its reader thread is still sending the tokenizer info: the compile process is
+    stopped without reading a message that a second writer broke into (it printed a decoding traceback)."""
+    from engine.guided.compiler import GrammarService
+    for _ in range(2):
+        s = GrammarService(engine.tokenizer, engine.runner.vocab, engine.eos_ids, threads=1, queue=4, processes=True)
+        proc = s.procs._proc
+        s.close()
+        assert proc.poll() is not None
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
