@@ -125,6 +125,17 @@ def test_two_api_processes_share_the_port_and_the_metrics():
         assert m["specdec_engine_up"] == 1
 
 
+def test_ctrl_c_stops_every_process_quietly():
+    """Ctrl-C (SIGINT to the supervisor): it exits 0, and no process prints a traceback or, from its teardown,
+    nanobind's leak report (the engine process's frozen heap outlived the interpreter)."""
+    with serve(*DUMMY, "--max-num-seqs", "4") as server:
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(30) == 0
+        log = server.log.read_text()
+    assert "Traceback" not in log and "leaked" not in log, log[-3000:]
+
+
 # ---- killing one side ------------------------------------------------------------------------------------------
 def test_a_killed_engine_process_turns_requests_and_health_into_503():
     with serve(*DUMMY, "--max-num-seqs", "4") as server:

@@ -83,6 +83,7 @@ def main(config: EngineConfig, max_queued: int, addresses: ipc.Addresses, client
     finally:
         engine.close()
         alive.close()
+        gc.unfreeze()       # frozen objects outlive the interpreter's teardown, and nanobind reports each as a leak
     raise SystemExit(1 if server.error else 0)
 
 
