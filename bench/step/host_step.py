@@ -139,11 +139,18 @@ class Load:
 
     def step(self) -> None:
         """One engine step, and first the admission of requests to replace finished ones (add_request runs on
-        the loop's thread before the step, as in the server's engine process)."""
-        start = time.perf_counter()
-        while len(self.live) < self.streams and (self.replaced or self.made < self.streams):
-            self.live.add(self.eng.add_request(*self.request(), detokenize=not self.args.ids_only))
+        the loop's thread before the step, as in the server's engine process). The requests are made before the
+        clock starts: a prompt of random ids costs the bench more than its admission costs the engine."""
+        wanted = self.streams - len(self.live)
+        if not self.replaced:
+            wanted = min(wanted, self.streams - self.made)
+        requests = []
+        for _ in range(max(wanted, 0)):
+            requests.append(self.request())
             self.made += 1
+        start = time.perf_counter()
+        for ids, params in requests:
+            self.live.add(self.eng.add_request(ids, params, detokenize=not self.args.ids_only))
         self._step()
         self.loop += time.perf_counter() - start
 
