@@ -121,10 +121,15 @@ def test_logprobs_on_the_output_text_equal_the_chat_endpoints(server, client):
     chat = client.chat.completions.create(model=server.model,
                                           messages=[{"role": "user", "content": "Name three colours."}],
                                           max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    # the later requests find the first one's prompt pages in the prefix cache: a prefill of fewer tokens rounds
+    # differently in float32, so the values agree to a tolerance and the tokens exactly
     want = [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in chat.choices[0].logprobs.content]
-    r = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw)
-    got = [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in r.output[0].content[0].logprobs]
-    assert got == want
+
+    def check(entries):
+        got = [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in entries]
+        assert [(t, top) for t, _, top in got] == [(t, top) for t, _, top in want]
+        assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-4)
+    check(client.responses.create(include=["message.output_text.logprobs"], top_logprobs=2, **kw).output[0]
+          .content[0].logprobs)
     done = list(client.responses.create(stream=True, include=["message.output_text.logprobs"], top_logprobs=2, **kw))
-    part = done[-1].response.output[0].content[0]
-    assert [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in part.logprobs] == want
+    check(done[-1].response.output[0].content[0].logprobs)
