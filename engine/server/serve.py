@@ -102,8 +102,7 @@ def cmd_serve(args) -> int:
 
 def serve_in_process(args) -> int:
     """The engine on a thread of the HTTP process (one GIL for both): for tests and side-by-side measurements."""
-    import uvicorn
-
+    from engine.server.api import graceful
     from engine.server.processes.api_process import bind
     from engine.server.api.app import create_app
     from engine.server.api.connections import ConnectionGuard
@@ -113,10 +112,8 @@ def serve_in_process(args) -> int:
     host, port = sock.getsockname()[:2]
     state.on_ready = lambda: print(f"specdec serve: listening on http://{host}:{port} (model {state.model_name})",
                                    flush=True)
-    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5,
-                            http=guard.protocol())
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        graceful.run(create_app(state), [sock], args.log_level, guard.protocol(), state.aengine.end_all)
     except KeyboardInterrupt:                   # uvicorn re-raises the signal once it has shut down
         pass
     if state.aengine.error:

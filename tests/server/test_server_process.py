@@ -125,14 +125,49 @@ def test_two_api_processes_share_the_port_and_the_metrics():
         assert m["specdec_engine_up"] == 1
 
 
-def test_ctrl_c_stops_every_process_quietly():
-    """Ctrl-C (SIGINT to the supervisor): it exits 0, and no process prints a traceback or, from its teardown,
-    nanobind's leak report (the engine process's frozen heap outlived the interpreter)."""
-    with serve(*DUMMY, "--max-num-seqs", "4") as server:
-        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [(), ("--single-process",)], ids=["processes", "single-process"])
+def test_ctrl_c_ends_open_responses_whole_and_stops_quietly(mode):
+    """Ctrl-C (SIGINT to the server) with two streams and a whole response open, each longer than the shutdown's
+    grace: every response ends whole (a stream with an error event and [DONE], the waiting one 503), the server
+    exits 0, and nothing prints a traceback or, from its teardown, nanobind's leak report (the engine process's
+    frozen heap outlived the interpreter)."""
+    import openai
+    with serve(*CPU_ARGS, "--max-num-seqs", "4", "--max-model-len", "1024", *mode) as server:
+        client = api_client(server.url)
+        long = dict(model=server.model, messages=ASK, max_tokens=900, extra_body={"ignore_eos": True})
+        outcomes = []
+
+        def streamed():
+            chunks = 0
+            try:
+                for _ in client.chat.completions.create(stream=True, **long):
+                    chunks += 1
+                outcomes.append(("stream ended without its error", chunks))
+            except openai.APIError as err:
+                outcomes.append(("stream", chunks, err.message))
+
+        def whole():
+            try:
+                client.chat.completions.create(**long)
+                outcomes.append(("whole finished",))
+            except openai.APIStatusError as err:
+                outcomes.append(("whole", err.status_code, err.message))
+        threads = [threading.Thread(target=f) for f in (streamed, streamed, whole)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while server.metrics()["specdec_running_requests"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
         server.proc.send_signal(signal.SIGINT)
         assert server.proc.wait(30) == 0
+        for t in threads:
+            t.join(30)
         log = server.log.read_text()
+    stopped = "the engine stopped: the server is shutting down"
+    assert sorted(o[0] for o in outcomes) == ["stream", "stream", "whole"], outcomes
+    assert all(o[-1] == stopped and o[1] > 0 for o in outcomes if o[0] == "stream"), outcomes
+    assert [(o[1], stopped in o[2]) for o in outcomes if o[0] == "whole"] == [(503, True)], outcomes
     assert "Traceback" not in log and "leaked" not in log, log[-3000:]
 
 

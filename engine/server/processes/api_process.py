@@ -17,8 +17,7 @@ def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int,
     from engine.server.processes.engine_process import die_with_parent, freeze_heap
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the supervisor stops this process (SIGTERM)
-    import uvicorn
-
+    from engine.server.api import graceful
     from engine.server.api.app import create_app
     try:
         info = infos.recv()
@@ -33,9 +32,8 @@ def main(options: dict, infos, addresses: ipc.Addresses, client: int, port: int,
     state.on_ready = serving
     sock = bind(args.host, port, reuse_port=True)
     from engine.server.api.connections import ConnectionGuard
-    config = uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5,
-                            http=ConnectionGuard.from_args(args).protocol())
-    uvicorn.Server(config).run(sockets=[sock])
+    graceful.run(create_app(state), [sock], args.log_level, ConnectionGuard.from_args(args).protocol(),
+                 state.aengine.end_all)
 
 
 def build_state(args, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int, alives: list):

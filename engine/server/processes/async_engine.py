@@ -109,6 +109,10 @@ class AsyncEngine(Router):
         else:
             future.set_result(result)
 
+    def end_all(self, message: str) -> None:
+        """Loop thread, at shutdown: every open request ends with `message` (503) and leaves the engine."""
+        self._send(("end", message))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._send(("stop", None))
         self.engine_thread.join(timeout)
@@ -140,6 +144,10 @@ class AsyncEngine(Router):
                 return False
             if kind == "add":
                 self._add(arg)
+            elif kind == "end":
+                for rid in list(self._routes):
+                    self.engine.abort(rid)
+                self._fail_all(arg)
             elif kind == "reset":
                 self._loop.call_soon_threadsafe(self._resolve, arg, self.engine.reset_prefix_cache(), None)
             else:

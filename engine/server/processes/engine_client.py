@@ -271,6 +271,13 @@ class EngineClient(Router):
             self.error = message
         self._fail(f"{ENGINE_STOPPED}: {self.error}")
 
+    def end_all(self, message: str) -> None:
+        """Loop thread, at shutdown: every open request ends with `message` (503), its engine told to stop it."""
+        for sub, _, _ in list(self._subs.values()):
+            if sub.added.done():
+                self.abort(sub)
+        self._fail(f"{ENGINE_STOPPED}: {message}")
+
     def _fail(self, error: str, engine: int | None = None) -> None:
         """End the requests and questions on `engine` (None: on every engine) with `error`."""
         for waiter, on in self._waiters.values():
