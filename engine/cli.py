@@ -53,27 +53,30 @@ def _params(args) -> SamplingParams:
                           any_whitespace=args.any_whitespace)
 
 
-def _stream(engine, prompt_ids, params, out=sys.stdout) -> str:
-    start, n, text = time.perf_counter(), 0, ""
+def _stream(engine, prompt_ids, params, out=sys.stdout) -> tuple[str, str | None]:
+    """Write the output as it comes; returns its text and its error (None: it did not fail)."""
+    start, n, text, error = time.perf_counter(), 0, "", None
     for output in engine.stream(prompt_ids, params):
         n += len(output.new_token_ids)
         text += output.new_text
         out.write(output.new_text)
         out.flush()
         if output.finish_reason == "error":
-            print(f"\n[error: {output.error}]", file=sys.stderr)
+            error = output.error
+    if error is not None:
+        print(f"{chr(10) if text else ''}specdec: error: {error}", file=sys.stderr)
+        return text, error
     secs = time.perf_counter() - start
     print(f"\n[{n} tokens in {secs:.2f} s, {n / max(secs, 1e-9):.1f} tokens/s]", file=sys.stderr)
-    return text
+    return text, None
 
 
 def cmd_generate(args) -> int:
     engine = _engine(args)
     ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat_template \
         else engine.encode(args.prompt)
-    params = _params(args)
-    _stream(engine, ids, params)
-    return 0
+    _, error = _stream(engine, ids, _params(args))
+    return 1 if error is not None else 0
 
 
 def cmd_chat(args) -> int:
@@ -91,8 +94,11 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         print("assistant> ", end="", flush=True)
-        reply = _stream(engine, engine.apply_chat_template(messages), _params(args))
-        messages.append({"role": "assistant", "content": reply})
+        reply, error = _stream(engine, engine.apply_chat_template(messages), _params(args))
+        if error is None:
+            messages.append({"role": "assistant", "content": reply})
+        else:                   # the failed turn leaves the conversation
+            messages.pop()
 
 
 def cmd_acceptance(args) -> int:

@@ -28,6 +28,15 @@ def test_bad_arguments_give_clear_errors():
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
+def test_a_request_that_fails_exits_non_zero_and_says_why(tmp_path):
+    schema = tmp_path / "bad.json"
+    schema.write_text('{"type": "objekt"}')
+    r = _run("generate", "--prompt", "hi", "--max-tokens", "4", "--device", "cpu", "--json-schema", str(schema))
+    assert r.returncode == 1 and "specdec: error: invalid json_schema" in r.stderr, r.stderr
+    r = _run("chat", "--max-tokens", "8", "--device", "cpu", "--json-schema", str(schema), stdin="hi\n/exit\n")
+    assert r.returncode == 0 and "specdec: error: invalid json_schema" in r.stderr, r.stderr
+
+
 def test_guided_speculative_generate_gives_a_valid_tool_call():
     import json
     r = _run("generate", "--prompt", "Call get_weather for Paris in celsius.", "--max-tokens", "48", "--device", "cpu",
