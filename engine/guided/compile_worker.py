@@ -123,7 +123,7 @@ class Zygote:
                 if ready is self.conn:
                     try:
                         msg = self.conn.recv()
-                    except EOFError:        # the engine is gone
+                    except (EOFError, OSError):     # the engine is gone (OSError: mid-message)
                         return
                     if msg[0] == "stop":
                         return
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # the engine decides when this process stops
     try:
         zygote = Zygote(Connection(fd), folder, threads)
-    except EOFError:                    # the engine went away while this process started
+    except (EOFError, OSError):         # the engine went away while this process started (OSError: mid-message)
         shutil.rmtree(folder, ignore_errors=True)
         return
     try:

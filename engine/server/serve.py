@@ -107,8 +107,8 @@ def serve_in_process(args) -> int:
     from engine.server.api.app import create_app
     from engine.server.api.connections import ConnectionGuard
     guard = ConnectionGuard.from_args(args)
+    sock = bind(args.host, args.port)             # before the model loads: a port in use fails at once
     state = build_state(args)
-    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     state.on_ready = lambda: print(f"specdec serve: listening on http://{host}:{port} (model {state.model_name})",
                                    flush=True)

@@ -188,3 +188,20 @@ def test_closing_while_the_compile_process_starts_ends_it_cleanly(engine, capfd)
         assert proc.poll() is not None
     err = capfd.readouterr().err
     assert "Traceback" not in err, err[-2000:]
+
+
+def test_a_compile_process_whose_engine_dies_mid_message_exits_quietly(tmp_path):
+    """The engine went away while it sent the tokenizer info: the compile process ends without a traceback."""
+    import socket
+    import struct
+    import subprocess
+    import sys
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.guided.compile_worker", str(theirs.fileno()),
+                             str(tmp_path / "grammars"), "1"], pass_fds=[theirs.fileno()], stderr=subprocess.PIPE,
+                            text=True)
+    theirs.close()
+    ours.sendall(struct.pack("!i", 1 << 20) + b"x" * 1000)      # a message header, then a fraction of its bytes
+    ours.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]

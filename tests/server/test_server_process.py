@@ -260,6 +260,19 @@ def test_the_supervisor_checks_the_options_without_torch():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("mode", [(), ("--single-process",)], ids=["processes", "single-process"])
+def test_a_port_in_use_is_a_clear_error(mode):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *DUMMY, *mode],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and f"specdec: error: cannot listen on 127.0.0.1:{port}: Address already in use" \
+        in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_api_processes_that_die_starting_are_reported_not_raised(capsys):
     """Every API process gone before it said it serves (its ready pipe at EOF, their sentinels not yet seen):
     start-up fails with a message, not a traceback from the pipe."""

@@ -48,12 +48,17 @@ def build_state(args, info: ipc.ModelInfo, addresses: ipc.Addresses, client: int
 
 
 def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """Raises ValueError naming the address where it cannot be had (in use, a host not of this machine)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:                              # several API processes on one port
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     if listen:
         sock.listen(2048)
     sock.set_inheritable(True)
