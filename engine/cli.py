@@ -64,7 +64,8 @@ def _stream(engine, prompt_ids, params, out=sys.stdout) -> tuple[str, str | None
         if output.finish_reason == "error":
             error = output.error
     if error is not None:
-        print(f"{chr(10) if text else ''}specdec: error: {error}", file=sys.stderr)
+        after_text = "\n" if text else ""
+        print(f"{after_text}specdec: error: {error}", file=sys.stderr)
         return text, error
     secs = time.perf_counter() - start
     print(f"\n[{n} tokens in {secs:.2f} s, {n / max(secs, 1e-9):.1f} tokens/s]", file=sys.stderr)

@@ -14,23 +14,18 @@ class GracefulServer(uvicorn.Server):
     """At shutdown uvicorn lets open responses run for `timeout_graceful_shutdown`, then cancels their tasks: a
     stream was cut mid-body and each cancelled task printed a traceback. This one ends every open request a little
     before that through `end_all(message)`: a stream's last event is an error and a waiting response answers 503, so
-    every response ends whole."""
+    every response ends whole. Its config's timeout_graceful_shutdown is GRACE_S (`run`)."""
 
     def __init__(self, config: uvicorn.Config, end_all):
         super().__init__(config)
         self.end_all = end_all
 
     async def shutdown(self, sockets=None) -> None:
-        grace = self.config.timeout_graceful_shutdown
-        timer = None
-        if grace is not None:
-            timer = asyncio.get_running_loop().call_later(max(grace - END_BEFORE_S, 0.0), self.end_all,
-                                                          SHUTDOWN_MESSAGE)
+        timer = asyncio.get_running_loop().call_later(GRACE_S - END_BEFORE_S, self.end_all, SHUTDOWN_MESSAGE)
         try:
             await super().shutdown(sockets)
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
 
 def run(app, sockets, log_level: str, http, end_all) -> None:

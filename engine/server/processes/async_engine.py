@@ -131,8 +131,11 @@ class AsyncEngine(Router):
             traceback.print_exc()
             self._fail_all(self.error)
         finally:
-            for rid in list(self._routes):
-                self.engine.abort(rid)
+            self._abort_routes()
+
+    def _abort_routes(self) -> None:
+        for rid in list(self._routes):
+            self.engine.abort(rid)
 
     def _drain(self) -> bool:
         while True:
@@ -145,8 +148,7 @@ class AsyncEngine(Router):
             if kind == "add":
                 self._add(arg)
             elif kind == "end":
-                for rid in list(self._routes):
-                    self.engine.abort(rid)
+                self._abort_routes()
                 self._fail_all(arg)
             elif kind == "reset":
                 self._loop.call_soon_threadsafe(self._resolve, arg, self.engine.reset_prefix_cache(), None)
