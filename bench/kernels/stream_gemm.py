@@ -7,12 +7,10 @@ Per (shape, rows), with engine/kernels/tune.py's Timer (a CUDA graph of the call
 cache evicted before each replay, median of its replays):
 - each op alone: qkv (residual add + RMSNorm folded in), o, gate_up (the norm and SiLU * up folded in) and down, on
   cuBLAS (the norm and SiLU as kernels of their own), on each of stream_gemm's launch shapes (the route table's
-  stream, stream_wide, stream_narrow and stream_split), on stream with its L2 prefetch on (`_stream_l2_us`) and on
-  stream_split loading one weight tile before the dependency wait instead of two (`_split_one_ahead_us`);
+  stream, stream_wide and stream_narrow) and on stream with its L2 prefetch on (`_stream_l2_us`);
 - a whole layer's four ops in call order (Timer.time_layer_us): all on cuBLAS, all on stream (its L2 prefetch off,
   then on), and each op on its fastest alone (`layer_fastest_us`, the choice in `layer_fastest`): under dependent
-  launch a kernel's early reads overlap a different kernel before it, which one op alone does not show; and that
-  again with the split launch loading one tile ahead (`layer_fastest_one_ahead_us`).
+  launch a kernel's early reads overlap a different kernel before it, which one op alone does not show.
 --sweep times stream_gemm's launch configs (BLOCK_N, BLOCK_K, NUM_STAGES, warps) on each op and reports the
 fastest (every config's time in the JSON). Microseconds a call or a layer. Dummy weights; CUDA only. Writes JSON
 (--out) and a markdown table beside it, printed last.
@@ -28,7 +26,6 @@ from bench.common import markdown_table, record, write_results
 from engine.kernels.routes import STREAM_KERNELS
 
 OPS = ("qkv", "o", "gate_up", "down")
-ONE_AHEAD = dict(AHEAD=1)       # the split launch loading one weight tile before the wait, as it did before
 SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=w)
          for bn, bk, st, w in itertools.product((16, 32, 64, 128), (128, 256), (2, 4), (4, 8))]
 
@@ -97,8 +94,6 @@ def bench_shape(shape: str, rows_list, sweep: bool) -> list[dict]:
             fastest[site.key] = choose(alone)
             with stream_launch(l2_ahead=True):
                 r[f"{name}_stream_l2_us"] = round(timer.time_us(site, rows, "stream", decode=True), 2)
-            with stream_launch(config=ONE_AHEAD):
-                r[f"{name}_split_one_ahead_us"] = round(timer.time_us(site, rows, "stream_split", decode=True), 2)
             if sweep:
                 r[f"{name}_best_us"], r[f"{name}_best_config"], r[f"{name}_sweep"] = best_config(timer, site, rows)
         for kernel in ("cublas", "stream"):
@@ -106,8 +101,6 @@ def bench_shape(shape: str, rows_list, sweep: bool) -> list[dict]:
         with stream_launch(l2_ahead=True):
             r["layer_stream_l2_us"] = round(timer.time_layer_us(group, rows, {s.key: "stream" for s in group}, True), 2)
         r["layer_fastest_us"] = round(timer.time_layer_us(group, rows, fastest, True), 2)
-        with stream_launch(config=ONE_AHEAD):
-            r["layer_fastest_one_ahead_us"] = round(timer.time_layer_us(group, rows, fastest, True), 2)
         r["layer_fastest"] = {name: fastest[site.key] for name, site in sites.items()}
         r["layer_speedup"] = round(r["layer_cublas_us"] / r["layer_fastest_us"], 3)
         print(f"{shape} {rows} rows: a layer {r['layer_cublas_us']} us on cuBLAS, {r['layer_stream_us']} us on "
@@ -138,8 +131,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     records = [r for shape in args.shapes for r in bench_shape(shape, args.rows, args.sweep)]
     cols = ["shape", "rows", *(f"{n}_{k}_us" for n in OPS for k in ("cublas", *STREAM_KERNELS)),
-            "layer_cublas_us", "layer_stream_us", "layer_stream_l2_us", "layer_fastest_us",
-            "layer_fastest_one_ahead_us", "layer_speedup"]
+            "layer_cublas_us", "layer_stream_us", "layer_stream_l2_us", "layer_fastest_us", "layer_speedup"]
     write_results(records, args.out)
     table = markdown_table(records, cols)
     Path(args.out).with_suffix(".md").write_text(table + "\n")

@@ -15,8 +15,7 @@ the token rows are its N side, padded to BLOCK_M = 16-64 by masked rows, not to 
 enough programs (config).
 
 Launched with programmatic dependent launch (engine/kernels/common.pdl), a program loads its first weight tile
-(the split launch: its first two, most or all of its slice) before it waits for the kernel before it (weights
-never change during a step), then reads x. With
+before it waits for the kernel before it (weights never change during a step), then reads x. With
 SPECDEC_L2_AHEAD=1 (on Hopper) it first starts its whole weight slice on its way into L2.
 
 The residual add and RMSNorm before qkv and gate_up run inside it, and SiLU * up after gate_up, so that a layer is
@@ -95,8 +94,7 @@ def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, par
                         stride_w, stride_out, stride_new_res, M, N, K, K_SPLIT, eps, PROLOGUE: tl.constexpr,
                         HAS_RESIDUAL: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SPLITS: tl.constexpr,
-                        AHEAD: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
-                        L2_AHEAD: tl.constexpr):
+                        USE_PDL: tl.constexpr, PRECISION: tl.constexpr, L2_AHEAD: tl.constexpr):
     pid, split = tl.program_id(0), tl.program_id(1)
     offs_n, n_ok = block_rows(pid, N, BLOCK_N, EPILOGUE)  # weight rows ("silu_mul": gate and up rows in pairs)
     if L2_AHEAD:
@@ -106,10 +104,8 @@ def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, par
     ks = split * K_SPLIT + tl.arange(0, BLOCK_K)          # this program's K range (all of K but with SPLITS)
     k_end = tl.minimum(K, split * K_SPLIT + K_SPLIT)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + ks[None, :]
-    # the first AHEAD weight tiles before the wait: the weight does not depend on the kernel before
+    # the first weight tile before the wait: the weight does not depend on the kernel before
     w = tl.load(w_ptrs, mask=n_ok[:, None] & (ks[None, :] < k_end), other=0.0)
-    if AHEAD == 2:
-        w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (ks[None, :] + BLOCK_K < k_end), other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -119,12 +115,7 @@ def _stream_gemm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, new_res_ptr, par
                     k_end, stored, PROLOGUE, HAS_RESIDUAL)
     ss += sq
     acc = tl.dot(w, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
-    if AHEAD == 2:
-        a, sq = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok,
-                        ks + BLOCK_K, k_end, stored, PROLOGUE, HAS_RESIDUAL)
-        ss += sq
-        acc += tl.dot(w_next, a.to(w.dtype), out_dtype=tl.float32, input_precision=PRECISION)
-    for k0 in tl.range(AHEAD * BLOCK_K, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(BLOCK_K, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & (ks[None, :] + k0 < k_end), other=0.0)
         a, sq = _a_tile(x_ptr, res_ptr, nw_ptr, new_res_ptr, stride_x, stride_res, stride_new_res, rows, row_ok,
                         ks + k0, k_end, stored, PROLOGUE, HAS_RESIDUAL)
@@ -210,9 +201,7 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
     tile, as many as the `sms` SMs hold in one wave (a program takes an SM's shared memory; at most MAX_SPLITS,
     each at least two K tiles long, K_SPLIT elements): a weight
     of few base programs with a long K, each SM keeping a whole pipeline of base's tiles in flight, at the cost of
-    the partials' sum by the tile's last program; it loads two K tiles before the dependency wait (AHEAD), not
-    one, so that a short slice is read while the kernel before still runs. Which one a matmul takes is measured
-    (engine/kernels/tune.py).
+    the partials' sum by the tile's last program. Which one a matmul takes is measured (engine/kernels/tune.py).
     All start at four stages; then fewer stages, then shorter K tiles, until the pipeline's buffers and the
     epilogue's float32 tile fit `smem` bytes (`elem` bytes an element; `x_tiles`: tiles of x a stage loads, 2 with a
     residual)."""
@@ -233,14 +222,13 @@ def config(m: int, n: int, k: int, elem: int = 2, x_tiles: int = 1, smem: int = 
         return elem * block_k * (stages * (block_n + x_tiles * block_m) + block_m) + 4 * block_n * block_m
     while need(stages, block_k) > smem and (stages > 2 or block_k > MIN_K):
         stages, block_k = (stages - 1, block_k) if stages > 2 else (stages, block_k // 2)
-    splits, k_split, ahead = 1, k, 1
+    splits, k_split = 1, k
     if variant == "split":
         splits = min(MAX_SPLITS, sms // triton.cdiv(n, block_n), k // (2 * block_k))
         k_split = triton.cdiv(triton.cdiv(k, max(splits, 1)), block_k) * block_k
         splits = triton.cdiv(k, k_split)
-        ahead = 2 if splits > 1 else 1
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps,
-                SPLITS=splits, K_SPLIT=k_split, AHEAD=ahead)
+                SPLITS=splits, K_SPLIT=k_split)
 
 
 def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=None, epilogue: str = "store",
