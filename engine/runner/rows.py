@@ -25,6 +25,7 @@ ROW_LOGPROBS, ROW_PENALIZED, ROW_SAMPLED, ROW_GUIDED = 1, 2, 4, 8
 DECODE_INPUTS = ("input_ids", "positions", "slot_mapping", "carry_src", "tok_row", "seq_lens")
 DECODE_SAMPLING = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps", "smp_row", "forced")
 SHORT_CHUNK = 16        # chunks of at most this many tokens are written from lists (fill_tokens)
+SHIFT_WINDOW = 16       # rows below a row searched for its table (write_block_table): finished requests a step
 
 
 class RowError(Exception):
@@ -146,7 +147,7 @@ def _fill_row(slot, i: int, row, t: int, s: int, block_size: int, spec_k: int) -
     """Write row i (its tokens from t, its sampling row s); returns the next (t, s)."""
     seq, n, h = row.seq, row.num_tokens, slot.np
     _check_pool_row(seq, seq.num_pending or row.spec_k)
-    fill_tokens(h, row, t, block_size)
+    _fill_tokens(h, row, t, block_size)
     if spec_k:
         spec_plan.fill_spec_row(slot, i, row, t, block_size)
     write_block_table(slot, i, seq)
@@ -167,8 +168,18 @@ def _check_pool_row(seq, carries) -> None:
         raise RuntimeError("a sequence that carries tokens on the device holds no token-pool row")
 
 
+def _fill_tokens(h, row, t: int, block_size: int) -> None:
+    """fill_tokens in native code (engine/runner/csrc/rows.cpp); a row it refuses is written by fill_tokens, which
+    raises naming why where it cannot."""
+    try:
+        _rows.fill_tokens(row, h, t, block_size)
+    except Exception:       # noqa: BLE001 - the Python walk writes the row or raises what it raises
+        fill_tokens(h, row, t, block_size)
+
+
 def fill_tokens(h, row, t: int, block_size: int) -> None:
-    """Row `row`'s tokens from index t of the step: positions, slot mapping, ids, pool rows, carry sources."""
+    """Row `row`'s tokens from index t of the step: positions, slot mapping, ids, pool rows, carry sources (the
+    definition of _rows.fill_tokens)."""
     seq, n, start, k = row.seq, row.num_tokens, row.start, row.spec_k
     end, bt, bs = start + n, seq.block_table, block_size
     known = min(end, seq.num_tokens)
@@ -219,13 +230,28 @@ def fill_sampling(h, s: int, token_index: int, seq) -> None:
 
 
 def write_block_table(slot, i: int, seq) -> None:
-    """Row i of the slot's block tables: only the pages it lacks if it last held this very table. Tables grow in
-    place; preemption and release replace the list, so identity says the old pages are valid."""
-    bt, (held, have) = seq.block_table, slot.bt_rows[i]
-    start = have if held is bt and have <= len(bt) else 0
+    """Row i of the slot's block tables: only the pages it lacks if it last held this very table, or copied from
+    the row up to SHIFT_WINDOW below that holds it (its sequence moved up as requests before it finished). Tables
+    grow in place; preemption and release replace the list, so identity says the old pages are valid. slot.bt_rows
+    names what every row holds at any time, so a row's copy source is valid whichever rows this step wrote."""
+    bt, tables = seq.block_table, slot.np["block_tables"]
+    start = _held_pages(slot.bt_rows, i, bt)
+    for j in range(i + 1, min(len(slot.bt_rows), i + 1 + SHIFT_WINDOW)):
+        if start >= 0:
+            break
+        start = _held_pages(slot.bt_rows, j, bt)
+        if start > 0:
+            tables[i, :start] = tables[j, :start]
+    start = max(start, 0)
     if start < len(bt):
-        slot.np["block_tables"][i, start:len(bt)] = bt[start:]
+        tables[i, start:len(bt)] = bt[start:]
     slot.bt_rows[i] = (bt, len(bt))
+
+
+def _held_pages(bt_rows, j: int, bt: list) -> int:
+    """Pages of `bt` that row j holds (it last held this very list), or -1."""
+    held, have = bt_rows[j]
+    return have if held is bt and have <= len(bt) else -1
 
 
 def row_flags(rows) -> int:

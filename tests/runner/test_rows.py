@@ -11,6 +11,8 @@ from engine.runner import rows as rows_mod
 from engine.runner.graphs import pad_rows
 from engine.runner.rows import fill_tokens
 from engine.runner.slots import DecodeSlot
+from engine.requests.sequence import SamplingParams, Sequence
+from engine.scheduler import ScheduledRow
 
 FIELDS = ("positions", "slot_mapping", "tok_row", "carry_src", "input_ids")
 SAMPLING = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps", "smp_row", "forced")
@@ -29,24 +31,62 @@ def _reference(row, block_size: int) -> dict:
                 input_ids=[seq.token_at(p) if p < known else 0 for p in span])
 
 
+def _native_fill_tokens(h, row, t, block_size):
+    rows_mod._rows.fill_tokens(row, h, t, block_size)
+
+
+def _row_of(real: bool, tokens: list, n: int, start: int, pending: int, table: list, pool_row: int, k: int = 0):
+    """A row of n tokens from `start`: an engine Sequence and ScheduledRow (the native writer reads their token
+    lists), or stand-ins answering token_at."""
+    if real:
+        split = min(len(tokens), max(1, start))         # prompt and output both hold some of the row's tokens
+        seq = Sequence(0, tokens[:split], SamplingParams(), 0, output_token_ids=tokens[split:], block_table=table,
+                       num_pending=pending, pool_row=pool_row)
+        return ScheduledRow(seq, start, n, True, spec_k=k)
+    seq = NS(closer=None, block_table=table, num_tokens=len(tokens), pool_row=pool_row, num_pending=pending,
+             token_at=tokens.__getitem__, tokens=lambda a, b, tokens=tokens: tokens[a:b])
+    return NS(seq=seq, num_tokens=n, start=start, spec_k=k)
+
+
+@pytest.mark.parametrize("real", [False, True])
+@pytest.mark.parametrize("writer", [fill_tokens, _native_fill_tokens], ids=["python", "native"])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_rows_of_any_length_and_start_write_every_token_as_defined(block_size):
+def test_rows_of_any_length_and_start_write_every_token_as_defined(block_size, writer, real):
     rng = random.Random(block_size)
     for _ in range(200):
         n, start = rng.choice([1, 2, 5, 16, 17, 300]), rng.randrange(0, 400)
         pending = rng.choice([0, 0, 1])                    # the last token may still be in flight
         tokens = [rng.randrange(50000) for _ in range(start + n - pending)]
         table = rng.sample(range(10000), (start + n + block_size - 1) // block_size)
-        seq = NS(closer=None, block_table=table, num_tokens=len(tokens), pool_row=rng.randrange(64),
-                 num_pending=pending, token_at=tokens.__getitem__, tokens=lambda a, b, tokens=tokens: tokens[a:b])
-        row = NS(seq=seq, num_tokens=n, start=start, spec_k=0)
+        row = _row_of(real, tokens, n, start, pending, table, rng.randrange(64))
         t = rng.randrange(0, 64)
         h = {k: np.zeros(t + n + 8, dtype=np.int64) for k in FIELDS}
-        fill_tokens(h, row, t, block_size)
+        writer(h, row, t, block_size)
         want = _reference(row, block_size)
         for k in FIELDS:
             assert h[k][t:t + n].tolist() == want[k], (k, n, start)
             assert not h[k][:t].any() and not h[k][t + n:].any(), k     # nothing outside the row's tokens
+
+
+@pytest.mark.parametrize("real", [False, True])
+def test_the_native_token_writer_writes_speculating_rows_as_the_python_one(real):
+    """A verification row [last token, K drafts] (the drafts carried from the token pool, the last token too where
+    it is pending), native code against fill_tokens, its definition; a row it cannot write is refused."""
+    rng = random.Random(3)
+    for _ in range(100):
+        k, start, pending = rng.randrange(1, 5), rng.randrange(0, 100), rng.choice([0, 1])
+        tokens = [rng.randrange(50000) for _ in range(start + 1 - pending)]
+        table = rng.sample(range(10000), (start + k) // 16 + 1)
+        row = _row_of(real, tokens, 1 + k, start, pending, table, rng.randrange(64), k)
+        t = rng.randrange(0, 32)
+        want, got = ({name: np.full(t + k + 9, 7, dtype=np.int64) for name in FIELDS} for _ in range(2))
+        fill_tokens(want, row, t, 16)
+        rows_mod._rows.fill_tokens(row, got, t, 16)
+        for name in FIELDS:
+            assert np.array_equal(got[name], want[name]), name
+    row.seq.block_table = table[:-1] if len(table) > 1 else []
+    with pytest.raises(IndexError, match="missing from its block table"):
+        rows_mod._rows.fill_tokens(row, got, 0, 16)
 
 
 def _decode_rows(rng, n: int, block_size: int) -> list:
@@ -259,9 +299,9 @@ def _advance(rng, row, block_size: int):
 
 
 def test_a_slot_filled_again_holds_what_a_fresh_fill_writes():
-    """One slot filled step after step (rows keep their sequences, gain new ones, swap places; a sequence comes
-    back with a new pool row; a row that does not sample; a mixed step; padding past the rows) holds, in every row
-    it fills, what a fresh slot filled row by row holds."""
+    """One slot filled step after step (rows keep their sequences, gain new ones, swap places, move up as rows
+    before them finish; a sequence comes back with a new pool row; a row that does not sample; a mixed step;
+    padding past the rows) holds, in every row it fills, what a fresh slot filled row by row holds."""
     rng, bs = random.Random(11), 16
     slot = DecodeSlot(0, 512, 40, 400, torch.device("cpu"))
     rows = _decode_rows(rng, 24, bs)
@@ -274,6 +314,12 @@ def test_a_slot_filled_again_holds_what_a_fresh_fill_writes():
         if step % 4 == 2:
             i, j = rng.sample(range(len(rows)), 2)
             rows[i], rows[j] = rows[j], rows[i]
+        if step % 5 == 3:                       # requests finish: the rows after them move up, new ones join
+            for _ in range(1 + step % 3):
+                del rows[rng.randrange(len(rows) - 1)]
+            rows += _decode_rows(rng, 1 + step % 3, bs)
+            for r in rows[-1 - step % 3:]:
+                r.sample = True
         if step == 5:
             rows[3].seq.pool_row = 39                                               # re-admitted elsewhere
         if step == 7:

@@ -22,6 +22,8 @@ using namespace py_attrs;
 
 namespace {
 
+constexpr Py_ssize_t kShiftWindow = 16;     // rows.py SHIFT_WINDOW
+
 template <class T>
 T* field(const py::dict& h, const char* name, size_t at_least) {
   py::object a = h[name];
@@ -37,7 +39,8 @@ struct Fields {
   PyObject* seq_cls = slots::class_of("engine.requests.sequence", "Sequence");
   PyObject* params_cls = slots::class_of("engine.requests.sequence", "SamplingParams");
   slots::Field seq{row_cls, "seq"}, start{row_cls, "start"}, num_tokens{row_cls, "num_tokens"},
-      sample{row_cls, "sample"}, sample_idx{row_cls, "sample_idx"}, num_pending{seq_cls, "num_pending"},
+      sample{row_cls, "sample"}, sample_idx{row_cls, "sample_idx"}, spec_k{row_cls, "spec_k"},
+      num_pending{seq_cls, "num_pending"},
       pool_row{seq_cls, "pool_row"},
       block_table{seq_cls, "block_table"}, prompt{seq_cls, "prompt_token_ids"}, output{seq_cls, "output_token_ids"},
       params{seq_cls, "params"}, seed{seq_cls, "seed"}, closer{seq_cls, "closer"}, guided{seq_cls, "guided"},
@@ -99,18 +102,28 @@ struct SpecColumns {
         next_ids(field<int64_t>(h, "next_ids", n)) {}
 };
 
-// Row i's block table into row i of the slot's tables, only the pages it lacks if it last held this very list
-// (rows.py write_block_table).
+// Pages of `table` that row j of the slot's tables holds (its bt_rows entry names this very list), or -1.
+int64_t held_pages(PyObject* bt_rows, Py_ssize_t j, PyObject* table, Py_ssize_t len) {
+  PyObject* held = PyList_GET_ITEM(bt_rows, j);
+  if (!PyTuple_Check(held) || PyTuple_GET_SIZE(held) != 2 || PyTuple_GET_ITEM(held, 0) != table) return -1;
+  const int64_t have = as_int(PyTuple_GET_ITEM(held, 1));
+  return have <= len ? have : -1;
+}
+
+// Row i's block table into row i of the slot's tables, only the pages it lacks if it last held this very list,
+// or copied from the row up to kShiftWindow below that does (rows.py write_block_table).
 void write_table(PyObject* bt_rows, Py_ssize_t i, PyObject* table, int32_t* tables, Py_ssize_t max_blocks) {
   if (!PyList_Check(table)) throw std::invalid_argument("a block table is not a list");
-  Py_ssize_t len = PyList_GET_SIZE(table), start = 0;
-  PyObject* held = PyList_GET_ITEM(bt_rows, i);
-  if (PyTuple_Check(held) && PyTuple_GET_SIZE(held) == 2 && PyTuple_GET_ITEM(held, 0) == table) {
-    int64_t have = as_int(PyTuple_GET_ITEM(held, 1));
-    if (have <= len) start = have;
-    if (have == len) return;
-  }
+  const Py_ssize_t len = PyList_GET_SIZE(table);
   if (len > max_blocks) throw std::out_of_range("a block table longer than the slot's rows");
+  int64_t start = held_pages(bt_rows, i, table, len);
+  if (start == len) return;
+  const Py_ssize_t rows = PyList_GET_SIZE(bt_rows);
+  for (Py_ssize_t j = i + 1; start < 0 && j < std::min(rows, i + 1 + kShiftWindow); ++j) {
+    start = held_pages(bt_rows, j, table, len);
+    if (start > 0) std::copy_n(tables + j * max_blocks, start, tables + i * max_blocks);
+  }
+  start = std::max<int64_t>(start, 0);
   for (Py_ssize_t j = start; j < len; ++j) {
     int64_t page = as_int(PyList_GET_ITEM(table, j));
     if (page < INT32_MIN || page > INT32_MAX) throw std::out_of_range("a page id out of int32 range");
@@ -211,6 +224,59 @@ py::tuple fill_decode(py::list rows, py::dict h, py::list bt_rows, int64_t block
   return py::make_tuple(n, s, n ? 1 : 0, max_len, carries);
 }
 
+// Tokens [start, known) of a sequence into out[0, known - start): from its token lists where it is a Sequence.
+void copy_tokens(const Fields& k, PyObject* seq, int64_t start, int64_t known, int64_t* out) {
+  if (!Py_IS_TYPE(seq, reinterpret_cast<PyTypeObject*>(k.seq_cls))) {
+    for (int64_t p = start; p < known; ++p) out[p - start] = token_at(k, seq, p);
+    return;
+  }
+  py::object prompt = k.prompt.get(seq), output = k.output.get(seq);
+  if (!PyList_CheckExact(prompt.ptr()) || !PyList_CheckExact(output.ptr()))
+    throw std::invalid_argument("a sequence's tokens are not lists");
+  const Py_ssize_t plen = PyList_GET_SIZE(prompt.ptr());
+  if (known > plen + PyList_GET_SIZE(output.ptr())) throw std::out_of_range("a token past the sequence's end");
+  for (int64_t p = start; p < known; ++p)
+    out[p - start] = as_int(p < plen ? PyList_GET_ITEM(prompt.ptr(), p) : PyList_GET_ITEM(output.ptr(), p - plen));
+}
+
+// rows.py fill_tokens (its definition): a row's tokens from index t of the step, in one call (a prompt chunk's
+// tokens cost a list's conversion and several numpy temporaries there).
+void fill_tokens(py::handle row, py::dict h, int64_t t, int64_t block_size) {
+  const Fields& k = slots::once<Fields>();
+  PyObject* r = row.ptr();
+  py::object seq_obj = k.seq.get(r);
+  PyObject* seq = seq_obj.ptr();
+  const int64_t n = k.num_tokens.get_int(r), start = k.start.get_int(r), drafts = k.spec_k.get_int(r);
+  if (block_size <= 0 || t < 0 || n < 1 || start < 0) throw std::invalid_argument("a row out of range");
+  if (drafts && drafts != n - 1) throw std::invalid_argument("a speculating row holds its last token and K drafts");
+  const int64_t end = start + n, known = std::min(end, num_tokens(k, seq)), pool_row = k.pool_row.get_int(seq);
+  auto* positions = field<int64_t>(h, "positions", t + n);
+  auto* slot_mapping = field<int64_t>(h, "slot_mapping", t + n);
+  auto* tok_row = field<int64_t>(h, "tok_row", t + n);
+  auto* carry_src = field<int64_t>(h, "carry_src", t + n);
+  auto* input_ids = field<int64_t>(h, "input_ids", t + n);
+  py::object table = k.block_table.get(seq);
+  if (!PyList_Check(table.ptr()) || (end - 1) / block_size >= PyList_GET_SIZE(table.ptr()))
+    throw std::out_of_range("a row's page is missing from its block table");
+  for (int64_t p = start; p < end; ++p) {
+    const int64_t i = t + p - start;
+    positions[i] = p;
+    slot_mapping[i] = as_int(PyList_GET_ITEM(table.ptr(), p / block_size)) * block_size + p % block_size;
+    tok_row[i] = pool_row;
+    carry_src[i] = -1;
+  }
+  if (known > start) copy_tokens(k, seq, start, known, input_ids + t);
+  for (int64_t d = 1; d <= drafts; ++d) {       // [last token, K drafts]
+    carry_src[t + d] = d;
+    input_ids[t + d] = 0;
+  }
+  if (k.num_pending.get_int(seq)) {            // its last token is still on the device
+    const int64_t last = drafts ? t : t + n - 1;
+    input_ids[last] = 0;
+    carry_src[last] = 0;
+  }
+}
+
 // rows.py's ROW_* bits over a step's rows (row_flags_py, their definition): which variant and which host work the
 // step needs.
 int64_t row_flags(py::list rows) {
@@ -246,6 +312,8 @@ PYBIND11_MODULE(_rows, m) {
         "Write the rows' inputs and sampling fields (with `spec`, a speculating engine's too); returns (tokens, "
         "sampling rows, 1, longest sequence, carrying rows). Raises on a row it cannot write, having written some "
         "rows.");
+  m.def("fill_tokens", &fill_tokens, py::arg("row"), py::arg("h"), py::arg("t"), py::arg("block_size"),
+        "rows.py fill_tokens: a row's positions, slot mapping, ids, pool rows and carry sources from index t.");
   m.def("leading_decode", &leading_decode, py::arg("rows"), "How many first rows compute one token each.");
   m.def("row_flags", &row_flags, py::arg("rows"), "rows.py's ROW_* bits of a step's rows.");
 }
