@@ -234,17 +234,12 @@ def write_block_table(slot, i: int, seq) -> None:
     the row up to SHIFT_WINDOW below that holds it (its sequence moved up as requests before it finished). Tables
     grow in place; preemption and release replace the list, so identity says the old pages are valid. slot.bt_rows
     names what every row holds at any time, so a row's copy source is valid whichever rows this step wrote."""
-    bt, tables = seq.block_table, slot.np["block_tables"]
+    bt = seq.block_table
     start = _held_pages(slot.bt_rows, i, bt)
-    for j in range(i + 1, min(len(slot.bt_rows), i + 1 + SHIFT_WINDOW)):
-        if start >= 0:
-            break
-        start = _held_pages(slot.bt_rows, j, bt)
-        if start > 0:
-            tables[i, :start] = tables[j, :start]
-    start = max(start, 0)
+    if start < 0:
+        start = _copy_moved(slot, i, bt)
     if start < len(bt):
-        tables[i, start:len(bt)] = bt[start:]
+        slot.np["block_tables"][i, start:len(bt)] = bt[start:]
     slot.bt_rows[i] = (bt, len(bt))
 
 
@@ -252,6 +247,18 @@ def _held_pages(bt_rows, j: int, bt: list) -> int:
     """Pages of `bt` that row j holds (it last held this very list), or -1."""
     held, have = bt_rows[j]
     return have if held is bt and have <= len(bt) else -1
+
+
+def _copy_moved(slot, i: int, bt: list) -> int:
+    """Copy into row i the pages of `bt` that the first row of the SHIFT_WINDOW below it holds; how many (0: no
+    row holds it)."""
+    tables = slot.np["block_tables"]
+    for j in range(i + 1, min(len(slot.bt_rows), i + 1 + SHIFT_WINDOW)):
+        have = _held_pages(slot.bt_rows, j, bt)
+        if have >= 0:
+            tables[i, :have] = tables[j, :have]
+            return have
+    return 0
 
 
 def row_flags(rows) -> int:
