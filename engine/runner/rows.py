@@ -10,8 +10,6 @@ engine/sampling/penalties.py what only penalized rows read (fill_extras).
 """
 from __future__ import annotations
 
-import numpy as np
-
 from engine.requests.validation import min_tokens_stops
 from engine.runner import _rows, spec_rows
 from engine.sampling import penalties
@@ -24,7 +22,6 @@ ROW_LOGPROBS, ROW_PENALIZED, ROW_SAMPLED, ROW_GUIDED = 1, 2, 4, 8
 # _fill_decode's fields, in the order of its tuples
 DECODE_INPUTS = ("input_ids", "positions", "slot_mapping", "carry_src", "tok_row", "seq_lens")
 DECODE_SAMPLING = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps", "smp_row", "forced")
-SHORT_CHUNK = 16        # chunks of at most this many tokens are written from lists (fill_tokens)
 SHIFT_WINDOW = 16       # rows below a row searched for its table (write_block_table): finished requests a step
 
 
@@ -183,30 +180,12 @@ def fill_tokens(h, row, t: int, block_size: int) -> None:
     seq, n, start, k = row.seq, row.num_tokens, row.start, row.spec_k
     end, bt, bs = start + n, seq.block_table, block_size
     known = min(end, seq.num_tokens)
-    if n == 1:                                      # decode rows: scalar writes only
-        h["positions"][t] = start
-        h["slot_mapping"][t] = bt[start // bs] * bs + start % bs
-        h["tok_row"][t] = seq.pool_row
-        h["carry_src"][t] = -1
-        if known > start:
-            h["input_ids"][t] = seq.token_at(start)
-    elif n <= SHORT_CHUNK:                          # an admission's tail past its cached prefix: lists cost less
-        h["positions"][t:t + n] = range(start, end)     # here than numpy's temporaries
-        h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
-        h["tok_row"][t:t + n] = seq.pool_row
-        h["carry_src"][t:t + n] = -1
-        if known > start:
-            h["input_ids"][t:t + known - start] = seq.tokens(start, known)
-    else:                                           # chunks: whole arrays, not a Python step per token
-        positions = np.arange(start, end)
-        first = start // bs
-        pages = np.asarray(bt[first:(end - 1) // bs + 1], dtype=np.int64)
-        h["positions"][t:t + n] = positions
-        h["slot_mapping"][t:t + n] = pages[positions // bs - first] * bs + positions % bs
-        h["tok_row"][t:t + n] = seq.pool_row
-        h["carry_src"][t:t + n] = -1
-        if known > start:
-            h["input_ids"][t:t + known - start] = seq.tokens(start, known)
+    h["positions"][t:t + n] = range(start, end)
+    h["slot_mapping"][t:t + n] = [bt[p // bs] * bs + p % bs for p in range(start, end)]
+    h["tok_row"][t:t + n] = seq.pool_row
+    h["carry_src"][t:t + n] = -1
+    if known > start:
+        h["input_ids"][t:t + known - start] = seq.tokens(start, known)
     if k:                                           # [last token, K drafts]
         h["carry_src"][t + 1:t + n] = range(1, k + 1)
         h["input_ids"][t + 1:t + n] = 0
