@@ -240,7 +240,7 @@ void copy_tokens(const Fields& k, PyObject* seq, int64_t start, int64_t known, i
 }
 
 // rows.py fill_tokens (its definition): a row's tokens from index t of the step, in one call (a prompt chunk's
-// tokens cost a list's conversion and several numpy temporaries there).
+// tokens take a Python step each there).
 void fill_tokens(py::handle row, py::dict h, int64_t t, int64_t block_size) {
   const Fields& k = slots::once<Fields>();
   PyObject* r = row.ptr();
