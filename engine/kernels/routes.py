@@ -10,7 +10,7 @@ An op is a matmul with what the engine folds around it:
   layer by layer on the routes above, "persistent" in one launch (engine/kernels/persistent/, up to 4 tokens)
 
 Kernels: "gemv" (engine/kernels/matmul/decode_gemv.py, with draft_gemv.py's argmax for heads), "gemm"
-(decode_gemm.py), "stream" (stream_gemm.py: 2-128 rows over large weights, the norm and SiLU * up folded in;
+(decode_gemm.py), "stream" (stream_gemm.py: 2-64 rows over large weights, the norm and SiLU * up folded in;
 "stream_wide", "stream_narrow" and "stream_split" are its other launch shapes, stream_gemm.config), "mma"
 (head_mma.py, heads only) and "cublas" (torch's matmul, the op around it as kernels of its own, and for heads
 engine/kernels/sampling/argmax.py). cuBLAS runs everything, so it is every matmul cell's fallback; "layers" is the

@@ -28,7 +28,7 @@ from engine.kernels.route_cache import cache_path, fingerprint, load_cache, save
 from engine.kernels.routes import RouteTable, Site
 from engine.kernels.timer import Timer
 
-MAX_ROWS = 128      # no kernel but cuBLAS takes more rows (stream_gemm's limit)
+MAX_ROWS = 64       # no kernel but cuBLAS takes more rows (head_mma's limit)
 NEAR = 1.3          # kernels within this factor of a cell's fastest alone are timed again inside the layer
 DROP = 2.0          # a kernel over this factor of a site's fastest at some rows is not timed at its larger rows
 

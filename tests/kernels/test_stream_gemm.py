@@ -1,4 +1,4 @@
-"""engine.kernels.matmul.stream_gemm (2-128 rows over a large weight, streamed over K on tensor cores) against
+"""engine.kernels.matmul.stream_gemm (2-64 rows over a large weight, streamed over K on tensor cores) against
 F.linear, its refusals, the backend running it where the route table pins it, and an engine with it pinned against
 cuBLAS. Without CUDA the kernel runs in the Triton CPU interpreter (tests/conftest.py)."""
 import pytest
@@ -20,9 +20,9 @@ def randn(*shape, seed, dtype=torch.float32):
     return (torch.randn(*shape, generator=g, device=DEV) * 0.5).to(dtype)
 
 
-# rows across every BLOCK_M (16, 32, 64, 128); N not a multiple of BLOCK_N; K not a multiple of BLOCK_K
+# rows across every BLOCK_M (16, 32, 64); N not a multiple of BLOCK_N; K not a multiple of BLOCK_K
 @pytest.mark.parametrize("m,n,k", [(2, 40, 64), (3, 100, 300), (16, 33, 256), (17, 70, 96), (33, 20, 512),
-                                   (64, 48, 16), (100, 40, 96), (128, 24, 16)])
+                                   (64, 48, 16)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_linear_matches_torch(m, n, k, dtype):
     x, w = randn(m, k, seed=1, dtype=dtype), randn(n, k, seed=2, dtype=dtype)
@@ -161,7 +161,7 @@ def test_rows_of_a_strided_x_are_read_where_they_are():
 
 @pytest.mark.parametrize("x,w,words", [
     (torch.zeros(1, 64), torch.zeros(8, 64), "1 rows"),
-    (torch.zeros(129, 64), torch.zeros(8, 64), "129 rows"),
+    (torch.zeros(65, 64), torch.zeros(8, 64), "65 rows"),
     (torch.zeros(4, 64), torch.zeros(8, 32), "K must match"),
     (torch.zeros(4, 8), torch.zeros(8, 8), "at least 16"),
     (torch.zeros(4, 64), torch.zeros(8, 64, dtype=torch.float64), "share a float dtype"),

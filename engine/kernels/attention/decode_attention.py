@@ -32,7 +32,7 @@ import triton.language as tl
 from engine.kernels.attention.attention_checks import check_attention
 from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
 from engine.kernels.fused_ops import check_rope, rotate_rows
-from engine.kernels.attention.paged_attention import _LOG2E, _tile_config, online_update
+from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _tile_config, online_update
 from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
 
 WIDE_HEAD = 128     # padded head sizes from which a program runs 8 warps (warps)
@@ -83,7 +83,7 @@ def _decode_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
         tl.store(vc_ptr + dst, vn, mask=new_m)
     # ---- the products: the prefetched tile, the split's other cached tiles, the new key's column
     acc, l_i, m_i = cached_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, kc_ptr, vc_ptr, bt_row, stride_bt_n,
-                                    lo, cached_hi, kv_off_head, stride_blk, stride_pos, offs_d, d_ok, BLOCK_M,
+                                    lo, cached_hi, ctx, kv_off_head, stride_blk, stride_pos, offs_d, d_ok, BLOCK_M,
                                     HEAD_PAD, BLOCK_SIZE, TILE_N, PREFETCH, PRECISION)
     if owns:
         acc, l_i, m_i = _new_column(acc, l_i, m_i, q, kn, vn, qk_scale)
@@ -155,31 +155,25 @@ def prefetch_tiles_of(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, kv_off
 
 
 @triton.jit
-def cached_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi,
+def cached_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, kc_ptr, vc_ptr, bt_row, stride_bt_n, lo, cached_hi, ctx,
                     kv_off_head, stride_blk, stride_pos, offs_d, d_ok, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PREFETCH: tl.constexpr, PRECISION: tl.constexpr):
-    """The online softmax (acc, l_i, m_i) over a split's cached keys [lo, cached_hi), tile by tile in key order, as
-    _attn_tile would take them (the same products and masks). Each tile's loads are issued before the products of
-    the tile before it, so that a program always has two tiles' reads in flight: at large grids and short contexts
-    a program's walk is a chain of load latencies, not of bandwidth."""
-    if PREFETCH == 1:       # the second tile's reads, under the first tile's products
-        k1, v1, n1_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, lo + TILE_N, cached_hi, kv_off_head,
-                                     stride_blk, stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
+    """The online softmax (acc, l_i, m_i) over a split's cached keys [lo, cached_hi): the prefetched tiles, as
+    _attn_tile would take them (the same products, masks and order), then the rest."""
     scores = tl.where(n_ok[None, :], tl.dot(q, k0, input_precision=PRECISION) * qk_scale, float("-inf"))
     m_i = reduce_max(scores, 1)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = reduce_sum(p, 1)
     acc = tl.dot(p.to(v0.dtype), v0, tl.zeros((BLOCK_M, HEAD_PAD), tl.float32), input_precision=PRECISION)
-    for start in range(lo + 2 * TILE_N, cached_hi, TILE_N):
-        k2, v2, n2_ok = _cached_tile(kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi, kv_off_head, stride_blk,
-                                     stride_pos, offs_d, d_ok, BLOCK_SIZE, TILE_N)
+    if PREFETCH == 2:
         s1 = tl.where(n1_ok[None, :], tl.dot(q, k1, input_precision=PRECISION) * qk_scale, float("-inf"))
         acc, l_i, m_i = online_update(acc, l_i, m_i, s1, v1, PRECISION)
-        k1, v1, n1_ok = k2, v2, n2_ok
-    if lo + TILE_N < cached_hi:         # the last tile read (a split of one tile has none)
-        s1 = tl.where(n1_ok[None, :], tl.dot(q, k1, input_precision=PRECISION) * qk_scale, float("-inf"))
-        acc, l_i, m_i = online_update(acc, l_i, m_i, s1, v1, PRECISION)
+    q_pos = tl.zeros((BLOCK_M,), tl.int32) + ctx
+    for start in range(lo + PREFETCH * TILE_N, cached_hi, TILE_N):
+        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, kc_ptr, vc_ptr, bt_row, stride_bt_n, start, cached_hi,
+                                   kv_off_head, stride_blk, stride_pos, offs_d, d_ok, qk_scale, ctx, q_pos,
+                                   BLOCK_SIZE, TILE_N, True, PRECISION, False)
     return acc, l_i, m_i
 
 

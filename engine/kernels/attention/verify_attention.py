@@ -106,7 +106,7 @@ def _verify_attn_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, out_ptr, part_acc
         tl.store(vc_ptr + dst, vn, mask=stored)
     # ---- the products: the prefetched tile, the split's other cached tiles, the new keys' tile
     acc, l_i, m_i = cached_products(q, k0, v0, n_ok, k1, v1, n1_ok, qk_scale, kc_ptr, vc_ptr, bt_row, stride_bt_n,
-                                    lo, cached_hi, kv_off_head, stride_blk, stride_pos, offs_d, d_ok, BLOCK_M,
+                                    lo, cached_hi, ctx, kv_off_head, stride_blk, stride_pos, offs_d, d_ok, BLOCK_M,
                                     HEAD_PAD, BLOCK_SIZE, TILE_N, PREFETCH, PRECISION)
     if owns:
         s_new = tl.dot(q, tl.trans(kn), input_precision=PRECISION) * qk_scale

@@ -7,12 +7,12 @@
                                                   (= fused_ops.silu_mul(norm_linear(...)[0]))
 
 The decode GEMV holds whole weight rows of one x row at a time, and decode_gemm the whole of K in registers
-(K <= 2048): both were made for small weights. A step of 2-128 rows over a 1-8B model's weights is a pure weight
+(K <= 2048): both were made for small weights. A step of 2-64 rows over a 1-8B model's weights is a pure weight
 read (the rows are a few KB, the weight tens of MB), which cuBLAS's skinny GEMMs do not run at the memory's pace.
 Here each program owns BLOCK_N weight rows and walks K in BLOCK_K tiles, software-pipelined (NUM_STAGES loads in
 flight), multiplying each tile by the rows' x tile on tensor cores with the weight as the MMA's M side (swap-AB:
-the token rows are its N side, padded to BLOCK_M = 16-128 by masked rows, not always to 128). BLOCK_N is 64 where
-N leaves enough programs (config).
+the token rows are its N side, padded to BLOCK_M = 16-64 by masked rows, not to 64). BLOCK_N is 64 where N leaves
+enough programs (config).
 
 Launched with programmatic dependent launch (engine/kernels/common.pdl), a program loads its first weight tile
 before it waits for the kernel before it (weights never change during a step), then reads x. With
@@ -40,7 +40,7 @@ from engine.kernels.matmul import gemv_checks
 from engine.kernels.matmul.silu_pairs import block_rows, out_columns, pairs_fit, silu_store
 from engine.kernels.matmul.split_k import store_partial, sum_partials
 
-MIN_ROWS, MAX_ROWS = 2, 128      # one row is the GEMV's; a tile of 128 token rows is the MMA's widest here
+MIN_ROWS, MAX_ROWS = 2, 64       # one row is the GEMV's; past 64 rows cuBLAS's tiles are full
 MIN_K = 16                       # a tensor-core tile's K
 MAX_K = 1 << 16                  # any model's K: the weight is streamed, not held
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -264,7 +264,7 @@ def _launch(name: str, x, weight, norm_weight=None, eps: float = 0.0, residual=N
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, variant: str = "base", counters=None) -> torch.Tensor:
-    """x @ weight.T for 2-128 rows (`variant`: config's launch shape; "split" takes a zeroed int32 counter buffer of
+    """x @ weight.T for 2-64 rows (`variant`: config's launch shape; "split" takes a zeroed int32 counter buffer of
     a counter a tile, which each launch leaves zeroed)."""
     return _launch("linear", x, weight, variant=variant, counters=counters)[0]
 
