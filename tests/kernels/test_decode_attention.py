@@ -101,6 +101,37 @@ def test_two_tiles_before_the_wait_give_the_same_bits(num_splits):
                             s["seq_lens"], s["tables"], s["slots"], 0.125, prefetch_tiles=3)
 
 
+def test_wide_tiles_match_paged_attention(monkeypatch):
+    """A launch the tile rule gives 128-key tiles (one split, by rule one tile before the wait) stores the cache
+    bits of paged_attention(rope=...) and its output to fp32 rounding, at contexts within the first tile, on its
+    edge and past it."""
+    launched, real = [], da._decode_attn_kernel
+
+    class Spy:                  # records each launch's TILE_N and PREFETCH, then launches the real kernel
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((kw["TILE_N"], kw["PREFETCH"])) or real[grid](*a, **kw)
+
+    monkeypatch.setattr(da, "tile_rule", lambda tile_n, *a: da.WIDE_TILE)
+    monkeypatch.setattr(da, "_decode_attn_kernel", Spy())
+    s = make_step([1] * 5, [1, 100, 128, 129, 300], 9, 3, seed=17)
+    (out_a, kc_a, vc_a), (out_b, kc_b, vc_b) = both(s, 1)
+    assert launched == [(da.WIDE_TILE, 1)]
+    torch.testing.assert_close(kc_b, kc_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(vc_b, vc_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out_b, out_a, **TOL[torch.float32])
+
+
+def test_tile_rule_widens_only_unsplit_full_grids(monkeypatch):
+    """128 keys a tile from FULL_GRID programs an SM, unsplit, on CUDA; the tile config's elsewhere."""
+    monkeypatch.setattr(da, "sm_count", lambda device: 100)
+    cuda, cpu, full = torch.device("cuda"), torch.device("cpu"), da.FULL_GRID * 100
+    assert da.tile_rule(64, 1, full, cuda) == da.WIDE_TILE
+    assert da.tile_rule(256, 1, full, cuda) == 256
+    assert [da.tile_rule(64, 1, full - 1, cuda), da.tile_rule(64, 2, full, cuda), da.tile_rule(64, 1, full, cpu)] \
+        == [64] * 3
+    assert [da.prefetch_rule(1, 64), da.prefetch_rule(1, da.WIDE_TILE), da.prefetch_rule(2, 64)] == [2, 1, 1]
+
+
 def test_padding_sequences_and_rows():
     """A sequence without a token (its cu_seqlens entry repeated) is skipped; a row with slot -1 stores nothing."""
     s = make_step([1, 1, 1], [20, 33, 9], 4, 2, seed=5)

@@ -30,12 +30,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention.attention_checks import check_attention
-from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum
+from engine.kernels.common import is_interpreted, pdl, pdl_start, reduce_max, reduce_sum, sm_count
 from engine.kernels.fused_ops import check_rope, rotate_rows
 from engine.kernels.attention.paged_attention import _LOG2E, _attn_tile, _tile_config, online_update
 from engine.kernels.attention.split_merge import combine_splits, merges, split_count, split_partials, store_splits
 
 WIDE_HEAD = 128     # padded head sizes from which a program runs 8 warps (warps)
+WIDE_TILE = 128     # keys a tile where an unsplit grid fills the SMs (tile_rule)
+FULL_GRID = 1       # programs an SM from which a grid counts as full (tile_rule)
 
 
 @triton.jit
@@ -201,11 +203,20 @@ def warps(head_pad: int, tile_warps: int) -> int:
     return 8 if head_pad >= WIDE_HEAD else tile_warps
 
 
-def prefetch_rule(num_splits: int) -> int:
-    """Cached tiles a split reads before the wait: two where one split walks the whole context (the second
-    shortens attention's share of the step's critical path), one where the context is split (there a second
-    lengthens it; docs/decode_step.md)."""
-    return 2 if num_splits == 1 else 1
+def prefetch_rule(num_splits: int, tile_n: int = 0) -> int:
+    """Cached tiles a split reads before the wait: two where one split walks the whole context in tiles under
+    WIDE_TILE (the second shortens attention's share of the step's critical path), one where the context is split
+    (there a second lengthens it) or the tile is wide (the first already holds 128 keys; docs/decode_step.md)."""
+    return 2 if num_splits == 1 and tile_n < WIDE_TILE else 1
+
+
+def tile_rule(tile_n: int, num_splits: int, programs: int, device: torch.device) -> int:
+    """Keys a tile: WIDE_TILE where the launch is unsplit and has FULL_GRID programs an SM or more, else tile_n.
+    Such a grid runs in waves, and a wider tile puts more reads in flight a program; a smaller grid is split or
+    short, and there the wider tile's registers cost the kernels around it more than it saves (docs/decode_step.md)."""
+    if num_splits == 1 and device.type == "cuda" and programs >= FULL_GRID * sm_count(device):
+        return max(tile_n, WIDE_TILE)
+    return tile_n
 
 
 def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, cu_seqlens_q, seq_lens,
@@ -235,10 +246,11 @@ def decode_attention(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache,
     block_m, _, tile_n, tile_warps = _tile_config(group, 1, block_size)
     groups = num_seqs * num_kv_heads
     num_splits = split_count(num_splits, q.device, groups, block_tables, block_size, max_seq_len, tile_n)
+    tile_n = tile_rule(tile_n, num_splits, groups, q.device)
     head_pad = max(16, triton.next_power_of_2(head_dim))
     num_warps = warps(head_pad, tile_warps)
     part_acc, part_m, part_l = split_partials(out, num_splits, head_pad)
-    prefetch_tiles = prefetch_tiles or prefetch_rule(num_splits)
+    prefetch_tiles = prefetch_tiles or prefetch_rule(num_splits, tile_n)
     merge = merges(num_splits, semaphores, groups, q.device)
     _decode_attn_kernel[(num_splits, num_seqs, num_kv_heads)](
         q, k, v, k_cache, v_cache, out, part_acc, part_m, part_l, cu_seqlens_q, seq_lens, block_tables, positions,
