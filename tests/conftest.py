@@ -56,10 +56,26 @@ def triton_module(name: str):
     return module
 
 
-KERNELS = Path(__file__).parent / "kernels"
+TESTS = Path(__file__).parent
+KERNELS = TESTS / "kernels"
+
+
+# Files that hold an xdist worker (`--dist loadfile`) for two minutes or more of a CPU run, longest first: dispatched
+# before the rest, so that none starts last while the other workers have run out of files.
+FIRST = ["speculative/test_spec_engine.py", "speculative/test_spec_guided.py", "memory/test_prefix_cache.py",
+         "server/test_server_process.py", "kernels/test_verify_attention.py", "speculative/test_tree_guided.py",
+         "workers/test_tp.py", "guided/test_closing.py", "models/test_hf_equality.py", "server/test_server.py",
+         "speculative/test_tree_engine.py", "server/test_server_hostile.py", "test_cli.py",
+         "speculative/test_spec_stack.py", "test_pipeline.py"]
+
+
+def _dispatch_order(item) -> int:
+    rel = item.path.relative_to(TESTS).as_posix() if TESTS in item.path.parents else ""
+    return FIRST.index(rel) if rel in FIRST else len(FIRST)
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_dispatch_order)     # stable: a file's tests keep their order
     for item in items:      # tests/kernels/: the kernels against torch, on CUDA where there is one (make gpu-test)
         if KERNELS in item.path.parents:
             item.add_marker(pytest.mark.kernels)
