@@ -60,7 +60,7 @@ TESTS = Path(__file__).parent
 KERNELS = TESTS / "kernels"
 
 
-# Files that hold an xdist worker (`--dist loadfile`) for two minutes or more of a CPU run, longest first: dispatched
+# Files that hold an xdist worker (`--dist loadfile`) for 100 s or more of a CPU run, longest first: dispatched
 # before the rest, so that none starts last while the other workers have run out of files.
 FIRST = ["speculative/test_spec_engine.py", "speculative/test_spec_guided.py", "memory/test_prefix_cache.py",
          "server/test_server_process.py", "kernels/test_verify_attention.py", "speculative/test_tree_guided.py",
