@@ -40,3 +40,22 @@ def test_a_run_records_the_budgets_view():
     assert len(state["budget_rates"]) == 3 and all(0 < r < 1 for r in state["budget_rates"])
     assert state["budget_costs_ms"] == {}
     assert budget_state(LLMEngine(**CPU, max_num_seqs=2)) == {}
+
+
+def test_warm_grammars_leaves_each_schema_compiled():
+    """bench/spec/spec_guided.py --warm-grammars: every schema of the calls is in the engine's grammar cache before
+    they are timed, so a call's submit finds its grammar compiled."""
+    from bench.guided.guided_quality import guided_params
+    from bench.spec.spec_guided import warm_grammars
+    from engine.llm_engine import LLMEngine
+    from helpers import CPU
+    eng = LLMEngine(**CPU, max_num_seqs=2)
+    schemas = [{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+               {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}}]
+    work = [(s, None, guided_params(s, 16)) for s in schemas]
+    try:
+        warm_grammars(eng, work)
+        for _, _, params in work:
+            assert params.guide in eng.guided.service._cache
+    finally:
+        eng.close()
