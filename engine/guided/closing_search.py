@@ -40,7 +40,7 @@ class ClosingVocab:
                 self.ids.setdefault(b, i)
         self.stop = info.stop_token_ids[0]
         self._memo: dict[bytes, list[int]] = {}     # closings recur step after step (a string's end, say)
-        self._native = _native.ClosingVocab(list(self.ids), list(self.ids.values()))     # python_tokens in C++
+        self.native = _native.ClosingVocab(list(self.ids), list(self.ids.values()))     # python_tokens in C++
 
     def text(self, tokens) -> bytes:
         return b"".join(map(self.bytes.__getitem__, tokens))      # (no generator frame: a closer feeds each step)
@@ -52,7 +52,7 @@ class ClosingVocab:
         if out is None:
             if len(self._memo) >= MEMO:
                 self._memo.clear()
-            out = self._memo[text] = self._native.tokens(text)
+            out = self._memo[text] = self.native.tokens(text)
         return out
 
     @functools.cached_property
@@ -80,7 +80,7 @@ class ClosingVocab:
 
 
 @functools.cache
-def _native_search():
+def native_search():
     """The native search with this module's constants, bound once per process (not rehashed at every call)."""
     return native.closing_search(CANDIDATES, BRANCHES, CLOSERS, BRANCH_POINTS)
 
@@ -91,7 +91,7 @@ def closing_text(matcher: xgr.GrammarMatcher, limit: int = MAX_CLOSING) -> bytes
     code (engine/guided/csrc/closing.cpp), anything else here (the same walk)."""
     handle = native.handle(matcher)
     if handle:
-        return _native.closing_text(_native_search(), handle, limit)
+        return _native.closing_text(native_search(), handle, limit)
     return python_closing_text(matcher, limit)
 
 
@@ -127,7 +127,7 @@ def branch_closings(matcher: xgr.GrammarMatcher, text: bytes) -> list[bytes]:
     lets the model choose. The matcher is left as it was."""
     handle = native.handle(matcher)
     if handle:
-        return _native.branch_closings(_native_search(), handle, text, MAX_CLOSING)
+        return _native.branch_closings(native_search(), handle, text, MAX_CLOSING)
     return python_branch_closings(matcher, text)
 
 

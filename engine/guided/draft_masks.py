@@ -19,9 +19,12 @@ drafted in place of the drafter's, since the target must take that text), -1 for
 forced drafts on, callback 0 alone writes every column from the jump-forward string (no mask per step).
 
 Callbacks read only the step's snapshot (the one the step's own mask node ran, before them on the same
-stream) and buffers the loop thread does not touch. With draft masks on and forced drafts off, the draft
-callbacks are the grammar node's native draft nodes (engine/guided/csrc/node.cpp: no Python, no GIL);
-forced drafts need the tokenizer, so with them on every draft callback takes the Python path below.
+stream) and buffers the loop thread does not touch. They are the grammar node's native draft nodes
+(engine/guided/csrc/node.cpp: no Python, no GIL). The Python path below runs a step whose rows need it (a
+matcher that is not xgrammar's or llguidance's own), every step of a GrammarMasks built with python=True, and
+forced drafts until `set_vocab` gives the native nodes their tokenizer. The two tokenize a forced text
+differently (the tokenizer's canonical tokens here, the vocabulary's longest match there): either is a draft the
+target verifies, so outputs are the same.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 
 import hostfunc
-from engine.guided import native
+from engine.guided import closing_search, native
 from engine.guided.matching import ALL, accept_each, accept_rows, failed, fill, live, rollback_each
 from engine.sampling.sampler import NO_TOKEN
 
@@ -63,21 +66,33 @@ class DraftMasks:
         self.walked: dict[int, tuple] = {}      # request id -> (matcher, draft tokens accepted), callback thread
         self.going: list = []                   # rows still drafting (callback thread)
         self.encoded: dict[str, list[int]] = {}
-        self.forced_drafts = 0                  # forced tokens drafted (callback thread writes, read after runs)
+        self.python_forced = 0                  # forced tokens the Python path drafted (callback thread writes)
         self.python_s = 0.0                     # host time inside the Python draft callbacks (callback thread)
         self._native_base = 0.0
         self._pick = None                       # per drafting step, device tensors of the one being enqueued
-        self.native = draft_masks and not forced and not masks.python
+        self.native = not masks.python
         ref = weakref.ref(self)
         self.callbacks = [lambda j=j: _call(ref, j) for j in range(self.steps)]
         if self.native:
             ptrs = lambda hs: [h.data_ptr() for h in hs]        # noqa: E731
-            masks.node.set_draft(ptrs(self.mask_host), ptrs(self.ctl_host), ptrs(self.tokens_host), max_rows, words)
+            masks.node.set_draft(ptrs(self.mask_host), ptrs(self.ctl_host), ptrs(self.tokens_host), max_rows, words,
+                                 self.calls, draft_masks, forced)
             with hostfunc.owner_scope(masks.owner):
                 masks.attach_draft_python([hostfunc.standing_callback(cb)[0] for cb in self.callbacks])
         if pin:
             self.token_ready = [torch.cuda.Event() for _ in range(self.steps)]
             self.mask_ready = [torch.cuda.Event() for _ in range(self.steps)]
+
+    def set_vocab(self, vocab) -> None:
+        """Forced drafts in the native draft nodes from now on, tokenized by `vocab` (a closing_search.ClosingVocab).
+        Call it while no step runs."""
+        if self.native and self.forced:
+            self.masks.node.set_forced(closing_search.native_search(), vocab.native)
+
+    @property
+    def forced_drafts(self) -> int:
+        """Forced tokens drafted, by either path (read after runs)."""
+        return self.python_forced + (self.masks.node.forced_drafts if self.native else 0)
 
     @property
     def callback_s(self) -> float:
@@ -234,7 +249,7 @@ class DraftMasks:
         if n <= 0 or (self.draft_masks and not (mask_row[toks[0] >> 5] >> (toks[0] & 31)) & 1):
             return
         ctl_row[j:j + n] = toks[:n]
-        self.forced_drafts += n
+        self.python_forced += n
 
     def _roll_back(self) -> None:
         back = [(m, n) for m, n in self.walked.values() if n]

@@ -12,7 +12,7 @@ import hostfunc
 from engine.guided import limits
 from engine.guided.closing import JSON_KINDS, UNKNOWN, Closer
 from engine.guided.closing_search import ClosingVocab
-from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher
+from engine.guided.compiler import GrammarService, GuidedRequest, new_matcher, tokenizer_info
 from engine.guided.snapshot import Snapshot
 
 CACHED_COMPILE_WAIT = 0.002     # seconds add_request waits for a compile before leaving it to the pool
@@ -33,6 +33,7 @@ class GuidedTracker:
         self._make = lambda: GrammarService(tokenizer, vocab_size, eos_ids, config.grammar_compile_threads,
                                             config.grammar_compile_queue, config.grammar_compile_processes,
                                             config.grammar_cache_mb << 20)
+        self._info = lambda: tokenizer_info(tokenizer, vocab_size, eos_ids)     # the service's own (one per process)
         self.service: GrammarService | None = None      # built on the first guided request (not cheap)
         self.enabled, self.cuda, self.has_tokenizer = config.guided, cuda, tokenizer is not None
         self.timeout_s = config.grammar_compile_timeout_s
@@ -41,7 +42,7 @@ class GuidedTracker:
         self.compiling: list = []                       # sequences whose grammar is not ready yet
         self.repeat_limit = t.guided_repeat_limit
         self.spec_k = config.num_speculative_tokens if config.speculative != "none" else 0
-        self._vocab: ClosingVocab | None = None         # built with the service
+        self._vocab: ClosingVocab | None = None         # built with the service, or when first asked for
         self._initial: dict = {}                        # guide -> its closing from the start (see closer)
         self._checked: dict = {}                        # guides within self.bounds (a guide's check is the same
                                                         # for every request of it, and walks its whole schema)
@@ -92,7 +93,7 @@ class GuidedTracker:
 
     def _start_service(self) -> None:
         self.service = self._make()
-        self._vocab = ClosingVocab(self.service.info)     # (not cheap either: with the service, not a request)
+        self._vocab = self._vocab or ClosingVocab(self._info())     # (not cheap either: with the service)
 
     def admit(self, guide, owner) -> GuidedRequest:
         """Server, before queueing a request: check `guide`'s bounds and start compiling it for `owner` (a
@@ -164,7 +165,7 @@ class GuidedTracker:
     def vocab(self) -> ClosingVocab:
         """The closers' view of the vocabulary: built once, by whichever thread asks first (the same either way)."""
         if self._vocab is None:
-            self._vocab = ClosingVocab(self.service.info)
+            self._vocab = ClosingVocab(self._info())
         return self._vocab
 
     def _start_closing(self, seq) -> str | None:

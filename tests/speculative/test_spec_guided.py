@@ -143,6 +143,8 @@ class _Raising:
 
 
 def test_draft_callback_failure_fails_its_request_alone(guided_workload, reference, monkeypatch):
+    """The Python draft callbacks (grammar_node="python"): a matcher that raises while drafting fails its
+    request alone."""
     step = DraftMasks._step
     armed = {}
 
@@ -153,7 +155,7 @@ def test_draft_callback_failure_fails_its_request_alone(guided_workload, referen
                 armed[id(g)] = g.matcher = _Raising(g.matcher, 3)
         return step(self, snap, j)
     monkeypatch.setattr(DraftMasks, "_step", arm)
-    eng, got = run(guided_workload, speculative="eagle", guided_forced_drafts=True)
+    eng, got = run(guided_workload, speculative="eagle", guided_forced_drafts=True, grammar_node="python")
     assert armed, "the people request never drafted"
     assert got[1].finish_reason == "error" and "matcher broke while drafting" in got[1].error
     rest = [i for i in range(len(got)) if i != 1]

@@ -72,15 +72,17 @@ def walk_reference(fresh, drafts, count, vocab):
     return cap, masks
 
 
-@pytest.mark.parametrize("forced", [True, False], ids=["python-drafts", "native-drafts"])
-def test_rollback_is_exact_over_hundreds_of_steps(engine, forced):
-    """Forced drafts run the Python draft callbacks; without them the grammar node's draft nodes run."""
+@pytest.mark.parametrize("python,forced", [(True, True), (False, False), (False, True)],
+                         ids=["python-drafts", "native-drafts", "native-forced-drafts"])
+def test_rollback_is_exact_over_hundreds_of_steps(engine, python, forced):
+    """The Python draft callbacks, and the grammar node's draft nodes with and without forced drafts."""
     vocab, rng = engine.runner.vocab, random.Random(0)
     compiled = service(engine).compile_now(SamplingParams(json_schema=ITEMS).guide)
     rows = [Row(engine, compiled, seed) for seed in (1, 2)]
-    masks = GrammarMasks(vocab, 4, torch.device("cpu"), k=K)
+    masks = GrammarMasks(vocab, 4, torch.device("cpu"), k=K, python=python)
     draft = DraftMasks(masks, K, 4, True, forced, lambda t: engine.tokenizer.encode(t, add_special_tokens=False),
                        apply_bitmask)
+    draft.set_vocab(engine.guided.vocab)
     steps = drafted_steps = walked = 0
     for step in range(2000):
         slot, prev = step % 2, 1 - step % 2
@@ -154,4 +156,6 @@ def test_rollback_is_exact_over_hundreds_of_steps(engine, forced):
                 assert same_state(r.g.matcher, r.fresh, vocab), f"step {step}: the draft walk did not roll back"
                 assert r.g.through_step == step
     assert steps > 300 and drafted_steps > 150 and walked > 100, (steps, drafted_steps, walked)
+    native_forced = draft.forced_drafts - draft.python_forced
+    assert (native_forced > 0, draft.python_forced > 0) == (forced and not python, forced and python)
     assert all(r.committed + len(r.emitted) >= len(r.stream) - 1 for r in rows), "a stream did not finish"

@@ -29,15 +29,6 @@ void roll_back(const ClosingSearch& s, void* matcher, int64_t n) {
   checked(invoke(s.api, s.rollback, args, 2));
 }
 
-std::string jump_forward(const ClosingSearch& s, void* matcher) {
-  FfiAny args[1] = {any_object(matcher)};
-  FfiAny out{};
-  out.type_index = kNone;
-  if (s.api.function_call(s.find_jump_forward_string, args, 1, &out) != 0)
-    throw std::runtime_error("the closing search's matcher call failed: " + describe_error(s.api));
-  return take_string(s.api, out);
-}
-
 // Rolls back the accepted steps when the walk leaves, by return or by throw.
 struct Steps {
   const ClosingSearch& s;
@@ -52,6 +43,15 @@ struct Steps {
 };
 
 }  // namespace
+
+std::string jump_forward(const ClosingSearch& s, void* matcher) {
+  FfiAny args[1] = {any_object(matcher)};
+  FfiAny out{};
+  out.type_index = kNone;
+  if (s.api.function_call(s.find_jump_forward_string, args, 1, &out) != 0)
+    throw std::runtime_error("find_jump_forward_string failed: " + describe_error(s.api));
+  return take_string(s.api, out);
+}
 
 std::optional<std::string> closing_text(const ClosingSearch& s, void* matcher, size_t limit) {
   std::string out;

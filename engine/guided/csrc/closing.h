@@ -30,6 +30,10 @@ struct ClosingSearch {
 // none within `limit` bytes. The matcher is left as it was. Throws std::runtime_error if a matcher call fails.
 std::optional<std::string> closing_text(const ClosingSearch& s, void* matcher, size_t limit);
 
+// The matcher's jump-forward string: the text its grammar allows alone from here ("" where it allows more than
+// one continuation). Throws std::runtime_error if the matcher call fails.
+std::string jump_forward(const ClosingSearch& s, void* matcher);
+
 // The closings through a branch off `text` (the closing from the matcher's state). The matcher is left as it was.
 std::vector<std::string> branch_closings(const ClosingSearch& s, void* matcher, const std::string& text,
                                          size_t limit);

@@ -177,19 +177,30 @@ PYBIND11_MODULE(_native, m) {
            }, py::arg("depth"), py::arg("leaf_depths"),
            "A tree engine's draft tree: steps of width k + 1 walk it (set before any run).")
       .def("set_draft", [](Node& n, std::vector<uintptr_t> masks, std::vector<uintptr_t> ctl,
-                           std::vector<uintptr_t> tokens, int64_t rows, int64_t words) {
+                           std::vector<uintptr_t> tokens, int64_t rows, int64_t words, int64_t calls,
+                           bool draft_masks, bool forced) {
              if (ctl.size() != masks.size() || tokens.size() != masks.size())
                throw std::invalid_argument("grammar node: one mask, control and token buffer per draft step");
+             if (calls < 1 || calls > static_cast<int64_t>(masks.size()))
+               throw std::invalid_argument("grammar node: draft calls must be in [1, draft steps]");
              n.draft = DraftBuffers{};
              for (size_t j = 0; j < masks.size(); ++j) {
                n.draft.mask.push_back(bitmask(masks[j], rows, words));
                n.draft.ctl.push_back(ptr<int64_t>(ctl[j]));
                n.draft.tokens.push_back(ptr<int64_t>(tokens[j]));
              }
-             n.draft.calls = static_cast<int64_t>(masks.size());
+             n.draft.calls = calls;
+             n.draft.steps = static_cast<int64_t>(masks.size());
+             n.draft.masks = draft_masks;
+             n.draft.forced = forced;
              n.draft_calls.clear();
-             for (size_t j = 0; j < masks.size(); ++j) n.draft_calls.push_back(DraftCall{&n, static_cast<int>(j)});
-           })
+             for (int64_t j = 0; j < calls; ++j) n.draft_calls.push_back(DraftCall{&n, static_cast<int>(j)});
+           }, py::arg("masks"), py::arg("ctl"), py::arg("tokens"), py::arg("rows"), py::arg("words"), py::arg("calls"),
+           py::arg("draft_masks"), py::arg("forced"))
+      .def("set_forced", [](Node& n, std::shared_ptr<ClosingSearch> search, std::shared_ptr<ClosingVocab> vocab) {
+             n.set_forced(std::move(search), std::move(vocab));
+           }, py::arg("search"), py::arg("vocab"),
+           "Forced drafts' jump-forward call and tokenizer: from now on the native draft nodes draft them.")
       .def("set_python", [](Node& n, uintptr_t trampoline, uint64_t target, std::vector<uint64_t> draft) {
              n.trampoline = reinterpret_cast<Trampoline>(trampoline);
              n.python_target = target;
@@ -208,6 +219,7 @@ PYBIND11_MODULE(_native, m) {
       .def("run_draft", &Node::run_draft, py::arg("j"), py::call_guard<py::gil_scoped_release>())
       .def("close", &Node::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("draft_seconds", &Node::draft_seconds)
+      .def_property_readonly("forced_drafts", &Node::forced_drafts)
       .def_property_readonly("address", [](Node& n) { return reinterpret_cast<uintptr_t>(&n); })
       .def("draft_address", [](Node& n, int j) {
              if (j < 0 || j >= static_cast<int>(n.draft_calls.size())) throw py::index_error("no such draft step");

@@ -148,9 +148,37 @@ void Node::draft_step(Snapshot& s, int j) {
       mask.allow_all(r.row);
       return;
     }
-    ops.fill(mask, r.row);
+    if (draft.masks) ops.fill(mask, r.row);
     std::fill(ctl + r.row * k, ctl + (r.row + 1) * k, kFree);
+    if (draft.forced && r.matcher && !ops.failed()) force(r, j, ctl + r.row * k, mask);
   });
+}
+
+// Draft the jump-forward text's tokens from draft j on (under draft masks its first alone, where the mask allows
+// it): all but its last, which may merge with what follows. A text no token spells drafts nothing.
+void Node::force(const Row& r, int j, int64_t* ctl_row, const Bitmask& mask) {
+  std::string text;
+  try {
+    text = jump_forward(*draft.search, r.matcher);
+  } catch (const std::exception& e) {
+    r.state->set_error(failed_message(e.what()));
+    return;
+  }
+  if (text.empty()) return;
+  std::vector<int64_t> toks;
+  try {
+    toks = draft.vocab->tokens(text);
+  } catch (const std::invalid_argument&) {
+    return;
+  }
+  const int64_t n = std::min<int64_t>(static_cast<int64_t>(toks.size()) - 1, draft.masks ? 1 : draft.steps - j);
+  if (n <= 0) return;
+  if (draft.masks) {
+    const int64_t word = toks[0] >> 5;
+    if (word >= mask.shape[1] || !((mask.data[r.row * mask.shape[1] + word] >> (toks[0] & 31)) & 1)) return;
+  }
+  std::copy(toks.begin(), toks.begin() + n, ctl_row + j);
+  forced_drafts_.fetch_add(n, std::memory_order_relaxed);
 }
 
 void Node::roll_back_drafts(Snapshot& s) {
@@ -165,7 +193,7 @@ void Node::run_draft(int j) {
   std::lock_guard<std::mutex> run(run_mu_);
   std::shared_ptr<Snapshot> s = last();
   if (!s || j < 0 || j >= draft.calls) return;
-  if (s->python) {  // the Python path times itself and rolls back its own drafts
+  if (s->python || (draft.forced && !draft.vocab)) {  // the Python path times itself and rolls back its own drafts
     try {
       call_python(j < static_cast<int>(python_draft.size()) ? python_draft[j] : 0);
     } catch (const std::exception& e) {
@@ -181,6 +209,13 @@ void Node::run_draft(int j) {
   }
   if (j == draft.calls - 1) roll_back_drafts(*s);
   draft_ns_.fetch_add(static_cast<int64_t>(1e9 * (monotonic_seconds() - start)), std::memory_order_relaxed);
+}
+
+void Node::set_forced(std::shared_ptr<const ClosingSearch> search, std::shared_ptr<const ClosingVocab> vocab) {
+  if (!search || !vocab) throw std::invalid_argument("grammar node: forced drafts need a search and a vocabulary");
+  std::lock_guard<std::mutex> run(run_mu_);
+  draft.search = std::move(search);
+  draft.vocab = std::move(vocab);
 }
 
 void target_node(void* node) { static_cast<Node*>(node)->run_target(); }

@@ -3,9 +3,10 @@
 //
 // Target node (one per step): pop the step's snapshot (or reuse the last one when none was queued: warm-up and
 // capture), accept each row's tokens, fill its 1 + K masks along its drafts, roll the walk back, and write
-// the drafts each row's grammar accepts. Draft node j (draft masks, one per draft step): accept the previous
-// draft token (j = 0: the step's emitted tokens), fill draft mask j and control row j; the last one rolls back
-// every draft the draft nodes accepted. A snapshot whose rows have a matcher that is not xgrammar's own (a
+// the drafts each row's grammar accepts. Draft node j (one per draft step with draft masks, else one for
+// forced drafts alone): accept the previous draft token (j = 0: the step's emitted tokens), fill draft mask j
+// (draft masks) and control row j (forced drafts: the jump-forward text's longest-match tokens, where the
+// Python path takes the tokenizer's); the last one rolls back every draft the draft nodes accepted. A snapshot whose rows have a matcher that is not xgrammar's own (a
 // Python wrapper) runs the Python callback instead, through hostfunc's trampoline (it takes the GIL).
 //
 // Threads: the loop thread pushes snapshots (queue_mu_); the node runs on the driver's thread (or inline on
@@ -21,6 +22,8 @@
 #include <mutex>
 #include <vector>
 
+#include "closing.h"
+#include "closing_vocab.h"
 #include "pool.h"
 #include "rows.h"
 
@@ -42,7 +45,12 @@ struct DraftBuffers {
   std::vector<Bitmask> mask;       // per draft step: [rows, words]
   std::vector<int64_t*> ctl;       // per draft step: [rows, K]
   std::vector<int64_t*> tokens;    // step 0: [rows, K + 1] the emitted tokens; step j: [rows, 1] draft j - 1
-  int64_t calls = 0;
+  int64_t calls = 0;               // draft nodes a drafting step runs
+  int64_t steps = 0;               // draft steps (mask buffers): a tree's chain, else K
+  bool masks = true;               // fill draft mask j
+  bool forced = false;             // grammar-forced drafts; until `vocab` is set, the Python path drafts them
+  std::shared_ptr<const ClosingSearch> search;  // its find_jump_forward_string handle
+  std::shared_ptr<const ClosingVocab> vocab;    // what tokenizes the jump-forward text
 };
 
 class Node;
@@ -72,14 +80,17 @@ class Node {
   std::shared_ptr<Snapshot> last();
   void run_target();
   void run_draft(int j);
+  void set_forced(std::shared_ptr<const ClosingSearch> search, std::shared_ptr<const ClosingVocab> vocab);
   void close();
   double draft_seconds() const { return 1e-9 * static_cast<double>(draft_ns_.load(std::memory_order_relaxed)); }
+  int64_t forced_drafts() const { return forced_drafts_.load(std::memory_order_relaxed); }
 
  private:
   std::shared_ptr<Snapshot> next();
   void for_rows(const Snapshot& s, const std::function<void(size_t)>& fn);
   void fill_target(Snapshot& s, bool accept);
   void draft_step(Snapshot& s, int j);
+  void force(const Row& r, int j, int64_t* ctl_row, const Bitmask& mask);
   void roll_back_drafts(Snapshot& s);
   void call_python(uint64_t handle);
 
@@ -94,6 +105,7 @@ class Node {
   std::vector<uint8_t> going_;     // draft nodes: row i of the last snapshot still drafting
   std::vector<int64_t> walked_;    // draft nodes: drafts row i's matcher accepted (rolled back by the last)
   std::atomic<int64_t> draft_ns_{0};  // host time inside native draft nodes
+  std::atomic<int64_t> forced_drafts_{0};  // forced tokens the native draft nodes drafted
 };
 
 void target_node(void* node);  // cuLaunchHostFunc entry points
