@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import hostfunc
-from engine.guided import closing_search, native
+from engine.guided import _native, closing_search, native
 from engine.guided.matching import ALL, accept_each, accept_rows, failed, fill, live, rollback_each
 from engine.sampling.sampler import NO_TOKEN
 
@@ -67,6 +67,8 @@ class DraftMasks:
         self.going: list = []                   # rows still drafting (callback thread)
         self.encoded: dict[str, list[int]] = {}
         self.python_forced = 0                  # forced tokens the Python path drafted (callback thread writes)
+        self._forced_base = 0
+        self.forced_tokens = None               # the native draft nodes' (set_vocab)
         self.python_s = 0.0                     # host time inside the Python draft callbacks (callback thread)
         self._native_base = 0.0
         self._pick = None                       # per drafting step, device tensors of the one being enqueued
@@ -84,15 +86,31 @@ class DraftMasks:
             self.mask_ready = [torch.cuda.Event() for _ in range(self.steps)]
 
     def set_vocab(self, vocab) -> None:
-        """Forced drafts in the native draft nodes from now on, tokenized by `vocab` (a closing_search.ClosingVocab).
-        Call it while no step runs."""
+        """Forced drafts in the native draft nodes from now on, tokenized by `vocab` (a closing_search.ClosingVocab)
+        until `learn_forced` has taught them the tokenizer's tokens. Call it while no step runs."""
         if self.native and self.forced:
-            self.masks.node.set_forced(closing_search.native_search(), vocab.native)
+            self.forced_tokens = _native.ForcedTokens(vocab.native, _ENCODE_CACHE)
+            self.masks.node.set_forced(closing_search.native_search(), self.forced_tokens)
+
+    def learn_forced(self) -> None:
+        """Loop thread, while a step runs: the tokenizer's tokens of the forced texts the native draft nodes met
+        since the last call (they drafted them by longest match)."""
+        if self.forced_tokens is None:
+            return
+        for text in self.forced_tokens.take():
+            try:
+                self.forced_tokens.teach(text, self.encode(text.decode()))
+            except UnicodeDecodeError:      # (a forced text is whole characters; the longest match stays)
+                continue
 
     @property
     def forced_drafts(self) -> int:
-        """Forced tokens drafted, by either path (read after runs)."""
-        return self.python_forced + (self.masks.node.forced_drafts if self.native else 0)
+        """Forced tokens drafted, by either path (since it was last set; read after runs)."""
+        return self.python_forced + (self.masks.node.forced_drafts - self._forced_base if self.native else 0)
+
+    @forced_drafts.setter
+    def forced_drafts(self, count: int) -> None:
+        self.python_forced, self._forced_base = count, self.masks.node.forced_drafts
 
     @property
     def callback_s(self) -> float:

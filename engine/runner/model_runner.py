@@ -217,6 +217,9 @@ class ModelRunner:
                 raise
             if self.cuda:
                 te["sampled_ready"].record()
+        draft_masks = getattr(self.program, "draft_masks", None)
+        if snapshot is not None and draft_masks is not None:
+            draft_masks.learn_forced()                  # (the step is on its way)
         if not download:
             return replay_s
         if self.cuda:

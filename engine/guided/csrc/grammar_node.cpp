@@ -197,10 +197,10 @@ PYBIND11_MODULE(_native, m) {
              for (int64_t j = 0; j < calls; ++j) n.draft_calls.push_back(DraftCall{&n, static_cast<int>(j)});
            }, py::arg("masks"), py::arg("ctl"), py::arg("tokens"), py::arg("rows"), py::arg("words"), py::arg("calls"),
            py::arg("draft_masks"), py::arg("forced"))
-      .def("set_forced", [](Node& n, std::shared_ptr<ClosingSearch> search, std::shared_ptr<ClosingVocab> vocab) {
-             n.set_forced(std::move(search), std::move(vocab));
-           }, py::arg("search"), py::arg("vocab"),
-           "Forced drafts' jump-forward call and tokenizer: from now on the native draft nodes draft them.")
+      .def("set_forced", [](Node& n, std::shared_ptr<ClosingSearch> search, std::shared_ptr<ForcedTokens> tokens_of) {
+             n.set_forced(std::move(search), std::move(tokens_of));
+           }, py::arg("search"), py::arg("tokens_of"),
+           "Forced drafts' jump-forward call and tokens: from now on the native draft nodes draft them.")
       .def("set_python", [](Node& n, uintptr_t trampoline, uint64_t target, std::vector<uint64_t> draft) {
              n.trampoline = reinterpret_cast<Trampoline>(trampoline);
              n.python_target = target;
@@ -233,6 +233,20 @@ PYBIND11_MODULE(_native, m) {
           Call c = fill_mask(*matchers, reinterpret_cast<void*>(matcher), &t, index);
           return py::make_tuple(c.ok, c.value, c.error);
         }, "One fill_next_token_bitmask call as the node makes it: (ok, result, error text).");
+  py::class_<ForcedTokens, std::shared_ptr<ForcedTokens>>(m, "ForcedTokens")
+      .def(py::init([](std::shared_ptr<ClosingVocab> vocab, size_t capacity) {
+             return std::make_shared<ForcedTokens>(std::move(vocab), capacity);
+           }), py::arg("vocab"), py::arg("capacity"))
+      .def("tokens", [](ForcedTokens& f, py::bytes text) { return f.tokens(std::string(text)); }, py::arg("text"))
+      .def("take", [](ForcedTokens& f) {
+             std::vector<py::bytes> out;
+             for (std::string& t : f.take()) out.emplace_back(t);
+             return out;
+           }, "The texts drafted by longest match since the last take.")
+      .def("teach", [](ForcedTokens& f, py::bytes text, std::vector<int64_t> tokens) {
+             f.teach(std::string(text), std::move(tokens));
+           }, py::arg("text"), py::arg("tokens"))
+      .def_property_readonly("known", &ForcedTokens::known);
   bind_llg(m);
   bind_closing(m);
   m.attr("TARGET_NODE") = reinterpret_cast<uintptr_t>(&target_node);

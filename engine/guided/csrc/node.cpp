@@ -167,7 +167,7 @@ void Node::force(const Row& r, int j, int64_t* ctl_row, const Bitmask& mask) {
   if (text.empty()) return;
   std::vector<int64_t> toks;
   try {
-    toks = draft.vocab->tokens(text);
+    toks = draft.tokens_of->tokens(text);
   } catch (const std::invalid_argument&) {
     return;
   }
@@ -193,7 +193,7 @@ void Node::run_draft(int j) {
   std::lock_guard<std::mutex> run(run_mu_);
   std::shared_ptr<Snapshot> s = last();
   if (!s || j < 0 || j >= draft.calls) return;
-  if (s->python || (draft.forced && !draft.vocab)) {  // the Python path times itself and rolls back its own drafts
+  if (s->python || (draft.forced && !draft.tokens_of)) {  // the Python path times itself and rolls back its own drafts
     try {
       call_python(j < static_cast<int>(python_draft.size()) ? python_draft[j] : 0);
     } catch (const std::exception& e) {
@@ -211,11 +211,11 @@ void Node::run_draft(int j) {
   draft_ns_.fetch_add(static_cast<int64_t>(1e9 * (monotonic_seconds() - start)), std::memory_order_relaxed);
 }
 
-void Node::set_forced(std::shared_ptr<const ClosingSearch> search, std::shared_ptr<const ClosingVocab> vocab) {
-  if (!search || !vocab) throw std::invalid_argument("grammar node: forced drafts need a search and a vocabulary");
+void Node::set_forced(std::shared_ptr<const ClosingSearch> search, std::shared_ptr<ForcedTokens> tokens_of) {
+  if (!search || !tokens_of) throw std::invalid_argument("grammar node: forced drafts need a search and their tokens");
   std::lock_guard<std::mutex> run(run_mu_);
   draft.search = std::move(search);
-  draft.vocab = std::move(vocab);
+  draft.tokens_of = std::move(tokens_of);
 }
 
 void target_node(void* node) { static_cast<Node*>(node)->run_target(); }

@@ -5,8 +5,8 @@
 // capture), accept each row's tokens, fill its 1 + K masks along its drafts, roll the walk back, and write
 // the drafts each row's grammar accepts. Draft node j (one per draft step with draft masks, else one for
 // forced drafts alone): accept the previous draft token (j = 0: the step's emitted tokens), fill draft mask j
-// (draft masks) and control row j (forced drafts: the jump-forward text's longest-match tokens, where the
-// Python path takes the tokenizer's); the last one rolls back every draft the draft nodes accepted. A snapshot whose rows have a matcher that is not xgrammar's own (a
+// (draft masks) and control row j (forced drafts: the jump-forward text's tokens, forced_tokens.h); the last
+// one rolls back every draft the draft nodes accepted. A snapshot whose rows have a matcher that is not xgrammar's own (a
 // Python wrapper) runs the Python callback instead, through hostfunc's trampoline (it takes the GIL).
 //
 // Threads: the loop thread pushes snapshots (queue_mu_); the node runs on the driver's thread (or inline on
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "closing.h"
-#include "closing_vocab.h"
+#include "forced_tokens.h"
 #include "pool.h"
 #include "rows.h"
 
@@ -48,9 +48,9 @@ struct DraftBuffers {
   int64_t calls = 0;               // draft nodes a drafting step runs
   int64_t steps = 0;               // draft steps (mask buffers): a tree's chain, else K
   bool masks = true;               // fill draft mask j
-  bool forced = false;             // grammar-forced drafts; until `vocab` is set, the Python path drafts them
+  bool forced = false;             // grammar-forced drafts; until `tokens_of` is set, the Python path drafts them
   std::shared_ptr<const ClosingSearch> search;  // its find_jump_forward_string handle
-  std::shared_ptr<const ClosingVocab> vocab;    // what tokenizes the jump-forward text
+  std::shared_ptr<ForcedTokens> tokens_of;      // what tokenizes the jump-forward text
 };
 
 class Node;
@@ -80,7 +80,7 @@ class Node {
   std::shared_ptr<Snapshot> last();
   void run_target();
   void run_draft(int j);
-  void set_forced(std::shared_ptr<const ClosingSearch> search, std::shared_ptr<const ClosingVocab> vocab);
+  void set_forced(std::shared_ptr<const ClosingSearch> search, std::shared_ptr<ForcedTokens> tokens_of);
   void close();
   double draft_seconds() const { return 1e-9 * static_cast<double>(draft_ns_.load(std::memory_order_relaxed)); }
   int64_t forced_drafts() const { return forced_drafts_.load(std::memory_order_relaxed); }
