@@ -46,7 +46,7 @@ MODES = {"none": {},
          "head+tree": dict(speculative="eagle", guided_draft_masks=False, guided_forced_drafts=False),
          "head+masks+tree": dict(speculative="eagle", guided_draft_masks=True, guided_forced_drafts=False),
          "ngram": dict(speculative="ngram")}
-COLUMNS = {"acceptance": ["mode", "dataset", "prompts", "acceptance_length", "forced_per_step", "valid_frac",
+COLUMNS = {"acceptance": ["mode", "dataset", "pass", "prompts", "acceptance_length", "forced_per_step", "valid_frac",
                           "finished_frac", "tok_s"],
            "latency": ["mode", "calls", "ms_per_call", "tok_s", "speedup", "acceptance_length", "valid_frac"],
            "streams": ["streams", "mode", "tok_s", "speedup", "ms_per_step", "idle_frac", "callback_ms",
@@ -72,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--warm-grammars", action="store_true",
                    help="latency: compile every schema in each engine before the timed calls, as a server that has "
                         "served those tools before holds them in its grammar cache")
+    p.add_argument("--passes", type=int, default=1,
+                   help="acceptance: runs of each dataset on the same engine (records carry `pass`), the later ones "
+                        "as a server that met those schemas before runs them")
     p.add_argument("--out", default="bench/results/spec_guided.json")
     return p.parse_args(argv)
 
@@ -146,16 +149,18 @@ def run_acceptance(args) -> list[dict]:
                       draft_masks=[m.get("guided_draft_masks", False)],
                       forced_drafts=[m.get("guided_forced_drafts", False)],
                       batch=args.batch, max_tokens=args.max_tokens, prompts=args.limit or 10 ** 6, device=args.device,
-                      dtype=args.dtype, data=args.data, baseline=False,
+                      dtype=args.dtype, data=args.data, baseline=False, passes=args.passes,
                       engine=dict(enforce_eager=True, **limits(args.batch), **tree(args, mode)))
         for r in run_study(study, progress=False):
             rec = record("spec_guided_acceptance", mode, r["model"], args.dtype, args.batch, r["new_tokens"],
                          r["tok_s"],
                          r["ms_per_step"], dataset=r["dataset"], prompts=r["prompts"], k=args.k, **flags(args, mode),
                          **{key: r[key] for key in ("forced_per_step", "acceptance_length", "valid_frac",
-                                                    "finished_frac", "errors")})
+                                                    "finished_frac", "errors", "pass") if key in r})
             records.append(rec)
-            note(f"acceptance {mode} {r['dataset']}: {rec['acceptance_length']} (forced/step {rec['forced_per_step']})")
+            run = f" pass {r['pass']}" if "pass" in r else ""
+            note(f"acceptance {mode} {r['dataset']}{run}: {rec['acceptance_length']} (forced/step "
+                 f"{rec['forced_per_step']})")
     return records
 
 

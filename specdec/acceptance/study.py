@@ -37,6 +37,9 @@ class Study:
     draft_model: str | None = None    # draft_model: a model spec sharing the tokenizer
     baseline: bool = True             # run "none" too: same_tokens_as_none and speedup
     seed: int = 0                     # sampled runs: prompt i has seed seed + i, in every engine
+    passes: int = 1                   # runs of each case on the same engine (records carry `pass`): the later ones
+                                      # see what a server that met those prompts before holds (compiled grammars,
+                                      # the forced texts' tokens)
     engine: dict = field(default_factory=dict)    # further EngineConfig fields
 
     def validate(self) -> None:
@@ -57,7 +60,8 @@ class Study:
             for v in values:
                 if not ok(v):
                     raise ValueError(f"{option}: {v!r} is not {want}")
-        for option, value in (("--batch", self.batch), ("--max-tokens", self.max_tokens), ("--prompts", self.prompts)):
+        for option, value in (("--batch", self.batch), ("--max-tokens", self.max_tokens), ("--prompts", self.prompts),
+                              ("--passes", self.passes)):
             if value < 1:
                 raise ValueError(f"{option}: must be >= 1, got {value}")
         for head in self.heads:
@@ -157,12 +161,14 @@ def run_study(study: Study, progress: bool = True) -> list[dict]:
                 for item, guided, temp in cases:
                     bar.set_postfix_str(f"{method.name}{f' K={method.k}' * bool(method.k)} {item}"
                                         f"{' guided' * guided}{f' T={temp:g}' * bool(temp)}")
-                    rec, outputs = measure(eng, datasets[item], guided, temp, batch=study.batch,
-                                          max_tokens=study.max_tokens, seed=study.seed)
-                    rec.update(method=method.name, drafter=method.drafter, k=method.k, draft_masks=method.draft_masks,
-                               forced_drafts=method.forced_drafts, head=method.head)
-                    _compare(rec, outputs, baseline, (item, guided, temp), method)
-                    records.append(rec)
+                    for run in range(1, study.passes + 1):
+                        rec, outputs = measure(eng, datasets[item], guided, temp, batch=study.batch,
+                                              max_tokens=study.max_tokens, seed=study.seed)
+                        rec.update(method=method.name, drafter=method.drafter, k=method.k,
+                                   draft_masks=method.draft_masks, forced_drafts=method.forced_drafts,
+                                   head=method.head, **({"pass": run} if study.passes > 1 else {}))
+                        _compare(rec, outputs, baseline, (item, guided, temp, run), method)
+                        records.append(rec)
                     bar.update()
             finally:
                 _close(eng)

@@ -64,6 +64,17 @@ def test_guided_runs_decode_under_their_schema(tmp_path):
     assert by[True]["forced_per_step"] == 0.0, "the n-gram drafter forces nothing"
 
 
+def test_passes_run_each_case_again_on_the_same_engine(tmp_path):
+    """passes=2: each case twice on one engine, records in order with their pass; greedy tokens agree with the
+    baseline's of the same pass."""
+    (tmp_path / "cat.json").write_text(json.dumps(CAT))
+    records = run_study(Study(datasets=[f"cats={tmp_path}"], ks=[2], guided=[True], prompts=2, batch=2,
+                              max_tokens=24, device="cpu", dtype="float32", passes=2), progress=False)
+    assert [(r["method"], r["pass"]) for r in records] == [("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2)]
+    assert all(r["same_tokens_as_none"] is True for r in records[2:])
+    assert records[2]["new_tokens"] == records[3]["new_tokens"] > 0
+
+
 def test_heads_compared_in_one_study(tmp_path):
     """Two head directories give two methods named after them, over one baseline; the same weights under two
     names give the same tokens and acceptance."""
@@ -92,6 +103,7 @@ def test_heads_compared_in_one_study(tmp_path):
     (dict(drafters=["draft_model"]), "--draft-model"),
     (dict(datasets=["mine=/nonexistent"]), "no file or directory"),
     (dict(batch=0), "--batch"),
+    (dict(passes=0), "--passes: must be >= 1, got 0"),
     (dict(drafters=["eagle"], heads=["/nonexistent"]), "--head: '/nonexistent' is not a head directory"),
 ])
 def test_bad_inputs_raise(change, message):
