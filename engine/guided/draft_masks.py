@@ -22,9 +22,10 @@ Callbacks read only the step's snapshot (the one the step's own mask node ran, b
 stream) and buffers the loop thread does not touch. They are the grammar node's native draft nodes
 (engine/guided/csrc/node.cpp: no Python, no GIL). The Python path below runs a step whose rows need it (a
 matcher that is not xgrammar's or llguidance's own), every step of a GrammarMasks built with python=True, and
-forced drafts until `set_vocab` gives the native nodes their tokenizer. The two tokenize a forced text
-differently (the tokenizer's canonical tokens here, the vocabulary's longest match there): either is a draft the
-target verifies, so outputs are the same.
+forced drafts until `set_vocab` gives the native nodes their tokenizer. The Python path tokenizes a forced text
+with the tokenizer; the native nodes take the vocabulary's longest match for a text they meet for the first time,
+and the tokenizer's tokens once `learn_forced` has taught them (engine/guided/csrc/forced_tokens.h). Either is a
+draft the target verifies, so outputs are the same.
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@
 // the drafts each row's grammar accepts. Draft node j (one per draft step with draft masks, else one for
 // forced drafts alone): accept the previous draft token (j = 0: the step's emitted tokens), fill draft mask j
 // (draft masks) and control row j (forced drafts: the jump-forward text's tokens, forced_tokens.h); the last
-// one rolls back every draft the draft nodes accepted. A snapshot whose rows have a matcher that is not xgrammar's own (a
-// Python wrapper) runs the Python callback instead, through hostfunc's trampoline (it takes the GIL).
+// one rolls back every draft the draft nodes accepted. A snapshot whose rows have a matcher that is not
+// xgrammar's own (a Python wrapper) runs the Python callback instead, through hostfunc's trampoline (it takes
+// the GIL).
 //
 // Threads: the loop thread pushes snapshots (queue_mu_); the node runs on the driver's thread (or inline on
 // the CPU, GIL released), one run at a time (run_mu_, which close() takes too). Buffers are the engine's
