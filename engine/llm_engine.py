@@ -100,9 +100,8 @@ class LLMEngine(EngineFrontend):
         self.output = OutputProcessor(self.tokenizer, self.eos_ids)
         self.guided = GuidedTracker(self.tokenizer, self.runner.vocab, self.eos_ids, config, self.runner.cuda,
                                     self.runner.spec_k > 0 and self.runner.program.drafter.lends_vocab)
-        draft_masks = getattr(self.runner.program, "draft_masks", None)
-        if draft_masks is not None and draft_masks.forced:
-            draft_masks.set_vocab(self.guided.vocab)    # forced drafts in the grammar node's native draft nodes
+        if self.runner.draft_masks is not None and self.runner.draft_masks.forced:
+            self.runner.draft_masks.set_vocab(self.guided.vocab)    # forced drafts in the native draft nodes
         self.timings = StepTimings()
         self._counted_query = self._counted_hits = 0     # the prefix-cache counters timings already holds
         self._rng = random.Random(config.seed)

@@ -93,7 +93,7 @@ class GuidedTracker:
 
     def _start_service(self) -> None:
         self.service = self._make()
-        self._vocab = self._vocab or ClosingVocab(self._info())     # (not cheap either: with the service)
+        _ = self.vocab      # (not cheap either: built with the service, not on a request's path)
 
     def admit(self, guide, owner) -> GuidedRequest:
         """Server, before queueing a request: check `guide`'s bounds and start compiling it for `owner` (a

@@ -85,6 +85,7 @@ class ModelRunner:
                                            tree=config_tree(config), step_io=step_io)
         else:
             self.program = StepProgram(*args, penalties=self.penalties, pool=self.pool, step_io=step_io)
+        self.draft_masks = getattr(self.program, "draft_masks", None)     # guided drafting's host side, or None
         # positions past a row's inputs the drafter writes KV at (the scheduler reserves pages for them)
         self.draft_lookahead = self.program.drafter.lookahead if self.spec_k else 0
         max_blocks = -(-max_model_len // config.block_size)
@@ -217,9 +218,8 @@ class ModelRunner:
                 raise
             if self.cuda:
                 te["sampled_ready"].record()
-        draft_masks = getattr(self.program, "draft_masks", None)
-        if snapshot is not None and draft_masks is not None:
-            draft_masks.learn_forced()                  # (the step is on its way)
+        if snapshot is not None and self.draft_masks is not None:
+            self.draft_masks.learn_forced()             # (the step is on its way)
         if not download:
             return replay_s
         if self.cuda:
