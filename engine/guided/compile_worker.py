@@ -3,9 +3,10 @@
 xgrammar has no cancellation point and its compile threads take whole cores, so a compile running in the engine
 process outlives the request that gave up on it and slows every step meanwhile. This process (started by
 engine/guided/compile_procs.py, `python -m engine.guided.compile_worker FD FOLDER THREADS`) imports xgrammar and
-builds the tokenizer info once, then forks one child per compile. The child runs at nice 19, and under SCHED_IDLE
-once it has used DEMOTE_CPU_S of CPU; it compiles, writes xgrammar's serialised form (`serialize_json`) to FOLDER
-and exits. A compile its requests gave up on is killed (SIGKILL), which returns its CPU and memory at once.
+builds the tokenizer info once, then forks one child per compile. The child runs at the server's priority for its
+first DEMOTE_CPU_S of CPU and under SCHED_IDLE after; it compiles, writes xgrammar's serialised form
+(`serialize_json`) to FOLDER and exits. A compile its requests gave up on is killed (SIGKILL), which returns its CPU
+and memory at once.
 
 Protocol on the socket FD (multiprocessing Connection, pickled tuples):
 - in: the tokenizer info's JSON (once), then ("compile", job, guide tuple), ("kill", job), ("stop",);
@@ -27,8 +28,11 @@ import xgrammar as xgr
 
 from engine.guided.guide import Guide, grammar_schema
 
-NICE = 19       # compiles take the CPU that serving leaves idle, and little of the rest
-DEMOTE_CPU_S = 0.5      # CPU a compile may use at nice 19 before it runs only where a core is idle (SCHED_IDLE)
+# An ordinary grammar (a schema, a tool call's structural tag) compiles within this much CPU, at the server's own
+# priority, so it ends on a busy machine too; past it a compile runs only where a core is idle (SCHED_IDLE). Not
+# nice 19 before: that gets a sliver of a core the serving threads keep busy, and an ordinary compile outlived its
+# request's budget (docs/server.md).
+DEMOTE_CPU_S = 1.0
 CHECK_S = 0.05          # how often the compile process looks at its children's CPU time
 
 
@@ -65,7 +69,6 @@ def _child(info: xgr.TokenizerInfo, threads: int, guide: Guide, path: str) -> No
     """In the forked child: compile, write the result (or the error's text to path + '.err'), exit."""
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG: never outlive the compile process
-        _lowest_priority()
         cpus = compile_cpus()
         os.sched_setaffinity(0, cpus)                    # its threads, started later, inherit it
         compiler = xgr.GrammarCompiler(info, max_threads=min(threads, len(cpus)), cache_enabled=False)
@@ -79,14 +82,6 @@ def _child(info: xgr.TokenizerInfo, threads: int, guide: Guide, path: str) -> No
             f.write(f"{exc}"[:4000])
         code = 1
     os._exit(code)
-
-
-def _lowest_priority() -> None:
-    """nice 19: a compile gets a share of a busy core (1/70 of a nice-0 thread's), so a small one ends within its
-    budget even while the CPU serves (SCHED_IDLE would give it none). A nice-19 thread still delays the serving
-    threads it shares a core with (it runs out its slice), so a compile that runs long is moved to SCHED_IDLE
-    (`Zygote._demote`)."""
-    os.nice(NICE)
 
 
 def _cpu_s(pid: int) -> float:

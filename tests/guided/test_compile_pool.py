@@ -177,6 +177,54 @@ def test_a_lost_compile_process_fails_its_compiles_and_the_next_starts_another(i
     assert again.future.result(120) is not None and isolated.procs._proc.pid != old
 
 
+def tool_call_tag() -> Guide:
+    """An ordinary grammar that takes about half a second of CPU: a tool call or a JSON answer (tools under 'auto'
+    with a response format)."""
+    import json
+
+    from engine.server.openai.tools import plan_tools
+    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"]}
+    return Guide("structural_tag", json.dumps(plan_tools(tools, None, True, {"json_schema": answer}).guide), False)
+
+
+def test_an_ordinary_compile_ends_on_a_busy_cpu_and_a_long_one_runs_in_idle_time(isolated):
+    """Every core kept busy at the server's priority: an ordinary compile still ends in seconds (at nice 19 it got
+    a sliver of its core and outlived a minute), and a compile past DEMOTE_CPU_S of CPU runs under SCHED_IDLE."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    from engine.guided.compile_worker import DEMOTE_CPU_S
+    assert isolated.submit(Guide("regex", "warm-[0-9]", False), "a").future.result(120) is not None
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2 * len(os.sched_getaffinity(0)))]
+    try:
+        t0 = time.monotonic()
+        assert isolated.submit(tool_call_tag(), "a").future.result(120) is not None
+        busy_s = time.monotonic() - t0
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert busy_s < 20, f"an ordinary compile took {busy_s:.1f} s on a busy CPU"
+    heavy = isolated.submit(Guide("json_schema", heavy_schema("idle"), False), "a")
+    zygote = psutil.Process(isolated.procs._proc.pid)
+    deadline, child = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        child = next(iter(zygote.children()), None)
+        if child is not None and sum(child.cpu_times()[:2]) > DEMOTE_CPU_S + 0.3:
+            break
+        time.sleep(0.05)
+    assert child is not None, "the long compile never started"
+    policies = {os.sched_getscheduler(t.id) for t in child.threads()}
+    heavy.cancel()
+    assert policies == {os.SCHED_IDLE}, policies
+
+
 def test_closing_while_the_compile_process_starts_ends_it_cleanly(engine, capfd):
     """Closed at once, while its reader thread is still sending the tokenizer info: the compile process is
     stopped without reading a message that a second writer broke into (it printed a decoding traceback)."""
