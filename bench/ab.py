@@ -167,6 +167,7 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
     done = sides(lambda x: x.get("requests_done"))
     outside = sides(lambda x: x.get("outside_steps_ms"))
     gc_ms = sides(lambda x: x.get("gc_ms"))
+    slowest = {n: [x["slowest_steps"] for x in rows if x.get("slowest_steps")] for n, rows in pick.items()}  # a run
     ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
     host_bound = " ".join(n for n in ("before", "after") if (idle[n] or 0.0) > HOST_BOUND) or None
     first = (pick["after"] or [{}])[0]
@@ -178,6 +179,7 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
                   before_gc_ms=gc_ms["before"], after_gc_ms=gc_ms["after"],
                   requests_done=_differing(done["before"], done["after"]),
                   before_runs=tok["before"], after_runs=tok["after"], before_tree=str(before_tree),
+                  before_slowest_steps=slowest["before"], after_slowest_steps=slowest["after"],
                   before_engine=args.before_engine, after_engine=args.after_engine, rounds=args.rounds)
 
 

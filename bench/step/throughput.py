@@ -8,7 +8,8 @@
 One engine per (depth, streams) with max_num_seqs=streams; a short warm-up generate (other prompts)
 resets nothing but the counters before the timed one.
 ms_per_step = wall / engine steps (prefill steps included); steady_period_ms, steady_forward_ms and
-steady_idle_ms are medians over the decode steps with every stream busy. The per-step breakdown (plan, launch,
+steady_idle_ms are medians over the decode steps with every stream busy; slowest_steps lists the five longest
+step periods (a mean period well above the steady one lands there). The per-step breakdown (plan, launch,
 wait, commit on the CPU; forward and sampling on the GPU) comes from `engine.timings`; outside_steps_ms is
 the timed generate's wall outside the engine's step calls (its period's); gc_ms, the garbage collections Python ran
 in it, over a heap collected and frozen (gc.freeze) before it, as in the server's engine process
@@ -93,6 +94,14 @@ def steady_fields(trace: list[dict], streams: int) -> dict:
     return {f"steady_{k}": st[k] for k in ("period_ms", "forward_ms", "idle_ms")} | {"steady_steps": st["steady_steps"]}
 
 
+def slowest_steps(trace: list[dict], n: int = 5) -> list[dict]:
+    """The n steps of the timed generate with the longest periods, in step order: where a one-time cost (a kernel
+    compiled or loaded, a graph captured, a collection) lands, and whether it was a prefill or a decode step."""
+    longest = sorted(range(len(trace)), key=lambda i: trace[i]["period"], reverse=True)[:n]
+    return [dict(step=i, period_ms=1e3 * trace[i]["period"], forward_ms=1e3 * trace[i]["forward_gpu"],
+                 decode=trace[i]["decode"], rows=trace[i]["rows"], tokens=trace[i]["tokens"]) for i in sorted(longest)]
+
+
 def shared_prefix(prompts: list[list[int]], total: int) -> list[list[int]]:
     """The prompts behind one shared prefix that brings the longest to `total` tokens (none if it is as long): the
     prompts' own ids repeated, which decode as well as any text. The warm-up prompts share it, so the timed
@@ -139,7 +148,7 @@ def run_one(args, depth: int, streams: int, bandwidth_gbs: float | None = None) 
         prompts = shared_prefix(chat_prompts(eng, 2 * streams), args.prompt_tokens)  # timed: [:streams]
         fields = time_generate(eng, prompts[:streams], prompts[streams:], args.new_tokens, args.warmup_tokens,
                                trace=True)
-        fields.update(steady_fields(eng.timings.trace, streams))
+        fields.update(steady_fields(eng.timings.trace, streams), slowest_steps=slowest_steps(eng.timings.trace))
         tok_s, ms = fields.pop("tok_s"), fields.pop("ms_per_step")
         fields.update(floor_fields(eng, ms, bandwidth_gbs))
         rec = record("throughput", mode, model, dtype, streams, args.new_tokens, tok_s, ms, **extra, **fields)

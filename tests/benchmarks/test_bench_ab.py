@@ -56,6 +56,19 @@ def test_a_bench_without_idle_times_leaves_the_idle_columns_empty(tmp_path, cann
     assert row["after_over_before"] == pytest.approx(1.1)
     assert row["before_idle"] is None and row["after_idle"] is None and row["host_bound"] is None
     assert row["before_forward_ms"] is None and row["after_forward_ms"] is None
+    assert row["before_slowest_steps"] == [] and row["after_slowest_steps"] == []
+
+
+def test_each_sides_slowest_steps_are_kept_a_run(tmp_path, canned):
+    _, runs = canned
+    slow = [dict(step=3, period_ms=12.0, decode=True)]
+    runs[("before", "plain")] = [[dict(streams=1, tok_s=50.0)]]
+    runs[("after", "plain")] = [[dict(streams=1, tok_s=40.0, slowest_steps=slow)]]
+    out = tmp_path / "ab.json"
+    ab.main(["--before", str(tmp_path / "before"), "--after", str(tmp_path / "after"), "--modes", "plain",
+             "--streams", "1", "--rounds", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["before_slowest_steps"] == [] and row["after_slowest_steps"] == [slow]
 
 
 def test_each_sides_median_forward_whatever_its_bench_calls_it(tmp_path, canned):

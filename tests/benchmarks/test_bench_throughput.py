@@ -18,6 +18,19 @@ def test_throughput_splits_its_wall_into_steps_and_the_rest(tmp_path):
         assert in_steps + r["outside_steps_ms"] == pytest.approx(1e3 * r["wall_s"], rel=1e-6), r
         # the steady medians: decode steps of both streams only (not the prefill), each at most the run's longest
         assert 1 <= r["steady_steps"] < r["steps"] and 0 < r["steady_period_ms"] <= 1e3 * r["wall_s"], r
+        slow = r["slowest_steps"]
+        assert 1 <= len(slow) <= min(5, r["steps"]) and [s["step"] for s in slow] == sorted(s["step"] for s in slow)
+        assert max(s["period_ms"] for s in slow) >= r["steady_period_ms"], r
+
+
+def test_slowest_steps_are_the_longest_periods_in_step_order():
+    from bench.step.throughput import slowest_steps
+    trace = [dict(period=p / 1e3, forward_gpu=0.0, decode=i > 0, rows=2, tokens=2 if i else 9)
+             for i, p in enumerate([9.0, 1.0, 1.1, 7.5, 1.0, 1.2])]
+    slow = slowest_steps(trace, 3)
+    assert [(s["step"], s["period_ms"], s["decode"], s["tokens"]) for s in slow] == \
+        [(0, 9.0, False, 9), (3, 7.5, True, 2), (5, 1.2, True, 2)]
+    assert slowest_steps([], 3) == []
 
 
 def test_the_timed_generate_runs_over_a_frozen_heap_and_unfreezes_it():
