@@ -25,7 +25,9 @@ from its mask (what the sampler picks from zero logits), not the whole step: the
 (inline on the CPU), so every token is one the grammar accepts. Two more parts: the step's guided-row snapshot (in
 plan) and its push to the grammar node (in launch, which here also holds the node's mask fill). Those outputs repeat
 themselves far more than a model's, and the closers' guard and estimates work on what they repeat: --real-model
-keeps the model (its forward then runs in launch and the period, so read the other parts).
+keeps the model (its forward then runs in launch and the period, so read the other parts); --replay records each
+schema's output from the model once (greedy, before the timed steps) and replays it with the forward taken out, so
+the closers and the guard see the model's own outputs at the host cost alone.
 """
 from __future__ import annotations
 
@@ -39,9 +41,10 @@ from pathlib import Path
 
 from bench.common import (GcClock, engine_overrides, frozen_heap, markdown_table, note, record, stream_prompt,
                           write_results)
+from bench.step.guided_load import (GUIDED_PROMPT_TOKENS, first_allowed_model, guided_work, record_outputs,
+                                    replayed_model)
 
 PROMPT_TOKENS = 64        # at most: the prompts are one short chat message
-GUIDED_PROMPT_TOKENS = 512  # --guided: schemas whose prompt is longer are left out
 PARTS = ("plan", "schedule", "prepare", "launched", "launch", "commit", "period", "admit", "loop")
 GUIDED_PARTS = ("snapshot", "push")
 
@@ -68,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--closing", action="store_true", help="--guided: outputs close at their budget (default: cut)")
     p.add_argument("--real-model", action="store_true",
                    help="--guided: the model's own outputs (its forward runs: time the parts, not the period)")
+    p.add_argument("--replay", action="store_true",
+                   help="--guided: the model's own outputs, recorded once (greedy, its forward) before the timed "
+                        "steps and replayed there without the forward")
     p.add_argument("--schemas", default="tests/data/maskbench/JME_*.json", help="--guided: schema files (a glob)")
     p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=True,
                    help="replaced requests: budgets spread over [--max-tokens / 2, --max-tokens], so requests finish "
@@ -81,8 +87,10 @@ def parse_args(argv=None):
         raise ValueError("--streams, --steps, --rounds, --warmup-steps and --max-tokens must be positive")
     if args.prompt_tokens < 0:
         raise ValueError(f"--prompt-tokens must be 0 or more, got {args.prompt_tokens}")
-    if args.real_model and not args.guided:
-        raise ValueError("--real-model applies to --guided runs")
+    if (args.real_model or args.replay) and not args.guided:
+        raise ValueError("--real-model and --replay apply to --guided runs")
+    if args.real_model and args.replay:
+        raise ValueError("--real-model runs the forward, --replay replays its outputs: give one")
     if args.guided and args.prompt_tokens:
         raise ValueError("--guided requests have their schemas' prompts: --prompt-tokens does not apply")
     return args
@@ -162,53 +170,6 @@ class Load:
                 self.live.discard(out.request_id)
 
 
-def guided_work(eng, schemas: str, max_tokens: int, closing: bool = False) -> list[tuple[list[int], object]]:
-    """(prompt ids, guided params) of each schema at `schemas` whose prompt fits GUIDED_PROMPT_TOKENS; `closing`:
-    outputs close at their budget (else they are cut there: the grammar's host cost alone)."""
-    from engine.requests.sequence import SamplingParams
-    from specdec.datasets import load_schemas, resolve, schema_prompt
-    work = []
-    for _, schema in load_schemas(resolve(schemas)):
-        ids = schema_prompt(eng, schema)
-        if len(ids) <= GUIDED_PROMPT_TOKENS:
-            work.append((ids, SamplingParams(max_tokens=max_tokens, temperature=0, json_schema=schema,
-                                              close_at_budget=closing)))
-    if not work:
-        raise ValueError(f"no schema at {schemas} has a prompt of at most {GUIDED_PROMPT_TOKENS} tokens")
-    return work
-
-
-def first_allowed(bitmask):
-    """Each row's lowest allowed token (xgrammar's layout: bit j of word w allows token 32w + j), NO_TOKEN where
-    none is: what the sampler picks from all-zero logits under that mask. numpy and Python ints: torch's per-op
-    overhead on these small arrays would be most of a step."""
-    import numpy as np
-    import torch
-    from engine.sampling.sampler import NO_TOKEN
-    words = bitmask.numpy()
-    first = (words != 0).argmax(1)
-    word = words[np.arange(len(words)), first].astype(np.int64) & 0xFFFFFFFF
-    return torch.tensor([32 * f + (w & -w).bit_length() - 1 if w else NO_TOKEN
-                         for f, w in zip(first.tolist(), word.tolist())], dtype=torch.int64)
-
-
-def _first_allowed_model(stack: ExitStack, eng) -> None:
-    """The model's layers give zeros and each row takes the lowest token its grammar allows, read from the mask
-    the grammar node filled (undone when the stack closes). The sampler's masking of the whole vocabulary on the
-    CPU (~2.6 ms at 32 rows, a GPU's work) would otherwise be most of the step and evict the host's data."""
-    import torch
-    program = eng.runner.program
-    hidden = program.model.head_weight.shape[1]
-    program.hidden = lambda slot, extras=False: torch.zeros(slot.num_sample, hidden) if slot.num_sample else None
-    program.model.compute_logits = lambda h: h[:, :1]          # unread: the tokens come from the mask
-    program.sample = lambda slot, logits, rows, greedy, mask=None, extras=False: program.emit(
-        slot, first_allowed(mask[:rows]), rows)
-    program.masked_greedy = lambda hidden, variant: False      # every guided row through `sample` above
-    for name in ("hidden", "sample", "masked_greedy"):
-        stack.callback(delattr, program, name)
-    stack.callback(delattr, program.model, "compute_logits")
-
-
 def measure(args, streams: int) -> dict:
     import engine.llm_engine as llm_engine
     from engine.llm_engine import LLMEngine
@@ -220,10 +181,13 @@ def measure(args, streams: int) -> dict:
     kw = dict(device="cpu", dtype="float32", depth=2, max_num_seqs=streams, num_kv_blocks=2 * streams * pages + 8)
     eng = LLMEngine(**(kw | ({"model": args.model} if args.model else {}) | engine_overrides(args)))
     load = Load(eng, args, streams, budget)
+    outputs = record_outputs(eng, load.work) if args.replay else None
     rounds = []
     with ExitStack() as stack:
-        if args.guided and not args.real_model:
-            _first_allowed_model(stack, eng)
+        if args.replay:
+            replayed_model(stack, eng, outputs)
+        elif args.guided and not args.real_model:
+            first_allowed_model(stack, eng)
         for _ in range(args.warmup_steps):
             load.step()
         stack.enter_context(frozen_heap())
@@ -261,7 +225,8 @@ def measure(args, streams: int) -> dict:
                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens if load.replaced else None,
                   ids_only=args.ids_only, guided=args.guided, requests=load.made, admitted_per_step=admitted,
                   stagger=args.stagger and load.replaced, engine=engine_overrides(args),
-                  real_model=args.real_model, gc_ms_rounds=gc_ms)
+                  real_model=args.real_model, replay=args.replay, gc_ms_rounds=gc_ms,
+                  recorded_tokens=[len(o) for o in outputs.values()] if outputs else None)
 
 
 def main(argv=None) -> list[dict]:

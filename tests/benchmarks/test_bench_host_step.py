@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from bench.step import host_step
+from bench.step import guided_load, host_step
 
 
 def test_plan_holds_its_parts_and_every_round_is_kept(tmp_path):
@@ -88,7 +88,24 @@ def test_the_guided_load_takes_what_the_sampler_picks_from_zero_logits():
         zeros = torch.zeros(n, dtype=torch.long)
         want = sample(torch.zeros(n, vocab), torch.zeros(n), zeros, torch.ones(n), zeros, zeros, bitmask=words,
                       all_greedy=True)
-        assert torch.equal(host_step.first_allowed(words), want)
+        assert torch.equal(guided_load.first_allowed(words), want)
+
+
+def test_replayed_outputs_are_the_models_own(engine):
+    """--replay: with the forward taken out, each request takes its prompt's recorded output token by token, so a
+    generate under the replay gives the outputs the model wrote (EOS-ended ones end there, the rest at the budget)."""
+    from contextlib import ExitStack
+    work = guided_load.guided_work(engine, "tests/data/maskbench/JME_*.json", max_tokens=24)[:3]
+    recorded = guided_load.record_outputs(engine, work)
+    assert all(0 < len(out) <= 24 for out in recorded.values())
+    program = engine.runner.program
+    with ExitStack() as stack:
+        guided_load.replayed_model(stack, engine, recorded)
+        assert "sample" in vars(program)
+        replayed = engine.generate([ids for ids, _ in work], [params for _, params in work])
+    assert "sample" not in vars(program)                    # the model is back
+    for (ids, _), seq in zip(work, replayed):
+        assert seq.output_token_ids == recorded[tuple(ids)] and seq.finish_reason != "error"
 
 
 def test_bad_arguments_are_refused():
@@ -98,3 +115,7 @@ def test_bad_arguments_are_refused():
         host_step.parse_args(["--prompt-tokens", "-1"])
     with pytest.raises(ValueError, match="--guided"):
         host_step.parse_args(["--guided", "--prompt-tokens", "10"])
+    with pytest.raises(ValueError, match="--guided runs"):
+        host_step.parse_args(["--replay"])
+    with pytest.raises(ValueError, match="give one"):
+        host_step.parse_args(["--guided", "--replay", "--real-model"])
