@@ -190,8 +190,9 @@ def tool_call_tag() -> Guide:
 
 
 def test_an_ordinary_compile_ends_on_a_busy_cpu_and_a_long_one_runs_in_idle_time(isolated):
-    """Every core kept busy at the server's priority: an ordinary compile still ends in seconds (at nice 19 it got
-    a sliver of its core and outlived a minute), and a compile past DEMOTE_CPU_S of CPU runs under SCHED_IDLE."""
+    """A busy loop on every core at the server's priority: an ordinary compile still ends in seconds (at nice 19 it
+    got a sliver of its core and took 26 s here, with two loops a core a minute), and a compile past DEMOTE_CPU_S of
+    CPU runs under SCHED_IDLE."""
     import os
     import subprocess
     import sys
@@ -201,7 +202,7 @@ def test_an_ordinary_compile_ends_on_a_busy_cpu_and_a_long_one_runs_in_idle_time
     from engine.guided.compile_worker import DEMOTE_CPU_S
     assert isolated.submit(Guide("regex", "warm-[0-9]", False), "a").future.result(120) is not None
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(2 * len(os.sched_getaffinity(0)))]
+            for _ in range(len(os.sched_getaffinity(0)))]
     try:
         t0 = time.monotonic()
         assert isolated.submit(tool_call_tag(), "a").future.result(120) is not None
@@ -210,7 +211,7 @@ def test_an_ordinary_compile_ends_on_a_busy_cpu_and_a_long_one_runs_in_idle_time
         for hog in hogs:
             hog.kill()
             hog.wait()
-    assert busy_s < 20, f"an ordinary compile took {busy_s:.1f} s on a busy CPU"
+    assert busy_s < 10, f"an ordinary compile took {busy_s:.1f} s on a busy CPU"
     heavy = isolated.submit(Guide("json_schema", heavy_schema("idle"), False), "a")
     zygote = psutil.Process(isolated.procs._proc.pid)
     deadline, child = time.monotonic() + 60, None
