@@ -32,7 +32,7 @@ from engine.guided.guide import Guide, grammar_schema
 # priority, so it ends on a busy machine too; past it a compile runs only where a core is idle (SCHED_IDLE). Not
 # nice 19 before: that gets a sliver of a core the serving threads keep busy, and an ordinary compile outlived its
 # request's budget (docs/server.md).
-DEMOTE_CPU_S = 2.0
+DEMOTE_CPU_S = 1.0
 CHECK_S = 0.05          # how often the compile process looks at its children's CPU time
 
 

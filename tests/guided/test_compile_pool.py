@@ -177,53 +177,35 @@ def test_a_lost_compile_process_fails_its_compiles_and_the_next_starts_another(i
     assert again.future.result(120) is not None and isolated.procs._proc.pid != old
 
 
-def tool_call_tag() -> Guide:
-    """An ordinary grammar that takes about half a second of CPU: a tool call or a JSON answer (tools under 'auto'
-    with a response format)."""
-    import json
-
-    from engine.server.openai.tools import plan_tools
-    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
-    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"]}
-    return Guide("structural_tag", json.dumps(plan_tools(tools, None, True, {"json_schema": answer}).guide), False)
-
-
-def test_an_ordinary_compile_ends_on_a_busy_cpu_and_a_long_one_runs_in_idle_time(isolated):
-    """A busy loop on every core at the server's priority: an ordinary compile still ends in seconds (at nice 19 it
-    got a sliver of its core and took 26 s here, with two loops a core a minute), and a compile past DEMOTE_CPU_S of
-    CPU runs under SCHED_IDLE."""
+def test_a_compile_runs_at_the_servers_priority_until_its_cpu_budget_then_in_idle_time(isolated):
+    """A compile's first DEMOTE_CPU_S of CPU run at the compile process's own priority (an ordinary grammar then
+    ends on a busy machine: at nice 19 a 0.5 s one took a minute beside busy loops, docs/server.md), the rest under
+    SCHED_IDLE. Read from a long compile's threads, before and after its budget."""
     import os
-    import subprocess
-    import sys
 
     import psutil
 
     from engine.guided.compile_worker import DEMOTE_CPU_S
-    assert isolated.submit(Guide("regex", "warm-[0-9]", False), "a").future.result(120) is not None
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(len(os.sched_getaffinity(0)))]
-    try:
-        t0 = time.monotonic()
-        assert isolated.submit(tool_call_tag(), "a").future.result(120) is not None
-        busy_s = time.monotonic() - t0
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-    assert busy_s < 10, f"an ordinary compile took {busy_s:.1f} s on a busy CPU"
-    heavy = isolated.submit(Guide("json_schema", heavy_schema("idle"), False), "a")
     zygote = psutil.Process(isolated.procs._proc.pid)
-    deadline, child = time.monotonic() + 60, None
-    while time.monotonic() < deadline:
-        child = next(iter(zygote.children()), None)
-        if child is not None and sum(child.cpu_times()[:2]) > DEMOTE_CPU_S + 0.3:
-            break
-        time.sleep(0.05)
-    assert child is not None, "the long compile never started"
-    policies = {os.sched_getscheduler(t.id) for t in child.threads()}
-    heavy.cancel()
-    assert policies == {os.SCHED_IDLE}, policies
+    heavy = isolated.submit(Guide("json_schema", heavy_schema("priority"), False), "a")
+    try:
+        seen, deadline, child = [], time.monotonic() + 60, None
+        while time.monotonic() < deadline and (not seen or seen[-1][0] <= DEMOTE_CPU_S + 0.3):
+            child = child or next(iter(zygote.children()), None)
+            if child is not None:
+                try:
+                    cpu = sum(child.cpu_times()[:2])
+                    seen.append((cpu, {(os.sched_getscheduler(t.id), os.getpriority(os.PRIO_PROCESS, t.id))
+                                       for t in child.threads()}))
+                except (OSError, psutil.NoSuchProcess):      # a thread ended while it was read: read again
+                    pass
+            time.sleep(0.02)
+    finally:
+        heavy.cancel()
+    own = (os.SCHED_OTHER, zygote.nice())
+    early = [policies for cpu, policies in seen if cpu < DEMOTE_CPU_S - 0.2]
+    assert early and all(policies == {own} for policies in early), seen[:5]
+    assert seen[-1][0] > DEMOTE_CPU_S + 0.3 and {p for p, _ in seen[-1][1]} == {os.SCHED_IDLE}, seen[-1]
 
 
 def test_closing_while_the_compile_process_starts_ends_it_cleanly(engine, capfd):
