@@ -167,7 +167,8 @@ def summarize(runs: dict, mode: str, streams: int, args, before_tree: Path) -> d
     done = sides(lambda x: x.get("requests_done"))
     outside = sides(lambda x: x.get("outside_steps_ms"))
     gc_ms = sides(lambda x: x.get("gc_ms"))
-    slowest = {n: [x["slowest_steps"] for x in rows if x.get("slowest_steps")] for n, rows in pick.items()}  # a run
+    # each side's runs' five longest steps (bench.step.throughput's slowest_steps), one list a run
+    slowest = {n: [x["slowest_steps"] for x in rows if x.get("slowest_steps")] for n, rows in pick.items()}
     ratio = med["after"] / med["before"] if med["after"] and med["before"] else None
     host_bound = " ".join(n for n in ("before", "after") if (idle[n] or 0.0) > HOST_BOUND) or None
     first = (pick["after"] or [{}])[0]
