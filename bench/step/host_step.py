@@ -32,7 +32,9 @@ the closers and the guard see the model's own outputs at the host cost alone.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import pstats
 import random
 import statistics
 import time
@@ -80,11 +82,15 @@ def parse_args(argv=None):
                         "and are replaced at an even rate (else the first ones all at once, after --max-tokens)")
     p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
                    help="EngineConfig fields, e.g. speculative=ngram (steps past spec_max_batch rows are plain)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="one more round under cProfile after the timed ones: its N functions of most own time")
     p.add_argument("--tag", default="", help="names the tree in the table (e.g. before / after)")
     p.add_argument("--out", default="bench/results/host_step.json")
     args = p.parse_args(argv)
     if min(args.streams) < 1 or args.steps < 1 or args.rounds < 1 or args.warmup_steps < 1 or args.max_tokens < 1:
         raise ValueError("--streams, --steps, --rounds, --warmup-steps and --max-tokens must be positive")
+    if args.profile < 0:
+        raise ValueError(f"--profile must be 0 (none) or more functions, got {args.profile}")
     if args.prompt_tokens < 0:
         raise ValueError(f"--prompt-tokens must be 0 or more, got {args.prompt_tokens}")
     if (args.real_model or args.replay) and not args.guided:
@@ -215,6 +221,7 @@ def measure(args, streams: int) -> dict:
             rounds.append({k: 1e3 * ms[k] for k in ("plan", "launch", "commit", "period")}
                           | {k: 1e6 * v / n for k, v in acc.items()}
                           | {"loop": 1e6 * load.loop / args.steps, "admitted": (load.made - made) / args.steps})
+        profile = profile_round(load, args.steps, args.profile) if args.profile else None
     if eng.scheduler.num_preemptions:
         raise RuntimeError(f"{eng.scheduler.num_preemptions} preemptions: the KV pages were sized to avoid them")
     eng.close()
@@ -226,7 +233,22 @@ def measure(args, streams: int) -> dict:
                   ids_only=args.ids_only, guided=args.guided, requests=load.made, admitted_per_step=admitted,
                   stagger=args.stagger and load.replaced, engine=engine_overrides(args),
                   real_model=args.real_model, replay=args.replay, gc_ms_rounds=gc_ms,
-                  recorded_tokens=[len(o) for o in outputs.values()] if outputs else None)
+                  recorded_tokens=[len(o) for o in outputs.values()] if outputs else None, profile=profile)
+
+
+def profile_round(load, steps: int, top: int) -> list[dict]:
+    """One more round of `steps` under cProfile: the `top` functions by their own time, microseconds a step
+    (cProfile's overhead included: compare functions within a profile, not with the timed rounds)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        load.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [dict(function=f"{Path(file).name}:{line}({name})", calls_per_step=calls / steps,
+                 own_us=1e6 * own / steps, cumulative_us=1e6 * cum / steps)
+            for (file, line, name), (_, calls, own, cum, _) in rows]
 
 
 def main(argv=None) -> list[dict]:
@@ -241,6 +263,10 @@ def main(argv=None) -> list[dict]:
     text = (f"Command: `{records[0]['command']}` on {records[0]['device']}, commit {records[0]['git_commit']}. "
             "Microseconds a step, medians over rounds.\n\n"
             + markdown_table(rows, ["tag", "streams", *parts(args)]))
+    for r in records:
+        if r["profile"]:
+            text += (f"\n\ncProfile round, {r['streams']} streams (us a step, cProfile's overhead included):\n\n"
+                     + markdown_table(r["profile"], ["function", "calls_per_step", "own_us", "cumulative_us"]))
     Path(str(args.out).rsplit(".", 1)[0] + ".md").write_text(text + "\n")
     print(text)
     return records

@@ -22,6 +22,19 @@ def test_plan_holds_its_parts_and_every_round_is_kept(tmp_path):
     assert "| 2 |" in out.with_suffix(".md").read_text()
 
 
+def test_a_profile_round_names_the_engines_functions_after_the_timed_rounds(tmp_path):
+    out = tmp_path / "h.json"
+    host_step.main(["--streams", "2", "--steps", "4", "--rounds", "1", "--warmup-steps", "2", "--profile", "60",
+                    "--out", str(out)])
+    (r,) = json.loads(out.read_text())
+    assert len(r["us_rounds"]) == 1 and len(r["profile"]) == 60
+    names = [f["function"] for f in r["profile"]]
+    assert any("commit" in n for n in names), names
+    own = [f["own_us"] for f in r["profile"]]
+    assert own == sorted(own, reverse=True) and all(f["cumulative_us"] >= f["own_us"] for f in r["profile"])
+    assert "cProfile round, 2 streams" in out.with_suffix(".md").read_text()
+
+
 def test_an_agent_load_replaces_finished_requests(tmp_path):
     """--prompt-tokens: requests of that many prompt tokens finish after --max-tokens and are replaced, so more
     requests than streams ran and every step still had work."""
@@ -113,6 +126,8 @@ def test_bad_arguments_are_refused():
         host_step.parse_args(["--rounds", "0"])
     with pytest.raises(ValueError, match="--prompt-tokens"):
         host_step.parse_args(["--prompt-tokens", "-1"])
+    with pytest.raises(ValueError, match="--profile"):
+        host_step.parse_args(["--profile", "-1"])
     with pytest.raises(ValueError, match="--guided"):
         host_step.parse_args(["--guided", "--prompt-tokens", "10"])
     with pytest.raises(ValueError, match="--guided runs"):
