@@ -4,6 +4,7 @@ the forward replaced by nothing, on the CPU.
     python -m bench.step.host_step                               # 1, 8 and 32 streams, 3 rounds
     PYTHONPATH=.old python -m bench.step.host_step --tag before  # another tree's engine, same script
     python -m bench.step.host_step --streams 128 --engine speculative=ngram   # a speculating engine's plain steps
+    python -m bench.step.host_step --guided --replay --streams 128 --profile 40  # and where a step's time goes
 
 The pipelined loop keeps the GPU fed only while plan + launch + commit of a step fit in the GPU's step. At 32
 streams they took 0.58 ms a step on an H200 machine's host against a 0.79 ms GPU step
