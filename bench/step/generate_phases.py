@@ -13,15 +13,12 @@ Writes JSON (`--out`) and prints a markdown table last.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
-import pstats
-import time
 import traceback
 
 from bench.common import (GcClock, chat_prompts, cuda_sync, dtype_name, engine_kwargs, engine_overrides,
                           markdown_table, note, parse_variants, progress, record, write_results)
+from bench.step.step_walls import phased_generate, profiled_round
 
 PHASES = ["add_ms", "loop_ms", "in_steps_ms", "loop_outside_ms", "take_ms", "sync_ms", "gc_ms"]
 
@@ -45,34 +42,14 @@ def parse_args(argv=None):
 def timed_generate(eng, prompts, params) -> dict:
     """LLMEngine.generate's own phases, each timed (the same calls in the same order)."""
     with GcClock() as clock:
-        t0 = time.perf_counter()
-        ids = [eng.add_request(p, params, retain=True) for p in prompts]
-        t1 = time.perf_counter()
         in_steps0 = eng.timings.wall
-        while eng.has_unfinished():
-            eng.step()
-        t2 = time.perf_counter()
-        seqs = [eng.take(i) for i in ids]
-        t3 = time.perf_counter()
-        cuda_sync()
-        t4 = time.perf_counter()
+        seqs, (t0, t1, t2, t3, t4) = phased_generate(eng, prompts, params)
     in_steps = 1e3 * (eng.timings.wall - in_steps0)
     loop = 1e3 * (t2 - t1)
     return dict(wall_ms=1e3 * (t4 - t0), add_ms=1e3 * (t1 - t0), loop_ms=loop, in_steps_ms=in_steps,
                 loop_outside_ms=loop - in_steps, take_ms=1e3 * (t3 - t2), sync_ms=1e3 * (t4 - t3),
                 gc_ms=clock.ms, gc_counts=dict(clock.count),
                 generated_tokens=sum(len(s.output_token_ids) for s in seqs))
-
-
-def profile_generate(eng, prompts, params, top: int) -> list[str]:
-    prof = cProfile.Profile()
-    prof.enable()
-    eng.generate(prompts, params)
-    cuda_sync()
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
-    return [line for line in text.getvalue().splitlines() if line.strip()]
 
 
 def build_engine(args, overrides: dict):
@@ -100,7 +77,7 @@ def run_variant(args, name: str, overrides: dict) -> list[dict]:
                               overrides=overrides, **fields))
         note(f"{name} round {rnd}: " + ", ".join(f"{k} {fields[k]:.2f}" for k in ["wall_ms"] + PHASES))
     if args.profile:
-        records[-1]["profile"] = profile_generate(eng, prompts[:args.streams], params, args.top)
+        records[-1]["profile"] = profiled_round(eng, prompts[:args.streams], params, args.top)
     return records
 
 

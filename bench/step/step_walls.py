@@ -56,9 +56,9 @@ class StepClock:
             self.walls.append(time.perf_counter() - t0)
 
 
-def timed_round(eng, clock: StepClock, prompts, params, slowest: int) -> dict:
-    """generate()'s own calls, each phase timed."""
-    clock.walls.clear()
+def phased_generate(eng, prompts, params) -> tuple[list, tuple[float, ...]]:
+    """generate()'s own calls in its order -> (the finished sequences, perf_counter times at the start, once the
+    requests are added, once the step loop ends, once the results are taken, after the final synchronize)."""
     t0 = time.perf_counter()
     ids = [eng.add_request(p, params, retain=True) for p in prompts]
     t1 = time.perf_counter()
@@ -68,7 +68,12 @@ def timed_round(eng, clock: StepClock, prompts, params, slowest: int) -> dict:
     seqs = [eng.take(i) for i in ids]
     t3 = time.perf_counter()
     cuda_sync()
-    t4 = time.perf_counter()
+    return seqs, (t0, t1, t2, t3, time.perf_counter())
+
+
+def timed_round(eng, clock: StepClock, prompts, params, slowest: int) -> dict:
+    clock.walls.clear()
+    seqs, (t0, t1, t2, t3, t4) = phased_generate(eng, prompts, params)
     walls = clock.walls
     longest = sorted(range(len(walls)), key=lambda i: walls[i], reverse=True)[:slowest]
     return dict(wall_ms=1e3 * (t4 - t0), add_ms=1e3 * (t1 - t0), loop_ms=1e3 * (t2 - t1),
@@ -79,6 +84,7 @@ def timed_round(eng, clock: StepClock, prompts, params, slowest: int) -> dict:
 
 
 def profiled_round(eng, prompts, params, top: int) -> list[str]:
+    """One generate under cProfile: its `top` functions by cumulative time, as pstats prints them."""
     prof = cProfile.Profile()
     prof.enable()
     eng.generate(prompts, params)
