@@ -21,7 +21,7 @@ import pstats
 import statistics
 import time
 
-from bench.common import chat_prompts, cuda_sync, markdown_table, record, write_results
+from bench.common import chat_prompts, cuda_sync, engine_kwargs, markdown_table, record, write_results
 
 
 def parse_args(argv=None):
@@ -98,10 +98,8 @@ def profiled_round(eng, prompts, params, top: int) -> list[str]:
 def run_streams(args, streams: int) -> dict:
     from engine.llm_engine import LLMEngine
     from engine.requests.sequence import SamplingParams
-    kw = dict(dtype=args.dtype, depth=2, max_num_seqs=streams)
-    kw.update({k: v for k, v in (("model", args.model), ("device", args.device)) if v and v != "auto"})
     t0 = time.perf_counter()
-    eng = LLMEngine(**kw)
+    eng = LLMEngine(**engine_kwargs(args, dtype=args.dtype, depth=2, max_num_seqs=streams))
     start_s = time.perf_counter() - t0
     prompts = chat_prompts(eng, 2 * streams)
     clock = StepClock(eng)
